@@ -1,0 +1,382 @@
+"""The CommitLog: every message of every topic, appended to one stream of mapped files.
+
+Offsets: a record's *physical offset* is its byte position in this stream; its *queue offset* is
+its index within (topic, queue), assigned here under the put lock so it matches append order.
+
+Threads: any number of producers call ``append``; they are serialised by the put lock (RocketMQ's
+single writer). SYNC flush is a leader/follower group commit: the first waiter fsyncs everything
+appended so far, and every waiter whose bytes that covered returns without an fsync of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiered.config import StoreConfig
+from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError
+from tiered.record import (
+    BLANK_MAGIC_CODE,
+    BLANK_RECORD_SIZE,
+    MAGIC_CODE_V2,
+    CorruptRecordError,
+    Message,
+    RecordEncoder,
+    RecordError,
+    StoredMessage,
+    blank_record,
+    decode,
+    read_total_and_magic,
+)
+
+log = logging.getLogger(__name__)
+
+_MAGIC_BYTES = struct.pack(">i", MAGIC_CODE_V2)
+# How much of a torn tail is copied aside before it is zeroed: a whole maximal record and more.
+_QUARANTINE_LIMIT = 8 << 20
+
+
+class MessageTooLargeError(ValueError):
+    """A record that cannot fit in one CommitLog file."""
+
+
+@dataclass(slots=True, frozen=True)
+class AppendResult:
+    commitlog_offset: int
+    size: int
+    queue_offset: int
+    store_timestamp: int
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """What recovery found and did; every number an operator may ask about after a crash."""
+
+    scanned_from: int = 0
+    end_offset: int = 0
+    records_scanned: int = 0
+    truncated_bytes: int = 0
+    corrupt_records: list[int] = field(default_factory=list)
+    quarantined: list[Path] = field(default_factory=list)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class CommitLog:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
+        self._encoder = RecordEncoder(config.store_host)
+        self._put_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        # Next queue offset per (topic, queue): RocketMQ's topicQueueTable. Owned by the put lock.
+        self.queue_offsets: dict[tuple[str, int], int] = {}
+        self._flushed_offset = 0
+        self.last_store_timestamp = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        self.files.load()
+
+    def close(self) -> None:
+        self.files.close()
+
+    @property
+    def min_offset(self) -> int:
+        return self.files.min_offset
+
+    @property
+    def max_offset(self) -> int:
+        return self.files.max_offset
+
+    @property
+    def flushed_offset(self) -> int:
+        return self._flushed_offset
+
+    @property
+    def confirmed_offset(self) -> int:
+        """Where dispatch may go: under SYNC only fsynced bytes become visible to consumers."""
+        return self._flushed_offset if self.config.flush == "sync" else self.files.max_offset
+
+    # -- append --------------------------------------------------------------------------------
+
+    def append(self, messages: Sequence[Message]) -> list[AppendResult]:
+        """Append ``messages`` in order; all get consecutive queue offsets within their queue.
+
+        Every record is encoded before any byte is written, so a message that cannot be encoded
+        fails the call with nothing stored. (An I/O error while rolling a file may leave the
+        records before it stored but unacknowledged: the producer's retry may duplicate them,
+        but queue offsets never repeat.)
+        """
+        results: list[AppendResult] = []
+        encode = self._encoder.encode
+        with self._put_lock:
+            store_ts = now_ms()
+            last = self.files.last_file()
+            if last is None:
+                file_from, wrote = self.files.max_offset, 0
+            else:
+                file_from, wrote = last.from_offset, last.wrote
+            size = self.files.file_size
+            next_offsets: dict[tuple[str, int], int] = {}
+            # One chunk per file touched: (file start, bytes, queue offsets to publish after it).
+            chunks: list[tuple[int, list[bytes], dict[tuple[str, int], int]]] = []
+            parts: list[bytes] = []
+            used = wrote
+            for msg in messages:
+                key = (msg.topic, msg.queue_id)
+                qoff = next_offsets.get(key)
+                if qoff is None:
+                    qoff = self.queue_offsets.get(key, 0)
+                phys = file_from + used
+                try:
+                    record = encode(msg, qoff, phys, store_ts)[0]
+                except RecordError as e:
+                    raise ValueError(f"topic {msg.topic!r}: {e}") from e
+                n = len(record)
+                if n + BLANK_RECORD_SIZE > size - used:
+                    if n + BLANK_RECORD_SIZE > size:
+                        raise MessageTooLargeError(
+                            f"a {n}-byte record does not fit in a {size}-byte CommitLog file"
+                        )
+                    if size - used > 0:
+                        parts.append(blank_record(size - used))
+                    chunks.append((file_from, parts, dict(next_offsets)))
+                    file_from, used, parts = file_from + size, 0, []
+                    record = encode(msg, qoff, file_from, store_ts)[0]
+                    phys = file_from
+                parts.append(record)
+                used += n
+                next_offsets[key] = qoff + 1
+                results.append(AppendResult(phys, n, qoff, store_ts))
+            chunks.append((file_from, parts, next_offsets))
+            for chunk_from, chunk_parts, published in chunks:
+                f = self._file_for_append(chunk_from)
+                f.append(b"".join(chunk_parts))
+                self.queue_offsets.update(published)
+            self.last_store_timestamp = store_ts
+        return results
+
+    def _file_for_append(self, from_offset: int) -> MappedFile:
+        last = self.files.last_file()
+        if last is not None and last.from_offset == from_offset:
+            return last
+        return self.files.create_file(from_offset)
+
+    # -- flush ---------------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """fsync (msync) everything appended so far; returns the flushed offset."""
+        with self._flush_lock:
+            self._flushed_offset = max(self._flushed_offset, self.files.flush())
+            return self._flushed_offset
+
+    def wait_flushed(self, offset: int) -> None:
+        """Group commit: return once bytes up to ``offset`` are on disk."""
+        if self._flushed_offset >= offset:
+            return
+        with self._flush_lock:
+            if self._flushed_offset >= offset:
+                return  # another waiter's fsync covered these bytes
+            self._flushed_offset = max(self._flushed_offset, self.files.flush())
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def read(self, offset: int, size: int) -> bytes | None:
+        """The ``size`` bytes at ``offset``, or None when that range is no longer (or not yet) here."""
+        f = self.files.find_file(offset)
+        if f is None:
+            return None
+        pos = offset - f.from_offset
+        if pos + size > f.wrote:
+            return None
+        try:
+            return f.read(pos, size)
+        except ValueError:  # the file was unmapped by retention while we looked it up
+            return None
+
+    def read_message(self, offset: int, size: int, *, check_crc: bool) -> StoredMessage | None:
+        raw = self.read(offset, size)
+        if raw is None:
+            return None
+        return decode(raw, 0, check_crc=check_crc)
+
+    def skip_blank(self, offset: int) -> int:
+        """``offset``, or the next file's start when a BLANK record pads the file there."""
+        f = self.files.find_file(offset)
+        if f is None:
+            return offset
+        pos = offset - f.from_offset
+        if pos < f.wrote and read_total_and_magic(f.mm, pos)[1] == BLANK_MAGIC_CODE:
+            return f.tail_offset
+        return offset
+
+    def iter_records(self, start: int, end: int) -> Iterable[tuple[MappedFile, int, int]]:
+        """(file, position in file, total size) of each record from ``start`` up to ``end``.
+
+        BLANK padding is skipped. ``start`` must be a record boundary.
+        """
+        offset = start
+        while offset < end:
+            f = self.files.find_file(offset)
+            if f is None:
+                return
+            pos = offset - f.from_offset
+            limit = min(f.wrote, end - f.from_offset)
+            mm = f.mm
+            while pos < limit:
+                total, magic = read_total_and_magic(mm, pos)
+                if magic == BLANK_MAGIC_CODE:
+                    pos = f.size
+                    break
+                if magic != MAGIC_CODE_V2 or total <= 0:
+                    raise RecordError(f"CommitLog offset {f.from_offset + pos}: not a record")
+                yield f, pos, total
+                pos += total
+            offset = f.from_offset + pos if pos < f.size else f.tail_offset
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def recover(self, start: int | None, *, check_crc: bool) -> RecoveryReport:
+        """Find where valid data ends, scanning from ``start`` (a record boundary; None: the
+        first file), and cut the log there.
+
+        - A record that fails its checks with no valid record anywhere after it is a torn tail:
+          the log ends before it. Its bytes are copied to the quarantine directory first.
+        - A record whose body fails its CRC but which is followed by valid records is kept in
+          place and reported; reading it raises ``CorruptRecordError``. Valid data is never cut.
+        - A record whose header is unreadable but which is followed by valid records cannot be
+          stepped over: recovery refuses to start rather than drop what follows.
+        """
+        files = self.files.files
+        report = RecoveryReport()
+        if not files:
+            return report
+        offset = files[0].from_offset if start is None else max(start, files[0].from_offset)
+        report.scanned_from = offset
+        end = self._scan(offset, check_crc, report)
+        report.end_offset = end
+        self._cut(end, report)
+        self._flushed_offset = end
+        return report
+
+    def _scan(self, offset: int, check_crc: bool, report: RecoveryReport) -> int:
+        """Return the end of valid data at or after ``offset``."""
+        while True:
+            f = self.files.find_file(offset)
+            if f is None:
+                return offset  # exactly at the end of the last file
+            pos = offset - f.from_offset
+            mm = f.mm
+            while True:
+                if f.size - pos < BLANK_RECORD_SIZE:
+                    return f.from_offset + pos
+                total, magic = read_total_and_magic(mm, pos)
+                if magic == BLANK_MAGIC_CODE and total == f.size - pos:
+                    break
+                here = f.from_offset + pos
+                if magic == MAGIC_CODE_V2 and 0 < total <= f.size - pos - BLANK_RECORD_SIZE:
+                    try:
+                        msg = decode(mm, pos, check_crc=check_crc)
+                        if msg.commitlog_offset != here:
+                            raise RecordError(f"record at {here} claims offset {msg.commitlog_offset}")
+                    except CorruptRecordError:
+                        if self._find_valid_record(here + total) is None:
+                            return here  # a torn last record
+                        log.error(
+                            "CommitLog %s: record at offset %d fails its body CRC; it is kept "
+                            "in place, reported, and refused to readers", f.path, here,
+                        )  # fmt: skip
+                        report.corrupt_records.append(here)
+                        report.records_scanned += 1
+                        pos += total
+                        continue
+                    except RecordError:
+                        pass
+                    else:
+                        report.records_scanned += 1
+                        pos += total
+                        continue
+                # An unreadable header: the end of data, unless valid records follow it.
+                found = self._find_valid_record(here + 1)
+                if found is None:
+                    return here
+                raise StoreLoadError(
+                    f"CommitLog {f.path}: unreadable record at offset {here}, but valid records "
+                    f"resume at offset {found}. Refusing to start rather than drop them; restore "
+                    "the file from a replica or backup, or move it aside to accept the loss."
+                )
+            offset = f.tail_offset
+
+    def _find_valid_record(self, offset: int) -> int | None:
+        """The offset of the first whole, CRC-valid record at or after ``offset``, if any.
+
+        A record names its own physical offset, which makes a false match in garbage or in a
+        body practically impossible.
+        """
+        for f in self.files.iter_from(offset):
+            mm = f.mm
+            pos = max(0, offset - f.from_offset)
+            hit = mm.find(_MAGIC_BYTES, pos + 4)
+            while hit != -1:
+                start = hit - 4
+                try:
+                    msg = decode(mm, start, check_crc=True)
+                    if msg.commitlog_offset == f.from_offset + start:
+                        return f.from_offset + start
+                except RecordError:
+                    pass
+                hit = mm.find(_MAGIC_BYTES, hit + 1)
+        return None
+
+    def _cut(self, end: int, report: RecoveryReport) -> None:
+        quarantine = self.config.quarantine_dir
+        f = self.files.find_file(end)
+        if f is not None:
+            pos = end - f.from_offset
+            tail = f.read(pos, min(f.size - pos, _QUARANTINE_LIMIT)).rstrip(b"\0")
+            if tail:
+                quarantine.mkdir(parents=True, exist_ok=True)
+                path = quarantine / f"commitlog-{end:020d}-{now_ms()}.bin"
+                path.write_bytes(tail)
+                report.quarantined.append(path)
+                report.truncated_bytes += len(tail)
+                log.warning(
+                    "CommitLog: cut a torn tail of %d bytes at offset %d (copied to %s)",
+                    len(tail), end, path,
+                )  # fmt: skip
+        for dropped in self.files.truncate_dirty(end):
+            if _all_zero(dropped.path):
+                dropped.path.unlink()
+                continue
+            quarantine.mkdir(parents=True, exist_ok=True)
+            target = quarantine / f"commitlog-file-{dropped.path.name}-{now_ms()}"
+            shutil.move(str(dropped.path), target)
+            report.quarantined.append(target)
+            log.warning("CommitLog: %s lies past the end of valid data; moved to %s",
+                        dropped.path, target)  # fmt: skip
+
+    # -- retention hook ------------------------------------------------------------------------
+
+    def delete_files_before(self, count: int) -> list[MappedFile]:
+        """Delete the ``count`` oldest files (never the one being written)."""
+        return self.files.delete_first_files(count)
+
+
+def _all_zero(path: Path) -> bool:
+    chunk = 1 << 20
+    zero = bytes(chunk)
+    with path.open("rb") as fh:
+        while data := fh.read(chunk):
+            if data != zero[: len(data)]:
+                return False
+    return True

@@ -1,0 +1,279 @@
+"""ConsumeQueue: the per-(topic, queue) index from queue offset to CommitLog position.
+
+An entry is 20 bytes, big-endian, at byte ``queue_offset * 20`` of the queue's stream:
+
+====== ================ ==============================================
+ bytes  field            meaning
+====== ================ ==============================================
+ 8      commitlog offset physical offset of the record
+ 4      size             record size in bytes (0: no entry here)
+ 8      tag hash         ``record.tag_hash`` of the TAGS property
+====== ================ ==============================================
+
+Files live at ``consumequeue/{topic}/{queue_id}/{20-digit byte offset}``. The ConsumeQueue is
+derived data: it can always be rebuilt from the CommitLog, and re-dispatching a record it already
+holds is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from tiered.hot.mapped_file import MappedFile, MappedFileQueue
+
+log = logging.getLogger(__name__)
+
+CQ_ENTRY = struct.Struct(">qiq")
+CQ_ENTRY_SIZE = CQ_ENTRY.size  # 20
+_CQ_DTYPE = np.dtype([("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+
+# RocketMQ's TopicValidator charset; it keeps every topic a safe single path component.
+TOPIC_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
+
+Entry = tuple[int, int, int]  # (commitlog offset, size, tag hash)
+
+
+class ConsumeQueue:
+    def __init__(self, topic: str, queue_id: int, directory: Path, entries_per_file: int) -> None:
+        self.topic = topic
+        self.queue_id = queue_id
+        self.files = MappedFileQueue(directory, entries_per_file * CQ_ENTRY_SIZE)
+        self.min_offset = 0  # first queue offset held
+        self.max_offset = 0  # next queue offset to be written
+        self.max_physical_end = 0  # CommitLog end of the last entry (offset + size)
+        self._tail: MappedFile | None = None
+
+    # -- load and recover ----------------------------------------------------------------------
+
+    def load_and_recover(self) -> None:
+        """Map the files and find the valid entries: from the first non-empty entry of the first
+        file, up to the first empty entry after it (a crash may leave a torn tail)."""
+        self.files.load()
+        files = self.files.files
+        while files:
+            last = files[-1]
+            sizes = _sizes(last)
+            valid = np.flatnonzero(sizes > 0)
+            if len(valid) == 0:  # an empty last file: a roll that a crash cut short
+                if len(files) == 1:
+                    self.files.destroy()
+                else:
+                    self._drop_files_from(last.from_offset)
+                files = self.files.files
+                continue
+            first = int(valid[0]) if len(files) == 1 else 0
+            holes = np.flatnonzero(sizes[first : int(valid[-1]) + 1] <= 0)
+            count = first + int(holes[0]) if len(holes) else int(valid[-1]) + 1
+            if len(holes):
+                log.warning("ConsumeQueue %s-%d: torn entries after offset %d are dropped",
+                            self.topic, self.queue_id,
+                            (last.from_offset // CQ_ENTRY_SIZE) + count)  # fmt: skip
+            self._drop_files_from(last.from_offset + count * CQ_ENTRY_SIZE)
+            break
+        files = self.files.files
+        if not files:
+            return
+        first_sizes = _sizes(files[0])
+        first_valid = np.flatnonzero(first_sizes > 0)
+        first_index = int(first_valid[0]) if len(first_valid) else 0
+        self.min_offset = files[0].from_offset // CQ_ENTRY_SIZE + first_index
+        self.max_offset = files[-1].end_offset // CQ_ENTRY_SIZE
+        last_entry = self.get_entry(self.max_offset - 1)
+        if last_entry is not None:
+            self.max_physical_end = last_entry[0] + last_entry[1]
+        self._tail = files[-1]
+
+    # -- write ---------------------------------------------------------------------------------
+
+    def put(self, queue_offset: int, commitlog_offset: int, size: int, tag_hash: int) -> bool:
+        """Store the entry for ``queue_offset``; False when it is already here (re-dispatch)."""
+        if queue_offset < self.max_offset:
+            return False
+        empty = self.max_offset == self.min_offset
+        if queue_offset > self.max_offset and not empty:
+            log.error(
+                "ConsumeQueue %s-%d: expected queue offset %d but got %d; the gap is unreadable",
+                self.topic, self.queue_id, self.max_offset, queue_offset,
+            )  # fmt: skip
+        pos = queue_offset * CQ_ENTRY_SIZE
+        f = self._tail
+        if f is None or not f.from_offset <= pos < f.tail_offset:
+            f = self.files.find_file(pos)
+            if f is None:
+                f = self.files.create_file(pos - pos % self.files.file_size)
+            self._tail = f
+        rel = pos - f.from_offset
+        f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
+        f.wrote = rel + CQ_ENTRY_SIZE
+        if empty:
+            self.min_offset = queue_offset
+        self.max_offset = queue_offset + 1
+        self.max_physical_end = commitlog_offset + size
+        return True
+
+    def flush(self) -> None:
+        self.files.flush()
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def get_entry(self, queue_offset: int) -> Entry | None:
+        if not self.min_offset <= queue_offset < self.max_offset:
+            return None
+        pos = queue_offset * CQ_ENTRY_SIZE
+        f = self.files.find_file(pos)
+        if f is None:
+            return None
+        try:
+            entry: Entry = CQ_ENTRY.unpack(f.read(pos - f.from_offset, CQ_ENTRY_SIZE))
+        except (ValueError, struct.error):  # unmapped by cleanup meanwhile
+            return None
+        return entry
+
+    def iter_entries(self, queue_offset: int, max_count: int) -> Iterator[tuple[int, Entry]]:
+        """(queue offset, entry) for up to ``max_count`` entries from ``queue_offset``."""
+        offset = max(queue_offset, self.min_offset)
+        end = min(self.max_offset, offset + max_count)
+        while offset < end:
+            pos = offset * CQ_ENTRY_SIZE
+            f = self.files.find_file(pos)
+            if f is None:
+                return
+            rel = pos - f.from_offset
+            n = min(end - offset, (f.size - rel) // CQ_ENTRY_SIZE)
+            try:
+                raw = f.read(rel, n * CQ_ENTRY_SIZE)
+            except ValueError:
+                return
+            for entry in CQ_ENTRY.iter_unpack(raw):
+                yield offset, entry
+                offset += 1
+
+    # -- truncate and clean --------------------------------------------------------------------
+
+    def truncate_from_physical(self, commitlog_end: int) -> int:
+        """Drop entries that point at or past ``commitlog_end`` (a CommitLog cut after a crash).
+
+        Entries are in CommitLog order within a queue, so the cut point is found by binary search.
+        Returns how many entries were dropped.
+        """
+        if self.max_physical_end <= commitlog_end:
+            return 0
+        lo, hi = self.min_offset, self.max_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            entry = self.get_entry(mid)
+            if entry is not None and entry[0] + entry[1] <= commitlog_end:
+                lo = mid + 1
+            else:
+                hi = mid
+        dropped = self.max_offset - lo
+        self._drop_files_from(lo * CQ_ENTRY_SIZE)
+        self._tail = self.files.last_file()
+        self.max_offset = lo
+        if lo <= self.min_offset:
+            self.min_offset = self.max_offset = lo
+            self.max_physical_end = 0
+        else:
+            last = self.get_entry(lo - 1)
+            self.max_physical_end = last[0] + last[1] if last else 0
+        return dropped
+
+    def _drop_files_from(self, pos: int) -> None:
+        for f in self.files.truncate_dirty(pos):
+            f.path.unlink(missing_ok=True)
+
+    def correct_min_offset(self, commitlog_min: int) -> None:
+        """Advance ``min_offset`` past entries whose records were deleted from the CommitLog, and
+        delete ConsumeQueue files that hold nothing else."""
+        lo, hi = self.min_offset, self.max_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            entry = self.get_entry(mid)
+            if entry is not None and entry[0] < commitlog_min:
+                lo = mid + 1
+            else:
+                hi = mid
+        self.min_offset = lo
+        whole_files = sum(1 for f in self.files.files if f.tail_offset <= lo * CQ_ENTRY_SIZE)
+        self.files.delete_first_files(whole_files)
+
+    def destroy(self) -> None:
+        self.files.destroy()
+        self._tail = None
+
+
+def _sizes(f: MappedFile) -> np.ndarray:  # type: ignore[type-arg]
+    """The size field of every entry slot in ``f`` (a copy, so the mapping can be closed)."""
+    raw = f.read(0, f.size - f.size % CQ_ENTRY_SIZE)
+    return np.frombuffer(raw, dtype=_CQ_DTYPE)["size"].astype(np.int64)
+
+
+class ConsumeQueueStore:
+    """Every ConsumeQueue of the store, created on first dispatch."""
+
+    def __init__(self, root: Path, entries_per_file: int) -> None:
+        self.root = root
+        self.entries_per_file = entries_per_file
+        self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+
+    def load_and_recover(self) -> None:
+        if not self.root.exists():
+            return
+        for topic_dir in sorted(self.root.iterdir()):
+            if not TOPIC_NAME.match(topic_dir.name):
+                log.warning("ignoring %s: not a topic directory", topic_dir)
+                continue
+            for queue_dir in sorted(topic_dir.iterdir()):
+                if not queue_dir.name.isdigit():
+                    log.warning("ignoring %s: not a queue directory", queue_dir)
+                    continue
+                cq = self._new(topic_dir.name, int(queue_dir.name))
+                cq.load_and_recover()
+                if cq.max_offset > cq.min_offset or cq.files.files:
+                    self.queues[(cq.topic, cq.queue_id)] = cq
+
+    def _new(self, topic: str, queue_id: int) -> ConsumeQueue:
+        if not TOPIC_NAME.match(topic) or queue_id < 0:
+            raise ValueError(f"not a valid topic/queue: {topic!r}/{queue_id}")
+        return ConsumeQueue(topic, queue_id, self.root / topic / str(queue_id),
+                            self.entries_per_file)  # fmt: skip
+
+    def get(self, topic: str, queue_id: int) -> ConsumeQueue | None:
+        return self.queues.get((topic, queue_id))
+
+    def get_or_create(self, topic: str, queue_id: int) -> ConsumeQueue:
+        cq = self.queues.get((topic, queue_id))
+        if cq is None:
+            cq = self._new(topic, queue_id)
+            self.queues[(topic, queue_id)] = cq
+        return cq
+
+    @property
+    def max_physical_end(self) -> int:
+        return max((cq.max_physical_end for cq in self.queues.values()), default=0)
+
+    def flush(self) -> None:
+        for cq in list(self.queues.values()):
+            cq.flush()
+
+    def truncate_from_physical(self, commitlog_end: int) -> int:
+        return sum(cq.truncate_from_physical(commitlog_end) for cq in list(self.queues.values()))
+
+    def correct_min_offsets(self, commitlog_min: int) -> None:
+        for cq in list(self.queues.values()):
+            cq.correct_min_offset(commitlog_min)
+
+    def destroy(self) -> None:
+        for cq in self.queues.values():
+            cq.destroy()
+        self.queues.clear()
+
+    def close(self) -> None:
+        for cq in self.queues.values():
+            cq.files.close()

@@ -1,0 +1,270 @@
+"""IndexFile: a hash index from message key (and unique id) to CommitLog offset, by time.
+
+Layout (big-endian), as RocketMQ's ``IndexFile``:
+
+========================== ============================================================
+ bytes                      content
+========================== ============================================================
+ 40                         header: begin timestamp (8), end timestamp (8), begin physical
+                            offset (8), end physical offset (8), used slots (4), next
+                            entry number (4)
+ 4 x slots                  slot ``h % slots``: number of the newest entry with that hash
+ 20 x entries               entry: key hash (4), physical offset (8), seconds since the
+                            begin timestamp (4), number of the previous entry in the slot
+========================== ============================================================
+
+Entry numbers start at 1; 0 means "none". The header's physical range is the span of the
+CommitLog this file has seen, keys or not: ``[begin, end)``. Files cover consecutive ranges, so a
+missing file shows as a gap and is rebuilt from the CommitLog.
+
+An entry is a hint. Every query result is checked against the record it points to (its key and
+time), so a stale or torn entry after a crash can cost a lookup, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">qqqqii")
+HEADER_SIZE = _HEADER.size  # 40
+_SLOT = struct.Struct(">i")
+_ENTRY = struct.Struct(">iqii")
+ENTRY_SIZE = _ENTRY.size  # 20
+# A chain longer than this is corrupt (entries always point to strictly older ones).
+_MAX_CHAIN = 1_000_000
+
+
+def key_hash(topic: str, key: str) -> int:
+    """The 31-bit hash of ``topic#key`` (RocketMQ indexes keys per topic the same way)."""
+    return zlib.crc32(f"{topic}#{key}".encode()) & 0x7FFFFFFF
+
+
+@dataclass(slots=True)
+class IndexHeader:
+    begin_timestamp: int = 0
+    end_timestamp: int = 0
+    begin_offset: int = 0
+    end_offset: int = 0
+    used_slots: int = 0
+    next_entry: int = 1
+
+
+class IndexFile:
+    def __init__(self, path: Path, slots: int, max_entries: int, *, create: bool,
+                 begin_offset: int = 0) -> None:  # fmt: skip
+        self.path = path
+        self.slots = slots
+        self.max_entries = max_entries
+        self.size = HEADER_SIZE + slots * _SLOT.size + (max_entries + 1) * ENTRY_SIZE
+        self._entries_at = HEADER_SIZE + slots * _SLOT.size
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+        try:
+            if create:
+                os.ftruncate(fd, self.size)  # sparse: slots and entries are zero until used
+            elif os.fstat(fd).st_size != self.size:
+                raise ValueError(
+                    f"{path}: {os.fstat(fd).st_size} bytes, expected {self.size} for "
+                    f"{slots} slots and {max_entries} entries"
+                )
+            self.mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        if create:
+            self.header = IndexHeader(begin_offset=begin_offset, end_offset=begin_offset)
+            self._write_header()
+        else:
+            self.header = IndexHeader(*_HEADER.unpack_from(self.mm, 0))
+            if not 1 <= self.header.next_entry <= max_entries + 1:
+                raise ValueError(f"{path}: header entry count {self.header.next_entry} is corrupt")
+
+    @property
+    def full(self) -> bool:
+        return self.header.next_entry > self.max_entries
+
+    def _write_header(self) -> None:
+        h = self.header
+        _HEADER.pack_into(self.mm, 0, h.begin_timestamp, h.end_timestamp, h.begin_offset,
+                          h.end_offset, h.used_slots, h.next_entry)  # fmt: skip
+
+    def put(self, khash: int, offset: int, store_timestamp: int) -> None:
+        """Add one entry; the caller rolls to a new file when ``full``."""
+        h = self.header
+        if h.begin_timestamp == 0:
+            h.begin_timestamp = store_timestamp
+        slot_pos = HEADER_SIZE + (khash % self.slots) * _SLOT.size
+        (prev,) = _SLOT.unpack_from(self.mm, slot_pos)
+        number = h.next_entry
+        if not 0 <= prev < number:
+            prev = 0  # a slot written after the header was last saved (crash): start afresh
+        elif prev == 0:
+            h.used_slots += 1
+        seconds = max(0, (store_timestamp - h.begin_timestamp) // 1000)
+        _ENTRY.pack_into(self.mm, self._entries_at + number * ENTRY_SIZE, khash, offset,
+                         min(seconds, 0x7FFFFFFF), prev)  # fmt: skip
+        _SLOT.pack_into(self.mm, slot_pos, number)
+        h.next_entry = number + 1
+        h.end_timestamp = max(h.end_timestamp, store_timestamp)
+        self._write_header()
+
+    def advance(self, end_offset: int, store_timestamp: int) -> None:
+        """Record that the CommitLog up to ``end_offset`` has been seen (saved on flush/put)."""
+        h = self.header
+        h.end_offset = end_offset
+        if store_timestamp > h.end_timestamp:
+            h.end_timestamp = store_timestamp
+            if h.begin_timestamp == 0:
+                h.begin_timestamp = store_timestamp
+
+    def lookup(self, khash: int, begin_ms: int, end_ms: int, limit: int) -> list[int]:
+        """Physical offsets of entries with ``khash`` stored within [begin_ms, end_ms], newest
+        first (candidates: the caller checks each record)."""
+        h = self.header
+        if h.next_entry <= 1 or end_ms < h.begin_timestamp - 1000 or begin_ms > h.end_timestamp:
+            return []
+        (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + (khash % self.slots) * _SLOT.size)
+        found: list[int] = []
+        steps = 0
+        while 0 < number < h.next_entry and len(found) < limit and steps < _MAX_CHAIN:
+            steps += 1
+            entry_hash, offset, seconds, prev = _ENTRY.unpack_from(
+                self.mm, self._entries_at + number * ENTRY_SIZE
+            )
+            stored = h.begin_timestamp + seconds * 1000
+            # Seconds resolution: the record's own timestamp decides at the edges.
+            if entry_hash == khash and begin_ms - 1000 <= stored <= end_ms:
+                found.append(offset)
+            if prev >= number:
+                break  # a chain must go back in time; anything else is damage
+            number = prev
+        return found
+
+    def flush(self) -> None:
+        self._write_header()
+        self.mm.flush()
+
+    def close(self) -> None:
+        if not self.mm.closed:
+            self._write_header()
+            self.mm.close()
+
+    def destroy(self) -> None:
+        if not self.mm.closed:
+            self.mm.close()
+        self.path.unlink(missing_ok=True)
+
+
+class IndexService:
+    """The IndexFiles of a store: one being written, the rest read-only, ordered by offset."""
+
+    def __init__(self, directory: Path, slots: int, max_entries: int) -> None:
+        self.directory = directory
+        self.slots = slots
+        self.max_entries = max_entries
+        self.files: list[IndexFile] = []
+
+    def load(self) -> None:
+        if not self.directory.exists():
+            return
+        files = []
+        for path in sorted(self.directory.iterdir()):
+            if path.name.startswith("."):
+                continue
+            try:
+                files.append(IndexFile(path, self.slots, self.max_entries, create=False))
+            except ValueError as e:
+                log.error("IndexFile %s is unusable (%s); it is removed and rebuilt", path, e)
+                path.unlink()
+        files.sort(key=lambda f: (f.header.begin_offset, f.header.end_offset))
+        self.files = files
+
+    @property
+    def end_offset(self) -> int:
+        """Where indexing resumes: the end of the newest file's range."""
+        return self.files[-1].header.end_offset if self.files else 0
+
+    def gaps(self, commitlog_min: int, commitlog_end: int) -> list[tuple[int, int]]:
+        """CommitLog ranges below the newest file that no file covers (deleted or lost files)."""
+        ranges: list[tuple[int, int]] = []
+        cursor = commitlog_min
+        for f in self.files:
+            h = f.header
+            if h.begin_offset > cursor:
+                ranges.append((cursor, min(h.begin_offset, commitlog_end)))
+            cursor = max(cursor, h.end_offset)
+        return [(a, b) for a, b in ranges if a < b]
+
+    def new_file(self, begin_offset: int) -> IndexFile:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d%H%M%S", time.gmtime())
+        base = f"{stamp}{time.time_ns() // 1_000_000 % 1000:03d}-{begin_offset:020d}"
+        path, n = self.directory / base, 0
+        while path.exists():
+            n += 1
+            path = self.directory / f"{base}-{n}"
+        return IndexFile(path, self.slots, self.max_entries, create=True,
+                         begin_offset=begin_offset)  # fmt: skip
+
+    def writer_at(self, offset: int) -> IndexFile:
+        """The file that takes entries for a record at ``offset`` (rolls when full)."""
+        tail = self.files[-1] if self.files else None
+        if tail is None or tail.full:
+            if tail is not None:
+                tail.flush()
+            tail = self.new_file(offset)
+            self.files.append(tail)
+        return tail
+
+    def insert_rebuilt(self, files: list[IndexFile]) -> None:
+        """Add files rebuilt for gaps; they lie below the newest file, which stays last."""
+        self.files = sorted([*self.files, *files], key=lambda f: f.header.begin_offset)
+
+    def query(self, topic: str, key: str, begin_ms: int, end_ms: int, limit: int) -> list[int]:
+        """Candidate physical offsets for ``key`` in ``topic``, newest files first, deduplicated."""
+        khash = key_hash(topic, key)
+        seen: set[int] = set()
+        result: list[int] = []
+        for f in reversed(list(self.files)):
+            try:
+                offsets = f.lookup(khash, begin_ms, end_ms, limit)
+            except ValueError:  # unmapped by cleanup meanwhile
+                continue
+            for off in offsets:
+                if off not in seen:
+                    seen.add(off)
+                    result.append(off)
+            if len(result) >= limit:
+                break
+        return result
+
+    def delete_before(self, commitlog_min: int) -> int:
+        """Delete files whose whole range lies below ``commitlog_min`` (never the newest)."""
+        keep, gone = [], []
+        for i, f in enumerate(self.files):
+            last = i == len(self.files) - 1
+            (gone if not last and f.header.end_offset <= commitlog_min else keep).append(f)
+        self.files = keep
+        for f in gone:
+            f.destroy()
+        return len(gone)
+
+    def flush(self) -> None:
+        for f in list(self.files[-1:]):
+            f.flush()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def destroy_all(self) -> None:
+        for f in self.files:
+            f.destroy()
+        self.files = []

@@ -1,0 +1,275 @@
+"""Fixed-size memory-mapped files, and a directory of them named by start offset.
+
+This is RocketMQ's ``MappedFile`` / ``MappedFileQueue``. A file is named by the 20-digit offset of
+its first byte in the logical stream (CommitLog bytes, or ConsumeQueue entry bytes), and every file
+in a queue has the same size. A file is preallocated with ``posix_fallocate`` when created, so a
+full disk fails the roll with ENOSPC instead of killing the process with SIGBUS on a later write
+through the mapping.
+
+Writes go through the mapping (the page cache), so a ``kill -9`` loses nothing already written;
+``flush`` is ``msync(MS_SYNC)`` and is what makes bytes survive a power loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OFFSET_NAME_DIGITS = 20
+_PAGE = mmap.PAGESIZE
+_ZERO_CHUNK = bytes(1 << 20)
+
+
+class StoreLoadError(RuntimeError):
+    """The files on disk are not what the configuration says: the store refuses to start."""
+
+
+def offset_name(offset: int) -> str:
+    return f"{offset:0{OFFSET_NAME_DIGITS}d}"
+
+
+class MappedFile:
+    """One preallocated file of ``size`` bytes mapped read-write.
+
+    ``wrote`` is the position of the next append (relative to the file), ``flushed`` the position
+    up to which ``msync`` has returned. Only the owning queue's single writer moves ``wrote``.
+    """
+
+    def __init__(self, path: Path, from_offset: int, size: int, *, create: bool) -> None:
+        self.path = path
+        self.from_offset = from_offset
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._fd = os.open(path, flags, 0o644)
+        try:
+            if create:
+                os.posix_fallocate(self._fd, 0, size)
+            self.mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            if create:
+                path.unlink(missing_ok=True)
+            raise
+        self.wrote = 0
+        self.flushed = 0
+
+    @property
+    def end_offset(self) -> int:
+        """Offset just past the last byte written."""
+        return self.from_offset + self.wrote
+
+    @property
+    def tail_offset(self) -> int:
+        """Offset just past the end of the file."""
+        return self.from_offset + self.size
+
+    @property
+    def remaining(self) -> int:
+        return self.size - self.wrote
+
+    def append(self, data: bytes) -> None:
+        end = self.wrote + len(data)
+        self.mm[self.wrote : end] = data
+        self.wrote = end
+
+    def write_at(self, pos: int, data: bytes) -> None:
+        self.mm[pos : pos + len(data)] = data
+
+    def read(self, pos: int, size: int) -> bytes:
+        return self.mm[pos : pos + size]
+
+    def flush(self) -> int:
+        """msync everything written since the last flush; returns the new flushed position."""
+        wrote = self.wrote
+        if wrote > self.flushed:
+            start = self.flushed - self.flushed % _PAGE
+            self.mm.flush(start, wrote - start)
+            self.flushed = wrote
+        return self.flushed
+
+    def zero_from(self, pos: int) -> None:
+        """Zero the file from ``pos`` to its end, touching only chunks that are not zero yet."""
+        while pos < self.size:
+            end = min(self.size, pos + len(_ZERO_CHUNK))
+            if self.mm[pos:end] != _ZERO_CHUNK[: end - pos]:
+                self.mm[pos:end] = _ZERO_CHUNK[: end - pos]
+            pos = end
+
+    def close(self) -> None:
+        if not self.mm.closed:
+            self.mm.close()
+            os.close(self._fd)
+
+    def destroy(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+class MappedFileQueue:
+    """A directory of equal-size MappedFiles forming one logical byte stream.
+
+    The list of files is replaced, never mutated in place, so readers can iterate a snapshot
+    without a lock while the writer rolls or the cleaner deletes.
+    """
+
+    def __init__(self, directory: Path, file_size: int) -> None:
+        if file_size <= 0:
+            raise ValueError(f"file size {file_size} must be positive")
+        self.directory = directory
+        self.file_size = file_size
+        self.files: list[MappedFile] = []
+        self._lock = threading.Lock()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Map every file in the directory; refuse a file of the wrong size or with a bad name.
+
+        A zero-length last file is what a crash between create and fallocate leaves: it is removed.
+        """
+        if not self.directory.exists():
+            return
+        names = sorted(p.name for p in self.directory.iterdir() if not p.name.startswith("."))
+        files: list[MappedFile] = []
+        for i, name in enumerate(names):
+            path = self.directory / name
+            if len(name) != OFFSET_NAME_DIGITS or not name.isdigit():
+                raise StoreLoadError(f"{path}: not a store file (expected a 20-digit offset name)")
+            length = path.stat().st_size
+            if length == 0 and i == len(names) - 1:
+                log.warning("%s: removing an empty last file left by a crash during a roll", path)
+                path.unlink()
+                continue
+            if length != self.file_size:
+                for f in files:
+                    f.close()
+                raise StoreLoadError(
+                    f"{path}: size is {length} bytes but the configured file size is "
+                    f"{self.file_size}; refusing to start. Restore the file or set the size it "
+                    "was written with."
+                )
+            offset = int(name)
+            if offset % self.file_size:
+                raise StoreLoadError(f"{path}: offset {offset} is not a multiple of the file size")
+            files.append(MappedFile(path, offset, self.file_size, create=False))
+        # A loaded file counts as full until recovery says where its data ends.
+        for f in files:
+            f.wrote = f.flushed = f.size
+        self.files = files
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    @property
+    def min_offset(self) -> int:
+        files = self.files
+        return files[0].from_offset if files else 0
+
+    @property
+    def max_offset(self) -> int:
+        """Offset just past the last written byte."""
+        files = self.files
+        return files[-1].end_offset if files else 0
+
+    @property
+    def flushed_offset(self) -> int:
+        files = self.files
+        for f in reversed(files):
+            if f.flushed:
+                return f.from_offset + f.flushed
+        return files[0].from_offset if files else 0
+
+    def last_file(self) -> MappedFile | None:
+        files = self.files
+        return files[-1] if files else None
+
+    def find_file(self, offset: int) -> MappedFile | None:
+        """The file holding ``offset``, or None when it is below the first or past the last."""
+        files = self.files
+        if not files or offset < files[0].from_offset:
+            return None
+        index = (offset - files[0].from_offset) // self.file_size
+        if index < len(files) and files[index].from_offset <= offset < files[index].tail_offset:
+            return files[index]
+        # Files may not be contiguous (a ConsumeQueue rebuilt from a later offset); search.
+        for f in files:
+            if f.from_offset <= offset < f.tail_offset:
+                return f
+        return None
+
+    def iter_from(self, offset: int) -> Iterator[MappedFile]:
+        for f in self.files:
+            if f.tail_offset > offset:
+                yield f
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def create_file(self, from_offset: int) -> MappedFile:
+        """Create (preallocate and map) the file starting at ``from_offset`` and append it."""
+        if from_offset % self.file_size:
+            raise ValueError(f"offset {from_offset} is not a multiple of {self.file_size}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        f = MappedFile(self.directory / offset_name(from_offset), from_offset, self.file_size,
+                       create=True)  # fmt: skip
+        with self._lock:
+            if self.files and self.files[-1].from_offset >= from_offset:
+                f.destroy()
+                raise ValueError(f"file at {from_offset} is not past the last file")
+            self.files = [*self.files, f]
+        return f
+
+    def flush(self) -> int:
+        """msync every file with unflushed bytes; returns the flushed offset."""
+        for f in self.files:
+            if f.wrote > f.flushed:
+                f.flush()
+        return self.flushed_offset
+
+    def truncate_dirty(self, offset: int) -> list[MappedFile]:
+        """Make ``offset`` the end of the stream.
+
+        The file holding it is zeroed from there on, so no stale bytes can later pass for data;
+        files wholly past it are unmapped and returned, for the caller to move aside or delete.
+        """
+        keep: list[MappedFile] = []
+        dropped: list[MappedFile] = []
+        for f in self.files:
+            if f.from_offset >= offset and not (f.from_offset == offset and not keep):
+                dropped.append(f)
+                continue
+            if f.tail_offset > offset:
+                pos = offset - f.from_offset
+                f.zero_from(pos)
+                f.wrote = f.flushed = pos
+            keep.append(f)
+        with self._lock:
+            self.files = keep
+        for f in dropped:
+            f.close()
+        return dropped
+
+    def delete_first_files(self, count: int) -> list[MappedFile]:
+        """Unmap and delete the ``count`` oldest files (never the last one)."""
+        with self._lock:
+            count = min(count, len(self.files) - 1)
+            if count <= 0:
+                return []
+            gone, self.files = self.files[:count], self.files[count:]
+        for f in gone:
+            f.destroy()
+        return gone
+
+    def destroy(self) -> None:
+        with self._lock:
+            files, self.files = self.files, []
+        for f in files:
+            f.destroy()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()

@@ -1,0 +1,385 @@
+"""The message record: tmq's one on-disk and on-object message format.
+
+A record follows RocketMQ's CommitLog layout (``MESSAGE_MAGIC_CODE_V2``: two-byte topic length).
+Every integer is big-endian, as Java's ``ByteBuffer`` writes it, so a RocketMQ engineer reading a
+hex dump sees the fields where they expect them.
+
+====== ===================== ===================================================================
+ bytes  field                 meaning
+====== ===================== ===================================================================
+ 4      TOTALSIZE             size of the whole record, this field included
+ 4      MAGICCODE             ``MAGIC_CODE_V2`` (format version 2) or ``BLANK_MAGIC_CODE``
+ 4      BODYCRC               CRC32 of the body (unsigned)
+ 4      QUEUEID               queue id within the topic
+ 4      FLAG                  application flag, opaque to the store
+ 8      QUEUEOFFSET           logical offset within (topic, queue), assigned at append
+ 8      PHYSICALOFFSET        byte offset of this record in the CommitLog, assigned at append
+ 4      SYSFLAG               bit 4: born host is IPv6; bit 5: store host is IPv6
+ 8      BORNTIMESTAMP         producer's clock, ms since the epoch
+ 8|20   BORNHOST              IPv4 (4) or IPv6 (16) address, then port (4)
+ 8      STORETIMESTAMP        broker's clock at append, ms since the epoch
+ 8|20   STOREHOST             as BORNHOST
+ 4      RECONSUMETIMES        delivery attempts so far (retry topics)
+ 8      PREPAREDTXOFFSET      prepared-transaction offset (0: none)
+ 4+n    BODY                  length, then the body
+ 2+n    TOPIC                 length, then the UTF-8 topic
+ 2+n    PROPERTIES            length, then ``name\\x01value\\x02`` pairs, UTF-8
+====== ===================== ===================================================================
+
+A file's unused end is padded by a BLANK record: TOTALSIZE (the bytes left in the file, at least
+8) followed by ``BLANK_MAGIC_CODE``. A reader that meets it moves to the next file.
+
+Keys (``KEYS``, space separated), tags (``TAGS``) and the unique message id (``UNIQ_KEY``) are
+properties, as in RocketMQ.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+MAGIC_CODE_V2 = -626843477
+BLANK_MAGIC_CODE = -875286124
+# The smallest BLANK record: TOTALSIZE and MAGICCODE. A file always keeps room for it.
+BLANK_RECORD_SIZE = 8
+
+SYSFLAG_BORNHOST_V6 = 1 << 4
+SYSFLAG_STOREHOST_V6 = 1 << 5
+
+PROPERTY_KEYS = "KEYS"
+PROPERTY_TAGS = "TAGS"
+PROPERTY_UNIQ_KEY = "UNIQ_KEY"
+PROPERTY_SHARDING_KEY = "__SHARDINGKEY"  # the message group of a FIFO message
+KEY_SEPARATOR = " "
+_NAME_VALUE_SEPARATOR = "\x01"
+_PROPERTY_SEPARATOR = "\x02"
+
+MAX_TOPIC_BYTES = 0xFFFF
+MAX_PROPERTIES_BYTES = 0x7FFF  # RocketMQ's Short.MAX_VALUE limit
+
+Host = tuple[str, int]
+LOCALHOST: Host = ("127.0.0.1", 0)
+
+# The fixed head up to and including SYSFLAG and BORNTIMESTAMP (48 bytes), then the hosts.
+_HEAD = struct.Struct(">iiIiiqqiq")
+_TOTAL_AND_MAGIC = struct.Struct(">ii")
+_OFFSET_OF_BODYCRC = 8
+_OFFSET_OF_QUEUEOFFSET = 20
+_OFFSET_OF_PHYSICALOFFSET = 28
+_OFFSET_OF_SYSFLAG = 36
+_OFFSET_OF_BORNHOST = 48
+
+
+def _tail_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
+    born = "16si" if born_v6 else "4si"
+    store = "16si" if store_v6 else "4si"
+    # BORNHOST, STORETIMESTAMP, STOREHOST, RECONSUMETIMES, PREPAREDTXOFFSET, BODY length
+    return struct.Struct(f">{born}q{store}iqi")
+
+
+_TAILS = {(b, s): _tail_struct(b, s) for b in (False, True) for s in (False, True)}
+# The common case (both hosts IPv4) as one struct, for the append path.
+_V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
+V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_I64 = struct.Struct(">q")
+
+
+class RecordError(ValueError):
+    """A record that cannot be decoded: a torn write, corruption, or a bug."""
+
+
+class CorruptRecordError(RecordError):
+    """A record whose body does not match its CRC: stored bytes were damaged."""
+
+
+@dataclass(slots=True)
+class Message:
+    """A message as a producer hands it to the store (offsets are assigned at append)."""
+
+    topic: str
+    body: bytes
+    queue_id: int = 0
+    properties: dict[str, str] = field(default_factory=dict)
+    flag: int = 0
+    born_timestamp: int = 0
+    born_host: Host = LOCALHOST
+    reconsume_times: int = 0
+    prepared_transaction_offset: int = 0
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get(PROPERTY_TAGS)
+
+    @property
+    def keys(self) -> list[str]:
+        return split_keys(self.properties.get(PROPERTY_KEYS))
+
+
+@dataclass(slots=True)
+class StoredMessage:
+    """A record as decoded from the CommitLog or a segment object."""
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    commitlog_offset: int
+    size: int
+    body: bytes
+    body_crc: int
+    flag: int
+    sys_flag: int
+    born_timestamp: int
+    born_host: Host
+    store_timestamp: int
+    store_host: Host
+    reconsume_times: int
+    prepared_transaction_offset: int
+    properties: dict[str, str]
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get(PROPERTY_TAGS)
+
+    @property
+    def keys(self) -> list[str]:
+        return split_keys(self.properties.get(PROPERTY_KEYS))
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.properties.get(PROPERTY_UNIQ_KEY)
+
+
+def split_keys(value: str | None) -> list[str]:
+    return [k for k in value.split(KEY_SEPARATOR) if k] if value else []
+
+
+def tag_hash(tags: str | None) -> int:
+    """The 8-byte tag code kept in a ConsumeQueue entry; 0 means "no tag".
+
+    RocketMQ uses Java's ``String.hashCode``; tmq uses CRC32, which is as good a filter hint,
+    runs in C, and is stable across processes (Python's ``hash`` is salted).
+    """
+    if not tags:
+        return 0
+    return zlib.crc32(tags.encode())
+
+
+def encode_properties(properties: dict[str, str]) -> bytes:
+    if not properties:
+        return b""
+    text = "".join(f"{k}{_NAME_VALUE_SEPARATOR}{v}{_PROPERTY_SEPARATOR}" for k, v in properties.items())
+    n = len(properties)
+    if text.count(_NAME_VALUE_SEPARATOR) != n or text.count(_PROPERTY_SEPARATOR) != n:
+        raise RecordError("property names and values may not contain \\x01 or \\x02")
+    return text.encode()
+
+
+def decode_properties(raw: bytes) -> dict[str, str]:
+    if not raw:
+        return {}
+    props: dict[str, str] = {}
+    for pair in raw.decode().split(_PROPERTY_SEPARATOR):
+        if pair:
+            name, _, value = pair.partition(_NAME_VALUE_SEPARATOR)
+            props[name] = value
+    return props
+
+
+def _pack_host(host: Host) -> tuple[bytes, int, bool]:
+    address, port = host
+    try:
+        return socket.inet_pton(socket.AF_INET, address), port, False
+    except OSError:
+        return socket.inet_pton(socket.AF_INET6, address), port, True
+
+
+def _unpack_host(raw: bytes, port: int) -> Host:
+    family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
+    return socket.inet_ntop(family, raw), port
+
+
+class RecordEncoder:
+    """Encodes messages for one broker (one store host), caching what does not change."""
+
+    def __init__(self, store_host: Host = LOCALHOST) -> None:
+        self._store_ip, self._store_port, self._store_v6 = _pack_host(store_host)
+        self._born_cache: dict[str, tuple[bytes, bool]] = {}
+
+    def encode(
+        self,
+        msg: Message,
+        queue_offset: int,
+        physical_offset: int,
+        store_timestamp: int,
+    ) -> tuple[bytes, bytes, bytes]:
+        """Return (record, topic bytes, property bytes) for ``msg`` at the given offsets."""
+        topic = msg.topic.encode()
+        props = encode_properties(msg.properties)
+        if len(topic) > MAX_TOPIC_BYTES:
+            raise RecordError(f"topic is {len(topic)} bytes; the format allows {MAX_TOPIC_BYTES}")
+        if len(props) > MAX_PROPERTIES_BYTES:
+            raise RecordError(
+                f"properties are {len(props)} bytes; the format allows {MAX_PROPERTIES_BYTES}"
+            )
+        body = msg.body
+        born_address, born_port = msg.born_host
+        cached = self._born_cache.get(born_address)
+        if cached is None:
+            ip, _, v6 = _pack_host(msg.born_host)
+            cached = (ip, v6)
+            if len(self._born_cache) < 4096:
+                self._born_cache[born_address] = cached
+        born_ip, born_v6 = cached
+        total = (
+            V4_HEAD_SIZE
+            + (12 if born_v6 else 0)
+            + (12 if self._store_v6 else 0)
+            + len(body)
+            + 2
+            + len(topic)
+            + 2
+            + len(props)
+        )
+        sys_flag = (SYSFLAG_BORNHOST_V6 if born_v6 else 0) | (
+            SYSFLAG_STOREHOST_V6 if self._store_v6 else 0
+        )
+        crc = zlib.crc32(body)
+        if not born_v6 and not self._store_v6:
+            head = _V4_RECORD_HEAD.pack(
+                total, MAGIC_CODE_V2, crc, msg.queue_id, msg.flag, queue_offset,
+                physical_offset, sys_flag, msg.born_timestamp, born_ip, born_port,
+                store_timestamp, self._store_ip, self._store_port, msg.reconsume_times,
+                msg.prepared_transaction_offset, len(body),
+            )  # fmt: skip
+        else:
+            head = _HEAD.pack(
+                total, MAGIC_CODE_V2, crc, msg.queue_id, msg.flag, queue_offset,
+                physical_offset, sys_flag, msg.born_timestamp,
+            ) + _TAILS[(born_v6, self._store_v6)].pack(
+                born_ip, born_port, store_timestamp, self._store_ip, self._store_port,
+                msg.reconsume_times, msg.prepared_transaction_offset, len(body),
+            )  # fmt: skip
+        record = b"".join(
+            (head, body, _U16.pack(len(topic)), topic, _U16.pack(len(props)), props)
+        )
+        return record, topic, props
+
+
+def blank_record(size: int) -> bytes:
+    """The padding that ends a file: ``size`` bytes starting with TOTALSIZE and BLANK magic."""
+    return _TOTAL_AND_MAGIC.pack(size, BLANK_MAGIC_CODE) + bytes(size - BLANK_RECORD_SIZE)
+
+
+def read_total_and_magic(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    total, magic = _TOTAL_AND_MAGIC.unpack_from(buf, pos)
+    return int(total), int(magic)
+
+
+def decode(buf: bytes | memoryview, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:
+    """Decode the record at ``pos``.
+
+    Raises ``RecordError`` for anything that is not a whole, well-formed record (including a BLANK
+    record) and ``CorruptRecordError`` when the body fails its CRC.
+    """
+    end_of_buf = len(buf)
+    if end_of_buf - pos < V4_HEAD_SIZE:
+        raise RecordError(f"record at {pos}: only {end_of_buf - pos} bytes left")
+    try:
+        (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
+         born_ts) = _HEAD.unpack_from(buf, pos)  # fmt: skip
+        if magic != MAGIC_CODE_V2:
+            raise RecordError(f"record at {pos}: illegal magic code {magic}")
+        if total < V4_HEAD_SIZE + 4 or pos + total > end_of_buf:
+            raise RecordError(f"record at {pos}: total size {total} runs past the data")
+        tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
+        (born_ip, born_port, store_ts, store_ip, store_port, reconsume, prepared,
+         body_len) = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)  # fmt: skip
+        p = pos + _OFFSET_OF_BORNHOST + tail.size
+        body = bytes(buf[p : p + body_len])
+        p += body_len
+        (topic_len,) = _U16.unpack_from(buf, p)
+        topic = bytes(buf[p + 2 : p + 2 + topic_len]).decode()
+        p += 2 + topic_len
+        (props_len,) = _U16.unpack_from(buf, p)
+        props_raw = bytes(buf[p + 2 : p + 2 + props_len])
+        p += 2 + props_len
+    except (struct.error, UnicodeDecodeError) as e:
+        raise RecordError(f"record at {pos}: {e}") from e
+    if body_len < 0 or p - pos != total:
+        raise RecordError(f"record at {pos}: fields add up to {p - pos} bytes, header says {total}")
+    if check_crc and zlib.crc32(body) != crc:
+        raise CorruptRecordError(
+            f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
+            "body CRC mismatch"
+        )
+    try:
+        properties = decode_properties(props_raw)
+    except UnicodeDecodeError as e:
+        raise RecordError(f"record at {pos}: properties are not UTF-8") from e
+    return StoredMessage(
+        topic=topic,
+        queue_id=queue_id,
+        queue_offset=queue_offset,
+        commitlog_offset=physical_offset,
+        size=total,
+        body=body,
+        body_crc=crc,
+        flag=flag,
+        sys_flag=sys_flag,
+        born_timestamp=born_ts,
+        born_host=_unpack_host(born_ip, born_port),
+        store_timestamp=store_ts,
+        store_host=_unpack_host(store_ip, store_port),
+        reconsume_times=reconsume,
+        prepared_transaction_offset=prepared,
+        properties=properties,
+    )
+
+
+_topic_cache: dict[bytes, str] = {}
+
+
+def read_dispatch_fields(
+    buf: bytes | memoryview, pos: int
+) -> tuple[int, str, int, int, int, dict[str, str]]:
+    """(total size, topic, queue id, queue offset, store timestamp, properties) of the record at
+    ``pos``, without copying the body: what the dispatcher needs to build ConsumeQueue and
+    IndexFile entries. The caller has already checked the record (append or recovery)."""
+    (total, _magic, _crc, queue_id, _flag, queue_offset, _phys, sys_flag,
+     _born_ts) = _HEAD.unpack_from(buf, pos)  # fmt: skip
+    tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
+    fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
+    p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
+    (topic_len,) = _U16.unpack_from(buf, p)
+    raw_topic = bytes(buf[p + 2 : p + 2 + topic_len])
+    topic = _topic_cache.get(raw_topic)
+    if topic is None:
+        topic = raw_topic.decode()
+        if len(_topic_cache) < 100_000:
+            _topic_cache[raw_topic] = topic
+    p += 2 + topic_len
+    (props_len,) = _U16.unpack_from(buf, p)
+    props = decode_properties(bytes(buf[p + 2 : p + 2 + props_len])) if props_len else {}
+    return total, topic, queue_id, queue_offset, fields[2], props
+
+
+def read_store_timestamp(buf: bytes | memoryview, pos: int) -> int:
+    """STORETIMESTAMP of the record at ``pos``, without decoding the rest."""
+    (sys_flag,) = struct.unpack_from(">i", buf, pos + _OFFSET_OF_SYSFLAG)
+    host_size = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8
+    (ts,) = _I64.unpack_from(buf, pos + _OFFSET_OF_BORNHOST + host_size)
+    return int(ts)
+
+
+def read_physical_offset(buf: bytes | memoryview, pos: int) -> int:
+    (off,) = _I64.unpack_from(buf, pos + _OFFSET_OF_PHYSICALOFFSET)
+    return int(off)
+
+
+def read_body_crc(buf: bytes | memoryview, pos: int) -> int:
+    (crc,) = _U32.unpack_from(buf, pos + _OFFSET_OF_BODYCRC)
+    return int(crc)

@@ -1,0 +1,504 @@
+"""MessageStore: the one facade through which the broker uses the storage engine.
+
+Write path: ``put_messages`` -> CommitLog append (-> fsync under SYNC) -> dispatcher builds the
+ConsumeQueue and IndexFile entries -> the messages become readable.
+
+Start-up (``start``) follows RocketMQ's ``DefaultMessageStore.load/recover``:
+
+1. lock the data dir; an ``abort`` marker left behind means the last run crashed;
+2. map the CommitLog (refusing a file of the wrong size), ConsumeQueues and IndexFiles;
+3. find the end of valid CommitLog data: after a clean exit from the checkpoint's flushed
+   offset, after a crash from the older of its flushed and dispatched offsets (the whole log
+   when there is no usable checkpoint), checking magic code, size and body CRC; cut a torn tail;
+4. drop ConsumeQueue entries past that end; rebuild IndexFile ranges no file covers;
+5. re-dispatch what the ConsumeQueues and IndexFiles lack (all of it when the consumequeue
+   directory is gone), then restore the next queue offset of every queue from its ConsumeQueue.
+
+Threads: producers (``put_*``), the dispatcher, and the flusher (ASYNC flush, ConsumeQueue and
+IndexFile flush, checkpoint). Readers never block writers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from tiered.config import StoreConfig
+from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from tiered.hot.commitlog import AppendResult, CommitLog, RecoveryReport
+from tiered.hot.consume_queue import TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
+from tiered.hot.data_dir import DataDir
+from tiered.hot.dispatcher import Dispatcher
+from tiered.hot.index_file import IndexService
+from tiered.record import (
+    Message,
+    RecordError,
+    StoredMessage,
+    read_store_timestamp,
+    split_keys,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUE_ID = 65535
+_TOPIC_CHECK_CACHE: set[str] = set()
+
+
+class InvalidMessageError(ValueError):
+    """A message the store refuses (bad topic or queue, body too large, bad properties)."""
+
+
+class StoreNotRunningError(RuntimeError):
+    pass
+
+
+class GetStatus(Enum):
+    """Outcome of a read by queue offset (RocketMQ's ``GetMessageStatus``)."""
+
+    FOUND = "FOUND"
+    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"  # entries exist but the tag filter took none
+    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"  # the queue is empty
+    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"  # below the queue's minimum (deleted or tiered)
+    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"  # exactly the next offset: wait for it
+    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"  # past the next offset
+    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"  # no such topic/queue here
+
+
+@dataclass(slots=True)
+class GetResult:
+    status: GetStatus
+    messages: list[StoredMessage]
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+@dataclass(slots=True, frozen=True)
+class CommitLogFileInfo:
+    """What a retention predicate may look at before a CommitLog file is released."""
+
+    path: Path
+    from_offset: int
+    end_offset: int
+    modified_ms: int
+
+
+@dataclass(slots=True)
+class StartReport:
+    clean_exit: bool
+    checkpoint_found: bool
+    commitlog: RecoveryReport
+    cq_entries_dropped: int = 0
+    redispatched_bytes: int = 0
+    index_gaps_rebuilt: list[tuple[int, int]] = field(default_factory=list)
+    consumequeue_rebuilt: bool = False
+    seconds: float = 0.0
+
+
+def check_topic(topic: str) -> None:
+    if topic in _TOPIC_CHECK_CACHE:
+        return
+    if not isinstance(topic, str) or not TOPIC_NAME.match(topic):
+        raise InvalidMessageError(
+            f"invalid topic {topic!r}: use 1-255 characters from [%|a-zA-Z0-9_-]"
+        )
+    if len(_TOPIC_CHECK_CACHE) < 100_000:
+        _TOPIC_CHECK_CACHE.add(topic)
+
+
+class MessageStore:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.data_dir = DataDir(config.data_dir)
+        self.commitlog = CommitLog(config)
+        self.queues = ConsumeQueueStore(config.consumequeue_dir, config.consumequeue_entries_per_file)
+        self.index = IndexService(config.index_dir, config.index_hash_slots, config.index_max_entries)
+        self.dispatcher: Dispatcher | None = None
+        self.checkpoint_path = config.data_dir / "checkpoint"
+        self.corrupt_records: list[int] = []
+        self._running = False
+        self._flusher: threading.Thread | None = None
+        self._stop_flusher = threading.Event()
+        self._maintenance_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> StartReport:
+        started = time.monotonic()
+        self.data_dir.lock()
+        try:
+            report = self._load_and_recover()
+        except BaseException:
+            self.commitlog.close()
+            self.queues.close()
+            self.index.close()
+            self.data_dir.unlock()
+            raise
+        self.data_dir.mark_running()
+        self._running = True
+        assert self.dispatcher is not None
+        self.dispatcher.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name="tmq-flusher", daemon=True)
+        self._flusher.start()
+        report.seconds = time.monotonic() - started
+        log.info(
+            "store open at %s: last exit %s, CommitLog [%d, %d), %d queues, recovery took %.2fs",
+            self.config.data_dir, "clean" if report.clean_exit else "CRASHED",
+            self.commitlog.min_offset, self.commitlog.max_offset, len(self.queues.queues),
+            report.seconds,
+        )  # fmt: skip
+        return report
+
+    def _load_and_recover(self) -> StartReport:
+        clean = self.data_dir.last_exit_was_clean
+        cp = load_checkpoint(self.checkpoint_path)
+        if not clean:
+            log.warning("%s: the last run did not shut down cleanly; recovering",
+                        self.config.data_dir)  # fmt: skip
+        self.commitlog.load()
+        cq_dir_present = self.config.consumequeue_dir.exists()
+        self.queues.load_and_recover()
+        self.index.load()
+        if not self.commitlog.files.files:
+            # No CommitLog: nothing the ConsumeQueues or IndexFiles point at exists any more.
+            if self.queues.queues or self.index.files:
+                log.warning("no CommitLog files: dropping ConsumeQueues and IndexFiles")
+            self.queues.destroy()
+            self.index.destroy_all()
+
+        if cp is None:
+            start = None
+        elif clean:
+            start = cp.flushed_offset
+        else:
+            start = min(cp.flushed_offset, cp.dispatched_offset)
+        cl_report = self.commitlog.recover(start, check_crc=self.config.check_crc_on_recover)
+        self.corrupt_records = list(cl_report.corrupt_records)
+        end = cl_report.end_offset if self.commitlog.files.files else 0
+        report = StartReport(clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report)
+        report.cq_entries_dropped = self.queues.truncate_from_physical(end)
+        self._clamp_index(end)
+
+        cl_min = self.commitlog.min_offset
+        if self.queues.queues:
+            reput = self.queues.max_physical_end
+            if not clean and cp is not None:
+                reput = min(reput, cp.dispatched_offset)
+        else:
+            reput = cl_min
+            report.consumequeue_rebuilt = end > cl_min
+            if report.consumequeue_rebuilt:
+                log.warning("%s: %s; rebuilding every ConsumeQueue from the CommitLog",
+                            self.config.consumequeue_dir,
+                            "is empty" if cq_dir_present else "is missing")  # fmt: skip
+        reput = min(max(reput, cl_min), end)
+        index_from = min(max(self.index.end_offset, cl_min), end)
+        self.dispatcher = Dispatcher(self.commitlog, self.queues, self.index,
+                                     reput_offset=min(reput, index_from),
+                                     index_from=index_from)  # fmt: skip
+        for gap in self.index.gaps(cl_min, min(index_from, end)):
+            self.dispatcher.rebuild_index(*gap)
+            report.index_gaps_rebuilt.append(gap)
+        report.redispatched_bytes = end - self.dispatcher.reput_offset
+        self.dispatcher.dispatch(end)
+        for (topic, queue_id), cq in self.queues.queues.items():
+            self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
+        # Make what recovery kept durable before anything new is acknowledged on top of it.
+        for f in self.commitlog.files.iter_from(report.commitlog.scanned_from):
+            f.mm.flush()
+        self.queues.flush()
+        self.index.flush()
+        self._save_checkpoint()
+        return report
+
+    def _clamp_index(self, end: int) -> None:
+        """IndexFiles must not claim CommitLog bytes that recovery cut off."""
+        for f in list(self.index.files):
+            if f.header.begin_offset >= end:
+                self.index.files.remove(f)
+                f.destroy()
+            elif f.header.end_offset > end:
+                f.header.end_offset = end
+
+    def shutdown(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._stop_flusher.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        assert self.dispatcher is not None
+        self.commitlog.flush()
+        # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
+        self.dispatcher.stop()
+        self.dispatcher.dispatch(self.commitlog.max_offset)
+        clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
+        self.queues.flush()
+        self.index.flush()
+        self._save_checkpoint()
+        self.commitlog.close()
+        self.queues.close()
+        self.index.close()
+        if clean:
+            self.data_dir.mark_clean_exit()
+        else:
+            log.error("dispatch is behind at shutdown; the next start will recover as after a crash")
+        self.data_dir.unlock()
+
+    def __enter__(self) -> MessageStore:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- flush ---------------------------------------------------------------------------------
+
+    def _flush_loop(self) -> None:
+        interval = self.config.flush_interval_ms / 1000
+        while not self._stop_flusher.wait(interval):
+            try:
+                self.flush()
+            except Exception:
+                log.exception("flush failed; retrying in %.1fs", interval)
+
+    def flush(self) -> None:
+        """fsync the CommitLog, then ConsumeQueues and IndexFiles, then save the checkpoint."""
+        self.commitlog.flush()
+        self.queues.flush()
+        self.index.flush()
+        self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
+        d = self.dispatcher
+        # Read the dispatch position before flushing what it covers: a checkpoint must never
+        # claim more than the files hold. (flush() flushed the queues after this was true.)
+        dispatched = d.reput_offset if d else 0
+        save_checkpoint(
+            self.checkpoint_path,
+            Checkpoint(
+                physic_timestamp=self.commitlog.last_store_timestamp,
+                logics_timestamp=d.logics_timestamp if d else 0,
+                index_timestamp=d.logics_timestamp if d else 0,
+                flushed_offset=self.commitlog.flushed_offset,
+                dispatched_offset=min(dispatched, self.commitlog.flushed_offset),
+                index_offset=min(self.index.end_offset, dispatched),
+            ),
+        )
+
+    # -- write ---------------------------------------------------------------------------------
+
+    def put_message(self, msg: Message) -> AppendResult:
+        return self.put_messages([msg])[0]
+
+    def put_messages(self, messages: Sequence[Message]) -> list[AppendResult]:
+        """Append ``messages`` (atomically with respect to their queue offsets) and return once
+        they are as durable as the flush mode promises: fsynced under SYNC, in the page cache
+        under ASYNC."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        limit = self.config.max_message_size
+        for msg in messages:
+            check_topic(msg.topic)
+            if not 0 <= msg.queue_id <= MAX_QUEUE_ID:
+                raise InvalidMessageError(f"queue id {msg.queue_id} is out of range")
+            if len(msg.body) > limit:
+                raise InvalidMessageError(
+                    f"message body is {len(msg.body)} bytes; the limit is {limit}"
+                )
+        try:
+            results = self.commitlog.append(messages)
+        except ValueError as e:
+            raise InvalidMessageError(str(e)) from e
+        if self.config.flush == "sync" and results:
+            last = results[-1]
+            self.commitlog.wait_flushed(last.commitlog_offset + last.size)
+        assert self.dispatcher is not None
+        self.dispatcher.wakeup()
+        return results
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def _cq(self, topic: str, queue_id: int) -> ConsumeQueue | None:
+        return self.queues.get(topic, queue_id)
+
+    def min_offset(self, topic: str, queue_id: int) -> int:
+        cq = self._cq(topic, queue_id)
+        return cq.min_offset if cq else 0
+
+    def max_offset(self, topic: str, queue_id: int) -> int:
+        """The next queue offset to be dispatched (messages below it are readable)."""
+        cq = self._cq(topic, queue_id)
+        return cq.max_offset if cq else 0
+
+    def queue_ids(self, topic: str) -> list[int]:
+        return sorted(q for t, q in self.queues.queues if t == topic)
+
+    def topics(self) -> list[str]:
+        return sorted({t for t, _ in self.queues.queues})
+
+    def get_messages(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int = 32,
+        max_bytes: int = 4 << 20,
+        tag_filter: Callable[[int], bool] | None = None,
+    ) -> GetResult:
+        """Read up to ``max_count`` messages from ``offset``.
+
+        ``tag_filter`` sees each entry's tag hash; entries it rejects are skipped without
+        reading the CommitLog. A body failing its CRC raises ``CorruptRecordError``.
+        """
+        cq = self._cq(topic, queue_id)
+        if cq is None:
+            return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, [], 0, 0, 0)
+        lo, hi = cq.min_offset, cq.max_offset
+        if hi == lo:
+            status, nxt = GetStatus.NO_MESSAGE_IN_QUEUE, lo
+        elif offset < lo:
+            status, nxt = GetStatus.OFFSET_TOO_SMALL, lo
+        elif offset == hi:
+            status, nxt = GetStatus.OFFSET_OVERFLOW_ONE, offset
+        elif offset > hi:
+            status, nxt = GetStatus.OFFSET_OVERFLOW_BADLY, hi
+        else:
+            status, nxt = GetStatus.NO_MATCHED_MESSAGE, offset
+        if status is not GetStatus.NO_MATCHED_MESSAGE:
+            return GetResult(status, [], nxt, lo, hi)
+        messages: list[StoredMessage] = []
+        size = 0
+        # Scan at most this many entries per call, so a filter that matches nothing still returns.
+        scan_limit = max(max_count, 16_000 if tag_filter else max_count)
+        check = self.config.check_crc_on_read
+        for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
+            nxt = qoff + 1
+            if tag_filter is not None and not tag_filter(code):
+                continue
+            msg = self.commitlog.read_message(phys, length, check_crc=check)
+            if msg is None:
+                # The CommitLog file went away (released) between the entry and the read.
+                nxt = qoff
+                break
+            messages.append(msg)
+            size += length
+            if len(messages) >= max_count or size >= max_bytes:
+                break
+        if messages:
+            status = GetStatus.FOUND
+        elif nxt == offset and offset < cq.min_offset:
+            status = GetStatus.OFFSET_TOO_SMALL
+        return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
+
+    def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
+        return self.commitlog.read_message(commitlog_offset, size,
+                                           check_crc=self.config.check_crc_on_read)  # fmt: skip
+
+    def store_timestamp_at(self, topic: str, queue_id: int, queue_offset: int) -> int | None:
+        cq = self._cq(topic, queue_id)
+        entry = cq.get_entry(queue_offset) if cq else None
+        if entry is None:
+            return None
+        raw = self.commitlog.read(entry[0], entry[1])
+        return read_store_timestamp(raw, 0) if raw else None
+
+    def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:
+        """The first queue offset whose store timestamp is at or after ``timestamp_ms``
+        (the max offset when there is none), by binary search over the ConsumeQueue."""
+        cq = self._cq(topic, queue_id)
+        if cq is None:
+            return 0
+        lo, hi = cq.min_offset, cq.max_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ts = self.store_timestamp_at(topic, queue_id, mid)
+            if ts is None:  # released meanwhile: everything below is older still
+                lo = mid + 1
+            elif ts < timestamp_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def query_by_key(
+        self,
+        topic: str,
+        key: str,
+        begin_ms: int = 0,
+        end_ms: int = 2**62,
+        max_count: int = 64,
+    ) -> list[StoredMessage]:
+        """Messages of ``topic`` whose KEYS or unique id equal ``key``, stored in
+        [begin_ms, end_ms], newest first."""
+        found: list[StoredMessage] = []
+        # Ask for more candidates than needed: hash collisions are filtered out below.
+        for phys in self.index.query(topic, key, begin_ms, end_ms, max_count * 4):
+            raw = self.commitlog.read(phys, 4)
+            if raw is None:
+                continue
+            size = int.from_bytes(raw, "big", signed=True)
+            try:
+                msg = self.read_message(phys, size) if size > 0 else None
+            except RecordError:
+                continue
+            if msg is None or msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
+                continue
+            if key in split_keys(msg.properties.get("KEYS")) or msg.msg_id == key:
+                found.append(msg)
+                if len(found) >= max_count:
+                    break
+        return found
+
+    # -- progress ------------------------------------------------------------------------------
+
+    @property
+    def dispatched_offset(self) -> int:
+        return self.dispatcher.reput_offset if self.dispatcher else 0
+
+    def wait_dispatched(self, timeout: float = 30.0) -> bool:
+        """Block until everything appended so far is readable."""
+        assert self.dispatcher is not None
+        return self.dispatcher.wait_for(self.commitlog.confirmed_offset, timeout)
+
+    # -- retention hook ------------------------------------------------------------------------
+
+    def commitlog_files(self) -> list[CommitLogFileInfo]:
+        out = []
+        for f in self.commitlog.files.files:
+            try:
+                mtime = os.stat(f.path).st_mtime_ns // 1_000_000
+            except FileNotFoundError:
+                continue
+            out.append(CommitLogFileInfo(f.path, f.from_offset, f.end_offset, mtime))
+        return out
+
+    def release_commitlog_files(self, can_release: Callable[[CommitLogFileInfo], bool]) -> int:
+        """Delete the oldest CommitLog files while ``can_release`` says yes, then drop the
+        ConsumeQueue and IndexFile data that pointed into them. Returns the files deleted.
+
+        Never deleted, whatever the predicate says: the file being written, and any file with
+        bytes not yet dispatched (their ConsumeQueue entries would be lost with them).
+        """
+        with self._maintenance_lock:
+            files = self.commitlog_files()[:-1]
+            count = 0
+            for info in files:
+                if info.end_offset > self.dispatched_offset or not can_release(info):
+                    break
+                count += 1
+            if not count:
+                return 0
+            self.commitlog.delete_files_before(count)
+            cl_min = self.commitlog.min_offset
+            self.queues.correct_min_offsets(cl_min)
+            self.index.delete_before(cl_min)
+            log.info("released %d CommitLog file(s); CommitLog now starts at %d", count, cl_min)
+            return count
+
