@@ -122,6 +122,7 @@ class MessageStore:
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
+        self.start_report: StartReport | None = None
         self._running = False
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
@@ -147,6 +148,7 @@ class MessageStore:
         self._flusher = threading.Thread(target=self._flush_loop, name="tmq-flusher", daemon=True)
         self._flusher.start()
         report.seconds = time.monotonic() - started
+        self.start_report = report
         log.info(
             "store open at %s: last exit %s, CommitLog [%d, %d), %d queues, recovery took %.2fs",
             self.config.data_dir, "clean" if report.clean_exit else "CRASHED",
@@ -186,6 +188,9 @@ class MessageStore:
         self._clamp_index(end)
 
         cl_min = self.commitlog.min_offset
+        # Entries pointing below the CommitLog's first file were released (retention).
+        self.queues.correct_min_offsets(cl_min)
+        self.index.delete_before(cl_min)
         if self.queues.queues:
             reput = self.queues.max_physical_end
             if not clean and cp is not None:

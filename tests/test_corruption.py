@@ -1,0 +1,225 @@
+"""Damaged files get the documented outcome (docs/operations.md, "Recovery") and never a silent
+loss of valid data. Each test crashes a real writer process, damages real files, and restarts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import brute_force_scan, crash_after_writing, run_child
+from store_child import body_for
+
+from tiered.config import StoreConfig
+from tiered.hot.data_dir import DataDirLockedError
+from tiered.hot.mapped_file import StoreLoadError
+from tiered.record import CorruptRecordError, Message, StoredMessage
+from tiered.store import MessageStore
+
+
+def file_of(config: StoreConfig, offset: int) -> tuple[Path, int]:
+    size = config.commitlog_file_size
+    start = offset - offset % size
+    return config.commitlog_dir / f"{start:020d}", offset - start
+
+
+def patch(path: Path, pos: int, data: bytes) -> None:
+    with path.open("r+b") as fh:
+        fh.seek(pos)
+        fh.write(data)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def assert_all_readable(store: MessageStore, msgs: list[StoredMessage]) -> None:
+    for m in msgs:
+        got = store.get_messages(m.topic, m.queue_id, m.queue_offset, 1).messages
+        assert got and got[0] == m, f"message at {m.topic}/{m.queue_id}@{m.queue_offset} lost"
+        assert got[0].body == body_for(got[0].msg_id)
+
+
+@pytest.fixture
+def crashed(small_config: StoreConfig) -> tuple[StoreConfig, list[StoredMessage]]:
+    """A store whose writer appended 300 messages and died without shutting down."""
+    crash_after_writing(small_config.data_dir, 300)
+    msgs = brute_force_scan(small_config.commitlog_dir)
+    assert len(msgs) == 300
+    assert len(list(small_config.commitlog_dir.iterdir())) >= 3
+    return small_config, msgs
+
+
+def test_half_written_last_record_is_cut_and_copied_aside(crashed, open_store) -> None:
+    config, msgs = crashed
+    last = msgs[-1]
+    path, pos = file_of(config, last.commitlog_offset)
+    original = path.read_bytes()[pos : pos + last.size]
+    patch(path, pos + last.size // 2, bytes(last.size - last.size // 2))
+
+    store = open_store(config)
+    report = store.start_report
+    assert report is not None and not report.clean_exit
+    assert report.commitlog.end_offset == store.commitlog.max_offset == last.commitlog_offset
+    assert report.commitlog.truncated_bytes > 0
+    assert_all_readable(store, msgs[:-1])
+    assert store.max_offset(last.topic, last.queue_id) == last.queue_offset
+    quarantined = list(config.quarantine_dir.iterdir())
+    assert [q.read_bytes() for q in quarantined] == [original[: last.size // 2].rstrip(b"\0")]
+    # The queue continues without a gap or a repeat.
+    again = store.put_message(Message(topic=last.topic, queue_id=last.queue_id, body=b"next"))
+    assert again.queue_offset == last.queue_offset
+    assert again.commitlog_offset == last.commitlog_offset
+
+
+def test_flipped_body_byte_is_reported_and_refused_not_truncated(crashed) -> None:
+    config, msgs = crashed
+    victim = next(m for m in msgs[140:] if len(m.body) > 10)
+    path, pos = file_of(config, victim.commitlog_offset)
+    body_at = pos + 88  # IPv4 hosts: the body starts 88 bytes into the record
+    patch(path, body_at + 3, bytes([victim.body[3] ^ 0xFF]))
+    (config.data_dir / "checkpoint").unlink()  # make recovery scan everything
+
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.commitlog.corrupt_records == [victim.commitlog_offset]
+        with pytest.raises(CorruptRecordError):
+            store.get_messages(victim.topic, victim.queue_id, victim.queue_offset, 1)
+        assert_all_readable(store, [m for m in msgs if m is not victim])
+        assert store.commitlog.max_offset == msgs[-1].commitlog_offset + msgs[-1].size
+    finally:
+        store.shutdown()
+
+
+def test_bit_rot_after_a_clean_exit_fails_the_read_loudly(small_config, open_store) -> None:
+    crash_after_writing(small_config.data_dir, 120)
+    store = open_store(small_config)
+    store.shutdown()
+    msgs = brute_force_scan(small_config.commitlog_dir)
+    victim = next(m for m in msgs[50:] if len(m.body) > 10)
+    path, pos = file_of(small_config, victim.commitlog_offset)
+    patch(path, pos + 88 + 5, bytes([victim.body[5] ^ 0x10]))
+    store = open_store(small_config)
+    with pytest.raises(CorruptRecordError, match="CRC"):
+        store.get_messages(victim.topic, victim.queue_id, victim.queue_offset, 5)
+    assert_all_readable(store, [m for m in msgs if m is not victim])
+
+
+def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, open_store) -> None:
+    config, msgs = crashed
+    cut = msgs[280]
+    path, pos = file_of(config, cut.commitlog_offset)
+    patch(path, pos, bytes(config.commitlog_file_size - pos))
+    for later in sorted(config.commitlog_dir.iterdir()):
+        if later.name > path.name:
+            patch(later, 0, bytes(config.commitlog_file_size))
+
+    store = open_store(config)
+    assert store.commitlog.max_offset == cut.commitlog_offset
+    assert_all_readable(store, msgs[:280])
+    for topic in {m.topic for m in msgs}:
+        for qid in range(4):
+            kept = sum(1 for m in msgs[:280] if (m.topic, m.queue_id) == (topic, qid))
+            assert store.max_offset(topic, qid) == kept
+    assert not config.quarantine_dir.exists(), "zeros are not data: nothing to keep aside"
+
+
+def test_deleted_consumequeue_directory_is_rebuilt_after_a_crash(crashed, open_store) -> None:
+    config, msgs = crashed
+    shutil.rmtree(config.consumequeue_dir)
+    store = open_store(config)
+    assert_all_readable(store, msgs)
+
+
+def test_deleted_index_file_is_rebuilt(small_config, open_store) -> None:
+    crash_after_writing(small_config.data_dir, 2500)  # ~5000 index entries: 3 files of 2000
+    msgs = brute_force_scan(small_config.commitlog_dir)
+    index_files = sorted(small_config.index_dir.iterdir(), key=lambda p: p.name.split("-")[1])
+    assert len(index_files) >= 3
+    index_files[1].unlink()
+
+    store = MessageStore(small_config)
+    report = store.start()
+    try:
+        assert len(report.index_gaps_rebuilt) == 1
+        lo, hi = report.index_gaps_rebuilt[0]
+        in_gap = [m for m in msgs if lo <= m.commitlog_offset < hi]
+        assert len(in_gap) > 100
+        for m in in_gap[::7]:
+            assert [x.commitlog_offset for x in store.query_by_key(m.topic, m.msg_id)] == [
+                m.commitlog_offset
+            ]
+            assert m.commitlog_offset in {
+                x.commitlog_offset for x in store.query_by_key(m.topic, f"key-{m.msg_id}")
+            }
+    finally:
+        store.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["shrink-middle", "grow-last"])
+def test_wrong_size_segment_refuses_to_start_and_changes_nothing(crashed, damage) -> None:
+    config, _ = crashed
+    files = sorted(config.commitlog_dir.iterdir())
+    if damage == "shrink-middle":
+        os.truncate(files[1], config.commitlog_file_size - 4096)
+    else:
+        with files[-1].open("ab") as fh:
+            fh.write(b"\0" * 10)
+    before = digest(config.commitlog_dir)
+    with pytest.raises(StoreLoadError, match="configured file size"):
+        MessageStore(config).start()
+    assert digest(config.commitlog_dir) == before
+    # The failed start released the lock: a corrected configuration could start now.
+    with pytest.raises(StoreLoadError):
+        MessageStore(config).start()
+
+
+def test_second_process_on_the_same_data_dir_is_refused(small_config, open_store) -> None:
+    holder = run_child(small_config.data_dir, "hold", "async")
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DataDirLockedError, match=f"pid {holder.pid}"):
+            MessageStore(small_config).start()
+    finally:
+        holder.kill()
+        holder.wait()
+    open_store(small_config)  # the kernel dropped the dead holder's lock
+
+
+def test_unreadable_header_with_valid_data_after_it_refuses_to_start(crashed) -> None:
+    config, msgs = crashed
+    victim, after = msgs[100], msgs[101]
+    path, pos = file_of(config, victim.commitlog_offset)
+    patch(path, pos, b"\xde\xad\xbe\xef\xde\xad\xbe\xef")
+    (config.data_dir / "checkpoint").unlink()
+    before = digest(config.commitlog_dir)
+    with pytest.raises(StoreLoadError, match=f"resume at offset {after.commitlog_offset}"):
+        MessageStore(config).start()
+    assert digest(config.commitlog_dir) == before, "a refused start must not modify the log"
+
+
+def test_damaged_checkpoint_means_a_full_scan(crashed, open_store) -> None:
+    config, msgs = crashed
+    patch(config.data_dir / "checkpoint", 10, b"\xff\xff")
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert not report.checkpoint_found
+        assert report.commitlog.scanned_from == 0
+        assert report.commitlog.records_scanned == len(msgs)
+        assert_all_readable(store, msgs)
+    finally:
+        store.shutdown()
+
+
+def test_empty_last_file_from_a_crash_during_a_roll_is_removed(crashed, open_store) -> None:
+    config, msgs = crashed
+    files = sorted(config.commitlog_dir.iterdir())
+    stray = config.commitlog_dir / f"{int(files[-1].name) + config.commitlog_file_size:020d}"
+    stray.touch()
+    store = open_store(config)
+    assert not stray.exists()
+    assert_all_readable(store, msgs)

@@ -1,0 +1,129 @@
+"""The store facade: what the broker and the tiering layer rely on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tiered.config import StoreConfig, parse_duration_ms, parse_size
+from tiered.record import Message
+from tiered.store import GetStatus, InvalidMessageError, MessageStore
+
+
+def msg(topic: str = "t", qid: int = 0, body: bytes = b"x", **props: str) -> Message:
+    return Message(topic=topic, queue_id=qid, body=body, properties=dict(props))
+
+
+def all_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("topic", ["../x", "a/b", "..", "", "x" * 256, "tab\t", "ünï", "a.b"])
+def test_hostile_topic_names_are_refused_before_any_file_is_made(tmp_path, open_store, topic) -> None:
+    store = open_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20))
+    before = all_files(tmp_path)
+    with pytest.raises(InvalidMessageError, match="invalid topic"):
+        store.put_message(msg(topic))
+    assert all_files(tmp_path) == before
+    assert store.commitlog.max_offset == 0
+
+
+def test_oversized_body_is_refused_and_nothing_is_stored(tmp_path, open_store) -> None:
+    store = open_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20,
+                                   max_message_size=1000))  # fmt: skip
+    store.put_message(msg(body=b"a" * 1000))
+    with pytest.raises(InvalidMessageError, match="1001 bytes; the limit is 1000"):
+        store.put_messages([msg(body=b"ok"), msg(body=b"a" * 1001)])
+    assert store.wait_dispatched()
+    assert store.max_offset("t", 0) == 1, "a refused batch stores none of its messages"
+
+
+def test_record_larger_than_a_commitlog_file_is_refused(small_config, open_store) -> None:
+    store = open_store(small_config)
+    with pytest.raises(InvalidMessageError, match="does not fit"):
+        store.put_message(msg(body=b"a" * small_config.commitlog_file_size))
+    assert store.commitlog.max_offset == 0
+
+
+def test_bad_queue_id_and_property_separators_are_refused(small_config, open_store) -> None:
+    store = open_store(small_config)
+    with pytest.raises(InvalidMessageError):
+        store.put_message(msg(qid=-1))
+    with pytest.raises(InvalidMessageError):
+        store.put_message(Message(topic="t", body=b"", properties={"k": "v\x02"}))
+    assert store.commitlog.max_offset == 0
+
+
+def test_read_statuses_follow_rocketmq(small_config, open_store) -> None:
+    store = open_store(small_config)
+    assert store.get_messages("t", 0, 0).status is GetStatus.NO_MATCHED_LOGIC_QUEUE
+    store.put_messages([msg(body=bytes([i])) for i in range(5)])
+    assert store.wait_dispatched()
+    assert store.get_messages("t", 0, 5).status is GetStatus.OFFSET_OVERFLOW_ONE
+    bad = store.get_messages("t", 0, 9)
+    assert bad.status is GetStatus.OFFSET_OVERFLOW_BADLY and bad.next_offset == 5
+    found = store.get_messages("t", 0, 2, max_count=2)
+    assert found.status is GetStatus.FOUND
+    assert [m.body for m in found.messages] == [b"\x02", b"\x03"] and found.next_offset == 4
+
+
+def test_a_batch_spanning_files_gets_consecutive_queue_offsets(small_config, open_store) -> None:
+    store = open_store(small_config)
+    results = store.put_messages([msg(body=os.urandom(1000)) for _ in range(400)])
+    assert [r.queue_offset for r in results] == list(range(400))
+    assert len(store.commitlog.files.files) >= 3
+    assert store.wait_dispatched()
+    got = store.get_messages("t", 0, 0, 400, max_bytes=1 << 30).messages
+    assert [m.commitlog_offset for m in got] == [r.commitlog_offset for r in results]
+
+
+def test_sync_flush_acknowledges_only_fsynced_bytes(small_config, open_store) -> None:
+    small_config.flush = "sync"
+    store = open_store(small_config)
+    result = store.put_messages([msg(body=b"a" * 100) for _ in range(50)])[-1]
+    assert store.commitlog.flushed_offset >= result.commitlog_offset + result.size
+
+
+def test_release_keeps_undispatched_and_current_files(small_config, open_store) -> None:
+    store = open_store(small_config)
+    store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(300)])
+    assert store.wait_dispatched()
+    n_files = len(store.commitlog_files())
+    released = store.release_commitlog_files(lambda info: True)
+    assert released == n_files - 1, "every file but the one being written"
+    lo = store.min_offset("t", 0)
+    assert lo > 0
+    assert store.get_messages("t", 0, 0).status is GetStatus.OFFSET_TOO_SMALL
+    assert store.get_messages("t", 0, lo).messages[0].queue_offset == lo
+    assert store.query_by_key("t", "k0") == []
+    assert store.query_by_key("t", "k299")[0].queue_offset == 299
+
+
+def test_release_stops_at_the_first_file_the_predicate_keeps(small_config, open_store) -> None:
+    store = open_store(small_config)
+    store.put_messages([msg(body=os.urandom(2000)) for _ in range(300)])
+    assert store.wait_dispatched()
+    second = store.commitlog_files()[1].from_offset
+    assert store.release_commitlog_files(lambda info: info.from_offset < second) == 1
+    assert store.commitlog.min_offset == second
+
+
+def test_released_state_survives_a_restart(small_config, open_store) -> None:
+    store = open_store(small_config)
+    store.put_messages([msg(body=os.urandom(2000)) for _ in range(300)])
+    assert store.wait_dispatched()
+    store.release_commitlog_files(lambda info: True)
+    lo, hi = store.min_offset("t", 0), store.max_offset("t", 0)
+    store.shutdown()
+    again = open_store(small_config)
+    assert (again.min_offset("t", 0), again.max_offset("t", 0)) == (lo, hi)
+    assert again.put_message(msg()).queue_offset == hi
+
+
+def test_sizes_and_durations_parse_like_an_operator_writes_them() -> None:
+    assert parse_size("64KiB") == 65536 and parse_size("1g") == 1 << 30 and parse_size(5) == 5
+    assert parse_duration_ms("90d") == 90 * 86_400_000 and parse_duration_ms("500ms") == 500
+    with pytest.raises(ValueError):
+        parse_size("lots")
