@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tiered.config import StoreConfig, parse_duration_ms, parse_size
+from tiered.hot.mapped_file import StoreLoadError
 from tiered.record import Message
 from tiered.store import GetStatus, InvalidMessageError, MessageStore
 
@@ -127,3 +128,13 @@ def test_sizes_and_durations_parse_like_an_operator_writes_them() -> None:
     assert parse_duration_ms("90d") == 90 * 86_400_000 and parse_duration_ms("500ms") == 500
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_a_config_with_other_file_sizes_is_refused(small_config, open_store) -> None:
+    store = open_store(small_config)
+    store.put_message(msg())
+    store.shutdown()
+    other = StoreConfig(data_dir=small_config.data_dir, commitlog_file_size=1 << 20)
+    with pytest.raises(StoreLoadError, match="commitlog_file_size was 131072, configured 1048576"):
+        MessageStore(other).start()
+    assert open_store(small_config).max_offset("t", 0) == 1

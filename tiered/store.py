@@ -20,6 +20,7 @@ IndexFile flush, checkpoint). Readers never block writers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ from tiered.hot.consume_queue import TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
 from tiered.hot.data_dir import DataDir
 from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexService
+from tiered.hot.mapped_file import StoreLoadError
 from tiered.record import (
     Message,
     RecordError,
@@ -112,6 +114,39 @@ def check_topic(topic: str) -> None:
         _TOPIC_CHECK_CACHE.add(topic)
 
 
+GEOMETRY_FILE = "store.json"
+_GEOMETRY_KEYS = ("commitlog_file_size", "consumequeue_entries_per_file", "index_hash_slots",
+                  "index_max_entries")  # fmt: skip
+
+
+def recorded_geometry(data_dir: Path) -> dict[str, int] | None:
+    """The file sizes a data dir was created with (``store.json``), if it has been used."""
+    path = data_dir / GEOMETRY_FILE
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    return {k: int(raw[k]) for k in _GEOMETRY_KEYS}
+
+
+def check_geometry(config: StoreConfig) -> None:
+    """Refuse a configuration whose file sizes differ from those the data was written with:
+    every file would look damaged. Records the geometry on first use."""
+    wanted = {k: getattr(config, k) for k in _GEOMETRY_KEYS}
+    recorded = recorded_geometry(config.data_dir)
+    if recorded is None:
+        tmp = config.data_dir / (GEOMETRY_FILE + ".tmp")
+        tmp.write_text(json.dumps(wanted, indent=2) + "\n")
+        os.replace(tmp, config.data_dir / GEOMETRY_FILE)
+        return
+    diff = {k: (recorded[k], wanted[k]) for k in _GEOMETRY_KEYS if recorded[k] != wanted[k]}
+    if diff:
+        detail = ", ".join(f"{k} was {a}, configured {b}" for k, (a, b) in diff.items())
+        raise StoreLoadError(
+            f"{config.data_dir} was created with other file sizes ({detail}); "
+            f"configure the sizes in {GEOMETRY_FILE}"
+        )
+
+
 class MessageStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
@@ -158,6 +193,7 @@ class MessageStore:
         return report
 
     def _load_and_recover(self) -> StartReport:
+        check_geometry(self.config)
         clean = self.data_dir.last_exit_was_clean
         cp = load_checkpoint(self.checkpoint_path)
         if not clean:

@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiered.hot.mapped_file import StoreLoadError
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">qqqqii")
@@ -64,7 +66,7 @@ class IndexFile:
         self.path = path
         self.slots = slots
         self.max_entries = max_entries
-        self.size = HEADER_SIZE + slots * _SLOT.size + (max_entries + 1) * ENTRY_SIZE
+        self.size = self.file_size(slots, max_entries)
         self._entries_at = HEADER_SIZE + slots * _SLOT.size
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
         try:
@@ -85,6 +87,10 @@ class IndexFile:
             self.header = IndexHeader(*_HEADER.unpack_from(self.mm, 0))
             if not 1 <= self.header.next_entry <= max_entries + 1:
                 raise ValueError(f"{path}: header entry count {self.header.next_entry} is corrupt")
+
+    @staticmethod
+    def file_size(slots: int, max_entries: int) -> int:
+        return HEADER_SIZE + slots * _SLOT.size + (max_entries + 1) * ENTRY_SIZE
 
     @property
     def full(self) -> bool:
@@ -178,9 +184,16 @@ class IndexService:
         for path in sorted(self.directory.iterdir()):
             if path.name.startswith("."):
                 continue
+            if path.stat().st_size != IndexFile.file_size(self.slots, self.max_entries):
+                raise StoreLoadError(
+                    f"{path}: {path.stat().st_size} bytes, but {self.slots} slots and "
+                    f"{self.max_entries} entries make "
+                    f"{IndexFile.file_size(self.slots, self.max_entries)}; refusing to start"
+                )
             try:
                 files.append(IndexFile(path, self.slots, self.max_entries, create=False))
             except ValueError as e:
+                # Derived data: a damaged header costs a rebuild from the CommitLog, nothing more.
                 log.error("IndexFile %s is unusable (%s); it is removed and rebuilt", path, e)
                 path.unlink()
         files.sort(key=lambda f: (f.header.begin_offset, f.header.end_offset))

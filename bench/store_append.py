@@ -1,0 +1,164 @@
+"""Store append throughput for 1 KiB messages, beside ``dd`` writing the same bytes.
+
+Runs with no arguments in well under two minutes and prints one JSON object on its last line.
+
+- ASYNC, batch API (``put_messages`` of 256): append rate, and the rate at which messages become
+  readable (dispatched to ConsumeQueue and IndexFile), against ``dd`` writing the same number of
+  bytes through the page cache (``bs=1M``, no sync) in the same run.
+- ASYNC, one message per call.
+- SYNC, batch API: every call waits for its fsync (group commit), against ``dd oflag=dsync``
+  writing blocks of the same batch size.
+- SYNC, 8 threads each sending one message per call: group commit shares the fsyncs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tiered.config import StoreConfig  # noqa: E402
+from tiered.record import Message  # noqa: E402
+from tiered.store import MessageStore  # noqa: E402
+
+MSG = 1024
+BATCH = 256
+ASYNC_MESSAGES = 400_000
+SINGLE_MESSAGES = 60_000
+SYNC_SECONDS = 4.0
+TARGET = 300_000
+
+
+def messages(n: int, body: bytes) -> list[Message]:
+    return [Message(topic="bench", queue_id=i % 8, body=body,
+                    properties={"UNIQ_KEY": f"0A000001{i:024X}"}) for i in range(n)]  # fmt: skip
+
+
+def dd(path: Path, block: int, count: int, *flags: str) -> float:
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", *flags],
+                   check=True, capture_output=True)  # fmt: skip
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def open_store(root: Path, name: str, flush: str) -> MessageStore:
+    store = MessageStore(StoreConfig(data_dir=root / name, flush=flush))  # type: ignore[arg-type]
+    store.start()
+    return store
+
+
+def bench_async_batch(root: Path, body: bytes) -> dict[str, float]:
+    store = open_store(root, "async-batch", "async")
+    batch = messages(BATCH, body)
+    started = time.perf_counter()
+    for _ in range(ASYNC_MESSAGES // BATCH):
+        store.put_messages(batch)
+    appended = time.perf_counter() - started
+    store.wait_dispatched(600)
+    readable = time.perf_counter() - started
+    record_bytes = store.commitlog.max_offset
+    store.shutdown()
+    n = ASYNC_MESSAGES // BATCH * BATCH
+    return {
+        "messages": n,
+        "msgs_per_s": round(n / appended),
+        "mb_per_s": round(record_bytes / appended / 1e6, 1),
+        "readable_msgs_per_s": round(n / readable),
+        "record_bytes": record_bytes,
+    }
+
+
+def bench_async_single(root: Path, body: bytes) -> dict[str, float]:
+    store = open_store(root, "async-single", "async")
+    batch = messages(SINGLE_MESSAGES, body)
+    started = time.perf_counter()
+    for m in batch:
+        store.put_message(m)
+    seconds = time.perf_counter() - started
+    store.shutdown()
+    return {"messages": SINGLE_MESSAGES, "msgs_per_s": round(SINGLE_MESSAGES / seconds)}
+
+
+def bench_sync_batch(root: Path, body: bytes) -> dict[str, float]:
+    store = open_store(root, "sync-batch", "sync")
+    batch = messages(BATCH, body)
+    sent = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < SYNC_SECONDS:
+        store.put_messages(batch)
+        sent += BATCH
+    seconds = time.perf_counter() - started
+    store.shutdown()
+    return {"messages": sent, "msgs_per_s": round(sent / seconds),
+            "mb_per_s": round(sent * MSG / seconds / 1e6, 1)}  # fmt: skip
+
+
+def bench_sync_threads(root: Path, body: bytes, threads: int = 8) -> dict[str, float]:
+    store = open_store(root, "sync-threads", "sync")
+    counts = [0] * threads
+    stop = time.perf_counter() + SYNC_SECONDS
+
+    def producer(i: int) -> None:
+        m = messages(1, body)[0]
+        while time.perf_counter() < stop:
+            store.put_message(m)
+            counts[i] += 1
+
+    workers = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - started
+    store.shutdown()
+    return {"threads": threads, "msgs_per_s": round(sum(counts) / seconds)}
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp(prefix="tmq-bench-"))
+    body = os.urandom(MSG)
+    try:
+        async_batch = bench_async_batch(root, body)
+        total = async_batch["record_bytes"]
+        dd_buffered = dd(root / "dd", 1 << 20, int(total // (1 << 20)) + 1)
+        dd_mb_s = (int(total // (1 << 20)) + 1) * (1 << 20) / dd_buffered / 1e6
+        async_single = bench_async_single(root, body)
+        sync_batch = bench_sync_batch(root, body)
+        dsync_blocks = 2000
+        dd_dsync = dd(root / "dd", BATCH * MSG, dsync_blocks, "oflag=dsync")
+        dsync_mb_s = dsync_blocks * BATCH * MSG / dd_dsync / 1e6
+        sync_threads = bench_sync_threads(root, body)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "bench": "store_append",
+        "message_bytes": MSG,
+        "batch": BATCH,
+        "async_batch": async_batch,
+        "async_single": async_single,
+        "sync_batch": sync_batch,
+        "sync_single_8_threads": sync_threads,
+        "dd_buffered_mb_per_s": round(dd_mb_s, 1),
+        "dd_dsync_mb_per_s": round(dsync_mb_s, 1),
+        "ratio_async_batch_vs_dd": round(async_batch["mb_per_s"] / dd_mb_s, 3),
+        "ratio_sync_batch_vs_dd_dsync": round(sync_batch["mb_per_s"] / dsync_mb_s, 3),
+        "target_async_batch_msgs_per_s": TARGET,
+        "target_met": async_batch["msgs_per_s"] >= TARGET,
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

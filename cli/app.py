@@ -1,0 +1,29 @@
+"""The ``tmq`` command line. One module per command group; this one wires them together."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+from cli import store as store_commands
+
+app = typer.Typer(
+    name="tmq",
+    help="tmq: a RocketMQ-5-compatible broker with tiered storage to S3 and Delta export.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # tracebacks with locals could print secrets
+    add_completion=True,
+)
+app.add_typer(store_commands.app, name="store")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)  # fmt: skip
+    app()
+
+
+if __name__ == "__main__":
+    main()
