@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tiered.config import StoreConfig
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from tiered.hot.commitlog import AppendResult, CommitLog, RecoveryReport
+from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
 from tiered.hot.consume_queue import TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
 from tiered.hot.data_dir import DataDir
 from tiered.hot.dispatcher import Dispatcher
@@ -248,6 +248,7 @@ class MessageStore:
             report.index_gaps_rebuilt.append(gap)
         report.redispatched_bytes = end - self.dispatcher.reput_offset
         self.dispatcher.dispatch(end)
+        self.commitlog.on_append = self.dispatcher.submit
         for (topic, queue_id), cq in self.queues.queues.items():
             self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
         # Make what recovery kept durable before anything new is acknowledged on top of it.
@@ -338,7 +339,7 @@ class MessageStore:
     def put_message(self, msg: Message) -> AppendResult:
         return self.put_messages([msg])[0]
 
-    def put_messages(self, messages: Sequence[Message]) -> list[AppendResult]:
+    def put_messages(self, messages: Sequence[Message]) -> AppendBatch:
         """Append ``messages`` (atomically with respect to their queue offsets) and return once
         they are as durable as the flush mode promises: fsynced under SYNC, in the page cache
         under ASYNC."""
@@ -357,9 +358,8 @@ class MessageStore:
             results = self.commitlog.append(messages)
         except ValueError as e:
             raise InvalidMessageError(str(e)) from e
-        if self.config.flush == "sync" and results:
-            last = results[-1]
-            self.commitlog.wait_flushed(last.commitlog_offset + last.size)
+        if self.config.flush == "sync" and len(results):
+            self.commitlog.wait_flushed(results.end_offset)
         assert self.dispatcher is not None
         self.dispatcher.wakeup()
         return results

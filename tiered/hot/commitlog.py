@@ -15,7 +15,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from tiered.record import (
     BLANK_RECORD_SIZE,
     MAGIC_CODE_V2,
     CorruptRecordError,
+    EncodedBatch,
     Message,
     RecordEncoder,
     RecordError,
@@ -54,6 +55,33 @@ class AppendResult:
     store_timestamp: int
 
 
+class AppendBatch(Sequence[AppendResult]):
+    """The results of one append, one per message, built only when asked for."""
+
+    __slots__ = ("_offsets", "_qoffs", "_sizes", "_ts")
+
+    def __init__(self, chunks: list[EncodedBatch]) -> None:
+        if len(chunks) == 1:
+            c = chunks[0]
+            self._offsets, self._sizes, self._qoffs = c.offsets, c.sizes, c.queue_offsets
+        else:
+            self._offsets = [o for c in chunks for o in c.offsets]
+            self._sizes = [o for c in chunks for o in c.sizes]
+            self._qoffs = [o for c in chunks for o in c.queue_offsets]
+        self._ts = chunks[0].store_timestamp if chunks else 0
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, i: int) -> AppendResult:  # type: ignore[override]
+        return AppendResult(self._offsets[i], self._sizes[i], self._qoffs[i], self._ts)
+
+    @property
+    def end_offset(self) -> int:
+        """Just past the last record appended."""
+        return self._offsets[-1] + self._sizes[-1] if self._offsets else 0
+
+
 @dataclass(slots=True)
 class RecoveryReport:
     """What recovery found and did; every number an operator may ask about after a crash."""
@@ -73,6 +101,8 @@ def now_ms() -> int:
 class CommitLog:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
+        # Called under the put lock with each appended chunk, in CommitLog order (dispatch).
+        self.on_append: Callable[[EncodedBatch], None] | None = None
         self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
         self._encoder = RecordEncoder(config.store_host)
         self._put_lock = threading.Lock()
@@ -109,7 +139,7 @@ class CommitLog:
 
     # -- append --------------------------------------------------------------------------------
 
-    def append(self, messages: Sequence[Message]) -> list[AppendResult]:
+    def append(self, messages: Sequence[Message]) -> AppendBatch:
         """Append ``messages`` in order; all get consecutive queue offsets within their queue.
 
         Every record is encoded before any byte is written, so a message that cannot be encoded
@@ -117,54 +147,47 @@ class CommitLog:
         records before it stored but unacknowledged: the producer's retry may duplicate them,
         but queue offsets never repeat.)
         """
-        results: list[AppendResult] = []
-        encode = self._encoder.encode
         with self._put_lock:
             store_ts = now_ms()
             last = self.files.last_file()
+            size = self.files.file_size
             if last is None:
                 file_from, wrote = self.files.max_offset, 0
             else:
                 file_from, wrote = last.from_offset, last.wrote
-            size = self.files.file_size
             next_offsets: dict[tuple[str, int], int] = {}
-            # One chunk per file touched: (file start, bytes, queue offsets to publish after it).
-            chunks: list[tuple[int, list[bytes], dict[tuple[str, int], int]]] = []
-            parts: list[bytes] = []
-            used = wrote
-            for msg in messages:
-                key = (msg.topic, msg.queue_id)
-                qoff = next_offsets.get(key)
-                if qoff is None:
-                    qoff = self.queue_offsets.get(key, 0)
-                phys = file_from + used
+            # One encoded chunk per file touched, with the queue offsets it publishes.
+            chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]] = []
+            i = 0
+            while True:
+                batch = EncodedBatch(store_timestamp=store_ts)
                 try:
-                    record = encode(msg, qoff, phys, store_ts)[0]
-                except RecordError as e:
-                    raise ValueError(f"topic {msg.topic!r}: {e}") from e
-                n = len(record)
-                if n + BLANK_RECORD_SIZE > size - used:
-                    if n + BLANK_RECORD_SIZE > size:
+                    i, used = self._encoder.encode_batch(messages, i, file_from + wrote,
+                                                         size - wrote, next_offsets,
+                                                         self.queue_offsets, batch)  # fmt: skip
+                except (RecordError, TypeError, AttributeError) as e:
+                    raise ValueError(f"message {i}: {e}") from e
+                if i < len(messages):
+                    if not batch.offsets and wrote == 0:
                         raise MessageTooLargeError(
-                            f"a {n}-byte record does not fit in a {size}-byte CommitLog file"
+                            f"message {i} does not fit in a {size}-byte CommitLog file"
                         )
-                    if size - used > 0:
-                        parts.append(blank_record(size - used))
-                    chunks.append((file_from, parts, dict(next_offsets)))
-                    file_from, used, parts = file_from + size, 0, []
-                    record = encode(msg, qoff, file_from, store_ts)[0]
-                    phys = file_from
-                parts.append(record)
-                used += n
-                next_offsets[key] = qoff + 1
-                results.append(AppendResult(phys, n, qoff, store_ts))
-            chunks.append((file_from, parts, next_offsets))
-            for chunk_from, chunk_parts, published in chunks:
+                    if size - wrote - used > 0:
+                        batch.parts.append(blank_record(size - wrote - used))
+                    chunks.append((file_from, batch, dict(next_offsets)))
+                    file_from, wrote = file_from + size, 0
+                    continue
+                chunks.append((file_from, batch, next_offsets))
+                break
+            for chunk_from, batch, published in chunks:
                 f = self._file_for_append(chunk_from)
-                f.append(b"".join(chunk_parts))
+                f.append(b"".join(batch.parts))
+                batch.parts = []
                 self.queue_offsets.update(published)
+                if batch.offsets and self.on_append is not None:
+                    self.on_append(batch)
             self.last_store_timestamp = store_ts
-        return results
+        return AppendBatch([b for _, b, _ in chunks])
 
     def _file_for_append(self, from_offset: int) -> MappedFile:
         last = self.files.last_file()

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CQ_ENTRY = struct.Struct(">qiq")
 CQ_ENTRY_SIZE = CQ_ENTRY.size  # 20
-_CQ_DTYPE = np.dtype([("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+CQ_DTYPE = np.dtype([("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
 
 # RocketMQ's TopicValidator charset; it keeps every topic a safe single path component.
 TOPIC_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
@@ -116,6 +116,42 @@ class ConsumeQueue:
         self.max_offset = queue_offset + 1
         self.max_physical_end = commitlog_offset + size
         return True
+
+    def put_block(self, queue_offset: int, entries: bytes, physical_end: int) -> None:
+        """Store consecutive entries from ``queue_offset`` (skipping any already here)."""
+        count = len(entries) // CQ_ENTRY_SIZE
+        if queue_offset + count <= self.max_offset:
+            return
+        if queue_offset < self.max_offset:
+            skip = self.max_offset - queue_offset
+            entries = entries[skip * CQ_ENTRY_SIZE :]
+            queue_offset += skip
+            count -= skip
+        empty = self.max_offset == self.min_offset
+        if queue_offset > self.max_offset and not empty:
+            log.error(
+                "ConsumeQueue %s-%d: expected queue offset %d but got %d; the gap is unreadable",
+                self.topic, self.queue_id, self.max_offset, queue_offset,
+            )  # fmt: skip
+        pos = queue_offset * CQ_ENTRY_SIZE
+        view = memoryview(entries)
+        while view:
+            f = self._tail
+            if f is None or not f.from_offset <= pos < f.tail_offset:
+                f = self.files.find_file(pos)
+                if f is None:
+                    f = self.files.create_file(pos - pos % self.files.file_size)
+                self._tail = f
+            rel = pos - f.from_offset
+            take = min(len(view), f.size - rel)
+            f.write_at(rel, view[:take])
+            f.wrote = rel + take
+            view = view[take:]
+            pos += take
+        if empty:
+            self.min_offset = queue_offset
+        self.max_offset = queue_offset + count
+        self.max_physical_end = physical_end
 
     def flush(self) -> None:
         self.files.flush()
@@ -211,7 +247,7 @@ class ConsumeQueue:
 def _sizes(f: MappedFile) -> np.ndarray:  # type: ignore[type-arg]
     """The size field of every entry slot in ``f`` (a copy, so the mapping can be closed)."""
     raw = f.read(0, f.size - f.size % CQ_ENTRY_SIZE)
-    return np.frombuffer(raw, dtype=_CQ_DTYPE)["size"].astype(np.int64)
+    return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
 
 
 class ConsumeQueueStore:

@@ -2,36 +2,53 @@
 
 It follows the CommitLog from ``reput_offset`` up to the confirmed offset (every appended byte
 under ASYNC flush, every fsynced byte under SYNC) and, per record, appends a ConsumeQueue entry
-and IndexFile entries for the record's keys and unique id. Re-dispatching a record is harmless:
-the ConsumeQueue ignores queue offsets it already holds, and the IndexFile is skipped below the
-offset it has already seen.
+and IndexFile entries for the record's keys and unique id.
+
+Two sources feed one path (``apply``):
+
+- the append path hands over each appended chunk (``EncodedBatch``) with the fields dispatch
+  needs, so the hot path never re-reads what it has just written;
+- anything else (start-up recovery, or chunks dropped because dispatch fell far behind) is parsed
+  from the CommitLog into the same shape.
+
+Re-dispatching a record is harmless: a ConsumeQueue ignores queue offsets it already holds, and
+records below ``index_from`` (already indexed) are not indexed again.
 
 Threads: one dispatcher thread owns every write to ConsumeQueues and IndexFiles. Start-up
-recovery calls ``dispatch`` directly before that thread starts.
+recovery and shutdown call ``dispatch`` directly while that thread is not running.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from tiered.hot.commitlog import CommitLog
-from tiered.hot.consume_queue import ConsumeQueueStore
+from tiered.hot.consume_queue import CQ_DTYPE, ConsumeQueueStore
 from tiered.hot.index_file import IndexFile, IndexService, key_hash
 from tiered.record import (
     KEY_SEPARATOR,
     PROPERTY_KEYS,
     PROPERTY_TAGS,
     PROPERTY_UNIQ_KEY,
+    EncodedBatch,
     read_dispatch_fields,
     tag_hash,
 )
 
 log = logging.getLogger(__name__)
 
-# How many CommitLog bytes one pass dispatches before publishing progress to readers.
-_BATCH_BYTES = 4 << 20
+# CommitLog bytes parsed per step when reading from the file (recovery, catch-up).
+_PARSE_BYTES = 4 << 20
+# Appended chunks waiting for dispatch are dropped past this many bytes; dispatch then reads
+# those records back from the CommitLog instead, so memory stays bounded when it falls behind.
+_PENDING_LIMIT_BYTES = 64 << 20
+# A queue's run of entries in one chunk shorter than this is written entry by entry.
+_BLOCK_MIN = 4
 
 
 class Dispatcher:
@@ -43,47 +60,214 @@ class Dispatcher:
         self.reput_offset = reput_offset
         self.index_from = index_from
         self.logics_timestamp = 0
+        self._pending: deque[EncodedBatch] = deque()
+        self._pending_bytes = 0
+        self._tag_codes: dict[str | None, int] = {None: 0}
         self._wakeup = threading.Event()
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.listeners: list[Callable[[int], None]] = []
 
-    # -- the dispatch loop ---------------------------------------------------------------------
+    # -- intake --------------------------------------------------------------------------------
+
+    def submit(self, batch: EncodedBatch) -> None:
+        """Take an appended chunk (called under the CommitLog's put lock, in order)."""
+        nbytes = batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
+        if self._pending_bytes + nbytes > _PENDING_LIMIT_BYTES:
+            return  # dispatch will parse these records from the CommitLog
+        self._pending.append(batch)
+        self._pending_bytes += nbytes
 
     def dispatch(self, end: int) -> int:
         """Dispatch every record from ``reput_offset`` up to ``end``; returns the new offset."""
-        get_cq = self.queues.get_or_create
-        index = self.index
+        while True:
+            reput = self.commitlog.skip_blank(self.reput_offset)
+            if reput != self.reput_offset:
+                self._publish(min(reput, end), self.logics_timestamp)
+            if reput >= end:
+                return self.reput_offset
+            batch = self._pending[0] if self._pending else None
+            if batch is not None:
+                start = batch.offsets[0]
+                batch_end = batch.end_offset
+                if batch_end <= reput or start < reput:
+                    self._pop()  # already dispatched from the file
+                    continue
+                if start == reput:
+                    if batch_end > end:
+                        return self.reput_offset  # not confirmed yet (SYNC: not fsynced)
+                    self._pop()
+                    self.apply(batch)
+                    self._publish(batch_end, batch.store_timestamp)
+                    continue
+                end_here = min(end, start)
+            else:
+                end_here = end
+            parsed = self._parse(reput, end_here)
+            if parsed is None:
+                return self.reput_offset
+            self.apply(parsed)
+            self._publish(parsed.end_offset, parsed.store_timestamp)
+
+    def _pop(self) -> None:
+        batch = self._pending.popleft()
+        self._pending_bytes -= batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
+
+    def _parse(self, start: int, end: int) -> EncodedBatch | None:
+        """Read the records in CommitLog ``[start, end)`` (up to a step's worth)."""
+        out = EncodedBatch()
+        stamps: list[int] = []
+        limit = min(end, start + _PARSE_BYTES)
+        for f, pos, _total in self.commitlog.iter_records(start, limit):
+            total, topic, queue_id, queue_offset, store_ts, props = read_dispatch_fields(f.mm, pos)
+            out.offsets.append(f.from_offset + pos)
+            out.sizes.append(total)
+            out.queue_offsets.append(queue_offset)
+            out.queues.append((topic, queue_id))
+            out.tags.append(props.get(PROPERTY_TAGS))
+            out.keys.append(props.get(PROPERTY_KEYS))
+            out.uniq_keys.append(props.get(PROPERTY_UNIQ_KEY))
+            stamps.append(store_ts)
+        if not out.offsets:
+            return None
+        out.store_timestamp = max(stamps)
+        out.store_timestamps = stamps
+        return out
+
+    # -- applying a chunk ----------------------------------------------------------------------
+
+    def apply(self, batch: EncodedBatch) -> None:
+        """Write the ConsumeQueue and IndexFile entries for every record in ``batch``."""
+        codes = self._tag_codes
+        for t in batch.tags:
+            if t not in codes:
+                codes[t] = tag_hash(t)
+        tag_codes = [codes[t] for t in batch.tags]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, key in enumerate(batch.queues):
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [i]
+            else:
+                group.append(i)
+        offsets, sizes, qoffs = batch.offsets, batch.sizes, batch.queue_offsets
+        arrays: tuple[np.ndarray, ...] | None = None  # type: ignore[type-arg]
+        for (topic, queue_id), idx in groups.items():
+            cq = self.queues.get_or_create(topic, queue_id)
+            first, last = idx[0], idx[-1]
+            if len(idx) < _BLOCK_MIN or qoffs[last] - qoffs[first] != len(idx) - 1:
+                for i in idx:
+                    cq.put(qoffs[i], offsets[i], sizes[i], tag_codes[i])
+                continue
+            if arrays is None:
+                arrays = (np.asarray(offsets, np.int64), np.asarray(sizes, np.int32),
+                          np.asarray(tag_codes, np.int64))  # fmt: skip
+            sel = np.asarray(idx)
+            block = np.empty(len(idx), CQ_DTYPE)
+            block["offset"] = arrays[0][sel]
+            block["size"] = arrays[1][sel]
+            block["tag"] = arrays[2][sel]
+            cq.put_block(qoffs[first], block.tobytes(), offsets[last] + sizes[last])
+        self._index(batch)
+
+    def _index(self, batch: EncodedBatch) -> None:
+        hashes: list[int] = []
+        where: list[int] = []
         index_from = self.index_from
-        offset = self.reput_offset
-        last_ts = self.logics_timestamp
-        writer: IndexFile | None = None
-        for f, pos, total in self.commitlog.iter_records(offset, end):
-            phys = f.from_offset + pos
-            _, topic, queue_id, queue_offset, store_ts, props = read_dispatch_fields(f.mm, pos)
-            get_cq(topic, queue_id).put(queue_offset, phys, total, tag_hash(props.get(PROPERTY_TAGS)))
-            if phys >= index_from:
-                if writer is None or writer.full:
-                    writer = index.writer_at(phys)
-                keys = props.get(PROPERTY_KEYS)
-                if keys:
-                    for key in keys.split(KEY_SEPARATOR):
-                        if key:
-                            writer.put(key_hash(topic, key), phys, store_ts)
-                            if writer.full:
-                                writer = index.writer_at(phys)
-                uniq = props.get(PROPERTY_UNIQ_KEY)
-                if uniq:
-                    writer.put(key_hash(topic, uniq), phys, store_ts)
-                writer.advance(phys + total, store_ts)
-            last_ts = store_ts
-            offset = phys + total
-            if offset - self.reput_offset >= _BATCH_BYTES:
-                self._publish(offset, last_ts)
-        # A file's BLANK padding carries the offset on to the next file's start.
-        self._publish(min(end, self.commitlog.skip_blank(offset)), last_ts)
-        return self.reput_offset
+        offsets, queues, keys, uniqs = batch.offsets, batch.queues, batch.keys, batch.uniq_keys
+        for i, phys in enumerate(offsets):
+            if phys < index_from:
+                continue
+            topic = queues[i][0]
+            k = keys[i]
+            if k:
+                for key in k.split(KEY_SEPARATOR):
+                    if key:
+                        hashes.append(key_hash(topic, key))
+                        where.append(i)
+            u = uniqs[i]
+            if u:
+                hashes.append(key_hash(topic, u))
+                where.append(i)
+        end = batch.end_offset
+        if end <= index_from:
+            return
+        stamps = batch.store_timestamps
+        self._put_index_entries(
+            lambda begin: self.index.writer_at(begin),
+            hashes,
+            [offsets[i] for i in where],
+            [stamps[i] for i in where] if stamps else None,
+            batch.store_timestamp,
+            max(offsets[0], index_from),
+            end,
+        )
+
+    @staticmethod
+    def _put_index_entries(
+        writer_at: Callable[[int], IndexFile],
+        hashes: list[int],
+        offsets: list[int],
+        stamps: list[int] | None,
+        store_ts: int,
+        begin: int,
+        end: int,
+    ) -> list[IndexFile]:
+        """Add entries to ``writer_at``'s files, rolling when one is full; returns files used."""
+        used = [writer_at(begin)]
+        n = len(hashes)
+        h = np.asarray(hashes, np.int64)
+        o = np.asarray(offsets, np.int64)
+        t = np.asarray(stamps, np.int64) if stamps is not None else np.full(n, store_ts, np.int64)
+        done = 0
+        while done < n:
+            writer = used[-1]
+            if writer.full:
+                writer.advance(int(o[done]), int(t[done - 1]) if done else store_ts)
+                used.append(writer_at(int(o[done])))
+                continue
+            take = min(n - done, writer.space)
+            writer.put_many(h[done : done + take], o[done : done + take], t[done : done + take])
+            done += take
+        used[-1].advance(end, int(t.max()) if n else store_ts)
+        return used
+
+    def rebuild_index(self, start: int, end: int) -> None:
+        """Index CommitLog ``[start, end)`` into new files (a deleted or damaged IndexFile)."""
+        built: list[IndexFile] = []
+        offset = start
+
+        def new_writer(begin: int) -> IndexFile:
+            if built and not built[-1].full:
+                return built[-1]
+            built.append(self.index.new_file(begin))
+            return built[-1]
+
+        while offset < end:
+            batch = self._parse(offset, end)
+            if batch is None:
+                break
+            hashes: list[int] = []
+            where: list[int] = []
+            for i, (topic, _) in enumerate(batch.queues):
+                for key in [*(batch.keys[i] or "").split(KEY_SEPARATOR), batch.uniq_keys[i]]:
+                    if key:
+                        hashes.append(key_hash(topic, key))
+                        where.append(i)
+            batch_end = batch.end_offset
+            stamps = batch.store_timestamps or []
+            self._put_index_entries(new_writer, hashes, [batch.offsets[i] for i in where],
+                                    [stamps[i] for i in where], batch.store_timestamp,
+                                    batch.offsets[0], batch_end)  # fmt: skip
+            offset = self.commitlog.skip_blank(batch_end)
+        for w in built:
+            w.flush()
+        self.index.insert_rebuilt(built)
+        log.warning("IndexFile: rebuilt CommitLog range [%d, %d) into %d file(s)",
+                    start, end, len(built))  # fmt: skip
+
+    # -- progress ------------------------------------------------------------------------------
 
     def _publish(self, offset: int, store_ts: int) -> None:
         with self._progress:
@@ -93,30 +277,10 @@ class Dispatcher:
         for listener in self.listeners:
             listener(offset)
 
-    def rebuild_index(self, start: int, end: int) -> None:
-        """Index CommitLog ``[start, end)`` into new files (a deleted or damaged IndexFile)."""
-        built: list[IndexFile] = []
-        writer: IndexFile | None = None
-        for f, pos, total in self.commitlog.iter_records(start, end):
-            phys = f.from_offset + pos
-            _, topic, _, _, store_ts, props = read_dispatch_fields(f.mm, pos)
-            if writer is None or writer.full:
-                writer = self.index.new_file(phys)
-                built.append(writer)
-            keys = [k for k in (props.get(PROPERTY_KEYS) or "").split(KEY_SEPARATOR) if k]
-            uniq = props.get(PROPERTY_UNIQ_KEY)
-            for key in [*keys, uniq] if uniq else keys:
-                if writer.full:
-                    writer.advance(phys, store_ts)
-                    writer = self.index.new_file(phys)
-                    built.append(writer)
-                writer.put(key_hash(topic, key), phys, store_ts)
-            writer.advance(phys + total, store_ts)
-        for w in built:
-            w.flush()
-        self.index.insert_rebuilt(built)
-        log.warning("IndexFile: rebuilt CommitLog range [%d, %d) into %d file(s)",
-                    start, end, len(built))  # fmt: skip
+    def wait_for(self, offset: int, timeout: float) -> bool:
+        """Block until everything below ``offset`` is dispatched; False on timeout."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self.reput_offset >= offset, timeout)
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -132,13 +296,16 @@ class Dispatcher:
             end = self.commitlog.confirmed_offset
             if self.reput_offset < end:
                 try:
+                    before = self.reput_offset
                     self.dispatch(end)
+                    if self.reput_offset > before:
+                        continue
                 except Exception:
                     # Never die silently: the store would stop serving new messages.
                     log.exception("dispatcher failed at CommitLog offset %d; retrying",
                                   self.reput_offset)  # fmt: skip
                     self._stop.wait(1.0)
-                continue
+                    continue
             self._wakeup.wait(0.05)
             self._wakeup.clear()
 
@@ -149,7 +316,3 @@ class Dispatcher:
             self._thread.join()
             self._thread = None
 
-    def wait_for(self, offset: int, timeout: float) -> bool:
-        """Block until everything below ``offset`` is dispatched; False on timeout."""
-        with self._progress:
-            return self._progress.wait_for(lambda: self.reput_offset >= offset, timeout)

@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tiered.hot.mapped_file import StoreLoadError
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ HEADER_SIZE = _HEADER.size  # 40
 _SLOT = struct.Struct(">i")
 _ENTRY = struct.Struct(">iqii")
 ENTRY_SIZE = _ENTRY.size  # 20
+_ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("offset", ">i8"), ("seconds", ">i4"), ("prev", ">i4")])
 # A chain longer than this is corrupt (entries always point to strictly older ones).
 _MAX_CHAIN = 1_000_000
 
@@ -80,6 +83,10 @@ class IndexFile:
             self.mm = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
+        # The hash slots as an array over the mapping (released before the mapping is closed).
+        self._slots: np.ndarray | None = np.frombuffer(  # type: ignore[type-arg]
+            self.mm, dtype=">i4", count=slots, offset=HEADER_SIZE
+        )
         if create:
             self.header = IndexHeader(begin_offset=begin_offset, end_offset=begin_offset)
             self._write_header()
@@ -96,29 +103,60 @@ class IndexFile:
     def full(self) -> bool:
         return self.header.next_entry > self.max_entries
 
+    @property
+    def space(self) -> int:
+        """Entries that still fit."""
+        return self.max_entries + 1 - self.header.next_entry
+
     def _write_header(self) -> None:
         h = self.header
         _HEADER.pack_into(self.mm, 0, h.begin_timestamp, h.end_timestamp, h.begin_offset,
                           h.end_offset, h.used_slots, h.next_entry)  # fmt: skip
 
-    def put(self, khash: int, offset: int, store_timestamp: int) -> None:
-        """Add one entry; the caller rolls to a new file when ``full``."""
+    def put_many(self, hashes: np.ndarray, offsets: np.ndarray,  # type: ignore[type-arg]
+                 timestamps: np.ndarray) -> None:  # type: ignore[type-arg]  # fmt: skip
+        """Add entries (at most ``space``), in order, as if one at a time.
+
+        Each entry links to the newest earlier entry of its slot: within this call that is the
+        previous entry with the same slot, else what the slot held. Entries are written first,
+        then slots, then the header, so a crash leaves slots that point at most to entries that
+        exist (and a slot ahead of the saved header is detected and ignored).
+        """
+        n = len(hashes)
+        if n == 0:
+            return
         h = self.header
+        slots_arr = self._slots
+        assert slots_arr is not None and n <= self.space
         if h.begin_timestamp == 0:
-            h.begin_timestamp = store_timestamp
-        slot_pos = HEADER_SIZE + (khash % self.slots) * _SLOT.size
-        (prev,) = _SLOT.unpack_from(self.mm, slot_pos)
-        number = h.next_entry
-        if not 0 <= prev < number:
-            prev = 0  # a slot written after the header was last saved (crash): start afresh
-        elif prev == 0:
-            h.used_slots += 1
-        seconds = max(0, (store_timestamp - h.begin_timestamp) // 1000)
-        _ENTRY.pack_into(self.mm, self._entries_at + number * ENTRY_SIZE, khash, offset,
-                         min(seconds, 0x7FFFFFFF), prev)  # fmt: skip
-        _SLOT.pack_into(self.mm, slot_pos, number)
-        h.next_entry = number + 1
-        h.end_timestamp = max(h.end_timestamp, store_timestamp)
+            h.begin_timestamp = int(timestamps[0])
+        numbers = np.arange(h.next_entry, h.next_entry + n, dtype=np.int64)
+        slot_of = hashes % self.slots
+        order = np.argsort(slot_of, kind="stable")
+        sorted_slots = slot_of[order]
+        sorted_numbers = numbers[order]
+        first = np.ones(n, dtype=bool)
+        first[1:] = sorted_slots[1:] != sorted_slots[:-1]
+        last = np.ones(n, dtype=bool)
+        last[:-1] = first[1:]
+        prev_sorted = np.empty(n, dtype=np.int64)
+        prev_sorted[1:] = sorted_numbers[:-1]
+        held = slots_arr[sorted_slots[first]].astype(np.int64)
+        held[(held < 0) | (held >= h.next_entry)] = 0  # written after the header was saved
+        prev_sorted[first] = held
+        prev = np.empty(n, dtype=np.int64)
+        prev[order] = prev_sorted
+        entries = np.empty(n, dtype=_ENTRY_DTYPE)
+        entries["hash"] = hashes
+        entries["offset"] = offsets
+        entries["seconds"] = np.clip((timestamps - h.begin_timestamp) // 1000, 0, 0x7FFFFFFF)
+        entries["prev"] = prev
+        at = self._entries_at + h.next_entry * ENTRY_SIZE
+        self.mm[at : at + n * ENTRY_SIZE] = entries.tobytes()
+        slots_arr[sorted_slots[last]] = sorted_numbers[last]
+        h.used_slots += int(np.count_nonzero(held == 0))
+        h.next_entry += n
+        h.end_timestamp = max(h.end_timestamp, int(timestamps.max()))
         self._write_header()
 
     def advance(self, end_offset: int, store_timestamp: int) -> None:
@@ -160,10 +198,12 @@ class IndexFile:
     def close(self) -> None:
         if not self.mm.closed:
             self._write_header()
+            self._slots = None  # drop the array's hold on the mapping
             self.mm.close()
 
     def destroy(self) -> None:
         if not self.mm.closed:
+            self._slots = None
             self.mm.close()
         self.path.unlink(missing_ok=True)
 

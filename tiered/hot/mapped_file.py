@@ -78,7 +78,7 @@ class MappedFile:
         self.mm[self.wrote : end] = data
         self.wrote = end
 
-    def write_at(self, pos: int, data: bytes) -> None:
+    def write_at(self, pos: int, data: bytes | memoryview) -> None:
         self.mm[pos : pos + len(data)] = data
 
     def read(self, pos: int, size: int) -> bytes:
