@@ -57,6 +57,9 @@ class StoreConfig:
     index_max_entries: int = 20_000_000
     flush: FlushMode = "async"
     flush_interval_ms: int = 500
+    # Producers wait while dispatch (ConsumeQueue/IndexFile building) is this far behind the
+    # CommitLog, so what is acknowledged becomes readable within a bounded delay.
+    max_dispatch_lag_bytes: int = 32 * MiB
     # The largest body accepted (RocketMQ's maxMessageSize, 4 MiB).
     max_message_size: int = 4 * MiB
     # Verify body CRCs while scanning after a crash (RocketMQ's checkCRCOnRecover).

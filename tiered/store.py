@@ -253,7 +253,9 @@ class MessageStore:
             self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
         # Make what recovery kept durable before anything new is acknowledged on top of it.
         for f in self.commitlog.files.iter_from(report.commitlog.scanned_from):
-            f.mm.flush()
+            f.flushed = 0
+            f.flush()
+        self.commitlog.files.remove_stale_allocations()
         self.queues.flush()
         self.index.flush()
         self._save_checkpoint()
@@ -354,13 +356,18 @@ class MessageStore:
                 raise InvalidMessageError(
                     f"message body is {len(msg.body)} bytes; the limit is {limit}"
                 )
+        assert self.dispatcher is not None
+        lag_limit = self.config.max_dispatch_lag_bytes
+        if self.commitlog.max_offset - self.dispatcher.reput_offset > lag_limit:
+            # Back-pressure: let dispatch catch up rather than let readability fall behind.
+            self.dispatcher.wakeup()
+            self.dispatcher.wait_for(self.commitlog.max_offset - lag_limit // 2, timeout=10.0)
         try:
             results = self.commitlog.append(messages)
         except ValueError as e:
             raise InvalidMessageError(str(e)) from e
         if self.config.flush == "sync" and len(results):
             self.commitlog.wait_flushed(results.end_offset)
-        assert self.dispatcher is not None
         self.dispatcher.wakeup()
         return results
 

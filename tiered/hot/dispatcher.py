@@ -97,9 +97,9 @@ class Dispatcher:
                 if start == reput:
                     if batch_end > end:
                         return self.reput_offset  # not confirmed yet (SYNC: not fsynced)
-                    self._pop()
-                    self.apply(batch)
-                    self._publish(batch_end, batch.store_timestamp)
+                    merged = self._take_consecutive(end)
+                    self.apply(merged)
+                    self._publish(merged.end_offset, merged.store_timestamp)
                     continue
                 end_here = min(end, start)
             else:
@@ -109,6 +109,36 @@ class Dispatcher:
                 return self.reput_offset
             self.apply(parsed)
             self._publish(parsed.end_offset, parsed.store_timestamp)
+
+    def _take_consecutive(self, end: int) -> EncodedBatch:
+        """Pop the head chunk and every confirmed chunk that follows it without a gap, as one:
+        many small appends then cost one ``apply``."""
+        merged = self._pending[0]
+        self._pop()
+        if not self._pending:
+            return merged
+        out = EncodedBatch(store_timestamp=merged.store_timestamp)
+        stamps: list[int] = []
+        chunk: EncodedBatch | None = merged
+        while chunk is not None:
+            out.offsets += chunk.offsets
+            out.sizes += chunk.sizes
+            out.queue_offsets += chunk.queue_offsets
+            out.queues += chunk.queues
+            out.tags += chunk.tags
+            out.keys += chunk.keys
+            out.uniq_keys += chunk.uniq_keys
+            stamps += chunk.store_timestamps or [chunk.store_timestamp] * len(chunk.offsets)
+            out.store_timestamp = max(out.store_timestamp, chunk.store_timestamp)
+            following = self._pending[0] if self._pending else None
+            if (following is None or following.end_offset > end
+                    or following.offsets[0] != self.commitlog.skip_blank(chunk.end_offset)
+                    or len(out.offsets) >= 65536):  # fmt: skip
+                break
+            self._pop()
+            chunk = following
+        out.store_timestamps = stamps
+        return out
 
     def _pop(self) -> None:
         batch = self._pending.popleft()

@@ -81,8 +81,10 @@ class IndexFile:
                     f"{slots} slots and {max_entries} entries"
                 )
             self.mm = mmap.mmap(fd, self.size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
         # The hash slots as an array over the mapping (released before the mapping is closed).
         self._slots: np.ndarray | None = np.frombuffer(  # type: ignore[type-arg]
             self.mm, dtype=">i4", count=slots, offset=HEADER_SIZE
@@ -193,18 +195,20 @@ class IndexFile:
 
     def flush(self) -> None:
         self._write_header()
-        self.mm.flush()
+        os.fdatasync(self._fd)  # releases the GIL, unlike mmap.flush
 
     def close(self) -> None:
         if not self.mm.closed:
             self._write_header()
             self._slots = None  # drop the array's hold on the mapping
             self.mm.close()
+            os.close(self._fd)
 
     def destroy(self) -> None:
         if not self.mm.closed:
             self._slots = None
             self.mm.close()
+            os.close(self._fd)
         self.path.unlink(missing_ok=True)
 
 
