@@ -255,7 +255,6 @@ class MessageStore:
         for f in self.commitlog.files.iter_from(report.commitlog.scanned_from):
             f.flushed = 0
             f.flush()
-        self.commitlog.files.remove_stale_allocations()
         self.queues.flush()
         self.index.flush()
         self._save_checkpoint()

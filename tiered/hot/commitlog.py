@@ -103,8 +103,7 @@ class CommitLog:
         self.config = config
         # Called under the put lock with each appended chunk, in CommitLog order (dispatch).
         self.on_append: Callable[[EncodedBatch], None] | None = None
-        self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size,
-                                     allocate_ahead=True)  # fmt: skip
+        self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
         self._encoder = RecordEncoder(config.store_host)
         self._put_lock = threading.Lock()
         self._flush_lock = threading.Lock()
