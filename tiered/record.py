@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -163,12 +162,12 @@ def split_keys(value: str | None) -> list[str]:
 def tag_hash(tags: str | None) -> int:
     """The 8-byte tag code kept in a ConsumeQueue entry; 0 means "no tag".
 
-    RocketMQ uses Java's ``String.hashCode``; tmq uses CRC32, which is as good a filter hint,
+    RocketMQ uses Java's ``String.hashCode``; tmq uses CRC32C, which is as good a filter hint,
     runs in C, and is stable across processes (Python's ``hash`` is salted).
     """
     if not tags:
         return 0
-    return zlib.crc32(tags.encode())
+    return int(crc32c(tags.encode()))
 
 
 def encode_properties(properties: dict[str, str]) -> bytes:

@@ -63,6 +63,8 @@ class Dispatcher:
         self._pending: deque[EncodedBatch] = deque()
         self._pending_bytes = 0
         self._tag_codes: dict[str | None, int] = {None: 0}
+        self._queue_id_map: dict[tuple[str, int], int] = {}
+        self._queue_keys: list[tuple[str, int]] = []
         self._wakeup = threading.Event()
         self._progress = threading.Condition()
         self._stop = threading.Event()
@@ -168,64 +170,77 @@ class Dispatcher:
     # -- applying a chunk ----------------------------------------------------------------------
 
     def apply(self, batch: EncodedBatch) -> None:
-        """Write the ConsumeQueue and IndexFile entries for every record in ``batch``."""
+        """Write the ConsumeQueue and IndexFile entries for every record in ``batch``.
+
+        Per-record work is done by C-level iteration (``map``, comprehensions) and numpy;
+        Python-level loops run only over queues and over the rare records with several keys.
+        """
+        n = len(batch.offsets)
         codes = self._tag_codes
-        for t in batch.tags:
-            if t not in codes:
-                codes[t] = tag_hash(t)
-        tag_codes = [codes[t] for t in batch.tags]
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, key in enumerate(batch.queues):
-            group = groups.get(key)
-            if group is None:
-                groups[key] = [i]
-            else:
-                group.append(i)
-        offsets, sizes, qoffs = batch.offsets, batch.sizes, batch.queue_offsets
-        arrays: tuple[np.ndarray, ...] | None = None  # type: ignore[type-arg]
-        for (topic, queue_id), idx in groups.items():
+        try:
+            tag_codes = list(map(codes.__getitem__, batch.tags))
+        except KeyError:
+            for t in batch.tags:
+                if t not in codes:
+                    codes[t] = tag_hash(t)
+            tag_codes = list(map(codes.__getitem__, batch.tags))
+        ids = self._queue_id_map
+        try:
+            queue_ids = list(map(ids.__getitem__, batch.queues))
+        except KeyError:
+            for key in batch.queues:
+                if key not in ids:
+                    ids[key] = len(self._queue_keys)
+                    self._queue_keys.append(key)
+            queue_ids = list(map(ids.__getitem__, batch.queues))
+        offsets = np.asarray(batch.offsets, np.int64)
+        sizes = np.asarray(batch.sizes, np.int32)
+        qoffs = np.asarray(batch.queue_offsets, np.int64)
+        tags = np.asarray(tag_codes, np.int64)
+        qids = np.asarray(queue_ids, np.int64)
+        order = np.argsort(qids, kind="stable")
+        sorted_ids = qids[order]
+        bounds = np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1
+        starts = [0, *bounds.tolist()]
+        ends = [*bounds.tolist(), n]
+        for lo, hi in zip(starts, ends, strict=True):
+            idx = order[lo:hi]
+            topic, queue_id = self._queue_keys[int(sorted_ids[lo])]
             cq = self.queues.get_or_create(topic, queue_id)
-            first, last = idx[0], idx[-1]
-            if len(idx) < _BLOCK_MIN or qoffs[last] - qoffs[first] != len(idx) - 1:
-                for i in idx:
-                    cq.put(qoffs[i], offsets[i], sizes[i], tag_codes[i])
+            first_q = int(qoffs[idx[0]])
+            if hi - lo < _BLOCK_MIN or int(qoffs[idx[-1]]) - first_q != hi - lo - 1:
+                for i in idx.tolist():
+                    cq.put(batch.queue_offsets[i], batch.offsets[i], batch.sizes[i],
+                           tag_codes[i])  # fmt: skip
                 continue
-            if arrays is None:
-                arrays = (np.asarray(offsets, np.int64), np.asarray(sizes, np.int32),
-                          np.asarray(tag_codes, np.int64))  # fmt: skip
-            sel = np.asarray(idx)
-            block = np.empty(len(idx), CQ_DTYPE)
-            block["offset"] = arrays[0][sel]
-            block["size"] = arrays[1][sel]
-            block["tag"] = arrays[2][sel]
-            cq.put_block(qoffs[first], block.tobytes(), offsets[last] + sizes[last])
+            block = np.empty(hi - lo, CQ_DTYPE)
+            block["offset"] = offsets[idx]
+            block["size"] = sizes[idx]
+            block["tag"] = tags[idx]
+            last = int(idx[-1])
+            cq.put_block(first_q, block.tobytes(), batch.offsets[last] + batch.sizes[last])
         self._index(batch)
 
     def _index(self, batch: EncodedBatch) -> None:
-        hashes: list[int] = []
-        where: list[int] = []
+        offsets, queues, uniqs = batch.offsets, batch.queues, batch.uniq_keys
         index_from = self.index_from
-        offsets, queues, keys, uniqs = batch.offsets, batch.queues, batch.keys, batch.uniq_keys
-        for i, phys in enumerate(offsets):
-            if phys < index_from:
-                continue
-            topic = queues[i][0]
-            k = keys[i]
-            if k:
+        end = batch.end_offset
+        if end <= index_from:
+            return
+        # Unique ids: nearly every record has one.
+        where = [i for i, u in enumerate(uniqs) if u and offsets[i] >= index_from]
+        hashes = [key_hash(queues[i][0], uniqs[i]) for i in where]  # type: ignore[arg-type]
+        # KEYS: fewer records, possibly several keys each.
+        for i, k in enumerate(batch.keys):
+            if k and offsets[i] >= index_from:
+                topic = queues[i][0]
                 for key in k.split(KEY_SEPARATOR):
                     if key:
                         hashes.append(key_hash(topic, key))
                         where.append(i)
-            u = uniqs[i]
-            if u:
-                hashes.append(key_hash(topic, u))
-                where.append(i)
-        end = batch.end_offset
-        if end <= index_from:
-            return
         stamps = batch.store_timestamps
         self._put_index_entries(
-            lambda begin: self.index.writer_at(begin),
+            self.index.writer_at,
             hashes,
             [offsets[i] for i in where],
             [stamps[i] for i in where] if stamps else None,

@@ -28,11 +28,11 @@ import mmap
 import os
 import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from google_crc32c import value as crc32c
 
 from tiered.hot.mapped_file import StoreLoadError
 
@@ -50,7 +50,7 @@ _MAX_CHAIN = 1_000_000
 
 def key_hash(topic: str, key: str) -> int:
     """The 31-bit hash of ``topic#key`` (RocketMQ indexes keys per topic the same way)."""
-    return zlib.crc32(f"{topic}#{key}".encode()) & 0x7FFFFFFF
+    return crc32c(f"{topic}#{key}".encode()) & 0x7FFFFFFF
 
 
 @dataclass(slots=True)
@@ -112,8 +112,8 @@ class IndexFile:
 
     def _write_header(self) -> None:
         h = self.header
-        _HEADER.pack_into(self.mm, 0, h.begin_timestamp, h.end_timestamp, h.begin_offset,
-                          h.end_offset, h.used_slots, h.next_entry)  # fmt: skip
+        os.pwrite(self._fd, _HEADER.pack(h.begin_timestamp, h.end_timestamp, h.begin_offset,
+                                         h.end_offset, h.used_slots, h.next_entry), 0)  # fmt: skip
 
     def put_many(self, hashes: np.ndarray, offsets: np.ndarray,  # type: ignore[type-arg]
                  timestamps: np.ndarray) -> None:  # type: ignore[type-arg]  # fmt: skip
@@ -154,7 +154,7 @@ class IndexFile:
         entries["seconds"] = np.clip((timestamps - h.begin_timestamp) // 1000, 0, 0x7FFFFFFF)
         entries["prev"] = prev
         at = self._entries_at + h.next_entry * ENTRY_SIZE
-        self.mm[at : at + n * ENTRY_SIZE] = entries.tobytes()
+        os.pwrite(self._fd, entries.tobytes(), at)  # see MappedFile.write_at
         slots_arr[sorted_slots[last]] = sorted_numbers[last]
         h.used_slots += int(np.count_nonzero(held == 0))
         h.next_entry += n

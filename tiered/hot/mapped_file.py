@@ -6,8 +6,9 @@ in a queue has the same size. A file is preallocated with ``posix_fallocate`` wh
 full disk fails the roll with ENOSPC instead of killing the process with SIGBUS on a later write
 through the mapping.
 
-Writes go through the mapping (the page cache), so a ``kill -9`` loses nothing already written;
-``flush`` (``fdatasync``) is what makes bytes survive a power loss.
+Writes go to the page cache with ``pwrite`` and reads come from the mapping of the same pages, so
+a ``kill -9`` loses nothing already written; ``flush`` (``fdatasync``) is what makes bytes survive a
+power loss.
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ class MappedFile:
         return self.size - self.wrote
 
     def append(self, data: bytes) -> None:
-        end = self.wrote + len(data)
-        self.mm[self.wrote : end] = data
-        self.wrote = end
+        self.write_at(self.wrote, data)
+        self.wrote += len(data)
 
     def write_at(self, pos: int, data: bytes | memoryview) -> None:
-        self.mm[pos : pos + len(data)] = data
+        # pwrite, not a store through the mapping: both land in the same page cache (reads
+        # through the mapping see the bytes at once), but pwrite releases the GIL, and the first
+        # write to a page can stall in the filesystem for milliseconds while writeback runs
+        # (RocketMQ's transientStorePool writes through FileChannel.write for the same reason).
+        os.pwrite(self._fd, data, pos)
 
     def read(self, pos: int, size: int) -> bytes:
         return self.mm[pos : pos + size]
@@ -101,7 +105,7 @@ class MappedFile:
         while pos < self.size:
             end = min(self.size, pos + len(_ZERO_CHUNK))
             if self.mm[pos:end] != _ZERO_CHUNK[: end - pos]:
-                self.mm[pos:end] = _ZERO_CHUNK[: end - pos]
+                self.write_at(pos, _ZERO_CHUNK[: end - pos])
             pos = end
 
     def close(self) -> None:
