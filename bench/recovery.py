@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiered.config import GiB, StoreConfig  # noqa: E402
-from tiered.record import Message  # noqa: E402
-from tiered.store import MessageStore  # noqa: E402
+from tiered.config import GiB, StoreConfig
+from tiered.record import Message
+from tiered.store import MessageStore
 
 TARGET_BYTES = 1 * GiB
 MSG = 1024
@@ -39,9 +39,15 @@ def child(data_dir: Path) -> None:
     store = MessageStore(config(data_dir))
     store.start()
     body = os.urandom(MSG)
-    batch = [Message(topic=f"recovery-{i % 4}", queue_id=i % 8, body=body,
-                     properties={"UNIQ_KEY": f"0A000001{i:024X}", "KEYS": f"k{i}"})
-             for i in range(BATCH)]  # fmt: skip
+    batch = [
+        Message(
+            topic=f"recovery-{i % 4}",
+            queue_id=i % 8,
+            body=body,
+            properties={"UNIQ_KEY": f"0A000001{i:024X}", "KEYS": f"k{i}"},
+        )
+        for i in range(BATCH)
+    ]
     while store.commitlog.max_offset < TARGET_BYTES:
         store.put_messages(batch)
     store.wait_dispatched(600)
@@ -66,8 +72,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="tmq-recovery-"))
     data_dir = root / "store"
     try:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(data_dir)],
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(data_dir)], stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout is not None
         written = int(proc.stdout.readline())
         proc.send_signal(signal.SIGKILL)
@@ -78,24 +85,29 @@ def main() -> None:
         restart = time.perf_counter() - started
         messages = sum(store.max_offset(t, q) for t in store.topics() for q in store.queue_ids(t))
         store.shutdown()
-        read = sequential_read_seconds(data_dir / "commitlog", report.commitlog.end_offset
-                                       - report.commitlog.scanned_from)  # fmt: skip
+        read = sequential_read_seconds(
+            data_dir / "commitlog", report.commitlog.end_offset - report.commitlog.scanned_from
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     past = report.commitlog.end_offset - report.commitlog.scanned_from
-    print(json.dumps({
-        "bench": "recovery",
-        "commitlog_bytes": written,
-        "bytes_past_checkpoint": past,
-        "messages": messages,
-        "clean_exit": report.clean_exit,
-        "records_scanned": report.commitlog.records_scanned,
-        "redispatched_bytes": report.redispatched_bytes,
-        "restart_seconds": round(restart, 2),
-        "sequential_read_seconds": round(read, 3),
-        "restart_mb_per_s": round(past / restart / 1e6, 1),
-        "ratio_restart_vs_sequential_read": round(restart / read, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "recovery",
+                "commitlog_bytes": written,
+                "bytes_past_checkpoint": past,
+                "messages": messages,
+                "clean_exit": report.clean_exit,
+                "records_scanned": report.commitlog.records_scanned,
+                "redispatched_bytes": report.redispatched_bytes,
+                "restart_seconds": round(restart, 2),
+                "sequential_read_seconds": round(read, 3),
+                "restart_mb_per_s": round(past / restart / 1e6, 1),
+                "ratio_restart_vs_sequential_read": round(restart / read, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

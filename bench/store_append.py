@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiered.config import StoreConfig  # noqa: E402
-from tiered.record import Message  # noqa: E402
-from tiered.store import MessageStore  # noqa: E402
+from tiered.config import StoreConfig
+from tiered.record import Message
+from tiered.store import MessageStore
 
 MSG = 1024
 BATCH = 256
@@ -38,14 +38,21 @@ TARGET = 300_000
 
 
 def messages(n: int, body: bytes) -> list[Message]:
-    return [Message(topic="bench", queue_id=i % 8, body=body,
-                    properties={"UNIQ_KEY": f"0A000001{i:024X}"}) for i in range(n)]  # fmt: skip
+    return [
+        Message(
+            topic="bench", queue_id=i % 8, body=body, properties={"UNIQ_KEY": f"0A000001{i:024X}"}
+        )
+        for i in range(n)
+    ]
 
 
 def dd(path: Path, block: int, count: int, *flags: str) -> float:
     started = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", *flags],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", *flags],
+        check=True,
+        capture_output=True,
+    )
     seconds = time.perf_counter() - started
     path.unlink()
     return seconds
@@ -99,8 +106,11 @@ def bench_sync_batch(root: Path, body: bytes) -> dict[str, float]:
         sent += BATCH
     seconds = time.perf_counter() - started
     store.shutdown()
-    return {"messages": sent, "msgs_per_s": round(sent / seconds),
-            "mb_per_s": round(sent * MSG / seconds / 1e6, 1)}  # fmt: skip
+    return {
+        "messages": sent,
+        "msgs_per_s": round(sent / seconds),
+        "mb_per_s": round(sent * MSG / seconds / 1e6, 1),
+    }
 
 
 def bench_sync_threads(root: Path, body: bytes, threads: int = 8) -> dict[str, float]:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiered.config import StoreConfig  # noqa: E402
-from tiered.record import Message  # noqa: E402
-from tiered.store import MessageStore  # noqa: E402
+from tiered.config import StoreConfig
+from tiered.record import Message
+from tiered.store import MessageStore
 
 SIZES = json.loads((Path(__file__).with_name("store_sizes.json")).read_text())
 TOPICS = ["crash-a", "crash-b", "crash-c"]
@@ -82,10 +82,12 @@ def main() -> None:
                 batch.append((f"{seed}-{seq}", message_for(f"{seed}-{seq}", rng)))
                 seq += 1
             results = store.put_messages([m for _, m in batch])
-            out.write("".join(
-                f"ack {mid} {m.topic} {m.queue_id} {r.queue_offset} {r.commitlog_offset}\n"
-                for (mid, m), r in zip(batch, results, strict=True)
-            ))
+            out.write(
+                "".join(
+                    f"ack {mid} {m.topic} {m.queue_id} {r.queue_offset} {r.commitlog_offset}\n"
+                    for (mid, m), r in zip(batch, results, strict=True)
+                )
+            )
             out.flush()
 
 

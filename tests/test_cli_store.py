@@ -13,8 +13,13 @@ TMQ = [sys.executable, "-m", "cli.app"]
 
 
 def tmq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*TMQ, *args], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    return subprocess.run(
+        [*TMQ, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
 
 
 def test_check_reports_a_crash_recovery_as_json(small_config) -> None:

@@ -46,8 +46,10 @@ def verify(data_dir: Path, flush: str, acked: dict[str, Ack]) -> tuple[bool, int
                 while True:
                     result = store.get_messages(topic, qid, offset, 64)
                     if result.status is not GetStatus.FOUND:
-                        assert result.status in (GetStatus.OFFSET_OVERFLOW_ONE,
-                                                 GetStatus.NO_MATCHED_LOGIC_QUEUE)  # fmt: skip
+                        assert result.status in (
+                            GetStatus.OFFSET_OVERFLOW_ONE,
+                            GetStatus.NO_MATCHED_LOGIC_QUEUE,
+                        )
                         break
                     for m in result.messages:
                         assert m.queue_offset == offset, "queue offsets must be contiguous"

@@ -20,8 +20,9 @@ from tiered.record import (
 
 
 def roundtrip(msg: Message, store_host: tuple[str, int] = ("10.1.2.3", 10911)) -> object:
-    raw, _, _ = RecordEncoder(store_host).encode(msg, queue_offset=42, physical_offset=123456,
-                                                 store_timestamp=1_700_000_000_123)  # fmt: skip
+    raw, _, _ = RecordEncoder(store_host).encode(
+        msg, queue_offset=42, physical_offset=123456, store_timestamp=1_700_000_000_123
+    )
     out = decode(raw)
     assert out.size == len(raw)
     return out
@@ -40,7 +41,12 @@ def test_every_field_survives_a_round_trip() -> None:
         prepared_transaction_offset=99,
     )
     out = roundtrip(msg)
-    assert (out.topic, out.queue_id, out.queue_offset, out.commitlog_offset) == ("orders", 7, 42, 123456)
+    assert (out.topic, out.queue_id, out.queue_offset, out.commitlog_offset) == (
+        "orders",
+        7,
+        42,
+        123456,
+    )
     assert out.body == msg.body and out.flag == 3 and out.reconsume_times == 2
     assert out.born_timestamp == 1_699_999_999_999 and out.store_timestamp == 1_700_000_000_123
     assert out.born_host == ("192.168.7.9", 50123) and out.store_host == ("10.1.2.3", 10911)
@@ -62,8 +68,10 @@ def test_four_mib_body() -> None:
 
 def test_non_ascii_properties_and_ipv6_hosts() -> None:
     props = {"KEYS": "ключ 鍵", "TAGS": "标签", "note": "naïve ✓ 🚀"}
-    out = roundtrip(Message(topic="intl", body=b"b", properties=props, born_host=("::1", 9)),
-                    store_host=("fe80::1", 8081))  # fmt: skip
+    out = roundtrip(
+        Message(topic="intl", body=b"b", properties=props, born_host=("::1", 9)),
+        store_host=("fe80::1", 8081),
+    )
     assert out.properties == props
     assert out.born_host == ("::1", 9) and out.store_host == ("fe80::1", 8081)
     assert out.keys == ["ключ", "鍵"]
@@ -71,8 +79,13 @@ def test_non_ascii_properties_and_ipv6_hosts() -> None:
 
 def test_dispatch_fields_and_timestamp_read_without_decoding() -> None:
     raw, _, _ = RecordEncoder(("::2", 1)).encode(
-        Message(topic="t1", body=b"abc", queue_id=3, properties={"TAGS": "x"},
-                born_host=("::1", 2)), 5, 77, 1234)  # fmt: skip
+        Message(
+            topic="t1", body=b"abc", queue_id=3, properties={"TAGS": "x"}, born_host=("::1", 2)
+        ),
+        5,
+        77,
+        1234,
+    )
     total, topic, qid, qoff, ts, props = read_dispatch_fields(raw, 0)
     assert (total, topic, qid, qoff, ts, props) == (len(raw), "t1", 3, 5, 1234, {"TAGS": "x"})
     assert read_store_timestamp(raw, 0) == 1234

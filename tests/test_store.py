@@ -22,7 +22,9 @@ def all_files(root: Path) -> set[Path]:
 
 
 @pytest.mark.parametrize("topic", ["../x", "a/b", "..", "", "x" * 256, "tab\t", "ünï", "a.b"])
-def test_hostile_topic_names_are_refused_before_any_file_is_made(tmp_path, open_store, topic) -> None:
+def test_hostile_topic_names_are_refused_before_any_file_is_made(
+    tmp_path, open_store, topic
+) -> None:
     store = open_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20))
     before = all_files(tmp_path)
     with pytest.raises(InvalidMessageError, match="invalid topic"):
@@ -32,8 +34,9 @@ def test_hostile_topic_names_are_refused_before_any_file_is_made(tmp_path, open_
 
 
 def test_oversized_body_is_refused_and_nothing_is_stored(tmp_path, open_store) -> None:
-    store = open_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20,
-                                   max_message_size=1000))  # fmt: skip
+    store = open_store(
+        StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20, max_message_size=1000)
+    )
     store.put_message(msg(body=b"a" * 1000))
     with pytest.raises(InvalidMessageError, match="1001 bytes; the limit is 1000"):
         store.put_messages([msg(body=b"ok"), msg(body=b"a" * 1001)])

@@ -8,15 +8,15 @@ disk with the record codec, independently of the store's own readers.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import random
 import shutil
 from collections import defaultdict
 
 import pytest
-
-from tiered.config import StoreConfig
 from conftest import brute_force_scan
 
+from tiered.config import StoreConfig
 from tiered.record import Message, StoredMessage, tag_hash
 from tiered.store import GetStatus, MessageStore
 
@@ -45,8 +45,14 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[StoreConfig, list[
             props = {"UNIQ_KEY": f"id-{i}", "KEYS": f"shared-{i % 7000} own-{i}"}
             if rng.random() < 0.8:
                 props["TAGS"] = rng.choice(["red", "green", "blue"])
-            batch.append(Message(topic=topic, queue_id=rng.randrange(QUEUES),
-                                 body=rng.randbytes(rng.randint(0, 600)), properties=props))  # fmt: skip
+            batch.append(
+                Message(
+                    topic=topic,
+                    queue_id=rng.randrange(QUEUES),
+                    body=rng.randbytes(rng.randint(0, 600)),
+                    properties=props,
+                )
+            )
             i += 1
         store.put_messages(batch)
     assert store.wait_dispatched(120)
@@ -145,9 +151,11 @@ def test_tag_filter_matches_a_scan(loaded, open_store) -> None:
         assert got == want
 
 
-def test_deleted_consumequeue_and_index_dirs_are_rebuilt_identically(loaded, open_store, tmp_path) -> None:
+def test_deleted_consumequeue_and_index_dirs_are_rebuilt_identically(
+    loaded, open_store, tmp_path
+) -> None:
     config, scanned = loaded
-    copy = StoreConfig(**{**{f: getattr(config, f) for f in config.__slots__}, "data_dir": tmp_path / "c"})
+    copy = dataclasses.replace(config, data_dir=tmp_path / "c")
     shutil.copytree(config.data_dir, copy.data_dir)
     shutil.rmtree(copy.consumequeue_dir)
     shutil.rmtree(copy.index_dir)

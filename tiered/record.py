@@ -35,6 +35,7 @@ properties, as in RocketMQ.
 
 from __future__ import annotations
 
+import mmap
 import socket
 import struct
 from collections.abc import Sequence
@@ -62,6 +63,8 @@ MAX_TOPIC_BYTES = 0xFFFF
 MAX_PROPERTIES_BYTES = 0x7FFF  # RocketMQ's Short.MAX_VALUE limit
 
 Host = tuple[str, int]
+# Anything records are read from: a file's mapping, bytes read from an object, a view.
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 LOCALHOST: Host = ("127.0.0.1", 0)
 
 # The fixed head up to and including SYSFLAG and BORNTIMESTAMP (48 bytes), then the hosts.
@@ -87,6 +90,7 @@ _V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
 V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+_I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
 
@@ -247,22 +251,46 @@ class RecordEncoder:
         crc = crc32c(body)
         if not born_v6 and not self._store_v6:
             head = _V4_RECORD_HEAD.pack(
-                total, MAGIC_CODE_V2, crc, msg.queue_id, msg.flag, queue_offset,
-                physical_offset, sys_flag, msg.born_timestamp, born_ip, born_port,
-                store_timestamp, self._store_ip, self._store_port, msg.reconsume_times,
-                msg.prepared_transaction_offset, len(body),
-            )  # fmt: skip
+                total,
+                MAGIC_CODE_V2,
+                crc,
+                msg.queue_id,
+                msg.flag,
+                queue_offset,
+                physical_offset,
+                sys_flag,
+                msg.born_timestamp,
+                born_ip,
+                born_port,
+                store_timestamp,
+                self._store_ip,
+                self._store_port,
+                msg.reconsume_times,
+                msg.prepared_transaction_offset,
+                len(body),
+            )
         else:
             head = _HEAD.pack(
-                total, MAGIC_CODE_V2, crc, msg.queue_id, msg.flag, queue_offset,
-                physical_offset, sys_flag, msg.born_timestamp,
+                total,
+                MAGIC_CODE_V2,
+                crc,
+                msg.queue_id,
+                msg.flag,
+                queue_offset,
+                physical_offset,
+                sys_flag,
+                msg.born_timestamp,
             ) + _TAILS[(born_v6, self._store_v6)].pack(
-                born_ip, born_port, store_timestamp, self._store_ip, self._store_port,
-                msg.reconsume_times, msg.prepared_transaction_offset, len(body),
-            )  # fmt: skip
-        record = b"".join(
-            (head, body, _U16.pack(len(topic)), topic, _U16.pack(len(props)), props)
-        )
+                born_ip,
+                born_port,
+                store_timestamp,
+                self._store_ip,
+                self._store_port,
+                msg.reconsume_times,
+                msg.prepared_transaction_offset,
+                len(body),
+            )
+        record = b"".join((head, body, _U16.pack(len(topic)), topic, _U16.pack(len(props)), props))
         return record, topic, props
 
     def encode_batch(
@@ -303,8 +331,10 @@ class RecordEncoder:
             if props:
                 pbytes = encode_properties(props)
                 if len(pbytes) > MAX_PROPERTIES_BYTES:
-                    raise RecordError(f"properties are {len(pbytes)} bytes; the format allows "
-                                      f"{MAX_PROPERTIES_BYTES}")  # fmt: skip
+                    raise RecordError(
+                        f"properties are {len(pbytes)} bytes; the format allows "
+                        f"{MAX_PROPERTIES_BYTES}"
+                    )
                 ppart = _U16.pack(len(pbytes)) + pbytes
             else:
                 ppart = b"\0\0"
@@ -332,12 +362,29 @@ class RecordEncoder:
                 if q is None:
                     q = base_offsets.get(key, 0)
                 parts += (
-                    pack(size, MAGIC_CODE_V2, crc32c(body), m.queue_id, m.flag, q,
-                         physical_offset + used, 0, m.born_timestamp, born[0], m.born_host[1],
-                         store_ts, store_ip, store_port, m.reconsume_times,
-                         m.prepared_transaction_offset, len(body)),
-                    body, tpart, ppart,
-                )  # fmt: skip
+                    pack(
+                        size,
+                        MAGIC_CODE_V2,
+                        crc32c(body),
+                        m.queue_id,
+                        m.flag,
+                        q,
+                        physical_offset + used,
+                        0,
+                        m.born_timestamp,
+                        born[0],
+                        m.born_host[1],
+                        store_ts,
+                        store_ip,
+                        store_port,
+                        m.reconsume_times,
+                        m.prepared_transaction_offset,
+                        len(body),
+                    ),
+                    body,
+                    tpart,
+                    ppart,
+                )
             next_offsets[key] = q + 1
             offsets.append(physical_offset + used)
             sizes.append(size)
@@ -405,12 +452,12 @@ def blank_record(size: int) -> bytes:
     return _TOTAL_AND_MAGIC.pack(size, BLANK_MAGIC_CODE) + bytes(size - BLANK_RECORD_SIZE)
 
 
-def read_total_and_magic(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+def read_total_and_magic(buf: Buffer, pos: int) -> tuple[int, int]:
     total, magic = _TOTAL_AND_MAGIC.unpack_from(buf, pos)
     return int(total), int(magic)
 
 
-def decode(buf: bytes | memoryview, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:
+def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:
     """Decode the record at ``pos``.
 
     Raises ``RecordError`` for anything that is not a whole, well-formed record (including a BLANK
@@ -420,15 +467,17 @@ def decode(buf: bytes | memoryview, pos: int = 0, *, check_crc: bool = True) -> 
     if end_of_buf - pos < V4_HEAD_SIZE:
         raise RecordError(f"record at {pos}: only {end_of_buf - pos} bytes left")
     try:
-        (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
-         born_ts) = _HEAD.unpack_from(buf, pos)  # fmt: skip
+        (total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts) = (
+            _HEAD.unpack_from(buf, pos)
+        )
         if magic != MAGIC_CODE_V2:
             raise RecordError(f"record at {pos}: illegal magic code {magic}")
         if total < V4_HEAD_SIZE + 4 or pos + total > end_of_buf:
             raise RecordError(f"record at {pos}: total size {total} runs past the data")
         tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
-        (born_ip, born_port, store_ts, store_ip, store_port, reconsume, prepared,
-         body_len) = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)  # fmt: skip
+        (born_ip, born_port, store_ts, store_ip, store_port, reconsume, prepared, body_len) = (
+            tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
+        )
         p = pos + _OFFSET_OF_BORNHOST + tail.size
         body = bytes(buf[p : p + body_len])
         p += body_len
@@ -474,14 +523,13 @@ def decode(buf: bytes | memoryview, pos: int = 0, *, check_crc: bool = True) -> 
 _topic_cache: dict[bytes, str] = {}
 
 
-def read_dispatch_fields(
-    buf: bytes | memoryview, pos: int
-) -> tuple[int, str, int, int, int, dict[str, str]]:
+def read_dispatch_fields(buf: Buffer, pos: int) -> tuple[int, str, int, int, int, dict[str, str]]:
     """(total size, topic, queue id, queue offset, store timestamp, properties) of the record at
     ``pos``, without copying the body: what the dispatcher needs to build ConsumeQueue and
     IndexFile entries. The caller has already checked the record (append or recovery)."""
-    (total, _magic, _crc, queue_id, _flag, queue_offset, _phys, sys_flag,
-     _born_ts) = _HEAD.unpack_from(buf, pos)  # fmt: skip
+    (total, _magic, _crc, queue_id, _flag, queue_offset, _phys, sys_flag, _born_ts) = (
+        _HEAD.unpack_from(buf, pos)
+    )
     tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
     fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
     p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
@@ -498,7 +546,106 @@ def read_dispatch_fields(
     return total, topic, queue_id, queue_offset, fields[2], props
 
 
-def read_store_timestamp(buf: bytes | memoryview, pos: int) -> int:
+def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) -> int:
+    """Check the record at ``pos`` without decoding it; return its total size.
+
+    It must be a whole V2 record whose fields add up to its TOTALSIZE, that names
+    ``physical_offset`` as its own offset, and (with ``check_crc``) whose body matches BODYCRC.
+    Raises ``RecordError`` or ``CorruptRecordError``. This is the crash-recovery scan's check.
+    """
+    try:
+        (total, magic, crc, _qid, _flag, _qoff, phys, sys_flag, _born) = _HEAD.unpack_from(buf, pos)
+        if magic != MAGIC_CODE_V2:
+            raise RecordError(f"record at {physical_offset}: illegal magic code {magic}")
+        if total < V4_HEAD_SIZE + 4 or pos + total > len(buf):
+            raise RecordError(f"record at {physical_offset}: total size {total} is impossible")
+        if phys != physical_offset:
+            raise RecordError(f"record at {physical_offset} names offset {phys}")
+        tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
+        body_at = pos + _OFFSET_OF_BORNHOST + tail.size
+        (body_len,) = _I32.unpack_from(buf, body_at - 4)
+        p = body_at + body_len
+        (topic_len,) = _U16.unpack_from(buf, p)
+        (props_len,) = _U16.unpack_from(buf, p + 2 + topic_len)
+    except struct.error as e:
+        raise RecordError(f"record at {physical_offset}: {e}") from e
+    if body_len < 0 or p + 4 + topic_len + props_len - pos != total:
+        raise RecordError(f"record at {physical_offset}: fields do not add up to {total} bytes")
+    if check_crc and crc32c(bytes(buf[body_at:p])) != crc:
+        raise CorruptRecordError(f"record at physical offset {physical_offset}: body CRC mismatch")
+    return int(total)
+
+
+def _property(raw: bytes, name: bytes) -> str | None:
+    """One property's value from encoded properties, without decoding the others."""
+    if raw.startswith(name):
+        start = len(name)
+    else:
+        at = raw.find(b"\x02" + name)
+        if at < 0:
+            return None
+        start = at + 1 + len(name)
+    end = raw.find(b"\x02", start)
+    return raw[start : end if end >= 0 else len(raw)].decode()
+
+
+_TAGS_NAME = (PROPERTY_TAGS + _NAME_VALUE_SEPARATOR).encode()
+_KEYS_NAME = (PROPERTY_KEYS + _NAME_VALUE_SEPARATOR).encode()
+_UNIQ_NAME = (PROPERTY_UNIQ_KEY + _NAME_VALUE_SEPARATOR).encode()
+
+
+def read_dispatch_run(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    out: EncodedBatch,
+    stamps: list[int],
+) -> int:
+    """Append the dispatch fields of every record from ``pos`` up to ``limit`` (or a BLANK
+    record) to ``out``; return the position after the last one. ``base_offset`` is the CommitLog
+    offset of ``buf[0]``. The records have been validated already (append or recovery)."""
+    offsets, sizes, qoffs, queues = out.offsets, out.sizes, out.queue_offsets, out.queues
+    tags, keys, uniqs = out.tags, out.keys, out.uniq_keys
+    topics = _topic_cache
+    unpack_head = _HEAD.unpack_from
+    while pos < limit:
+        if _TOTAL_AND_MAGIC.unpack_from(buf, pos)[1] != MAGIC_CODE_V2:
+            break  # BLANK padding, which may be only 8 bytes long: the end of this file
+        (total, _magic, _crc, queue_id, _flag, queue_offset, _phys, sys_flag, _born) = unpack_head(
+            buf, pos
+        )
+        tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
+        fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
+        p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
+        (topic_len,) = _U16.unpack_from(buf, p)
+        raw_topic = bytes(buf[p + 2 : p + 2 + topic_len])
+        topic = topics.get(raw_topic)
+        if topic is None:
+            topic = raw_topic.decode()
+            if len(topics) < 100_000:
+                topics[raw_topic] = topic
+        p += 2 + topic_len
+        (props_len,) = _U16.unpack_from(buf, p)
+        if props_len:
+            props = bytes(buf[p + 2 : p + 2 + props_len])
+            tags.append(_property(props, _TAGS_NAME))
+            keys.append(_property(props, _KEYS_NAME))
+            uniqs.append(_property(props, _UNIQ_NAME))
+        else:
+            tags.append(None)
+            keys.append(None)
+            uniqs.append(None)
+        offsets.append(base_offset + pos)
+        sizes.append(total)
+        qoffs.append(queue_offset)
+        queues.append((topic, queue_id))
+        stamps.append(fields[2])
+        pos += total
+    return pos
+
+
+def read_store_timestamp(buf: Buffer, pos: int) -> int:
     """STORETIMESTAMP of the record at ``pos``, without decoding the rest."""
     (sys_flag,) = struct.unpack_from(">i", buf, pos + _OFFSET_OF_SYSFLAG)
     host_size = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8
@@ -506,11 +653,11 @@ def read_store_timestamp(buf: bytes | memoryview, pos: int) -> int:
     return int(ts)
 
 
-def read_physical_offset(buf: bytes | memoryview, pos: int) -> int:
+def read_physical_offset(buf: Buffer, pos: int) -> int:
     (off,) = _I64.unpack_from(buf, pos + _OFFSET_OF_PHYSICALOFFSET)
     return int(off)
 
 
-def read_body_crc(buf: bytes | memoryview, pos: int) -> int:
+def read_body_crc(buf: Buffer, pos: int) -> int:
     (crc,) = _U32.unpack_from(buf, pos + _OFFSET_OF_BODYCRC)
     return int(crc)

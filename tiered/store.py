@@ -115,8 +115,12 @@ def check_topic(topic: str) -> None:
 
 
 GEOMETRY_FILE = "store.json"
-_GEOMETRY_KEYS = ("commitlog_file_size", "consumequeue_entries_per_file", "index_hash_slots",
-                  "index_max_entries")  # fmt: skip
+_GEOMETRY_KEYS = (
+    "commitlog_file_size",
+    "consumequeue_entries_per_file",
+    "index_hash_slots",
+    "index_max_entries",
+)
 
 
 def recorded_geometry(data_dir: Path) -> dict[str, int] | None:
@@ -152,8 +156,12 @@ class MessageStore:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
-        self.queues = ConsumeQueueStore(config.consumequeue_dir, config.consumequeue_entries_per_file)
-        self.index = IndexService(config.index_dir, config.index_hash_slots, config.index_max_entries)
+        self.queues = ConsumeQueueStore(
+            config.consumequeue_dir, config.consumequeue_entries_per_file
+        )
+        self.index = IndexService(
+            config.index_dir, config.index_hash_slots, config.index_max_entries
+        )
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
@@ -186,10 +194,13 @@ class MessageStore:
         self.start_report = report
         log.info(
             "store open at %s: last exit %s, CommitLog [%d, %d), %d queues, recovery took %.2fs",
-            self.config.data_dir, "clean" if report.clean_exit else "CRASHED",
-            self.commitlog.min_offset, self.commitlog.max_offset, len(self.queues.queues),
+            self.config.data_dir,
+            "clean" if report.clean_exit else "CRASHED",
+            self.commitlog.min_offset,
+            self.commitlog.max_offset,
+            len(self.queues.queues),
             report.seconds,
-        )  # fmt: skip
+        )
         return report
 
     def _load_and_recover(self) -> StartReport:
@@ -197,8 +208,9 @@ class MessageStore:
         clean = self.data_dir.last_exit_was_clean
         cp = load_checkpoint(self.checkpoint_path)
         if not clean:
-            log.warning("%s: the last run did not shut down cleanly; recovering",
-                        self.config.data_dir)  # fmt: skip
+            log.warning(
+                "%s: the last run did not shut down cleanly; recovering", self.config.data_dir
+            )
         self.commitlog.load()
         cq_dir_present = self.config.consumequeue_dir.exists()
         self.queues.load_and_recover()
@@ -235,14 +247,20 @@ class MessageStore:
             reput = cl_min
             report.consumequeue_rebuilt = end > cl_min
             if report.consumequeue_rebuilt:
-                log.warning("%s: %s; rebuilding every ConsumeQueue from the CommitLog",
-                            self.config.consumequeue_dir,
-                            "is empty" if cq_dir_present else "is missing")  # fmt: skip
+                log.warning(
+                    "%s: %s; rebuilding every ConsumeQueue from the CommitLog",
+                    self.config.consumequeue_dir,
+                    "is empty" if cq_dir_present else "is missing",
+                )
         reput = min(max(reput, cl_min), end)
         index_from = min(max(self.index.end_offset, cl_min), end)
-        self.dispatcher = Dispatcher(self.commitlog, self.queues, self.index,
-                                     reput_offset=min(reput, index_from),
-                                     index_from=index_from)  # fmt: skip
+        self.dispatcher = Dispatcher(
+            self.commitlog,
+            self.queues,
+            self.index,
+            reput_offset=min(reput, index_from),
+            index_from=index_from,
+        )
         for gap in self.index.gaps(cl_min, min(index_from, end)):
             self.dispatcher.rebuild_index(*gap)
             report.index_gaps_rebuilt.append(gap)
@@ -291,7 +309,9 @@ class MessageStore:
         if clean:
             self.data_dir.mark_clean_exit()
         else:
-            log.error("dispatch is behind at shutdown; the next start will recover as after a crash")
+            log.error(
+                "dispatch is behind at shutdown; the next start will recover as after a crash"
+            )
         self.data_dir.unlock()
 
     def __enter__(self) -> MessageStore:
@@ -445,8 +465,9 @@ class MessageStore:
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
-        return self.commitlog.read_message(commitlog_offset, size,
-                                           check_crc=self.config.check_crc_on_read)  # fmt: skip
+        return self.commitlog.read_message(
+            commitlog_offset, size, check_crc=self.config.check_crc_on_read
+        )
 
     def store_timestamp_at(self, topic: str, queue_id: int, queue_offset: int) -> int | None:
         cq = self._cq(topic, queue_id)
@@ -466,9 +487,9 @@ class MessageStore:
         while lo < hi:
             mid = (lo + hi) // 2
             ts = self.store_timestamp_at(topic, queue_id, mid)
-            if ts is None:  # released meanwhile: everything below is older still
-                lo = mid + 1
-            elif ts < timestamp_ms:
+            if (
+                ts is None or ts < timestamp_ms
+            ):  # released meanwhile: everything below is older still
                 lo = mid + 1
             else:
                 hi = mid
@@ -548,4 +569,3 @@ class MessageStore:
             self.index.delete_before(cl_min)
             log.info("released %d CommitLog file(s); CommitLog now starts at %d", count, cl_min)
             return count
-

@@ -34,6 +34,7 @@ from tiered.record import (
     blank_record,
     decode,
     read_total_and_magic,
+    validate,
 )
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,15 @@ class CommitLog:
             while True:
                 batch = EncodedBatch(store_timestamp=store_ts)
                 try:
-                    i, used = self._encoder.encode_batch(messages, i, file_from + wrote,
-                                                         size - wrote, next_offsets,
-                                                         self.queue_offsets, batch)  # fmt: skip
+                    i, used = self._encoder.encode_batch(
+                        messages,
+                        i,
+                        file_from + wrote,
+                        size - wrote,
+                        next_offsets,
+                        self.queue_offsets,
+                        batch,
+                    )
                 except (RecordError, TypeError, AttributeError) as e:
                     raise ValueError(f"message {i}: {e}") from e
                 if i < len(messages):
@@ -215,7 +222,7 @@ class CommitLog:
     # -- read ----------------------------------------------------------------------------------
 
     def read(self, offset: int, size: int) -> bytes | None:
-        """The ``size`` bytes at ``offset``, or None when that range is no longer (or not yet) here."""
+        """The ``size`` bytes at ``offset``; None when that range is not (or no longer) here."""
         f = self.files.find_file(offset)
         if f is None:
             return None
@@ -309,16 +316,16 @@ class CommitLog:
                 here = f.from_offset + pos
                 if magic == MAGIC_CODE_V2 and 0 < total <= f.size - pos - BLANK_RECORD_SIZE:
                     try:
-                        msg = decode(mm, pos, check_crc=check_crc)
-                        if msg.commitlog_offset != here:
-                            raise RecordError(f"record at {here} claims offset {msg.commitlog_offset}")
+                        validate(mm, pos, here, check_crc=check_crc)
                     except CorruptRecordError:
                         if self._find_valid_record(here + total) is None:
                             return here  # a torn last record
                         log.error(
                             "CommitLog %s: record at offset %d fails its body CRC; it is kept "
-                            "in place, reported, and refused to readers", f.path, here,
-                        )  # fmt: skip
+                            "in place, reported, and refused to readers",
+                            f.path,
+                            here,
+                        )
                         report.corrupt_records.append(here)
                         report.records_scanned += 1
                         pos += total
@@ -353,9 +360,8 @@ class CommitLog:
             while hit != -1:
                 start = hit - 4
                 try:
-                    msg = decode(mm, start, check_crc=True)
-                    if msg.commitlog_offset == f.from_offset + start:
-                        return f.from_offset + start
+                    validate(mm, start, f.from_offset + start, check_crc=True)
+                    return f.from_offset + start
                 except RecordError:
                     pass
                 hit = mm.find(_MAGIC_BYTES, hit + 1)
@@ -375,8 +381,10 @@ class CommitLog:
                 report.truncated_bytes += len(tail)
                 log.warning(
                     "CommitLog: cut a torn tail of %d bytes at offset %d (copied to %s)",
-                    len(tail), end, path,
-                )  # fmt: skip
+                    len(tail),
+                    end,
+                    path,
+                )
         for dropped in self.files.truncate_dirty(end):
             if _all_zero(dropped.path):
                 dropped.path.unlink()
@@ -385,8 +393,9 @@ class CommitLog:
             target = quarantine / f"commitlog-file-{dropped.path.name}-{now_ms()}"
             shutil.move(str(dropped.path), target)
             report.quarantined.append(target)
-            log.warning("CommitLog: %s lies past the end of valid data; moved to %s",
-                        dropped.path, target)  # fmt: skip
+            log.warning(
+                "CommitLog: %s lies past the end of valid data; moved to %s", dropped.path, target
+            )
 
     # -- retention hook ------------------------------------------------------------------------
 

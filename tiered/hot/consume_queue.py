@@ -71,9 +71,12 @@ class ConsumeQueue:
             holes = np.flatnonzero(sizes[first : int(valid[-1]) + 1] <= 0)
             count = first + int(holes[0]) if len(holes) else int(valid[-1]) + 1
             if len(holes):
-                log.warning("ConsumeQueue %s-%d: torn entries after offset %d are dropped",
-                            self.topic, self.queue_id,
-                            (last.from_offset // CQ_ENTRY_SIZE) + count)  # fmt: skip
+                log.warning(
+                    "ConsumeQueue %s-%d: torn entries after offset %d are dropped",
+                    self.topic,
+                    self.queue_id,
+                    (last.from_offset // CQ_ENTRY_SIZE) + count,
+                )
             self._drop_files_from(last.from_offset + count * CQ_ENTRY_SIZE)
             break
         files = self.files.files
@@ -99,8 +102,11 @@ class ConsumeQueue:
         if queue_offset > self.max_offset and not empty:
             log.error(
                 "ConsumeQueue %s-%d: expected queue offset %d but got %d; the gap is unreadable",
-                self.topic, self.queue_id, self.max_offset, queue_offset,
-            )  # fmt: skip
+                self.topic,
+                self.queue_id,
+                self.max_offset,
+                queue_offset,
+            )
         pos = queue_offset * CQ_ENTRY_SIZE
         f = self._tail
         if f is None or not f.from_offset <= pos < f.tail_offset:
@@ -131,8 +137,11 @@ class ConsumeQueue:
         if queue_offset > self.max_offset and not empty:
             log.error(
                 "ConsumeQueue %s-%d: expected queue offset %d but got %d; the gap is unreadable",
-                self.topic, self.queue_id, self.max_offset, queue_offset,
-            )  # fmt: skip
+                self.topic,
+                self.queue_id,
+                self.max_offset,
+                queue_offset,
+            )
         pos = queue_offset * CQ_ENTRY_SIZE
         view = memoryview(entries)
         while view:
@@ -244,7 +253,7 @@ class ConsumeQueue:
         self._tail = None
 
 
-def _sizes(f: MappedFile) -> np.ndarray:  # type: ignore[type-arg]
+def _sizes(f: MappedFile) -> np.ndarray:
     """The size field of every entry slot in ``f`` (a copy, so the mapping can be closed)."""
     raw = f.read(0, f.size - f.size % CQ_ENTRY_SIZE)
     return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
@@ -277,8 +286,9 @@ class ConsumeQueueStore:
     def _new(self, topic: str, queue_id: int) -> ConsumeQueue:
         if not TOPIC_NAME.match(topic) or queue_id < 0:
             raise ValueError(f"not a valid topic/queue: {topic!r}/{queue_id}")
-        return ConsumeQueue(topic, queue_id, self.root / topic / str(queue_id),
-                            self.entries_per_file)  # fmt: skip
+        return ConsumeQueue(
+            topic, queue_id, self.root / topic / str(queue_id), self.entries_per_file
+        )
 
     def get(self, topic: str, queue_id: int) -> ConsumeQueue | None:
         return self.queues.get((topic, queue_id))

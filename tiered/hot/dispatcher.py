@@ -32,11 +32,8 @@ from tiered.hot.consume_queue import CQ_DTYPE, ConsumeQueueStore
 from tiered.hot.index_file import IndexFile, IndexService, key_hash
 from tiered.record import (
     KEY_SEPARATOR,
-    PROPERTY_KEYS,
-    PROPERTY_TAGS,
-    PROPERTY_UNIQ_KEY,
     EncodedBatch,
-    read_dispatch_fields,
+    read_dispatch_run,
     tag_hash,
 )
 
@@ -54,8 +51,15 @@ _BLOCK_MIN = 4
 
 
 class Dispatcher:
-    def __init__(self, commitlog: CommitLog, queues: ConsumeQueueStore, index: IndexService,
-                 *, reput_offset: int, index_from: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        commitlog: CommitLog,
+        queues: ConsumeQueueStore,
+        index: IndexService,
+        *,
+        reput_offset: int,
+        index_from: int,
+    ) -> None:
         self.commitlog = commitlog
         self.queues = queues
         self.index = index
@@ -135,9 +139,12 @@ class Dispatcher:
             stamps += chunk.store_timestamps or [chunk.store_timestamp] * len(chunk.offsets)
             out.store_timestamp = max(out.store_timestamp, chunk.store_timestamp)
             following = self._pending[0] if self._pending else None
-            if (following is None or following.end_offset > end
-                    or following.offsets[0] != self.commitlog.skip_blank(chunk.end_offset)
-                    or len(out.offsets) >= 65536):  # fmt: skip
+            if (
+                following is None
+                or following.end_offset > end
+                or following.offsets[0] != self.commitlog.skip_blank(chunk.end_offset)
+                or len(out.offsets) >= 65536
+            ):
                 break
             self._pop()
             chunk = following
@@ -152,17 +159,19 @@ class Dispatcher:
         """Read the records in CommitLog ``[start, end)`` (up to a step's worth)."""
         out = EncodedBatch()
         stamps: list[int] = []
+        offset = start
         limit = min(end, start + _PARSE_BYTES)
-        for f, pos, _total in self.commitlog.iter_records(start, limit):
-            total, topic, queue_id, queue_offset, store_ts, props = read_dispatch_fields(f.mm, pos)
-            out.offsets.append(f.from_offset + pos)
-            out.sizes.append(total)
-            out.queue_offsets.append(queue_offset)
-            out.queues.append((topic, queue_id))
-            out.tags.append(props.get(PROPERTY_TAGS))
-            out.keys.append(props.get(PROPERTY_KEYS))
-            out.uniq_keys.append(props.get(PROPERTY_UNIQ_KEY))
-            stamps.append(store_ts)
+        while offset < limit:
+            f = self.commitlog.files.find_file(offset)
+            if f is None:
+                break
+            pos = offset - f.from_offset
+            stop = read_dispatch_run(
+                f.mm, pos, min(f.wrote, limit - f.from_offset), f.from_offset, out, stamps
+            )
+            offset = self.commitlog.skip_blank(f.from_offset + stop)
+            if offset == f.from_offset + stop:
+                break  # not a BLANK: the end of what is written
         if not out.offsets:
             return None
         out.store_timestamp = max(stamps)
@@ -212,8 +221,7 @@ class Dispatcher:
             first_q = int(qoffs[idx[0]])
             if hi - lo < _BLOCK_MIN or int(qoffs[idx[-1]]) - first_q != hi - lo - 1:
                 for i in idx.tolist():
-                    cq.put(batch.queue_offsets[i], batch.offsets[i], batch.sizes[i],
-                           tag_codes[i])  # fmt: skip
+                    cq.put(batch.queue_offsets[i], batch.offsets[i], batch.sizes[i], tag_codes[i])
                 continue
             block = np.empty(hi - lo, CQ_DTYPE)
             block["offset"] = offsets[idx]
@@ -253,7 +261,7 @@ class Dispatcher:
 
     @staticmethod
     def _put_index_entries(
-        writer_at: Callable[[int], IndexFile],
+        writer_at: Callable[[int, int], IndexFile],
         hashes: list[int],
         offsets: list[int],
         stamps: list[int] | None,
@@ -261,20 +269,34 @@ class Dispatcher:
         begin: int,
         end: int,
     ) -> list[IndexFile]:
-        """Add entries to ``writer_at``'s files, rolling when one is full; returns files used."""
-        used = [writer_at(begin)]
+        """Add entries to ``writer_at``'s files in CommitLog order; returns the files used.
+
+        A file rolls only between records: its range ``[begin, end)`` then holds exactly the
+        records whose entries it has, which is what lets a lost file be rebuilt from its range.
+        """
         n = len(hashes)
-        h = np.asarray(hashes, np.int64)
         o = np.asarray(offsets, np.int64)
-        t = np.asarray(stamps, np.int64) if stamps is not None else np.full(n, store_ts, np.int64)
+        order = np.argsort(o, kind="stable")
+        o = o[order]
+        h = np.asarray(hashes, np.int64)[order]
+        t = (
+            np.asarray(stamps, np.int64)[order]
+            if stamps is not None
+            else np.full(n, store_ts, np.int64)
+        )
+        used = [writer_at(begin, 1)]
         done = 0
         while done < n:
             writer = used[-1]
-            if writer.full:
-                writer.advance(int(o[done]), int(t[done - 1]) if done else store_ts)
-                used.append(writer_at(int(o[done])))
-                continue
             take = min(n - done, writer.space)
+            if take < n - done and o[done + take] == o[done + take - 1]:
+                take = int(np.searchsorted(o, o[done + take - 1], "left")) - done
+            if take <= 0 and writer.header.next_entry > 1:
+                record_entries = int(np.searchsorted(o, o[done], "right")) - done
+                writer.advance(int(o[done]), int(t[done - 1]) if done else store_ts)
+                used.append(writer_at(int(o[done]), record_entries))
+                continue
+            take = max(take, min(n - done, writer.space))  # one record with more keys than a file
             writer.put_many(h[done : done + take], o[done : done + take], t[done : done + take])
             done += take
         used[-1].advance(end, int(t.max()) if n else store_ts)
@@ -285,8 +307,8 @@ class Dispatcher:
         built: list[IndexFile] = []
         offset = start
 
-        def new_writer(begin: int) -> IndexFile:
-            if built and not built[-1].full:
+        def new_writer(begin: int, need: int) -> IndexFile:
+            if built and built[-1].space >= need:
                 return built[-1]
             built.append(self.index.new_file(begin))
             return built[-1]
@@ -304,15 +326,22 @@ class Dispatcher:
                         where.append(i)
             batch_end = batch.end_offset
             stamps = batch.store_timestamps or []
-            self._put_index_entries(new_writer, hashes, [batch.offsets[i] for i in where],
-                                    [stamps[i] for i in where], batch.store_timestamp,
-                                    batch.offsets[0], batch_end)  # fmt: skip
+            self._put_index_entries(
+                new_writer,
+                hashes,
+                [batch.offsets[i] for i in where],
+                [stamps[i] for i in where],
+                batch.store_timestamp,
+                batch.offsets[0],
+                batch_end,
+            )
             offset = self.commitlog.skip_blank(batch_end)
         for w in built:
             w.flush()
         self.index.insert_rebuilt(built)
-        log.warning("IndexFile: rebuilt CommitLog range [%d, %d) into %d file(s)",
-                    start, end, len(built))  # fmt: skip
+        log.warning(
+            "IndexFile: rebuilt CommitLog range [%d, %d) into %d file(s)", start, end, len(built)
+        )
 
     # -- progress ------------------------------------------------------------------------------
 
@@ -349,8 +378,9 @@ class Dispatcher:
                         continue
                 except Exception:
                     # Never die silently: the store would stop serving new messages.
-                    log.exception("dispatcher failed at CommitLog offset %d; retrying",
-                                  self.reput_offset)  # fmt: skip
+                    log.exception(
+                        "dispatcher failed at CommitLog offset %d; retrying", self.reput_offset
+                    )
                     self._stop.wait(1.0)
                     continue
             if self._wakeup.wait(0.05) and self._pending_bytes < _COALESCE_BYTES:
@@ -364,4 +394,3 @@ class Dispatcher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-

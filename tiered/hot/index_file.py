@@ -50,7 +50,7 @@ _MAX_CHAIN = 1_000_000
 
 def key_hash(topic: str, key: str) -> int:
     """The 31-bit hash of ``topic#key`` (RocketMQ indexes keys per topic the same way)."""
-    return crc32c(f"{topic}#{key}".encode()) & 0x7FFFFFFF
+    return int(crc32c(f"{topic}#{key}".encode())) & 0x7FFFFFFF
 
 
 @dataclass(slots=True)
@@ -64,8 +64,9 @@ class IndexHeader:
 
 
 class IndexFile:
-    def __init__(self, path: Path, slots: int, max_entries: int, *, create: bool,
-                 begin_offset: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, slots: int, max_entries: int, *, create: bool, begin_offset: int = 0
+    ) -> None:
         self.path = path
         self.slots = slots
         self.max_entries = max_entries
@@ -86,7 +87,7 @@ class IndexFile:
             raise
         self._fd = fd
         # The hash slots as an array over the mapping (released before the mapping is closed).
-        self._slots: np.ndarray | None = np.frombuffer(  # type: ignore[type-arg]
+        self._slots: np.ndarray | None = np.frombuffer(
             self.mm, dtype=">i4", count=slots, offset=HEADER_SIZE
         )
         if create:
@@ -112,11 +113,25 @@ class IndexFile:
 
     def _write_header(self) -> None:
         h = self.header
-        os.pwrite(self._fd, _HEADER.pack(h.begin_timestamp, h.end_timestamp, h.begin_offset,
-                                         h.end_offset, h.used_slots, h.next_entry), 0)  # fmt: skip
+        os.pwrite(
+            self._fd,
+            _HEADER.pack(
+                h.begin_timestamp,
+                h.end_timestamp,
+                h.begin_offset,
+                h.end_offset,
+                h.used_slots,
+                h.next_entry,
+            ),
+            0,
+        )
 
-    def put_many(self, hashes: np.ndarray, offsets: np.ndarray,  # type: ignore[type-arg]
-                 timestamps: np.ndarray) -> None:  # type: ignore[type-arg]  # fmt: skip
+    def put_many(
+        self,
+        hashes: np.ndarray,
+        offsets: np.ndarray,
+        timestamps: np.ndarray,
+    ) -> None:
         """Add entries (at most ``space``), in order, as if one at a time.
 
         Each entry links to the newest earlier entry of its slot: within this call that is the
@@ -267,13 +282,13 @@ class IndexService:
         while path.exists():
             n += 1
             path = self.directory / f"{base}-{n}"
-        return IndexFile(path, self.slots, self.max_entries, create=True,
-                         begin_offset=begin_offset)  # fmt: skip
+        return IndexFile(path, self.slots, self.max_entries, create=True, begin_offset=begin_offset)
 
-    def writer_at(self, offset: int) -> IndexFile:
-        """The file that takes entries for a record at ``offset`` (rolls when full)."""
+    def writer_at(self, offset: int, need: int = 1) -> IndexFile:
+        """The file that takes ``need`` entries for a record at ``offset``: the newest file, or
+        a new one starting at ``offset`` when the newest has no room for them."""
         tail = self.files[-1] if self.files else None
-        if tail is None or tail.full:
+        if tail is None or tail.space < min(need, self.max_entries):
             if tail is not None:
                 tail.flush()
             tail = self.new_file(offset)
@@ -304,7 +319,8 @@ class IndexService:
 
     def delete_before(self, commitlog_min: int) -> int:
         """Delete files whose whole range lies below ``commitlog_min`` (never the newest)."""
-        keep, gone = [], []
+        keep: list[IndexFile] = []
+        gone: list[IndexFile] = []
         for i, f in enumerate(self.files):
             last = i == len(self.files) - 1
             (gone if not last and f.header.end_offset <= commitlog_min else keep).append(f)

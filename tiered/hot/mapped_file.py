@@ -230,8 +230,9 @@ class MappedFileQueue:
             raise ValueError(f"offset {from_offset} is not a multiple of {self.file_size}")
         self.directory.mkdir(parents=True, exist_ok=True)
         # fallocate makes this cheap (milliseconds for 1 GiB), so a roll does not stall appends.
-        f = MappedFile(self.directory / offset_name(from_offset), from_offset, self.file_size,
-                       create=True)  # fmt: skip
+        f = MappedFile(
+            self.directory / offset_name(from_offset), from_offset, self.file_size, create=True
+        )
         with self._lock:
             if self.files and self.files[-1].from_offset >= from_offset:
                 f.destroy()
