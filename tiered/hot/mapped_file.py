@@ -108,6 +108,21 @@ class MappedFile:
             self.flushed = wrote
         return self.flushed
 
+    def data_regions(self, pos: int) -> Iterator[tuple[int, int]]:
+        """``[start, end)`` stretches from ``pos`` on that may hold data, from the filesystem's
+        extent map (``SEEK_DATA``/``SEEK_HOLE``): never-written preallocated space is skipped
+        without reading it. Where the filesystem cannot tell, everything counts as data."""
+        while pos < self.size:
+            try:
+                start = os.lseek(self._fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data at or after pos
+                return
+            if start >= self.size:
+                return
+            end = min(self.size, os.lseek(self._fd, start, os.SEEK_HOLE))
+            yield start, end
+            pos = end
+
     def zero_from(self, pos: int) -> None:
         """Zero the file from ``pos`` to its end, touching only chunks that are not zero yet."""
         while pos < self.size:
