@@ -7,15 +7,17 @@ import pytest
 from tiered.record import (
     BLANK_MAGIC_CODE,
     CorruptRecordError,
+    EncodedBatch,
     Message,
     RecordEncoder,
     RecordError,
     blank_record,
     decode,
-    read_dispatch_fields,
+    read_dispatch_run,
     read_store_timestamp,
     read_total_and_magic,
     tag_hash,
+    validate,
 )
 
 
@@ -78,17 +80,33 @@ def test_non_ascii_properties_and_ipv6_hosts() -> None:
 
 
 def test_dispatch_fields_and_timestamp_read_without_decoding() -> None:
-    raw, _, _ = RecordEncoder(("::2", 1)).encode(
-        Message(
-            topic="t1", body=b"abc", queue_id=3, properties={"TAGS": "x"}, born_host=("::1", 2)
-        ),
-        5,
-        77,
-        1234,
-    )
-    total, topic, qid, qoff, ts, props = read_dispatch_fields(raw, 0)
-    assert (total, topic, qid, qoff, ts, props) == (len(raw), "t1", 3, 5, 1234, {"TAGS": "x"})
-    assert read_store_timestamp(raw, 0) == 1234
+    enc = RecordEncoder(("::2", 1))
+    props = {"TAGS": "x", "XKEYS": "not-a-key", "KEYS": "a b", "UNIQ_KEY": "u1"}
+    first = enc.encode(Message(topic="t1", body=b"abc", queue_id=3, properties=props,
+                               born_host=("::1", 2)), 5, 1000, 1234)[0]  # fmt: skip
+    second = enc.encode(Message(topic="t2", body=b"", queue_id=0), 0, 1000 + len(first), 99)[0]
+    buf = first + second + blank_record(16)
+    out, stamps = EncodedBatch(), []
+    stop = read_dispatch_run(buf, 0, len(buf), 1000, out, stamps)
+    assert stop == len(first) + len(second), "stops at the BLANK record"
+    assert out.offsets == [1000, 1000 + len(first)]
+    assert out.sizes == [len(first), len(second)]
+    assert out.queues == [("t1", 3), ("t2", 0)] and out.queue_offsets == [5, 0]
+    assert (out.tags, out.keys, out.uniq_keys) == (["x", None], ["a b", None], ["u1", None])
+    assert stamps == [1234, 99]
+    assert read_store_timestamp(first, 0) == 1234
+
+
+def test_validate_checks_size_offset_and_crc_without_decoding() -> None:
+    raw = RecordEncoder().encode(Message(topic="t", body=b"hello"), 0, 4096, 1)[0]
+    assert validate(raw, 0, 4096, check_crc=True) == len(raw)
+    with pytest.raises(RecordError, match="names offset 4096"):
+        validate(raw, 0, 8192, check_crc=True)
+    bad = bytearray(raw)
+    bad[raw.index(b"hello")] ^= 1
+    with pytest.raises(CorruptRecordError):
+        validate(bytes(bad), 0, 4096, check_crc=True)
+    assert validate(bytes(bad), 0, 4096, check_crc=False) == len(raw)
 
 
 def test_flipped_body_byte_fails_the_crc() -> None:

@@ -523,29 +523,6 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
 _topic_cache: dict[bytes, str] = {}
 
 
-def read_dispatch_fields(buf: Buffer, pos: int) -> tuple[int, str, int, int, int, dict[str, str]]:
-    """(total size, topic, queue id, queue offset, store timestamp, properties) of the record at
-    ``pos``, without copying the body: what the dispatcher needs to build ConsumeQueue and
-    IndexFile entries. The caller has already checked the record (append or recovery)."""
-    (total, _magic, _crc, queue_id, _flag, queue_offset, _phys, sys_flag, _born_ts) = (
-        _HEAD.unpack_from(buf, pos)
-    )
-    tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
-    fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
-    p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
-    (topic_len,) = _U16.unpack_from(buf, p)
-    raw_topic = bytes(buf[p + 2 : p + 2 + topic_len])
-    topic = _topic_cache.get(raw_topic)
-    if topic is None:
-        topic = raw_topic.decode()
-        if len(_topic_cache) < 100_000:
-            _topic_cache[raw_topic] = topic
-    p += 2 + topic_len
-    (props_len,) = _U16.unpack_from(buf, p)
-    props = decode_properties(bytes(buf[p + 2 : p + 2 + props_len])) if props_len else {}
-    return total, topic, queue_id, queue_offset, fields[2], props
-
-
 def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) -> int:
     """Check the record at ``pos`` without decoding it; return its total size.
 

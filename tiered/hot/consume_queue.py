@@ -96,38 +96,16 @@ class ConsumeQueue:
 
     def put(self, queue_offset: int, commitlog_offset: int, size: int, tag_hash: int) -> bool:
         """Store the entry for ``queue_offset``; False when it is already here (re-dispatch)."""
-        if queue_offset < self.max_offset:
-            return False
-        empty = self.max_offset == self.min_offset
-        if queue_offset > self.max_offset and not empty:
-            log.error(
-                "ConsumeQueue %s-%d: expected queue offset %d but got %d; the gap is unreadable",
-                self.topic,
-                self.queue_id,
-                self.max_offset,
-                queue_offset,
-            )
-        pos = queue_offset * CQ_ENTRY_SIZE
-        f = self._tail
-        if f is None or not f.from_offset <= pos < f.tail_offset:
-            f = self.files.find_file(pos)
-            if f is None:
-                f = self.files.create_file(pos - pos % self.files.file_size)
-            self._tail = f
-        rel = pos - f.from_offset
-        f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
-        f.wrote = rel + CQ_ENTRY_SIZE
-        if empty:
-            self.min_offset = queue_offset
-        self.max_offset = queue_offset + 1
-        self.max_physical_end = commitlog_offset + size
-        return True
+        return self.put_block(
+            queue_offset, CQ_ENTRY.pack(commitlog_offset, size, tag_hash), commitlog_offset + size
+        )
 
-    def put_block(self, queue_offset: int, entries: bytes, physical_end: int) -> None:
-        """Store consecutive entries from ``queue_offset`` (skipping any already here)."""
+    def put_block(self, queue_offset: int, entries: bytes, physical_end: int) -> bool:
+        """Store consecutive entries from ``queue_offset``, skipping any already here (a
+        re-dispatch); False when all of them were."""
         count = len(entries) // CQ_ENTRY_SIZE
         if queue_offset + count <= self.max_offset:
-            return
+            return False
         if queue_offset < self.max_offset:
             skip = self.max_offset - queue_offset
             entries = entries[skip * CQ_ENTRY_SIZE :]
@@ -161,6 +139,7 @@ class ConsumeQueue:
             self.min_offset = queue_offset
         self.max_offset = queue_offset + count
         self.max_physical_end = physical_end
+        return True
 
     def flush(self) -> None:
         self.files.flush()
