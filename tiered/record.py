@@ -628,13 +628,3 @@ def read_store_timestamp(buf: Buffer, pos: int) -> int:
     host_size = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8
     (ts,) = _I64.unpack_from(buf, pos + _OFFSET_OF_BORNHOST + host_size)
     return int(ts)
-
-
-def read_physical_offset(buf: Buffer, pos: int) -> int:
-    (off,) = _I64.unpack_from(buf, pos + _OFFSET_OF_PHYSICALOFFSET)
-    return int(off)
-
-
-def read_body_crc(buf: Buffer, pos: int) -> int:
-    (crc,) = _U32.unpack_from(buf, pos + _OFFSET_OF_BODYCRC)
-    return int(crc)

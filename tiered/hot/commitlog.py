@@ -15,7 +15,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,30 +253,6 @@ class CommitLog:
         if pos < f.wrote and read_total_and_magic(f.mm, pos)[1] == BLANK_MAGIC_CODE:
             return f.tail_offset
         return offset
-
-    def iter_records(self, start: int, end: int) -> Iterable[tuple[MappedFile, int, int]]:
-        """(file, position in file, total size) of each record from ``start`` up to ``end``.
-
-        BLANK padding is skipped. ``start`` must be a record boundary.
-        """
-        offset = start
-        while offset < end:
-            f = self.files.find_file(offset)
-            if f is None:
-                return
-            pos = offset - f.from_offset
-            limit = min(f.wrote, end - f.from_offset)
-            mm = f.mm
-            while pos < limit:
-                total, magic = read_total_and_magic(mm, pos)
-                if magic == BLANK_MAGIC_CODE:
-                    pos = f.size
-                    break
-                if magic != MAGIC_CODE_V2 or total <= 0:
-                    raise RecordError(f"CommitLog offset {f.from_offset + pos}: not a record")
-                yield f, pos, total
-                pos += total
-            offset = f.from_offset + pos if pos < f.size else f.tail_offset
 
     # -- recovery ------------------------------------------------------------------------------
 

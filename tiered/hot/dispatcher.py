@@ -75,7 +75,6 @@ class Dispatcher:
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.listeners: list[Callable[[int], None]] = []
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -350,8 +349,6 @@ class Dispatcher:
             self.reput_offset = offset
             self.logics_timestamp = store_ts
             self._progress.notify_all()
-        for listener in self.listeners:
-            listener(offset)
 
     def wait_for(self, offset: int, timeout: float) -> bool:
         """Block until everything below ``offset`` is dispatched; False on timeout."""

@@ -71,10 +71,6 @@ class MappedFile:
         """Offset just past the end of the file."""
         return self.from_offset + self.size
 
-    @property
-    def remaining(self) -> int:
-        return self.size - self.wrote
-
     def append(self, data: bytes) -> None:
         self.write_at(self.wrote, data)
         self.wrote += len(data)
