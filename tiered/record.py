@@ -70,9 +70,6 @@ LOCALHOST: Host = ("127.0.0.1", 0)
 # The fixed head up to and including SYSFLAG and BORNTIMESTAMP (48 bytes), then the hosts.
 _HEAD = struct.Struct(">iiIiiqqiq")
 _TOTAL_AND_MAGIC = struct.Struct(">ii")
-_OFFSET_OF_BODYCRC = 8
-_OFFSET_OF_QUEUEOFFSET = 20
-_OFFSET_OF_PHYSICALOFFSET = 28
 _OFFSET_OF_SYSFLAG = 36
 _OFFSET_OF_BORNHOST = 48
 
@@ -89,7 +86,6 @@ _TAILS = {(b, s): _tail_struct(b, s) for b in (False, True) for s in (False, Tru
 _V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
 V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
 _U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
