@@ -7,7 +7,9 @@ import sys
 
 import typer
 
+from cli import servers
 from cli import store as store_commands
+from cli import topic as topic_commands
 
 app = typer.Typer(
     name="tmq",
@@ -16,6 +18,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,  # tracebacks with locals could print secrets
     add_completion=True,
 )
+app.command("standalone")(servers.standalone)
+app.add_typer(servers.namesrv_app, name="namesrv")
+app.add_typer(servers.broker_app, name="broker")
+app.add_typer(topic_commands.app, name="topic")
 app.add_typer(store_commands.app, name="store")
 
 

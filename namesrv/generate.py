@@ -1,20 +1,24 @@
-"""Regenerate namesrv_pb2.py / namesrv_pb2_grpc.py from namesrv.proto (run from anywhere)."""
+"""Regenerate the Python modules of tmq's own .proto files (namesrv/, broker/); run from anywhere.
+
+Apache's MessagingService stubs are not generated here: they come from rocketmq-python-client.
+"""
 
 from pathlib import Path
 
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
+PROTOS = [ROOT / "namesrv" / "namesrv.proto", ROOT / "broker" / "admin.proto"]
 
 if __name__ == "__main__":
-    code = protoc.main(
-        [
+    for proto in PROTOS:
+        args = [
             "grpc_tools.protoc",
             f"-I{ROOT}",
             f"--python_out={ROOT}",
             f"--pyi_out={ROOT}",
             f"--grpc_python_out={ROOT}",
-            str(ROOT / "namesrv" / "namesrv.proto"),
+            str(proto),
         ]
-    )
-    raise SystemExit(code)
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed on {proto}")

@@ -1,0 +1,147 @@
+"""tmq's admin gRPC service on the broker (``tmq.admin.v1.Admin``): topics, groups, stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from broker import admin_pb2 as pb
+from broker import admin_pb2_grpc as pb_grpc
+from broker.metadata import (
+    GroupConfig,
+    InvalidNameError,
+    MetadataStore,
+    TopicConfig,
+    check_group_name,
+)
+from tiered.store import MessageStore
+
+
+def topic_to_pb(cfg: TopicConfig) -> pb.Topic:
+    return pb.Topic(
+        name=cfg.name,
+        queues=cfg.queues,
+        perm=cfg.perm,
+        message_type=cfg.message_type,
+        tiered=cfg.tiered,
+        retention_ms=cfg.retention_ms or 0,
+        local_retention_ms=cfg.local_retention_ms or 0,
+    )
+
+
+def topic_from_pb(t: pb.Topic) -> TopicConfig:
+    return TopicConfig(
+        name=t.name,
+        queues=t.queues or 8,
+        perm=t.perm or 6,
+        message_type=t.message_type or "NORMAL",
+        tiered=t.tiered,
+        retention_ms=t.retention_ms or None,
+        local_retention_ms=t.local_retention_ms or None,
+    )
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(
+        self,
+        store: MessageStore,
+        metadata: MetadataStore,
+        broker_name: str,
+        on_topics_changed: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.metadata = metadata
+        self.broker_name = broker_name
+        self.on_topics_changed = on_topics_changed
+
+    def PutTopic(
+        self, request: pb.PutTopicRequest, context: grpc.ServicerContext
+    ) -> pb.PutTopicResponse:
+        try:
+            cfg = topic_from_pb(request.topic)
+        except (InvalidNameError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        existing = self.metadata.topic(cfg.name)
+        if existing is not None and not request.update:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"topic {cfg.name} already exists")
+        if existing is None and request.update:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {cfg.name} does not exist")
+        if existing is not None and cfg.queues < existing.queues:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"topic {cfg.name} has {existing.queues} queues; shrinking would strand "
+                "their messages",
+            )
+        self.metadata.put_topic(cfg)
+        self.on_topics_changed()
+        return pb.PutTopicResponse()
+
+    def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
+        return pb.TopicDescription(
+            topic=topic_to_pb(cfg),
+            queues=[
+                pb.QueueStats(
+                    queue=q,
+                    min_offset=self.store.min_offset(cfg.name, q),
+                    max_offset=self.store.max_offset(cfg.name, q),
+                )
+                for q in range(cfg.queues)
+            ],
+        )
+
+    def GetTopic(
+        self, request: pb.GetTopicRequest, context: grpc.ServicerContext
+    ) -> pb.TopicDescription:
+        cfg = self.metadata.topic(request.name)
+        if cfg is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.name} does not exist")
+            raise AssertionError("abort raises")
+        return self._describe(cfg)
+
+    def ListTopics(
+        self, request: pb.ListTopicsRequest, context: grpc.ServicerContext
+    ) -> pb.ListTopicsResponse:
+        return pb.ListTopicsResponse(
+            topics=[
+                self._describe(t)
+                for t in sorted(self.metadata.topics.values(), key=lambda t: t.name)
+            ]
+        )
+
+    def PutGroup(
+        self, request: pb.PutGroupRequest, context: grpc.ServicerContext
+    ) -> pb.PutGroupResponse:
+        g = request.group
+        try:
+            check_group_name(g.name)
+        except InvalidNameError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if g.max_delivery_attempts < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_delivery_attempts must be >= 1")
+        self.metadata.put_group(
+            GroupConfig(
+                name=g.name, fifo=g.fifo, max_delivery_attempts=g.max_delivery_attempts or 16
+            )
+        )
+        return pb.PutGroupResponse()
+
+    def ListGroups(
+        self, request: pb.ListGroupsRequest, context: grpc.ServicerContext
+    ) -> pb.ListGroupsResponse:
+        return pb.ListGroupsResponse(
+            groups=[
+                pb.Group(name=g.name, max_delivery_attempts=g.max_delivery_attempts, fifo=g.fifo)
+                for g in sorted(self.metadata.groups.values(), key=lambda g: g.name)
+            ]
+        )
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(
+            broker_name=self.broker_name,
+            commitlog_min_offset=self.store.commitlog.min_offset,
+            commitlog_max_offset=self.store.commitlog.max_offset,
+            dispatched_offset=self.store.dispatched_offset,
+            topics=len(self.metadata.topics),
+            groups=len(self.metadata.groups),
+        )

@@ -1,0 +1,558 @@
+"""``apache.rocketmq.v2.MessagingService``: what Apache's RocketMQ 5 clients talk to.
+
+Errors are answered in each response's ``status`` with the protocol's codes (the clients read
+nothing else); an unexpected exception becomes INTERNAL_ERROR and is logged, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2 as s
+from rocketmq.grpc_protocol import service_pb2_grpc
+
+from broker.metadata import (
+    PERM_READ,
+    PERM_WRITE,
+    GroupConfig,
+    InvalidNameError,
+    Limits,
+    MetadataStore,
+    TopicConfig,
+    check_group_name,
+    check_topic_name,
+)
+from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
+from broker.protocol import (
+    ProtocolError,
+    duration,
+    duration_ms,
+    message_queue,
+    status,
+    to_proto_message,
+    to_store_message,
+)
+from namesrv.client import NameServerClient
+from tiered.record import CorruptRecordError
+from tiered.store import GetStatus, InvalidMessageError, MessageStore
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+DEFAULT_INVISIBLE_MS = 30_000
+MIN_INVISIBLE_MS = 1_000
+MAX_INVISIBLE_MS = 12 * 3600 * 1000
+MAX_LONG_POLLING_MS = 20_000
+# Answer a long poll this long before the client's own deadline would cut it.
+_LONG_POLL_MARGIN_MS = 500
+
+
+class BrokerIdentity:
+    def __init__(self, cluster: str, name: str, advertise_host: str, port: int) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.host = advertise_host
+        self.port = port
+
+
+class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
+    def __init__(
+        self,
+        store: MessageStore,
+        metadata: MetadataStore,
+        pop: PopService,
+        identity: BrokerIdentity,
+        namesrv: NameServerClient | None,
+        limits: Limits,
+        *,
+        auto_create_groups: bool = True,
+    ) -> None:
+        self.store = store
+        self.metadata = metadata
+        self.pop = pop
+        self.identity = identity
+        self.namesrv = namesrv
+        self.limits = limits
+        self.auto_create_groups = auto_create_groups
+        self._round_robin: dict[str, int] = {}
+        self._rr_lock = threading.Lock()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _guard(self, make: Callable[[d.Status], R], work: Callable[[], R]) -> R:
+        try:
+            return work()
+        except ProtocolError as e:
+            return make(status(e.code, e.message))
+        except InvalidNameError as e:
+            return make(status(d.BAD_REQUEST, str(e)))
+        except Exception:
+            log.exception("request failed")
+            return make(status(d.INTERNAL_ERROR, "internal error; see the broker log"))
+
+    def _topic(self, name: str, *, need: int) -> TopicConfig:
+        try:
+            check_topic_name(name)
+        except InvalidNameError as e:
+            raise ProtocolError(d.ILLEGAL_TOPIC, str(e)) from None
+        cfg = self.metadata.topic(name)
+        if cfg is None:
+            raise ProtocolError(d.TOPIC_NOT_FOUND, f"topic {name} does not exist on this broker")
+        if not cfg.perm & need:
+            verb = "write to" if need == PERM_WRITE else "read from"
+            raise ProtocolError(d.FORBIDDEN, f"topic {name}: permission denies {verb} it")
+        return cfg
+
+    def _group(self, name: str) -> GroupConfig:
+        try:
+            check_group_name(name)
+        except InvalidNameError as e:
+            raise ProtocolError(d.ILLEGAL_CONSUMER_GROUP, str(e)) from None
+        cfg = self.metadata.group(name)
+        if cfg is None:
+            if not self.auto_create_groups:
+                raise ProtocolError(
+                    d.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist"
+                )
+            cfg = GroupConfig(name=name)
+            self.metadata.put_group(cfg)
+        return cfg
+
+    def _route_queues(self, topic: str, namespace: str) -> list[d.MessageQueue]:
+        """Every queue of ``topic`` across the cluster, from the NameServers (falling back to
+        this broker's own table when no NameServer answers)."""
+        route = None
+        if self.namesrv is not None:
+            try:
+                route = self.namesrv.route(topic)
+            except grpc.RpcError as e:
+                log.warning(
+                    "no NameServer answered (%s); routing %s from this broker only",
+                    e.code().name,
+                    topic,
+                )
+                route = None
+            else:
+                if route is None:
+                    raise ProtocolError(d.TOPIC_NOT_FOUND, f"topic {topic} is not served")
+        if route is not None:
+            return [
+                message_queue(
+                    topic,
+                    q,
+                    b.perm,
+                    b.message_type,
+                    b.broker_name,
+                    b.endpoint.host,
+                    b.endpoint.port,
+                    namespace,
+                )
+                for b in route.brokers
+                for q in range(b.queues)
+            ]
+        cfg = self._topic(topic, need=0)
+        return [
+            message_queue(
+                topic,
+                q,
+                cfg.perm,
+                cfg.message_type,
+                self.identity.name,
+                self.identity.host,
+                self.identity.port,
+                namespace,
+            )
+            for q in range(cfg.queues)
+        ]
+
+    def _next_queue(self, topic: TopicConfig, message_group: str | None) -> int:
+        if message_group:
+            return zlib.crc32(message_group.encode()) % topic.queues
+        with self._rr_lock:
+            n = self._round_robin.get(topic.name, 0)
+            self._round_robin[topic.name] = n + 1
+        return n % topic.queues
+
+    # -- routing, heartbeat, settings ----------------------------------------------------------
+
+    def QueryRoute(self, request: s.QueryRouteRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.QueryRouteResponse:
+            queues = self._route_queues(request.topic.name, request.topic.resource_namespace)
+            check_topic_name(request.topic.name)
+            return s.QueryRouteResponse(status=status(), message_queues=queues)
+
+        return self._guard(lambda st: s.QueryRouteResponse(status=st), work)
+
+    def QueryAssignment(
+        self, request: s.QueryAssignmentRequest, context: grpc.ServicerContext
+    ) -> Any:
+        def work() -> s.QueryAssignmentResponse:
+            self._group(request.group.name)
+            queues = self._route_queues(request.topic.name, request.topic.resource_namespace)
+            readable = [q for q in queues if q.permission in (d.READ, d.READ_WRITE)]
+            return s.QueryAssignmentResponse(
+                status=status(), assignments=[d.Assignment(message_queue=q) for q in readable]
+            )
+
+        return self._guard(lambda st: s.QueryAssignmentResponse(status=st), work)
+
+    def Heartbeat(self, request: s.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.HeartbeatResponse:
+            if request.group.name:
+                self._group(request.group.name)
+            return s.HeartbeatResponse(status=status())
+
+        return self._guard(lambda st: s.HeartbeatResponse(status=st), work)
+
+    def Telemetry(
+        self, request_iterator: Iterable[s.TelemetryCommand], context: grpc.ServicerContext
+    ) -> Iterator[s.TelemetryCommand]:
+        """Answer every Settings the client sends with the broker's settings; the stream stays
+        open as long as the client keeps it."""
+        for command in request_iterator:
+            if not command.HasField("settings"):
+                continue  # results of commands tmq never sends
+            reply = s.TelemetryCommand(status=status())
+            reply.settings.CopyFrom(command.settings)
+            settings = reply.settings
+            if command.settings.HasField("publishing"):
+                settings.publishing.max_body_size = self.limits.max_body_bytes
+                settings.publishing.validate_message_type = True
+                settings.backoff_policy.max_attempts = 3
+                backoff = settings.backoff_policy.exponential_backoff
+                backoff.initial.CopyFrom(duration(10))
+                backoff.max.CopyFrom(duration(1000))
+                backoff.multiplier = 2.0
+            elif command.settings.HasField("subscription"):
+                sub = settings.subscription
+                group = self.metadata.group(sub.group.name)
+                sub.fifo = bool(group and group.fifo)
+                sub.receive_batch_size = self.limits.max_receive_batch
+                if not sub.HasField("long_polling_timeout"):
+                    sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
+                attempts = (
+                    group.max_delivery_attempts if group else GroupConfig("x").max_delivery_attempts
+                )
+                settings.backoff_policy.max_attempts = attempts
+                for seconds in (1, 5, 10, 30, 60, 120, 300):
+                    settings.backoff_policy.customized_backoff.next.add().FromSeconds(seconds)
+            settings.metric.on = False
+            yield reply
+
+    def NotifyClientTermination(
+        self, request: s.NotifyClientTerminationRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return s.NotifyClientTerminationResponse(status=status())
+
+    # -- produce -------------------------------------------------------------------------------
+
+    def SendMessage(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.SendMessageResponse:
+            if not request.messages:
+                raise ProtocolError(d.BAD_REQUEST, "no messages in the request")
+            if len(request.messages) > self.limits.max_batch:
+                raise ProtocolError(
+                    d.BAD_REQUEST,
+                    f"{len(request.messages)} messages in one "
+                    f"request; the limit is {self.limits.max_batch}",
+                )
+            names = {m.topic.name for m in request.messages}
+            if len(names) != 1:
+                raise ProtocolError(d.BAD_REQUEST, "a batch must be for one topic")
+            topic = self._topic(names.pop(), need=PERM_WRITE)
+            peer = _peer_host(context)
+            batch = []
+            for pm in request.messages:
+                group = (
+                    pm.system_properties.message_group
+                    if pm.system_properties.HasField("message_group")
+                    else None
+                )
+                batch.append(
+                    to_store_message(pm, topic, self._next_queue(topic, group), self.limits, peer)
+                )
+            try:
+                results = self.store.put_messages(batch)
+            except InvalidMessageError as e:
+                raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+            entries = [
+                s.SendResultEntry(
+                    status=status(),
+                    message_id=pm.system_properties.message_id,
+                    offset=results[i].queue_offset,
+                )
+                for i, pm in enumerate(request.messages)
+            ]
+            return s.SendMessageResponse(status=status(), entries=entries)
+
+        return self._guard(lambda st: s.SendMessageResponse(status=st), work)
+
+    def EndTransaction(
+        self, request: s.EndTransactionRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return s.EndTransactionResponse(
+            status=status(d.UNSUPPORTED, "transactional messages are not supported")
+        )
+
+    # -- pop consumption -----------------------------------------------------------------------
+
+    def ReceiveMessage(
+        self, request: s.ReceiveMessageRequest, context: grpc.ServicerContext
+    ) -> Iterator[s.ReceiveMessageResponse]:
+        try:
+            group = self._group(request.group.name)
+            topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
+            expression = request.filter_expression
+            if expression.type == d.SQL:
+                raise ProtocolError(d.UNSUPPORTED, "SQL92 filters are not supported; use tags")
+            try:
+                tag_filter = TagFilter(expression.expression)
+            except ValueError as e:
+                raise ProtocolError(d.ILLEGAL_FILTER_EXPRESSION, str(e)) from None
+            batch = max(1, min(request.batch_size or 1, self.limits.max_receive_batch))
+            invisible = (
+                duration_ms(request.invisible_duration)
+                if request.HasField("invisible_duration")
+                else DEFAULT_INVISIBLE_MS
+            )
+            if not MIN_INVISIBLE_MS <= invisible <= MAX_INVISIBLE_MS:
+                raise ProtocolError(
+                    d.ILLEGAL_INVISIBLE_TIME,
+                    f"invisible duration must be {MIN_INVISIBLE_MS // 1000} s "
+                    f"to {MAX_INVISIBLE_MS // 3_600_000} h",
+                )
+            poll = (
+                duration_ms(request.long_polling_timeout)
+                if request.HasField("long_polling_timeout")
+                else 0
+            )
+            if poll < 0:
+                raise ProtocolError(d.ILLEGAL_POLLING_TIME, "long polling timeout is negative")
+            deadline = (
+                time.monotonic()
+                + max(0, min(poll, MAX_LONG_POLLING_MS) - _LONG_POLL_MARGIN_MS) / 1000
+            )
+            while True:
+                received = self.pop.receive(group, topic, tag_filter, batch, invisible)
+                if received or time.monotonic() >= deadline or not context.is_active():
+                    break
+                self._wait_for_messages(deadline)
+        except ProtocolError as e:
+            yield s.ReceiveMessageResponse(status=status(e.code, e.message))
+            return
+        except CorruptRecordError as e:
+            log.error("%s", e)
+            yield s.ReceiveMessageResponse(status=status(d.MESSAGE_CORRUPTED, str(e)))
+            return
+        except Exception:
+            log.exception("ReceiveMessage failed")
+            yield s.ReceiveMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
+            return
+        if not received:
+            yield s.ReceiveMessageResponse(status=status(d.MESSAGE_NOT_FOUND, "no new message"))
+            return
+        yield s.ReceiveMessageResponse(status=status())
+        now = s.ReceiveMessageResponse()
+        now.delivery_timestamp.GetCurrentTime()
+        yield now
+        ns = request.group.resource_namespace
+        for r in received:
+            yield s.ReceiveMessageResponse(message=self._delivered(r, invisible, ns))
+
+    def _delivered(self, r: Received, invisible_ms: int, namespace: str) -> d.Message:
+        return to_proto_message(
+            r.message, r.original_topic, r.receipt_handle, r.attempt, invisible_ms, namespace
+        )
+
+    def _wait_for_messages(self, deadline: float) -> None:
+        """Sleep until something new is dispatched, at most 1 s (expired deliveries are revived
+        on the next pass), or the deadline."""
+        dispatcher = self.store.dispatcher
+        assert dispatcher is not None
+        left = min(1.0, deadline - time.monotonic())
+        if left > 0:
+            dispatcher.wait_for(dispatcher.reput_offset + 1, left)
+
+    def AckMessage(self, request: s.AckMessageRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.AckMessageResponse:
+            self._group(request.group.name)
+            entries = []
+            for entry in request.entries:
+                try:
+                    self.pop.ack(request.group.name, entry.receipt_handle)
+                    st = status()
+                except InvalidReceiptHandleError as e:
+                    st = status(d.INVALID_RECEIPT_HANDLE, str(e))
+                entries.append(
+                    s.AckMessageResultEntry(
+                        message_id=entry.message_id, receipt_handle=entry.receipt_handle, status=st
+                    )
+                )
+            return s.AckMessageResponse(status=_overall(entries), entries=entries)
+
+        return self._guard(lambda st: s.AckMessageResponse(status=st), work)
+
+    def ChangeInvisibleDuration(
+        self, request: s.ChangeInvisibleDurationRequest, context: grpc.ServicerContext
+    ) -> Any:
+        def work() -> s.ChangeInvisibleDurationResponse:
+            self._group(request.group.name)
+            invisible = duration_ms(request.invisible_duration)
+            if not 0 <= invisible <= MAX_INVISIBLE_MS:
+                raise ProtocolError(d.ILLEGAL_INVISIBLE_TIME, "invisible duration out of range")
+            try:
+                handle = self.pop.change_invisible_duration(
+                    request.group.name, request.receipt_handle, invisible
+                )
+            except InvalidReceiptHandleError as e:
+                return s.ChangeInvisibleDurationResponse(
+                    status=status(d.INVALID_RECEIPT_HANDLE, str(e)),
+                    receipt_handle=request.receipt_handle,
+                )
+            return s.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
+
+        return self._guard(
+            lambda st: s.ChangeInvisibleDurationResponse(
+                status=st, receipt_handle=request.receipt_handle
+            ),
+            work,
+        )
+
+    def ForwardMessageToDeadLetterQueue(
+        self, request: s.ForwardMessageToDeadLetterQueueRequest, context: grpc.ServicerContext
+    ) -> Any:
+        def work() -> s.ForwardMessageToDeadLetterQueueResponse:
+            self._group(request.group.name)
+            try:
+                self.pop.forward_to_dlq(request.group.name, request.receipt_handle)
+            except InvalidReceiptHandleError as e:
+                raise ProtocolError(d.INVALID_RECEIPT_HANDLE, str(e)) from None
+            return s.ForwardMessageToDeadLetterQueueResponse(status=status())
+
+        return self._guard(lambda st: s.ForwardMessageToDeadLetterQueueResponse(status=st), work)
+
+    # -- offset-based pull (replays) -----------------------------------------------------------
+
+    def PullMessage(
+        self, request: s.PullMessageRequest, context: grpc.ServicerContext
+    ) -> Iterator[s.PullMessageResponse]:
+        try:
+            self._group(request.group.name)
+            topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
+            queue = request.message_queue.id
+            if not 0 <= queue < topic.queues:
+                raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue}")
+            tag_filter = TagFilter(request.filter_expression.expression)
+            batch = max(1, min(request.batch_size or 32, 1024))
+            poll = min(duration_ms(request.long_polling_timeout), MAX_LONG_POLLING_MS)
+            deadline = time.monotonic() + max(0, poll - _LONG_POLL_MARGIN_MS) / 1000
+            while True:
+                result = self.store.get_messages(
+                    topic.name, queue, request.offset, batch, tag_filter=tag_filter.code_matches
+                )
+                if result.status in (GetStatus.OFFSET_TOO_SMALL, GetStatus.OFFSET_OVERFLOW_BADLY):
+                    raise ProtocolError(
+                        d.ILLEGAL_OFFSET,
+                        f"offset {request.offset} is outside {topic.name}/{queue}'s range "
+                        f"[{result.min_offset}, {result.max_offset}]",
+                    )
+                waiting = result.status in (
+                    GetStatus.OFFSET_OVERFLOW_ONE,
+                    GetStatus.NO_MESSAGE_IN_QUEUE,
+                    GetStatus.NO_MATCHED_LOGIC_QUEUE,
+                )
+                if not waiting or time.monotonic() >= deadline or not context.is_active():
+                    break
+                self._wait_for_messages(deadline)
+        except ProtocolError as e:
+            yield s.PullMessageResponse(status=status(e.code, e.message))
+            return
+        except Exception:
+            log.exception("PullMessage failed")
+            yield s.PullMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
+            return
+        messages = [m for m in result.messages if tag_filter.matches(m)]
+        code = d.OK if messages else d.MESSAGE_NOT_FOUND
+        yield s.PullMessageResponse(status=status(code, "OK" if messages else "no new message"))
+        for m in messages:
+            yield s.PullMessageResponse(message=to_proto_message(m, topic.name, None, None, None))
+        yield s.PullMessageResponse(
+            next_offset=max(result.next_offset, request.offset)
+            if result.status is not GetStatus.NO_MATCHED_LOGIC_QUEUE
+            else request.offset
+        )
+
+    def QueryOffset(self, request: s.QueryOffsetRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.QueryOffsetResponse:
+            topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
+            queue = request.message_queue.id
+            if not 0 <= queue < topic.queues:
+                raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue}")
+            policy = request.query_offset_policy
+            if policy == s.BEGINNING:
+                offset = self.store.min_offset(topic.name, queue)
+            elif policy == s.END:
+                offset = self.store.max_offset(topic.name, queue)
+            else:
+                ts = request.timestamp.seconds * 1000 + request.timestamp.nanos // 1_000_000
+                offset = self.store.offset_for_timestamp(topic.name, queue, ts)
+            return s.QueryOffsetResponse(status=status(), offset=offset)
+
+        return self._guard(lambda st: s.QueryOffsetResponse(status=st), work)
+
+    def UpdateOffset(self, request: s.UpdateOffsetRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.UpdateOffsetResponse:
+            group = self._group(request.group.name)
+            topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
+            queue = request.message_queue.id
+            lo, hi = (
+                self.store.min_offset(topic.name, queue),
+                self.store.max_offset(topic.name, queue),
+            )
+            if not 0 <= queue < topic.queues or not lo <= request.offset <= hi:
+                raise ProtocolError(
+                    d.ILLEGAL_OFFSET,
+                    f"offset {request.offset} is outside {topic.name}/{queue}'s range [{lo}, {hi}]",
+                )
+            self.pop.reset(group.name, topic.name, queue, request.offset)
+            return s.UpdateOffsetResponse(status=status())
+
+        return self._guard(lambda st: s.UpdateOffsetResponse(status=st), work)
+
+    def GetOffset(self, request: s.GetOffsetRequest, context: grpc.ServicerContext) -> Any:
+        def work() -> s.GetOffsetResponse:
+            group = self._group(request.group.name)
+            topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
+            offset = self.metadata.offset(group.name, topic.name, request.message_queue.id)
+            if offset is None:
+                raise ProtocolError(
+                    d.OFFSET_NOT_FOUND,
+                    f"group {group.name} has no offset for {topic.name}/{request.message_queue.id}",
+                )
+            return s.GetOffsetResponse(status=status(), offset=offset)
+
+        return self._guard(lambda st: s.GetOffsetResponse(status=st), work)
+
+
+def _overall(entries: list[s.AckMessageResultEntry]) -> d.Status:
+    codes = {e.status.code for e in entries}
+    if codes == {d.OK} or not codes:
+        return status()
+    if len(entries) == 1:
+        return d.Status(code=entries[0].status.code, message=entries[0].status.message)
+    return status(d.MULTIPLE_RESULTS, "some entries failed; see entries")
+
+
+def _peer_host(context: grpc.ServicerContext) -> str:
+    peer = context.peer() or ""  # "ipv4:127.0.0.1:54321" or "ipv6:[::1]:54321"
+    _, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]") or "0.0.0.0"

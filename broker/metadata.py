@@ -1,0 +1,196 @@
+"""The broker's own metadata: topic configs, subscription groups and consumer offsets.
+
+Each is one JSON document under ``{data_dir}/config/``, like RocketMQ's ``topics.json``,
+``subscriptionGroup.json`` and ``consumerOffset.json``, replaced atomically (temporary file,
+fsync, rename) so a crash leaves the old or the new version. Topic and group changes are saved
+at once; consumer offsets, which move constantly, are saved periodically and on shutdown (a crash
+can replay what was consumed since the last save: at-least-once, as in RocketMQ).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# RocketMQ's TopicValidator: the charset keeps every name a safe path component and object key.
+_NAME = re.compile(r"^[%|a-zA-Z0-9_-]+$")
+MAX_TOPIC_LENGTH = 127
+MAX_GROUP_LENGTH = 120
+MAX_QUEUES = 1024
+
+PERM_READ = 4
+PERM_WRITE = 2
+PERM_READ_WRITE = PERM_READ | PERM_WRITE
+
+MESSAGE_TYPES = ("NORMAL", "FIFO", "DELAY", "TRANSACTION")
+RETRY_GROUP_PREFIX = "%RETRY%"
+DLQ_GROUP_PREFIX = "%DLQ%"
+
+
+class InvalidNameError(ValueError):
+    pass
+
+
+def check_topic_name(topic: str) -> None:
+    if not topic or len(topic) > MAX_TOPIC_LENGTH or not _NAME.match(topic):
+        raise InvalidNameError(
+            f"invalid topic {topic!r}: 1-{MAX_TOPIC_LENGTH} characters from [%|a-zA-Z0-9_-]"
+        )
+
+
+def check_group_name(group: str) -> None:
+    if not group or len(group) > MAX_GROUP_LENGTH or not _NAME.match(group):
+        raise InvalidNameError(
+            f"invalid consumer group {group!r}: 1-{MAX_GROUP_LENGTH} characters from "
+            "[%|a-zA-Z0-9_-]"
+        )
+
+
+def retry_topic(group: str) -> str:
+    return f"{RETRY_GROUP_PREFIX}{group}"
+
+
+def dlq_topic(group: str) -> str:
+    return f"{DLQ_GROUP_PREFIX}{group}"
+
+
+@dataclass(slots=True)
+class TopicConfig:
+    name: str
+    queues: int = 8
+    perm: int = PERM_READ_WRITE
+    message_type: str = "NORMAL"
+    # Tiering attributes, used by the tiered-storage layer (issue 4).
+    tiered: bool = False
+    retention_ms: int | None = None
+    local_retention_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith((RETRY_GROUP_PREFIX, DLQ_GROUP_PREFIX)):
+            check_topic_name(self.name)  # retry/DLQ names embed a group name and may be longer
+        if not 1 <= self.queues <= MAX_QUEUES:
+            raise ValueError(f"topic {self.name}: queues must be 1..{MAX_QUEUES}")
+        if self.perm & ~PERM_READ_WRITE:
+            raise ValueError(f"topic {self.name}: perm must combine 4 (read) and 2 (write)")
+        if self.message_type not in MESSAGE_TYPES:
+            raise ValueError(f"topic {self.name}: message type must be one of {MESSAGE_TYPES}")
+
+
+@dataclass(slots=True)
+class GroupConfig:
+    name: str
+    # Deliveries before a message goes to the dead-letter queue (RocketMQ 5's default is 16).
+    max_delivery_attempts: int = 16
+    fifo: bool = False
+
+
+def _save(path: Path, document: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as fh:
+        json.dump(document, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"{path} is damaged ({e}); restore it from a backup") from e
+
+
+class MetadataStore:
+    """Topics, groups and consumer offsets of one broker, thread-safe."""
+
+    def __init__(self, config_dir: Path) -> None:
+        self.dir = config_dir
+        self._lock = threading.Lock()
+        self.topics: dict[str, TopicConfig] = {}
+        self.groups: dict[str, GroupConfig] = {}
+        # (group, topic, queue) -> next queue offset to consume
+        self._offsets: dict[tuple[str, str, int], int] = {}
+        self._offsets_dirty = False
+
+    def load(self) -> None:
+        for raw in _load(self.dir / "topics.json") or []:
+            cfg = TopicConfig(**raw)
+            self.topics[cfg.name] = cfg
+        for raw in _load(self.dir / "groups.json") or []:
+            g = GroupConfig(**raw)
+            self.groups[g.name] = g
+        for row in _load(self.dir / "consumer_offsets.json") or []:
+            self._offsets[(row["group"], row["topic"], row["queue"])] = row["offset"]
+
+    # -- topics --------------------------------------------------------------------------------
+
+    def put_topic(self, cfg: TopicConfig) -> None:
+        with self._lock:
+            self.topics[cfg.name] = cfg
+            _save(self.dir / "topics.json", [asdict(t) for t in self.topics.values()])
+
+    def delete_topic(self, name: str) -> bool:
+        with self._lock:
+            gone = self.topics.pop(name, None)
+            if gone is not None:
+                _save(self.dir / "topics.json", [asdict(t) for t in self.topics.values()])
+        return gone is not None
+
+    def topic(self, name: str) -> TopicConfig | None:
+        return self.topics.get(name)
+
+    # -- groups --------------------------------------------------------------------------------
+
+    def put_group(self, cfg: GroupConfig) -> None:
+        with self._lock:
+            self.groups[cfg.name] = cfg
+            _save(self.dir / "groups.json", [asdict(g) for g in self.groups.values()])
+
+    def group(self, name: str) -> GroupConfig | None:
+        return self.groups.get(name)
+
+    # -- consumer offsets ----------------------------------------------------------------------
+
+    def offset(self, group: str, topic: str, queue: int) -> int | None:
+        return self._offsets.get((group, topic, queue))
+
+    def commit_offset(self, group: str, topic: str, queue: int, offset: int) -> None:
+        with self._lock:
+            self._offsets[(group, topic, queue)] = offset
+            self._offsets_dirty = True
+
+    def offsets_of(self, group: str) -> dict[tuple[str, int], int]:
+        return {(t, q): o for (g, t, q), o in list(self._offsets.items()) if g == group}
+
+    def flush_offsets(self, *, force: bool = False) -> None:
+        with self._lock:
+            if not (self._offsets_dirty or force):
+                return
+            rows = [
+                {"group": g, "topic": t, "queue": q, "offset": o}
+                for (g, t, q), o in sorted(self._offsets.items())
+            ]
+            self._offsets_dirty = False
+        _save(self.dir / "consumer_offsets.json", rows)
+
+
+@dataclass(slots=True)
+class Limits:
+    """Request limits (RocketMQ proxy's defaults)."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_properties: int = 128
+    max_properties_bytes: int = 16 * 1024
+    max_batch: int = 1024
+    max_receive_batch: int = 32

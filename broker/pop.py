@@ -1,0 +1,347 @@
+"""Pop consumption (RocketMQ 5's ReceiveMessage / AckMessage / ChangeInvisibleDuration).
+
+Per (consumer group, topic, queue) the broker keeps:
+
+- ``next``: the next queue offset to hand out;
+- in-flight deliveries, each invisible to other consumers until its deadline;
+- the committed consumer offset: the lowest offset neither acknowledged nor skipped (everything
+  below it is done), saved with the group's offsets.
+
+A delivery that passes its deadline unacknowledged is *revived*: copied to the group's retry topic
+``%RETRY%{group}`` with its delivery count raised, from where the group receives it again; after
+``max_delivery_attempts`` it goes to ``%DLQ%{group}`` instead. Either way the original offset is
+then done. FIFO groups never let two deliveries of one queue be in flight at once and redeliver an
+expired one in place, so messages of one message group stay in order.
+
+In-flight state lives in memory: after a broker restart, consumption resumes from the committed
+offset and anything not acknowledged is delivered again (at-least-once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from broker.metadata import GroupConfig, MetadataStore, TopicConfig, dlq_topic, retry_topic
+from tiered.record import Message, StoredMessage, tag_hash
+from tiered.store import GetStatus, MessageStore
+
+log = logging.getLogger(__name__)
+
+# Properties a retried message carries (RocketMQ's names).
+PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"  # the topic the message was first sent to
+PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class TagFilter:
+    """A TAG filter expression: ``*`` (everything), or tags joined by ``||``."""
+
+    def __init__(self, expression: str) -> None:
+        expression = (expression or "*").strip()
+        if expression in ("", "*"):
+            self.tags: frozenset[str] | None = None
+        else:
+            tags = frozenset(t.strip() for t in expression.split("||") if t.strip())
+            if not tags:
+                raise ValueError(f"not a tag expression: {expression!r}")
+            self.tags = tags
+        self.codes = None if self.tags is None else {tag_hash(t) for t in self.tags}
+
+    def code_matches(self, code: int) -> bool:
+        return self.codes is None or code in self.codes
+
+    def matches(self, msg: StoredMessage) -> bool:
+        return self.tags is None or msg.tags in self.tags
+
+
+@dataclass(slots=True)
+class Delivery:
+    topic: str  # the topic stored in (the retry topic for a retried message)
+    queue_id: int
+    offset: int
+    handle_seq: int
+    deadline_ms: int
+    attempt: int  # 1 for the first delivery
+
+
+@dataclass(slots=True)
+class QueueState:
+    next: int
+    in_flight: dict[int, Delivery] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Received:
+    message: StoredMessage
+    receipt_handle: str
+    attempt: int
+    original_topic: str
+
+
+class InvalidReceiptHandleError(ValueError):
+    pass
+
+
+class PopService:
+    def __init__(
+        self, store: MessageStore, metadata: MetadataStore, clock: Callable[[], int] = now_ms
+    ) -> None:
+        self.store = store
+        self.metadata = metadata
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str, int], QueueState] = {}
+        self._seq = itertools.count(1)
+        self._rotation = itertools.count()
+
+    # -- receive -------------------------------------------------------------------------------
+
+    def receive(
+        self,
+        group: GroupConfig,
+        topic: TopicConfig,
+        tag_filter: TagFilter,
+        max_count: int,
+        invisible_ms: int,
+    ) -> list[Received]:
+        """Deliver up to ``max_count`` messages of ``topic`` (and of the group's retry topic),
+        each invisible to others for ``invisible_ms``."""
+        self.revive_expired()
+        sources = [(topic.name, q) for q in range(topic.queues)]
+        retry = retry_topic(group.name)
+        if self.store.queue_ids(retry):
+            sources.append((retry, 0))
+        start = next(self._rotation) % len(sources)
+        out: list[Received] = []
+        with self._lock:
+            for stored_topic, queue_id in sources[start:] + sources[:start]:
+                if len(out) >= max_count:
+                    break
+                out += self._pop_queue(
+                    group,
+                    stored_topic,
+                    topic.name,
+                    queue_id,
+                    tag_filter,
+                    max_count - len(out),
+                    invisible_ms,
+                )
+        return out
+
+    def _state(self, group: str, topic: str, queue_id: int) -> QueueState:
+        key = (group, topic, queue_id)
+        state = self._queues.get(key)
+        if state is None:
+            committed = self.metadata.offset(group, topic, queue_id)
+            start = self.store.min_offset(topic, queue_id) if committed is None else committed
+            state = self._queues[key] = QueueState(next=start)
+        return state
+
+    def _pop_queue(
+        self,
+        group: GroupConfig,
+        stored_topic: str,
+        topic: str,
+        queue_id: int,
+        tag_filter: TagFilter,
+        max_count: int,
+        invisible_ms: int,
+    ) -> list[Received]:
+        state = self._state(group.name, stored_topic, queue_id)
+        now = self._clock()
+        if group.fifo and state.in_flight:
+            return self._redeliver_fifo(group, state, stored_topic, queue_id, now, invisible_ms)
+        lo = self.store.min_offset(stored_topic, queue_id)
+        if state.next < lo:
+            log.warning(
+                "group %s: %s/%d offsets %d..%d are gone (retention); skipping them",
+                group.name,
+                stored_topic,
+                queue_id,
+                state.next,
+                lo - 1,
+            )
+            state.next = lo
+        result = self.store.get_messages(
+            stored_topic, queue_id, state.next, max_count, tag_filter=tag_filter.code_matches
+        )
+        out: list[Received] = []
+        if result.status is GetStatus.FOUND or result.status is GetStatus.NO_MATCHED_MESSAGE:
+            for msg in result.messages:
+                if not tag_filter.matches(msg):
+                    continue  # a tag-hash collision: not for this group
+                if msg.queue_offset in state.in_flight:
+                    continue
+                attempt = msg.reconsume_times + 1
+                delivery = Delivery(
+                    stored_topic,
+                    queue_id,
+                    msg.queue_offset,
+                    next(self._seq),
+                    now + invisible_ms,
+                    attempt,
+                )
+                state.in_flight[msg.queue_offset] = delivery
+                original = msg.properties.get(PROPERTY_RETRY_TOPIC, topic)
+                out.append(Received(msg, self._handle(delivery), attempt, original))
+            state.next = max(state.next, result.next_offset)
+        self._commit(group.name, stored_topic, queue_id, state)
+        return out
+
+    def _redeliver_fifo(
+        self,
+        group: GroupConfig,
+        state: QueueState,
+        stored_topic: str,
+        queue_id: int,
+        now: int,
+        invisible_ms: int,
+    ) -> list[Received]:
+        """A FIFO queue with a delivery in flight: nothing until it expires, then the same
+        message again (or, past the attempt limit, to the DLQ and on to the next)."""
+        first = min(state.in_flight)
+        delivery = state.in_flight[first]
+        if delivery.deadline_ms > now:
+            return []
+        msg = self.store.get_messages(stored_topic, queue_id, first, 1).messages
+        if not msg:
+            del state.in_flight[first]
+            return []
+        if delivery.attempt >= group.max_delivery_attempts:
+            self._to_dlq(group.name, msg[0], delivery.attempt)
+            del state.in_flight[first]
+            self._commit(group.name, stored_topic, queue_id, state)
+            return []
+        delivery.attempt += 1
+        delivery.deadline_ms = now + invisible_ms
+        delivery.handle_seq = next(self._seq)
+        original = msg[0].properties.get(PROPERTY_RETRY_TOPIC, msg[0].topic)
+        return [Received(msg[0], self._handle(delivery), delivery.attempt, original)]
+
+    # -- ack and invisibility --------------------------------------------------------------------
+
+    def ack(self, group: str, receipt_handle: str) -> None:
+        with self._lock:
+            state, delivery = self._find(group, receipt_handle)
+            del state.in_flight[delivery.offset]
+            self._commit(group, delivery.topic, delivery.queue_id, state)
+
+    def change_invisible_duration(self, group: str, receipt_handle: str, invisible_ms: int) -> str:
+        """Push the delivery's deadline to now + ``invisible_ms``; returns the new handle."""
+        with self._lock:
+            _, delivery = self._find(group, receipt_handle)
+            delivery.deadline_ms = self._clock() + invisible_ms
+            delivery.handle_seq = next(self._seq)
+            return self._handle(delivery)
+
+    def forward_to_dlq(self, group: str, receipt_handle: str) -> None:
+        """The consumer gave up on a delivery (FIFO clients do this themselves): move the
+        message to ``%DLQ%{group}`` and count it as consumed."""
+        with self._lock:
+            state, delivery = self._find(group, receipt_handle)
+            got = self.store.get_messages(delivery.topic, delivery.queue_id, delivery.offset, 1)
+            if got.messages and got.messages[0].queue_offset == delivery.offset:
+                self._to_dlq(group, got.messages[0], delivery.attempt)
+            del state.in_flight[delivery.offset]
+            self._commit(group, delivery.topic, delivery.queue_id, state)
+
+    def _find(self, group: str, receipt_handle: str) -> tuple[QueueState, Delivery]:
+        try:
+            topic, queue, offset, seq = receipt_handle.rsplit(":", 3)
+            key = (group, topic, int(queue))
+            state = self._queues[key]
+            delivery = state.in_flight[int(offset)]
+        except (ValueError, KeyError):
+            raise InvalidReceiptHandleError(
+                f"receipt handle {receipt_handle!r} is unknown or already acknowledged"
+            ) from None
+        if delivery.handle_seq != int(seq):
+            raise InvalidReceiptHandleError(
+                "receipt handle expired: the message was redelivered since"
+            )
+        return state, delivery
+
+    @staticmethod
+    def _handle(d: Delivery) -> str:
+        return f"{d.topic}:{d.queue_id}:{d.offset}:{d.handle_seq}"
+
+    # -- revive ----------------------------------------------------------------------------------
+
+    def revive_expired(self) -> int:
+        """Move expired non-FIFO deliveries to the retry topic (or the DLQ); returns how many."""
+        now = self._clock()
+        moved = 0
+        with self._lock:
+            for (group_name, stored_topic, queue_id), state in list(self._queues.items()):
+                group = self.metadata.group(group_name) or GroupConfig(group_name)
+                if group.fifo:
+                    continue
+                expired = [d for d in state.in_flight.values() if d.deadline_ms <= now]
+                for d in expired:
+                    got = self.store.get_messages(stored_topic, queue_id, d.offset, 1).messages
+                    if got and got[0].queue_offset == d.offset:
+                        if d.attempt >= group.max_delivery_attempts:
+                            self._to_dlq(group_name, got[0], d.attempt)
+                        else:
+                            self._to_retry(group_name, got[0], d.attempt)
+                    del state.in_flight[d.offset]
+                    moved += 1
+                if expired:
+                    self._commit(group_name, stored_topic, queue_id, state)
+        return moved
+
+    def _copy(self, msg: StoredMessage, topic: str, attempts: int) -> Message:
+        props = dict(msg.properties)
+        props.setdefault(PROPERTY_RETRY_TOPIC, msg.topic)
+        if msg.msg_id:
+            props.setdefault(PROPERTY_ORIGIN_MESSAGE_ID, msg.msg_id)
+        return Message(
+            topic=topic,
+            queue_id=0,
+            body=msg.body,
+            properties=props,
+            flag=msg.flag,
+            born_timestamp=msg.born_timestamp,
+            born_host=msg.born_host,
+            reconsume_times=attempts,
+        )
+
+    def _to_retry(self, group: str, msg: StoredMessage, attempts: int) -> None:
+        self._ensure_topic(retry_topic(group))
+        self.store.put_message(self._copy(msg, retry_topic(group), attempts))
+
+    def _to_dlq(self, group: str, msg: StoredMessage, attempts: int) -> None:
+        self._ensure_topic(dlq_topic(group))
+        self.store.put_message(self._copy(msg, dlq_topic(group), attempts))
+        log.info(
+            "group %s: message %s went to %s after %d deliveries",
+            group,
+            msg.msg_id,
+            dlq_topic(group),
+            attempts,
+        )
+
+    def _ensure_topic(self, name: str) -> None:
+        if self.metadata.topic(name) is None:
+            self.metadata.put_topic(TopicConfig(name=name, queues=1))
+
+    # -- offsets ---------------------------------------------------------------------------------
+
+    def _commit(self, group: str, topic: str, queue_id: int, state: QueueState) -> None:
+        done = min(state.in_flight) if state.in_flight else state.next
+        if self.metadata.offset(group, topic, queue_id) != done:
+            self.metadata.commit_offset(group, topic, queue_id, done)
+
+    def reset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        """Move a group's position (UpdateOffset); deliveries in flight there are forgotten."""
+        with self._lock:
+            self._queues[(group, topic, queue_id)] = QueueState(next=offset)
+            self.metadata.commit_offset(group, topic, queue_id, offset)

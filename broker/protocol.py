@@ -1,0 +1,254 @@
+"""Conversion between ``apache.rocketmq.v2`` protobuf messages and the store's records.
+
+The stubs are the ones shipped in Apache's ``rocketmq-python-client`` (``rocketmq.grpc_protocol``),
+so the wire format is exactly the client's. (Importing them runs that package's ``__init__``,
+which creates the client's log directory ``~/logs/rocketmq_python``.)
+"""
+
+from __future__ import annotations
+
+import gzip
+import ipaddress
+import zlib
+
+from google.protobuf import duration_pb2, timestamp_pb2
+from rocketmq.grpc_protocol import definition_pb2 as d
+
+from broker.metadata import PERM_READ, PERM_WRITE, Limits, TopicConfig
+from tiered.record import (
+    PROPERTY_KEYS,
+    PROPERTY_SHARDING_KEY,
+    PROPERTY_TAGS,
+    PROPERTY_UNIQ_KEY,
+    Host,
+    Message,
+    StoredMessage,
+)
+
+# System properties kept as record properties, beside the user's.
+PROPERTY_MESSAGE_TYPE = "__MESSAGE_TYPE"
+PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
+_RESERVED = (
+    PROPERTY_KEYS,
+    PROPERTY_TAGS,
+    PROPERTY_UNIQ_KEY,
+    PROPERTY_SHARDING_KEY,
+    PROPERTY_MESSAGE_TYPE,
+    PROPERTY_DELIVER_TIME,
+)
+
+MESSAGE_TYPE_NAMES = {
+    d.NORMAL: "NORMAL",
+    d.FIFO: "FIFO",
+    d.DELAY: "DELAY",
+    d.TRANSACTION: "TRANSACTION",
+}
+MESSAGE_TYPE_VALUES = {v: k for k, v in MESSAGE_TYPE_NAMES.items()}
+
+
+class ProtocolError(Exception):
+    """A request the broker refuses; ``code`` is the ``apache.rocketmq.v2.Code`` to answer with."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status(code: int = d.OK, message: str = "OK") -> d.Status:
+    return d.Status(code=code, message=message)
+
+
+def permission(perm: int) -> int:
+    readable, writable = bool(perm & PERM_READ), bool(perm & PERM_WRITE)
+    if readable and writable:
+        return int(d.READ_WRITE)
+    if readable:
+        return int(d.READ)
+    return int(d.WRITE) if writable else int(d.NONE)
+
+
+def endpoints(host: str, port: int) -> d.Endpoints:
+    try:
+        scheme = d.IPv6 if ipaddress.ip_address(host).version == 6 else d.IPv4
+    except ValueError:
+        scheme = d.DOMAIN_NAME
+    return d.Endpoints(scheme=scheme, addresses=[d.Address(host=host, port=port)])
+
+
+def message_queue(
+    topic: str,
+    queue_id: int,
+    perm: int,
+    message_type: str,
+    broker_name: str,
+    host: str,
+    port: int,
+    namespace: str = "",
+) -> d.MessageQueue:
+    return d.MessageQueue(
+        topic=d.Resource(name=topic, resource_namespace=namespace),
+        id=queue_id,
+        permission=permission(perm),
+        broker=d.Broker(name=broker_name, id=0, endpoints=endpoints(host, port)),
+        accept_message_types=[MESSAGE_TYPE_VALUES.get(message_type, d.NORMAL)],
+    )
+
+
+def _ms(ts: timestamp_pb2.Timestamp) -> int:
+    return int(ts.seconds * 1000 + ts.nanos // 1_000_000)
+
+
+def to_store_message(
+    pm: d.Message, topic: TopicConfig, queue_id: int, limits: Limits, peer_host: str
+) -> Message:
+    """Check one produced message and turn it into a store Message."""
+    sp = pm.system_properties
+    body = pm.body
+    if sp.body_encoding == d.GZIP:
+        try:
+            body = gzip.decompress(body) if body[:2] == b"\x1f\x8b" else zlib.decompress(body)
+        except (OSError, zlib.error) as e:
+            raise ProtocolError(d.MESSAGE_CORRUPTED, f"body is not valid GZIP: {e}") from e
+    if not body:
+        raise ProtocolError(d.MESSAGE_BODY_EMPTY, "message body is empty")
+    if len(body) > limits.max_body_bytes:
+        raise ProtocolError(
+            d.MESSAGE_BODY_TOO_LARGE,
+            f"message body is {len(body)} bytes; the limit is {limits.max_body_bytes}",
+        )
+    if len(pm.user_properties) > limits.max_properties:
+        raise ProtocolError(
+            d.MESSAGE_PROPERTIES_TOO_LARGE,
+            f"{len(pm.user_properties)} properties; the limit is {limits.max_properties}",
+        )
+    props: dict[str, str] = {}
+    size = 0
+    for key, value in pm.user_properties.items():
+        if not key or key in _RESERVED or _bad_chars(key):
+            raise ProtocolError(d.ILLEGAL_MESSAGE_PROPERTY_KEY, f"illegal property key {key!r}")
+        if _bad_chars(value):
+            raise ProtocolError(d.BAD_REQUEST, f"property {key!r} has an illegal character")
+        size += len(key) + len(value)
+        props[key] = value
+    if size > limits.max_properties_bytes:
+        raise ProtocolError(
+            d.MESSAGE_PROPERTIES_TOO_LARGE,
+            f"properties are {size} bytes; the limit is {limits.max_properties_bytes}",
+        )
+    if sp.HasField("tag"):
+        if not sp.tag.strip() or "|" in sp.tag or _bad_chars(sp.tag):
+            raise ProtocolError(d.ILLEGAL_MESSAGE_TAG, f"illegal tag {sp.tag!r}")
+        props[PROPERTY_TAGS] = sp.tag
+    if sp.keys:
+        for key in sp.keys:
+            if not key.strip() or " " in key or _bad_chars(key):
+                raise ProtocolError(d.ILLEGAL_MESSAGE_KEY, f"illegal message key {key!r}")
+        props[PROPERTY_KEYS] = " ".join(sp.keys)
+    if not sp.message_id or _bad_chars(sp.message_id) or len(sp.message_id) > 128:
+        raise ProtocolError(d.ILLEGAL_MESSAGE_ID, "message_id is missing or illegal")
+    props[PROPERTY_UNIQ_KEY] = sp.message_id
+    type_name = MESSAGE_TYPE_NAMES.get(sp.message_type, "NORMAL")
+    if type_name != topic.message_type:
+        raise ProtocolError(
+            d.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+            f"topic {topic.name} takes {topic.message_type} messages, not {type_name}",
+        )
+    props[PROPERTY_MESSAGE_TYPE] = type_name
+    if sp.HasField("message_group"):
+        if not sp.message_group or _bad_chars(sp.message_group):
+            raise ProtocolError(d.ILLEGAL_MESSAGE_GROUP, "illegal message group")
+        props[PROPERTY_SHARDING_KEY] = sp.message_group
+    if sp.HasField("delivery_timestamp"):
+        # The Python client writes the user's value into Timestamp.seconds unconverted.
+        seconds = sp.delivery_timestamp.seconds
+        props[PROPERTY_DELIVER_TIME] = str(
+            seconds if seconds > 10**11 else _ms(sp.delivery_timestamp)
+        )
+    born = _ms(sp.born_timestamp) if sp.HasField("born_timestamp") else 0
+    return Message(
+        topic=topic.name,
+        queue_id=queue_id,
+        body=body,
+        properties=props,
+        born_timestamp=born,
+        born_host=(_ip_or(sp.born_host, peer_host), 0),
+    )
+
+
+def _bad_chars(text: str) -> bool:
+    return "\x01" in text or "\x02" in text
+
+
+def _ip_or(host: str, fallback: str) -> str:
+    for candidate in (host, fallback, "0.0.0.0"):
+        try:
+            ipaddress.ip_address(candidate)
+            return candidate
+        except ValueError:
+            continue
+    return "0.0.0.0"
+
+
+def host_string(host: Host) -> str:
+    return f"{host[0]}:{host[1]}"
+
+
+def to_proto_message(
+    m: StoredMessage,
+    topic_name: str,
+    receipt_handle: str | None,
+    attempt: int | None,
+    invisible_ms: int | None,
+    namespace: str = "",
+) -> d.Message:
+    """A stored message as the client receives it."""
+    props = m.properties
+    sp = d.SystemProperties(
+        message_id=props.get(PROPERTY_UNIQ_KEY) or f"{m.commitlog_offset:032X}",
+        body_digest=d.Digest(type=d.CRC32, checksum=f"{zlib.crc32(m.body) & 0xFFFFFFFF:08X}"),
+        body_encoding=d.IDENTITY,
+        message_type=MESSAGE_TYPE_VALUES.get(props.get(PROPERTY_MESSAGE_TYPE, "NORMAL"), d.NORMAL),
+        born_host=m.born_host[0],
+        store_host=host_string(m.store_host),
+        queue_id=m.queue_id,
+        queue_offset=m.queue_offset,
+    )
+    sp.born_timestamp.FromMilliseconds(m.born_timestamp)
+    sp.store_timestamp.FromMilliseconds(m.store_timestamp)
+    if m.tags:
+        sp.tag = m.tags
+    if m.keys:
+        sp.keys.extend(m.keys)
+    group = props.get(PROPERTY_SHARDING_KEY)
+    if group:
+        sp.message_group = group
+    if receipt_handle is not None:
+        sp.receipt_handle = receipt_handle
+    if attempt is not None:
+        sp.delivery_attempt = attempt
+    if invisible_ms is not None:
+        sp.invisible_duration.CopyFrom(duration(invisible_ms))
+    user = {
+        k: v
+        for k, v in props.items()
+        if k not in _RESERVED
+        and not k.startswith("__")
+        and k not in ("RETRY_TOPIC", "ORIGIN_MESSAGE_ID")
+    }
+    return d.Message(
+        topic=d.Resource(name=topic_name, resource_namespace=namespace),
+        user_properties=user,
+        system_properties=sp,
+        body=m.body,
+    )
+
+
+def duration(ms: int) -> duration_pb2.Duration:
+    out = duration_pb2.Duration()
+    out.FromMilliseconds(ms)
+    return out
+
+
+def duration_ms(value: duration_pb2.Duration) -> int:
+    return int(value.seconds * 1000 + value.nanos // 1_000_000)

@@ -1,0 +1,165 @@
+"""The broker process: the store, its metadata, the gRPC services, and its background duties.
+
+Threads it owns, besides the store's (dispatcher, flusher) and gRPC's worker pool:
+- ``tmq-registration``: registers with every NameServer every 30 s, and at once when topics change;
+- ``tmq-maintenance``: revives expired pop deliveries (every second) and saves consumer offsets
+  (every 5 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from rocketmq.grpc_protocol import service_pb2_grpc
+
+from broker import admin_pb2_grpc
+from broker.admin import AdminServicer
+from broker.config import BrokerConfig
+from broker.messaging import BrokerIdentity, MessagingServicer
+from broker.metadata import MetadataStore
+from broker.pop import PopService
+from namesrv import namesrv_pb2 as nspb
+from namesrv.client import NameServerClient
+from namesrv.registry import HEARTBEAT_INTERVAL_MS
+from tiered.store import MessageStore
+
+log = logging.getLogger(__name__)
+
+MESSAGING_SERVICE = "apache.rocketmq.v2.MessagingService"
+ADMIN_SERVICE = "tmq.admin.v1.Admin"
+# Each client holds one worker for its Telemetry stream and one per long poll.
+_WORKERS = 128
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.store = MessageStore(config.store)
+        self.metadata = MetadataStore(config.config_dir)
+        self.pop = PopService(self.store, self.metadata)
+        self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.port = 0
+        self._server: grpc.Server | None = None
+        self._stop = threading.Event()
+        self._register_now = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> int:
+        """Open the store, serve, register; returns the bound port (``port = 0``: any free)."""
+        self.store.start()
+        try:
+            self.metadata.load()
+            server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="broker"),
+                options=[
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ],
+            )
+            self.port = server.add_insecure_port(f"{self.config.listen}:{self.config.port}")
+            if self.port == 0:
+                raise OSError(f"cannot listen on {self.config.listen}:{self.config.port}")
+            identity = BrokerIdentity(
+                self.config.cluster, self.config.name, self.config.advertise_host, self.port
+            )
+            service_pb2_grpc.add_MessagingServiceServicer_to_server(
+                MessagingServicer(
+                    self.store,
+                    self.metadata,
+                    self.pop,
+                    identity,
+                    self.namesrv,
+                    self.config.limits,
+                    auto_create_groups=self.config.auto_create_groups,
+                ),
+                server,
+            )
+            admin_pb2_grpc.add_AdminServicer_to_server(
+                AdminServicer(self.store, self.metadata, self.config.name, self._register_now.set),
+                server,
+            )
+            health_servicer = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            server.start()
+            for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE):
+                health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._server = server
+        except BaseException:
+            self.store.shutdown()
+            raise
+        self.register()
+        for target, name in (
+            (self._registration_loop, "tmq-registration"),
+            (self._maintenance_loop, "tmq-maintenance"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info(
+            "broker %s serving on %s:%d (advertised as %s)",
+            self.config.name,
+            self.config.listen,
+            self.port,
+            self.config.advertise_host,
+        )
+        return self.port
+
+    def registration(self) -> nspb.BrokerRegistration:
+        return nspb.BrokerRegistration(
+            cluster=self.config.cluster,
+            broker_name=self.config.name,
+            broker_id=0,
+            endpoint=nspb.Endpoint(host=self.config.advertise_host, port=self.port),
+            topics=[
+                nspb.TopicConfig(
+                    topic=t.name, queues=t.queues, perm=t.perm, message_type=t.message_type
+                )
+                for t in list(self.metadata.topics.values())
+            ],
+        )
+
+    def register(self) -> None:
+        if self.namesrv is not None:
+            self.namesrv.register(self.registration())
+
+    def _registration_loop(self) -> None:
+        while not self._stop.is_set():
+            self._register_now.wait(HEARTBEAT_INTERVAL_MS / 1000)
+            if self._stop.is_set():
+                return
+            self._register_now.clear()
+            try:
+                self.register()
+            except Exception:
+                log.exception("registration with the NameServers failed")
+
+    def _maintenance_loop(self) -> None:
+        ticks = 0
+        while not self._stop.wait(1.0):
+            ticks += 1
+            try:
+                self.pop.revive_expired()
+                if ticks % 5 == 0:
+                    self.metadata.flush_offsets()
+            except Exception:
+                log.exception("broker maintenance failed; retrying")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Unregister, drain requests for up to ``grace`` seconds, save offsets, close the store."""
+        self._stop.set()
+        self._register_now.set()
+        if self.namesrv is not None:
+            self.namesrv.unregister(self.config.cluster, self.config.name, 0)
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        for thread in self._threads:
+            thread.join()
+        self.metadata.flush_offsets(force=True)
+        self.store.shutdown()
+        if self.namesrv is not None:
+            self.namesrv.close()

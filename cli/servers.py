@@ -1,0 +1,115 @@
+"""``tmq standalone``, ``tmq namesrv start``, ``tmq broker start``: the server processes."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from broker.config import BrokerConfig, load_config
+from broker.server import Broker
+from namesrv import server as namesrv_server
+from tiered.config import StoreConfig, parse_size
+
+log = logging.getLogger(__name__)
+
+namesrv_app = typer.Typer(help="The NameServer.", no_args_is_help=True)
+broker_app = typer.Typer(help="A broker.", no_args_is_help=True)
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT (Ctrl-C)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def standalone(
+    data_dir: Annotated[Path, typer.Option(help="Where the store lives.")] = Path("tmq-data"),
+    grpc_port: Annotated[
+        int, typer.Option(help="The broker's gRPC port (RocketMQ proxy's).")
+    ] = 8081,
+    namesrv_port: Annotated[int, typer.Option(help="The NameServer's port.")] = 9876,
+    flush: Annotated[
+        str, typer.Option(help="sync: ack after fsync; async: after the page cache.")
+    ] = "async",
+    commitlog_file_size: Annotated[
+        str, typer.Option(help="CommitLog file size, e.g. 1GiB.")
+    ] = "1GiB",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+) -> None:
+    """A NameServer and a broker in one process, on embedded defaults.
+
+    Example: tmq standalone --data-dir ./tmq-data --flush sync
+    """
+    ns_server, ns_port = namesrv_server.start(host, namesrv_port)
+    try:
+        store = StoreConfig(
+            data_dir=data_dir,
+            flush=flush,  # type: ignore[arg-type]
+            commitlog_file_size=parse_size(commitlog_file_size),
+        )
+    except ValueError as e:
+        ns_server.stop(None)
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    config = BrokerConfig(
+        listen=host, port=grpc_port, advertise_host=host, namesrv=[f"{host}:{ns_port}"], store=store
+    )
+    broker = Broker(config)
+    port = broker.start()
+    typer.echo(
+        f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}, "
+        f"data in {data_dir} (flush {flush}); Ctrl-C or SIGTERM stops it",
+        err=True,
+    )
+    try:
+        _wait_for_signal()
+    finally:
+        broker.stop()
+        ns_server.stop(2).wait()
+    typer.echo("tmq standalone: stopped cleanly", err=True)
+
+
+@namesrv_app.command("start")
+def namesrv_start(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = namesrv_server.DEFAULT_PORT,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+) -> None:
+    """Run a NameServer until SIGTERM.
+
+    Example: tmq namesrv start --port 9876
+    """
+    server, bound = namesrv_server.start(host, port)
+    typer.echo(f"NameServer listening on {host}:{bound}", err=True)
+    try:
+        _wait_for_signal()
+    finally:
+        server.stop(2).wait()
+
+
+@broker_app.command("start")
+def broker_start(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="tmq.toml")] = None,
+) -> None:
+    """Run a broker until SIGTERM.
+
+    Example: tmq broker start --config tmq.toml
+    """
+    try:
+        cfg = load_config(config)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    broker = Broker(cfg)
+    port = broker.start()
+    typer.echo(f"broker {cfg.name} listening on {cfg.listen}:{port}", err=True)
+    try:
+        _wait_for_signal()
+    finally:
+        broker.stop()

@@ -1,0 +1,188 @@
+"""``tmq topic create|update|list|describe``: topics on every broker the NameServers know."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import grpc
+import typer
+
+from broker import admin_pb2 as pb
+from broker import admin_pb2_grpc as pb_grpc
+from namesrv.client import NameServerClient, parse_addresses
+
+app = typer.Typer(help="Create, change and inspect topics.", no_args_is_help=True)
+
+NamesrvOption = Annotated[
+    str,
+    typer.Option(
+        "--namesrv",
+        "-n",
+        envvar="TMQ_NAMESRV_ADDR",
+        help="NameServer address(es), host:port[;host:port].",
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+_TIMEOUT = 10.0
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
+    """(broker name, admin stub) of every live broker, or of the one named ``only``."""
+    try:
+        client = NameServerClient(parse_addresses(namesrv))
+        try:
+            info = client.cluster_info()
+        finally:
+            client.close()
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    except grpc.RpcError as e:
+        raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+    found = [
+        (
+            b.broker.broker_name,
+            pb_grpc.AdminStub(
+                grpc.insecure_channel(f"{b.broker.endpoint.host}:{b.broker.endpoint.port}")
+            ),
+        )
+        for b in info.brokers
+        if only is None or b.broker.broker_name == only
+    ]
+    if not found:
+        raise fail(f"no live broker{'' if only is None else ' named ' + only} is registered")
+    return found
+
+
+def _call(what: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args, timeout=_TIMEOUT)
+    except grpc.RpcError as e:
+        raise fail(f"{what}: {e.details() or e.code().name}") from None
+
+
+def _put(
+    name: str,
+    queues: int,
+    perm: int,
+    message_type: str,
+    update: bool,
+    namesrv: str,
+    broker: str | None,
+) -> None:
+    for broker_name, stub in brokers(namesrv, broker):
+        topic = pb.Topic(name=name, queues=queues, perm=perm, message_type=message_type)
+        _call(
+            f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=update)
+        )
+        typer.echo(f"{'updated' if update else 'created'} topic {name} on {broker_name}")
+
+
+@app.command("create")
+def create(
+    name: str,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
+    message_type: Annotated[
+        str, typer.Option(help="NORMAL, FIFO, DELAY or TRANSACTION.")
+    ] = "NORMAL",
+    perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
+    broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
+) -> None:
+    """Create a topic on every broker (or one).
+
+    Example: tmq topic create orders --queues 8
+    """
+    _put(name, queues, perm, message_type.upper(), False, namesrv, broker)
+
+
+@app.command("update")
+def update(
+    name: str,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
+    message_type: Annotated[
+        str, typer.Option(help="NORMAL, FIFO, DELAY or TRANSACTION.")
+    ] = "NORMAL",
+    perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
+    broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
+) -> None:
+    """Change a topic's queue count or permission.
+
+    Example: tmq topic update orders --queues 16
+    """
+    _put(name, queues, perm, message_type.upper(), True, namesrv, broker)
+
+
+def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
+    return {
+        "broker": broker_name,
+        "topic": d.topic.name,
+        "queues": d.topic.queues,
+        "perm": d.topic.perm,
+        "message_type": d.topic.message_type,
+        "tiered": d.topic.tiered,
+        "queue_offsets": [
+            {"queue": q.queue, "min_offset": q.min_offset, "max_offset": q.max_offset}
+            for q in d.queues
+        ],
+    }
+
+
+@app.command("list")
+def list_topics(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = False) -> None:
+    """List every topic on every broker.
+
+    Example: tmq topic list --json
+    """
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        listing = _call(f"broker {broker_name}", stub.ListTopics, pb.ListTopicsRequest())
+        rows += [_description(broker_name, t) for t in listing.topics]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        total = sum(q["max_offset"] for q in r["queue_offsets"])
+        typer.echo(
+            f"{r['topic']:40s} {r['broker']:16s} queues={r['queues']} "
+            f"type={r['message_type']} messages={total}"
+        )
+
+
+@app.command("describe")
+def describe(
+    name: str, namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = False
+) -> None:
+    """Show a topic's configuration and per-queue offsets on every broker.
+
+    Example: tmq topic describe orders --json
+    """
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        try:
+            rows.append(
+                _description(
+                    broker_name, stub.GetTopic(pb.GetTopicRequest(name=name), timeout=_TIMEOUT)
+                )
+            )
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise fail(f"broker {broker_name}: {e.details()}") from None
+    if not rows:
+        raise fail(f"topic {name} does not exist")
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(
+            f"{r['topic']} on {r['broker']}: {r['queues']} queues, perm {r['perm']}, "
+            f"{r['message_type']}"
+        )
+        for q in r["queue_offsets"]:
+            typer.echo(f"  queue {q['queue']}: offsets [{q['min_offset']}, {q['max_offset']})")
