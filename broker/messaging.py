@@ -497,9 +497,9 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if not 0 <= queue < topic.queues:
                 raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue}")
             policy = request.query_offset_policy
-            if policy == s.BEGINNING:
+            if policy == d.BEGINNING:
                 offset = self.store.min_offset(topic.name, queue)
-            elif policy == s.END:
+            elif policy == d.END:
                 offset = self.store.max_offset(topic.name, queue)
             else:
                 ts = request.timestamp.seconds * 1000 + request.timestamp.nanos // 1_000_000

@@ -92,10 +92,15 @@ class InvalidReceiptHandleError(ValueError):
 
 class PopService:
     def __init__(
-        self, store: MessageStore, metadata: MetadataStore, clock: Callable[[], int] = now_ms
+        self,
+        store: MessageStore,
+        metadata: MetadataStore,
+        clock: Callable[[], int] = now_ms,
+        on_topic_created: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.metadata = metadata
+        self._on_topic_created = on_topic_created
         self._clock = clock
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str, int], QueueState] = {}
@@ -332,6 +337,7 @@ class PopService:
     def _ensure_topic(self, name: str) -> None:
         if self.metadata.topic(name) is None:
             self.metadata.put_topic(TopicConfig(name=name, queues=1))
+            self._on_topic_created()  # so the NameServers route it (operators read DLQs)
 
     # -- offsets ---------------------------------------------------------------------------------
 

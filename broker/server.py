@@ -41,12 +41,12 @@ class Broker:
         self.config = config
         self.store = MessageStore(config.store)
         self.metadata = MetadataStore(config.config_dir)
-        self.pop = PopService(self.store, self.metadata)
+        self._stop = threading.Event()
+        self._register_now = threading.Event()
+        self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
         self.port = 0
         self._server: grpc.Server | None = None
-        self._stop = threading.Event()
-        self._register_now = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:

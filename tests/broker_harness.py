@@ -1,0 +1,130 @@
+"""Run ``tmq standalone`` as a real process and talk to it as applications and operators do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from broker import admin_pb2 as apb
+from broker import admin_pb2_grpc as apb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tmq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.app", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+class Standalone:
+    """A ``tmq standalone`` child process on free ports."""
+
+    def __init__(self, data_dir: Path, flush: str = "async") -> None:
+        self.data_dir = data_dir
+        self.flush = flush
+        self.grpc_port = free_port()
+        self.namesrv_port = free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def namesrv(self) -> str:
+        return f"127.0.0.1:{self.namesrv_port}"
+
+    def start(self) -> Standalone:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli.app",
+                "standalone",
+                "--data-dir",
+                str(self.data_dir),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--namesrv-port",
+                str(self.namesrv_port),
+                "--flush",
+                self.flush,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        channel = grpc.insecure_channel(self.endpoint)
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"standalone exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                )
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("standalone did not become healthy in 60 s")
+            time.sleep(0.2)
+        channel.close()
+        return self
+
+    def admin(self) -> apb_grpc.AdminStub:
+        return apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
+
+    def create_topic(self, name: str, queues: int = 4, message_type: str = "NORMAL") -> None:
+        self.admin().PutTopic(
+            apb.PutTopicRequest(
+                topic=apb.Topic(name=name, queues=queues, perm=6, message_type=message_type)
+            ),
+            timeout=10,
+        )
+
+    def create_group(self, name: str, max_attempts: int = 16, fifo: bool = False) -> None:
+        self.admin().PutGroup(
+            apb.PutGroupRequest(
+                group=apb.Group(name=name, max_delivery_attempts=max_attempts, fifo=fifo)
+            ),
+            timeout=10,
+        )
+
+    def stop(self) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
