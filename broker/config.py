@@ -9,6 +9,7 @@ port = 8081
 advertise_host = "127.0.0.1"   # what clients are told to connect to
 namesrv = "127.0.0.1:9876"     # several: "h1:9876;h2:9876"
 auto_create_groups = true
+heartbeat_interval_ms = 30000
 
 [store]
 data_dir = "./tmq-data"
@@ -43,6 +44,8 @@ class BrokerConfig:
     advertise_host: str = "127.0.0.1"
     namesrv: list[str] = field(default_factory=lambda: ["127.0.0.1:9876"])
     auto_create_groups: bool = True
+    # How often to re-register with the NameServers (they forget a broker after 120 s).
+    heartbeat_interval_ms: int = 30_000
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: Limits = field(default_factory=Limits)
 

@@ -501,9 +501,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 offset = self.store.min_offset(topic.name, queue)
             elif policy == d.END:
                 offset = self.store.max_offset(topic.name, queue)
-            else:
+            elif policy == d.TIMESTAMP:
                 ts = request.timestamp.seconds * 1000 + request.timestamp.nanos // 1_000_000
                 offset = self.store.offset_for_timestamp(topic.name, queue, ts)
+            else:
+                raise ProtocolError(d.BAD_REQUEST, f"unknown query offset policy {policy}")
             return s.QueryOffsetResponse(status=status(), offset=offset)
 
         return self._guard(lambda st: s.QueryOffsetResponse(status=st), work)

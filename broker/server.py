@@ -24,7 +24,7 @@ from broker.metadata import MetadataStore
 from broker.pop import PopService
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
-from namesrv.registry import HEARTBEAT_INTERVAL_MS
+from namesrv.safe_handlers import add_safely
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class Broker:
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
-            service_pb2_grpc.add_MessagingServiceServicer_to_server(
+            add_safely(
+                service_pb2_grpc.add_MessagingServiceServicer_to_server,
                 MessagingServicer(
                     self.store,
                     self.metadata,
@@ -79,7 +80,8 @@ class Broker:
                 ),
                 server,
             )
-            admin_pb2_grpc.add_AdminServicer_to_server(
+            add_safely(
+                admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(self.store, self.metadata, self.config.name, self._register_now.set),
                 server,
             )
@@ -129,7 +131,7 @@ class Broker:
 
     def _registration_loop(self) -> None:
         while not self._stop.is_set():
-            self._register_now.wait(HEARTBEAT_INTERVAL_MS / 1000)
+            self._register_now.wait(self.config.heartbeat_interval_ms / 1000)
             if self._stop.is_set():
                 return
             self._register_now.clear()

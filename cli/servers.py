@@ -13,6 +13,7 @@ import typer
 from broker.config import BrokerConfig, load_config
 from broker.server import Broker
 from namesrv import server as namesrv_server
+from namesrv.registry import EXPIRY_MS, BrokerRegistry
 from tiered.config import StoreConfig, parse_size
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,15 @@ def standalone(
 def namesrv_start(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = namesrv_server.DEFAULT_PORT,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    expiry_ms: Annotated[
+        int, typer.Option(help="Forget a broker silent for this long (RocketMQ: 120 s).")
+    ] = EXPIRY_MS,
 ) -> None:
     """Run a NameServer until SIGTERM.
 
     Example: tmq namesrv start --port 9876
     """
-    server, bound = namesrv_server.start(host, port)
+    server, bound = namesrv_server.start(host, port, BrokerRegistry(expiry_ms=expiry_ms))
     typer.echo(f"NameServer listening on {host}:{bound}", err=True)
     try:
         _wait_for_signal()

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from namesrv import namesrv_pb2 as pb
 from namesrv import namesrv_pb2_grpc as pb_grpc
 from namesrv.registry import HEARTBEAT_INTERVAL_MS, BrokerRegistry
+from namesrv.safe_handlers import add_safely
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class NameServerServicer(pb_grpc.NameServerServicer):
 
 
 def add_to_server(server: grpc.Server, registry: BrokerRegistry) -> None:
-    pb_grpc.add_NameServerServicer_to_server(NameServerServicer(registry), server)
+    add_safely(pb_grpc.add_NameServerServicer_to_server, NameServerServicer(registry), server)
 
 
 def start(

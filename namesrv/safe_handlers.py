@@ -1,0 +1,107 @@
+"""Register generated gRPC servicers so that an undecodable request cannot hang the server.
+
+grpcio's synchronous server (seen in 1.85.1) aborts a request whose bytes fail to deserialize but
+leaves the worker thread waiting for that request forever (``_server.unary_request``): every
+malformed request pins one worker, and a few hundred hang the server for good. Every tmq server
+(NameServer, broker) therefore registers its servicers through ``add_safely``: gRPC hands the
+servicer raw bytes, and the wrapper decodes them with the generated deserializer itself,
+answering INVALID_ARGUMENT when they do not decode. The protocol is not re-typed: the generated
+handlers are captured and only their deserializer is moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+Deserializer = Callable[[bytes], Any]
+
+
+def _decode(deserializer: Deserializer, raw: bytes, context: grpc.ServicerContext) -> Any:
+    try:
+        return deserializer(raw)
+    except Exception as e:  # DecodeError, or anything a hostile payload provokes
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+
+
+def _wrap(handler: Any) -> Any:
+    deserializer: Deserializer | None = handler.request_deserializer
+    if deserializer is None:
+        return handler
+    if handler.unary_unary is not None:
+        fn = handler.unary_unary
+        return handler._replace(
+            request_deserializer=None,
+            unary_unary=lambda raw, ctx: fn(_decode(deserializer, raw, ctx), ctx),
+        )
+    if handler.unary_stream is not None:
+        fn = handler.unary_stream
+        return handler._replace(
+            request_deserializer=None,
+            unary_stream=lambda raw, ctx: fn(_decode(deserializer, raw, ctx), ctx),
+        )
+
+    def requests(raws: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[Any]:
+        for raw in raws:
+            yield _decode(deserializer, raw, ctx)
+
+    if handler.stream_unary is not None:
+        fn = handler.stream_unary
+        return handler._replace(
+            request_deserializer=None, stream_unary=lambda raws, ctx: fn(requests(raws, ctx), ctx)
+        )
+    fn = handler.stream_stream
+    return handler._replace(
+        request_deserializer=None, stream_stream=lambda raws, ctx: fn(requests(raws, ctx), ctx)
+    )
+
+
+class _Capture:
+    """Stands in for the server while a generated ``add_*_to_server`` function registers."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[str, dict[str, Any]]] = []
+        self.generic: list[Any] = []
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.registered.append((service, handlers))
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic.extend(handlers)
+
+
+class _SafeGenericHandler(grpc.GenericRpcHandler):
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._wrapped: dict[str, Any] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        method = handler_call_details.method
+        if method not in self._wrapped:
+            handler = self._inner.service(handler_call_details)
+            if handler is None:
+                return None
+            self._wrapped[method] = _wrap(handler)
+        return self._wrapped[method]
+
+
+def add_safely(
+    add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.Server
+) -> None:
+    """``add_XServicer_to_server(servicer, server)``, with requests decoded by the servicer side."""
+    capture = _Capture()
+    add_to_server(servicer, capture)
+    registered = set()
+    for service, methods in capture.registered:
+        registered.add(service)
+        wrapped = {name: _wrap(handler) for name, handler in methods.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+    # Older generated code registers only a generic handler; newer code registers both.
+    for generic in capture.generic:
+        if generic.service_name() not in registered:
+            server.add_generic_rpc_handlers((_SafeGenericHandler(generic),))

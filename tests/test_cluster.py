@@ -1,0 +1,161 @@
+"""Two NameServers and two brokers, each its own process, as in a small production cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from broker_harness import REPO, free_port, tmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    FilterExpression,
+    Message,
+    Producer,
+    SimpleConsumer,
+)
+
+from namesrv.client import NameServerClient
+
+
+def wait_healthy(address: str, proc: subprocess.Popen[str]) -> None:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                return
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise TimeoutError(address)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[dict[str, object]]:
+    procs: list[subprocess.Popen[str]] = []
+    namesrvs = []
+    for _ in range(2):
+        port = free_port()
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli.app",
+                "namesrv",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--expiry-ms",
+                "3000",
+            ],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(p)
+        wait_healthy(f"127.0.0.1:{port}", p)
+        namesrvs.append(f"127.0.0.1:{port}")
+    brokers = {}
+    for name in ("broker-a", "broker-b"):
+        port = free_port()
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(f"""
+[broker]
+name = "{name}"
+listen = "127.0.0.1"
+port = {port}
+advertise_host = "127.0.0.1"
+namesrv = "{";".join(namesrvs)}"
+heartbeat_interval_ms = 500
+
+[store]
+data_dir = "{tmp_path / name}"
+""")
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(cfg)],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(p)
+        wait_healthy(f"127.0.0.1:{port}", p)
+        brokers[name] = (p, f"127.0.0.1:{port}")
+    yield {"namesrvs": namesrvs, "brokers": brokers}
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(30)
+
+
+def test_a_topic_spread_over_two_brokers_is_routed_and_consumed(cluster) -> None:
+    namesrvs = ";".join(cluster["namesrvs"])
+    done = tmq("topic", "create", "spread", "-n", namesrvs, "--queues", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("created topic spread") == 2
+    deadline = time.monotonic() + 10
+    while True:  # each broker registers its new topic with both NameServers
+        routes = [NameServerClient([a]).route("spread") for a in cluster["namesrvs"]]
+        if (
+            all(r is not None and len(r.brokers) == 2 for r in routes)
+            or time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.2)
+    assert all(
+        r is not None and {b.broker_name for b in r.brokers} == {"broker-a", "broker-b"}
+        for r in routes
+    )
+
+    access = cluster["brokers"]["broker-a"][1]
+    config = ClientConfiguration(access, Credentials(), request_timeout=10)
+    producer = Producer(config, topics=["spread"])
+    producer.startup()
+    ids = []
+    for i in range(100):
+        m = Message()
+        m.topic, m.body = "spread", f"m{i}".encode()
+        ids.append(producer.send(m).message_id)
+    producer.shutdown()
+
+    described = json.loads(tmq("topic", "describe", "spread", "-n", namesrvs, "--json").stdout)
+    per_broker = {r["broker"]: sum(q["max_offset"] for q in r["queue_offsets"]) for r in described}
+    assert per_broker["broker-a"] > 0 and per_broker["broker-b"] > 0
+    assert sum(per_broker.values()) == 100
+
+    consumer = SimpleConsumer(config, "g-spread", {"spread": FilterExpression()}, await_duration=1)
+    consumer.startup()
+    got = []
+    deadline = time.monotonic() + 60
+    while len(got) < 100 and time.monotonic() < deadline:
+        for m in consumer.receive(32, 30):
+            got.append(m.message_id)
+            consumer.ack(m)
+    consumer.shutdown()
+    assert Counter(got) == Counter(ids)
+
+
+def test_a_dead_broker_leaves_the_routes_after_expiry(cluster) -> None:
+    namesrvs = ";".join(cluster["namesrvs"])
+    assert tmq("topic", "create", "failover", "-n", namesrvs).returncode == 0
+    proc, _ = cluster["brokers"]["broker-b"]
+    time.sleep(1.5)
+    client = NameServerClient(cluster["namesrvs"])
+    route = client.route("failover")
+    assert route is not None and len(route.brokers) == 2
+    proc.kill()  # no unregistration: the NameServers must notice the silence
+    proc.wait()
+    time.sleep(4.5)
+    for address in cluster["namesrvs"]:
+        route = NameServerClient([address]).route("failover")
+        assert route is not None and [b.broker_name for b in route.brokers] == ["broker-a"]
