@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from cli import servers
+from cli import client, servers
 from cli import store as store_commands
 from cli import topic as topic_commands
 
@@ -22,6 +22,9 @@ app.command("standalone")(servers.standalone)
 app.add_typer(servers.namesrv_app, name="namesrv")
 app.add_typer(servers.broker_app, name="broker")
 app.add_typer(topic_commands.app, name="topic")
+app.command("produce")(client.produce)
+app.command("consume")(client.consume)
+app.command("replay")(client.replay)
 app.add_typer(store_commands.app, name="store")
 
 

@@ -1,0 +1,239 @@
+"""``tmq produce``, ``tmq consume``, ``tmq replay``: the data path from the command line.
+
+Produce and consume use Apache's RocketMQ 5 client, exactly as applications do; replay uses the
+broker's PullMessage, which that client does not expose. Brokers are found through the NameServers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+from datetime import datetime
+from typing import Annotated, Any
+
+import grpc
+import typer
+
+from cli.topic import NamesrvOption, fail
+from namesrv.client import NameServerClient, parse_addresses
+
+_TIMEOUT = 10
+
+
+def route(namesrv: str, topic: str) -> Any:
+    try:
+        client = NameServerClient(parse_addresses(namesrv))
+        try:
+            found = client.route(topic)
+        finally:
+            client.close()
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    except grpc.RpcError as e:
+        raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+    if found is None:
+        raise fail(f"topic {topic} is not served by any live broker")
+    return found
+
+
+def _client_config(namesrv: str, topic: str) -> Any:
+    from rocketmq import ClientConfiguration, Credentials  # imported late: it sets up logging
+
+    b = route(namesrv, topic).brokers[0]
+    return ClientConfiguration(
+        f"{b.endpoint.host}:{b.endpoint.port}", Credentials(), request_timeout=_TIMEOUT
+    )
+
+
+def _body_text(body: bytes) -> str:
+    try:
+        return body.decode()
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(body).decode()
+
+
+def produce(
+    topic: str,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    body: Annotated[
+        str | None, typer.Option(help="Message body (default: read lines from stdin).")
+    ] = None,
+    count: Annotated[int, typer.Option(help="Send the body this many times.")] = 1,
+    tag: Annotated[str | None, typer.Option(help="Message tag.")] = None,
+    key: Annotated[list[str] | None, typer.Option(help="Message key (repeatable).")] = None,
+    group: Annotated[str | None, typer.Option(help="Message group (FIFO topics).")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON line per message sent.")
+    ] = False,
+) -> None:
+    """Send messages: one --body (--count times), or one message per line of stdin.
+
+    Example: echo hello | tmq produce orders --tag paid --key order-1
+    """
+    from rocketmq import Message, Producer
+
+    bodies = [body] * count if body is not None else [line.rstrip("\n") for line in sys.stdin]
+    producer = Producer(_client_config(namesrv, topic), topics=[topic])
+    producer.startup()
+    try:
+        for text in bodies:
+            m = Message()
+            m.topic, m.body = topic, text.encode()
+            if tag:
+                m.tag = tag
+            for k in key or []:
+                m.keys = k
+            if group:
+                m.message_group = group
+            try:
+                receipt = producer.send(m)
+            except Exception as e:
+                raise fail(f"send failed: {e}") from None
+            if as_json:
+                typer.echo(json.dumps({"message_id": receipt.message_id, "offset": receipt.offset}))
+    finally:
+        producer.shutdown()
+    if not as_json:
+        typer.echo(f"sent {len(bodies)} message(s) to {topic}", err=True)
+
+
+def consume(
+    topic: str,
+    group: Annotated[str, typer.Option("--group", "-g", help="Consumer group.")],
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    tags: Annotated[str, typer.Option(help="Tag filter, e.g. 'a || b'.")] = "*",
+    count: Annotated[int, typer.Option(help="Stop after this many messages (0: no limit).")] = 0,
+    wait: Annotated[float, typer.Option(help="Stop after this many idle seconds.")] = 5.0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per message.")] = False,
+) -> None:
+    """Receive and acknowledge messages as a SimpleConsumer of GROUP.
+
+    Example: tmq consume orders --group billing --count 10 --json
+    """
+    from rocketmq import FilterExpression, SimpleConsumer
+
+    consumer = SimpleConsumer(
+        _client_config(namesrv, topic), group, {topic: FilterExpression(tags)}, await_duration=2
+    )
+    consumer.startup()
+    got, idle_since = 0, time.monotonic()
+    try:
+        while (count == 0 or got < count) and time.monotonic() - idle_since < wait:
+            messages = consumer.receive(min(32, count - got) if count else 32, 30)
+            if messages:
+                idle_since = time.monotonic()
+            for m in messages:
+                _print_message(
+                    as_json,
+                    topic=topic,
+                    message_id=m.message_id,
+                    tag=m.tag,
+                    keys=sorted(m.keys or []),
+                    properties=m.properties,
+                    attempt=m.delivery_attempt,
+                    body=_body_text(m.body),
+                )
+                consumer.ack(m)
+                got += 1
+    finally:
+        consumer.shutdown()
+    if not as_json:
+        typer.echo(f"received {got} message(s)", err=True)
+
+
+def _print_message(as_json: bool, **fields: Any) -> None:
+    if as_json:
+        typer.echo(json.dumps(fields))
+    else:
+        typer.echo(
+            f"{fields.get('queue', '')}{'@' + str(fields['offset']) if 'offset' in fields else ''} "
+            f"{fields['message_id']} tag={fields['tag']} {fields['body']}".strip()
+        )
+
+
+def _parse_time(text: str) -> int:
+    """Epoch milliseconds, or ISO 8601 (``2026-11-20T10:00:00Z``)."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
+
+
+def replay(
+    topic: str,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    from_offset: Annotated[int | None, typer.Option(help="Start at this queue offset.")] = None,
+    from_time: Annotated[
+        str | None, typer.Option(help="Start at this store time (ISO 8601 or epoch ms).")
+    ] = None,
+    queue: Annotated[int | None, typer.Option(help="Only this queue.")] = None,
+    limit: Annotated[int, typer.Option(help="Stop after this many messages (0: all).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per message.")] = False,
+) -> None:
+    """Read a topic from an offset or a time up to its current end, without a consumer group.
+
+    Example: tmq replay orders --from-time 2026-11-20T00:00:00Z --queue 0 --json
+    """
+    from rocketmq.grpc_protocol import definition_pb2 as d
+    from rocketmq.grpc_protocol import service_pb2 as s
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    if (from_offset is None) == (from_time is None):
+        raise fail("give exactly one of --from-offset and --from-time", 2)
+    start_ms = _parse_time(from_time) if from_time is not None else None
+    printed = 0
+    for b in route(namesrv, topic).brokers:
+        stub = service_pb2_grpc.MessagingServiceStub(
+            grpc.insecure_channel(f"{b.endpoint.host}:{b.endpoint.port}")
+        )
+        queues = [queue] if queue is not None else list(range(b.queues))
+        for q in queues:
+            mq = d.MessageQueue(topic=d.Resource(name=topic), id=q)
+            end = stub.QueryOffset(
+                s.QueryOffsetRequest(message_queue=mq, query_offset_policy=d.END), timeout=_TIMEOUT
+            ).offset
+            if start_ms is not None:
+                at = s.QueryOffsetRequest(message_queue=mq, query_offset_policy=d.TIMESTAMP)
+                at.timestamp.FromMilliseconds(start_ms)
+                offset = stub.QueryOffset(at, timeout=_TIMEOUT).offset
+            else:
+                offset = from_offset or 0
+            while offset < end and (limit == 0 or printed < limit):
+                request = s.PullMessageRequest(
+                    group=d.Resource(name="tmq-replay"),
+                    message_queue=mq,
+                    offset=offset,
+                    batch_size=256,
+                )
+                next_offset = offset
+                for item in stub.PullMessage(request, timeout=60):
+                    kind = item.WhichOneof("content")
+                    if kind == "status" and item.status.code not in (d.OK, d.MESSAGE_NOT_FOUND):
+                        raise fail(f"{b.broker_name} {topic}/{q}: {item.status.message}")
+                    if kind == "message" and (limit == 0 or printed < limit):
+                        m = item.message
+                        sp = m.system_properties
+                        _print_message(
+                            as_json,
+                            broker=b.broker_name,
+                            queue=q,
+                            offset=sp.queue_offset,
+                            message_id=sp.message_id,
+                            tag=sp.tag if sp.HasField("tag") else None,
+                            keys=list(sp.keys),
+                            properties=dict(m.user_properties),
+                            store_time_ms=sp.store_timestamp.ToMilliseconds(),
+                            body=_body_text(m.body),
+                        )
+                        printed += 1
+                    if kind == "next_offset":
+                        next_offset = item.next_offset
+                if next_offset <= offset:
+                    break
+                offset = next_offset
+    if not as_json:
+        typer.echo(f"replayed {printed} message(s)", err=True)
