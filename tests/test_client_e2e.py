@@ -286,3 +286,37 @@ def test_kill_9_under_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
     finally:
         node.stop()
     assert Counter(m.message_id for m in got) == Counter(ids)
+
+
+def test_update_offset_rewinds_a_group_and_get_offset_reports_it(broker: Standalone) -> None:
+    broker.create_topic("e2e-rewind", queues=1)
+    send_all(broker, "e2e-rewind", [make("e2e-rewind", i) for i in range(30)])
+    consumer = SimpleConsumer(
+        config(broker), "g-rewind", {"e2e-rewind": FilterExpression()}, await_duration=2
+    )
+    consumer.startup()
+    try:
+        assert len(drain(consumer, 30)) == 30
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(broker.endpoint))
+        group = d.Resource(name="g-rewind")
+        q = d.MessageQueue(topic=d.Resource(name="e2e-rewind"), id=0)
+        assert (
+            stub.GetOffset(s.GetOffsetRequest(group=group, message_queue=q), timeout=10).offset
+            == 30
+        )
+        reply = stub.UpdateOffset(
+            s.UpdateOffsetRequest(group=group, message_queue=q, offset=25), timeout=10
+        )
+        assert reply.status.code == d.OK
+        again = drain(consumer, 5)
+        assert sorted(int(m.properties["index"]) for m in again) == [25, 26, 27, 28, 29]
+        bad = stub.UpdateOffset(
+            s.UpdateOffsetRequest(group=group, message_queue=q, offset=31), timeout=10
+        )
+        assert bad.status.code == d.ILLEGAL_OFFSET
+        unknown = stub.GetOffset(
+            s.GetOffsetRequest(group=d.Resource(name="g-never"), message_queue=q), timeout=10
+        )
+        assert unknown.status.code == d.OFFSET_NOT_FOUND
+    finally:
+        consumer.shutdown()
