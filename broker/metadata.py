@@ -31,6 +31,8 @@ PERM_WRITE = 2
 PERM_READ_WRITE = PERM_READ | PERM_WRITE
 
 MESSAGE_TYPES = ("NORMAL", "FIFO", "DELAY", "TRANSACTION")
+# Delay delivery and transactions are not built yet.
+SUPPORTED_MESSAGE_TYPES = ("NORMAL", "FIFO")
 RETRY_GROUP_PREFIX = "%RETRY%"
 DLQ_GROUP_PREFIX = "%DLQ%"
 
@@ -82,6 +84,12 @@ class TopicConfig:
             raise ValueError(f"topic {self.name}: perm must combine 4 (read) and 2 (write)")
         if self.message_type not in MESSAGE_TYPES:
             raise ValueError(f"topic {self.name}: message type must be one of {MESSAGE_TYPES}")
+        if self.message_type not in SUPPORTED_MESSAGE_TYPES:
+            # Refused rather than accepted and then delivered early or without a commit.
+            raise ValueError(
+                f"topic {self.name}: {self.message_type} topics are not supported "
+                f"yet (supported: {', '.join(SUPPORTED_MESSAGE_TYPES)})"
+            )
 
 
 @dataclass(slots=True)

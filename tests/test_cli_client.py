@@ -101,3 +101,11 @@ def test_client_errors_are_one_line_with_a_nonzero_exit(node: Standalone) -> Non
         assert done.returncode != 0, args
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_delay_and_transaction_topics_are_refused_until_supported(node: Standalone) -> None:
+    for kind in ("DELAY", "TRANSACTION"):
+        done = tmq(
+            "topic", "create", f"t-{kind.lower()}", "-n", node.namesrv, "--message-type", kind
+        )
+        assert done.returncode == 1 and "not supported yet" in done.stderr, done.stderr
