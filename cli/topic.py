@@ -88,9 +88,7 @@ def create(
     name: str,
     namesrv: NamesrvOption = "127.0.0.1:9876",
     queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
-    message_type: Annotated[
-        str, typer.Option(help="NORMAL, FIFO, DELAY or TRANSACTION.")
-    ] = "NORMAL",
+    message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
     perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
 ) -> None:
@@ -106,9 +104,7 @@ def update(
     name: str,
     namesrv: NamesrvOption = "127.0.0.1:9876",
     queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
-    message_type: Annotated[
-        str, typer.Option(help="NORMAL, FIFO, DELAY or TRANSACTION.")
-    ] = "NORMAL",
+    message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
     perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
 ) -> None:
