@@ -1,0 +1,234 @@
+"""Segment objects and manifests, built from a real hot store, on file:// and LocalStack S3."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiered.cold.manifest import (
+    KEEP_VERSIONS,
+    ManifestConflictError,
+    ManifestError,
+    ManifestStore,
+    QueueManifest,
+    queue_prefix,
+    segment_key,
+)
+from tiered.cold.segment import SegmentError, SegmentReader, build, read_footer, verify
+from tiered.cold.storage import ObjectInfo, ObjectStore, open_store
+from tiered.config import StoreConfig
+from tiered.record import CorruptRecordError, Message, RecordEncoder, StoredMessage
+from tiered.store import MessageStore
+
+
+class CountingStore:
+    """Counts requests by kind (what a random read costs)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.fixture(params=["file", "s3"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "file":
+        return open_store(f"file://{tmp_path}/tier")
+    s3 = request.getfixturevalue("s3")
+    return open_store(f"s3://{request.getfixturevalue('bucket')}/tier", s3.storage_options())
+
+
+@pytest.fixture(scope="module")
+def hot(tmp_path_factory: pytest.TempPathFactory) -> tuple[MessageStore, list[StoredMessage]]:
+    store = MessageStore(
+        StoreConfig(data_dir=tmp_path_factory.mktemp("hot"), commitlog_file_size=1 << 20)
+    )
+    store.start()
+    rng = random.Random(3)
+    for i in range(2000):
+        store.put_message(
+            Message(
+                topic="archive",
+                queue_id=0,
+                body=rng.randbytes(rng.randint(0, 900)),
+                properties={
+                    "KEYS": f"k{i % 300}",
+                    "UNIQ_KEY": f"id-{i}",
+                    "TAGS": rng.choice(["a", "b"]),
+                },
+            )
+        )
+    assert store.wait_dispatched()
+    messages = store.get_messages("archive", 0, 0, 5000, max_bytes=1 << 30).messages
+    yield store, messages
+    store.shutdown()
+
+
+def raw_records(store: MessageStore, messages: list[StoredMessage]) -> list[bytes]:
+    out = []
+    for m in messages:
+        raw = store.commitlog.read(m.commitlog_offset, m.size)
+        assert raw is not None
+        out.append(raw)
+    return out
+
+
+def archive(
+    tier: ObjectStore, hot_store: MessageStore, messages: list[StoredMessage], per_segment: int
+) -> QueueManifest:
+    manifests = ManifestStore(tier, queue_prefix("c1", "broker-a", "archive", 0))
+    manifest = manifests.load()
+    for start in range(0, len(messages), per_segment):
+        chunk = messages[start : start + per_segment]
+        data, info = build(
+            raw_records(hot_store, chunk),
+            chunk[0].queue_offset,
+            segment_key(manifests.prefix, chunk[0].queue_offset),
+        )
+        assert tier.put_if_absent(info.key, data)
+        verify(tier, info)
+        manifest = manifest.with_segment(info)
+        manifests.commit(manifest)
+    return manifests.load()
+
+
+def test_every_message_reads_back_byte_identical_from_the_tier(tier, hot) -> None:
+    store, messages = hot
+    manifest = archive(tier, store, messages, per_segment=400)
+    assert manifest.version == 5 and manifest.end_offset == len(messages)
+    got: list[StoredMessage] = []
+    offset = 0
+    while offset < manifest.end_offset:
+        info = manifest.find(offset)
+        assert info is not None
+        batch = SegmentReader(tier, info).read(offset, 64)
+        got += batch
+        offset += len(batch)
+    assert got == messages
+    for info in manifest.segments:
+        assert read_footer(tier, info.key) == info, "the bucket alone describes each segment"
+
+
+def test_a_random_read_costs_the_same_requests_at_1x_and_10x(tmp_path, hot) -> None:
+    _, messages = hot
+    encoder = RecordEncoder()
+    costs = []
+    for copies, root in ((1, "small"), (10, "large")):
+        tier = CountingStore(open_store(f"file://{tmp_path}/{root}"))
+        manifests = ManifestStore(tier, queue_prefix("c1", "b", "archive", 0))
+        manifest = manifests.load()
+        # 10x: the same messages again and again, re-encoded at the following offsets.
+        for copy in range(copies):
+            for start in range(0, len(messages), 200):
+                base = copy * len(messages) + start
+                records = [
+                    encoder.encode(
+                        Message(topic=m.topic, body=m.body, queue_id=0, properties=m.properties),
+                        base + i,
+                        0,
+                        m.store_timestamp,
+                    )[0]
+                    for i, m in enumerate(messages[start : start + 200])
+                ]
+                data, info = build(records, base, segment_key(manifests.prefix, base))
+                tier.put_if_absent(info.key, data)
+                manifest = manifest.with_segment(info)
+        manifests.commit(manifest)
+        manifest = manifests.load()  # cached by a reader; not part of a read's cost
+        tier.calls.clear()
+        rng = random.Random(copies)
+        for _ in range(50):
+            offset = rng.randrange(manifest.end_offset)
+            info = manifest.find(offset)
+            assert info is not None
+            [msg] = SegmentReader(tier, info).read(offset, 1)
+            assert msg.queue_offset == offset
+        costs.append(dict(tier.calls))
+    assert costs[0] == costs[1] == {"get_range": 100}, costs
+
+
+def test_time_and_key_lookups_work_over_the_archive(tier, hot) -> None:
+    store, messages = hot
+    manifest = archive(tier, store, messages, per_segment=500)
+    for m in random.Random(5).sample(messages, 30):
+        info = next(s for s in manifest.segments if s.max_store_timestamp >= m.store_timestamp)
+        expected = store.offset_for_timestamp("archive", 0, m.store_timestamp)
+        assert SegmentReader(tier, info).offset_for_timestamp(m.store_timestamp) == expected
+    wanted = {m.queue_offset for m in messages if "k7" in m.keys}
+    found = set()
+    for info in manifest.segments:
+        reader = SegmentReader(tier, info)
+        for offset in reader.offsets_for_key("archive", "k7"):
+            [msg] = reader.read(offset, 1)
+            if "k7" in msg.keys:
+                found.add(offset)
+    assert found == wanted and len(wanted) > 3
+
+
+def test_damaged_records_are_refused_on_the_way_in(hot) -> None:
+    store, messages = hot
+    first = [m for m in messages if m.body][:10]
+    records = raw_records(store, first)
+    flipped = bytearray(records[3])
+    flipped[88] ^= 0xFF  # the first body byte (both hosts IPv4)
+    with pytest.raises(CorruptRecordError):
+        build([*records[:3], bytes(flipped), *records[4:]], first[0].queue_offset, "k")
+    with pytest.raises(SegmentError, match="expected"):
+        build([records[0], records[2]], first[0].queue_offset, "k")
+
+
+def test_a_missing_or_damaged_object_is_detected(tier, hot) -> None:
+    store, messages = hot
+    manifest = archive(tier, store, messages[:600], per_segment=300)
+    first, second = manifest.segments
+    tier.put(first.key, b"garbage")
+    tier.delete(second.key)
+    with pytest.raises(SegmentError):
+        verify(tier, first)
+    with pytest.raises(SegmentError, match="missing"):
+        verify(tier, second)
+    with pytest.raises(SegmentError):
+        read_footer(tier, first.key)
+
+
+def test_manifest_commits_are_atomic_fenced_and_retry_safe(tier) -> None:
+    prefix = queue_prefix("c1", "b", "t", 3)
+    writer_a, writer_b = ManifestStore(tier, prefix), ManifestStore(tier, prefix)
+    base = writer_a.load()
+    assert base.version == 0 and base.end_offset == 0
+    v1 = QueueManifest(prefix, 1, [], log_start_offset=0)
+    writer_a.commit(v1)
+    writer_a.commit(v1)  # a retry that finds its own bytes is done
+    rival = QueueManifest(prefix, 1, [], log_start_offset=5)
+    with pytest.raises(ManifestConflictError):
+        writer_b.commit(rival)
+    assert writer_b.load().log_start_offset == 0
+    for version in range(2, 2 + KEEP_VERSIONS + 3):
+        writer_a.commit(QueueManifest(prefix, version, [], 0))
+    assert len(writer_a.versions()) == KEEP_VERSIONS
+    assert writer_a.load().version == 1 + KEEP_VERSIONS + 3
+    tier.put(f"{prefix}manifests/{99:020d}.json", b"{not json")
+    with pytest.raises(ManifestError):
+        writer_a.load()
+
+
+def test_keys_are_built_only_from_safe_names() -> None:
+    for bad in ("../x", "a/b", "", ".."):
+        with pytest.raises(ValueError):
+            queue_prefix("c1", "b", bad, 0)
+    with pytest.raises(ValueError):
+        queue_prefix("c1", "b", "t", -1)
+    assert ObjectInfo("k", 1).size == 1

@@ -1,0 +1,180 @@
+"""Per-queue manifests: which segment objects make up a (topic, queue)'s archive.
+
+Object layout under the tier root (DESIGN.md, "Cold tier keys"):
+
+    {cluster}/{broker}/{topic}/{queue}/segments/{base offset:020d}-{unique}.seg
+    {cluster}/{broker}/{topic}/{queue}/manifests/{version:020d}.json
+
+A manifest version is an immutable object written with ``put_if_absent``, as Delta Lake writes
+its log: committing version N+1 either creates that object or finds it already there, in which
+case another writer got there first and this commit is refused (``ManifestConflictError``). A
+crash at any point leaves the previous version current, or the new one; a segment object
+written but never committed is an orphan that ``verify`` reports. The current version is the
+highest one listed; old versions are pruned after a commit, newest kept.
+
+Anyone holding the bucket can rebuild the state: manifests name their segments, and every
+segment's footer describes it (``segment.read_footer``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from google_crc32c import value as crc32c
+
+from tiered.cold.segment import SegmentInfo
+from tiered.cold.storage import ObjectNotFoundError, ObjectStore
+from tiered.hot.consume_queue import TOPIC_NAME
+
+FORMAT = "tmq-queue-manifest/1"
+KEEP_VERSIONS = 10
+
+
+class ManifestConflictError(Exception):
+    """Another writer committed this manifest version first."""
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be read (damaged, or of an unknown format)."""
+
+
+def queue_prefix(cluster: str, broker: str, topic: str, queue_id: int) -> str:
+    for name, value in (("cluster", cluster), ("broker", broker), ("topic", topic)):
+        if not TOPIC_NAME.match(value):
+            raise ValueError(f"illegal {name} name {value!r} for an object key")
+    if queue_id < 0:
+        raise ValueError(f"illegal queue id {queue_id}")
+    return f"{cluster}/{broker}/{topic}/{queue_id}/"
+
+
+def segment_key(prefix: str, base_offset: int) -> str:
+    """A fresh key: named by base offset, with a unique suffix so that a retried upload never
+    replaces a different object."""
+    return f"{prefix}segments/{base_offset:020d}-{uuid.uuid4().hex[:12]}.seg"
+
+
+@dataclass(slots=True)
+class QueueManifest:
+    prefix: str
+    version: int = 0
+    segments: list[SegmentInfo] = field(default_factory=list)
+    # Queue offsets below this were removed by retention (the first segment starts here).
+    log_start_offset: int = 0
+
+    @property
+    def end_offset(self) -> int:
+        """The tier watermark: every queue offset below it is in the tier (or expired)."""
+        return self.segments[-1].end_offset if self.segments else self.log_start_offset
+
+    @property
+    def start_offset(self) -> int:
+        return self.segments[0].base_offset if self.segments else self.log_start_offset
+
+    def find(self, queue_offset: int) -> SegmentInfo | None:
+        """The segment holding ``queue_offset`` (bisection over the in-memory list)."""
+        lo, hi = 0, len(self.segments)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.segments[mid].end_offset <= queue_offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self.segments) and self.segments[lo].base_offset <= queue_offset:
+            return self.segments[lo]
+        return None
+
+    def with_segment(self, info: SegmentInfo) -> QueueManifest:
+        """The next version, with ``info`` appended (it must continue the archive exactly)."""
+        if info.base_offset != self.end_offset:
+            raise ValueError(
+                f"{info.key} starts at {info.base_offset}, the archive ends at {self.end_offset}"
+            )
+        return QueueManifest(
+            self.prefix, self.version + 1, [*self.segments, info], self.log_start_offset
+        )
+
+    def without_segments_before(self, queue_offset: int) -> QueueManifest:
+        """The next version without the segments wholly below ``queue_offset`` (retention)."""
+        kept = [s for s in self.segments if s.end_offset > queue_offset]
+        start = kept[0].base_offset if kept else max(self.end_offset, self.log_start_offset)
+        return QueueManifest(self.prefix, self.version + 1, kept, start)
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {
+                "format": FORMAT,
+                "prefix": self.prefix,
+                "version": self.version,
+                "log_start_offset": self.log_start_offset,
+                "segments": [s.to_dict() for s in self.segments],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return json.dumps(
+            {"manifest": json.loads(body), "crc32c": int(crc32c(body.encode()))}
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> QueueManifest:
+        try:
+            outer = json.loads(raw)
+            inner = outer["manifest"]
+            body = json.dumps(inner, sort_keys=True, separators=(",", ":"))
+            if int(crc32c(body.encode())) != outer["crc32c"] or inner["format"] != FORMAT:
+                raise ManifestError("checksum or format mismatch")
+            return cls(
+                inner["prefix"],
+                inner["version"],
+                [SegmentInfo(**s) for s in inner["segments"]],
+                inner["log_start_offset"],
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"unreadable manifest: {e}") from e
+
+
+class ManifestStore:
+    """Reads and commits one queue's manifests."""
+
+    def __init__(self, store: ObjectStore, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix
+
+    def _key(self, version: int) -> str:
+        return f"{self.prefix}manifests/{version:020d}.json"
+
+    def versions(self) -> list[int]:
+        return [
+            int(o.key.rsplit("/", 1)[1].split(".")[0])
+            for o in self.store.list(f"{self.prefix}manifests/")
+            if o.key.endswith(".json")
+        ]
+
+    def load(self) -> QueueManifest:
+        """The current manifest (an empty version 0 when there is none)."""
+        versions = self.versions()
+        if not versions:
+            return QueueManifest(self.prefix)
+        latest = max(versions)
+        try:
+            return QueueManifest.decode(self.store.get(self._key(latest)))
+        except ObjectNotFoundError:  # pruned between LIST and GET: a newer one exists
+            return self.load()
+
+    def commit(self, manifest: QueueManifest) -> None:
+        """Make ``manifest`` current, atomically; ``ManifestConflictError`` if its version
+        was committed by someone else first. Safe to retry after a timeout: a retry that
+        finds its own bytes already there counts as done."""
+        key = self._key(manifest.version)
+        data = manifest.encode()
+        if not self.store.put_if_absent(key, data):
+            if self.store.get(key) == data:
+                return  # our own earlier attempt landed
+            raise ManifestConflictError(f"{key} was committed by another writer")
+        self.prune(manifest.version)
+
+    def prune(self, current: int) -> None:
+        for version in sorted(v for v in self.versions() if v <= current - KEEP_VERSIONS):
+            self.store.delete(self._key(version))

@@ -1,0 +1,227 @@
+"""Segment objects: one (topic, queue)'s messages for a range of queue offsets, in the cold tier.
+
+An object is immutable. Layout (big-endian):
+
+======================= ===========================================================================
+ section                 content
+======================= ===========================================================================
+ records                 the messages, each a whole CommitLog record (``tiered/record.py``): the
+                         same bytes as in the hot tier, so one codec reads both
+ offset table            one ConsumeQueue entry (20 bytes, ``consume_queue.CQ_ENTRY``) per record:
+                         position of the record *in this object*, size, tag hash
+ time table              the store timestamp of each record (8 bytes)
+ key index               (key hash 4, record number 4) for every key and unique id, sorted: the
+                         segment's IndexFile, searched with one ranged read and a bisection
+ footer (64 bytes)       magic ``TMQSEG01``, version, base queue offset, record count, where each
+                         section starts, min/max store timestamp, CRC32C of everything before
+                         the footer, CRC32C of the footer
+======================= ===========================================================================
+
+Record ``i`` has queue offset ``base + i``: a segment has no gaps. The manifest keeps a copy of
+the footer's fields, so reading record ``i`` costs two ranged GETs (its offset-table entry, then
+the record) however large the archive is.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from google_crc32c import value as crc32c
+
+from tiered.cold.storage import ObjectNotFoundError, ObjectStore
+from tiered.hot.consume_queue import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE
+from tiered.hot.index_file import key_hash
+from tiered.record import StoredMessage, decode, tag_hash
+
+MAGIC = b"TMQSEG01"
+VERSION = 1
+_FOOTER_BODY = struct.Struct(">8siqiqqqiqqI")
+_FOOTER = struct.Struct(_FOOTER_BODY.format + "I")
+FOOTER_SIZE = _FOOTER.size
+_TIME = np.dtype(">i8")
+_KEY_DTYPE = np.dtype([("hash", ">u4"), ("record", ">u4")])
+
+
+class SegmentError(Exception):
+    """A segment object that is not what its manifest says (missing, truncated, corrupt)."""
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentInfo:
+    """What the manifest records about one segment object."""
+
+    key: str
+    base_offset: int
+    count: int
+    size: int
+    offsets_at: int
+    times_at: int
+    keys_at: int
+    key_count: int
+    min_store_timestamp: int
+    max_store_timestamp: int
+    crc: int  # CRC32C of everything before the footer
+
+    @property
+    def end_offset(self) -> int:
+        """The queue offset just past this segment."""
+        return self.base_offset + self.count
+
+    def to_dict(self) -> dict[str, int | str]:
+        return asdict(self)
+
+
+def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
+    """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
+    at ``base_offset``) as a segment object. Every record is checked on the way in (structure,
+    body CRC, contiguous queue offsets): a damaged record is refused, never archived."""
+    parts: list[bytes] = []
+    table = bytearray()
+    times: list[int] = []
+    keys: list[tuple[int, int]] = []
+    pos = 0
+    expected = base_offset
+    for raw in records:
+        msg = decode(raw, 0, check_crc=True)
+        if msg.queue_offset != expected:
+            raise SegmentError(
+                f"{key}: record has queue offset {msg.queue_offset}, expected {expected}"
+            )
+        number = expected - base_offset
+        table += CQ_ENTRY.pack(pos, len(raw), tag_hash(msg.tags))
+        times.append(msg.store_timestamp)
+        for k in [*msg.keys, *([msg.msg_id] if msg.msg_id else [])]:
+            keys.append((key_hash(msg.topic, k), number))
+        parts.append(raw)
+        pos += len(raw)
+        expected += 1
+    count = expected - base_offset
+    if count == 0:
+        raise SegmentError(f"{key}: a segment needs at least one record")
+    keys.sort()
+    key_index = np.array(keys, dtype=_KEY_DTYPE).tobytes()
+    offsets_at = pos
+    times_at = offsets_at + len(table)
+    keys_at = times_at + 8 * count
+    body = b"".join([*parts, bytes(table), np.asarray(times, _TIME).tobytes(), key_index])
+    crc = int(crc32c(body))
+    footer_body = _FOOTER_BODY.pack(
+        MAGIC,
+        VERSION,
+        base_offset,
+        count,
+        offsets_at,
+        times_at,
+        keys_at,
+        len(keys),
+        min(times),
+        max(times),
+        crc,
+    )
+    data = body + footer_body + struct.pack(">I", int(crc32c(footer_body)))
+    info = SegmentInfo(
+        key,
+        base_offset,
+        count,
+        len(data),
+        offsets_at,
+        times_at,
+        keys_at,
+        len(keys),
+        min(times),
+        max(times),
+        crc,
+    )
+    return data, info
+
+
+def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
+    """Rebuild a segment's manifest entry from the object alone (recovery, audits)."""
+    size = store.size(key)
+    if size is None:
+        raise SegmentError(f"{key}: object is missing")
+    if size < FOOTER_SIZE:
+        raise SegmentError(f"{key}: {size} bytes is too small to be a segment")
+    raw = store.get_range(key, size - FOOTER_SIZE, FOOTER_SIZE)
+    (magic, version, base, count, offsets_at, times_at, keys_at, key_count, lo, hi, crc,
+     footer_crc) = _FOOTER.unpack(raw)  # fmt: skip
+    if magic != MAGIC or crc32c(raw[:-4]) != footer_crc:
+        raise SegmentError(f"{key}: not a segment object, or its footer is damaged")
+    if version != VERSION:
+        raise SegmentError(f"{key}: segment format version {version} is not supported")
+    return SegmentInfo(
+        key, base, count, size, offsets_at, times_at, keys_at, key_count, lo, hi, crc
+    )
+
+
+def verify(store: ObjectStore, info: SegmentInfo) -> None:
+    """Check the object against its manifest entry: size, footer and the CRC of its body.
+    Raises ``SegmentError``. Reads the whole object: for upload verification and scrubbing."""
+    try:
+        data = store.get(info.key)
+    except ObjectNotFoundError:
+        raise SegmentError(f"{info.key}: object is missing") from None
+    if len(data) != info.size:
+        raise SegmentError(f"{info.key}: {len(data)} bytes, the manifest says {info.size}")
+    if crc32c(data[: info.size - FOOTER_SIZE]) != info.crc:
+        raise SegmentError(f"{info.key}: content does not match its CRC")
+
+
+class SegmentReader:
+    """Reads one segment with ranged GETs; every method costs a fixed number of requests."""
+
+    def __init__(self, store: ObjectStore, info: SegmentInfo) -> None:
+        self.store = store
+        self.info = info
+
+    def entries(self, queue_offset: int, max_count: int) -> np.ndarray:
+        """ConsumeQueue entries from ``queue_offset`` (one request)."""
+        i = queue_offset - self.info.base_offset
+        if not 0 <= i < self.info.count:
+            raise SegmentError(f"{self.info.key}: queue offset {queue_offset} is not in it")
+        n = min(max_count, self.info.count - i)
+        raw = self._range(self.info.offsets_at + i * CQ_ENTRY_SIZE, n * CQ_ENTRY_SIZE)
+        return np.frombuffer(raw, dtype=CQ_DTYPE)
+
+    def read(
+        self, queue_offset: int, max_count: int, max_bytes: int = 4 << 20
+    ) -> list[StoredMessage]:
+        """Messages from ``queue_offset``: two requests (entries, then one span of records)."""
+        entries = self.entries(queue_offset, max_count)
+        ends = entries["offset"] + entries["size"]
+        keep = max(1, int(np.searchsorted(ends - entries["offset"][0], max_bytes, "right")))
+        entries = entries[:keep]
+        start = int(entries["offset"][0])
+        span = self._range(start, int(ends[keep - 1]) - start)
+        out = []
+        for pos, size in zip(entries["offset"].tolist(), entries["size"].tolist(), strict=True):
+            msg = decode(span, pos - start, check_crc=True)
+            if msg.size != size:
+                raise SegmentError(f"{self.info.key}: record at {pos} is not where its entry says")
+            out.append(msg)
+        return out
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int:
+        """The first queue offset stored at or after ``timestamp_ms`` (one request)."""
+        raw = self._range(self.info.times_at, 8 * self.info.count)
+        times = np.frombuffer(raw, dtype=_TIME)
+        return self.info.base_offset + int(np.searchsorted(times, timestamp_ms, "left"))
+
+    def offsets_for_key(self, topic: str, key: str) -> list[int]:
+        """Queue offsets whose key index entry matches (candidates: check the records)."""
+        if self.info.key_count == 0:
+            return []
+        raw = self._range(self.info.keys_at, 8 * self.info.key_count)
+        index = np.frombuffer(raw, dtype=_KEY_DTYPE)
+        h = key_hash(topic, key)
+        lo, hi = np.searchsorted(index["hash"], [h, h + 1])
+        return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
+
+    def _range(self, start: int, length: int) -> bytes:
+        data = self.store.get_range(self.info.key, start, length)
+        if len(data) != length:
+            raise SegmentError(f"{self.info.key}: short read ({len(data)} of {length} bytes)")
+        return data
