@@ -1,0 +1,214 @@
+"""Moving a queue's dispatched messages into the cold tier.
+
+For one (topic, queue) the pipeline is:
+
+1. read the next run of records from the hot store, starting at the manifest's end (the tier
+   watermark), as whole CommitLog records;
+2. build a segment object (``tiered/cold/segment.py``) and write it with ``put_if_absent`` under
+   a fresh key, retrying transient failures with backoff (a retry never replaces anything);
+3. verify it: the stored object has the expected size and its footer is the one we wrote;
+4. commit the next manifest version (atomic, fenced);
+5. only now does the watermark move, and with it what local release may delete.
+
+A crash between 2 and 4 leaves an orphaned object (reported by ``verify``, removable with
+``--repair``), never a gap or a duplicate: the next run starts again at the committed watermark
+and writes a new object under a new key.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tiered.cold.manifest import (
+    ManifestConflictError,
+    ManifestStore,
+    QueueManifest,
+    queue_prefix,
+    segment_key,
+)
+from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
+from tiered.cold.storage import ObjectStore, StorageError
+from tiered.store import MessageStore
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class OffloadPolicy:
+    """When and how much to upload. Defaults: segments of up to 64 MiB or 100,000 messages."""
+
+    segment_max_bytes: int = 64 * 1024 * 1024
+    segment_max_messages: int = 100_000
+    retry_attempts: int = 8
+    retry_base_delay_s: float = 0.2
+    retry_max_delay_s: float = 10.0
+
+
+@dataclass(slots=True)
+class OffloadResult:
+    topic: str
+    queue_id: int
+    segments: int
+    messages: int
+    bytes: int
+    watermark: int
+
+
+class OffloadError(RuntimeError):
+    pass
+
+
+class Offloader:
+    """Uploads dispatched messages of tiered topics. One instance per broker; thread-safe per
+    queue (a lock per queue serialises the periodic job and operator requests)."""
+
+    def __init__(
+        self,
+        store: MessageStore,
+        tier: ObjectStore,
+        cluster: str,
+        broker: str,
+        policy: OffloadPolicy | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.tier = tier
+        self.cluster = cluster
+        self.broker = broker
+        self.policy = policy or OffloadPolicy()
+        self._sleep = sleep
+        self._manifests: dict[tuple[str, int], QueueManifest] = {}
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def manifests(self, topic: str, queue_id: int) -> ManifestStore:
+        return ManifestStore(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
+
+    def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
+        key = (topic, queue_id)
+        if refresh or key not in self._manifests:
+            self._manifests[key] = self._retry(
+                f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
+            )
+        return self._manifests[key]
+
+    def watermark(self, topic: str, queue_id: int) -> int:
+        """Every queue offset below this is durable in the tier."""
+        return self.manifest(topic, queue_id).end_offset
+
+    def _lock(self, topic: str, queue_id: int) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((topic, queue_id), threading.Lock())
+
+    def offload_queue(self, topic: str, queue_id: int, up_to: int | None = None) -> OffloadResult:
+        """Upload dispatched messages of one queue below ``up_to`` (default: all dispatched)."""
+        with self._lock(topic, queue_id):
+            manifest = self.manifest(topic, queue_id)
+            target = (
+                self.store.max_offset(topic, queue_id)
+                if up_to is None
+                else min(up_to, self.store.max_offset(topic, queue_id))
+            )
+            result = OffloadResult(topic, queue_id, 0, 0, 0, manifest.end_offset)
+            hot_min = self.store.min_offset(topic, queue_id)
+            if manifest.end_offset < hot_min and target > manifest.end_offset:
+                # Released locally before it was ever uploaded (tiering turned on late): say so
+                # and record where the archive starts, rather than leave a silent gap.
+                log.warning(
+                    "%s/%d: offsets %d..%d are no longer in the hot store and were never "
+                    "uploaded; the archive starts at %d",
+                    topic,
+                    queue_id,
+                    manifest.end_offset,
+                    hot_min - 1,
+                    hot_min,
+                )
+                manifest = manifest.without_segments_before(hot_min)
+                manifest.log_start_offset = hot_min
+                self._commit(topic, queue_id, manifest)
+            while manifest.end_offset < target:
+                info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
+                manifest = manifest.with_segment(info)
+                self._commit(topic, queue_id, manifest)
+                result.segments += 1
+                result.messages += info.count
+                result.bytes += info.size
+            result.watermark = manifest.end_offset
+            return result
+
+    def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
+        records: list[bytes] = []
+        size = 0
+        offset = start
+        limit = min(target - start, self.policy.segment_max_messages)
+        while offset < start + limit and size < self.policy.segment_max_bytes:
+            batch = self.store.get_messages(
+                topic,
+                queue_id,
+                offset,
+                min(1024, start + limit - offset),
+                max_bytes=self.policy.segment_max_bytes - size,
+            )
+            if not batch.messages:
+                raise OffloadError(
+                    f"{topic}/{queue_id}: offset {offset} could not be read "
+                    f"from the hot store ({batch.status.value})"
+                )
+            for m in batch.messages:
+                raw = self.store.commitlog.read(m.commitlog_offset, m.size)
+                if raw is None:
+                    raise OffloadError(
+                        f"{topic}/{queue_id}: record at {m.commitlog_offset} vanished"
+                    )
+                records.append(raw)
+                size += len(raw)
+            offset = batch.next_offset
+        prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
+        data, info = build(records, start, segment_key(prefix, start))
+
+        def write_and_verify() -> SegmentInfo:
+            if not self.tier.put_if_absent(info.key, data):
+                # Our own earlier attempt landed (the key is unique to this build).
+                log.info("%s already exists: a retried upload", info.key)
+            stored = read_footer(self.tier, info.key)
+            if stored != info:
+                raise SegmentError(f"{info.key}: stored object differs from what was written")
+            return stored
+
+        return self._retry(f"upload {info.key}", write_and_verify)
+
+    def _commit(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
+        store = self.manifests(topic, queue_id)
+        try:
+            self._retry(
+                f"commit manifest {store.prefix} v{manifest.version}",
+                lambda: store.commit(manifest),
+            )
+        except ManifestConflictError:
+            self._manifests.pop((topic, queue_id), None)
+            raise OffloadError(
+                f"{store.prefix}: another writer committed a manifest; is a second "
+                "broker offloading to the same prefix?"
+            ) from None
+        self._manifests[(topic, queue_id)] = manifest
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.policy.retry_base_delay_s
+        for attempt in range(1, self.policy.retry_attempts + 1):
+            try:
+                return fn()
+            except (StorageError, SegmentError) as e:
+                if attempt == self.policy.retry_attempts:
+                    raise OffloadError(f"{what}: failed after {attempt} attempts: {e}") from e
+                log.warning("%s: attempt %d failed (%s); retrying", what, attempt, e)
+                self._sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.policy.retry_max_delay_s)
+        raise AssertionError("unreachable")

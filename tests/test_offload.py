@@ -1,0 +1,165 @@
+"""Offload: upload -> verify -> commit -> release, on file:// and LocalStack S3, with faults."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from broker.metadata import TopicConfig
+from offload.offloader import Offloader, OffloadPolicy
+from offload.release import release_predicate
+from tiered.cold.faults import FaultyObjectStore
+from tiered.cold.manifest import ManifestStore, queue_prefix, segment_key
+from tiered.cold.segment import SegmentReader, build
+from tiered.cold.storage import ObjectStore, open_store
+from tiered.config import StoreConfig
+from tiered.record import Message, StoredMessage
+from tiered.store import MessageStore
+
+FAST = OffloadPolicy(segment_max_messages=700, retry_base_delay_s=0.0)
+
+
+@pytest.fixture(params=["file", "s3"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "file":
+        return open_store(f"file://{tmp_path}/tier")
+    s3 = request.getfixturevalue("s3")
+    return open_store(f"s3://{request.getfixturevalue('bucket')}/tier", s3.storage_options())
+
+
+@pytest.fixture
+def hot(tmp_path: Path):
+    store = MessageStore(
+        StoreConfig(
+            data_dir=tmp_path / "hot",
+            commitlog_file_size=128 << 10,
+            consumequeue_entries_per_file=256,
+            index_hash_slots=509,
+            index_max_entries=4000,
+        )
+    )
+    store.start()
+    yield store
+    store.shutdown()
+
+
+def fill(store: MessageStore, topic: str, n: int, queues: int = 2, seed: int = 1) -> None:
+    rng = random.Random(seed)
+    for i in range(n):
+        store.put_message(
+            Message(
+                topic=topic,
+                queue_id=i % queues,
+                body=rng.randbytes(rng.randint(1, 400)),
+                properties={"KEYS": f"{topic}-{i}", "UNIQ_KEY": f"{topic}-id-{i}"},
+            )
+        )
+    assert store.wait_dispatched()
+
+
+def snapshot(store: MessageStore, topic: str, queue_id: int) -> list[StoredMessage]:
+    return store.get_messages(topic, queue_id, 0, 100_000, max_bytes=1 << 30).messages
+
+
+def read_tier(tier: ObjectStore, topic: str, queue_id: int) -> list[StoredMessage]:
+    manifest = ManifestStore(tier, queue_prefix("c1", "broker-a", topic, queue_id)).load()
+    out: list[StoredMessage] = []
+    offset = manifest.start_offset
+    while offset < manifest.end_offset:
+        info = manifest.find(offset)
+        assert info is not None, f"gap at {offset}"
+        batch = SegmentReader(tier, info).read(offset, 500)
+        out += batch
+        offset += len(batch)
+    return out
+
+
+def test_local_segment_is_kept_until_upload_verified(hot: MessageStore, tier: ObjectStore) -> None:
+    fill(hot, "orders", 3000)
+    before = {q: snapshot(hot, "orders", q) for q in (0, 1)}
+    topics = {"orders": TopicConfig("orders", queues=2, tiered=True)}
+    offloader = Offloader(hot, tier, "c1", "broker-a", FAST)
+    can_release = release_predicate(hot, offloader, topics)
+    files = len(hot.commitlog_files())
+    assert files > 5
+    assert hot.release_commitlog_files(can_release) == 0, "nothing is uploaded yet"
+
+    half = offloader.offload_queue("orders", 0)  # queue 1 still only local
+    assert half.watermark == len(before[0]) and half.segments == 3
+    assert hot.release_commitlog_files(can_release) == 0, "queue 1's records are in every file"
+
+    offloader.offload_queue("orders", 1)
+    assert hot.release_commitlog_files(can_release) == files - 1
+    for q in (0, 1):
+        assert hot.min_offset("orders", q) > 0
+        assert read_tier(tier, "orders", q) == before[q], "every message, byte-identical"
+
+
+def test_untiered_topics_in_the_same_files_keep_the_file_reserved_time(hot, tier) -> None:
+    fill(hot, "orders", 1500, seed=2)
+    fill(hot, "audit", 100, queues=1, seed=3)  # in the last files only
+    fill(hot, "orders", 1500, seed=4)
+    topics = {
+        "orders": TopicConfig("orders", queues=2, tiered=True),
+        "audit": TopicConfig("audit", queues=1, retention_ms=60_000),
+    }
+    offloader = Offloader(hot, tier, "c1", "broker-a", FAST)
+    for q in (0, 1):
+        offloader.offload_queue("orders", q)
+    now = [0]
+    can_release = release_predicate(
+        hot,
+        offloader,
+        topics,
+        now_ms=lambda: now[0] + max(f.modified_ms for f in hot.commitlog_files()),
+    )
+    released = hot.release_commitlog_files(can_release)
+    assert released > 0
+    assert hot.min_offset("audit", 0) == 0, "audit's file is younger than its retention"
+    now[0] = 61_000
+    assert hot.release_commitlog_files(can_release) > 0
+    assert hot.min_offset("audit", 0) == 100
+
+
+def test_offload_survives_failing_storage_without_loss_or_duplicates(hot, tier) -> None:
+    fill(hot, "orders", 3000, seed=5)
+    faulty = FaultyObjectStore(tier, failure_rate=0.2, fail_after_write_rate=0.1, seed=11)
+    offloader = Offloader(
+        hot,
+        faulty,
+        "c1",
+        "broker-a",
+        OffloadPolicy(
+            segment_max_messages=300,
+            retry_attempts=30,
+            retry_base_delay_s=0.05,
+            retry_max_delay_s=0.2,
+        ),
+    )
+    offloader.offload_queue("orders", 0)
+    faulty.blackhole(0.5)  # every call times out for a while, then the store comes back
+    offloader.offload_queue("orders", 1)
+    assert faulty.injected["503"] > 5 and faulty.injected["500-after-write"] > 0
+    assert faulty.injected["timeout"] > 0
+    for q in (0, 1):
+        assert read_tier(tier, "orders", q) == snapshot(hot, "orders", q)
+
+
+def test_a_crash_between_object_write_and_commit_leaves_an_orphan_not_a_gap(hot, tier) -> None:
+    fill(hot, "orders", 1000, queues=1, seed=6)
+    prefix = queue_prefix("c1", "broker-a", "orders", 0)
+    # A first offloader wrote a segment and "died" before committing the manifest.
+    records = [
+        hot.commitlog.read(m.commitlog_offset, m.size) for m in snapshot(hot, "orders", 0)[:300]
+    ]
+    data, orphan = build(records, 0, segment_key(prefix, 0))
+    assert tier.put_if_absent(orphan.key, data)
+    # The restarted broker starts from the committed watermark (0) and writes new objects.
+    result = Offloader(hot, tier, "c1", "broker-a", FAST).offload_queue("orders", 0)
+    assert result.watermark == 1000
+    assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)
+    manifest = ManifestStore(tier, prefix).load()
+    listed = {o.key for o in tier.list(f"{prefix}segments/")}
+    assert listed - {s.key for s in manifest.segments} == {orphan.key}
