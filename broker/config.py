@@ -46,6 +46,11 @@ class BrokerConfig:
     auto_create_groups: bool = True
     # How often to re-register with the NameServers (they forget a broker after 120 s).
     heartbeat_interval_ms: int = 30_000
+    # The cold tier: file://… (embedded default) or s3://bucket/prefix (standard AWS chain).
+    tier_url: str | None = None
+    tier_options: dict[str, Any] = field(default_factory=dict)
+    # How often tiered topics are uploaded and eligible CommitLog files released.
+    offload_interval_ms: int = 10_000
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: Limits = field(default_factory=Limits)
 

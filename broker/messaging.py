@@ -40,6 +40,8 @@ from broker.protocol import (
     to_store_message,
 )
 from namesrv.client import NameServerClient
+from tiered.cold.segment import SegmentError
+from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError
 from tiered.store import GetStatus, InvalidMessageError, MessageStore
 
@@ -172,6 +174,12 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             )
             for q in range(cfg.queues)
         ]
+
+    @staticmethod
+    def _queue(topic: TopicConfig, queue_id: int) -> int:
+        if not 0 <= queue_id < topic.queues:
+            raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue_id}")
+        return queue_id
 
     def _next_queue(self, topic: TopicConfig, message_group: str | None) -> int:
         if message_group:
@@ -352,6 +360,12 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             log.error("%s", e)
             yield s.ReceiveMessageResponse(status=status(d.MESSAGE_CORRUPTED, str(e)))
             return
+        except (SegmentError, StorageError) as e:
+            log.error("archive read failed: %s", e)
+            yield s.ReceiveMessageResponse(
+                status=status(d.INTERNAL_SERVER_ERROR, f"archive read failed: {e}")
+            )
+            return
         except Exception:
             log.exception("ReceiveMessage failed")
             yield s.ReceiveMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
@@ -447,9 +461,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         try:
             self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            queue = request.message_queue.id
-            if not 0 <= queue < topic.queues:
-                raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue}")
+            queue = self._queue(topic, request.message_queue.id)
             tag_filter = TagFilter(request.filter_expression.expression)
             batch = max(1, min(request.batch_size or 32, 1024))
             poll = min(duration_ms(request.long_polling_timeout), MAX_LONG_POLLING_MS)
@@ -475,6 +487,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         except ProtocolError as e:
             yield s.PullMessageResponse(status=status(e.code, e.message))
             return
+        except (SegmentError, StorageError, CorruptRecordError) as e:
+            log.error("pull failed: %s", e)
+            yield s.PullMessageResponse(status=status(d.INTERNAL_SERVER_ERROR, f"read failed: {e}"))
+            return
         except Exception:
             log.exception("PullMessage failed")
             yield s.PullMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
@@ -493,9 +509,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def QueryOffset(self, request: s.QueryOffsetRequest, context: grpc.ServicerContext) -> Any:
         def work() -> s.QueryOffsetResponse:
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            queue = request.message_queue.id
-            if not 0 <= queue < topic.queues:
-                raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue}")
+            queue = self._queue(topic, request.message_queue.id)
             policy = request.query_offset_policy
             if policy == d.BEGINNING:
                 offset = self.store.min_offset(topic.name, queue)
@@ -514,12 +528,12 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         def work() -> s.UpdateOffsetResponse:
             group = self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            queue = request.message_queue.id
+            queue = self._queue(topic, request.message_queue.id)
             lo, hi = (
                 self.store.min_offset(topic.name, queue),
                 self.store.max_offset(topic.name, queue),
             )
-            if not 0 <= queue < topic.queues or not lo <= request.offset <= hi:
+            if not lo <= request.offset <= hi:
                 raise ProtocolError(
                     d.ILLEGAL_OFFSET,
                     f"offset {request.offset} is outside {topic.name}/{queue}'s range [{lo}, {hi}]",
@@ -533,7 +547,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         def work() -> s.GetOffsetResponse:
             group = self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            offset = self.metadata.offset(group.name, topic.name, request.message_queue.id)
+            queue = self._queue(topic, request.message_queue.id)
+            offset = self.metadata.offset(group.name, topic.name, queue)
             if offset is None:
                 raise ProtocolError(
                     d.OFFSET_NOT_FOUND,

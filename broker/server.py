@@ -25,6 +25,10 @@ from broker.pop import PopService
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
 from namesrv.safe_handlers import add_safely
+from offload.offloader import Offloader, OffloadError
+from offload.release import release_predicate
+from tiered.cold.fetcher import ColdFetcher
+from tiered.cold.storage import open_store
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,15 @@ class Broker:
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.offloader: Offloader | None = None
+        self.fetcher: ColdFetcher | None = None
+        if config.tier_url:
+            tier = open_store(config.tier_url, config.tier_options)
+            self.fetcher = ColdFetcher(tier, config.cluster, config.name)
+            self.offloader = Offloader(
+                self.store, tier, config.cluster, config.name, on_commit=self.fetcher.set_manifest
+            )
+            self.store.cold = self.fetcher
         self.port = 0
         self._server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
@@ -142,14 +155,31 @@ class Broker:
 
     def _maintenance_loop(self) -> None:
         ticks = 0
+        offload_every = max(1, self.config.offload_interval_ms // 1000)
         while not self._stop.wait(1.0):
             ticks += 1
             try:
                 self.pop.revive_expired()
                 if ticks % 5 == 0:
                     self.metadata.flush_offsets()
+                if ticks % offload_every == 0:
+                    self.offload_and_release()
             except Exception:
                 log.exception("broker maintenance failed; retrying")
+
+    def offload_and_release(self) -> None:
+        """Upload every tiered queue's dispatched messages, then release the CommitLog files
+        that the release rule allows (offload/release.py)."""
+        if self.offloader is not None:
+            for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
+                for queue_id in range(topic.queues):
+                    try:
+                        self.offloader.offload_queue(topic.name, queue_id)
+                    except OffloadError as e:
+                        log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
+        self.store.release_commitlog_files(
+            release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+        )
 
     def stop(self, grace: float = 5.0) -> None:
         """Unregister, drain requests for up to ``grace`` seconds, save offsets, close the store."""
@@ -162,6 +192,8 @@ class Broker:
         for thread in self._threads:
             thread.join()
         self.metadata.flush_offsets(force=True)
+        if self.fetcher is not None:
+            self.fetcher.close()
         self.store.shutdown()
         if self.namesrv is not None:
             self.namesrv.close()

@@ -15,11 +15,24 @@ from broker.server import Broker
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
 from tiered.config import StoreConfig, parse_size
+from tiered.hot.data_dir import DataDirLockedError
+from tiered.hot.mapped_file import StoreLoadError
+from tiered.store import recorded_geometry
 
 log = logging.getLogger(__name__)
 
 namesrv_app = typer.Typer(help="The NameServer.", no_args_is_help=True)
 broker_app = typer.Typer(help="A broker.", no_args_is_help=True)
+
+
+# What stops a server from starting, said in one line: a damaged or locked data dir, a
+# configuration the data was not written with, a port in use.
+_START_ERRORS = (StoreLoadError, DataDirLockedError, OSError, ValueError)
+
+
+def _start_failed(e: Exception) -> typer.Exit:
+    typer.echo(f"error: {e}", err=True)
+    return typer.Exit(1)
 
 
 def _wait_for_signal() -> None:
@@ -40,9 +53,20 @@ def standalone(
         str, typer.Option(help="sync: ack after fsync; async: after the page cache.")
     ] = "async",
     commitlog_file_size: Annotated[
-        str, typer.Option(help="CommitLog file size, e.g. 1GiB.")
-    ] = "1GiB",
+        str | None,
+        typer.Option(
+            help="CommitLog file size, e.g. 1GiB (default: what the data dir was "
+            "created with, else 1GiB)."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    tier_url: Annotated[
+        str | None,
+        typer.Option(help="Cold tier (default file://DATA_DIR/tier; s3://bucket/prefix)."),
+    ] = None,
+    offload_interval: Annotated[
+        float, typer.Option(help="Seconds between offload and release passes.")
+    ] = 10.0,
 ) -> None:
     """A NameServer and a broker in one process, on embedded defaults.
 
@@ -50,20 +74,29 @@ def standalone(
     """
     ns_server, ns_port = namesrv_server.start(host, namesrv_port)
     try:
-        store = StoreConfig(
-            data_dir=data_dir,
-            flush=flush,  # type: ignore[arg-type]
-            commitlog_file_size=parse_size(commitlog_file_size),
-        )
+        geometry = recorded_geometry(data_dir) or {}
+        if commitlog_file_size is not None:
+            geometry["commitlog_file_size"] = parse_size(commitlog_file_size)
+        store = StoreConfig(data_dir=data_dir, flush=flush, **geometry)  # type: ignore[arg-type]
     except ValueError as e:
         ns_server.stop(None)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     config = BrokerConfig(
-        listen=host, port=grpc_port, advertise_host=host, namesrv=[f"{host}:{ns_port}"], store=store
+        listen=host,
+        port=grpc_port,
+        advertise_host=host,
+        namesrv=[f"{host}:{ns_port}"],
+        store=store,
+        tier_url=tier_url or f"file://{data_dir.resolve()}/tier",
+        offload_interval_ms=int(offload_interval * 1000),
     )
     broker = Broker(config)
-    port = broker.start()
+    try:
+        port = broker.start()
+    except _START_ERRORS as e:
+        ns_server.stop(None)
+        raise _start_failed(e) from None
     typer.echo(
         f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}, "
         f"data in {data_dir} (flush {flush}); Ctrl-C or SIGTERM stops it",
@@ -111,7 +144,10 @@ def broker_start(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     broker = Broker(cfg)
-    port = broker.start()
+    try:
+        port = broker.start()
+    except _START_ERRORS as e:
+        raise _start_failed(e) from None
     typer.echo(f"broker {cfg.name} listening on {cfg.listen}:{port}", err=True)
     try:
         _wait_for_signal()

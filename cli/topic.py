@@ -74,9 +74,12 @@ def _put(
     update: bool,
     namesrv: str,
     broker: str | None,
+    tiered: bool,
 ) -> None:
     for broker_name, stub in brokers(namesrv, broker):
-        topic = pb.Topic(name=name, queues=queues, perm=perm, message_type=message_type)
+        topic = pb.Topic(
+            name=name, queues=queues, perm=perm, message_type=message_type, tiered=tiered
+        )
         _call(
             f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=update)
         )
@@ -91,12 +94,15 @@ def create(
     message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
     perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
+    tiered: Annotated[
+        bool, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
+    ] = False,
 ) -> None:
     """Create a topic on every broker (or one).
 
     Example: tmq topic create orders --queues 8
     """
-    _put(name, queues, perm, message_type.upper(), False, namesrv, broker)
+    _put(name, queues, perm, message_type.upper(), False, namesrv, broker, tiered)
 
 
 @app.command("update")
@@ -107,12 +113,15 @@ def update(
     message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
     perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
+    tiered: Annotated[
+        bool, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
+    ] = False,
 ) -> None:
     """Change a topic's queue count or permission.
 
     Example: tmq topic update orders --queues 16
     """
-    _put(name, queues, perm, message_type.upper(), True, namesrv, broker)
+    _put(name, queues, perm, message_type.upper(), True, namesrv, broker, tiered)
 
 
 def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:

@@ -49,8 +49,13 @@ class LocalStackUnavailable(RuntimeError):
 
 def _version(python: str) -> tuple[int, int] | None:
     try:
-        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            [python, "-c", "import sys; print(*sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     major, minor = out.split()
@@ -86,8 +91,9 @@ def setup() -> Path:
         raise LocalStackUnavailable("no Python 3.12 or newer found (set TMQ_LOCALSTACK_PYTHON)")
     shutil.rmtree(VENV, ignore_errors=True)
     subprocess.run([base, "-m", "venv", str(VENV)], check=True)
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", *PINS], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise LocalStackUnavailable(f"installing LocalStack failed: {done.stderr[-2000:]}")
     marker.write_text(wanted)
@@ -123,9 +129,14 @@ def start(port: int = DEFAULT_PORT, timeout: float = 120.0) -> bool:
         "DISABLE_EVENTS": "1",
     }
     with LOGFILE.open("ab") as log:
-        proc = subprocess.Popen([str(python), "-m", "localstack.runtime.main"], cwd=RUN_DIR,
-                                env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(python), "-m", "localstack.runtime.main"],
+            cwd=RUN_DIR,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     PIDFILE.write_text(str(proc.pid))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

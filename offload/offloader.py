@@ -78,6 +78,7 @@ class Offloader:
         broker: str,
         policy: OffloadPolicy | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        on_commit: Callable[[str, int, QueueManifest], None] | None = None,
     ) -> None:
         self.store = store
         self.tier = tier
@@ -85,6 +86,9 @@ class Offloader:
         self.broker = broker
         self.policy = policy or OffloadPolicy()
         self._sleep = sleep
+        # Told every committed manifest (the broker's cold fetcher), so no reader in this
+        # process ever sees an older archive than the one local release relies on.
+        self.on_commit = on_commit
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
@@ -150,12 +154,13 @@ class Offloader:
         offset = start
         limit = min(target - start, self.policy.segment_max_messages)
         while offset < start + limit and size < self.policy.segment_max_bytes:
-            batch = self.store.get_messages(
+            batch = self.store.get_messages(  # the hot tier's own records, never the archive
                 topic,
                 queue_id,
                 offset,
                 min(1024, start + limit - offset),
                 max_bytes=self.policy.segment_max_bytes - size,
+                hot_only=True,
             )
             if not batch.messages:
                 raise OffloadError(
@@ -199,6 +204,8 @@ class Offloader:
                 "broker offloading to the same prefix?"
             ) from None
         self._manifests[(topic, queue_id)] = manifest
+        if self.on_commit is not None:
+            self.on_commit(topic, queue_id, manifest)
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         delay = self.policy.retry_base_delay_s

@@ -38,12 +38,19 @@ def tmq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 class Standalone:
     """A ``tmq standalone`` child process on free ports."""
 
-    def __init__(self, data_dir: Path, flush: str = "async") -> None:
+    def __init__(
+        self, data_dir: Path, flush: str = "async", extra: list[str] | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.flush = flush
+        self.extra = extra or []
         self.grpc_port = free_port()
         self.namesrv_port = free_port()
         self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}-standalone.log"
 
     @property
     def endpoint(self) -> str:
@@ -68,20 +75,19 @@ class Standalone:
                 str(self.namesrv_port),
                 "--flush",
                 self.flush,
+                *self.extra,
             ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
+            stderr=self.log_path.open("ab"),
         )
         channel = grpc.insecure_channel(self.endpoint)
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"standalone exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
-                )
+                raise RuntimeError(f"standalone exited: {self.log_path.read_text()[-2000:]}")
             try:
                 if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
                     break

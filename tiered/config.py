@@ -73,6 +73,9 @@ class StoreConfig:
     # Verify the body CRC of every message read (cheap next to a network send; catches bit rot).
     check_crc_on_read: bool = True
     store_host: Host = ("127.0.0.1", 10911)
+    # Like RocketMQ's tiered storage level: "auto" reads the tier only below the hot minimum;
+    # "force" serves everything the tier holds from the tier (tests, and draining a disk).
+    read_from_tier: Literal["auto", "force"] = "auto"
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -80,6 +83,10 @@ class StoreConfig:
             raise ValueError(f"flush must be 'sync' or 'async', not {self.flush!r}")
         if self.commitlog_file_size < 64 * KiB:
             raise ValueError("commitlog_file_size must be at least 64 KiB")
+        if self.read_from_tier not in ("auto", "force"):
+            raise ValueError(
+                f"read_from_tier must be 'auto' or 'force', not {self.read_from_tier!r}"
+            )
         if self.max_message_size <= 0:
             raise ValueError("max_message_size must be positive")
 

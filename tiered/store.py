@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 from tiered.config import StoreConfig
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -44,6 +45,7 @@ from tiered.record import (
     StoredMessage,
     read_store_timestamp,
     split_keys,
+    tag_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,30 @@ def check_geometry(config: StoreConfig) -> None:
         )
 
 
+class ColdReader(Protocol):
+    """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``)."""
+
+    def start_offset(self, topic: str, queue_id: int) -> int | None: ...
+
+    def end_offset(self, topic: str, queue_id: int) -> int: ...
+
+    def get(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int,
+        tag_filter: Callable[[StoredMessage], bool] | None = None,
+        max_bytes: int = 4 << 20,
+    ) -> tuple[list[StoredMessage], int]: ...
+
+    def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int: ...
+
+    def query_by_key(
+        self, topic: str, queue_id: int, key: str, begin_ms: int, end_ms: int, limit: int
+    ) -> list[StoredMessage]: ...
+
+
 class MessageStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
@@ -166,6 +192,8 @@ class MessageStore:
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
         self.start_report: StartReport | None = None
+        # Set by the broker when the topic data is tiered: reads below the hot tier go there.
+        self.cold: ColdReader | None = None
         self._running = False
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
@@ -396,6 +424,13 @@ class MessageStore:
         return self.queues.get(topic, queue_id)
 
     def min_offset(self, topic: str, queue_id: int) -> int:
+        """The first readable queue offset, in either tier."""
+        cq = self._cq(topic, queue_id)
+        hot = cq.min_offset if cq else 0
+        cold = self.cold.start_offset(topic, queue_id) if self.cold is not None else None
+        return hot if cold is None else min(hot, cold)
+
+    def hot_min_offset(self, topic: str, queue_id: int) -> int:
         cq = self._cq(topic, queue_id)
         return cq.min_offset if cq else 0
 
@@ -418,6 +453,8 @@ class MessageStore:
         max_count: int = 32,
         max_bytes: int = 4 << 20,
         tag_filter: Callable[[int], bool] | None = None,
+        *,
+        hot_only: bool = False,
     ) -> GetResult:
         """Read up to ``max_count`` messages from ``offset``.
 
@@ -427,6 +464,8 @@ class MessageStore:
         cq = self._cq(topic, queue_id)
         if cq is None:
             return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, [], 0, 0, 0)
+        if not hot_only and self.cold is not None and self._from_cold(topic, queue_id, offset, cq):
+            return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
         lo, hi = cq.min_offset, cq.max_offset
         if hi == lo:
             status, nxt = GetStatus.NO_MESSAGE_IN_QUEUE, lo
@@ -464,6 +503,34 @@ class MessageStore:
             status = GetStatus.OFFSET_TOO_SMALL
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
 
+    def _from_cold(self, topic: str, queue_id: int, offset: int, cq: ConsumeQueue) -> bool:
+        assert self.cold is not None
+        start = self.cold.start_offset(topic, queue_id)
+        if start is None or offset < start:
+            return False
+        if offset < cq.min_offset:
+            return True
+        return self.config.read_from_tier == "force" and offset < self.cold.end_offset(
+            topic, queue_id
+        )
+
+    def _get_cold(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int,
+        max_bytes: int,
+        tag_filter: Callable[[int], bool] | None,
+        cq: ConsumeQueue,
+    ) -> GetResult:
+        """Read from the archive; a missing or damaged object raises ``SegmentError``."""
+        assert self.cold is not None
+        keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
+        messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
+        status = GetStatus.FOUND if messages else GetStatus.NO_MATCHED_MESSAGE
+        return GetResult(status, messages, nxt, self.min_offset(topic, queue_id), cq.max_offset)
+
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
         return self.commitlog.read_message(
             commitlog_offset, size, check_crc=self.config.check_crc_on_read
@@ -483,6 +550,12 @@ class MessageStore:
         cq = self._cq(topic, queue_id)
         if cq is None:
             return 0
+        if self.cold is not None and self.cold.start_offset(topic, queue_id) is not None:
+            first_hot = self.store_timestamp_at(topic, queue_id, cq.min_offset)
+            if first_hot is None or timestamp_ms < first_hot:
+                cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
+                if cold < self.cold.end_offset(topic, queue_id):
+                    return cold
         lo, hi = cq.min_offset, cq.max_offset
         while lo < hi:
             mid = (lo + hi) // 2
@@ -522,6 +595,15 @@ class MessageStore:
                 found.append(msg)
                 if len(found) >= max_count:
                     break
+        if self.cold is not None and len(found) < max_count:
+            seen = {(m.queue_id, m.queue_offset) for m in found}
+            for queue_id in self.queue_ids(topic):
+                for m in self.cold.query_by_key(
+                    topic, queue_id, key, begin_ms, end_ms, max_count - len(found)
+                ):
+                    if (m.queue_id, m.queue_offset) not in seen:
+                        seen.add((m.queue_id, m.queue_offset))
+                        found.append(m)
         return found
 
     # -- progress ------------------------------------------------------------------------------

@@ -221,7 +221,13 @@ class SegmentReader:
         return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
 
     def _range(self, start: int, length: int) -> bytes:
-        data = self.store.get_range(self.info.key, start, length)
+        try:
+            data = self.store.get_range(self.info.key, start, length)
+        except ObjectNotFoundError:
+            raise SegmentError(
+                f"{self.info.key}: object is missing from the tier (run "
+                "`tmq verify`); its messages cannot be read"
+            ) from None
         if len(data) != length:
             raise SegmentError(f"{self.info.key}: short read ({len(data)} of {length} bytes)")
         return data
