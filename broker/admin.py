@@ -15,6 +15,7 @@ from broker.metadata import (
     TopicConfig,
     check_group_name,
 )
+from offload.offloader import OffloadError, RetentionResult
 from tiered.store import MessageStore
 
 
@@ -49,11 +50,13 @@ class AdminServicer(pb_grpc.AdminServicer):
         metadata: MetadataStore,
         broker_name: str,
         on_topics_changed: Callable[[], None],
+        apply_retention: Callable[[str | None, bool], list[RetentionResult]] | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
         self.broker_name = broker_name
         self.on_topics_changed = on_topics_changed
+        self.apply_retention = apply_retention
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -144,4 +147,32 @@ class AdminServicer(pb_grpc.AdminServicer):
             dispatched_offset=self.store.dispatched_offset,
             topics=len(self.metadata.topics),
             groups=len(self.metadata.groups),
+        )
+
+    def ApplyRetention(
+        self, request: pb.ApplyRetentionRequest, context: grpc.ServicerContext
+    ) -> pb.ApplyRetentionResponse:
+        if request.topic and self.metadata.topic(request.topic) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.topic} does not exist")
+        if self.apply_retention is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
+            raise AssertionError("abort raises")
+        try:
+            results = self.apply_retention(request.topic or None, request.dry_run)
+        except OffloadError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise AssertionError("abort raises") from None
+        return pb.ApplyRetentionResponse(
+            outcomes=[
+                pb.RetentionOutcome(
+                    topic=r.topic,
+                    queue=r.queue_id,
+                    segments=r.segments,
+                    messages=r.messages,
+                    bytes=r.bytes,
+                    new_start_offset=r.new_start_offset,
+                    deleted_keys=r.deleted_keys,
+                )
+                for r in results
+            ]
         )

@@ -119,3 +119,35 @@ class StatsResponse(_message.Message):
     topics: int
     groups: int
     def __init__(self, broker_name: _Optional[str] = ..., commitlog_min_offset: _Optional[int] = ..., commitlog_max_offset: _Optional[int] = ..., dispatched_offset: _Optional[int] = ..., topics: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
+
+class RetentionOutcome(_message.Message):
+    __slots__ = ("topic", "queue", "segments", "messages", "bytes", "new_start_offset", "deleted_keys")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEW_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    segments: int
+    messages: int
+    bytes: int
+    new_start_offset: int
+    deleted_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., segments: _Optional[int] = ..., messages: _Optional[int] = ..., bytes: _Optional[int] = ..., new_start_offset: _Optional[int] = ..., deleted_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ApplyRetentionRequest(_message.Message):
+    __slots__ = ("topic", "dry_run")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    dry_run: bool
+    def __init__(self, topic: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class ApplyRetentionResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[RetentionOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[RetentionOutcome, _Mapping]]] = ...) -> None: ...

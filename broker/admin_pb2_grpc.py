@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=broker_dot_admin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=broker_dot_admin__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ApplyRetention = channel.unary_unary(
+                '/tmq.admin.v1.Admin/ApplyRetention',
+                request_serializer=broker_dot_admin__pb2.ApplyRetentionRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.ApplyRetentionResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -105,6 +110,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyRetention(self, request, context):
+        """Enforce per-topic TTLs on the archive now (the broker also does it on every offload pass).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +149,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=broker_dot_admin__pb2.StatsRequest.FromString,
                     response_serializer=broker_dot_admin__pb2.StatsResponse.SerializeToString,
+            ),
+            'ApplyRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyRetention,
+                    request_deserializer=broker_dot_admin__pb2.ApplyRetentionRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.ApplyRetentionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +318,33 @@ class Admin:
             '/tmq.admin.v1.Admin/Stats',
             broker_dot_admin__pb2.StatsRequest.SerializeToString,
             broker_dot_admin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/ApplyRetention',
+            broker_dot_admin__pb2.ApplyRetentionRequest.SerializeToString,
+            broker_dot_admin__pb2.ApplyRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -25,7 +26,7 @@ from broker.pop import PopService
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
 from namesrv.safe_handlers import add_safely
-from offload.offloader import Offloader, OffloadError
+from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.storage import open_store
@@ -95,7 +96,13 @@ class Broker:
             )
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
-                AdminServicer(self.store, self.metadata, self.config.name, self._register_now.set),
+                AdminServicer(
+                    self.store,
+                    self.metadata,
+                    self.config.name,
+                    self._register_now.set,
+                    self.apply_retention if self.offloader is not None else None,
+                ),
                 server,
             )
             health_servicer = health.HealthServicer()
@@ -167,6 +174,24 @@ class Broker:
             except Exception:
                 log.exception("broker maintenance failed; retrying")
 
+    def apply_retention(
+        self, topic: str | None = None, dry_run: bool = False
+    ) -> list[RetentionResult]:
+        """Expire archived segments older than their topic's TTL (one topic, or all)."""
+        assert self.offloader is not None
+        now = time.time_ns() // 1_000_000
+        results = []
+        for cfg in list(self.metadata.topics.values()):
+            if (topic is not None and cfg.name != topic) or not cfg.tiered or not cfg.retention_ms:
+                continue
+            for queue_id in range(cfg.queues):
+                r = self.offloader.expire(
+                    cfg.name, queue_id, now - cfg.retention_ms, dry_run=dry_run
+                )
+                if r.segments:
+                    results.append(r)
+        return results
+
     def offload_and_release(self) -> None:
         """Upload every tiered queue's dispatched messages, then release the CommitLog files
         that the release rule allows (offload/release.py)."""
@@ -177,6 +202,10 @@ class Broker:
                         self.offloader.offload_queue(topic.name, queue_id)
                     except OffloadError as e:
                         log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
+            try:
+                self.apply_retention()
+            except OffloadError as e:
+                log.error("retention failed: %s", e)
         self.store.release_commitlog_files(
             release_predicate(self.store, self.offloader, dict(self.metadata.topics))
         )

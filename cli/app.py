@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from cli import client, servers
+from cli import client, retain, servers
 from cli import store as store_commands
 from cli import topic as topic_commands
 
@@ -25,6 +25,7 @@ app.add_typer(topic_commands.app, name="topic")
 app.command("produce")(client.produce)
 app.command("consume")(client.consume)
 app.command("replay")(client.replay)
+app.command("retain")(retain.retain)
 app.add_typer(store_commands.app, name="store")
 
 

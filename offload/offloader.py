@@ -17,6 +17,7 @@ and writes a new object under a new key.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -50,6 +51,17 @@ class OffloadPolicy:
     retry_attempts: int = 8
     retry_base_delay_s: float = 0.2
     retry_max_delay_s: float = 10.0
+
+
+@dataclass(slots=True)
+class RetentionResult:
+    topic: str
+    queue_id: int
+    segments: int  # expired segments (removed, or that would be with dry_run)
+    messages: int
+    bytes: int
+    new_start_offset: int
+    deleted_keys: list[str]
 
 
 @dataclass(slots=True)
@@ -146,6 +158,44 @@ class Offloader:
                 result.messages += info.count
                 result.bytes += info.size
             result.watermark = manifest.end_offset
+            return result
+
+    def expire(
+        self, topic: str, queue_id: int, cutoff_ms: int, *, dry_run: bool = False
+    ) -> RetentionResult:
+        """Remove the archive's oldest segments whose every message was stored before
+        ``cutoff_ms``: first from the manifest (a new version), then their objects. Segments go
+        whole and only from the front, so the archive never has holes. Idempotent; a crash
+        between the commit and the deletes leaves orphans for ``tmq verify --repair``."""
+        with self._lock(topic, queue_id):
+            manifest = self.manifest(topic, queue_id, refresh=True)
+            expired = []
+            for info in manifest.segments:
+                if info.max_store_timestamp >= cutoff_ms:
+                    break
+                expired.append(info)
+            result = RetentionResult(
+                topic,
+                queue_id,
+                len(expired),
+                sum(s.count for s in expired),
+                sum(s.size for s in expired),
+                expired[-1].end_offset if expired else manifest.start_offset,
+                [s.key for s in expired],
+            )
+            if dry_run or not expired:
+                return result
+            self._commit(topic, queue_id, manifest.without_segments_before(expired[-1].end_offset))
+            for info in expired:
+                self._retry(f"delete {info.key}", functools.partial(self.tier.delete, info.key))
+            log.info(
+                "%s/%d: retention removed %d segment(s), %d messages; the archive now starts at %d",
+                topic,
+                queue_id,
+                result.segments,
+                result.messages,
+                result.new_start_offset,
+            )
             return result
 
     def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:

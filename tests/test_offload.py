@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,34 @@ def test_a_crash_between_object_write_and_commit_leaves_an_orphan_not_a_gap(hot,
     manifest = ManifestStore(tier, prefix).load()
     listed = {o.key for o in tier.list(f"{prefix}segments/")}
     assert listed - {s.key for s in manifest.segments} == {orphan.key}
+
+
+def test_retention_removes_exactly_the_expired_segments_then_their_objects(hot, tier) -> None:
+    for chunk in range(5):  # one segment's worth each, a few ms apart: distinct store times
+        fill(hot, "orders", 400, queues=1, seed=70 + chunk)
+        time.sleep(0.01)
+    offloader = Offloader(
+        hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=400, retry_base_delay_s=0.0)
+    )
+    offloader.offload_queue("orders", 0)
+    manifest = offloader.manifest("orders", 0)
+    assert len(manifest.segments) == 5
+    cutoff = manifest.segments[2].max_store_timestamp + 1  # segments 0-2 wholly older
+    # Segments expire whole: the third's last message is the youngest expired one.
+    assert manifest.segments[3].max_store_timestamp >= cutoff
+
+    preview = offloader.expire("orders", 0, cutoff, dry_run=True)
+    assert (preview.segments, preview.new_start_offset) == (3, manifest.segments[3].base_offset)
+    assert len(offloader.manifest("orders", 0, refresh=True).segments) == 5, (
+        "dry run deletes nothing"
+    )
+
+    done = offloader.expire("orders", 0, cutoff)
+    assert done.deleted_keys == [s.key for s in manifest.segments[:3]]
+    after = offloader.manifest("orders", 0, refresh=True)
+    assert [s.key for s in after.segments] == [s.key for s in manifest.segments[3:]]
+    assert after.start_offset == manifest.segments[3].base_offset
+    for key in done.deleted_keys:
+        assert tier.size(key) is None
+    assert offloader.expire("orders", 0, cutoff).segments == 0, "idempotent"
+    assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)[after.start_offset :]

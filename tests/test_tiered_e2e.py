@@ -94,3 +94,47 @@ def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
         assert done.returncode != 0 and "missing" in done.stderr, "a loud error, not a gap"
     finally:
         node.stop()
+
+
+def test_retain_sets_shows_and_enforces_ttls(tmp_path: Path) -> None:
+    node = Standalone(
+        tmp_path / "data", extra=["--commitlog-file-size", "128KiB", "--offload-interval", "1"]
+    ).start()
+    try:
+        ns = node.namesrv
+        assert (
+            tmq("topic", "create", "ttl-topic", "-n", ns, "--queues", "1", "--tiered").returncode
+            == 0
+        )
+        config = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
+        producer = Producer(config, topics=["ttl-topic"])
+        producer.startup()
+        for _i in range(400):
+            m = Message()
+            m.topic, m.body = "ttl-topic", b"x" * 1000
+            producer.send(m)
+        producer.shutdown()
+        tier = node.data_dir / "tier"
+        wait_for("offload", lambda: any(tier.rglob("*.seg")))
+        segments = set(tier.rglob("*.seg"))
+
+        done = tmq("retain", "ttl-topic", "-n", ns, "--ttl", "2s", "--local", "1s", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)[0] | {"broker": None} == {
+            "broker": None,
+            "topic": "ttl-topic",
+            "tiered": True,
+            "ttl_ms": 2000,
+            "local_ttl_ms": 1000,
+        }
+        time.sleep(2.5)
+        done = tmq("retain", "--apply", "-n", ns, "--json")
+        assert done.returncode == 0, done.stderr
+        json.loads(done.stdout)  # the periodic pass may have got there first
+        wait_for("expiry", lambda: not (segments & set(tier.rglob("*.seg"))), seconds=30)
+        described = json.loads(tmq("topic", "describe", "ttl-topic", "-n", ns, "--json").stdout)
+        assert described[0]["queue_offsets"][0]["min_offset"] > 0
+        bad = tmq("retain", "ttl-topic", "-n", ns, "--ttl", "soon")
+        assert bad.returncode == 2 and bad.stderr.startswith("error: --ttl")
+    finally:
+        node.stop()

@@ -1,0 +1,127 @@
+"""``tmq retain``: per-topic TTLs. Set them, show them, or enforce them now."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import grpc
+import typer
+
+from broker import admin_pb2 as pb
+from cli.topic import NamesrvOption, _call, brokers, fail
+from tiered.config import parse_duration_ms
+
+
+def _duration(text: str | None, what: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration_ms(text)
+    except ValueError as e:
+        raise fail(f"{what}: {e}", 2) from None
+
+
+def _human(ms: int) -> str:
+    if ms == 0:
+        return "forever"
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def retain(
+    topic: Annotated[str | None, typer.Argument(help="Topic (all topics with --apply).")] = None,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    ttl: Annotated[str | None, typer.Option(help="Total TTL, both tiers (e.g. 90d).")] = None,
+    local: Annotated[
+        str | None, typer.Option(help="Hot-tier TTL of a tiered topic (e.g. 1d).")
+    ] = None,
+    apply: Annotated[bool, typer.Option("--apply", help="Enforce the TTLs now.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="With --apply: only say what would go.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Set a topic's TTLs, show them, or enforce them now.
+
+    Examples: tmq retain orders --ttl 90d --local 1d; tmq retain orders;
+    tmq retain --apply --dry-run
+    """
+    ttl_ms, local_ms = _duration(ttl, "--ttl"), _duration(local, "--local")
+    if apply:
+        _apply(topic, namesrv, dry_run, as_json)
+        return
+    if topic is None:
+        raise fail("name a topic (or use --apply)", 2)
+    rows: list[dict[str, Any]] = []
+    for broker_name, stub in brokers(namesrv):
+        try:
+            described = stub.GetTopic(pb.GetTopicRequest(name=topic), timeout=10)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                continue
+            raise fail(f"broker {broker_name}: {e.details()}") from None
+        t = described.topic
+        if ttl_ms is not None or local_ms is not None:
+            if ttl_ms is not None:
+                t.retention_ms = ttl_ms
+            if local_ms is not None:
+                t.local_retention_ms = local_ms
+            _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=t, update=True))
+        rows.append(
+            {
+                "broker": broker_name,
+                "topic": t.name,
+                "tiered": t.tiered,
+                "ttl_ms": t.retention_ms,
+                "local_ttl_ms": t.local_retention_ms,
+            }
+        )
+    if not rows:
+        raise fail(f"topic {topic} does not exist")
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(
+            f"{r['topic']} on {r['broker']}: ttl {_human(r['ttl_ms'])}, local ttl "
+            f"{_human(r['local_ttl_ms'])}{'' if r['tiered'] else ' (not tiered)'}"
+        )
+
+
+def _apply(topic: str | None, namesrv: str, dry_run: bool, as_json: bool) -> None:
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        reply = _call(
+            f"broker {broker_name}",
+            stub.ApplyRetention,
+            pb.ApplyRetentionRequest(topic=topic or "", dry_run=dry_run),
+        )
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": o.topic,
+                "queue": o.queue,
+                "segments": o.segments,
+                "messages": o.messages,
+                "bytes": o.bytes,
+                "new_start_offset": o.new_start_offset,
+                "objects": list(o.deleted_keys),
+                "dry_run": dry_run,
+            }
+            for o in reply.outcomes
+        ]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for r in rows:
+        typer.echo(
+            f"{r['topic']}/{r['queue']} on {r['broker']}: {verb} {r['segments']} segment(s), "
+            f"{r['messages']} messages, {r['bytes']} bytes; archive starts at "
+            f"{r['new_start_offset']}"
+        )
+    if not rows:
+        typer.echo("nothing has expired")
