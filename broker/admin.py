@@ -15,7 +15,9 @@ from broker.metadata import (
     TopicConfig,
     check_group_name,
 )
-from offload.offloader import OffloadError, RetentionResult
+from offload.offloader import Offloader, OffloadError, RetentionResult
+from offload.verify import verify_queue, worst
+from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
 
 
@@ -51,12 +53,14 @@ class AdminServicer(pb_grpc.AdminServicer):
         broker_name: str,
         on_topics_changed: Callable[[], None],
         apply_retention: Callable[[str | None, bool], list[RetentionResult]] | None = None,
+        offloader: Offloader | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
         self.broker_name = broker_name
         self.on_topics_changed = on_topics_changed
         self.apply_retention = apply_retention
+        self.offloader = offloader
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -81,6 +85,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.PutTopicResponse()
 
     def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
+        def watermark(q: int) -> int:
+            if self.offloader is None or not cfg.tiered:
+                return 0
+            return self.offloader.watermark(cfg.name, q)
+
         return pb.TopicDescription(
             topic=topic_to_pb(cfg),
             queues=[
@@ -88,6 +97,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                     queue=q,
                     min_offset=self.store.min_offset(cfg.name, q),
                     max_offset=self.store.max_offset(cfg.name, q),
+                    hot_min_offset=self.store.hot_min_offset(cfg.name, q),
+                    tier_watermark=watermark(q),
                 )
                 for q in range(cfg.queues)
             ],
@@ -175,4 +186,110 @@ class AdminServicer(pb_grpc.AdminServicer):
                 )
                 for r in results
             ]
+        )
+
+    def _tiered(self, name: str, context: grpc.ServicerContext) -> tuple[TopicConfig, Offloader]:
+        cfg = self.metadata.topic(name)
+        if cfg is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {name} does not exist")
+            raise AssertionError("abort raises")
+        if self.offloader is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
+            raise AssertionError("abort raises")
+        if not cfg.tiered:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"topic {name} is not tiered (tmq topic update {name} --tiered)",
+            )
+        return cfg, self.offloader
+
+    def Offload(
+        self, request: pb.OffloadRequest, context: grpc.ServicerContext
+    ) -> pb.OffloadResponse:
+        cfg, offloader = self._tiered(request.topic, context)
+        if request.queue >= cfg.queues:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"topic {cfg.name} has no queue {request.queue}"
+            )
+        queues = range(cfg.queues) if request.queue < 0 else [request.queue]
+        out = []
+        for q in queues:
+            up_to = self.store.max_offset(cfg.name, q)
+            if request.before_ms:
+                up_to = min(up_to, self.store.offset_for_timestamp(cfg.name, q, request.before_ms))
+            if request.keep_local_bytes:
+                up_to = min(up_to, self._keep_local(cfg.name, q, request.keep_local_bytes))
+            try:
+                r = offloader.offload_queue(cfg.name, q, up_to)
+            except OffloadError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            out.append(
+                pb.QueueOffload(
+                    queue=q,
+                    segments=r.segments,
+                    messages=r.messages,
+                    bytes=r.bytes,
+                    watermark=r.watermark,
+                )
+            )
+        return pb.OffloadResponse(queues=out)
+
+    def _keep_local(self, topic: str, queue_id: int, keep_bytes: int) -> int:
+        """The offset above which the queue's newest messages total at most ``keep_bytes``."""
+        cq = self.store.queues.get(topic, queue_id)
+        if cq is None:
+            return 0
+        sizes = [
+            entry[1] for _, entry in cq.iter_entries(cq.min_offset, cq.max_offset - cq.min_offset)
+        ]
+        kept = 0
+        offset = cq.max_offset
+        for size in reversed(sizes):
+            if kept + size > keep_bytes:
+                break
+            kept += size
+            offset -= 1
+        return offset
+
+    def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
+        if request.topic:
+            cfgs = [self._tiered(request.topic, context)[0]]
+        else:
+            cfgs = [t for t in self.metadata.topics.values() if t.tiered]
+        if self.offloader is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
+            raise AssertionError("abort raises")
+        o = self.offloader
+        try:
+            verdicts = [
+                verify_queue(
+                    o.tier,
+                    o.cluster,
+                    o.broker,
+                    cfg.name,
+                    q,
+                    repair=request.repair,
+                    deep=request.deep,
+                )
+                for cfg in cfgs
+                for q in range(cfg.queues)
+            ]
+        except StorageError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the cold tier did not answer: {e}")
+            raise AssertionError("abort raises") from None
+        return pb.VerifyResponse(
+            status=worst([v.status for v in verdicts]),
+            queues=[
+                pb.QueueVerdict(
+                    topic=v.topic,
+                    queue=v.queue_id,
+                    status=v.status,
+                    missing=v.missing,
+                    damaged=v.damaged,
+                    anomalies=v.anomalies,
+                    orphans=v.orphans,
+                    repaired=v.repaired,
+                )
+                for v in verdicts
+            ],
         )

@@ -25,14 +25,18 @@ class Topic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("queue", "min_offset", "max_offset")
+    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HOT_MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIER_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     queue: int
     min_offset: int
     max_offset: int
-    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ...) -> None: ...
+    hot_min_offset: int
+    tier_watermark: int
+    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ...) -> None: ...
 
 class TopicDescription(_message.Message):
     __slots__ = ("topic", "queues")
@@ -151,3 +155,73 @@ class ApplyRetentionResponse(_message.Message):
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[RetentionOutcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[RetentionOutcome, _Mapping]]] = ...) -> None: ...
+
+class OffloadRequest(_message.Message):
+    __slots__ = ("topic", "queue", "keep_local_bytes", "before_ms")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LOCAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_MS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    keep_local_bytes: int
+    before_ms: int
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., keep_local_bytes: _Optional[int] = ..., before_ms: _Optional[int] = ...) -> None: ...
+
+class QueueOffload(_message.Message):
+    __slots__ = ("queue", "segments", "messages", "bytes", "watermark")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    queue: int
+    segments: int
+    messages: int
+    bytes: int
+    watermark: int
+    def __init__(self, queue: _Optional[int] = ..., segments: _Optional[int] = ..., messages: _Optional[int] = ..., bytes: _Optional[int] = ..., watermark: _Optional[int] = ...) -> None: ...
+
+class OffloadResponse(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[QueueOffload]
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueOffload, _Mapping]]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("topic", "repair", "deep")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
+    DEEP_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    repair: bool
+    deep: bool
+    def __init__(self, topic: _Optional[str] = ..., repair: _Optional[bool] = ..., deep: _Optional[bool] = ...) -> None: ...
+
+class QueueVerdict(_message.Message):
+    __slots__ = ("topic", "queue", "status", "missing", "damaged", "anomalies", "orphans", "repaired")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    ANOMALIES_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    status: str
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    damaged: _containers.RepeatedScalarFieldContainer[str]
+    anomalies: _containers.RepeatedScalarFieldContainer[str]
+    orphans: _containers.RepeatedScalarFieldContainer[str]
+    repaired: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., status: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., damaged: _Optional[_Iterable[str]] = ..., anomalies: _Optional[_Iterable[str]] = ..., orphans: _Optional[_Iterable[str]] = ..., repaired: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("status", "queues")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    queues: _containers.RepeatedCompositeFieldContainer[QueueVerdict]
+    def __init__(self, status: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueVerdict, _Mapping]]] = ...) -> None: ...

@@ -69,6 +69,16 @@ class AdminStub:
                 request_serializer=broker_dot_admin__pb2.ApplyRetentionRequest.SerializeToString,
                 response_deserializer=broker_dot_admin__pb2.ApplyRetentionResponse.FromString,
                 _registered_method=True)
+        self.Offload = channel.unary_unary(
+                '/tmq.admin.v1.Admin/Offload',
+                request_serializer=broker_dot_admin__pb2.OffloadRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.OffloadResponse.FromString,
+                _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/tmq.admin.v1.Admin/Verify',
+                request_serializer=broker_dot_admin__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.VerifyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -117,6 +127,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offload(self, request, context):
+        """Upload a tiered topic's dispatched messages now; returns when done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Compare manifests with the bucket (and delete orphans with repair).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +178,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ApplyRetention,
                     request_deserializer=broker_dot_admin__pb2.ApplyRetentionRequest.FromString,
                     response_serializer=broker_dot_admin__pb2.ApplyRetentionResponse.SerializeToString,
+            ),
+            'Offload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offload,
+                    request_deserializer=broker_dot_admin__pb2.OffloadRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.OffloadResponse.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=broker_dot_admin__pb2.VerifyRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.VerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +379,60 @@ class Admin:
             '/tmq.admin.v1.Admin/ApplyRetention',
             broker_dot_admin__pb2.ApplyRetentionRequest.SerializeToString,
             broker_dot_admin__pb2.ApplyRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/Offload',
+            broker_dot_admin__pb2.OffloadRequest.SerializeToString,
+            broker_dot_admin__pb2.OffloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/Verify',
+            broker_dot_admin__pb2.VerifyRequest.SerializeToString,
+            broker_dot_admin__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,7 @@ class Broker:
                     self.config.name,
                     self._register_now.set,
                     self.apply_retention if self.offloader is not None else None,
+                    self.offloader,
                 ),
                 server,
             )

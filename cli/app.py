@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from cli import client, retain, servers
+from cli import client, offload, retain, servers
 from cli import store as store_commands
 from cli import topic as topic_commands
 
@@ -26,6 +26,8 @@ app.command("produce")(client.produce)
 app.command("consume")(client.consume)
 app.command("replay")(client.replay)
 app.command("retain")(retain.retain)
+app.command("offload")(offload.offload)
+app.command("verify")(offload.verify)
 app.add_typer(store_commands.app, name="store")
 
 

@@ -133,7 +133,13 @@ def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
         "message_type": d.topic.message_type,
         "tiered": d.topic.tiered,
         "queue_offsets": [
-            {"queue": q.queue, "min_offset": q.min_offset, "max_offset": q.max_offset}
+            {
+                "queue": q.queue,
+                "min_offset": q.min_offset,
+                "hot_min_offset": q.hot_min_offset,
+                "tier_watermark": q.tier_watermark,
+                "max_offset": q.max_offset,
+            }
             for q in d.queues
         ],
     }

@@ -138,3 +138,58 @@ def test_retain_sets_shows_and_enforces_ttls(tmp_path: Path) -> None:
         assert bad.returncode == 2 and bad.stderr.startswith("error: --ttl")
     finally:
         node.stop()
+
+
+def test_offload_status_and_verify_as_an_operator_runs_them(tmp_path: Path) -> None:
+    node = Standalone(tmp_path / "data", extra=["--offload-interval", "3600"]).start()
+    try:
+        ns = node.namesrv
+        assert tmq("topic", "create", "ops", "-n", ns, "--queues", "2", "--tiered").returncode == 0
+        assert tmq("topic", "create", "plain", "-n", ns, "--queues", "1").returncode == 0
+        config = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
+        producer = Producer(config, topics=["ops"])
+        producer.startup()
+        for _ in range(500):
+            m = Message()
+            m.topic, m.body = "ops", b"y" * 1000
+            producer.send(m)
+        producer.shutdown()
+
+        def status() -> list[dict]:
+            done = tmq("offload", "status", "ops", "-n", ns, "--json")
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert [(r["tier_watermark"], r["max_offset"]) for r in status()] == [(0, 250), (0, 250)]
+        partial = json.loads(
+            tmq("offload", "ops", "-n", ns, "--keep-local", "50KiB", "--json").stdout
+        )
+        assert all(0 < r["watermark"] < 250 for r in partial)
+        full = json.loads(tmq("offload", "ops", "-n", ns, "--json").stdout)
+        assert [r["watermark"] for r in full] == [250, 250]
+        done = tmq("offload", "status", "ops", "-n", ns, "--wait", "--json", timeout=30)
+        assert done.returncode == 0 and all(
+            r["tier_watermark"] == 250 for r in json.loads(done.stdout)
+        )
+        not_tiered = tmq("offload", "plain", "-n", ns)
+        assert not_tiered.returncode == 1 and "not tiered" in not_tiered.stderr
+
+        assert tmq("verify", "ops", "-n", ns).returncode == 0
+        segments_dir = next((node.data_dir / "tier").rglob("ops/0/segments"))
+        orphan = segments_dir / f"{0:020d}-deadbeef0000.seg"
+        orphan.write_bytes(b"left behind by a crash")
+        warned = tmq("verify", "ops", "-n", ns, "--json")
+        report = json.loads(warned.stdout)
+        assert warned.returncode == 1 and report["status"] == "WARNING"
+        assert any(k.endswith("deadbeef0000.seg") for q in report["queues"] for k in q["orphans"])
+        assert tmq("verify", "ops", "-n", ns, "--repair").returncode == 0
+        assert not orphan.exists()
+
+        victim = sorted(segments_dir.iterdir())[0]
+        victim.unlink()
+        failed = tmq("verify", "-n", ns, "--json")
+        report = json.loads(failed.stdout)
+        assert failed.returncode == 2 and report["status"] == "FAILURE"
+        assert any(victim.name in k for q in report["queues"] for k in q["missing"])
+    finally:
+        node.stop()

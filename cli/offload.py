@@ -1,0 +1,198 @@
+"""``tmq offload TOPIC``, ``tmq offload status TOPIC``, ``tmq verify [TOPIC]``."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from typing import Annotated, Any
+
+import grpc
+import typer
+from rich.progress import BarColumn, Progress, TextColumn
+
+from broker import admin_pb2 as pb
+from cli.topic import NamesrvOption, _call, brokers, fail
+from tiered.config import parse_size
+
+
+def _time_ms(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
+
+
+def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        try:
+            d = stub.GetTopic(pb.GetTopicRequest(name=topic), timeout=10)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                continue
+            raise fail(f"broker {broker_name}: {e.details()}") from None
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": topic,
+                "queue": q.queue,
+                "min_offset": q.min_offset,
+                "hot_min_offset": q.hot_min_offset,
+                "tier_watermark": q.tier_watermark,
+                "max_offset": q.max_offset,
+                "tiered": d.topic.tiered,
+            }
+            for q in d.queues
+        ]
+    if not rows:
+        raise fail(f"topic {topic} does not exist")
+    return rows
+
+
+def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
+    rows = _status_rows(namesrv, topic)
+    if wait:
+        with Progress(
+            TextColumn("offload {task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} messages"),
+            transient=True,
+            disable=as_json,
+        ) as progress:
+            task = progress.add_task(topic, total=sum(r["max_offset"] for r in rows))
+            while True:
+                progress.update(
+                    task,
+                    completed=sum(r["tier_watermark"] for r in rows),
+                    total=sum(r["max_offset"] for r in rows),
+                )
+                if all(r["tier_watermark"] >= r["max_offset"] for r in rows):
+                    break
+                time.sleep(1)
+                rows = _status_rows(namesrv, topic)
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        lag = r["max_offset"] - r["tier_watermark"]
+        typer.echo(
+            f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark "
+            f"{r['tier_watermark']} of {r['max_offset']} (lag {lag}); hot from "
+            f"{r['hot_min_offset']}, readable from {r['min_offset']}"
+        )
+
+
+def offload(
+    words: Annotated[list[str], typer.Argument(help="TOPIC, or: status TOPIC", show_default=False)],
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    queue: Annotated[int, typer.Option(help="Only this queue (default: all).")] = -1,
+    keep_local: Annotated[
+        str | None, typer.Option(help="Leave the newest SIZE per queue local only.")
+    ] = None,
+    before: Annotated[str | None, typer.Option(help="Only messages stored before TIME.")] = None,
+    wait: Annotated[bool, typer.Option(help="status: wait until everything is uploaded.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
+
+    Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
+    """
+    if words[0] == "status":
+        if len(words) != 2:
+            raise fail("usage: tmq offload status TOPIC [--wait]", 2)
+        _status(namesrv, words[1], wait, as_json)
+        return
+    if len(words) != 1:
+        raise fail("usage: tmq offload TOPIC [--queue Q] [--keep-local SIZE | --before TIME]", 2)
+    if keep_local and before:
+        raise fail("give at most one of --keep-local and --before", 2)
+    try:
+        keep = parse_size(keep_local) if keep_local else 0
+    except ValueError as e:
+        raise fail(f"--keep-local: {e}", 2) from None
+    request = pb.OffloadRequest(
+        topic=words[0],
+        queue=queue,
+        keep_local_bytes=keep,
+        before_ms=_time_ms(before) if before else 0,
+    )
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        reply = _call(f"broker {broker_name}", stub.Offload, request)
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": words[0],
+                "queue": q.queue,
+                "segments": q.segments,
+                "messages": q.messages,
+                "bytes": q.bytes,
+                "watermark": q.watermark,
+            }
+            for q in reply.queues
+        ]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(
+            f"{r['topic']}/{r['queue']} on {r['broker']}: uploaded {r['messages']} "
+            f"messages in {r['segments']} segment(s); tier watermark {r['watermark']}"
+        )
+
+
+def verify(
+    topic: Annotated[
+        str | None, typer.Argument(help="Topic (default: every tiered topic).")
+    ] = None,
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    repair: Annotated[bool, typer.Option(help="Delete orphaned objects.")] = False,
+    deep: Annotated[bool, typer.Option(help="Re-read every object and check its CRC.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Compare manifests with the bucket: OK, WARNING (orphans) or FAILURE (missing, damaged).
+
+    Example: tmq verify orders --json; exit code 0 OK, 1 WARNING, 2 FAILURE.
+    """
+    statuses = []
+    rows = []
+    for broker_name, stub in brokers(namesrv):
+        reply = _call(
+            f"broker {broker_name}",
+            stub.Verify,
+            pb.VerifyRequest(topic=topic or "", repair=repair, deep=deep),
+        )
+        statuses.append(reply.status)
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": v.topic,
+                "queue": v.queue,
+                "status": v.status,
+                "missing": list(v.missing),
+                "damaged": list(v.damaged),
+                "anomalies": list(v.anomalies),
+                "orphans": list(v.orphans),
+                "repaired": list(v.repaired),
+            }
+            for v in reply.queues
+        ]
+    overall = "FAILURE" if "FAILURE" in statuses else "WARNING" if "WARNING" in statuses else "OK"
+    if as_json:
+        typer.echo(json.dumps({"status": overall, "queues": rows}))
+    else:
+        for r in rows:
+            detail = "; ".join(
+                f"{k}: {', '.join(r[k])}"
+                for k in ("missing", "damaged", "anomalies", "orphans", "repaired")
+                if r[k]
+            )
+            typer.echo(
+                f"{r['status']:8s} {r['topic']}/{r['queue']} on {r['broker']}"
+                f"{'  ' + detail if detail else ''}"
+            )
+        typer.echo(overall)
+    raise typer.Exit({"OK": 0, "WARNING": 1, "FAILURE": 2}[overall])
