@@ -222,3 +222,28 @@ def test_empty_last_file_from_a_crash_during_a_roll_is_removed(crashed, open_sto
     store = open_store(config)
     assert not stray.exists()
     assert_all_readable(store, msgs)
+
+
+def test_files_whose_creation_a_crash_interrupted_are_removed(crashed, open_store) -> None:
+    config, msgs = crashed
+    last = sorted(config.commitlog_dir.iterdir())[-1]
+    short = config.commitlog_dir / f"{int(last.name) + config.commitlog_file_size:020d}"
+    short.write_bytes(bytes(4096))  # created, partly preallocated, never written
+    queue_dir = next(config.consumequeue_dir.rglob("0"))
+    last_cq = sorted(queue_dir.iterdir())[-1]
+    entries_bytes = config.consumequeue_entries_per_file * 20
+    (queue_dir / f"{int(last_cq.name) + entries_bytes:020d}").write_bytes(bytes(100))
+    (config.index_dir / "20991231000000000-00000000000000000000").touch()  # before ftruncate
+    store = open_store(config)
+    assert not short.exists()
+    assert_all_readable(store, msgs)
+    m = msgs[-1]
+    assert [x.queue_offset for x in store.query_by_key(m.topic, m.msg_id)] == [m.queue_offset]
+
+
+def test_a_short_last_file_with_data_in_it_is_still_refused(crashed) -> None:
+    config, _ = crashed
+    last = sorted(config.commitlog_dir.iterdir())[-1]
+    os.truncate(last, config.commitlog_file_size // 2)
+    with pytest.raises(StoreLoadError, match="configured file size"):
+        MessageStore(config).start()

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered.config import StoreConfig
-from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError
+from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError, all_zero
 from tiered.record import (
     BLANK_MAGIC_CODE,
     BLANK_RECORD_SIZE,
@@ -375,7 +375,7 @@ class CommitLog:
                     path,
                 )
         for dropped in self.files.truncate_dirty(end):
-            if _all_zero(dropped.path):
+            if all_zero(dropped.path):
                 dropped.path.unlink()
                 continue
             quarantine.mkdir(parents=True, exist_ok=True)
@@ -391,13 +391,3 @@ class CommitLog:
     def delete_files_before(self, count: int) -> list[MappedFile]:
         """Delete the ``count`` oldest files (never the one being written)."""
         return self.files.delete_first_files(count)
-
-
-def _all_zero(path: Path) -> bool:
-    chunk = 1 << 20
-    zero = bytes(chunk)
-    with path.open("rb") as fh:
-        while data := fh.read(chunk):
-            if data != zero[: len(data)]:
-                return False
-    return True

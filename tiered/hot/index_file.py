@@ -34,8 +34,6 @@ from pathlib import Path
 import numpy as np
 from google_crc32c import value as crc32c
 
-from tiered.hot.mapped_file import StoreLoadError
-
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">qqqqii")
@@ -244,11 +242,16 @@ class IndexService:
             if path.name.startswith("."):
                 continue
             if path.stat().st_size != IndexFile.file_size(self.slots, self.max_entries):
-                raise StoreLoadError(
-                    f"{path}: {path.stat().st_size} bytes, but {self.slots} slots and "
-                    f"{self.max_entries} entries make "
-                    f"{IndexFile.file_size(self.slots, self.max_entries)}; refusing to start"
+                # The geometry is checked against store.json, so this is a file whose creation
+                # a crash interrupted (or damage). Derived data: rebuilt from the CommitLog.
+                log.error(
+                    "IndexFile %s has %d bytes, not %d; it is removed and rebuilt",
+                    path,
+                    path.stat().st_size,
+                    IndexFile.file_size(self.slots, self.max_entries),
                 )
+                path.unlink()
+                continue
             try:
                 files.append(IndexFile(path, self.slots, self.max_entries, create=False))
             except ValueError as e:

@@ -168,8 +168,14 @@ class MappedFileQueue:
             if len(name) != OFFSET_NAME_DIGITS or not name.isdigit():
                 raise StoreLoadError(f"{path}: not a store file (expected a 20-digit offset name)")
             length = path.stat().st_size
-            if length == 0 and i == len(names) - 1:
-                log.warning("%s: removing an empty last file left by a crash during a roll", path)
+            if i == len(names) - 1 and length != self.file_size and all_zero(path):
+                # A kill between creating the file and preallocating it: nothing was written.
+                log.warning(
+                    "%s: removing an incomplete last file (%d bytes, all zero) left by a "
+                    "crash during a roll",
+                    path,
+                    length,
+                )
                 path.unlink()
                 continue
             if length != self.file_size:
@@ -301,3 +307,13 @@ class MappedFileQueue:
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+def all_zero(path: Path) -> bool:
+    """True when the file holds only zero bytes."""
+    zero = _ZERO_CHUNK
+    with path.open("rb") as fh:
+        while data := fh.read(len(zero)):
+            if data != zero[: len(data)]:
+                return False
+    return True
