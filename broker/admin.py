@@ -293,3 +293,37 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for v in verdicts
             ],
         )
+
+    def QueryByKey(
+        self, request: pb.QueryByKeyRequest, context: grpc.ServicerContext
+    ) -> pb.QueryByKeyResponse:
+        if self.metadata.topic(request.topic) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.topic} does not exist")
+        if not request.key:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a key is required")
+        found = self.store.query_by_key(
+            request.topic,
+            request.key,
+            request.begin_ms,
+            request.end_ms or 2**62,
+            min(request.max or 64, 1000),
+        )
+        return pb.QueryByKeyResponse(
+            messages=[
+                pb.FoundMessage(
+                    queue=m.queue_id,
+                    queue_offset=m.queue_offset,
+                    message_id=m.msg_id or "",
+                    tag=m.tags or "",
+                    keys=m.keys,
+                    properties={
+                        k: v
+                        for k, v in m.properties.items()
+                        if k not in ("KEYS", "TAGS", "UNIQ_KEY")
+                    },
+                    store_time_ms=m.store_timestamp,
+                    body=m.body,
+                )
+                for m in found
+            ]
+        )

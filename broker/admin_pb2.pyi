@@ -225,3 +225,50 @@ class VerifyResponse(_message.Message):
     status: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueVerdict]
     def __init__(self, status: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueVerdict, _Mapping]]] = ...) -> None: ...
+
+class QueryByKeyRequest(_message.Message):
+    __slots__ = ("topic", "key", "begin_ms", "end_ms", "max")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    key: str
+    begin_ms: int
+    end_ms: int
+    max: int
+    def __init__(self, topic: _Optional[str] = ..., key: _Optional[str] = ..., begin_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
+
+class FoundMessage(_message.Message):
+    __slots__ = ("queue", "queue_offset", "message_id", "tag", "keys", "properties", "store_time_ms", "body")
+    class PropertiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    STORE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    queue: int
+    queue_offset: int
+    message_id: str
+    tag: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    properties: _containers.ScalarMap[str, str]
+    store_time_ms: int
+    body: bytes
+    def __init__(self, queue: _Optional[int] = ..., queue_offset: _Optional[int] = ..., message_id: _Optional[str] = ..., tag: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., properties: _Optional[_Mapping[str, str]] = ..., store_time_ms: _Optional[int] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class QueryByKeyResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[FoundMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[FoundMessage, _Mapping]]] = ...) -> None: ...

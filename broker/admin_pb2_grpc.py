@@ -79,6 +79,11 @@ class AdminStub:
                 request_serializer=broker_dot_admin__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=broker_dot_admin__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.QueryByKey = channel.unary_unary(
+                '/tmq.admin.v1.Admin/QueryByKey',
+                request_serializer=broker_dot_admin__pb2.QueryByKeyRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.QueryByKeyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -141,6 +146,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QueryByKey(self, request, context):
+        """Messages by key or message id, across both tiers (IndexFiles and segment key indexes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +200,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=broker_dot_admin__pb2.VerifyRequest.FromString,
                     response_serializer=broker_dot_admin__pb2.VerifyResponse.SerializeToString,
+            ),
+            'QueryByKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryByKey,
+                    request_deserializer=broker_dot_admin__pb2.QueryByKeyRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.QueryByKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +450,33 @@ class Admin:
             '/tmq.admin.v1.Admin/Verify',
             broker_dot_admin__pb2.VerifyRequest.SerializeToString,
             broker_dot_admin__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryByKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/QueryByKey',
+            broker_dot_admin__pb2.QueryByKeyRequest.SerializeToString,
+            broker_dot_admin__pb2.QueryByKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -237,3 +237,56 @@ def replay(
                 offset = next_offset
     if not as_json:
         typer.echo(f"replayed {printed} message(s)", err=True)
+
+
+def query(
+    topic: Annotated[str, typer.Option("--topic", "-t", help="Topic to search.")],
+    key: Annotated[str, typer.Option("--key", "-k", help="Message key or message id.")],
+    namesrv: NamesrvOption = "127.0.0.1:9876",
+    begin: Annotated[
+        str | None, typer.Option(help="Stored at or after (ISO 8601 or epoch ms).")
+    ] = None,
+    end: Annotated[
+        str | None, typer.Option(help="Stored at or before (ISO 8601 or epoch ms).")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most this many per broker.")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per message.")] = False,
+) -> None:
+    """Find messages by key or message id, in both tiers, newest first.
+
+    Example: tmq query --topic orders --key order-42 --json
+    """
+    from broker import admin_pb2 as pb
+    from cli.topic import brokers
+
+    request = pb.QueryByKeyRequest(
+        topic=topic,
+        key=key,
+        max=limit,
+        begin_ms=_parse_time(begin) if begin else 0,
+        end_ms=_parse_time(end) if end else 0,
+    )
+    found = 0
+    for broker_name, stub in brokers(namesrv):
+        try:
+            reply = stub.QueryByKey(request, timeout=_TIMEOUT)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                continue
+            raise fail(f"broker {broker_name}: {e.details() or e.code().name}") from None
+        for m in reply.messages:
+            _print_message(
+                as_json,
+                broker=broker_name,
+                queue=m.queue,
+                offset=m.queue_offset,
+                message_id=m.message_id,
+                tag=m.tag or None,
+                keys=list(m.keys),
+                properties=dict(m.properties),
+                store_time_ms=m.store_time_ms,
+                body=_body_text(m.body),
+            )
+            found += 1
+    if not as_json:
+        typer.echo(f"found {found} message(s)", err=True)

@@ -69,6 +69,13 @@ def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
         consumer.shutdown()
         assert Counter(got) == Counter(ids), "every message, served from the archive"
 
+        found = tmq(
+            "query", "--topic", "tiered-orders", "--key", "order-7", "-n", node.namesrv, "--json"
+        )
+        assert found.returncode == 0, found.stderr
+        [hit] = [json.loads(line) for line in found.stdout.splitlines()]
+        assert hit["keys"] == ["order-7"] and hit["body"] == "00007" * 200, "found in the archive"
+
         replayed = replay_all(node, "tiered-orders")
         assert sorted(r["body"] for r in replayed) == sorted(f"{i:05d}" * 200 for i in range(1500))
 
