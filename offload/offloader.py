@@ -201,31 +201,28 @@ class Offloader:
     def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
         records: list[bytes] = []
         size = 0
-        offset = start
+        cq = self.store.queues.get(topic, queue_id)
+        if cq is None:
+            raise OffloadError(f"{topic}/{queue_id}: no ConsumeQueue in the hot store")
         limit = min(target - start, self.policy.segment_max_messages)
-        while offset < start + limit and size < self.policy.segment_max_bytes:
-            batch = self.store.get_messages(  # the hot tier's own records, never the archive
-                topic,
-                queue_id,
-                offset,
-                min(1024, start + limit - offset),
-                max_bytes=self.policy.segment_max_bytes - size,
-                hot_only=True,
-            )
-            if not batch.messages:
+        # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
+        # segment builder checks every record once).
+        for offset, (phys, length, _tag) in cq.iter_entries(start, limit):
+            if offset != start + len(records):
                 raise OffloadError(
-                    f"{topic}/{queue_id}: offset {offset} could not be read "
-                    f"from the hot store ({batch.status.value})"
+                    f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
                 )
-            for m in batch.messages:
-                raw = self.store.commitlog.read(m.commitlog_offset, m.size)
-                if raw is None:
-                    raise OffloadError(
-                        f"{topic}/{queue_id}: record at {m.commitlog_offset} vanished"
-                    )
-                records.append(raw)
-                size += len(raw)
-            offset = batch.next_offset
+            raw = self.store.commitlog.read(phys, length)
+            if raw is None:
+                raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
+            records.append(raw)
+            size += length
+            if size >= self.policy.segment_max_bytes:
+                break
+        if not records:
+            raise OffloadError(
+                f"{topic}/{queue_id}: offset {start} could not be read from the hot store"
+            )
         prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
         data, info = build(records, start, segment_key(prefix, start))
 

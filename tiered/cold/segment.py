@@ -32,9 +32,17 @@ import numpy as np
 from google_crc32c import value as crc32c
 
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
-from tiered.hot.consume_queue import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE
+from tiered.hot.consume_queue import CQ_DTYPE, CQ_ENTRY_SIZE
 from tiered.hot.index_file import key_hash
-from tiered.record import StoredMessage, decode, tag_hash
+from tiered.record import (
+    EncodedBatch,
+    StoredMessage,
+    decode,
+    read_dispatch_run,
+    split_keys,
+    tag_hash,
+    validate,
+)
 
 MAGIC = b"TMQSEG01"
 VERSION = 1
@@ -43,6 +51,8 @@ _FOOTER = struct.Struct(_FOOTER_BODY.format + "I")
 FOOTER_SIZE = _FOOTER.size
 _TIME = np.dtype(">i8")
 _KEY_DTYPE = np.dtype([("hash", ">u4"), ("record", ">u4")])
+_PHYS = struct.Struct(">q")
+_PHYS_AT = 28  # PHYSICALOFFSET's position in a record (tiered/record.py)
 
 
 class SegmentError(Exception):
@@ -78,35 +88,39 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
     """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
     at ``base_offset``) as a segment object. Every record is checked on the way in (structure,
     body CRC, contiguous queue offsets): a damaged record is refused, never archived."""
-    parts: list[bytes] = []
-    table = bytearray()
-    times: list[int] = []
-    keys: list[tuple[int, int]] = []
-    pos = 0
-    expected = base_offset
-    for raw in records:
-        msg = decode(raw, 0, check_crc=True)
-        if msg.queue_offset != expected:
-            raise SegmentError(
-                f"{key}: record has queue offset {msg.queue_offset}, expected {expected}"
-            )
-        number = expected - base_offset
-        table += CQ_ENTRY.pack(pos, len(raw), tag_hash(msg.tags))
-        times.append(msg.store_timestamp)
-        for k in [*msg.keys, *([msg.msg_id] if msg.msg_id else [])]:
-            keys.append((key_hash(msg.topic, k), number))
-        parts.append(raw)
-        pos += len(raw)
-        expected += 1
-    count = expected - base_offset
+    body_records = b"".join(records)
+    fields = EncodedBatch()
+    stamps: list[int] = []
+    end = read_dispatch_run(body_records, 0, len(body_records), 0, fields, stamps)
+    count = len(fields.offsets)
     if count == 0:
         raise SegmentError(f"{key}: a segment needs at least one record")
+    if end != len(body_records):
+        raise SegmentError(f"{key}: bytes at {end} are not a record")
+    for pos in fields.offsets:
+        (phys,) = _PHYS.unpack_from(body_records, pos + _PHYS_AT)
+        validate(body_records, pos, phys, check_crc=True)  # raises CorruptRecordError
+    expected = list(range(base_offset, base_offset + count))
+    if fields.queue_offsets != expected:
+        bad = next(i for i, q in enumerate(fields.queue_offsets) if q != expected[i])
+        raise SegmentError(
+            f"{key}: record has queue offset {fields.queue_offsets[bad]}, expected {expected[bad]}"
+        )
+    table = np.empty(count, CQ_DTYPE)
+    table["offset"] = fields.offsets
+    table["size"] = fields.sizes
+    table["tag"] = [tag_hash(t) for t in fields.tags]
+    keys: list[tuple[int, int]] = []
+    for number, (topic, _) in enumerate(fields.queues):
+        for k in [*split_keys(fields.keys[number]), fields.uniq_keys[number]]:
+            if k:
+                keys.append((key_hash(topic, k), number))
     keys.sort()
     key_index = np.array(keys, dtype=_KEY_DTYPE).tobytes()
-    offsets_at = pos
-    times_at = offsets_at + len(table)
+    offsets_at = len(body_records)
+    times_at = offsets_at + count * CQ_ENTRY_SIZE
     keys_at = times_at + 8 * count
-    body = b"".join([*parts, bytes(table), np.asarray(times, _TIME).tobytes(), key_index])
+    body = b"".join([body_records, table.tobytes(), np.asarray(stamps, _TIME).tobytes(), key_index])
     crc = int(crc32c(body))
     footer_body = _FOOTER_BODY.pack(
         MAGIC,
@@ -117,8 +131,8 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
         times_at,
         keys_at,
         len(keys),
-        min(times),
-        max(times),
+        min(stamps),
+        max(stamps),
         crc,
     )
     data = body + footer_body + struct.pack(">I", int(crc32c(footer_body)))
@@ -131,8 +145,8 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
         times_at,
         keys_at,
         len(keys),
-        min(times),
-        max(times),
+        min(stamps),
+        max(stamps),
         crc,
     )
     return data, info
