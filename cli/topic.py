@@ -66,26 +66,6 @@ def _call(what: str, fn: Any, *args: Any) -> Any:
         raise fail(f"{what}: {e.details() or e.code().name}") from None
 
 
-def _put(
-    name: str,
-    queues: int,
-    perm: int,
-    message_type: str,
-    update: bool,
-    namesrv: str,
-    broker: str | None,
-    tiered: bool,
-) -> None:
-    for broker_name, stub in brokers(namesrv, broker):
-        topic = pb.Topic(
-            name=name, queues=queues, perm=perm, message_type=message_type, tiered=tiered
-        )
-        _call(
-            f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=update)
-        )
-        typer.echo(f"{'updated' if update else 'created'} topic {name} on {broker_name}")
-
-
 @app.command("create")
 def create(
     name: str,
@@ -102,26 +82,46 @@ def create(
 
     Example: tmq topic create orders --queues 8
     """
-    _put(name, queues, perm, message_type.upper(), False, namesrv, broker, tiered)
+    for broker_name, stub in brokers(namesrv, broker):
+        topic = pb.Topic(
+            name=name, queues=queues, perm=perm, message_type=message_type.upper(), tiered=tiered
+        )
+        _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
+        typer.echo(f"created topic {name} on {broker_name}")
 
 
 @app.command("update")
 def update(
     name: str,
     namesrv: NamesrvOption = "127.0.0.1:9876",
-    queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
-    message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
-    perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
+    queues: Annotated[int | None, typer.Option("--queues", "-q", help="Queues per broker.")] = None,
+    perm: Annotated[
+        int | None, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")
+    ] = None,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
     tiered: Annotated[
-        bool, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
-    ] = False,
+        bool | None, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
+    ] = None,
 ) -> None:
-    """Change a topic's queue count or permission.
+    """Change what is given (queues, permission, tiering); everything else stays as it is.
 
-    Example: tmq topic update orders --queues 16
+    Example: tmq topic update orders --queues 16 --tiered
     """
-    _put(name, queues, perm, message_type.upper(), True, namesrv, broker, tiered)
+    for broker_name, stub in brokers(namesrv, broker):
+        try:
+            topic = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=10).topic
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise fail(f"topic {name} does not exist on {broker_name}") from None
+            raise fail(f"broker {broker_name}: {e.details()}") from None
+        if queues is not None:
+            topic.queues = queues
+        if perm is not None:
+            topic.perm = perm
+        if tiered is not None:
+            topic.tiered = tiered
+        _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
+        typer.echo(f"updated topic {name} on {broker_name}")
 
 
 def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:

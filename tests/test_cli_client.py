@@ -109,3 +109,20 @@ def test_delay_and_transaction_topics_are_refused_until_supported(node: Standalo
             "topic", "create", f"t-{kind.lower()}", "-n", node.namesrv, "--message-type", kind
         )
         assert done.returncode == 1 and "not supported yet" in done.stderr, done.stderr
+
+
+def test_topic_update_changes_only_what_it_is_given(node: Standalone) -> None:
+    ns = node.namesrv
+    run("topic", "create", "upd", "-n", ns, "--queues", "2", "--message-type", "FIFO", "--tiered")
+    run("topic", "update", "upd", "-n", ns, "--queues", "4")
+    [described] = json.loads(run("topic", "describe", "upd", "-n", ns, "--json"))
+    assert (described["queues"], described["message_type"], described["tiered"]) == (
+        4,
+        "FIFO",
+        True,
+    )
+    run("topic", "update", "upd", "-n", ns, "--no-tiered")
+    [described] = json.loads(run("topic", "describe", "upd", "-n", ns, "--json"))
+    assert (described["queues"], described["tiered"]) == (4, False)
+    shrink = tmq("topic", "update", "upd", "-n", ns, "--queues", "1")
+    assert shrink.returncode == 1 and "shrinking" in shrink.stderr
