@@ -9,6 +9,7 @@ import grpc
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from broker.metadata import (
+    DEFAULT_MAX_DELIVERY_ATTEMPTS,
     GroupConfig,
     InvalidNameError,
     MetadataStore,
@@ -135,7 +136,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_delivery_attempts must be >= 1")
         self.metadata.put_group(
             GroupConfig(
-                name=g.name, fifo=g.fifo, max_delivery_attempts=g.max_delivery_attempts or 16
+                name=g.name,
+                fifo=g.fifo,
+                max_delivery_attempts=g.max_delivery_attempts or DEFAULT_MAX_DELIVERY_ATTEMPTS,
             )
         )
         return pb.PutGroupResponse()

@@ -19,6 +19,7 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker.metadata import (
+    DEFAULT_MAX_DELIVERY_ATTEMPTS,
     PERM_READ,
     PERM_WRITE,
     GroupConfig,
@@ -246,9 +247,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 sub.receive_batch_size = self.limits.max_receive_batch
                 if not sub.HasField("long_polling_timeout"):
                     sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
-                attempts = (
-                    group.max_delivery_attempts if group else GroupConfig("x").max_delivery_attempts
-                )
+                attempts = group.max_delivery_attempts if group else DEFAULT_MAX_DELIVERY_ATTEMPTS
                 settings.backoff_policy.max_attempts = attempts
                 for seconds in (1, 5, 10, 30, 60, 120, 300):
                     settings.backoff_policy.customized_backoff.next.add().FromSeconds(seconds)

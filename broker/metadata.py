@@ -34,6 +34,7 @@ MESSAGE_TYPES = ("NORMAL", "FIFO", "DELAY", "TRANSACTION")
 # Delay delivery and transactions are not built yet.
 SUPPORTED_MESSAGE_TYPES = ("NORMAL", "FIFO")
 RETRY_GROUP_PREFIX = "%RETRY%"
+DEFAULT_MAX_DELIVERY_ATTEMPTS = 16  # RocketMQ 5's retryMaxTimes
 DLQ_GROUP_PREFIX = "%DLQ%"
 
 
@@ -95,8 +96,8 @@ class TopicConfig:
 @dataclass(slots=True)
 class GroupConfig:
     name: str
-    # Deliveries before a message goes to the dead-letter queue (RocketMQ 5's default is 16).
-    max_delivery_attempts: int = 16
+    # Deliveries before a message goes to the dead-letter queue.
+    max_delivery_attempts: int = DEFAULT_MAX_DELIVERY_ATTEMPTS
     fifo: bool = False
 
 

@@ -245,47 +245,27 @@ class RecordEncoder:
             SYSFLAG_STOREHOST_V6 if self._store_v6 else 0
         )
         crc = crc32c(body)
-        if not born_v6 and not self._store_v6:
-            head = _V4_RECORD_HEAD.pack(
-                total,
-                MAGIC_CODE_V2,
-                crc,
-                msg.queue_id,
-                msg.flag,
-                queue_offset,
-                physical_offset,
-                sys_flag,
-                msg.born_timestamp,
-                born_ip,
-                born_port,
-                store_timestamp,
-                self._store_ip,
-                self._store_port,
-                msg.reconsume_times,
-                msg.prepared_transaction_offset,
-                len(body),
-            )
-        else:
-            head = _HEAD.pack(
-                total,
-                MAGIC_CODE_V2,
-                crc,
-                msg.queue_id,
-                msg.flag,
-                queue_offset,
-                physical_offset,
-                sys_flag,
-                msg.born_timestamp,
-            ) + _TAILS[(born_v6, self._store_v6)].pack(
-                born_ip,
-                born_port,
-                store_timestamp,
-                self._store_ip,
-                self._store_port,
-                msg.reconsume_times,
-                msg.prepared_transaction_offset,
-                len(body),
-            )
+        # The general layout; encode_batch has the IPv4 fast path of the append hot path.
+        head = _HEAD.pack(
+            total,
+            MAGIC_CODE_V2,
+            crc,
+            msg.queue_id,
+            msg.flag,
+            queue_offset,
+            physical_offset,
+            sys_flag,
+            msg.born_timestamp,
+        ) + _TAILS[(born_v6, self._store_v6)].pack(
+            born_ip,
+            born_port,
+            store_timestamp,
+            self._store_ip,
+            self._store_port,
+            msg.reconsume_times,
+            msg.prepared_transaction_offset,
+            len(body),
+        )
         record = b"".join((head, body, _U16.pack(len(topic)), topic, _U16.pack(len(props)), props))
         return record, topic, props
 
