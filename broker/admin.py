@@ -31,6 +31,7 @@ def topic_to_pb(cfg: TopicConfig) -> pb.Topic:
         tiered=cfg.tiered,
         retention_ms=cfg.retention_ms or 0,
         local_retention_ms=cfg.local_retention_ms or 0,
+        retention_bytes=cfg.retention_bytes or 0,
     )
 
 
@@ -43,6 +44,7 @@ def topic_from_pb(t: pb.Topic) -> TopicConfig:
         tiered=t.tiered,
         retention_ms=t.retention_ms or None,
         local_retention_ms=t.local_retention_ms or None,
+        retention_bytes=t.retention_bytes or None,
     )
 
 

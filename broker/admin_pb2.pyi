@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Topic(_message.Message):
-    __slots__ = ("name", "queues", "perm", "message_type", "tiered", "retention_ms", "local_retention_ms")
+    __slots__ = ("name", "queues", "perm", "message_type", "tiered", "retention_ms", "local_retention_ms", "retention_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     PERM_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class Topic(_message.Message):
     TIERED_FIELD_NUMBER: _ClassVar[int]
     RETENTION_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RETENTION_MS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     queues: int
     perm: int
@@ -22,7 +23,8 @@ class Topic(_message.Message):
     tiered: bool
     retention_ms: int
     local_retention_ms: int
-    def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ...) -> None: ...
+    retention_bytes: int
+    def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
     __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark")

@@ -16,22 +16,30 @@ data_dir = "./tmq-data"
 flush = "async"                # or "sync"
 commitlog_file_size = "1GiB"
 
+[offload]
+upload_after_ms = 60000        # upload a queue once its oldest pending message is this old,
+upload_min_bytes = "16MiB"     # or this many bytes are pending,
+upload_min_messages = 10000    # or this many messages
+segment_max_bytes = "64MiB"    # roll segment objects at this size
+
 [limits]
 max_body_bytes = 4194304
 ```
 
-Environment overrides: ``TMQ_NAMESRV_ADDR``, ``TMQ_DATA_DIR``, ``TMQ_FLUSH``, ``TMQ_PORT``.
+Every key can be overridden from the environment as ``TMQ_{SECTION}_{KEY}`` (see
+``load_config``); ``tmq.toml.example`` lists them all with their defaults.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from broker.metadata import Limits
+from offload.offloader import OffloadPolicy
 from tiered.config import StoreConfig, parse_size
 
 
@@ -52,6 +60,7 @@ class BrokerConfig:
     # How often tiered topics are uploaded and eligible CommitLog files released.
     offload_interval_ms: int = 10_000
     store: StoreConfig = field(default_factory=StoreConfig)
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -59,33 +68,79 @@ class BrokerConfig:
         return self.store.data_dir / "config"
 
 
-_SIZE_KEYS = {"commitlog_file_size", "max_message_size", "max_dispatch_lag_bytes"}
+_SIZE_KEYS = {
+    "commitlog_file_size",
+    "max_message_size",
+    "max_dispatch_lag_bytes",
+    "segment_max_bytes",
+    "upload_min_bytes",
+}
+_SECTIONS = ("broker", "store", "offload", "limits")
+
+
+def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
+    """A TOML or environment value as the field's type (sizes accept KiB/MiB/GiB)."""
+    if key in _SIZE_KEYS:
+        return parse_size(value)
+    kind = str(target)
+    if not isinstance(value, str) or "str" in kind or "Path" in kind:
+        return value
+    if "bool" in kind:
+        if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"[{section}] {key}: {value!r} is not true or false")
+        return value.lower() in ("1", "true", "yes")
+    if "list" in kind:
+        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
+    try:
+        return float(value) if "float" in kind else int(value)
+    except ValueError:
+        raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
+
+
+def _section_fields(section: str) -> dict[str, Any]:
+    cls = {"broker": BrokerConfig, "store": StoreConfig, "offload": OffloadPolicy, "limits": Limits}
+    return {f.name: f.type for f in fields(cls[section])}
 
 
 def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerConfig:
-    """Read ``path`` (None: defaults only), then apply ``TMQ_…`` overrides from ``env``."""
+    """Read ``path`` (None: defaults only), then apply ``TMQ_{SECTION}_{KEY}`` overrides from
+    ``env`` (for example ``TMQ_STORE_FLUSH=sync``, ``TMQ_OFFLOAD_UPLOAD_AFTER_MS=5000``), and the
+    short forms ``TMQ_NAMESRV_ADDR``, ``TMQ_PORT``, ``TMQ_DATA_DIR``, ``TMQ_FLUSH``,
+    ``TMQ_TIER_URL``."""
     raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
-    unknown = set(raw) - {"broker", "store", "limits"}
+    where = str(path) if path is not None else "config"
+    unknown = set(raw) - set(_SECTIONS)
     if unknown:
-        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}")
-    b = dict(raw.get("broker", {}))
-    if isinstance(b.get("namesrv"), str):
-        b["namesrv"] = [a.strip() for a in b["namesrv"].replace(",", ";").split(";") if a.strip()]
-    store_raw: dict[str, Any] = {
-        k: (parse_size(v) if k in _SIZE_KEYS else v) for k, v in raw.get("store", {}).items()
-    }
+        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}")
     env = dict(os.environ if env is None else env)
-    if "TMQ_NAMESRV_ADDR" in env:
-        b["namesrv"] = [a for a in env["TMQ_NAMESRV_ADDR"].replace(",", ";").split(";") if a]
-    if "TMQ_PORT" in env:
-        b["port"] = int(env["TMQ_PORT"])
-    if "TMQ_DATA_DIR" in env:
-        store_raw["data_dir"] = env["TMQ_DATA_DIR"]
-    if "TMQ_FLUSH" in env:
-        store_raw["flush"] = env["TMQ_FLUSH"]
+    short = {
+        "TMQ_NAMESRV_ADDR": "TMQ_BROKER_NAMESRV",
+        "TMQ_PORT": "TMQ_BROKER_PORT",
+        "TMQ_DATA_DIR": "TMQ_STORE_DATA_DIR",
+        "TMQ_FLUSH": "TMQ_STORE_FLUSH",
+        "TMQ_TIER_URL": "TMQ_BROKER_TIER_URL",
+    }
+    for alias, name in short.items():
+        if alias in env:
+            env.setdefault(name, env[alias])
+    sections: dict[str, dict[str, Any]] = {}
+    for section in _SECTIONS:
+        known = _section_fields(section)
+        given = dict(raw.get(section, {}))
+        bad = set(given) - set(known)
+        if bad:
+            raise ValueError(f"{where}: unknown key(s) in [{section}]: {sorted(bad)}")
+        for key in known:
+            name = f"TMQ_{section.upper()}_{key.upper()}"
+            if name in env:
+                given[key] = env[name]
+        sections[section] = {k: _coerce(section, k, v, known[k]) for k, v in given.items()}
     try:
         return BrokerConfig(
-            **b, store=StoreConfig(**store_raw), limits=Limits(**raw.get("limits", {}))
+            **sections["broker"],
+            store=StoreConfig(**sections["store"]),
+            offload=OffloadPolicy(**sections["offload"]),
+            limits=Limits(**sections["limits"]),
         )
-    except TypeError as e:
-        raise ValueError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None

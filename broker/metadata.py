@@ -75,6 +75,9 @@ class TopicConfig:
     tiered: bool = False
     retention_ms: int | None = None
     local_retention_ms: int | None = None
+    # Per queue: the archive's size limit; its oldest segments expire first (Kafka's
+    # retention.bytes, applied to the tier).
+    retention_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name.startswith((RETRY_GROUP_PREFIX, DLQ_GROUP_PREFIX)):

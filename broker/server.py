@@ -28,6 +28,7 @@ from namesrv.client import NameServerClient
 from namesrv.safe_handlers import add_safely
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
+from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.storage import open_store
 from tiered.store import MessageStore
@@ -56,7 +57,12 @@ class Broker:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(tier, config.cluster, config.name)
             self.offloader = Offloader(
-                self.store, tier, config.cluster, config.name, on_commit=self.fetcher.set_manifest
+                self.store,
+                tier,
+                config.cluster,
+                config.name,
+                config.offload,
+                on_commit=self.fetcher.set_manifest,
             )
             self.store.cold = self.fetcher
         self.port = 0
@@ -178,35 +184,49 @@ class Broker:
     def apply_retention(
         self, topic: str | None = None, dry_run: bool = False
     ) -> list[RetentionResult]:
-        """Expire archived segments older than their topic's TTL (one topic, or all)."""
+        """Expire archived segments older than their topic's TTL, or beyond its byte limit
+        (one topic, or all)."""
         assert self.offloader is not None
         now = time.time_ns() // 1_000_000
         results = []
         for cfg in list(self.metadata.topics.values()):
-            if (topic is not None and cfg.name != topic) or not cfg.tiered or not cfg.retention_ms:
+            if (topic is not None and cfg.name != topic) or not cfg.tiered:
                 continue
+            if not cfg.retention_ms and not cfg.retention_bytes:
+                continue
+            cutoff = now - cfg.retention_ms if cfg.retention_ms else 0
             for queue_id in range(cfg.queues):
                 r = self.offloader.expire(
-                    cfg.name, queue_id, now - cfg.retention_ms, dry_run=dry_run
+                    cfg.name, queue_id, cutoff, max_bytes=cfg.retention_bytes, dry_run=dry_run
                 )
                 if r.segments:
                     results.append(r)
         return results
 
     def offload_and_release(self) -> None:
-        """Upload every tiered queue's dispatched messages, then release the CommitLog files
-        that the release rule allows (offload/release.py)."""
+        """Upload every tiered queue the offload policy says is due, expire what retention
+        says, then release the CommitLog files that the release rule allows
+        (offload/release.py)."""
         if self.offloader is not None:
+            now = time.time_ns() // 1_000_000
+            committed = False
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
                     try:
-                        self.offloader.offload_queue(topic.name, queue_id)
+                        reason = self.offloader.due(topic.name, queue_id, now)
+                        if reason is None:
+                            continue
+                        log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
+                        if self.offloader.offload_queue(topic.name, queue_id).segments:
+                            committed = True
                     except OffloadError as e:
                         log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
             try:
                 self.apply_retention()
             except OffloadError as e:
                 log.error("retention failed: %s", e)
+            if committed:
+                failpoints.hit("offload.before_release")
         self.store.release_commitlog_files(
             release_predicate(self.store, self.offloader, dict(self.metadata.topics))
         )

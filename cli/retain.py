@@ -9,17 +9,7 @@ import grpc
 import typer
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, _call, brokers, fail
-from tiered.config import parse_duration_ms
-
-
-def _duration(text: str | None, what: str) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_duration_ms(text)
-    except ValueError as e:
-        raise fail(f"{what}: {e}", 2) from None
+from cli.topic import NamesrvOption, _call, brokers, duration_ms, fail, size_bytes
 
 
 def _human(ms: int) -> str:
@@ -38,6 +28,10 @@ def retain(
     local: Annotated[
         str | None, typer.Option(help="Hot-tier TTL of a tiered topic (e.g. 1d).")
     ] = None,
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(help="Per queue, the archive's size limit (e.g. 50GiB; 0 for none)."),
+    ] = None,
     apply: Annotated[bool, typer.Option("--apply", help="Enforce the TTLs now.")] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="With --apply: only say what would go.")
@@ -49,7 +43,8 @@ def retain(
     Examples: tmq retain orders --ttl 90d --local 1d; tmq retain orders;
     tmq retain --apply --dry-run
     """
-    ttl_ms, local_ms = _duration(ttl, "--ttl"), _duration(local, "--local")
+    ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local, "--local")
+    limit = size_bytes(max_bytes, "--max-bytes")
     if apply:
         _apply(topic, namesrv, dry_run, as_json)
         return
@@ -64,11 +59,13 @@ def retain(
                 continue
             raise fail(f"broker {broker_name}: {e.details()}") from None
         t = described.topic
-        if ttl_ms is not None or local_ms is not None:
+        if ttl_ms is not None or local_ms is not None or limit is not None:
             if ttl_ms is not None:
                 t.retention_ms = ttl_ms
             if local_ms is not None:
                 t.local_retention_ms = local_ms
+            if limit is not None:
+                t.retention_bytes = limit
             _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=t, update=True))
         rows.append(
             {
@@ -77,6 +74,7 @@ def retain(
                 "tiered": t.tiered,
                 "ttl_ms": t.retention_ms,
                 "local_ttl_ms": t.local_retention_ms,
+                "max_bytes": t.retention_bytes,
             }
         )
     if not rows:
@@ -87,7 +85,9 @@ def retain(
     for r in rows:
         typer.echo(
             f"{r['topic']} on {r['broker']}: ttl {_human(r['ttl_ms'])}, local ttl "
-            f"{_human(r['local_ttl_ms'])}{'' if r['tiered'] else ' (not tiered)'}"
+            f"{_human(r['local_ttl_ms'])}"
+            + (f", archive limit {r['max_bytes']} bytes per queue" if r["max_bytes"] else "")
+            + ("" if r["tiered"] else " (not tiered)")
         )
 
 

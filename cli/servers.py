@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from broker.config import BrokerConfig, load_config
+from broker.config import load_config
 from broker.server import Broker
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
-from tiered.config import StoreConfig, parse_size
+from tiered.config import parse_duration_ms, parse_size
 from tiered.hot.data_dir import DataDirLockedError
 from tiered.hot.mapped_file import StoreLoadError
 from tiered.store import recorded_geometry
@@ -50,8 +51,9 @@ def standalone(
     ] = 8081,
     namesrv_port: Annotated[int, typer.Option(help="The NameServer's port.")] = 9876,
     flush: Annotated[
-        str, typer.Option(help="sync: ack after fsync; async: after the page cache.")
-    ] = "async",
+        str | None,
+        typer.Option(help="sync: ack after fsync; async: after the page cache (default async)."),
+    ] = None,
     commitlog_file_size: Annotated[
         str | None,
         typer.Option(
@@ -65,31 +67,57 @@ def standalone(
         typer.Option(help="Cold tier (default file://DATA_DIR/tier; s3://bucket/prefix)."),
     ] = None,
     offload_interval: Annotated[
-        float, typer.Option(help="Seconds between offload and release passes.")
-    ] = 10.0,
+        float | None,
+        typer.Option(help="Seconds between offload and release passes (default 10)."),
+    ] = None,
+    upload_after: Annotated[
+        str | None,
+        typer.Option(
+            help="Upload a tiered queue once its oldest pending message is this old "
+            "(default 60s; [offload] upload_after_ms)."
+        ),
+    ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option("--config", help="A tmq.toml; the options above override it."),
+    ] = None,
 ) -> None:
     """A NameServer and a broker in one process, on embedded defaults.
 
     Example: tmq standalone --data-dir ./tmq-data --flush sync
     """
+    try:
+        base = load_config(config_file)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     ns_server, ns_port = namesrv_server.start(host, namesrv_port)
     try:
         geometry = recorded_geometry(data_dir) or {}
         if commitlog_file_size is not None:
             geometry["commitlog_file_size"] = parse_size(commitlog_file_size)
-        store = StoreConfig(data_dir=data_dir, flush=flush, **geometry)  # type: ignore[arg-type]
+        store = replace(base.store, data_dir=data_dir, **geometry)  # type: ignore[arg-type]
+        if flush is not None:
+            store = replace(store, flush=flush)  # type: ignore[arg-type]  # checked by StoreConfig
+        offload = base.offload
+        if upload_after is not None:
+            offload = replace(offload, upload_after_ms=parse_duration_ms(upload_after))
     except ValueError as e:
         ns_server.stop(None)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    config = BrokerConfig(
+    config = replace(
+        base,
         listen=host,
         port=grpc_port,
         advertise_host=host,
         namesrv=[f"{host}:{ns_port}"],
         store=store,
-        tier_url=tier_url or f"file://{data_dir.resolve()}/tier",
-        offload_interval_ms=int(offload_interval * 1000),
+        offload=offload,
+        tier_url=tier_url or base.tier_url or f"file://{data_dir.resolve()}/tier",
+        offload_interval_ms=(
+            base.offload_interval_ms if offload_interval is None else int(offload_interval * 1000)
+        ),
     )
     broker = Broker(config)
     try:
@@ -99,7 +127,7 @@ def standalone(
         raise _start_failed(e) from None
     typer.echo(
         f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}, "
-        f"data in {data_dir} (flush {flush}); Ctrl-C or SIGTERM stops it",
+        f"data in {data_dir} (flush {store.flush}); Ctrl-C or SIGTERM stops it",
         err=True,
     )
     try:

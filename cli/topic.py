@@ -11,6 +11,7 @@ import typer
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from namesrv.client import NameServerClient, parse_addresses
+from tiered.config import parse_duration_ms, parse_size
 
 app = typer.Typer(help="Create, change and inspect topics.", no_args_is_help=True)
 
@@ -30,6 +31,35 @@ _TIMEOUT = 10.0
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def duration_ms(text: str | None, what: str) -> int | None:
+    """An option's duration (90d, 12h, 30s) in milliseconds; exit 2 on nonsense."""
+    if text is None:
+        return None
+    try:
+        return parse_duration_ms(text)
+    except ValueError as e:
+        raise fail(f"{what}: {e}", 2) from None
+
+
+def size_bytes(text: str | None, what: str) -> int | None:
+    """An option's size (64MiB, 1g) in bytes; exit 2 on nonsense."""
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise fail(f"{what}: {e}", 2) from None
+
+
+TtlOption = Annotated[str | None, typer.Option(help="Total TTL, both tiers (e.g. 90d).")]
+LocalTtlOption = Annotated[
+    str | None, typer.Option(help="Hot-tier TTL of a tiered topic (e.g. 1d).")
+]
+MaxBytesOption = Annotated[
+    str | None, typer.Option(help="Per queue, the archive's size limit (e.g. 50GiB).")
+]
 
 
 def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
@@ -77,14 +107,26 @@ def create(
     tiered: Annotated[
         bool, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
     ] = False,
+    ttl: TtlOption = None,
+    local_ttl: LocalTtlOption = None,
+    max_bytes: MaxBytesOption = None,
 ) -> None:
     """Create a topic on every broker (or one).
 
-    Example: tmq topic create orders --queues 8
+    Example: tmq topic create orders --queues 8 --tiered --ttl 90d --local-ttl 1d
     """
+    ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
+    limit = size_bytes(max_bytes, "--max-bytes")
     for broker_name, stub in brokers(namesrv, broker):
         topic = pb.Topic(
-            name=name, queues=queues, perm=perm, message_type=message_type.upper(), tiered=tiered
+            name=name,
+            queues=queues,
+            perm=perm,
+            message_type=message_type.upper(),
+            tiered=tiered,
+            retention_ms=ttl_ms or 0,
+            local_retention_ms=local_ms or 0,
+            retention_bytes=limit or 0,
         )
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
         typer.echo(f"created topic {name} on {broker_name}")
@@ -102,11 +144,16 @@ def update(
     tiered: Annotated[
         bool | None, typer.Option("--tiered/--no-tiered", help="Offload to the cold tier.")
     ] = None,
+    ttl: TtlOption = None,
+    local_ttl: LocalTtlOption = None,
+    max_bytes: MaxBytesOption = None,
 ) -> None:
-    """Change what is given (queues, permission, tiering); everything else stays as it is.
+    """Change what is given (queues, permission, tiering, TTLs); everything else stays as it is.
 
-    Example: tmq topic update orders --queues 16 --tiered
+    Example: tmq topic update orders --queues 16 --tiered --ttl 30d
     """
+    ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
+    limit = size_bytes(max_bytes, "--max-bytes")
     for broker_name, stub in brokers(namesrv, broker):
         try:
             topic = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=10).topic
@@ -120,6 +167,12 @@ def update(
             topic.perm = perm
         if tiered is not None:
             topic.tiered = tiered
+        if ttl_ms is not None:
+            topic.retention_ms = ttl_ms
+        if local_ms is not None:
+            topic.local_retention_ms = local_ms
+        if limit is not None:
+            topic.retention_bytes = limit
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
         typer.echo(f"updated topic {name} on {broker_name}")
 
@@ -132,6 +185,9 @@ def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
         "perm": d.topic.perm,
         "message_type": d.topic.message_type,
         "tiered": d.topic.tiered,
+        "ttl_ms": d.topic.retention_ms,
+        "local_ttl_ms": d.topic.local_retention_ms,
+        "max_bytes": d.topic.retention_bytes,
         "queue_offsets": [
             {
                 "queue": q.queue,

@@ -10,9 +10,10 @@ For one (topic, queue) the pipeline is:
 4. commit the next manifest version (atomic, fenced);
 5. only now does the watermark move, and with it what local release may delete.
 
-A crash between 2 and 4 leaves an orphaned object (reported by ``verify``, removable with
-``--repair``), never a gap or a duplicate: the next run starts again at the committed watermark
-and writes a new object under a new key.
+A crash between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the next run
+starts again at the committed watermark and writes a new object under a new key, and the
+restarted process deletes the orphan before it uploads anything to that queue (``verify``
+reports it meanwhile; ``--repair`` deletes it too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
     ManifestStore,
@@ -35,6 +37,7 @@ from tiered.cold.manifest import (
 )
 from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
 from tiered.cold.storage import ObjectStore, StorageError
+from tiered.record import decode
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,18 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class OffloadPolicy:
-    """When and how much to upload. Defaults: segments of up to 64 MiB or 100,000 messages."""
+    """When and how much to upload (the ``[offload]`` section of tmq.toml).
 
+    The periodic job uploads a queue when any trigger fires: its oldest message not yet in the
+    tier is ``upload_after_ms`` old, or ``upload_min_bytes`` / ``upload_min_messages`` are
+    pending. Like Kafka's segment.ms / segment.bytes, but sized for object stores: big enough
+    that a busy queue makes few, large objects; old enough bounds how long data lives only on
+    one disk. Segment objects roll at ``segment_max_bytes`` or ``segment_max_messages``.
+    ``tmq offload`` uploads at once, whatever the triggers say."""
+
+    upload_after_ms: int = 60_000
+    upload_min_bytes: int = 16 * 1024 * 1024
+    upload_min_messages: int = 10_000
     segment_max_bytes: int = 64 * 1024 * 1024
     segment_max_messages: int = 100_000
     retry_attempts: int = 8
@@ -102,7 +115,7 @@ class Offloader:
         # process ever sees an older archive than the one local release relies on.
         self.on_commit = on_commit
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
 
     def manifests(self, topic: str, queue_id: int) -> ManifestStore:
@@ -111,18 +124,68 @@ class Offloader:
     def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
         key = (topic, queue_id)
         if refresh or key not in self._manifests:
-            self._manifests[key] = self._retry(
-                f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
-            )
+            with self._lock(topic, queue_id):
+                first = key not in self._manifests
+                manifest = self._retry(
+                    f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
+                )
+                if first:
+                    self._sweep_orphans(manifest)
+                self._manifests[key] = manifest
         return self._manifests[key]
+
+    def _sweep_orphans(self, manifest: QueueManifest) -> None:
+        """Delete segment objects the manifest does not name: uploads a crash cut off before
+        their commit, and expired segments a crash left behind after theirs. Runs once per
+        queue per process, under the queue's lock, before this process uploads anything there;
+        a broker name owns its prefix (a second writer is fenced at commit), so nothing else can
+        be halfway through an upload here."""
+        named = {s.key for s in manifest.segments}
+        listed = self._retry(
+            f"list {manifest.prefix}segments/",
+            lambda: self.tier.list(f"{manifest.prefix}segments/"),
+        )
+        for obj in listed:
+            if obj.key not in named:
+                log.warning(
+                    "%s: not in the manifest (an interrupted upload or expiry); deleted", obj.key
+                )
+                self._retry(f"delete {obj.key}", functools.partial(self.tier.delete, obj.key))
 
     def watermark(self, topic: str, queue_id: int) -> int:
         """Every queue offset below this is durable in the tier."""
         return self.manifest(topic, queue_id).end_offset
 
-    def _lock(self, topic: str, queue_id: int) -> threading.Lock:
+    def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:
+        """Why this queue should be uploaded now (a trigger of the policy), or None."""
+        start = self.watermark(topic, queue_id)
+        pending = self.store.max_offset(topic, queue_id) - start
+        if pending <= 0:
+            return None
+        if pending >= self.policy.upload_min_messages:
+            return f"{pending} messages pending"
+        cq = self.store.queues.get(topic, queue_id)
+        if cq is None:
+            return None
+        first = cq.get_entry(start)
+        if first is None:
+            return "pending messages are no longer local"  # let offload_queue report the gap
+        phys, size, _tag = first
+        oldest = self.store.commitlog.read(phys, size)
+        if oldest is not None:
+            stored_ms = decode(oldest, 0, check_crc=False).store_timestamp
+            if now_ms - stored_ms >= self.policy.upload_after_ms:
+                return f"oldest pending message is {(now_ms - stored_ms) / 1000:.0f} s old"
+        pending_bytes = 0
+        for _offset, (_phys, length, _tag) in cq.iter_entries(start, pending):
+            pending_bytes += length
+            if pending_bytes >= self.policy.upload_min_bytes:
+                return f"{pending_bytes} bytes pending"
+        return None
+
+    def _lock(self, topic: str, queue_id: int) -> threading.RLock:
         with self._guard:
-            return self._locks.setdefault((topic, queue_id), threading.Lock())
+            return self._locks.setdefault((topic, queue_id), threading.RLock())
 
     def offload_queue(self, topic: str, queue_id: int, up_to: int | None = None) -> OffloadResult:
         """Upload dispatched messages of one queue below ``up_to`` (default: all dispatched)."""
@@ -153,6 +216,7 @@ class Offloader:
             while manifest.end_offset < target:
                 info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
                 manifest = manifest.with_segment(info)
+                failpoints.hit("offload.before_commit")
                 self._commit(topic, queue_id, manifest)
                 result.segments += 1
                 result.messages += info.count
@@ -161,19 +225,30 @@ class Offloader:
             return result
 
     def expire(
-        self, topic: str, queue_id: int, cutoff_ms: int, *, dry_run: bool = False
+        self,
+        topic: str,
+        queue_id: int,
+        cutoff_ms: int,
+        *,
+        max_bytes: int | None = None,
+        dry_run: bool = False,
     ) -> RetentionResult:
         """Remove the archive's oldest segments whose every message was stored before
-        ``cutoff_ms``: first from the manifest (a new version), then their objects. Segments go
+        ``cutoff_ms``, and then more of the oldest while the archive holds over ``max_bytes``:
+        first from the manifest (a new version), then their objects. Segments go
         whole and only from the front, so the archive never has holes. Idempotent; a crash
-        between the commit and the deletes leaves orphans for ``tmq verify --repair``."""
+        between the commit and the deletes leaves orphans, which the next start sweeps (and
+        ``tmq verify`` reports meanwhile)."""
         with self._lock(topic, queue_id):
             manifest = self.manifest(topic, queue_id, refresh=True)
             expired = []
+            remaining = sum(s.size for s in manifest.segments)
             for info in manifest.segments:
-                if info.max_store_timestamp >= cutoff_ms:
+                too_big = max_bytes is not None and remaining > max_bytes
+                if info.max_store_timestamp >= cutoff_ms and not too_big:
                     break
                 expired.append(info)
+                remaining -= info.size
             result = RetentionResult(
                 topic,
                 queue_id,
@@ -186,6 +261,7 @@ class Offloader:
             if dry_run or not expired:
                 return result
             self._commit(topic, queue_id, manifest.without_segments_before(expired[-1].end_offset))
+            failpoints.hit("retention.before_delete")
             for info in expired:
                 self._retry(f"delete {info.key}", functools.partial(self.tier.delete, info.key))
             log.info(

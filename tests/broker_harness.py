@@ -25,13 +25,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def tmq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def tmq(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cli.app", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -39,11 +42,16 @@ class Standalone:
     """A ``tmq standalone`` child process on free ports."""
 
     def __init__(
-        self, data_dir: Path, flush: str = "async", extra: list[str] | None = None
+        self,
+        data_dir: Path,
+        flush: str = "async",
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.flush = flush
         self.extra = extra or []
+        self.env = env or {}
         self.grpc_port = free_port()
         self.namesrv_port = free_port()
         self.proc: subprocess.Popen[str] | None = None
@@ -78,6 +86,7 @@ class Standalone:
                 *self.extra,
             ],
             cwd=REPO,
+            env={**os.environ, **self.env},
             stdout=subprocess.DEVNULL,
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
@@ -134,3 +143,33 @@ class Standalone:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def send_batches(
+    endpoint: str,
+    topic: str,
+    messages: list[tuple[bytes, str, str]],
+    batch: int = 500,
+) -> list[tuple[str, int]]:
+    """Send ``(body, key, tag)`` messages in SendMessage batches over the client's own protocol
+    stubs (Apache's client sends one message per call). Returns ``(message id, queue offset)``
+    per message, in order."""
+    from rocketmq.grpc_protocol import definition_pb2 as d
+    from rocketmq.grpc_protocol import service_pb2 as s
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+    out: list[tuple[str, int]] = []
+    for i in range(0, len(messages), batch):
+        request = s.SendMessageRequest()
+        for body, key, tag in messages[i : i + batch]:
+            m = request.messages.add(topic=d.Resource(name=topic), body=body)
+            m.system_properties.message_id = os.urandom(16).hex().upper()
+            m.system_properties.message_type = d.NORMAL
+            m.system_properties.body_encoding = d.IDENTITY
+            m.system_properties.keys.append(key)
+            m.system_properties.tag = tag
+        reply = stub.SendMessage(request, timeout=60)
+        assert reply.status.code == d.OK, reply.status
+        out += [(e.message_id, e.offset) for e in reply.entries]
+    return out

@@ -100,6 +100,15 @@ class S3Endpoint:
     def storage_options(self) -> dict[str, Any]:
         return {"endpoint_url": self.url, "key": "test", "secret": "test"}
 
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables a child process (a broker) finds this endpoint by."""
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
 
 def _load_localstack_manager() -> Any:
     spec = importlib.util.spec_from_file_location(

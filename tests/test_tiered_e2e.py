@@ -34,7 +34,15 @@ def replay_all(node: Standalone, topic: str) -> list[dict]:
 
 def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
     node = Standalone(
-        tmp_path / "data", extra=["--commitlog-file-size", "128KiB", "--offload-interval", "1"]
+        tmp_path / "data",
+        extra=[
+            "--commitlog-file-size",
+            "128KiB",
+            "--offload-interval",
+            "1",
+            "--upload-after",
+            "1s",
+        ],
     ).start()
     try:
         done = tmq(
@@ -105,7 +113,15 @@ def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
 
 def test_retain_sets_shows_and_enforces_ttls(tmp_path: Path) -> None:
     node = Standalone(
-        tmp_path / "data", extra=["--commitlog-file-size", "128KiB", "--offload-interval", "1"]
+        tmp_path / "data",
+        extra=[
+            "--commitlog-file-size",
+            "128KiB",
+            "--offload-interval",
+            "1",
+            "--upload-after",
+            "1s",
+        ],
     ).start()
     try:
         ns = node.namesrv

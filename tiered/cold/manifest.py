@@ -154,14 +154,18 @@ class ManifestStore:
 
     def load(self) -> QueueManifest:
         """The current manifest (an empty version 0 when there is none)."""
-        versions = self.versions()
-        if not versions:
-            return QueueManifest(self.prefix)
-        latest = max(versions)
-        try:
-            return QueueManifest.decode(self.store.get(self._key(latest)))
-        except ObjectNotFoundError:  # pruned between LIST and GET: a newer one exists
-            return self.load()
+        for _attempt in range(5):
+            versions = self.versions()
+            if not versions:
+                return QueueManifest(self.prefix)
+            latest = max(versions)
+            try:
+                return QueueManifest.decode(self.store.get(self._key(latest)))
+            except ObjectNotFoundError:  # pruned between LIST and GET: a newer one exists
+                continue
+        raise ManifestError(
+            f"{self.prefix}manifests/: version {latest} is listed but cannot be read"
+        )
 
     def commit(self, manifest: QueueManifest) -> None:
         """Make ``manifest`` current, atomically; ``ManifestConflictError`` if its version

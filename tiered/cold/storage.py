@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 # Deadlines for every S3 call: a blackholed endpoint must fail a call, not hang it
 # (Redpanda's lesson: a connect timeout alone leaves in-flight PUTs hanging for minutes).
 DEFAULT_S3_OPTIONS: dict[str, Any] = {
+    # Other processes write the same prefixes (a restarted broker, the exporter reading
+    # manifests): a cached listing would hide their objects, and s3fs answers GET and HEAD
+    # "not found" from a cached listing without asking the store.
+    "use_listings_cache": False,
     "config_kwargs": {
         "connect_timeout": 5,
         "read_timeout": 30,
