@@ -38,7 +38,9 @@ class ColdFetcher:
         workers: int = 4,
         cache_bytes: int = 64 << 20,
         manifest_ttl_s: float = 5.0,
+        observe: Callable[[float, int], None] | None = None,
     ) -> None:
+        """``observe(seconds, bytes)`` is told of every segment read (metrics)."""
         self.tier = tier
         self.cluster = cluster
         self.broker = broker
@@ -52,6 +54,8 @@ class ColdFetcher:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.bytes_fetched = 0
+        self._observe = observe
 
     # -- manifests -------------------------------------------------------------------------------
 
@@ -151,8 +155,12 @@ class ColdFetcher:
     def _fetch(self, info: SegmentInfo, start: int) -> list[StoredMessage]:
         key = (info.key, start)
         try:
+            started = time.perf_counter()
             batch = SegmentReader(self.tier, info).read(start, _BATCH, max_bytes=1 << 62)
             size = sum(m.size for m in batch)
+            self.bytes_fetched += size
+            if self._observe is not None:
+                self._observe(time.perf_counter() - started, size)
             with self._lock:
                 self._cache[key] = batch
                 self._cached_bytes += size
