@@ -83,14 +83,14 @@ def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
     if key in _SIZE_KEYS:
         return parse_size(value)
     kind = str(target)
+    if isinstance(value, str) and kind.startswith("list"):
+        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
     if not isinstance(value, str) or "str" in kind or "Path" in kind:
         return value
     if "bool" in kind:
         if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise ValueError(f"[{section}] {key}: {value!r} is not true or false")
         return value.lower() in ("1", "true", "yes")
-    if "list" in kind:
-        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
     try:
         return float(value) if "float" in kind else int(value)
     except ValueError:
