@@ -82,19 +82,21 @@ def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
     """A TOML or environment value as the field's type (sizes accept KiB/MiB/GiB)."""
     if key in _SIZE_KEYS:
         return parse_size(value)
-    kind = str(target)
-    if isinstance(value, str) and kind.startswith("list"):
-        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
-    if not isinstance(value, str) or "str" in kind or "Path" in kind:
+    if not isinstance(value, str):
         return value
-    if "bool" in kind:
+    kind = str(target).replace(" | None", "")
+    if kind.startswith("list"):
+        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
+    if kind == "bool":
         if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise ValueError(f"[{section}] {key}: {value!r} is not true or false")
         return value.lower() in ("1", "true", "yes")
-    try:
-        return float(value) if "float" in kind else int(value)
-    except ValueError:
-        raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
+    if kind in ("int", "float"):
+        try:
+            return float(value) if kind == "float" else int(value)
+        except ValueError:
+            raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
+    return value
 
 
 def _section_fields(section: str) -> dict[str, Any]:
