@@ -106,6 +106,9 @@ def consume(
     tags: Annotated[str, typer.Option(help="Tag filter, e.g. 'a || b'.")] = "*",
     count: Annotated[int, typer.Option(help="Stop after this many messages (0: no limit).")] = 0,
     wait: Annotated[float, typer.Option(help="Stop after this many idle seconds.")] = 5.0,
+    invisible: Annotated[
+        int, typer.Option(help="Seconds a received message stays invisible to others.")
+    ] = 30,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per message.")] = False,
 ) -> None:
     """Receive and acknowledge messages as a SimpleConsumer of GROUP.
@@ -121,7 +124,7 @@ def consume(
     got, idle_since = 0, time.monotonic()
     try:
         while (count == 0 or got < count) and time.monotonic() - idle_since < wait:
-            messages = consumer.receive(min(32, count - got) if count else 32, 30)
+            messages = consumer.receive(min(32, count - got) if count else 32, invisible)
             if messages:
                 idle_since = time.monotonic()
             for m in messages:
@@ -135,7 +138,13 @@ def consume(
                     attempt=m.delivery_attempt,
                     body=_body_text(m.body),
                 )
-                consumer.ack(m)
+                try:
+                    consumer.ack(m)
+                except Exception as e:  # at least once: the broker will deliver it again
+                    typer.echo(
+                        f"warning: ack of {m.message_id} failed ({e}); it will be redelivered",
+                        err=True,
+                    )
                 got += 1
     finally:
         consumer.shutdown()

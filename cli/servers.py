@@ -36,9 +36,9 @@ def _start_failed(e: Exception) -> typer.Exit:
     return typer.Exit(1)
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT (Ctrl-C)."""
-    stop = threading.Event()
+def _wait_for_signal(stop: threading.Event | None = None) -> None:
+    """Block until SIGTERM or SIGINT (Ctrl-C), or until ``stop`` is set."""
+    stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
@@ -81,6 +81,13 @@ def standalone(
         Path | None,
         typer.Option("--config", help="A tmq.toml; the options above override it."),
     ] = None,
+    quickstart: Annotated[
+        bool,
+        typer.Option(
+            help="Show the whole flow once started: produce, offload, replay from the tier, "
+            "export to Delta, query; then keep serving (reads are served from the tier)."
+        ),
+    ] = False,
 ) -> None:
     """A NameServer and a broker in one process, on embedded defaults.
 
@@ -99,6 +106,8 @@ def standalone(
         store = replace(base.store, data_dir=data_dir, **geometry)  # type: ignore[arg-type]
         if flush is not None:
             store = replace(store, flush=flush)  # type: ignore[arg-type]  # checked by StoreConfig
+        if quickstart:
+            store = replace(store, read_from_tier="force")
         offload = base.offload
         if upload_after is not None:
             offload = replace(offload, upload_after_ms=parse_duration_ms(upload_after))
@@ -130,12 +139,43 @@ def standalone(
         f"data in {data_dir} (flush {store.flush}); Ctrl-C or SIGTERM stops it",
         err=True,
     )
+    failed: list[str] = []
+    stop = threading.Event()
+    if quickstart:
+        assert config.tier_url is not None
+        threading.Thread(
+            target=_run_quickstart,
+            args=(f"{host}:{ns_port}", f"{host}:{port}", data_dir, config.tier_url, failed, stop),
+            name="tmq-quickstart",
+            daemon=True,
+        ).start()
     try:
-        _wait_for_signal()
+        _wait_for_signal(stop)
     finally:
         broker.stop()
         ns_server.stop(2).wait()
+    if failed:
+        typer.echo(f"error: quickstart failed: {failed[0]}", err=True)
+        raise typer.Exit(1)
     typer.echo("tmq standalone: stopped cleanly", err=True)
+
+
+def _run_quickstart(
+    namesrv: str,
+    endpoint: str,
+    data_dir: Path,
+    tier_url: str,
+    failed: list[str],
+    stop: threading.Event,
+) -> None:
+    from cli import quickstart
+
+    try:
+        quickstart.run(namesrv, endpoint, data_dir, tier_url)
+    except Exception as e:  # one line for the operator; the servers stop and the exit code says
+        log.debug("quickstart failed", exc_info=True)
+        failed.append(str(e) or type(e).__name__)
+        stop.set()
 
 
 @namesrv_app.command("start")

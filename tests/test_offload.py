@@ -148,7 +148,9 @@ def test_offload_survives_failing_storage_without_loss_or_duplicates(hot, tier) 
         assert read_tier(tier, "orders", q) == snapshot(hot, "orders", q)
 
 
-def test_a_crash_between_object_write_and_commit_leaves_an_orphan_not_a_gap(hot, tier) -> None:
+def test_a_crash_between_object_write_and_commit_leaves_no_gap_and_the_orphan_is_swept(
+    hot, tier
+) -> None:
     fill(hot, "orders", 1000, queues=1, seed=6)
     prefix = queue_prefix("c1", "broker-a", "orders", 0)
     # A first offloader wrote a segment and "died" before committing the manifest.
@@ -157,13 +159,14 @@ def test_a_crash_between_object_write_and_commit_leaves_an_orphan_not_a_gap(hot,
     ]
     data, orphan = build(records, 0, segment_key(prefix, 0))
     assert tier.put_if_absent(orphan.key, data)
-    # The restarted broker starts from the committed watermark (0) and writes new objects.
+    # The restarted broker deletes it, starts from the committed watermark (0) and writes new
+    # objects under new keys.
     result = Offloader(hot, tier, "c1", "broker-a", FAST).offload_queue("orders", 0)
     assert result.watermark == 1000
     assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)
     manifest = ManifestStore(tier, prefix).load()
-    listed = {o.key for o in tier.list(f"{prefix}segments/")}
-    assert listed - {s.key for s in manifest.segments} == {orphan.key}
+    assert orphan.key not in {s.key for s in manifest.segments}
+    assert {o.key for o in tier.list(f"{prefix}segments/")} == {s.key for s in manifest.segments}
 
 
 def test_retention_removes_exactly_the_expired_segments_then_their_objects(hot, tier) -> None:

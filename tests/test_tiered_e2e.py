@@ -149,6 +149,7 @@ def test_retain_sets_shows_and_enforces_ttls(tmp_path: Path) -> None:
             "tiered": True,
             "ttl_ms": 2000,
             "local_ttl_ms": 1000,
+            "max_bytes": 0,
         }
         time.sleep(2.5)
         done = tmq("retain", "--apply", "-n", ns, "--json")

@@ -25,7 +25,11 @@ from tiered.record import StoredMessage
 
 log = logging.getLogger(__name__)
 
-_BATCH = 256
+# A read fetches about this many bytes of records with one ranged GET: big enough that request
+# latency is not the limit, small enough for a consumer's first message to come quickly.
+BATCH_BYTES = 1 << 20
+# How many batches past the current one a sequential reader has in flight.
+READ_AHEAD = 2
 
 
 class ColdFetcher:
@@ -116,9 +120,18 @@ class ColdFetcher:
                         break
         return out, next_offset
 
+    @staticmethod
+    def _batch_len(info: SegmentInfo) -> int:
+        """Messages per batch in this segment, from its average record size. Batches are fixed
+        slices of the segment, so concurrent readers share them; one batch never holds more
+        than the whole segment (64 MiB by default), however uneven its records are."""
+        average = max(1, info.size // max(1, info.count))
+        return max(16, min(4096, BATCH_BYTES // average))
+
     def _batch(self, info: SegmentInfo, offset: int) -> list[StoredMessage]:
-        """The cached batch holding ``offset`` (batches start at multiples of _BATCH)."""
-        start = info.base_offset + (offset - info.base_offset) // _BATCH * _BATCH
+        """The cached batch holding ``offset``."""
+        n = self._batch_len(info)
+        start = info.base_offset + (offset - info.base_offset) // n * n
         key = (info.key, start)
         with self._lock:
             batch = self._cache.get(key)
@@ -131,15 +144,14 @@ class ColdFetcher:
                 self.misses += 1
                 future = self._submit(info, start)
             batch = future.result()
-        nxt = start + _BATCH
-        if nxt < info.end_offset:
+        for ahead in range(1, READ_AHEAD + 1):  # read-ahead for a sequential reader
+            nxt = start + ahead * n
+            if nxt >= info.end_offset:
+                break
             with self._lock:
-                wanted = (info.key, nxt) not in self._cache and (
-                    info.key,
-                    nxt,
-                ) not in self._inflight
+                wanted = (info.key, nxt) not in self._cache
             if wanted:
-                self._submit(info, nxt)  # read-ahead for a sequential reader
+                self._submit(info, nxt)  # joins a fetch already in flight
         return batch
 
     def _submit(self, info: SegmentInfo, start: int) -> Future[list[StoredMessage]]:
@@ -156,7 +168,8 @@ class ColdFetcher:
         key = (info.key, start)
         try:
             started = time.perf_counter()
-            batch = SegmentReader(self.tier, info).read(start, _BATCH, max_bytes=1 << 62)
+            n = self._batch_len(info)
+            batch = SegmentReader(self.tier, info).read(start, n, max_bytes=1 << 62)
             size = sum(m.size for m in batch)
             self.bytes_fetched += size
             if self._observe is not None:

@@ -1,0 +1,65 @@
+"""The README's first command, run as a newcomer runs it: from a fresh clone in a temporary
+directory, creating its own virtualenv. It must show the whole flow and keep serving.
+
+(The second command runs this suite; running it from here would recurse.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from broker_harness import REPO
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block is not None, "the README opens with a bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_readme_opens_with_exactly_two_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "tmq standalone" in commands[0] and "pytest" in commands[1]
+
+
+def test_the_quickstart_runs_from_a_fresh_clone(tmp_path: Path) -> None:
+    clone = tmp_path / "tmq"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    log = tmp_path / "quickstart.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", readme_commands()[0]],
+            cwd=clone,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: stop bash, pip, tmq alike
+        )
+    try:
+        deadline = time.monotonic() + 900  # a fresh virtualenv, then Spark's first start
+        while "quickstart done" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(2)
+        assert proc.poll() is None, "tmq standalone keeps serving after the quickstart"
+        output = log.read_text()
+        for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
+            assert step in output
+        assert "all 1000 of this run byte-identical" in output
+        assert "Traceback" not in output
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    deadline = time.monotonic() + 30  # bash goes at once; tmq drains and closes the store
+    while "stopped cleanly" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "stopped cleanly" in log.read_text()
+    assert (clone / "tmq-data" / "lake" / "quickstart-orders" / "_delta_log").is_dir()
