@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import replace
@@ -11,10 +12,11 @@ from typing import Annotated
 
 import typer
 
-from broker.config import load_config
+from broker.config import BrokerConfig, load_config
 from broker.server import Broker
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
+from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
 from tiered.config import parse_duration_ms, parse_size
 from tiered.hot.data_dir import DataDirLockedError
 from tiered.hot.mapped_file import StoreLoadError
@@ -22,8 +24,12 @@ from tiered.store import recorded_geometry
 
 log = logging.getLogger(__name__)
 
-namesrv_app = typer.Typer(help="The NameServer.", no_args_is_help=True)
-broker_app = typer.Typer(help="A broker.", no_args_is_help=True)
+namesrv_app = typer.Typer(
+    help="The NameServer.\n\nExample: tmq namesrv start --port 9876", no_args_is_help=True
+)
+broker_app = typer.Typer(
+    help="A broker.\n\nExample: tmq broker start --config tmq.toml", no_args_is_help=True
+)
 
 
 # What stops a server from starting, said in one line: a damaged or locked data dir, a
@@ -32,8 +38,12 @@ _START_ERRORS = (StoreLoadError, DataDirLockedError, OSError, ValueError)
 
 
 def _start_failed(e: Exception) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
+    typer.echo(f"error: {scrub_known(str(e))}", err=True)
     return typer.Exit(1)
+
+
+def _keep_secrets_out_of_logs(config: BrokerConfig) -> None:
+    scrub_logs(secret_values(config.tier_options, os.environ))
 
 
 def _wait_for_signal() -> None:
@@ -77,6 +87,10 @@ def standalone(
             "(default 60s; [offload] upload_after_ms)."
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Prometheus /metrics port (default 5557; 0 turns metrics off)."),
+    ] = None,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", help="A tmq.toml; the options above override it."),
@@ -118,15 +132,20 @@ def standalone(
         offload_interval_ms=(
             base.offload_interval_ms if offload_interval is None else int(offload_interval * 1000)
         ),
+        metrics_port=base.metrics_port if metrics_port is None else metrics_port,
     )
+    _keep_secrets_out_of_logs(config)
     broker = Broker(config)
     try:
         port = broker.start()
     except _START_ERRORS as e:
         ns_server.stop(None)
         raise _start_failed(e) from None
+    metrics = (
+        f", metrics http://{host}:{broker.metrics_port}/metrics" if broker.metrics_port else ""
+    )
     typer.echo(
-        f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}, "
+        f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}{metrics}, "
         f"data in {data_dir} (flush {store.flush}); Ctrl-C or SIGTERM stops it",
         err=True,
     )
@@ -171,6 +190,7 @@ def broker_start(
     except (OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    _keep_secrets_out_of_logs(cfg)
     broker = Broker(cfg)
     try:
         port = broker.start()

@@ -178,6 +178,28 @@ class ConsumeQueue:
                 yield offset, entry
                 offset += 1
 
+    def bytes_between(self, start: int, end: int) -> int:
+        """Total record size of the entries in [start, end) still held here (metrics: upload
+        lag and hot bytes). Reads the size column a file at a time with numpy, so a million
+        entries cost milliseconds, not a Python loop."""
+        offset = max(start, self.min_offset)
+        end = min(end, self.max_offset)
+        total = 0
+        while offset < end:
+            pos = offset * CQ_ENTRY_SIZE
+            f = self.files.find_file(pos)
+            if f is None:
+                break
+            rel = pos - f.from_offset
+            n = min(end - offset, (f.size - rel) // CQ_ENTRY_SIZE)
+            try:
+                raw = f.read(rel, n * CQ_ENTRY_SIZE)
+            except ValueError:  # unmapped by cleanup meanwhile
+                break
+            total += int(np.frombuffer(raw, dtype=CQ_DTYPE)["size"].sum(dtype=np.int64))
+            offset += n
+        return total
+
     # -- truncate and clean --------------------------------------------------------------------
 
     def truncate_from_physical(self, commitlog_end: int) -> int:
