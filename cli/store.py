@@ -15,7 +15,9 @@ from tiered.hot.mapped_file import StoreLoadError
 from tiered.store import GEOMETRY_FILE, MessageStore, recorded_geometry
 
 app = typer.Typer(
-    help="Offline operations on a local store (the broker must be stopped).", no_args_is_help=True
+    help="Offline operations on a local store (the broker must be stopped).\n\n"
+    "Example: tmq store check --data-dir ./tmq-data",
+    no_args_is_help=True,
 )
 
 

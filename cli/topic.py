@@ -11,9 +11,13 @@ import typer
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from namesrv.client import NameServerClient, parse_addresses
+from tiered.cold.credentials import scrub_known
 from tiered.config import parse_duration_ms, parse_size
 
-app = typer.Typer(help="Create, change and inspect topics.", no_args_is_help=True)
+app = typer.Typer(
+    help="Create, change and inspect topics.\n\nExample: tmq topic describe orders --json",
+    no_args_is_help=True,
+)
 
 NamesrvOption = Annotated[
     str,
@@ -29,7 +33,8 @@ _TIMEOUT = 10.0
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    """Print ``error: message`` (one line, known secrets scrubbed); raise the returned Exit."""
+    typer.echo(f"error: {scrub_known(' '.join(message.split()))}", err=True)
     return typer.Exit(code)
 
 
@@ -110,6 +115,7 @@ def create(
     ttl: TtlOption = None,
     local_ttl: LocalTtlOption = None,
     max_bytes: MaxBytesOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Create a topic on every broker (or one).
 
@@ -117,6 +123,7 @@ def create(
     """
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
+    done = []
     for broker_name, stub in brokers(namesrv, broker):
         topic = pb.Topic(
             name=name,
@@ -129,7 +136,18 @@ def create(
             retention_bytes=limit or 0,
         )
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
-        typer.echo(f"created topic {name} on {broker_name}")
+        done.append(broker_name)
+    _report(name, "created", done, as_json)
+
+
+def _report(name: str, action: str, broker_names: list[str], as_json: bool) -> None:
+    if as_json:
+        typer.echo(
+            json.dumps([{"broker": b, "topic": name, "action": action} for b in broker_names])
+        )
+        return
+    for b in broker_names:
+        typer.echo(f"{action} topic {name} on {b}")
 
 
 @app.command("update")
@@ -147,6 +165,7 @@ def update(
     ttl: TtlOption = None,
     local_ttl: LocalTtlOption = None,
     max_bytes: MaxBytesOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Change what is given (queues, permission, tiering, TTLs); everything else stays as it is.
 
@@ -154,6 +173,7 @@ def update(
     """
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
+    done = []
     for broker_name, stub in brokers(namesrv, broker):
         try:
             topic = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=10).topic
@@ -174,7 +194,8 @@ def update(
         if limit is not None:
             topic.retention_bytes = limit
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
-        typer.echo(f"updated topic {name} on {broker_name}")
+        done.append(broker_name)
+    _report(name, "updated", done, as_json)
 
 
 def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
