@@ -8,19 +8,21 @@ import signal
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from broker.config import BrokerConfig, load_config
-from broker.server import Broker
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
 from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
 from tiered.config import parse_duration_ms, parse_size
-from tiered.hot.data_dir import DataDirLockedError
-from tiered.hot.mapped_file import StoreLoadError
-from tiered.store import recorded_geometry
+
+if TYPE_CHECKING:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+
+# The broker and the store are imported when a server starts, not when the module loads:
+# they cost a second of start-up to every other tmq command.
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +34,16 @@ broker_app = typer.Typer(
 )
 
 
-# What stops a server from starting, said in one line: a damaged or locked data dir, a
-# configuration the data was not written with, a port in use.
-_START_ERRORS = (StoreLoadError, DataDirLockedError, OSError, ValueError)
+def _start(broker: Broker) -> int:
+    """Start ``broker``; what stops it (a damaged or locked data dir, a configuration the data
+    was not written with, a port in use) exits with one line."""
+    from tiered.hot.data_dir import DataDirLockedError
+    from tiered.hot.mapped_file import StoreLoadError
+
+    try:
+        return broker.start()
+    except (StoreLoadError, DataDirLockedError, OSError, ValueError) as e:
+        raise _start_failed(e) from None
 
 
 def _start_failed(e: Exception) -> typer.Exit:
@@ -100,6 +109,10 @@ def standalone(
 
     Example: tmq standalone --data-dir ./tmq-data --flush sync
     """
+    from broker.config import load_config
+    from broker.server import Broker
+    from tiered.store import recorded_geometry
+
     try:
         base = load_config(config_file)
     except (OSError, ValueError) as e:
@@ -137,10 +150,10 @@ def standalone(
     _keep_secrets_out_of_logs(config)
     broker = Broker(config)
     try:
-        port = broker.start()
-    except _START_ERRORS as e:
+        port = _start(broker)
+    except typer.Exit:
         ns_server.stop(None)
-        raise _start_failed(e) from None
+        raise
     metrics = (
         f", metrics http://{host}:{broker.metrics_port}/metrics" if broker.metrics_port else ""
     )
@@ -185,6 +198,9 @@ def broker_start(
 
     Example: tmq broker start --config tmq.toml
     """
+    from broker.config import load_config
+    from broker.server import Broker
+
     try:
         cfg = load_config(config)
     except (OSError, ValueError) as e:
@@ -192,10 +208,7 @@ def broker_start(
         raise typer.Exit(2) from None
     _keep_secrets_out_of_logs(cfg)
     broker = Broker(cfg)
-    try:
-        port = broker.start()
-    except _START_ERRORS as e:
-        raise _start_failed(e) from None
+    port = _start(broker)
     typer.echo(f"broker {cfg.name} listening on {cfg.listen}:{port}", err=True)
     try:
         _wait_for_signal()
