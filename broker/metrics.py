@@ -80,6 +80,7 @@ class MetricSources:
     offloader: Callable[[], Offloader | None]
     fetcher: Callable[[], ColdFetcher | None]
     released_files: Callable[[], int]
+    offload_failures: Callable[[], int]
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -131,6 +132,11 @@ class BrokerCollector(Collector):
             "tmq_commitlog_files_released",
             "CommitLog files deleted locally (uploaded or expired).",
             self.sources.released_files(),
+        )
+        yield _counter(
+            "tmq_tier_upload_failures",
+            "Periodic uploads of a queue that failed after their retries (tier unreachable?).",
+            self.sources.offload_failures(),
         )
         lag = {
             unit: GaugeMetricFamily(f"tmq_tier_upload_lag_{unit}", doc, labels=["topic", "queue"])

@@ -62,6 +62,7 @@ class Broker:
         self.export_freshness: ExportFreshness | None = None
         self.metrics = BrokerMetrics()
         self.released_files = 0
+        self.offload_failures = 0  # periodic per-queue offload attempts that failed
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(
@@ -83,6 +84,7 @@ class Broker:
                 offloader=lambda: self.offloader,
                 fetcher=lambda: self.fetcher,
                 released_files=lambda: self.released_files,
+                offload_failures=lambda: self.offload_failures,
             )
         )
         self.port = 0
@@ -245,6 +247,8 @@ class Broker:
             committed = False
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
+                    if self._stop.is_set():
+                        return  # shutting down: a pass against a dead tier would delay it
                     try:
                         reason = self.offloader.due(topic.name, queue_id, now)
                         if reason is None:
@@ -253,6 +257,7 @@ class Broker:
                         if self.offloader.offload_queue(topic.name, queue_id).segments:
                             committed = True
                     except OffloadError as e:
+                        self.offload_failures += 1
                         log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
             try:
                 self.apply_retention()

@@ -94,6 +94,9 @@ def offload(
     ] = None,
     before: Annotated[str | None, typer.Option(help="Only messages stored before TIME.")] = None,
     wait: Annotated[bool, typer.Option(help="status: wait until everything is uploaded.")] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Give up after this many seconds per broker.")
+    ] = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
@@ -121,7 +124,8 @@ def offload(
     )
     rows = []
     for broker_name, stub in brokers(namesrv):
-        reply = _call(f"broker {broker_name}", stub.Offload, request)
+        # An upload of gigabytes takes minutes, not the 10 s other admin calls get.
+        reply = _call(f"broker {broker_name}", stub.Offload, request, timeout=timeout)
         rows += [
             {
                 "broker": broker_name,

@@ -152,7 +152,7 @@ def status(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = Fals
                 f"{_human_bytes(t['tier_lag_bytes'])}, oldest {t['tier_lag_seconds']:.1f} s"
             )
         else:
-            lag = "tier lag unknown (no offload pass yet)"
+            lag = "tier lag unknown (its manifests are not loaded yet: is the tier reachable?)"
         export = t["export_freshness_seconds"]
         typer.echo(
             f"  {t['topic']} on {t['broker']}: {lag}; hot {_human_bytes(t['store_bytes']['hot'])}, "

@@ -94,10 +94,15 @@ def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.Ad
     return found
 
 
-def _call(what: str, fn: Any, *args: Any) -> Any:
+def _call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
     try:
-        return fn(*args, timeout=_TIMEOUT)
+        return fn(*args, timeout=timeout)
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise fail(
+                f"{what}: no answer within {timeout:g} s (the broker may be waiting on the cold "
+                "tier; see its log)"
+            ) from None
         raise fail(f"{what}: {e.details() or e.code().name}") from None
 
 
