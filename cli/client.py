@@ -18,23 +18,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.topic import NamesrvOption, fail
-from namesrv.client import NameServerClient, parse_addresses
+from cli.topic import NamesrvOption, ask_namesrv, fail
 
 _TIMEOUT = 10
 
 
 def route(namesrv: str, topic: str) -> Any:
-    try:
-        client = NameServerClient(parse_addresses(namesrv))
-        try:
-            found = client.route(topic)
-        finally:
-            client.close()
-    except ValueError as e:
-        raise fail(str(e), 2) from None
-    except grpc.RpcError as e:
-        raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+    found = ask_namesrv(namesrv, lambda c: c.route(topic))
     if found is None:
         raise fail(f"topic {topic} is not served by any live broker")
     return found

@@ -15,8 +15,7 @@ import typer
 
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
-from cli.topic import JsonOption, NamesrvOption, fail
-from namesrv.client import NameServerClient, parse_addresses
+from cli.topic import JsonOption, NamesrvOption, ask_namesrv, fail
 
 _TIMEOUT = 5.0
 
@@ -70,16 +69,7 @@ def _topics(broker: str, reply: pb.StatusResponse) -> list[dict[str, Any]]:
 
 def cluster_status(namesrv: str) -> dict[str, Any]:
     """The document ``tmq status --json`` prints."""
-    try:
-        client = NameServerClient(parse_addresses(namesrv))
-        try:
-            info = client.cluster_info()
-        finally:
-            client.close()
-    except ValueError as e:
-        raise fail(str(e), 2) from None
-    except grpc.RpcError as e:
-        raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+    info = ask_namesrv(namesrv, lambda c: c.cluster_info())
     brokers: list[dict[str, Any]] = []
     topics: list[dict[str, Any]] = []
     for b in sorted(info.brokers, key=lambda b: b.broker.broker_name):

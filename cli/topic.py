@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import grpc
 import typer
@@ -67,18 +68,27 @@ MaxBytesOption = Annotated[
 ]
 
 
-def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
-    """(broker name, admin stub) of every live broker, or of the one named ``only``."""
+T = TypeVar("T")
+
+
+def ask_namesrv(namesrv: str, question: Callable[[NameServerClient], T]) -> T:
+    """``question`` put to the NameServers at ``namesrv``; exit with one line when the address
+    is malformed (2) or none answers (1)."""
     try:
         client = NameServerClient(parse_addresses(namesrv))
         try:
-            info = client.cluster_info()
+            return question(client)
         finally:
             client.close()
     except ValueError as e:
         raise fail(str(e), 2) from None
     except grpc.RpcError as e:
         raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+
+
+def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
+    """(broker name, admin stub) of every live broker, or of the one named ``only``."""
+    info = ask_namesrv(namesrv, lambda c: c.cluster_info())
     found = [
         (
             b.broker.broker_name,
