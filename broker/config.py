@@ -91,21 +91,21 @@ def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
         return parse_size(value)
     if key == "store_host":
         return _host(section, value)
-    kind = str(target)
-    if not isinstance(value, str) or "str" in kind or "Path" in kind:
+    if not isinstance(value, str):
         return value
-    if "bool" in kind:
+    kind = str(target).replace(" | None", "")
+    if kind.startswith("list"):
+        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
+    if kind == "bool":
         if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
             raise ValueError(f"[{section}] {key}: {value!r} is not true or false")
         return value.lower() in ("1", "true", "yes")
-    if "list" in kind:
-        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
-    if kind not in ("int", "float"):
-        return value  # a Literal (flush = "sync"), checked by the dataclass itself
-    try:
-        return float(value) if kind == "float" else int(value)
-    except ValueError:
-        raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
+    if kind in ("int", "float"):
+        try:
+            return float(value) if kind == "float" else int(value)
+        except ValueError:
+            raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
+    return value
 
 
 def _host(section: str, value: Any) -> tuple[str, int]:
