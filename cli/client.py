@@ -161,7 +161,7 @@ def _progress(as_json: bool) -> Progress:
     return Progress(
         TextColumn("replay {task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} offsets"),
+        TextColumn("{task.completed}/{task.total}"),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
@@ -210,8 +210,9 @@ def replay(
                 offset = from_offset or 0
             ranges.append((b.broker_name, stub, q, mq, offset, end))
     total = sum(max(0, end - offset) for *_, offset, end in ranges)
-    printed = 0
+    printed = done = 0
     with _progress(as_json) as progress:
+        # With --limit the bar counts messages printed; without, queue offsets covered.
         task = progress.add_task(topic, total=min(total, limit) if limit else total)
         for broker_name, stub, q, mq, offset, end in ranges:
             while offset < end and (limit == 0 or printed < limit):
@@ -246,7 +247,8 @@ def replay(
                         next_offset = item.next_offset
                 if next_offset <= offset:
                     break
-                progress.advance(task, min(next_offset, end) - offset)
+                done += min(next_offset, end) - offset
+                progress.update(task, completed=printed if limit else done)
                 offset = next_offset
     if not as_json:
         typer.echo(f"replayed {printed} message(s)", err=True)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import grpc
 import typer
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
@@ -59,6 +60,7 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
             TextColumn("offload {task.description}"),
             BarColumn(),
             TextColumn("{task.completed}/{task.total} messages"),
+            console=Console(stderr=True),  # stdout stays for the result (and --json)
             transient=True,
             disable=as_json,
         ) as progress:
