@@ -181,9 +181,11 @@ class ConsumeQueue:
     def iter_entries(self, queue_offset: int, max_count: int) -> Iterator[tuple[int, Entry]]:
         """(queue offset, entry) for up to ``max_count`` entries from ``queue_offset``."""
         start = max(queue_offset, self.min_offset)
-        for first, raw in self._runs(start, start + max_count):
-            for i, entry in enumerate(CQ_ENTRY.iter_unpack(raw)):
-                yield first + i, entry
+        for offset, raw in self._runs(start, start + max_count):
+            # A bare counter, not enumerate(): this loop is the read path's inner loop.
+            for entry in CQ_ENTRY.iter_unpack(raw):
+                yield offset, entry
+                offset += 1
 
     def bytes_between(self, start: int, end: int) -> int:
         """Total record size of the entries in [start, end) still held here (metrics: upload
