@@ -16,6 +16,7 @@ from broker.metadata import (
     TopicConfig,
     check_group_name,
 )
+from broker.status import BrokerStatus
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.verify import verify_queue, worst
 from tiered.cold.storage import StorageError
@@ -57,6 +58,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         on_topics_changed: Callable[[], None],
         apply_retention: Callable[[str | None, bool], list[RetentionResult]] | None = None,
         offloader: Offloader | None = None,
+        status: Callable[[], BrokerStatus] | None = None,
+        cluster: str = "",
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -64,6 +67,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.on_topics_changed = on_topics_changed
         self.apply_retention = apply_retention
         self.offloader = offloader
+        self.status = status
+        self.cluster = cluster
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -163,6 +168,38 @@ class AdminServicer(pb_grpc.AdminServicer):
             dispatched_offset=self.store.dispatched_offset,
             topics=len(self.metadata.topics),
             groups=len(self.metadata.groups),
+        )
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        if self.status is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this broker reports no status")
+            raise AssertionError("abort raises")
+        st = self.status()
+        return pb.StatusResponse(
+            broker_name=self.broker_name,
+            cluster=self.cluster,
+            topics=len(self.metadata.topics),
+            dispatch_lag_bytes=st.dispatch_lag_bytes,
+            commitlog_files=st.commitlog_files,
+            hot_store_bytes=st.hot_store_bytes,
+            cold_store_bytes=st.cold_store_bytes,
+            has_tier=st.has_tier,
+            queues=[
+                pb.TieredQueueStatus(
+                    topic=q.topic,
+                    queue=q.queue,
+                    max_offset=q.max_offset,
+                    known=q.lag is not None,
+                    lag_messages=q.lag.messages if q.lag else 0,
+                    lag_bytes=q.lag.bytes if q.lag else 0,
+                    lag_seconds=q.lag.seconds if q.lag else 0.0,
+                    archived_bytes=q.lag.archived_bytes if q.lag else 0,
+                    hot_bytes=q.hot_bytes or 0,
+                )
+                for q in st.tiered_queues
+            ],
+            export_reported=st.export_freshness is not None,
+            export_freshness_seconds=st.export_freshness or {},
         )
 
     def ApplyRetention(

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62roker/admin.proto\x12\x0ctmq.admin.v1\"\xa4\x01\n\x05Topic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queues\x18\x02 \x01(\x05\x12\x0c\n\x04perm\x18\x03 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x04 \x01(\t\x12\x0e\n\x06tiered\x18\x05 \x01(\x08\x12\x14\n\x0cretention_ms\x18\x06 \x01(\x03\x12\x1a\n\x12local_retention_ms\x18\x07 \x01(\x03\x12\x17\n\x0fretention_bytes\x18\x08 \x01(\x03\"s\n\nQueueStats\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x12\n\nmin_offset\x18\x02 \x01(\x03\x12\x12\n\nmax_offset\x18\x03 \x01(\x03\x12\x16\n\x0ehot_min_offset\x18\x04 \x01(\x03\x12\x16\n\x0etier_watermark\x18\x05 \x01(\x03\"`\n\x10TopicDescription\x12\"\n\x05topic\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Topic\x12(\n\x06queues\x18\x02 \x03(\x0b\x32\x18.tmq.admin.v1.QueueStats\"E\n\x0fPutTopicRequest\x12\"\n\x05topic\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Topic\x12\x0e\n\x06update\x18\x02 \x01(\x08\"\x12\n\x10PutTopicResponse\"\x1f\n\x0fGetTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11ListTopicsRequest\"D\n\x12ListTopicsResponse\x12.\n\x06topics\x18\x01 \x03(\x0b\x32\x1e.tmq.admin.v1.TopicDescription\"B\n\x05Group\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15max_delivery_attempts\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ifo\x18\x03 \x01(\x08\"5\n\x0fPutGroupRequest\x12\"\n\x05group\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Group\"\x12\n\x10PutGroupResponse\"\x13\n\x11ListGroupsRequest\"9\n\x12ListGroupsResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.tmq.admin.v1.Group\"\x0e\n\x0cStatsRequest\"\x9b\x01\n\rStatsResponse\x12\x13\n\x0b\x62roker_name\x18\x01 \x01(\t\x12\x1c\n\x14\x63ommitlog_min_offset\x18\x02 \x01(\x03\x12\x1c\n\x14\x63ommitlog_max_offset\x18\x03 \x01(\x03\x12\x19\n\x11\x64ispatched_offset\x18\x04 \x01(\x03\x12\x0e\n\x06topics\x18\x05 \x01(\x05\x12\x0e\n\x06groups\x18\x06 \x01(\x05\"\x93\x01\n\x10RetentionOutcome\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x10\n\x08segments\x18\x03 \x01(\x05\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x18\n\x10new_start_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x64\x65leted_keys\x18\x07 \x03(\t\"7\n\x15\x41pplyRetentionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"J\n\x16\x41pplyRetentionResponse\x12\x30\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1e.tmq.admin.v1.RetentionOutcome\"[\n\x0eOffloadRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x18\n\x10keep_local_bytes\x18\x03 \x01(\x03\x12\x11\n\tbefore_ms\x18\x04 \x01(\x03\"c\n\x0cQueueOffload\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x10\n\x08segments\x18\x02 \x01(\x05\x12\x10\n\x08messages\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x11\n\twatermark\x18\x05 \x01(\x03\"=\n\x0fOffloadResponse\x12*\n\x06queues\x18\x01 \x03(\x0b\x32\x1a.tmq.admin.v1.QueueOffload\"<\n\rVerifyRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06repair\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x65\x65p\x18\x03 \x01(\x08\"\x94\x01\n\x0cQueueVerdict\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0f\n\x07missing\x18\x04 \x03(\t\x12\x0f\n\x07\x64\x61maged\x18\x05 \x03(\t\x12\x11\n\tanomalies\x18\x06 \x03(\t\x12\x0f\n\x07orphans\x18\x07 \x03(\t\x12\x10\n\x08repaired\x18\x08 \x03(\t\"L\n\x0eVerifyResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12*\n\x06queues\x18\x02 \x03(\x0b\x32\x1a.tmq.admin.v1.QueueVerdict\"^\n\x11QueryByKeyRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x10\n\x08\x62\x65gin_ms\x18\x03 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x04 \x01(\x03\x12\x0b\n\x03max\x18\x05 \x01(\x05\"\xfa\x01\n\x0c\x46oundMessage\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x14\n\x0cqueue_offset\x18\x02 \x01(\x03\x12\x12\n\nmessage_id\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12>\n\nproperties\x18\x06 \x03(\x0b\x32*.tmq.admin.v1.FoundMessage.PropertiesEntry\x12\x15\n\rstore_time_ms\x18\x07 \x01(\x03\x12\x0c\n\x04\x62ody\x18\x08 \x01(\x0c\x1a\x31\n\x0fPropertiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x12QueryByKeyResponse\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tmq.admin.v1.FoundMessage2\x87\x06\n\x05\x41\x64min\x12I\n\x08PutTopic\x12\x1d.tmq.admin.v1.PutTopicRequest\x1a\x1e.tmq.admin.v1.PutTopicResponse\x12I\n\x08GetTopic\x12\x1d.tmq.admin.v1.GetTopicRequest\x1a\x1e.tmq.admin.v1.TopicDescription\x12O\n\nListTopics\x12\x1f.tmq.admin.v1.ListTopicsRequest\x1a .tmq.admin.v1.ListTopicsResponse\x12I\n\x08PutGroup\x12\x1d.tmq.admin.v1.PutGroupRequest\x1a\x1e.tmq.admin.v1.PutGroupResponse\x12O\n\nListGroups\x12\x1f.tmq.admin.v1.ListGroupsRequest\x1a .tmq.admin.v1.ListGroupsResponse\x12@\n\x05Stats\x12\x1a.tmq.admin.v1.StatsRequest\x1a\x1b.tmq.admin.v1.StatsResponse\x12[\n\x0e\x41pplyRetention\x12#.tmq.admin.v1.ApplyRetentionRequest\x1a$.tmq.admin.v1.ApplyRetentionResponse\x12\x46\n\x07Offload\x12\x1c.tmq.admin.v1.OffloadRequest\x1a\x1d.tmq.admin.v1.OffloadResponse\x12\x43\n\x06Verify\x12\x1b.tmq.admin.v1.VerifyRequest\x1a\x1c.tmq.admin.v1.VerifyResponse\x12O\n\nQueryByKey\x12\x1f.tmq.admin.v1.QueryByKeyRequest\x1a .tmq.admin.v1.QueryByKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62roker/admin.proto\x12\x0ctmq.admin.v1\"\xa4\x01\n\x05Topic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queues\x18\x02 \x01(\x05\x12\x0c\n\x04perm\x18\x03 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x04 \x01(\t\x12\x0e\n\x06tiered\x18\x05 \x01(\x08\x12\x14\n\x0cretention_ms\x18\x06 \x01(\x03\x12\x1a\n\x12local_retention_ms\x18\x07 \x01(\x03\x12\x17\n\x0fretention_bytes\x18\x08 \x01(\x03\"s\n\nQueueStats\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x12\n\nmin_offset\x18\x02 \x01(\x03\x12\x12\n\nmax_offset\x18\x03 \x01(\x03\x12\x16\n\x0ehot_min_offset\x18\x04 \x01(\x03\x12\x16\n\x0etier_watermark\x18\x05 \x01(\x03\"`\n\x10TopicDescription\x12\"\n\x05topic\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Topic\x12(\n\x06queues\x18\x02 \x03(\x0b\x32\x18.tmq.admin.v1.QueueStats\"E\n\x0fPutTopicRequest\x12\"\n\x05topic\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Topic\x12\x0e\n\x06update\x18\x02 \x01(\x08\"\x12\n\x10PutTopicResponse\"\x1f\n\x0fGetTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11ListTopicsRequest\"D\n\x12ListTopicsResponse\x12.\n\x06topics\x18\x01 \x03(\x0b\x32\x1e.tmq.admin.v1.TopicDescription\"B\n\x05Group\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15max_delivery_attempts\x18\x02 \x01(\x05\x12\x0c\n\x04\x66ifo\x18\x03 \x01(\x08\"5\n\x0fPutGroupRequest\x12\"\n\x05group\x18\x01 \x01(\x0b\x32\x13.tmq.admin.v1.Group\"\x12\n\x10PutGroupResponse\"\x13\n\x11ListGroupsRequest\"9\n\x12ListGroupsResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.tmq.admin.v1.Group\"\x0e\n\x0cStatsRequest\"\x9b\x01\n\rStatsResponse\x12\x13\n\x0b\x62roker_name\x18\x01 \x01(\t\x12\x1c\n\x14\x63ommitlog_min_offset\x18\x02 \x01(\x03\x12\x1c\n\x14\x63ommitlog_max_offset\x18\x03 \x01(\x03\x12\x19\n\x11\x64ispatched_offset\x18\x04 \x01(\x03\x12\x0e\n\x06topics\x18\x05 \x01(\x05\x12\x0e\n\x06groups\x18\x06 \x01(\x05\"\xbd\x01\n\x11TieredQueueStatus\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x12\n\nmax_offset\x18\x03 \x01(\x03\x12\r\n\x05known\x18\x04 \x01(\x08\x12\x14\n\x0clag_messages\x18\x05 \x01(\x03\x12\x11\n\tlag_bytes\x18\x06 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x61rchived_bytes\x18\x08 \x01(\x03\x12\x11\n\thot_bytes\x18\t \x01(\x03\"\x0f\n\rStatusRequest\"\xa5\x03\n\x0eStatusResponse\x12\x13\n\x0b\x62roker_name\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x0e\n\x06topics\x18\x03 \x01(\x05\x12\x1a\n\x12\x64ispatch_lag_bytes\x18\x04 \x01(\x03\x12\x17\n\x0f\x63ommitlog_files\x18\x05 \x01(\x05\x12\x17\n\x0fhot_store_bytes\x18\x06 \x01(\x03\x12\x18\n\x10\x63old_store_bytes\x18\x07 \x01(\x03\x12\x10\n\x08has_tier\x18\x08 \x01(\x08\x12/\n\x06queues\x18\t \x03(\x0b\x32\x1f.tmq.admin.v1.TieredQueueStatus\x12\x17\n\x0f\x65xport_reported\x18\n \x01(\x08\x12Z\n\x18\x65xport_freshness_seconds\x18\x0b \x03(\x0b\x32\x38.tmq.admin.v1.StatusResponse.ExportFreshnessSecondsEntry\x1a=\n\x1b\x45xportFreshnessSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x93\x01\n\x10RetentionOutcome\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x10\n\x08segments\x18\x03 \x01(\x05\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x18\n\x10new_start_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x64\x65leted_keys\x18\x07 \x03(\t\"7\n\x15\x41pplyRetentionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"J\n\x16\x41pplyRetentionResponse\x12\x30\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1e.tmq.admin.v1.RetentionOutcome\"[\n\x0eOffloadRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x18\n\x10keep_local_bytes\x18\x03 \x01(\x03\x12\x11\n\tbefore_ms\x18\x04 \x01(\x03\"c\n\x0cQueueOffload\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x10\n\x08segments\x18\x02 \x01(\x05\x12\x10\n\x08messages\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x11\n\twatermark\x18\x05 \x01(\x03\"=\n\x0fOffloadResponse\x12*\n\x06queues\x18\x01 \x03(\x0b\x32\x1a.tmq.admin.v1.QueueOffload\"<\n\rVerifyRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06repair\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x65\x65p\x18\x03 \x01(\x08\"\x94\x01\n\x0cQueueVerdict\x12\r\n\x05topic\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\x05\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0f\n\x07missing\x18\x04 \x03(\t\x12\x0f\n\x07\x64\x61maged\x18\x05 \x03(\t\x12\x11\n\tanomalies\x18\x06 \x03(\t\x12\x0f\n\x07orphans\x18\x07 \x03(\t\x12\x10\n\x08repaired\x18\x08 \x03(\t\"L\n\x0eVerifyResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12*\n\x06queues\x18\x02 \x03(\x0b\x32\x1a.tmq.admin.v1.QueueVerdict\"^\n\x11QueryByKeyRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x10\n\x08\x62\x65gin_ms\x18\x03 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x04 \x01(\x03\x12\x0b\n\x03max\x18\x05 \x01(\x05\"\xfa\x01\n\x0c\x46oundMessage\x12\r\n\x05queue\x18\x01 \x01(\x05\x12\x14\n\x0cqueue_offset\x18\x02 \x01(\x03\x12\x12\n\nmessage_id\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12>\n\nproperties\x18\x06 \x03(\x0b\x32*.tmq.admin.v1.FoundMessage.PropertiesEntry\x12\x15\n\rstore_time_ms\x18\x07 \x01(\x03\x12\x0c\n\x04\x62ody\x18\x08 \x01(\x0c\x1a\x31\n\x0fPropertiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x12QueryByKeyResponse\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tmq.admin.v1.FoundMessage2\xcc\x06\n\x05\x41\x64min\x12I\n\x08PutTopic\x12\x1d.tmq.admin.v1.PutTopicRequest\x1a\x1e.tmq.admin.v1.PutTopicResponse\x12I\n\x08GetTopic\x12\x1d.tmq.admin.v1.GetTopicRequest\x1a\x1e.tmq.admin.v1.TopicDescription\x12O\n\nListTopics\x12\x1f.tmq.admin.v1.ListTopicsRequest\x1a .tmq.admin.v1.ListTopicsResponse\x12I\n\x08PutGroup\x12\x1d.tmq.admin.v1.PutGroupRequest\x1a\x1e.tmq.admin.v1.PutGroupResponse\x12O\n\nListGroups\x12\x1f.tmq.admin.v1.ListGroupsRequest\x1a .tmq.admin.v1.ListGroupsResponse\x12@\n\x05Stats\x12\x1a.tmq.admin.v1.StatsRequest\x1a\x1b.tmq.admin.v1.StatsResponse\x12\x43\n\x06Status\x12\x1b.tmq.admin.v1.StatusRequest\x1a\x1c.tmq.admin.v1.StatusResponse\x12[\n\x0e\x41pplyRetention\x12#.tmq.admin.v1.ApplyRetentionRequest\x1a$.tmq.admin.v1.ApplyRetentionResponse\x12\x46\n\x07Offload\x12\x1c.tmq.admin.v1.OffloadRequest\x1a\x1d.tmq.admin.v1.OffloadResponse\x12\x43\n\x06Verify\x12\x1b.tmq.admin.v1.VerifyRequest\x1a\x1c.tmq.admin.v1.VerifyResponse\x12O\n\nQueryByKey\x12\x1f.tmq.admin.v1.QueryByKeyRequest\x1a .tmq.admin.v1.QueryByKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'broker.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATUSRESPONSE_EXPORTFRESHNESSSECONDSENTRY']._loaded_options = None
+  _globals['_STATUSRESPONSE_EXPORTFRESHNESSSECONDSENTRY']._serialized_options = b'8\001'
   _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._loaded_options = None
   _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._serialized_options = b'8\001'
   _globals['_TOPIC']._serialized_start=37
@@ -63,32 +65,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_end=870
   _globals['_STATSRESPONSE']._serialized_start=873
   _globals['_STATSRESPONSE']._serialized_end=1028
-  _globals['_RETENTIONOUTCOME']._serialized_start=1031
-  _globals['_RETENTIONOUTCOME']._serialized_end=1178
-  _globals['_APPLYRETENTIONREQUEST']._serialized_start=1180
-  _globals['_APPLYRETENTIONREQUEST']._serialized_end=1235
-  _globals['_APPLYRETENTIONRESPONSE']._serialized_start=1237
-  _globals['_APPLYRETENTIONRESPONSE']._serialized_end=1311
-  _globals['_OFFLOADREQUEST']._serialized_start=1313
-  _globals['_OFFLOADREQUEST']._serialized_end=1404
-  _globals['_QUEUEOFFLOAD']._serialized_start=1406
-  _globals['_QUEUEOFFLOAD']._serialized_end=1505
-  _globals['_OFFLOADRESPONSE']._serialized_start=1507
-  _globals['_OFFLOADRESPONSE']._serialized_end=1568
-  _globals['_VERIFYREQUEST']._serialized_start=1570
-  _globals['_VERIFYREQUEST']._serialized_end=1630
-  _globals['_QUEUEVERDICT']._serialized_start=1633
-  _globals['_QUEUEVERDICT']._serialized_end=1781
-  _globals['_VERIFYRESPONSE']._serialized_start=1783
-  _globals['_VERIFYRESPONSE']._serialized_end=1859
-  _globals['_QUERYBYKEYREQUEST']._serialized_start=1861
-  _globals['_QUERYBYKEYREQUEST']._serialized_end=1955
-  _globals['_FOUNDMESSAGE']._serialized_start=1958
-  _globals['_FOUNDMESSAGE']._serialized_end=2208
-  _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._serialized_start=2159
-  _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._serialized_end=2208
-  _globals['_QUERYBYKEYRESPONSE']._serialized_start=2210
-  _globals['_QUERYBYKEYRESPONSE']._serialized_end=2276
-  _globals['_ADMIN']._serialized_start=2279
-  _globals['_ADMIN']._serialized_end=3054
+  _globals['_TIEREDQUEUESTATUS']._serialized_start=1031
+  _globals['_TIEREDQUEUESTATUS']._serialized_end=1220
+  _globals['_STATUSREQUEST']._serialized_start=1222
+  _globals['_STATUSREQUEST']._serialized_end=1237
+  _globals['_STATUSRESPONSE']._serialized_start=1240
+  _globals['_STATUSRESPONSE']._serialized_end=1661
+  _globals['_STATUSRESPONSE_EXPORTFRESHNESSSECONDSENTRY']._serialized_start=1600
+  _globals['_STATUSRESPONSE_EXPORTFRESHNESSSECONDSENTRY']._serialized_end=1661
+  _globals['_RETENTIONOUTCOME']._serialized_start=1664
+  _globals['_RETENTIONOUTCOME']._serialized_end=1811
+  _globals['_APPLYRETENTIONREQUEST']._serialized_start=1813
+  _globals['_APPLYRETENTIONREQUEST']._serialized_end=1868
+  _globals['_APPLYRETENTIONRESPONSE']._serialized_start=1870
+  _globals['_APPLYRETENTIONRESPONSE']._serialized_end=1944
+  _globals['_OFFLOADREQUEST']._serialized_start=1946
+  _globals['_OFFLOADREQUEST']._serialized_end=2037
+  _globals['_QUEUEOFFLOAD']._serialized_start=2039
+  _globals['_QUEUEOFFLOAD']._serialized_end=2138
+  _globals['_OFFLOADRESPONSE']._serialized_start=2140
+  _globals['_OFFLOADRESPONSE']._serialized_end=2201
+  _globals['_VERIFYREQUEST']._serialized_start=2203
+  _globals['_VERIFYREQUEST']._serialized_end=2263
+  _globals['_QUEUEVERDICT']._serialized_start=2266
+  _globals['_QUEUEVERDICT']._serialized_end=2414
+  _globals['_VERIFYRESPONSE']._serialized_start=2416
+  _globals['_VERIFYRESPONSE']._serialized_end=2492
+  _globals['_QUERYBYKEYREQUEST']._serialized_start=2494
+  _globals['_QUERYBYKEYREQUEST']._serialized_end=2588
+  _globals['_FOUNDMESSAGE']._serialized_start=2591
+  _globals['_FOUNDMESSAGE']._serialized_end=2841
+  _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._serialized_start=2792
+  _globals['_FOUNDMESSAGE_PROPERTIESENTRY']._serialized_end=2841
+  _globals['_QUERYBYKEYRESPONSE']._serialized_start=2843
+  _globals['_QUERYBYKEYRESPONSE']._serialized_end=2909
+  _globals['_ADMIN']._serialized_start=2912
+  _globals['_ADMIN']._serialized_end=3756
 # @@protoc_insertion_point(module_scope)

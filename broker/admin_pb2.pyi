@@ -126,6 +126,65 @@ class StatsResponse(_message.Message):
     groups: int
     def __init__(self, broker_name: _Optional[str] = ..., commitlog_min_offset: _Optional[int] = ..., commitlog_max_offset: _Optional[int] = ..., dispatched_offset: _Optional[int] = ..., topics: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
 
+class TieredQueueStatus(_message.Message):
+    __slots__ = ("topic", "queue", "max_offset", "known", "lag_messages", "lag_bytes", "lag_seconds", "archived_bytes", "hot_bytes")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    LAG_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    max_offset: int
+    known: bool
+    lag_messages: int
+    lag_bytes: int
+    lag_seconds: float
+    archived_bytes: int
+    hot_bytes: int
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., max_offset: _Optional[int] = ..., known: _Optional[bool] = ..., lag_messages: _Optional[int] = ..., lag_bytes: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., archived_bytes: _Optional[int] = ..., hot_bytes: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("broker_name", "cluster", "topics", "dispatch_lag_bytes", "commitlog_files", "hot_store_bytes", "cold_store_bytes", "has_tier", "queues", "export_reported", "export_freshness_seconds")
+    class ExportFreshnessSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    BROKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    TOPICS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITLOG_FILES_FIELD_NUMBER: _ClassVar[int]
+    HOT_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLD_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HAS_TIER_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FRESHNESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    broker_name: str
+    cluster: str
+    topics: int
+    dispatch_lag_bytes: int
+    commitlog_files: int
+    hot_store_bytes: int
+    cold_store_bytes: int
+    has_tier: bool
+    queues: _containers.RepeatedCompositeFieldContainer[TieredQueueStatus]
+    export_reported: bool
+    export_freshness_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, broker_name: _Optional[str] = ..., cluster: _Optional[str] = ..., topics: _Optional[int] = ..., dispatch_lag_bytes: _Optional[int] = ..., commitlog_files: _Optional[int] = ..., hot_store_bytes: _Optional[int] = ..., cold_store_bytes: _Optional[int] = ..., has_tier: _Optional[bool] = ..., queues: _Optional[_Iterable[_Union[TieredQueueStatus, _Mapping]]] = ..., export_reported: _Optional[bool] = ..., export_freshness_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class RetentionOutcome(_message.Message):
     __slots__ = ("topic", "queue", "segments", "messages", "bytes", "new_start_offset", "deleted_keys")
     TOPIC_FIELD_NUMBER: _ClassVar[int]

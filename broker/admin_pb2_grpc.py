@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=broker_dot_admin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=broker_dot_admin__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/tmq.admin.v1.Admin/Status',
+                request_serializer=broker_dot_admin__pb2.StatusRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.StatusResponse.FromString,
+                _registered_method=True)
         self.ApplyRetention = channel.unary_unary(
                 '/tmq.admin.v1.Admin/ApplyRetention',
                 request_serializer=broker_dot_admin__pb2.ApplyRetentionRequest.SerializeToString,
@@ -121,6 +126,13 @@ class AdminServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Storage state for `tmq status`: dispatch lag, bytes per tier, upload lag per tiered queue.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -185,6 +197,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=broker_dot_admin__pb2.StatsRequest.FromString,
                     response_serializer=broker_dot_admin__pb2.StatsResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=broker_dot_admin__pb2.StatusRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.StatusResponse.SerializeToString,
             ),
             'ApplyRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyRetention,
@@ -369,6 +386,33 @@ class Admin:
             '/tmq.admin.v1.Admin/Stats',
             broker_dot_admin__pb2.StatsRequest.SerializeToString,
             broker_dot_admin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/Status',
+            broker_dot_admin__pb2.StatusRequest.SerializeToString,
+            broker_dot_admin__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ advertise_host = "127.0.0.1"   # what clients are told to connect to
 namesrv = "127.0.0.1:9876"     # several: "h1:9876;h2:9876"
 auto_create_groups = true
 heartbeat_interval_ms = 30000
+metrics_port = 5557            # Prometheus /metrics; 0 turns it off
 
 [store]
 data_dir = "./tmq-data"
@@ -56,9 +57,13 @@ class BrokerConfig:
     heartbeat_interval_ms: int = 30_000
     # The cold tier: file://… (embedded default) or s3://bucket/prefix (standard AWS chain).
     tier_url: str | None = None
-    tier_options: dict[str, Any] = field(default_factory=dict)
+    # fsspec/s3fs options (endpoint_url, …). Secrets here (key, secret, token) are never printed:
+    # repr() leaves them out (tiered/cold/credentials.py).
+    tier_options: dict[str, Any] = field(default_factory=dict, repr=False)
     # How often tiered topics are uploaded and eligible CommitLog files released.
     offload_interval_ms: int = 10_000
+    # Prometheus metrics at http://{listen}:{metrics_port}/metrics; 0 turns them off.
+    metrics_port: int = 5557
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     limits: Limits = field(default_factory=Limits)
@@ -76,12 +81,16 @@ _SIZE_KEYS = {
     "upload_min_bytes",
 }
 _SECTIONS = ("broker", "store", "offload", "limits")
+# Sections other tools read from the same file; the broker accepts and ignores them.
+_OTHER_SECTIONS = ("lakehouse",)
 
 
 def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
     """A TOML or environment value as the field's type (sizes accept KiB/MiB/GiB)."""
     if key in _SIZE_KEYS:
         return parse_size(value)
+    if key == "store_host":
+        return _host(section, value)
     if not isinstance(value, str):
         return value
     kind = str(target).replace(" | None", "")
@@ -99,6 +108,18 @@ def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
     return value
 
 
+def _host(section: str, value: Any) -> tuple[str, int]:
+    """``"127.0.0.1:10911"`` or ``["127.0.0.1", 10911]`` as (host, port)."""
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if isinstance(value, list) and len(value) == 2:
+        host, port = value
+    try:
+        return str(host), int(port)
+    except ValueError:
+        pass
+    raise ValueError(f"[{section}] store_host: {value!r} is not host:port")
+
+
 def _section_fields(section: str) -> dict[str, Any]:
     cls = {"broker": BrokerConfig, "store": StoreConfig, "offload": OffloadPolicy, "limits": Limits}
     return {f.name: f.type for f in fields(cls[section])}
@@ -111,7 +132,7 @@ def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerC
     ``TMQ_TIER_URL``."""
     raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
     where = str(path) if path is not None else "config"
-    unknown = set(raw) - set(_SECTIONS)
+    unknown = set(raw) - set(_SECTIONS) - set(_OTHER_SECTIONS)
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}")
     env = dict(os.environ if env is None else env)

@@ -30,6 +30,7 @@ from broker.metadata import (
     check_group_name,
     check_topic_name,
 )
+from broker.metrics import Traffic
 from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
 from broker.protocol import (
     ProtocolError,
@@ -77,6 +78,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         limits: Limits,
         *,
         auto_create_groups: bool = True,
+        traffic: Traffic | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -85,6 +87,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self.namesrv = namesrv
         self.limits = limits
         self.auto_create_groups = auto_create_groups
+        self.traffic = traffic or Traffic()
         self._round_robin: dict[str, int] = {}
         self._rr_lock = threading.Lock()
 
@@ -290,6 +293,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 results = self.store.put_messages(batch)
             except InvalidMessageError as e:
                 raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+            self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
             entries = [
                 s.SendResultEntry(
                     status=status(),
@@ -372,6 +376,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         if not received:
             yield s.ReceiveMessageResponse(status=status(d.MESSAGE_NOT_FOUND, "no new message"))
             return
+        self.traffic.consumed(topic.name, len(received), sum(len(r.message.body) for r in received))
         yield s.ReceiveMessageResponse(status=status())
         now = s.ReceiveMessageResponse()
         now.delivery_timestamp.GetCurrentTime()
@@ -495,6 +500,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             yield s.PullMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
             return
         messages = [m for m in result.messages if tag_filter.matches(m)]
+        self.traffic.consumed(topic.name, len(messages), sum(len(m.body) for m in messages))
         code = d.OK if messages else d.MESSAGE_NOT_FOUND
         yield s.PullMessageResponse(status=status(code, "OK" if messages else "no new message"))
         for m in messages:

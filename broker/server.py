@@ -3,7 +3,9 @@
 Threads it owns, besides the store's (dispatcher, flusher) and gRPC's worker pool:
 - ``tmq-registration``: registers with every NameServer every 30 s, and at once when topics change;
 - ``tmq-maintenance``: revives expired pop deliveries (every second) and saves consumer offsets
-  (every 5 s).
+  (every 5 s);
+- the metrics HTTP server (``metrics_port``, default 5557): answers scrapes by reading the
+  broker's state at that moment (broker/metrics.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from broker.admin import AdminServicer
 from broker.config import BrokerConfig
 from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import MetadataStore
+from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
+from broker.status import BrokerStatus, ExportFreshness, broker_status
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
 from namesrv.safe_handlers import add_safely
@@ -53,9 +57,17 @@ class Broker:
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
         self.offloader: Offloader | None = None
         self.fetcher: ColdFetcher | None = None
+        # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
+        # `tmq status` report it; None: not reported).
+        self.export_freshness: ExportFreshness | None = None
+        self.metrics = BrokerMetrics()
+        self.released_files = 0
+        self.offload_failures = 0  # periodic per-queue offload attempts that failed
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
-            self.fetcher = ColdFetcher(tier, config.cluster, config.name)
+            self.fetcher = ColdFetcher(
+                tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
+            )
             self.offloader = Offloader(
                 self.store,
                 tier,
@@ -65,8 +77,20 @@ class Broker:
                 on_commit=self.fetcher.set_manifest,
             )
             self.store.cold = self.fetcher
+        self.metrics.attach(
+            MetricSources(
+                traffic=self.metrics.traffic,
+                status=self.status,
+                offloader=lambda: self.offloader,
+                fetcher=lambda: self.fetcher,
+                released_files=lambda: self.released_files,
+                offload_failures=lambda: self.offload_failures,
+            )
+        )
         self.port = 0
+        self.metrics_port = 0
         self._server: grpc.Server | None = None
+        self._health = health.HealthServicer()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:
@@ -97,6 +121,7 @@ class Broker:
                     self.namesrv,
                     self.config.limits,
                     auto_create_groups=self.config.auto_create_groups,
+                    traffic=self.metrics.traffic,
                 ),
                 server,
             )
@@ -109,16 +134,20 @@ class Broker:
                     self._register_now.set,
                     self.apply_retention if self.offloader is not None else None,
                     self.offloader,
+                    status=lambda: self.status(hot_bytes=True),
+                    cluster=self.config.cluster,
                 ),
                 server,
             )
-            health_servicer = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            if self.config.metrics_port:
+                self.metrics_port = self.metrics.serve(self.config.listen, self.config.metrics_port)
             server.start()
             for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE):
-                health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+                self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._server = server
         except BaseException:
+            self.metrics.close()
             self.store.shutdown()
             raise
         self.register()
@@ -137,6 +166,12 @@ class Broker:
             self.config.advertise_host,
         )
         return self.port
+
+    def status(self, *, hot_bytes: bool = False) -> BrokerStatus:
+        """A snapshot for metrics and ``tmq status`` (memory and local disk only)."""
+        return broker_status(
+            self.store, self.metadata, self.offloader, self.export_freshness, hot_bytes=hot_bytes
+        )
 
     def registration(self) -> nspb.BrokerRegistration:
         return nspb.BrokerRegistration(
@@ -212,6 +247,8 @@ class Broker:
             committed = False
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
+                    if self._stop.is_set():
+                        return  # shutting down: a pass against a dead tier would delay it
                     try:
                         reason = self.offloader.due(topic.name, queue_id, now)
                         if reason is None:
@@ -220,6 +257,7 @@ class Broker:
                         if self.offloader.offload_queue(topic.name, queue_id).segments:
                             committed = True
                     except OffloadError as e:
+                        self.offload_failures += 1
                         log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
             try:
                 self.apply_retention()
@@ -227,12 +265,15 @@ class Broker:
                 log.error("retention failed: %s", e)
             if committed:
                 failpoints.hit("offload.before_release")
-        self.store.release_commitlog_files(
+        self.released_files += self.store.release_commitlog_files(
             release_predicate(self.store, self.offloader, dict(self.metadata.topics))
         )
 
     def stop(self, grace: float = 5.0) -> None:
-        """Unregister, drain requests for up to ``grace`` seconds, save offsets, close the store."""
+        """Report NOT_SERVING, unregister, drain requests for up to ``grace`` seconds, save
+        offsets, close the store."""
+        # Health watchers and load balancers hear NOT_SERVING before the port closes.
+        self._health.enter_graceful_shutdown()
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
@@ -241,6 +282,7 @@ class Broker:
             self._server.stop(grace).wait()
         for thread in self._threads:
             thread.join()
+        self.metrics.close()
         self.metadata.flush_offsets(force=True)
         if self.fetcher is not None:
             self.fetcher.close()

@@ -15,24 +15,16 @@ from typing import Annotated, Any
 
 import grpc
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.topic import NamesrvOption, fail
-from namesrv.client import NameServerClient, parse_addresses
+from cli.topic import NamesrvOption, ask_namesrv, fail
 
 _TIMEOUT = 10
 
 
 def route(namesrv: str, topic: str) -> Any:
-    try:
-        client = NameServerClient(parse_addresses(namesrv))
-        try:
-            found = client.route(topic)
-        finally:
-            client.close()
-    except ValueError as e:
-        raise fail(str(e), 2) from None
-    except grpc.RpcError as e:
-        raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+    found = ask_namesrv(namesrv, lambda c: c.route(topic))
     if found is None:
         raise fail(f"topic {topic} is not served by any live broker")
     return found
@@ -172,6 +164,20 @@ def _parse_time(text: str) -> int:
         raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
 
 
+def _progress(as_json: bool) -> Progress:
+    """A progress bar on stderr, shown only to a person: not with --json, not when stderr is
+    a pipe or a file. Lines printed meanwhile appear above it."""
+    return Progress(
+        TextColumn("replay {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=as_json or not sys.stderr.isatty(),
+    )
+
+
 def replay(
     topic: str,
     namesrv: NamesrvOption = "127.0.0.1:9876",
@@ -194,13 +200,13 @@ def replay(
     if (from_offset is None) == (from_time is None):
         raise fail("give exactly one of --from-offset and --from-time", 2)
     start_ms = _parse_time(from_time) if from_time is not None else None
-    printed = 0
+    # First every queue's range, so the progress bar knows its total; then the reads.
+    ranges = []
     for b in route(namesrv, topic).brokers:
         stub = service_pb2_grpc.MessagingServiceStub(
             grpc.insecure_channel(f"{b.endpoint.host}:{b.endpoint.port}")
         )
-        queues = [queue] if queue is not None else list(range(b.queues))
-        for q in queues:
+        for q in [queue] if queue is not None else list(range(b.queues)):
             mq = d.MessageQueue(topic=d.Resource(name=topic), id=q)
             end = stub.QueryOffset(
                 s.QueryOffsetRequest(message_queue=mq, query_offset_policy=d.END), timeout=_TIMEOUT
@@ -211,6 +217,13 @@ def replay(
                 offset = stub.QueryOffset(at, timeout=_TIMEOUT).offset
             else:
                 offset = from_offset or 0
+            ranges.append((b.broker_name, stub, q, mq, offset, end))
+    total = sum(max(0, end - offset) for *_, offset, end in ranges)
+    printed = done = 0
+    with _progress(as_json) as progress:
+        # With --limit the bar counts messages printed; without, queue offsets covered.
+        task = progress.add_task(topic, total=min(total, limit) if limit else total)
+        for broker_name, stub, q, mq, offset, end in ranges:
             while offset < end and (limit == 0 or printed < limit):
                 request = s.PullMessageRequest(
                     group=d.Resource(name="tmq-replay"),
@@ -222,13 +235,13 @@ def replay(
                 for item in stub.PullMessage(request, timeout=60):
                     kind = item.WhichOneof("content")
                     if kind == "status" and item.status.code not in (d.OK, d.MESSAGE_NOT_FOUND):
-                        raise fail(f"{b.broker_name} {topic}/{q}: {item.status.message}")
+                        raise fail(f"{broker_name} {topic}/{q}: {item.status.message}")
                     if kind == "message" and (limit == 0 or printed < limit):
                         m = item.message
                         sp = m.system_properties
                         _print_message(
                             as_json,
-                            broker=b.broker_name,
+                            broker=broker_name,
                             queue=q,
                             offset=sp.queue_offset,
                             message_id=sp.message_id,
@@ -243,6 +256,8 @@ def replay(
                         next_offset = item.next_offset
                 if next_offset <= offset:
                     break
+                done += min(next_offset, end) - offset
+                progress.update(task, completed=printed if limit else done)
                 offset = next_offset
     if not as_json:
         typer.echo(f"replayed {printed} message(s)", err=True)

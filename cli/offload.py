@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import grpc
 import typer
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
@@ -59,6 +60,7 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
             TextColumn("offload {task.description}"),
             BarColumn(),
             TextColumn("{task.completed}/{task.total} messages"),
+            console=Console(stderr=True),  # stdout stays for the result (and --json)
             transient=True,
             disable=as_json,
         ) as progress:
@@ -94,6 +96,9 @@ def offload(
     ] = None,
     before: Annotated[str | None, typer.Option(help="Only messages stored before TIME.")] = None,
     wait: Annotated[bool, typer.Option(help="status: wait until everything is uploaded.")] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Give up after this many seconds per broker.")
+    ] = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
@@ -121,7 +126,8 @@ def offload(
     )
     rows = []
     for broker_name, stub in brokers(namesrv):
-        reply = _call(f"broker {broker_name}", stub.Offload, request)
+        # An upload of gigabytes takes minutes, not the 10 s other admin calls get.
+        reply = _call(f"broker {broker_name}", stub.Offload, request, timeout=timeout)
         rows += [
             {
                 "broker": broker_name,

@@ -3,37 +3,56 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from broker.config import load_config
-from broker.server import Broker
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
+from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
 from tiered.config import parse_duration_ms, parse_size
-from tiered.hot.data_dir import DataDirLockedError
-from tiered.hot.mapped_file import StoreLoadError
-from tiered.store import recorded_geometry
+
+if TYPE_CHECKING:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+
+# The broker and the store are imported when a server starts, not when the module loads:
+# they cost a second of start-up to every other tmq command.
 
 log = logging.getLogger(__name__)
 
-namesrv_app = typer.Typer(help="The NameServer.", no_args_is_help=True)
-broker_app = typer.Typer(help="A broker.", no_args_is_help=True)
+namesrv_app = typer.Typer(
+    help="The NameServer.\n\nExample: tmq namesrv start --port 9876", no_args_is_help=True
+)
+broker_app = typer.Typer(
+    help="A broker.\n\nExample: tmq broker start --config tmq.toml", no_args_is_help=True
+)
 
 
-# What stops a server from starting, said in one line: a damaged or locked data dir, a
-# configuration the data was not written with, a port in use.
-_START_ERRORS = (StoreLoadError, DataDirLockedError, OSError, ValueError)
+def _start(broker: Broker) -> int:
+    """Start ``broker``; what stops it (a damaged or locked data dir, a configuration the data
+    was not written with, a port in use) exits with one line."""
+    from tiered.hot.data_dir import DataDirLockedError
+    from tiered.hot.mapped_file import StoreLoadError
+
+    try:
+        return broker.start()
+    except (StoreLoadError, DataDirLockedError, OSError, ValueError) as e:
+        raise _start_failed(e) from None
 
 
 def _start_failed(e: Exception) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
+    typer.echo(f"error: {scrub_known(str(e))}", err=True)
     return typer.Exit(1)
+
+
+def _keep_secrets_out_of_logs(config: BrokerConfig) -> None:
+    scrub_logs(secret_values(config.tier_options, os.environ))
 
 
 def _wait_for_signal(stop: threading.Event | None = None) -> None:
@@ -77,6 +96,10 @@ def standalone(
             "(default 60s; [offload] upload_after_ms)."
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Prometheus /metrics port (default 5557; 0 turns metrics off)."),
+    ] = None,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", help="A tmq.toml; the options above override it."),
@@ -93,6 +116,10 @@ def standalone(
 
     Example: tmq standalone --data-dir ./tmq-data --flush sync
     """
+    from broker.config import load_config
+    from broker.server import Broker
+    from tiered.store import recorded_geometry
+
     try:
         base = load_config(config_file)
     except (OSError, ValueError) as e:
@@ -127,15 +154,20 @@ def standalone(
         offload_interval_ms=(
             base.offload_interval_ms if offload_interval is None else int(offload_interval * 1000)
         ),
+        metrics_port=base.metrics_port if metrics_port is None else metrics_port,
     )
+    _keep_secrets_out_of_logs(config)
     broker = Broker(config)
     try:
-        port = broker.start()
-    except _START_ERRORS as e:
+        port = _start(broker)
+    except typer.Exit:
         ns_server.stop(None)
-        raise _start_failed(e) from None
+        raise
+    metrics = (
+        f", metrics http://{host}:{broker.metrics_port}/metrics" if broker.metrics_port else ""
+    )
     typer.echo(
-        f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}, "
+        f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}{metrics}, "
         f"data in {data_dir} (flush {store.flush}); Ctrl-C or SIGTERM stops it",
         err=True,
     )
@@ -206,16 +238,17 @@ def broker_start(
 
     Example: tmq broker start --config tmq.toml
     """
+    from broker.config import load_config
+    from broker.server import Broker
+
     try:
         cfg = load_config(config)
     except (OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    _keep_secrets_out_of_logs(cfg)
     broker = Broker(cfg)
-    try:
-        port = broker.start()
-    except _START_ERRORS as e:
-        raise _start_failed(e) from None
+    port = _start(broker)
     typer.echo(f"broker {cfg.name} listening on {cfg.listen}:{port}", err=True)
     try:
         _wait_for_signal()

@@ -10,12 +10,11 @@ from typing import Annotated, Any
 import typer
 
 from tiered.config import StoreConfig
-from tiered.hot.data_dir import DataDirLockedError
-from tiered.hot.mapped_file import StoreLoadError
-from tiered.store import GEOMETRY_FILE, MessageStore, recorded_geometry
 
 app = typer.Typer(
-    help="Offline operations on a local store (the broker must be stopped).", no_args_is_help=True
+    help="Offline operations on a local store (the broker must be stopped).\n\n"
+    "Example: tmq store check --data-dir ./tmq-data",
+    no_args_is_help=True,
 )
 
 
@@ -30,6 +29,10 @@ def check(
 
     Example: tmq store check --data-dir ./tmq-data --json
     """
+    from tiered.hot.data_dir import DataDirLockedError
+    from tiered.hot.mapped_file import StoreLoadError
+    from tiered.store import GEOMETRY_FILE, MessageStore, recorded_geometry
+
     if not data_dir.is_dir():
         typer.echo(f"error: {data_dir} is not a directory", err=True)
         raise typer.Exit(2)

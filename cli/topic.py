@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import grpc
 import typer
@@ -11,9 +12,13 @@ import typer
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from namesrv.client import NameServerClient, parse_addresses
+from tiered.cold.credentials import scrub_known
 from tiered.config import parse_duration_ms, parse_size
 
-app = typer.Typer(help="Create, change and inspect topics.", no_args_is_help=True)
+app = typer.Typer(
+    help="Create, change and inspect topics.\n\nExample: tmq topic describe orders --json",
+    no_args_is_help=True,
+)
 
 NamesrvOption = Annotated[
     str,
@@ -29,7 +34,8 @@ _TIMEOUT = 10.0
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
+    """Print ``error: message`` (one line, known secrets scrubbed); raise the returned Exit."""
+    typer.echo(f"error: {scrub_known(' '.join(message.split()))}", err=True)
     return typer.Exit(code)
 
 
@@ -62,18 +68,27 @@ MaxBytesOption = Annotated[
 ]
 
 
-def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
-    """(broker name, admin stub) of every live broker, or of the one named ``only``."""
+T = TypeVar("T")
+
+
+def ask_namesrv(namesrv: str, question: Callable[[NameServerClient], T]) -> T:
+    """``question`` put to the NameServers at ``namesrv``; exit with one line when the address
+    is malformed (2) or none answers (1)."""
     try:
         client = NameServerClient(parse_addresses(namesrv))
         try:
-            info = client.cluster_info()
+            return question(client)
         finally:
             client.close()
     except ValueError as e:
         raise fail(str(e), 2) from None
     except grpc.RpcError as e:
         raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
+
+
+def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
+    """(broker name, admin stub) of every live broker, or of the one named ``only``."""
+    info = ask_namesrv(namesrv, lambda c: c.cluster_info())
     found = [
         (
             b.broker.broker_name,
@@ -89,10 +104,15 @@ def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.Ad
     return found
 
 
-def _call(what: str, fn: Any, *args: Any) -> Any:
+def _call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
     try:
-        return fn(*args, timeout=_TIMEOUT)
+        return fn(*args, timeout=timeout)
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise fail(
+                f"{what}: no answer within {timeout:g} s (the broker may be waiting on the cold "
+                "tier; see its log)"
+            ) from None
         raise fail(f"{what}: {e.details() or e.code().name}") from None
 
 
@@ -110,6 +130,7 @@ def create(
     ttl: TtlOption = None,
     local_ttl: LocalTtlOption = None,
     max_bytes: MaxBytesOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Create a topic on every broker (or one).
 
@@ -117,6 +138,7 @@ def create(
     """
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
+    done = []
     for broker_name, stub in brokers(namesrv, broker):
         topic = pb.Topic(
             name=name,
@@ -129,7 +151,18 @@ def create(
             retention_bytes=limit or 0,
         )
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
-        typer.echo(f"created topic {name} on {broker_name}")
+        done.append(broker_name)
+    _report(name, "created", done, as_json)
+
+
+def _report(name: str, action: str, broker_names: list[str], as_json: bool) -> None:
+    if as_json:
+        typer.echo(
+            json.dumps([{"broker": b, "topic": name, "action": action} for b in broker_names])
+        )
+        return
+    for b in broker_names:
+        typer.echo(f"{action} topic {name} on {b}")
 
 
 @app.command("update")
@@ -147,6 +180,7 @@ def update(
     ttl: TtlOption = None,
     local_ttl: LocalTtlOption = None,
     max_bytes: MaxBytesOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Change what is given (queues, permission, tiering, TTLs); everything else stays as it is.
 
@@ -154,6 +188,7 @@ def update(
     """
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
+    done = []
     for broker_name, stub in brokers(namesrv, broker):
         try:
             topic = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=10).topic
@@ -174,7 +209,8 @@ def update(
         if limit is not None:
             topic.retention_bytes = limit
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
-        typer.echo(f"updated topic {name} on {broker_name}")
+        done.append(broker_name)
+    _report(name, "updated", done, as_json)
 
 
 def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:

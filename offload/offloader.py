@@ -78,6 +78,17 @@ class RetentionResult:
 
 
 @dataclass(slots=True)
+class UploadLag:
+    """How far a queue's archive is behind its hot store: what a crash of this disk would lose
+    (Kafka's RemoteCopyLag, RocketMQ's tiered dispatch lag)."""
+
+    messages: int
+    bytes: int
+    seconds: float  # age of the oldest message not yet uploaded; 0 when none is pending
+    archived_bytes: int  # bytes of the segments the queue's manifest holds
+
+
+@dataclass(slots=True)
 class OffloadResult:
     topic: str
     queue_id: int
@@ -89,6 +100,21 @@ class OffloadResult:
 
 class OffloadError(RuntimeError):
     pass
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """What this process has moved into and out of the tier since it started (metrics read it;
+    plain ints bumped under the queue's lock, once per segment, never per message)."""
+
+    uploaded_segments: int = 0
+    uploaded_messages: int = 0
+    uploaded_bytes: int = 0
+    retention_segments: int = 0
+    retention_messages: int = 0
+    retention_bytes: int = 0
+    # Segment objects deleted: expired ones, and orphans swept at start or by retention.
+    deleted_objects: int = 0
 
 
 class Offloader:
@@ -115,6 +141,7 @@ class Offloader:
         # process ever sees an older archive than the one local release relies on.
         self.on_commit = on_commit
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
+        self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
 
@@ -151,6 +178,35 @@ class Offloader:
                     "%s: not in the manifest (an interrupted upload or expiry); deleted", obj.key
                 )
                 self._retry(f"delete {obj.key}", functools.partial(self.tier.delete, obj.key))
+                self.stats.deleted_objects += 1
+
+    def cached_manifest(self, topic: str, queue_id: int) -> QueueManifest | None:
+        """The last manifest this process loaded or committed, without asking the tier (None
+        before the first load): what metrics and status read, so a scrape never waits on S3."""
+        return self._manifests.get((topic, queue_id))
+
+    def archived_bytes(self) -> int:
+        """Bytes of every segment in the cached manifests (the cold tier's size, as committed)."""
+        return sum(s.size for m in list(self._manifests.values()) for s in m.segments)
+
+    def upload_lag(self, topic: str, queue_id: int, now_ms: int) -> UploadLag | None:
+        """The queue's upload lag from the cached manifest and the local ConsumeQueue; None
+        before this process has loaded the queue's manifest (no call to the tier here)."""
+        manifest = self.cached_manifest(topic, queue_id)
+        if manifest is None:
+            return None
+        archived = sum(s.size for s in manifest.segments)
+        cq = self.store.queues.get(topic, queue_id)
+        start = manifest.end_offset
+        if cq is None or cq.max_offset <= start:
+            return UploadLag(0, 0, 0.0, archived)
+        oldest = self.store.store_timestamp_at(topic, queue_id, max(start, cq.min_offset))
+        return UploadLag(
+            cq.max_offset - start,
+            cq.bytes_between(start, cq.max_offset),
+            max(0.0, (now_ms - oldest) / 1000) if oldest is not None else 0.0,
+            archived,
+        )
 
     def watermark(self, topic: str, queue_id: int) -> int:
         """Every queue offset below this is durable in the tier."""
@@ -221,6 +277,9 @@ class Offloader:
                 result.segments += 1
                 result.messages += info.count
                 result.bytes += info.size
+                self.stats.uploaded_segments += 1
+                self.stats.uploaded_messages += info.count
+                self.stats.uploaded_bytes += info.size
             result.watermark = manifest.end_offset
             return result
 
@@ -264,6 +323,10 @@ class Offloader:
             failpoints.hit("retention.before_delete")
             for info in expired:
                 self._retry(f"delete {info.key}", functools.partial(self.tier.delete, info.key))
+                self.stats.deleted_objects += 1
+            self.stats.retention_segments += result.segments
+            self.stats.retention_messages += result.messages
+            self.stats.retention_bytes += result.bytes
             log.info(
                 "%s/%d: retention removed %d segment(s), %d messages; the archive now starts at %d",
                 topic,

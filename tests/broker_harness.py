@@ -47,6 +47,7 @@ class Standalone:
         flush: str = "async",
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
+        metrics_port: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.flush = flush
@@ -54,6 +55,9 @@ class Standalone:
         self.env = env or {}
         self.grpc_port = free_port()
         self.namesrv_port = free_port()
+        # 0: no metrics endpoint, so several nodes (and a developer's own broker on 5557) can
+        # run at once; tests of the endpoint pass free_port().
+        self.metrics_port = metrics_port
         self.proc: subprocess.Popen[str] | None = None
 
     @property
@@ -83,6 +87,8 @@ class Standalone:
                 str(self.namesrv_port),
                 "--flush",
                 self.flush,
+                "--metrics-port",
+                str(self.metrics_port),
                 *self.extra,
             ],
             cwd=REPO,

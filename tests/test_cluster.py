@@ -78,6 +78,7 @@ port = {port}
 advertise_host = "127.0.0.1"
 namesrv = "{";".join(namesrvs)}"
 heartbeat_interval_ms = 500
+metrics_port = 0
 
 [store]
 data_dir = "{tmp_path / name}"

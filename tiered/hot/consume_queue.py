@@ -159,10 +159,11 @@ class ConsumeQueue:
             return None
         return entry
 
-    def iter_entries(self, queue_offset: int, max_count: int) -> Iterator[tuple[int, Entry]]:
-        """(queue offset, entry) for up to ``max_count`` entries from ``queue_offset``."""
-        offset = max(queue_offset, self.min_offset)
-        end = min(self.max_offset, offset + max_count)
+    def _runs(self, start: int, end: int) -> Iterator[tuple[int, bytes]]:
+        """(first queue offset, raw entries) per file for the entries in [start, end) still
+        held here; stops early where a file was unmapped by cleanup meanwhile."""
+        offset = max(start, self.min_offset)
+        end = min(self.max_offset, end)
         while offset < end:
             pos = offset * CQ_ENTRY_SIZE
             f = self.files.find_file(pos)
@@ -174,9 +175,26 @@ class ConsumeQueue:
                 raw = f.read(rel, n * CQ_ENTRY_SIZE)
             except ValueError:
                 return
+            yield offset, raw
+            offset += n
+
+    def iter_entries(self, queue_offset: int, max_count: int) -> Iterator[tuple[int, Entry]]:
+        """(queue offset, entry) for up to ``max_count`` entries from ``queue_offset``."""
+        start = max(queue_offset, self.min_offset)
+        for offset, raw in self._runs(start, start + max_count):
+            # A bare counter, not enumerate(): this loop is the read path's inner loop.
             for entry in CQ_ENTRY.iter_unpack(raw):
                 yield offset, entry
                 offset += 1
+
+    def bytes_between(self, start: int, end: int) -> int:
+        """Total record size of the entries in [start, end) still held here (metrics: upload
+        lag and hot bytes). Sums the size column a file at a time with numpy, so a million
+        entries cost milliseconds, not a Python loop."""
+        return sum(
+            int(np.frombuffer(raw, dtype=CQ_DTYPE)["size"].sum(dtype=np.int64))
+            for _, raw in self._runs(start, end)
+        )
 
     # -- truncate and clean --------------------------------------------------------------------
 
