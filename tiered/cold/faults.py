@@ -85,3 +85,7 @@ class FaultyObjectStore:
     def delete(self, key: str) -> None:
         self._before("delete")
         self.inner.delete(key)
+
+    def children(self, prefix: str) -> list[str]:
+        self._before("list")
+        return self.inner.children(prefix)

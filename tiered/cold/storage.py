@@ -90,6 +90,12 @@ class ObjectStore(Protocol):
         """Delete ``key``; deleting a missing object succeeds (idempotent)."""
         ...
 
+    def children(self, prefix: str) -> list[str]:
+        """The names one level below ``prefix`` ("" for the root), like an S3 LIST with a
+        ``/`` delimiter: one request however many objects lie deeper. Sorted; never cached, so
+        a long-running reader sees prefixes created after it started; [] if there are none."""
+        ...
+
 
 class FsspecObjectStore:
     """``ObjectStore`` over any fsspec filesystem, chosen by the URL's scheme."""
@@ -187,6 +193,18 @@ class FsspecObjectStore:
             return
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def children(self, prefix: str) -> list[str]:
+        base = f"{self.root}/{prefix}".rstrip("/")
+        try:
+            # refresh: s3fs caches delimiter listings, and new queues must become visible.
+            found = self.fs.ls(base, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise self._translate(prefix or "/", e) from e
+        names = {str(info["name"]).rstrip("/").rsplit("/", 1)[-1] for info in found}
+        return sorted(n for n in names if n and not n.startswith("."))
 
 
 def _write_temp(directory: Path, data: bytes) -> Path:
