@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from cli import client, offload, retain, servers
+from cli import client, lakehouse, offload, retain, servers
 from cli import store as store_commands
 from cli import topic as topic_commands
 
@@ -30,6 +30,7 @@ app.command("retain")(retain.retain)
 app.command("offload")(offload.offload)
 app.command("verify")(offload.verify)
 app.add_typer(store_commands.app, name="store")
+app.add_typer(lakehouse.app, name="lakehouse")
 
 
 def main() -> None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+from lakehouse import PROJECT_ROOT
 from lakehouse.source import TmqDataSource
-
-# The project root: Python workers must import this checkout's packages (lakehouse, tiered),
-# whatever directory Spark starts them in.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def spark_session(master: str = "local[*]", app_name: str = "tmq-lakehouse") -> SparkSession:
