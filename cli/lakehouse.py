@@ -73,6 +73,13 @@ def export(
     max_segments_per_trigger: Annotated[
         int | None, typer.Option(help="Admission cap: segments per micro-batch.")
     ] = None,
+    standby: Annotated[
+        bool,
+        typer.Option(help="If another export holds the checkpoint, wait and take over."),
+    ] = False,
+    conf: Annotated[
+        list[str] | None, typer.Option(help="Spark setting KEY=VALUE (repeatable).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Export archived topics to Delta tables at {lake_root}/{topic}, exactly once.
@@ -88,6 +95,12 @@ def export(
         max_bytes = parse_size(max_bytes_per_trigger)
     except ValueError as e:
         raise fail(str(e), 2) from None
+    spark_conf = {}
+    for setting in conf or []:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise fail(f"--conf: expected KEY=VALUE, got {setting!r}", 2)
+        spark_conf[key.strip()] = value
     from lakehouse.export import Export, ExportConfig, ExportError
     from lakehouse.locations import Location
     from lakehouse.spark import spark_session
@@ -106,11 +119,12 @@ def export(
         max_bytes_per_trigger=max_bytes,
         max_segments_per_trigger=max_segments_per_trigger,
         engine="delta-spark" if engine == "delta-spark" else "delta-rs",
+        standby=standby,
     )
     logging.getLogger("lakehouse").setLevel(logging.INFO)
     logging.getLogger("py4j").setLevel(logging.WARNING)
     try:
-        job = Export(spark_session(master), config)
+        job = Export(spark_session(master, conf=spark_conf), config)
         # SIGTERM (the broker's stop, kill) and Ctrl-C end the query after the current batch.
         signal.signal(signal.SIGTERM, lambda *_: job.stop())
         signal.signal(signal.SIGINT, lambda *_: job.stop())

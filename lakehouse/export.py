@@ -18,10 +18,11 @@ so nothing is exported twice. Either way the sink drops rows the table already h
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ from pyspark.sql import functions as F
 
 from lakehouse import source as tmq_source
 from lakehouse.locations import Location, is_local, local_path
+from lakehouse.lock import CheckpointLock, ExportLockedError
 from lakehouse.sink import FILE_META_DDL, CommitResult, ParquetWriterTask, commit_files
 from lakehouse.tables import LakeTable, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
@@ -57,6 +59,8 @@ class ExportConfig:
     max_segments_per_trigger: int | None = None
     bytes_per_partition: int = tmq_source.DEFAULT_BYTES_PER_PARTITION
     engine: Engine = "delta-rs"
+    # Wait for the export holding the checkpoint to stop, then take over (hot standby).
+    standby: bool = False
     tier_options: dict[str, Any] = field(default_factory=dict)
     lake_options: dict[str, Any] = field(default_factory=dict)
 
@@ -128,8 +132,6 @@ class Export:
     # -- the query ------------------------------------------------------------------------
 
     def _reader(self, starting: dict[str, int], ending: dict[str, int] | None) -> DataFrame:
-        import json
-
         options = {
             "tier_url": self.tier.url,
             "tier_options": json.dumps(self.tier.options),
@@ -158,6 +160,7 @@ class Export:
     def _write_batch_delta_rs(self, df: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
+        log.info("batch %d: writing", batch_id)
         floors = self.exported(self.queues())
         task = ParquetWriterTask(self.lake, floors, export_ts_us, batch_id)
         # Only file metadata comes back to the driver: one row per Parquet file.
@@ -179,7 +182,7 @@ class Export:
                 self.offsets.update(c.offsets)
             self.batches.append(report)
         log.info(
-            "batch %d: %d rows in %d files, %.1f s",
+            "batch %d: committed %d rows in %d files, %.1f s",
             batch_id,
             report.rows,
             report.files,
@@ -207,6 +210,18 @@ class Export:
         with self._lock:
             self.batches.append(BatchReport(batch_id, 0, 0, time.monotonic() - started, []))
 
+    def _warm_up(self) -> None:
+        """Run a tiny job through the same Python paths as a batch (the tmq source's planner
+        and reader, mapInArrow), so that a standby's first batch after takeover does not pay
+        for starting Python workers and loading classes."""
+        sample = self.spark.read.format(tmq_source.NAME).options(
+            tier_url=self.tier.url,
+            tier_options=json.dumps(self.tier.options),
+            endingOffsets=json.dumps({}),
+            topics="-",  # no such topic: plans nothing, reads nothing
+        )
+        sample.load().mapInArrow(_passthrough, sample.load().schema).collect()
+
     def _check_engine(self) -> None:
         if self.config.engine != "delta-spark":
             return
@@ -224,6 +239,21 @@ class Export:
     def run(self, *, once: bool, timeout: float | None = None) -> ExportReport:
         """Export until caught up (``once``) or until ``stop()``; returns what was done."""
         self._check_engine()
+        lock = CheckpointLock(self.checkpoint)
+        try:
+            if self.config.standby:
+                self._warm_up()
+                log.info("standby: waiting for the export holding %s", lock.path)
+            if not lock.acquire(wait=self.config.standby, stop=self._stop):
+                return ExportReport([], dict(self.offsets))
+        except ExportLockedError as e:
+            raise ExportError(str(e)) from None
+        try:
+            return self._run(once=once, timeout=timeout)
+        finally:
+            lock.release()
+
+    def _run(self, *, once: bool, timeout: float | None) -> ExportReport:
         queues = self.queues()
         if not queues:
             names = ", ".join(sorted(self.topics)) if self.topics else "any topic"
@@ -255,7 +285,7 @@ class Export:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     raise ExportError(f"export did not finish within {timeout:.0f} s")
-                query.awaitTermination(0.5)
+                query.awaitTermination(1)
         finally:
             if query.isActive:
                 query.stop()
@@ -286,6 +316,10 @@ class Export:
     def stop(self) -> None:
         """Ask a running ``run()`` to stop after the current batch (thread- and signal-safe)."""
         self._stop.set()
+
+
+def _passthrough(batches: Iterable[Any]) -> Iterator[Any]:
+    yield from batches
 
 
 def _one_line(error: BaseException | None) -> str:

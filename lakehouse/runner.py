@@ -49,6 +49,8 @@ class LakehouseConfig:
     trigger_seconds: float = 10.0  # the export's default trigger
     master: str = "local[2]"
     checkpoint_dir: str | None = None
+    # Extra Spark settings for the child (spark-submit's --conf), e.g. driver memory.
+    spark_conf: dict[str, str] = field(default_factory=dict)
     # Where the child's output goes (default: beside the lake, or ./tmq-data).
     log_path: str | None = None
 
@@ -93,6 +95,8 @@ def export_command(config: LakehouseConfig, tier_url: str) -> list[str]:
     ]
     if config.checkpoint_dir:
         command += ["--checkpoint", config.checkpoint_dir]
+    for key, value in sorted(config.spark_conf.items()):
+        command += ["--conf", f"{key}={value}"]
     return command
 
 

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, Transaction
-from deltalake.transaction import AddAction
+from deltalake.transaction import AddAction, RemoveAction
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
@@ -164,7 +164,7 @@ class ParquetWriterTask:
     batch_id: int
     target_file_bytes: int = TARGET_FILE_BYTES
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         fs, root = self.lake.filesystem()
         files: dict[tuple[str, str], _OpenFile] = {}
         done: list[dict[str, Any]] = []
@@ -253,7 +253,7 @@ def commit_files(
     offsets: dict[str, int] = {}
     for f in keep:
         offsets[f["queue_key"]] = max(offsets.get(f["queue_key"], 0), f["last_offset"] + 1)
-    actions = [
+    actions: list[AddAction | RemoveAction] = [
         AddAction(
             path=f["path"],
             size=f["size"],

@@ -166,6 +166,13 @@ def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
         offset += len(messages)
 
 
+def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    # When partitions() returns none, Spark still runs one task with a partition of its own.
+    if not isinstance(partition, SegmentSlice):
+        return iter(())
+    return read_slice(tier, partition)
+
+
 @dataclass(slots=True, frozen=True)
 class _Span:
     """Part of a segment admitted into a batch (planning only)."""
@@ -313,8 +320,7 @@ class TmqStreamReader(DataSourceStreamReader):
         return self.planner.slices(start, end)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentSlice)
-        return read_slice(self.options.tier, partition)
+        return read_partition(self.options.tier, partition)
 
     def commit(self, end: dict[str, int]) -> None:
         # Nothing to release: progress lives in the checkpoint and in the Delta table.
@@ -335,8 +341,7 @@ class TmqBatchReader(DataSourceReader):
         return planner.slices(start, end)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentSlice)
-        return read_slice(self.options.tier, partition)
+        return read_partition(self.options.tier, partition)
 
 
 class TmqDataSource(DataSource):

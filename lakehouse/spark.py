@@ -11,7 +11,11 @@ from lakehouse import PROJECT_ROOT
 from lakehouse.source import TmqDataSource
 
 
-def spark_session(master: str = "local[*]", app_name: str = "tmq-lakehouse") -> SparkSession:
+def spark_session(
+    master: str = "local[*]",
+    app_name: str = "tmq-lakehouse",
+    conf: dict[str, str] | None = None,
+) -> SparkSession:
     """A session for the export (or reuse the active one, e.g. in a notebook or test suite).
 
     Python workers run the same interpreter as the driver, and see this checkout first on their
@@ -25,7 +29,7 @@ def spark_session(master: str = "local[*]", app_name: str = "tmq-lakehouse") -> 
     path = os.environ.get("PYTHONPATH", "")
     if str(PROJECT_ROOT) not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), path) if p)
-    session = (
+    builder = (
         SparkSession.builder.master(master)
         .appName(app_name)
         .config("spark.ui.enabled", "false")
@@ -35,8 +39,10 @@ def spark_session(master: str = "local[*]", app_name: str = "tmq-lakehouse") -> 
         # Java's regex engine recurses deeply on long Python error messages; a small default
         # stack turned one failed batch into a StackOverflowError that hid the real error.
         .config("spark.driver.extraJavaOptions", "-Xss16m")
-        .getOrCreate()
     )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     register(session)
     return session

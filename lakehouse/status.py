@@ -105,7 +105,7 @@ def topic_status(
             watermark = manifests.get(q).end_offset
             at = exported.get(q.key, manifests.get(q).start_offset)
             pending = max(0, watermark - max(at, manifests.get(q).start_offset))
-            lag = 0.0
+            lag: float | None = 0.0
             if pending:
                 oldest = _oldest_pending_ms(store, manifests, q, at)
                 lag = max(0.0, now - oldest / 1000) if oldest is not None else None

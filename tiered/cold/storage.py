@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,7 +91,7 @@ class ObjectStore(Protocol):
         """Delete ``key``; deleting a missing object succeeds (idempotent)."""
         ...
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> Sequence[str]:
         """The names one level below ``prefix`` ("" for the root), like an S3 LIST with a
         ``/`` delimiter: one request however many objects lie deeper. Sorted; never cached, so
         a long-running reader sees prefixes created after it started; [] if there are none."""
@@ -194,7 +195,7 @@ class FsspecObjectStore:
         except Exception as e:
             raise self._translate(key, e) from e
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> Sequence[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
             # refresh: s3fs caches delimiter listings, and new queues must become visible.
