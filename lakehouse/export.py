@@ -255,9 +255,16 @@ class Export:
 
     def _run(self, *, once: bool, timeout: float | None) -> ExportReport:
         queues = self.queues()
-        if not queues:
-            names = ", ".join(sorted(self.topics)) if self.topics else "any topic"
+        names = ", ".join(sorted(self.topics)) if self.topics else "any topic"
+        if not queues and once:
             raise ExportError(f"{self.tier.url}: no archived queues of {names}")
+        if not queues:
+            # A broker's export starts before its first offload: wait for the first segment.
+            log.info("%s: nothing archived of %s yet; waiting", self.tier.url, names)
+            while not queues:
+                if self._stop.wait(self.config.trigger_seconds):
+                    return ExportReport([], {})
+                queues = self.queues()
         starting = self.exported(queues)
         self.offsets = dict(starting)
         targets: dict[str, int] | None = None
