@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 # Deadlines for every S3 call: a blackholed endpoint must fail a call, not hang it
 # (Redpanda's lesson: a connect timeout alone leaves in-flight PUTs hanging for minutes).
 DEFAULT_S3_OPTIONS: dict[str, Any] = {
+    # No listings cache: s3fs answers info()/cat_file() of a key from a cached listing of its
+    # directory, so a long-running reader that once listed manifests/ got "not found" for every
+    # manifest version committed after that (found by bench/export.py's continuous export).
+    "use_listings_cache": False,
     "config_kwargs": {
         "connect_timeout": 5,
         "read_timeout": 30,
