@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lakehouse import PROJECT_ROOT
+from lakehouse.locations import normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ class LakehouseConfig:
     enabled = true
     lake_root = "./tmq-data/lake"      # or s3://bucket/lake
     topics = []                        # empty: every archived topic
-    trigger = "10s"
+    trigger_seconds = 10
     master = "local[2]"
     ```
+
+    Relative paths are resolved against the broker's working directory when the child starts.
     """
 
     enabled: bool = False
@@ -51,7 +54,7 @@ class LakehouseConfig:
     checkpoint_dir: str | None = None
     # Extra Spark settings for the child (spark-submit's --conf), e.g. driver memory.
     spark_conf: dict[str, str] = field(default_factory=dict)
-    # Where the child's output goes (default: beside the lake, or ./tmq-data).
+    # Where the child's output goes (default: ./tmq-data/lakehouse-export.log).
     log_path: str | None = None
 
 
@@ -84,9 +87,9 @@ def export_command(config: LakehouseConfig, tier_url: str) -> list[str]:
         "export",
         *config.topics,
         "--tier-url",
-        tier_url,
+        normalize_url(tier_url),  # the child runs in the project root, not our directory
         "--lake-root",
-        config.lake_root,
+        normalize_url(config.lake_root),
         "--continuous",
         "--trigger",
         f"{config.trigger_seconds:g}s",
@@ -94,7 +97,7 @@ def export_command(config: LakehouseConfig, tier_url: str) -> list[str]:
         config.master,
     ]
     if config.checkpoint_dir:
-        command += ["--checkpoint", config.checkpoint_dir]
+        command += ["--checkpoint", str(Path(config.checkpoint_dir).resolve())]
     for key, value in sorted(config.spark_conf.items()):
         command += ["--conf", f"{key}={value}"]
     return command
@@ -126,8 +129,8 @@ class ContinuousExport:
     @property
     def log_path(self) -> Path:
         if self.config.log_path:
-            return Path(self.config.log_path)
-        return Path("tmq-data") / "lakehouse-export.log"
+            return Path(self.config.log_path).resolve()
+        return (Path("tmq-data") / "lakehouse-export.log").resolve()
 
     @property
     def pid(self) -> int | None:
