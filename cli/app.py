@@ -15,7 +15,7 @@ import sys
 import grpc
 import typer
 
-from cli import client, offload, retain, servers, status
+from cli import client, lakehouse, offload, retain, servers, status
 from cli import store as store_commands
 from cli import topic as topic_commands
 from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
@@ -41,6 +41,7 @@ app.command("offload")(offload.offload)
 app.command("verify")(offload.verify)
 app.command("status")(status.status)
 app.add_typer(store_commands.app, name="store")
+app.add_typer(lakehouse.app, name="lakehouse")
 
 
 def _one_line(e: BaseException) -> str:

@@ -158,3 +158,16 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# -- Spark ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One Spark session (local[2], UTC, UI off) for the whole suite: starting one takes ~9 s."""
+    from lakehouse.spark import spark_session
+
+    session = spark_session("local[2]", "tmq-tests")
+    yield session
+    session.stop()

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from tiered.cold.storage import ObjectInfo, ObjectStore, StorageError
 
@@ -85,3 +86,7 @@ class FaultyObjectStore:
     def delete(self, key: str) -> None:
         self._before("delete")
         self.inner.delete(key)
+
+    def children(self, prefix: str) -> Sequence[str]:
+        self._before("list")
+        return self.inner.children(prefix)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +93,12 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing object succeeds (idempotent)."""
+        ...
+
+    def children(self, prefix: str) -> Sequence[str]:
+        """The names one level below ``prefix`` ("" for the root), like an S3 LIST with a
+        ``/`` delimiter: one request however many objects lie deeper. Sorted; never cached, so
+        a long-running reader sees prefixes created after it started; [] if there are none."""
         ...
 
 
@@ -191,6 +198,18 @@ class FsspecObjectStore:
             return
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def children(self, prefix: str) -> Sequence[str]:
+        base = f"{self.root}/{prefix}".rstrip("/")
+        try:
+            # refresh: s3fs caches delimiter listings, and new queues must become visible.
+            found = self.fs.ls(base, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise self._translate(prefix or "/", e) from e
+        names = {str(info["name"]).rstrip("/").rsplit("/", 1)[-1] for info in found}
+        return sorted(n for n in names if n and not n.startswith("."))
 
 
 def _write_temp(directory: Path, data: bytes) -> Path:

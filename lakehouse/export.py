@@ -1,0 +1,340 @@
+"""The export job: archived topics -> one Delta table per topic, exactly once.
+
+A Structured Streaming query reads the ``tmq`` source and hands each micro-batch to
+``foreachBatch``, which writes Parquet on the executors and commits on the driver
+(``lakehouse/sink.py``). ``--once`` and ``--continuous`` run the same query:
+
+* ``once``: the source is bounded by ``endingOffsets`` = every queue's tier watermark when the
+  job starts; the job stops when the table's exported offsets reach them (pyspark 4.0 has no
+  Trigger.AvailableNow for Python sources, and admission control splits the backfill into
+  bounded batches).
+* ``continuous``: a processing-time trigger (default 10 s) until ``stop()`` or a signal.
+
+Where the query starts. A query with a checkpoint resumes from it. Without one (first run,
+checkpoint lost or deleted), the source's ``startingOffsets`` are the tables' app transactions,
+so nothing is exported twice. Either way the sink drops rows the table already has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from lakehouse import source as tmq_source
+from lakehouse.locations import Location, is_local, local_path
+from lakehouse.lock import CheckpointLock, ExportLockedError
+from lakehouse.sink import FILE_META_DDL, CommitResult, ParquetWriterTask, commit_files
+from lakehouse.tables import LakeTable, exported_offsets
+from lakehouse.tier import ManifestCache, QueueRef, discover
+from tiered.cold.storage import open_store
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["delta-rs", "delta-spark"]
+DEFAULT_TRIGGER_SECONDS = 10.0
+
+
+class ExportError(RuntimeError):
+    """The export cannot run or failed; the message is for an operator."""
+
+
+@dataclass(slots=True)
+class ExportConfig:
+    tier_url: str
+    lake_root: str
+    topics: list[str] | None = None  # None: every archived topic
+    trigger_seconds: float = DEFAULT_TRIGGER_SECONDS
+    checkpoint_dir: str | None = None  # default: {lake_root}/_checkpoints/export-… (local lake)
+    max_bytes_per_trigger: int | None = tmq_source.DEFAULT_MAX_BYTES_PER_TRIGGER
+    max_segments_per_trigger: int | None = None
+    bytes_per_partition: int = tmq_source.DEFAULT_BYTES_PER_PARTITION
+    engine: Engine = "delta-rs"
+    # Wait for the export holding the checkpoint to stop, then take over (hot standby).
+    standby: bool = False
+    tier_options: dict[str, Any] = field(default_factory=dict)
+    lake_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BatchReport:
+    batch_id: int
+    rows: int
+    files: int
+    seconds: float
+    commits: list[CommitResult]
+
+
+@dataclass(slots=True)
+class ExportReport:
+    batches: list[BatchReport]
+    offsets: dict[str, int]  # queue key -> exported offset (next to export)
+
+    @property
+    def rows(self) -> int:
+        return sum(b.rows for b in self.batches)
+
+
+def default_checkpoint(lake: Location, topics: list[str] | None) -> str:
+    """Spark checkpoints need a Hadoop filesystem: beside a local lake, else under ./tmq-data.
+    Named by the topic set, so exports of different topic sets never share one."""
+    name = "all" if not topics else ",".join(sorted(topics))
+    digest = hashlib.sha1(f"{lake.url}|{name}".encode()).hexdigest()[:10]
+    label = name if len(name) <= 40 else name[:40]
+    base = (
+        local_path(lake.url) / "_checkpoints"
+        if is_local(lake.url)
+        else Path("tmq-data/checkpoints")
+    )
+    return str((base / f"export-{label}-{digest}").resolve())
+
+
+class Export:
+    """One export job in one Spark session."""
+
+    def __init__(self, spark: SparkSession, config: ExportConfig) -> None:
+        self.spark = spark
+        self.config = config
+        self.tier = Location.of(config.tier_url, config.tier_options)
+        self.lake = Location.of(config.lake_root, config.lake_options)
+        self.topics = frozenset(config.topics) if config.topics else None
+        self.checkpoint = config.checkpoint_dir or default_checkpoint(self.lake, config.topics)
+        self.offsets: dict[str, int] = {}
+        self.batches: list[BatchReport] = []
+        self._store = open_store(self.tier.url, self.tier.options)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.on_batch: Callable[[BatchReport], None] | None = None
+
+    # -- what is where -------------------------------------------------------------------
+
+    def queues(self) -> list[QueueRef]:
+        return discover(self._store, self.topics)
+
+    def exported(self, queues: list[QueueRef]) -> dict[str, int]:
+        """The tables' exported offsets (their app transactions) for ``queues``."""
+        out: dict[str, int] = {}
+        for topic in sorted({q.topic for q in queues}):
+            table = LakeTable(self.lake, topic).open()
+            out.update(exported_offsets(table, [q for q in queues if q.topic == topic]))
+        return out
+
+    # -- the query ------------------------------------------------------------------------
+
+    def _reader(self, starting: dict[str, int], ending: dict[str, int] | None) -> DataFrame:
+        options = {
+            "tier_url": self.tier.url,
+            "tier_options": json.dumps(self.tier.options),
+            "startingOffsets": json.dumps(starting) if starting else "earliest",
+            "endingOffsets": json.dumps(ending) if ending is not None else "latest",
+            "bytesPerPartition": str(self.config.bytes_per_partition),
+        }
+        if self.topics:
+            options["topics"] = ",".join(sorted(self.topics))
+        if self.config.max_bytes_per_trigger:
+            options["maxBytesPerTrigger"] = str(self.config.max_bytes_per_trigger)
+        if self.config.max_segments_per_trigger:
+            options["maxSegmentsPerTrigger"] = str(self.config.max_segments_per_trigger)
+        return self.spark.readStream.format(tmq_source.NAME).options(**options).load()
+
+    def _write_batch(self, df: DataFrame, batch_id: int) -> None:
+        try:
+            if self.config.engine == "delta-spark":
+                self._write_batch_delta_spark(df, batch_id)
+            else:
+                self._write_batch_delta_rs(df, batch_id)
+        except BaseException as e:
+            self._error = e
+            raise
+
+    def _write_batch_delta_rs(self, df: DataFrame, batch_id: int) -> None:
+        started = time.monotonic()
+        export_ts_us = int(time.time() * 1_000_000)
+        log.info("batch %d: writing", batch_id)
+        floors = self.exported(self.queues())
+        task = ParquetWriterTask(self.lake, floors, export_ts_us, batch_id)
+        # Only file metadata comes back to the driver: one row per Parquet file.
+        files = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
+        commits = []
+        for topic in sorted({f["topic"] for f in files}):
+            mine = [f for f in files if f["topic"] == topic]
+            commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us))
+        report = BatchReport(
+            batch_id,
+            sum(c.rows for c in commits),
+            sum(c.files for c in commits),
+            time.monotonic() - started,
+            commits,
+        )
+        with self._lock:
+            self.offsets.update(floors)
+            for c in commits:
+                self.offsets.update(c.offsets)
+            self.batches.append(report)
+        log.info(
+            "batch %d: committed %d rows in %d files, %.1f s",
+            batch_id,
+            report.rows,
+            report.files,
+            report.seconds,
+        )
+        if self.on_batch is not None:
+            self.on_batch(report)
+
+    def _write_batch_delta_spark(self, df: DataFrame, batch_id: int) -> None:
+        """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair (the
+        query's id and batch id), so it is exactly-once only while the checkpoint lives."""
+        started = time.monotonic()
+        stamped = df.withColumn("export_ts", F.current_timestamp())
+        topics = [r.topic for r in stamped.select("topic").distinct().collect()]
+        for topic in topics:
+            (
+                stamped.where(F.col("topic") == topic)
+                .write.format("delta")
+                .mode("append")
+                .option("txnAppId", f"tmq-export:{self.checkpoint}")
+                .option("txnVersion", batch_id)
+                .partitionBy("store_date")
+                .save(LakeTable(self.lake, topic).location.url)
+            )
+        with self._lock:
+            self.batches.append(BatchReport(batch_id, 0, 0, time.monotonic() - started, []))
+
+    def _warm_up(self) -> None:
+        """Run a tiny job through the same Python paths as a batch (the tmq source's planner
+        and reader, mapInArrow), so that a standby's first batch after takeover does not pay
+        for starting Python workers and loading classes."""
+        sample = self.spark.read.format(tmq_source.NAME).options(
+            tier_url=self.tier.url,
+            tier_options=json.dumps(self.tier.options),
+            endingOffsets=json.dumps({}),
+            topics="-",  # no such topic: plans nothing, reads nothing
+        )
+        sample.load().mapInArrow(_passthrough, sample.load().schema).collect()
+
+    def _check_engine(self) -> None:
+        if self.config.engine != "delta-spark":
+            return
+        jvm = getattr(self.spark, "_jvm", None)
+        try:
+            assert jvm is not None
+            jvm.java.lang.Class.forName("io.delta.tables.DeltaTable")
+        except Exception:
+            raise ExportError(
+                "--engine delta-spark needs the Delta Lake jars (io.delta:delta-spark_2.13) on "
+                "Spark's classpath and none were found; add them with --jars or "
+                "spark.jars.packages, or use the default --engine delta-rs"
+            ) from None
+
+    def run(self, *, once: bool, timeout: float | None = None) -> ExportReport:
+        """Export until caught up (``once``) or until ``stop()``; returns what was done."""
+        self._check_engine()
+        lock = CheckpointLock(self.checkpoint)
+        try:
+            if self.config.standby:
+                self._warm_up()
+                log.info("standby: waiting for the export holding %s", lock.path)
+            if not lock.acquire(wait=self.config.standby, stop=self._stop):
+                return ExportReport([], dict(self.offsets))
+        except ExportLockedError as e:
+            raise ExportError(str(e)) from None
+        try:
+            return self._run(once=once, timeout=timeout)
+        finally:
+            lock.release()
+
+    def _run(self, *, once: bool, timeout: float | None) -> ExportReport:
+        queues = self.queues()
+        names = ", ".join(sorted(self.topics)) if self.topics else "any topic"
+        if not queues and once:
+            raise ExportError(f"{self.tier.url}: no archived queues of {names}")
+        if not queues:
+            # A broker's export starts before its first offload: wait for the first segment.
+            log.info("%s: nothing archived of %s yet; waiting", self.tier.url, names)
+            while not queues:
+                if self._stop.wait(self.config.trigger_seconds):
+                    return ExportReport([], {})
+                queues = self.queues()
+        starting = self.exported(queues)
+        self.offsets = dict(starting)
+        targets: dict[str, int] | None = None
+        manifests = ManifestCache(self._store)
+        if once:
+            # Bounded by the tier watermarks as they are now: what "archived so far" means.
+            targets = {q.key: manifests.get(q).end_offset for q in queues}
+            if self._reached(targets, queues, manifests):
+                log.info("nothing new to export")
+                return ExportReport([], dict(self.offsets))
+        writer = (
+            self._reader(starting, targets)
+            .writeStream.foreachBatch(self._write_batch)
+            .option("checkpointLocation", self.checkpoint)
+            .queryName(f"tmq-export-{hashlib.sha1(self.checkpoint.encode()).hexdigest()[:8]}")
+        )
+        trigger = "0 seconds" if once else f"{self.config.trigger_seconds} seconds"
+        query = writer.trigger(processingTime=trigger).start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while query.isActive:
+                if targets is not None and self._reached(targets, queues, manifests):
+                    break
+                if self._stop.is_set():
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ExportError(f"export did not finish within {timeout:.0f} s")
+                query.awaitTermination(1)
+        finally:
+            if query.isActive:
+                query.stop()
+        failure = query.exception()
+        if failure is not None or self._error is not None:
+            raise ExportError(_one_line(self._error or failure)) from None
+        return ExportReport(list(self.batches), dict(self.offsets))
+
+    def _reached(
+        self,
+        targets: dict[str, int],
+        queues: list[QueueRef],
+        manifests: ManifestCache,
+    ) -> bool:
+        """Every queue exported up to its target, or holding nothing below it."""
+        with self._lock:
+            offsets = dict(self.offsets)
+        for q in queues:
+            target = targets[q.key]
+            exported = offsets.get(q.key)
+            if exported is not None and exported >= target:
+                continue
+            if manifests.get(q, refresh=False).start_offset >= target:
+                continue  # nothing retained below the target (empty, or all expired)
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Ask a running ``run()`` to stop after the current batch (thread- and signal-safe)."""
+        self._stop.set()
+
+
+def _passthrough(batches: Iterable[Any]) -> Iterator[Any]:
+    yield from batches
+
+
+def _one_line(error: BaseException | None) -> str:
+    if error is None:
+        return "the export query stopped"
+    text = str(error).strip() or type(error).__name__
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "JVM stacktrace")):
+            return line[:500]
+    return text.splitlines()[0][:500]

@@ -1,0 +1,361 @@
+"""The ``tmq`` PySpark data source: the cold tier as a batch or streaming table.
+
+    spark.readStream.format("tmq")
+        .option("tier_url", "s3://bucket/tier")
+        .option("topics", "orders,payments")
+        .load()
+
+It reads manifests and segment objects straight from the object store and never calls a broker.
+
+Offsets. A streaming offset is the next queue offset of every archived queue, keyed
+``cluster/broker/topic/queue`` (``tier.QueueRef.key``): ``{"c1/broker-a/orders/0": 1200, …}``.
+Segments have no gaps, so ``[start, end)`` of a queue is exactly ``end - start`` messages.
+
+Partitions. One Spark task per slice of one segment object (``SegmentSlice``): the task reads
+the slice's offset-table entries and records with ranged GETs (``SegmentReader``), decodes them
+with the shared codec and yields Arrow record batches. Slices are cut to about
+``bytesPerPartition``, so a 64 MiB segment spreads over several cores.
+
+Admission control. pyspark 4.0's ``latestOffset()`` takes no arguments, so the reader keeps
+its own position (the end of the last planned batch) and admits whole segments, oldest first
+across queues, until ``maxBytesPerTrigger`` or ``maxSegmentsPerTrigger`` is reached (always at
+least one). A months-long backfill therefore runs as a sequence of bounded micro-batches.
+
+Options:
+
+======================  =====================================================================
+ tier_url                the tier root (``file://…`` or ``s3://bucket/prefix``); required
+ tier_options            JSON fsspec options (endpoint_url, …); default: from AWS_* env
+ topics                  comma-separated topics; default: every archived topic
+ startingOffsets         ``earliest`` (default) or JSON ``{queue key: offset}``; used by a new
+                         query only (a restarted one resumes from its checkpoint). Queues it
+                         does not name start at their earliest retained offset.
+ endingOffsets           ``latest`` (default) or JSON ``{queue key: offset}``: never read past
+ maxBytesPerTrigger      bytes of segment data per micro-batch (default 256 MiB)
+ maxSegmentsPerTrigger   segments per micro-batch (default: no limit)
+ bytesPerPartition       target bytes per Spark task (default 32 MiB)
+======================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.types import StructType
+
+from lakehouse import schema
+from lakehouse.locations import Location
+from lakehouse.tier import ManifestCache, QueueRef, discover
+from tiered.cold.manifest import QueueManifest
+from tiered.cold.segment import SegmentInfo, SegmentReader
+from tiered.cold.storage import open_store
+
+log = logging.getLogger(__name__)
+
+NAME = "tmq"
+DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
+DEFAULT_BYTES_PER_PARTITION = 32 << 20
+# Bytes of records fetched per ranged GET inside a task: bounds a task's memory.
+READ_SPAN_BYTES = 8 << 20
+
+
+class SourceOptionError(ValueError):
+    """An option of the ``tmq`` source is missing or malformed."""
+
+
+def _offsets(name: str, raw: str | None, default: str) -> dict[str, int] | None:
+    """Parse startingOffsets/endingOffsets; None means the default (earliest / latest)."""
+    if raw is None or raw.strip() == default:
+        return None
+    try:
+        parsed = json.loads(raw)
+        if not isinstance(parsed, dict):
+            raise TypeError("not an object")
+        out = {str(k): int(v) for k, v in parsed.items()}
+        for key in out:
+            QueueRef.parse(key)
+    except (ValueError, TypeError) as e:
+        raise SourceOptionError(
+            f'{name}: expected {default!r} or JSON {{"cluster/broker/topic/queue": offset}}: {e}'
+        ) from None
+    return out
+
+
+def _positive(options: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SourceOptionError(f"{name}: {raw!r} is not a whole number") from None
+    if value <= 0:
+        raise SourceOptionError(f"{name}: must be positive, got {value}")
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class SourceOptions:
+    tier: Location
+    topics: frozenset[str] | None
+    starting: dict[str, int] | None
+    ending: dict[str, int] | None
+    max_bytes_per_trigger: int | None
+    max_segments_per_trigger: int | None
+    bytes_per_partition: int
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        url = options.get("tier_url")
+        if not url:
+            raise SourceOptionError("option tier_url is required (file://… or s3://bucket/prefix)")
+        try:
+            extra = json.loads(options.get("tier_options") or "{}")
+        except ValueError as e:
+            raise SourceOptionError(f"tier_options: not JSON: {e}") from None
+        topics_raw = options.get("topics")
+        topics = (
+            frozenset(t.strip() for t in topics_raw.split(",") if t.strip()) if topics_raw else None
+        )
+        return cls(
+            tier=Location.of(url, extra),
+            topics=topics or None,
+            starting=_offsets("startingOffsets", options.get("startingOffsets"), "earliest"),
+            ending=_offsets("endingOffsets", options.get("endingOffsets"), "latest"),
+            max_bytes_per_trigger=_positive(
+                options, "maxBytesPerTrigger", DEFAULT_MAX_BYTES_PER_TRIGGER
+            ),
+            max_segments_per_trigger=_positive(options, "maxSegmentsPerTrigger", None),
+            bytes_per_partition=_positive(options, "bytesPerPartition", DEFAULT_BYTES_PER_PARTITION)
+            or DEFAULT_BYTES_PER_PARTITION,
+        )
+
+
+class SegmentSlice(InputPartition):
+    """One Spark task: queue offsets ``[first, end)`` of one segment object."""
+
+    def __init__(self, queue_key: str, segment: dict[str, Any], first: int, end: int) -> None:
+        super().__init__((queue_key, segment["key"], first, end))
+        self.queue_key = queue_key
+        self.segment = segment
+        self.first = first
+        self.end = end
+
+
+def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
+    """Decode a slice's records into source rows (on an executor)."""
+    info = SegmentInfo(**part.segment)
+    reader = SegmentReader(open_store(tier.url, tier.options), info)
+    broker = QueueRef.parse(part.queue_key).broker
+    offset = part.first
+    while offset < part.end:
+        messages = reader.read(offset, part.end - offset, max_bytes=READ_SPAN_BYTES)
+        yield schema.rows(messages, broker, info.key)
+        offset += len(messages)
+
+
+def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    # When partitions() returns none, Spark still runs one task with a partition of its own.
+    if not isinstance(partition, SegmentSlice):
+        return iter(())
+    return read_slice(tier, partition)
+
+
+@dataclass(slots=True, frozen=True)
+class _Span:
+    """Part of a segment admitted into a batch (planning only)."""
+
+    queue: QueueRef
+    segment: SegmentInfo
+    first: int
+    end: int
+
+    @property
+    def bytes(self) -> int:
+        return self.segment.size * (self.end - self.first) // max(1, self.segment.count)
+
+
+class Planner:
+    """Driver-side planning shared by the batch and the streaming reader: which queues exist,
+    where each starts and ends, and how a range becomes slices of segments."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._manifests: ManifestCache | None = None
+
+    @property
+    def manifests(self) -> ManifestCache:
+        # Opened lazily: Spark constructs readers in processes that only pickle them.
+        if self._manifests is None:
+            self._manifests = ManifestCache(
+                open_store(self.options.tier.url, self.options.tier.options)
+            )
+        return self._manifests
+
+    def queues(self) -> list[QueueRef]:
+        return discover(self.manifests.store, self.options.topics)
+
+    def start_of(self, queue: QueueRef, manifest: QueueManifest) -> int:
+        start = (self.options.starting or {}).get(queue.key, manifest.start_offset)
+        return max(start, manifest.start_offset)
+
+    def limit_of(self, queue: QueueRef, manifest: QueueManifest) -> int:
+        limit = manifest.end_offset
+        if self.options.ending is not None and queue.key in self.options.ending:
+            limit = min(limit, self.options.ending[queue.key])
+        return limit
+
+    def initial(self) -> dict[str, int]:
+        return {q.key: self.start_of(q, self.manifests.get(q)) for q in self.queues()}
+
+    def _pending(self, queue: QueueRef, manifest: QueueManifest, position: int) -> list[_Span]:
+        if position < manifest.start_offset:
+            log.warning(
+                "%s: offsets %d..%d expired from the tier before they were exported; "
+                "continuing at %d",
+                queue.key,
+                position,
+                manifest.start_offset - 1,
+                manifest.start_offset,
+            )
+            position = manifest.start_offset
+        limit = self.limit_of(queue, manifest)
+        return [
+            _Span(queue, s, max(position, s.base_offset), min(limit, s.end_offset))
+            for s in manifest.segments
+            if s.end_offset > position and s.base_offset < limit
+        ]
+
+    def latest(self, position: Mapping[str, int]) -> dict[str, int]:
+        """The end of the next micro-batch from ``position``: whole segments, oldest first
+        across queues, within the per-trigger caps."""
+        end = dict(position)
+        pending: list[tuple[int, str, int, list[_Span]]] = []
+        for queue in self.queues():
+            manifest = self.manifests.get(queue)
+            at = position.get(queue.key, self.start_of(queue, manifest))
+            end[queue.key] = max(at, manifest.start_offset) if manifest.segments else at
+            spans = self._pending(queue, manifest, at)
+            if spans:
+                pending.append((spans[0].segment.min_store_timestamp, queue.key, 0, spans))
+        heapq.heapify(pending)
+        admitted_bytes = admitted = 0
+        max_bytes = self.options.max_bytes_per_trigger
+        max_segments = self.options.max_segments_per_trigger
+        while pending:
+            if admitted and (
+                (max_bytes is not None and admitted_bytes >= max_bytes)
+                or (max_segments is not None and admitted >= max_segments)
+            ):
+                break
+            _, key, i, spans = heapq.heappop(pending)
+            span = spans[i]
+            end[key] = span.end
+            admitted += 1
+            admitted_bytes += span.bytes
+            if i + 1 < len(spans):
+                heapq.heappush(
+                    pending, (spans[i + 1].segment.min_store_timestamp, key, i + 1, spans)
+                )
+        return end
+
+    def slices(self, start: Mapping[str, int], end: Mapping[str, int]) -> list[SegmentSlice]:
+        out: list[SegmentSlice] = []
+        for key, stop in sorted(end.items()):
+            queue = QueueRef.parse(key)
+            manifest = self.manifests.get(queue, refresh=False)
+            first = start.get(key)
+            if first is None:
+                first = self.start_of(queue, manifest)
+            if stop <= first:
+                continue
+            if stop > manifest.end_offset:  # a newer manifest than the cached one
+                manifest = self.manifests.get(queue)
+            for span in self._pending(queue, manifest, first):
+                span_end = min(span.end, stop)
+                per_slice = max(
+                    1,
+                    self.options.bytes_per_partition
+                    * span.segment.count
+                    // max(1, span.segment.size),
+                )
+                for lo in range(span.first, span_end, per_slice):
+                    hi = min(span_end, lo + per_slice)
+                    out.append(SegmentSlice(key, span.segment.to_dict(), lo, hi))
+        return out
+
+
+class TmqStreamReader(DataSourceStreamReader):
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self.planner = Planner(options)
+        # The end of the last batch Spark planned: where the next one starts. latestOffset()
+        # has no ``start`` argument in pyspark 4.0; a restarted query's first position is
+        # initialOffset(), which the export job sets from the Delta table (at or past the
+        # checkpoint's last committed batch).
+        self._position: dict[str, int] | None = None
+
+    def initialOffset(self) -> dict[str, int]:
+        return self.planner.initial()
+
+    def latestOffset(self) -> dict[str, int]:
+        if self._position is None:
+            self._position = self.planner.initial()
+        return self.planner.latest(self._position)
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        self._position = {**(self._position or {}), **end}
+        return self.planner.slices(start, end)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(self.options.tier, partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        # Nothing to release: progress lives in the checkpoint and in the Delta table.
+        pass
+
+
+class TmqBatchReader(DataSourceReader):
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        planner = Planner(self.options)
+        start = planner.initial()
+        end = {
+            q.key: planner.limit_of(q, planner.manifests.get(q, refresh=False))
+            for q in planner.queues()
+        }
+        return planner.slices(start, end)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(self.options.tier, partition)
+
+
+class TmqDataSource(DataSource):
+    """``format("tmq")``: archived messages of the cold tier, one row per message."""
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self) -> str:
+        return schema.SOURCE_DDL
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return TmqBatchReader(SourceOptions.parse(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return TmqStreamReader(SourceOptions.parse(self.options))

@@ -1,0 +1,82 @@
+"""The lake: one Delta table per topic at ``{lake_root}/{topic}``, and its export progress.
+
+Progress is kept in the table itself, as Delta app transactions (``txn`` actions), one per
+archived queue: ``app_id = "tmq-export:{cluster}/{broker}/{topic}/{queue}"`` and
+``version = the next queue offset to export`` (every offset below it is in the table, exactly
+once). They are committed in the same transaction as the data files (kafka-delta-ingest's
+pattern), so the table alone says how far the export got: a lost Spark checkpoint costs nothing.
+
+Table features: only what delta-rs, polars, DuckDB and Spark all read. Protocol (1, 2) with
+``delta.appendOnly``; no deletion vectors, column mapping, timestamp_ntz or liquid clustering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+
+from lakehouse.locations import Location
+from lakehouse.schema import PARTITION_COLUMN, TABLE_SCHEMA
+from lakehouse.tier import QueueRef
+
+APP_ID_PREFIX = "tmq-export:"
+TABLE_PROPERTIES = {
+    # The export only appends; compaction (maintain) rewrites with data_change=false.
+    "delta.appendOnly": "true",
+    # Longer than any outage a replay may need to cover (kafka-delta-ingest's advice).
+    "delta.logRetentionDuration": "interval 30 days",
+    "delta.checkpointInterval": "100",
+}
+
+
+def app_id(queue: QueueRef) -> str:
+    return APP_ID_PREFIX + queue.key
+
+
+class LakeTable:
+    """The Delta table of one topic."""
+
+    def __init__(self, lake: Location, topic: str) -> None:
+        self.topic = topic
+        self.location = lake.child(topic)
+
+    @property
+    def uri(self) -> str:
+        return self.location.delta_uri()
+
+    def open(self) -> DeltaTable | None:
+        """The table's latest snapshot, or None if it was never created."""
+        try:
+            return DeltaTable(self.uri, storage_options=self.location.delta_options() or None)
+        except TableNotFoundError:
+            return None
+
+    def open_or_create(self) -> DeltaTable:
+        table = self.open()
+        if table is not None:
+            return table
+        # mode="ignore": if a concurrent exporter created it first, this is a no-op.
+        return DeltaTable.create(
+            self.uri,
+            TABLE_SCHEMA,
+            mode="ignore",
+            partition_by=[PARTITION_COLUMN],
+            name=self.topic,
+            description=f"tmq topic {self.topic}, exported from the cold tier",
+            configuration=TABLE_PROPERTIES,
+            storage_options=self.location.delta_options() or None,
+        )
+
+
+def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:
+    """The next offset to export of each queue that the table has app transactions for."""
+    if table is None:
+        return {}
+    out = {}
+    for queue in queues:
+        version = table.transaction_version(app_id(queue))
+        if version is not None:
+            out[queue.key] = version
+    return out

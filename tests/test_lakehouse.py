@@ -1,0 +1,443 @@
+"""Lakehouse: archived topics become Delta tables, exactly once, with real Spark and real Delta.
+
+One Spark session (``spark`` fixture) serves every in-process test; the fault and continuous
+tests run the export as real child processes, as operators and the broker do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from broker_harness import REPO, tmq
+from deltalake import DeltaTable
+from lakehouse_harness import Archive, expected_rows
+
+from lakehouse.export import Export, ExportConfig, ExportError
+from lakehouse.locations import Location
+from lakehouse.lock import CheckpointLock
+from lakehouse.runner import ContinuousExport, LakehouseConfig
+from lakehouse.sink import FILE_META_SCHEMA, ParquetWriterTask, commit_files
+from lakehouse.source import Planner, SourceOptions, read_slice
+from lakehouse.tables import LakeTable, app_id, exported_offsets
+from lakehouse.tier import QueueRef
+from tiered.cold.storage import open_store
+
+TOPICS = ("orders", "payments")
+
+
+def delta_rows(lake: Path, topic: str) -> list[dict[str, Any]]:
+    """The table's rows as delta-rs reads them (no tmq code involved)."""
+    table = DeltaTable(str(lake / topic)).to_pyarrow_table()
+    return sorted(
+        (
+            {
+                "queue_id": r["queue_id"],
+                "queue_offset": r["queue_offset"],
+                "commitlog_offset": r["commitlog_offset"],
+                "body": r["body"],
+                "keys": r["keys"],
+                "tags": r["tags"],
+                "msg_id": r["msg_id"],
+                "born_ms": int(r["born_ts"].timestamp() * 1000),
+                "store_ms": int(r["store_ts"].timestamp() * 1000),
+            }
+            for r in table.to_pylist()
+        ),
+        key=lambda r: (r["queue_id"], r["queue_offset"]),
+    )
+
+
+# -- backfill over S3 -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backfilled(tmp_path_factory: pytest.TempPathFactory, s3: Any, spark: Any) -> dict[str, Any]:
+    """20,000 messages on 2 topics in an S3 tier, exported once to a local lake."""
+    root = tmp_path_factory.mktemp("backfill")
+    bucket = f"tmq-lake-{os.getpid()}"
+    s3.client().create_bucket(Bucket=bucket)
+    tier_url = f"s3://{bucket}/tier"
+    archive = Archive.open(root / "hot", open_store(tier_url, s3.storage_options()), queues=2)
+    try:
+        for topic in TOPICS:
+            archive.produce(topic, 10_000)
+            archive.offload(topic)
+        expected = {t: expected_rows(archive.messages(t)) for t in TOPICS}
+    finally:
+        archive.close()
+    config = ExportConfig(
+        tier_url=tier_url,
+        lake_root=str(root / "lake"),
+        tier_options=s3.storage_options(),
+        max_segments_per_trigger=6,  # 20 segments: four bounded micro-batches
+    )
+    started = time.monotonic()
+    report = Export(spark, config).run(once=True, timeout=180)
+    return {
+        "root": root,
+        "lake": root / "lake",
+        "config": config,
+        "report": report,
+        "expected": expected,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def test_backfill_exports_every_archived_message_exactly_once(backfilled: dict[str, Any]) -> None:
+    lake, expected, report = backfilled["lake"], backfilled["expected"], backfilled["report"]
+    assert report.rows == 20_000
+    assert len(report.batches) >= 4, "the admission cap splits the backfill into batches"
+    for topic in TOPICS:
+        got = delta_rows(lake, topic)
+        assert len(got) == 10_000
+        assert got == expected[topic], f"{topic}: bodies, keys, tags, offsets, timestamps"
+
+
+def test_backfilled_tables_read_the_same_with_polars_and_duckdb(backfilled: dict[str, Any]) -> None:
+    lake, expected = backfilled["lake"], backfilled["expected"]
+    for topic in TOPICS:
+        frame = pl.read_delta(str(lake / topic)).sort(["queue_id", "queue_offset"])
+        assert frame.height == 10_000
+        assert frame["body"].to_list() == [r["body"] for r in expected[topic]]
+        assert frame["tags"].to_list() == [r["tags"] for r in expected[topic]]
+        stamps = frame["store_ts"].dt.epoch("ms").to_list()
+        assert stamps == [r["store_ms"] for r in expected[topic]]
+        dates = frame.select(pl.col("store_ts").dt.date() == pl.col("store_date")).to_series()
+        assert dates.all(), "store_date is the UTC date of store_ts"
+    # DuckDB, offline: over delta-rs's Arrow dataset (docs/lakehouse.md).
+    orders = DeltaTable(str(lake / "orders")).to_pyarrow_dataset()  # noqa: F841 (used by SQL)
+    counts = duckdb.sql("select tags, count(*) from orders group by tags").fetchall()
+    assert dict(counts) == Counter(r["tags"] for r in expected["orders"])
+
+
+def test_a_second_once_adds_nothing(backfilled: dict[str, Any], spark: Any) -> None:
+    lake = backfilled["lake"]
+    versions = {t: DeltaTable(str(lake / t)).version() for t in TOPICS}
+    report = Export(spark, backfilled["config"]).run(once=True, timeout=120)
+    assert report.rows == 0 and report.batches == []
+    assert {t: DeltaTable(str(lake / t)).version() for t in TOPICS} == versions
+
+
+def test_tables_use_only_features_every_reader_supports(backfilled: dict[str, Any]) -> None:
+    table = DeltaTable(str(backfilled["lake"] / "orders"))
+    protocol = table.protocol()
+    assert (protocol.min_reader_version, protocol.min_writer_version) == (1, 2)
+    assert not protocol.reader_features and not protocol.writer_features
+    assert table.metadata().partition_columns == ["store_date"]
+    assert table.metadata().configuration["delta.appendOnly"] == "true"
+    assert table.transaction_version(app_id(QueueRef("c1", "broker-a", "orders", 0))) == 5000
+
+
+# -- analysts ---------------------------------------------------------------------------------
+
+
+def test_query_counts_by_tag_match_the_produced_messages(backfilled: dict[str, Any]) -> None:
+    expected = Counter(r["tags"] for r in backfilled["expected"]["orders"])
+    done = tmq(
+        "lakehouse",
+        "query",
+        "select tags, count(*) as n from orders group by tags",
+        "--lake-root",
+        str(backfilled["lake"]),
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    got = {row["tags"]: row["n"] for row in map(json.loads, done.stdout.splitlines())}
+    assert got == dict(expected)
+
+
+def test_spark_sql_over_the_snapshot_returns_the_same_counts(
+    backfilled: dict[str, Any], spark: Any
+) -> None:
+    uri = str(backfilled["lake"] / "orders")
+    files = DeltaTable(uri).file_uris()
+    spark.read.option("basePath", uri).parquet(*files).createOrReplaceTempView("orders")
+    rows = spark.sql("select tags, count(*) as n from orders group by tags").collect()
+    expected = Counter(r["tags"] for r in backfilled["expected"]["orders"])
+    assert {r["tags"]: r["n"] for r in rows} == dict(expected)
+    dates = spark.sql("select count(*) from orders where to_date(store_ts) != store_date")
+    assert dates.collect()[0][0] == 0
+
+
+def test_status_reports_offsets_rows_and_zero_lag_when_caught_up(
+    backfilled: dict[str, Any],
+) -> None:
+    done = tmq("lakehouse", "status", "--lake-root", str(backfilled["lake"]), "--json")
+    assert done.returncode == 0, done.stderr
+    by_topic = {s["topic"]: s for s in json.loads(done.stdout)}
+    assert set(by_topic) == set(TOPICS)
+    assert all(s["rows"] == 10_000 for s in by_topic.values())
+
+
+# -- source and sink units --------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_archive(tmp_path: Path) -> Iterator[Archive]:
+    archive = Archive.open(
+        tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2, segment_messages=100
+    )
+    yield archive
+    archive.close()
+
+
+def test_admission_control_caps_segments_oldest_first(small_archive: Archive, tmp_path: Path):
+    small_archive.produce("orders", 1000)  # 5 segments per queue
+    small_archive.offload("orders")
+    options = {"tier_url": f"file://{tmp_path}/tier", "maxSegmentsPerTrigger": "3"}
+    planner = Planner(SourceOptions.parse(options))
+    position = planner.initial()
+    assert position == {"c1/broker-a/orders/0": 0, "c1/broker-a/orders/1": 0}
+    batches = 0
+    while True:
+        end = planner.latest(position)
+        if end == position:
+            break
+        admitted = sum(end[k] - position[k] for k in end)
+        assert admitted <= 300, "at most three 100-message segments per micro-batch"
+        slices = planner.slices(position, end)
+        assert sum(s.end - s.first for s in slices) == admitted
+        position, batches = end, batches + 1
+    assert batches == 4 and position == {"c1/broker-a/orders/0": 500, "c1/broker-a/orders/1": 500}
+
+
+def test_a_replayed_batch_is_written_and_committed_as_nothing(
+    small_archive: Archive, tmp_path: Path
+) -> None:
+    """The crash after a Delta commit but before Spark's checkpoint: Spark replays the batch."""
+    small_archive.produce("orders", 10)
+    small_archive.offload("orders")
+    lake = Location.of(str(tmp_path / "lake"))
+    planner = Planner(SourceOptions.parse({"tier_url": f"file://{tmp_path}/tier"}))
+    start = planner.initial()
+    slices = planner.slices(start, planner.latest(start))
+    source = [batch for s in slices for batch in read_slice(planner.options.tier, s)]
+
+    def write(floors: dict[str, int]) -> list[dict[str, Any]]:
+        task = ParquetWriterTask(lake, floors, export_ts_us=0, batch_id=0)
+        return pa.Table.from_batches(list(task(iter(source))), FILE_META_SCHEMA).to_pylist()
+
+    files = write({})
+    first = commit_files(lake, "orders", files, 0, 0)
+    assert first.rows == 10
+    assert first.offsets == {"c1/broker-a/orders/0": 5, "c1/broker-a/orders/1": 5}
+    floors = exported_offsets(LakeTable(lake, "orders").open(), planner.queues())
+    assert write(floors) == [], "the executors skip rows the table has"
+    again = commit_files(lake, "orders", files, 0, 0)  # and the driver skips stale files
+    assert again.table_version is None and again.rows == 0
+    assert DeltaTable(str(tmp_path / "lake" / "orders")).to_pyarrow_table().num_rows == 10
+
+
+def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    small_archive.produce("orders", 10)
+    small_archive.offload("orders")
+    config = ExportConfig(f"file://{tmp_path}/tier", str(tmp_path / "lake"), engine="delta-spark")
+    with pytest.raises(ExportError, match="needs the Delta Lake jars"):
+        Export(spark, config).run(once=True)
+
+
+def test_export_needs_once_or_continuous() -> None:
+    done = tmq("lakehouse", "export", "orders")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: give exactly one of --once and --continuous"
+
+
+# -- exactly once under faults ----------------------------------------------------------------
+
+# Child JVMs only start, shuttle Arrow buffers and stop: the C1 compiler alone halves their
+# start-up on this 2-core machine, and start-up is most of what these tests wait for.
+FAST_START = ["--conf", "spark.driver.extraJavaOptions=-Xss16m -XX:TieredStopAtLevel=1"]
+
+
+class ExportChild:
+    """``tmq lakehouse export --once`` as a child process in its own process group."""
+
+    def __init__(self, tier: str, lake: Path, checkpoint: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "cli.app", "lakehouse", "export", "--once",
+                "--tier-url", tier, "--lake-root", str(lake), "--checkpoint", str(checkpoint),
+                "--max-segments-per-trigger", "4", "--master", "local[1]", *FAST_START, *extra,
+            ],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # its own group: SIGKILL reaches its Spark JVM too
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines[-30:])
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def finish(self, timeout: float = 180) -> str:
+        self.proc.wait(timeout)
+        self._reader.join(5)
+        assert self.proc.returncode == 0, "".join(self.lines[-30:])
+        return "".join(self.lines)
+
+
+def parquet_files(table: Path) -> set[str]:
+    return {str(p) for p in table.rglob("*.parquet") if "_delta_log" not in p.parts}
+
+
+def wait_for_new_file(table: Path, known: set[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not parquet_files(table) - known:
+        assert time.monotonic() < deadline, "no Parquet file written"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None:
+    archive = Archive.open(
+        tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=3, segment_messages=100
+    )
+    archive.produce("orders", 4800)  # 48 segments: 12 micro-batches of four
+    archive.offload("orders")
+    expected = expected_rows(archive.messages("orders"))
+    archive.close()
+    tier, lake, checkpoint = f"file://{tmp_path}/tier", tmp_path / "lake", tmp_path / "ckpt"
+    table = lake / "orders"
+    rng = random.Random(5)
+    # A standby (Spark starting, then waiting for the checkpoint lock) takes over after each
+    # kill, so the test pays for Spark's start-up beside a running export, not after it.
+    child = ExportChild(tier, lake, checkpoint)
+    standby = ExportChild(tier, lake, checkpoint, "--standby")
+    t0 = time.monotonic()
+    for kill in range(5):
+        child.wait_for("committed")  # this run has made progress
+        lost_checkpoint = kill == 2
+        if lost_checkpoint:
+            standby.kill()  # it must not take over before the checkpoint is gone
+        if kill % 2 == 0:
+            wait_for_new_file(table, parquet_files(table))  # mid-write, before the commit
+        else:
+            time.sleep(rng.uniform(0.0, 1.5))  # anywhere: write, commit or checkpoint
+        child.kill()
+        if lost_checkpoint:
+            shutil.rmtree(checkpoint)  # the table's app transactions must take over
+            standby = ExportChild(tier, lake, checkpoint)
+        child, standby = standby, ExportChild(tier, lake, checkpoint, "--standby")
+        print(f"{time.monotonic() - t0:.1f} s: kill {kill + 1}")
+    child.finish()
+    standby.finish()  # it takes over, finds everything exported, and stops
+    print(f"{time.monotonic() - t0:.1f} s: finished")
+
+    rows = delta_rows(lake, "orders")
+    keys = Counter((r["queue_id"], r["queue_offset"]) for r in rows)
+    assert [k for k, n in keys.items() if n > 1] == [], "no message twice"
+    assert rows == expected, "every message, exactly once"
+
+    # The killed batches' Parquet files were never committed; maintain removes them.
+    assert parquet_files(table) > set(DeltaTable(str(table)).file_uris()), "orphans exist"
+    maintained = tmq("lakehouse", "maintain", "--lake-root", str(lake), "--retention", "0h")
+    assert maintained.returncode == 0, maintained.stderr
+    assert parquet_files(table) == set(DeltaTable(str(table)).file_uris())
+    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 4800
+
+
+def test_a_second_export_on_the_same_checkpoint_is_refused(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    small_archive.produce("orders", 10)
+    small_archive.offload("orders")
+    config = ExportConfig(
+        f"file://{tmp_path}/tier", str(tmp_path / "lake"), checkpoint_dir=str(tmp_path / "ckpt")
+    )
+    held = CheckpointLock(config.checkpoint_dir or "")
+    held.acquire(wait=False)
+    try:
+        with pytest.raises(ExportError, match=rf"another export \(pid {os.getpid()}\)"):
+            Export(spark, config).run(once=True)
+    finally:
+        held.release()
+    assert Export(spark, config).run(once=True, timeout=120).rows == 10, "free again"
+
+
+# -- continuous -------------------------------------------------------------------------------
+
+
+def exported_rows(lake: Path, topic: str) -> int:
+    try:
+        table = DeltaTable(str(lake / topic))
+    except Exception:
+        return 0
+    actions = pa.table(table.get_add_actions(flatten=True))
+    return int(pc.sum(actions.column("num_records")).as_py() or 0)
+
+
+def wait_for_rows(lake: Path, topic: str, n: int, timeout: float, runner: Any) -> float:
+    deadline = time.monotonic() + timeout
+    while exported_rows(lake, topic) < n:
+        assert runner.running(), runner.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{topic}: fewer than {n} rows after {timeout} s"
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def test_continuous_export_makes_new_offloads_visible_within_seconds(tmp_path: Path) -> None:
+    archive = Archive.open(tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2)
+    lake = tmp_path / "lake"
+    runner = ContinuousExport(
+        LakehouseConfig(
+            enabled=True,
+            lake_root=str(lake),
+            trigger_seconds=2,
+            master="local[1]",
+            log_path=str(tmp_path / "export.log"),
+            spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
+        ),
+        f"file://{tmp_path}/tier",
+    )
+    try:
+        archive.produce("orders", 500)
+        archive.offload("orders")
+        runner.start()
+        wait_for_rows(lake, "orders", 500, 120, runner)  # Spark's start-up
+        delays = []
+        for round_ in range(3):
+            archive.produce("orders", 200)
+            archive.offload("orders")  # the manifest commit
+            committed = time.monotonic()
+            visible = wait_for_rows(lake, "orders", 700 + 200 * round_, 60, runner)
+            delays.append(visible - committed)
+        print(f"continuous export delays (trigger 2 s): {[round(d, 2) for d in delays]}")
+        assert max(delays) < 30, delays
+        expected = expected_rows(archive.messages("orders"))
+    finally:
+        runner.stop()
+        archive.close()
+    assert not runner.running() and runner.restarts == 0
+    assert delta_rows(lake, "orders") == expected
