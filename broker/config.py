@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from broker.metadata import Limits
+from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
-from tiered.config import StoreConfig, parse_size
+from tiered.config import StoreConfig, parse_duration_ms, parse_size
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class BrokerConfig:
     metrics_port: int = 5557
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    # The continuous Delta export, run as a child process beside the broker when enabled.
+    lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -80,9 +83,7 @@ _SIZE_KEYS = {
     "segment_max_bytes",
     "upload_min_bytes",
 }
-_SECTIONS = ("broker", "store", "offload", "limits")
-# Sections other tools read from the same file; the broker accepts and ignores them.
-_OTHER_SECTIONS = ("lakehouse",)
+_SECTIONS = ("broker", "store", "offload", "limits", "lakehouse")
 
 
 def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
@@ -121,7 +122,13 @@ def _host(section: str, value: Any) -> tuple[str, int]:
 
 
 def _section_fields(section: str) -> dict[str, Any]:
-    cls = {"broker": BrokerConfig, "store": StoreConfig, "offload": OffloadPolicy, "limits": Limits}
+    cls = {
+        "broker": BrokerConfig,
+        "store": StoreConfig,
+        "offload": OffloadPolicy,
+        "limits": Limits,
+        "lakehouse": LakehouseConfig,
+    }
     return {f.name: f.type for f in fields(cls[section])}
 
 
@@ -132,7 +139,7 @@ def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerC
     ``TMQ_TIER_URL``."""
     raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
     where = str(path) if path is not None else "config"
-    unknown = set(raw) - set(_SECTIONS) - set(_OTHER_SECTIONS)
+    unknown = set(raw) - set(_SECTIONS)
     if unknown:
         raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}")
     env = dict(os.environ if env is None else env)
@@ -150,6 +157,8 @@ def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerC
     for section in _SECTIONS:
         known = _section_fields(section)
         given = dict(raw.get(section, {}))
+        if section == "lakehouse" and "trigger" in given:  # "10s", as on the command line
+            given["trigger_seconds"] = parse_duration_ms(given.pop("trigger")) / 1000
         bad = set(given) - set(known)
         if bad:
             raise ValueError(f"{where}: unknown key(s) in [{section}]: {sorted(bad)}")
@@ -164,6 +173,7 @@ def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerC
             store=StoreConfig(**sections["store"]),
             offload=OffloadPolicy(**sections["offload"]),
             limits=Limits(**sections["limits"]),
+            lakehouse=LakehouseConfig(**sections["lakehouse"]),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None

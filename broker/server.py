@@ -27,6 +27,7 @@ from broker.metadata import MetadataStore
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
+from lakehouse.runner import ContinuousExport
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
 from namesrv.safe_handlers import add_safely
@@ -60,6 +61,8 @@ class Broker:
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
         # `tmq status` report it; None: not reported).
         self.export_freshness: ExportFreshness | None = None
+        self._export: ContinuousExport | None = None
+        self._freshness: dict[str, float] = {}
         self.metrics = BrokerMetrics()
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
@@ -158,6 +161,8 @@ class Broker:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self.config.lakehouse.enabled and self.config.tier_url:
+            self._start_export(self.config.tier_url)
         log.info(
             "broker %s serving on %s:%d (advertised as %s)",
             self.config.name,
@@ -269,6 +274,36 @@ class Broker:
             release_predicate(self.store, self.offloader, dict(self.metadata.topics))
         )
 
+    def _start_export(self, tier_url: str) -> None:
+        """The continuous Delta export as a child process (lakehouse/runner.py), and a thread
+        that measures its freshness for metrics and ``tmq status`` every 30 s (a scrape never
+        reads the lake or the tier itself)."""
+        self._export = ContinuousExport(self.config.lakehouse, tier_url, self.config.tier_options)
+        self._export.start()
+        self.export_freshness = lambda: dict(self._freshness)
+
+        def measure() -> None:
+            from lakehouse.locations import Location
+            from lakehouse.status import topic_status
+
+            cfg = self.config.lakehouse
+            while not self._stop.wait(30.0):
+                try:
+                    rows = topic_status(
+                        Location.of(cfg.lake_root),
+                        cfg.topics or None,
+                        Location.of(tier_url, self.config.tier_options),
+                    )
+                    self._freshness = {
+                        r.topic: r.lag_seconds for r in rows if r.lag_seconds is not None
+                    }
+                except Exception as e:  # the export may not have made a table yet
+                    log.info("export freshness not measured: %s", e)
+
+        thread = threading.Thread(target=measure, name="tmq-export-freshness", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
     def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, unregister, drain requests for up to ``grace`` seconds, save
         offsets, close the store."""
@@ -282,6 +317,8 @@ class Broker:
             self._server.stop(grace).wait()
         for thread in self._threads:
             thread.join()
+        if self._export is not None:
+            self._export.stop()
         self.metrics.close()
         self.metadata.flush_offsets(force=True)
         if self.fetcher is not None:

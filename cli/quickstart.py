@@ -16,6 +16,7 @@ import base64
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ def _say(text: str) -> None:
 
 def _tmq(*args: str, timeout: float = 300) -> str:
     """Run a ``tmq`` command as an operator would, echo it, and return its stdout."""
-    _say(f"  $ tmq {' '.join(args)}")
+    _say(f"  $ tmq {shlex.join(args)}")
     done = subprocess.run(
         [sys.executable, "-m", "cli.app", *args],
         capture_output=True,

@@ -151,6 +151,11 @@ def standalone(
         store=store,
         offload=offload,
         tier_url=tier_url or base.tier_url or f"file://{data_dir.resolve()}/tier",
+        lakehouse=(
+            replace(base.lakehouse, lake_root=str(data_dir.resolve() / "lake"))
+            if base.lakehouse.lake_root == type(base.lakehouse)().lake_root
+            else base.lakehouse
+        ),
         offload_interval_ms=(
             base.offload_interval_ms if offload_interval is None else int(offload_interval * 1000)
         ),
