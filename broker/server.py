@@ -276,8 +276,8 @@ class Broker:
 
     def _start_export(self, tier_url: str) -> None:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread
-        that measures its freshness for metrics and ``tmq status`` every 30 s (a scrape never
-        reads the lake or the tier itself)."""
+        that measures its freshness for metrics and ``tmq status`` once per trigger, at least
+        5 s apart (a scrape never reads the lake or the tier itself)."""
         self._export = ContinuousExport(self.config.lakehouse, tier_url, self.config.tier_options)
         self._export.start()
         self.export_freshness = lambda: dict(self._freshness)
@@ -287,7 +287,7 @@ class Broker:
             from lakehouse.status import topic_status
 
             cfg = self.config.lakehouse
-            while not self._stop.wait(30.0):
+            while not self._stop.wait(max(5.0, cfg.trigger_seconds)):
                 try:
                     rows = topic_status(
                         Location.of(cfg.lake_root),
