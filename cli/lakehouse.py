@@ -16,7 +16,9 @@ from cli.topic import fail
 from tiered.config import parse_duration_ms, parse_size
 
 app = typer.Typer(
-    help="Export archived topics to Delta tables (one per topic) and query them.",
+    help="Export archived topics to Delta tables (one per topic) and query them.\n\n"
+    "Example: tmq lakehouse export orders --tier-url file://./tmq-data/tier "
+    "--lake-root ./tmq-data/lake --once",
     no_args_is_help=True,
 )
 
