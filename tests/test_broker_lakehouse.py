@@ -37,14 +37,16 @@ def test_the_broker_runs_the_export_and_reports_its_freshness(tmp_path: Path) ->
         ids = DeltaTable(str(table)).to_pyarrow_table(columns=["msg_id"]).column(0).to_pylist()
         assert sorted(ids) == sorted(i for i, _ in sent), "each message once"
 
+        # Measured once per trigger: the first figures may predate the last commit.
         deadline = time.monotonic() + 60
-        while True:
-            status = json.loads(tmq("status", "-n", ns, "--json").stdout)
-            freshness = status["brokers"][0]["export_freshness_seconds"]
-            if freshness and "lake-orders" in freshness:
-                break
-            assert time.monotonic() < deadline, status
+        seen = []
+        while not seen or seen[-1] != 0.0:
+            assert time.monotonic() < deadline, seen
             time.sleep(2)
-        assert freshness["lake-orders"] == 0.0, "caught up: nothing archived is missing"
+            status = json.loads(tmq("status", "-n", ns, "--json").stdout)
+            freshness = status["brokers"][0]["export_freshness_seconds"] or {}
+            if "lake-orders" in freshness:
+                seen.append(freshness["lake-orders"])
+        assert all(s >= 0 for s in seen), "seconds behind: the export is caught up at 0"
     finally:
         node.stop()
