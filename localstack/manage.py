@@ -15,6 +15,7 @@ The test suite uses these functions through the ``s3`` fixture in ``tests/confte
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -114,11 +115,21 @@ def healthy(port: int = DEFAULT_PORT) -> bool:
 
 
 def start(port: int = DEFAULT_PORT, timeout: float = 120.0) -> bool:
-    """Start LocalStack S3 unless it already answers; True if this call started it."""
+    """Start LocalStack S3 unless it already answers; True if this call started it. Safe to
+    call from several processes at once (parallel test workers): one starts it, the others wait
+    for it and return False."""
     if healthy(port):
         return False
-    python = setup()
     RUN_DIR.mkdir(exist_ok=True)
+    with (RUN_DIR / "start.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if healthy(port):
+            return False
+        return _start_locked(port, timeout)
+
+
+def _start_locked(port: int, timeout: float) -> bool:
+    python = setup()
     env = {
         **os.environ,
         "SERVICES": "s3",

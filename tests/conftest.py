@@ -140,9 +140,25 @@ def s3() -> Iterator[S3Endpoint]:
         yield S3Endpoint(f"http://127.0.0.1:{port}", "moto")
         server.stop()
         return
+    if started and os.environ.get("PYTEST_XDIST_WORKER"):
+        # Other workers use it too: the controlling process stops it when all are done.
+        STARTED_BY_TESTS.touch()
+        started = False
     yield S3Endpoint(manage.endpoint(), "localstack")
     if started:
         manage.stop()
+
+
+STARTED_BY_TESTS = TESTS.parent / "localstack" / ".run" / "started-by-tests"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In the controlling process (or a run without workers): stop the LocalStack a worker
+    started for this run."""
+    if hasattr(session.config, "workerinput") or not STARTED_BY_TESTS.exists():
+        return
+    STARTED_BY_TESTS.unlink()
+    _load_localstack_manager().stop()
 
 
 @pytest.fixture
