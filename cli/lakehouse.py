@@ -5,9 +5,12 @@ Spark, delta-rs and pyarrow are imported inside the commands, so ``tmq --help`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
+import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -130,7 +133,8 @@ def export(
         # SIGTERM (the broker's stop, kill) and Ctrl-C end the query after the current batch.
         signal.signal(signal.SIGTERM, lambda *_: job.stop())
         signal.signal(signal.SIGINT, lambda *_: job.stop())
-        report = job.run(once=once)
+        with _batch_progress(job, show=once and not as_json and sys.stderr.isatty()):
+            report = job.run(once=once)
     except ExportError as e:
         raise fail(f"export: {e}") from None
     except Exception as e:  # storage or Delta errors: one line, no traceback, no options
@@ -147,6 +151,31 @@ def export(
             f"exported {report.rows} rows in {len(report.batches)} batch(es); "
             f"{len(report.offsets)} queue(s) exported"
         )
+
+
+@contextlib.contextmanager
+def _batch_progress(job: Any, show: bool) -> Iterator[None]:
+    """A progress line on stderr while a backfill runs: rows committed, batches, time."""
+    if not show:
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("exporting: {task.completed:,.0f} rows, {task.fields[batches]} batch(es)"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
+        task = progress.add_task("export", total=None, batches=0)
+
+        def advance(batch: Any) -> None:
+            progress.update(task, advance=batch.rows, batches=len(job.batches))
+
+        job.on_batch = advance
+        yield
 
 
 @app.command("status")
