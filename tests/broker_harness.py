@@ -89,6 +89,13 @@ class Standalone:
                 self.flush,
                 "--metrics-port",
                 str(self.metrics_port),
+                # Preallocated CommitLog files: the 1 GiB default, times every node of a
+                # parallel suite, fills a small disk.
+                *(
+                    []
+                    if "--commitlog-file-size" in self.extra
+                    else ["--commitlog-file-size", "64MiB"]
+                ),
                 *self.extra,
             ],
             cwd=REPO,

@@ -82,6 +82,7 @@ metrics_port = 0
 
 [store]
 data_dir = "{tmp_path / name}"
+commitlog_file_size = "64MiB"
 """)
         p = subprocess.Popen(
             [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(cfg)],
