@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -156,6 +157,11 @@ class Standalone:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def body_bytes(text: str) -> bytes:
+    """The inverse of the CLI's body rendering: UTF-8 text, or ``base64:`` and the bytes."""
+    return base64.b64decode(text[7:]) if text.startswith("base64:") else text.encode()
 
 
 def send_batches(

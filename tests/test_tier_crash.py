@@ -4,7 +4,6 @@ one a manifest names."""
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import Standalone, send_batches, tmq
+from broker_harness import Standalone, body_bytes, send_batches, tmq
 
 from tiered.cold.manifest import ManifestStore, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
@@ -54,11 +53,6 @@ def replayed_bodies(node: Standalone) -> list[bytes]:
     done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "0", "--json", timeout=120)
     assert done.returncode == 0, done.stderr
     return [body_bytes(json.loads(line)["body"]) for line in done.stdout.splitlines()]
-
-
-def body_bytes(text: str) -> bytes:
-    """The inverse of the CLI's body rendering: UTF-8 text, or ``base64:`` and the bytes."""
-    return base64.b64decode(text[7:]) if text.startswith("base64:") else text.encode()
 
 
 def manifests(tier: ObjectStore) -> list[Any]:

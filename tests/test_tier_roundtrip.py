@@ -5,7 +5,6 @@ TTL expiry removes exactly the expired segments; a lost object is a loud error."
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
-from broker_harness import Standalone, send_batches, tmq
+from broker_harness import Standalone, body_bytes, send_batches, tmq
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -54,11 +53,6 @@ def produce(node: Standalone, phase: int, rng: random.Random) -> dict[str, Sent]
             # The broker spreads a batch round-robin over the queues, in order.
             sent[msg_id] = Sent(topic, body, key, tag, (first + n) % queues, offset)
     return sent
-
-
-def body_bytes(text: str) -> bytes:
-    """The inverse of the CLI's body rendering: UTF-8 text, or ``base64:`` and the bytes."""
-    return base64.b64decode(text[7:]) if text.startswith("base64:") else text.encode()
 
 
 def pull(stub: Any, topic: str, queue: int, offset: int) -> tuple[int, str, list[d.Message], int]:
