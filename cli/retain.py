@@ -9,7 +9,15 @@ import grpc
 import typer
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, _call, brokers, duration_ms, fail, size_bytes
+from cli.topic import (
+    NamesrvOption,
+    _call,
+    brokers,
+    duration_ms,
+    fail,
+    set_retention,
+    size_bytes,
+)
 
 
 def _human(ms: int) -> str:
@@ -59,13 +67,7 @@ def retain(
                 continue
             raise fail(f"broker {broker_name}: {e.details()}") from None
         t = described.topic
-        if ttl_ms is not None or local_ms is not None or limit is not None:
-            if ttl_ms is not None:
-                t.retention_ms = ttl_ms
-            if local_ms is not None:
-                t.local_retention_ms = local_ms
-            if limit is not None:
-                t.retention_bytes = limit
+        if set_retention(t, ttl_ms, local_ms, limit):
             _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=t, update=True))
         rows.append(
             {

@@ -86,6 +86,19 @@ def ask_namesrv(namesrv: str, question: Callable[[NameServerClient], T]) -> T:
         raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
 
 
+def set_retention(
+    topic: pb.Topic, ttl_ms: int | None, local_ms: int | None, max_bytes: int | None
+) -> bool:
+    """Set the retention settings given (None: unchanged); True if any was given."""
+    if ttl_ms is not None:
+        topic.retention_ms = ttl_ms
+    if local_ms is not None:
+        topic.local_retention_ms = local_ms
+    if max_bytes is not None:
+        topic.retention_bytes = max_bytes
+    return ttl_ms is not None or local_ms is not None or max_bytes is not None
+
+
 def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.AdminStub]]:
     """(broker name, admin stub) of every live broker, or of the one named ``only``."""
     info = ask_namesrv(namesrv, lambda c: c.cluster_info())
@@ -202,12 +215,7 @@ def update(
             topic.perm = perm
         if tiered is not None:
             topic.tiered = tiered
-        if ttl_ms is not None:
-            topic.retention_ms = ttl_ms
-        if local_ms is not None:
-            topic.local_retention_ms = local_ms
-        if limit is not None:
-            topic.retention_bytes = limit
+        set_retention(topic, ttl_ms, local_ms, limit)
         _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
         done.append(broker_name)
     _report(name, "updated", done, as_json)

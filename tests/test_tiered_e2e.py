@@ -32,18 +32,19 @@ def replay_all(node: Standalone, topic: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
+# Small CommitLog files and an offload pass every second that uploads whatever waits.
+QUICK_TIERING = [
+    "--commitlog-file-size",
+    "128KiB",
+    "--offload-interval",
+    "1",
+    "--upload-after",
+    "1s",
+]
+
+
 def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
-    node = Standalone(
-        tmp_path / "data",
-        extra=[
-            "--commitlog-file-size",
-            "128KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-        ],
-    ).start()
+    node = Standalone(tmp_path / "data", extra=QUICK_TIERING).start()
     try:
         done = tmq(
             "topic", "create", "tiered-orders", "-n", node.namesrv, "--queues", "2", "--tiered"
@@ -112,17 +113,7 @@ def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
 
 
 def test_retain_sets_shows_and_enforces_ttls(tmp_path: Path) -> None:
-    node = Standalone(
-        tmp_path / "data",
-        extra=[
-            "--commitlog-file-size",
-            "128KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-        ],
-    ).start()
+    node = Standalone(tmp_path / "data", extra=QUICK_TIERING).start()
     try:
         ns = node.namesrv
         assert (
