@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.metadata import Limits
+from broker.transaction import TransactionConfig
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
 from tiered.config import StoreConfig, parse_duration_ms, parse_size
@@ -65,6 +66,13 @@ class BrokerConfig:
     offload_interval_ms: int = 10_000
     # Prometheus metrics at http://{listen}:{metrics_port}/metrics; 0 turns them off.
     metrics_port: int = 5557
+    # Transactional messages (RocketMQ's transactionTimeOut, transactionCheckInterval,
+    # transactionCheckMax): the first check-back this long after the half message, then every
+    # interval, at most this many; then "rollback" or "keep" the half message undecided.
+    transaction_timeout_ms: int = 6_000
+    transaction_check_interval_ms: int = 30_000
+    transaction_check_max: int = 15
+    transaction_check_exhausted: str = "rollback"
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     # The continuous Delta export, run as a child process beside the broker when enabled.
@@ -74,6 +82,15 @@ class BrokerConfig:
     @property
     def config_dir(self) -> Path:
         return self.store.data_dir / "config"
+
+    @property
+    def transactions(self) -> TransactionConfig:
+        return TransactionConfig(
+            timeout_ms=self.transaction_timeout_ms,
+            check_interval_ms=self.transaction_check_interval_ms,
+            check_max=self.transaction_check_max,
+            exhausted=self.transaction_check_exhausted,
+        )
 
 
 _SIZE_KEYS = {

@@ -7,6 +7,7 @@ nothing else); an unexpected exception becomes INTERNAL_ERROR and is logged, nev
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import zlib
@@ -32,6 +33,7 @@ from broker.metadata import (
 )
 from broker.metrics import Traffic
 from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
+from broker.producers import ProducerRegistry
 from broker.protocol import (
     ProtocolError,
     duration,
@@ -41,10 +43,11 @@ from broker.protocol import (
     to_proto_message,
     to_store_message,
 )
+from broker.transaction import TransactionError, TransactionService
 from namesrv.client import NameServerClient
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
-from tiered.record import CorruptRecordError
+from tiered.record import CorruptRecordError, Message, StoredMessage
 from tiered.store import GetStatus, InvalidMessageError, MessageStore
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         *,
         auto_create_groups: bool = True,
         traffic: Traffic | None = None,
+        transactions: TransactionService | None = None,
+        producers: ProducerRegistry | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -88,6 +93,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self.limits = limits
         self.auto_create_groups = auto_create_groups
         self.traffic = traffic or Traffic()
+        self.transactions = transactions
+        self.producers = producers or ProducerRegistry()
         self._round_robin: dict[str, int] = {}
         self._rr_lock = threading.Lock()
 
@@ -227,35 +234,68 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def Telemetry(
         self, request_iterator: Iterable[s.TelemetryCommand], context: grpc.ServicerContext
     ) -> Iterator[s.TelemetryCommand]:
-        """Answer every Settings the client sends with the broker's settings; the stream stays
-        open as long as the client keeps it."""
-        for command in request_iterator:
-            if not command.HasField("settings"):
-                continue  # results of commands tmq never sends
-            reply = s.TelemetryCommand(status=status())
-            reply.settings.CopyFrom(command.settings)
-            settings = reply.settings
-            if command.settings.HasField("publishing"):
-                settings.publishing.max_body_size = self.limits.max_body_bytes
-                settings.publishing.validate_message_type = True
-                settings.backoff_policy.max_attempts = 3
-                backoff = settings.backoff_policy.exponential_backoff
-                backoff.initial.CopyFrom(duration(10))
-                backoff.max.CopyFrom(duration(1000))
-                backoff.multiplier = 2.0
-            elif command.settings.HasField("subscription"):
-                sub = settings.subscription
-                group = self.metadata.group(sub.group.name)
-                sub.fifo = bool(group and group.fifo)
-                sub.receive_batch_size = self.limits.max_receive_batch
-                if not sub.HasField("long_polling_timeout"):
-                    sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
-                attempts = group.max_delivery_attempts if group else DEFAULT_MAX_DELIVERY_ATTEMPTS
-                settings.backoff_policy.max_attempts = attempts
-                for seconds in (1, 5, 10, 30, 60, 120, 300):
-                    settings.backoff_policy.customized_backoff.next.add().FromSeconds(seconds)
-            settings.metric.on = False
-            yield reply
+        """Answer every Settings the client sends with the broker's settings, and carry the
+        broker's own commands (transaction check-backs) to a producer. A reader thread takes
+        the client's side of the stream; this one writes, for as long as the client keeps it."""
+        outbox: queue.SimpleQueue[s.TelemetryCommand | None] = queue.SimpleQueue()
+        client_id = _client_id(context)
+
+        def read() -> None:
+            try:
+                for command in request_iterator:
+                    if not command.HasField("settings"):
+                        continue  # results of commands the broker sent
+                    outbox.put(self._settings_reply(command))
+                    if command.settings.HasField("publishing") and client_id:
+                        topics = [t.name for t in command.settings.publishing.topics]
+                        self.producers.connect(client_id, outbox.put, topics)
+            except Exception as e:  # the client went away; gRPC says how
+                log.debug("telemetry stream of %s ended: %s", client_id or "a client", e)
+            finally:
+                outbox.put(None)
+
+        threading.Thread(target=read, name="tmq-telemetry-reader", daemon=True).start()
+        try:
+            while (reply := outbox.get()) is not None:
+                yield reply
+        finally:
+            if client_id:
+                self.producers.disconnect(client_id, outbox.put)
+
+    def _settings_reply(self, command: s.TelemetryCommand) -> s.TelemetryCommand:
+        reply = s.TelemetryCommand(status=status())
+        reply.settings.CopyFrom(command.settings)
+        settings = reply.settings
+        if command.settings.HasField("publishing"):
+            settings.publishing.max_body_size = self.limits.max_body_bytes
+            settings.publishing.validate_message_type = True
+            settings.backoff_policy.max_attempts = 3
+            backoff = settings.backoff_policy.exponential_backoff
+            backoff.initial.CopyFrom(duration(10))
+            backoff.max.CopyFrom(duration(1000))
+            backoff.multiplier = 2.0
+        elif command.settings.HasField("subscription"):
+            sub = settings.subscription
+            group = self.metadata.group(sub.group.name)
+            sub.fifo = bool(group and group.fifo)
+            sub.receive_batch_size = self.limits.max_receive_batch
+            if not sub.HasField("long_polling_timeout"):
+                sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
+            attempts = group.max_delivery_attempts if group else DEFAULT_MAX_DELIVERY_ATTEMPTS
+            settings.backoff_policy.max_attempts = attempts
+            for seconds in (1, 5, 10, 30, 60, 120, 300):
+                settings.backoff_policy.customized_backoff.next.add().FromSeconds(seconds)
+        settings.metric.on = False
+        return reply
+
+    def send_transaction_check(self, topic: str, half: StoredMessage, transaction_id: str) -> bool:
+        """Ask a producer of ``topic`` to decide the half message (RecoverOrphanedTransaction)."""
+        message = to_proto_message(half, topic, None, None, None)
+        message.system_properties.message_type = d.TRANSACTION
+        command = s.TelemetryCommand()
+        command.recover_orphaned_transaction_command.message.CopyFrom(message)
+        command.recover_orphaned_transaction_command.transaction_id = transaction_id
+        return self.producers.send(topic, command)
 
     def NotifyClientTermination(
         self, request: s.NotifyClientTerminationRequest, context: grpc.ServicerContext
@@ -289,6 +329,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 batch.append(
                     to_store_message(pm, topic, self._next_queue(topic, group), self.limits, peer)
                 )
+            if topic.message_type == "TRANSACTION":
+                return self._send_half(request, topic, batch, context)
             try:
                 results = self.store.put_messages(batch)
             except InvalidMessageError as e:
@@ -306,12 +348,63 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
 
+    def _send_half(
+        self,
+        request: s.SendMessageRequest,
+        topic: TopicConfig,
+        batch: list[Message],
+        context: grpc.ServicerContext,
+    ) -> s.SendMessageResponse:
+        """Store transactional messages as half messages; consumers see them after COMMIT."""
+        if self.transactions is None:
+            raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
+        client_id = _client_id(context)
+        if client_id:
+            self.producers.publishes(client_id, topic.name)
+        immunity = [
+            duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
+            if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
+            else None
+            for pm in request.messages
+        ]
+        try:
+            prepared = self.transactions.prepare(batch, immunity)
+        except InvalidMessageError as e:
+            raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+        self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
+        entries = [
+            s.SendResultEntry(
+                status=status(),
+                message_id=pm.system_properties.message_id,
+                transaction_id=p.transaction_id,
+                offset=p.half_offset,
+            )
+            for pm, p in zip(request.messages, prepared, strict=True)
+        ]
+        return s.SendMessageResponse(status=status(), entries=entries)
+
     def EndTransaction(
         self, request: s.EndTransactionRequest, context: grpc.ServicerContext
     ) -> Any:
-        return s.EndTransactionResponse(
-            status=status(d.UNSUPPORTED, "transactional messages are not supported")
-        )
+        def work() -> s.EndTransactionResponse:
+            if self.transactions is None:
+                raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
+            self._topic(request.topic.name, need=PERM_WRITE)
+            if request.resolution == d.TRANSACTION_RESOLUTION_UNSPECIFIED:
+                # The producer does not know yet (a checker's UNKNOWN): ask again later.
+                return s.EndTransactionResponse(status=status())
+            try:
+                self.transactions.end(
+                    request.topic.name,
+                    request.message_id,
+                    request.transaction_id,
+                    commit=request.resolution == d.COMMIT,
+                )
+            except TransactionError as e:
+                raise ProtocolError(d.INVALID_TRANSACTION_ID, str(e)) from None
+            return s.EndTransactionResponse(status=status())
+
+        return self._guard(lambda st: s.EndTransactionResponse(status=st), work)
 
     # -- pop consumption -----------------------------------------------------------------------
 
@@ -571,6 +664,13 @@ def _overall(entries: list[s.AckMessageResultEntry]) -> d.Status:
     if len(entries) == 1:
         return d.Status(code=entries[0].status.code, message=entries[0].status.message)
     return status(d.MULTIPLE_RESULTS, "some entries failed; see entries")
+
+
+def _client_id(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-mq-client-id":
+            return str(value)
+    return ""
 
 
 def _peer_host(context: grpc.ServicerContext) -> str:

@@ -26,7 +26,9 @@ from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import MetadataStore
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
+from broker.producers import ProducerRegistry
 from broker.status import BrokerStatus, ExportFreshness, broker_status
+from broker.transaction import TransactionService
 from lakehouse.runner import ContinuousExport
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
@@ -56,6 +58,8 @@ class Broker:
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.producers = ProducerRegistry()
+        self.transactions: TransactionService | None = None
         self.offloader: Offloader | None = None
         self.fetcher: ColdFetcher | None = None
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
@@ -114,20 +118,26 @@ class Broker:
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
-            add_safely(
-                service_pb2_grpc.add_MessagingServiceServicer_to_server,
-                MessagingServicer(
-                    self.store,
-                    self.metadata,
-                    self.pop,
-                    identity,
-                    self.namesrv,
-                    self.config.limits,
-                    auto_create_groups=self.config.auto_create_groups,
-                    traffic=self.metrics.traffic,
-                ),
-                server,
+            messaging = MessagingServicer(
+                self.store,
+                self.metadata,
+                self.pop,
+                identity,
+                self.namesrv,
+                self.config.limits,
+                auto_create_groups=self.config.auto_create_groups,
+                traffic=self.metrics.traffic,
+                producers=self.producers,
             )
+            self.transactions = TransactionService(
+                self.store,
+                self.metadata,
+                self.config.transactions,
+                messaging.send_transaction_check,
+            )
+            self.transactions.start()
+            messaging.transactions = self.transactions
+            add_safely(service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server)
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(
@@ -151,6 +161,8 @@ class Broker:
             self._server = server
         except BaseException:
             self.metrics.close()
+            if self.transactions is not None:
+                self.transactions.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -270,9 +282,16 @@ class Broker:
                 log.error("retention failed: %s", e)
             if committed:
                 failpoints.hit("offload.before_release")
+        can_release = release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+        pinned = self.pinned_offset()
         self.released_files += self.store.release_commitlog_files(
-            release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+            lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
         )
+
+    def pinned_offset(self) -> int | None:
+        """The lowest CommitLog offset still needed by an undecided half message: no file from
+        there on may be released, whatever its topics' retention says."""
+        return self.transactions.pinned_offset() if self.transactions is not None else None
 
     def _start_export(self, tier_url: str) -> None:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread
@@ -320,6 +339,8 @@ class Broker:
         if self._export is not None:
             self._export.stop()
         self.metrics.close()
+        if self.transactions is not None:
+            self.transactions.stop()
         self.metadata.flush_offsets(force=True)
         if self.fetcher is not None:
             self.fetcher.close()
