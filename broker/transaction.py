@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.metadata import MetadataStore
+from tiered import failpoints
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
@@ -311,7 +312,11 @@ class TransactionService:
                 stored = self.store.read_message(half.commitlog_offset, half.size)
                 if stored is None:
                     raise TransactionError(f"half message of {txn_id} is no longer stored")
-                self.store.put_messages([self._real(stored, half), self._op(offset, COMMIT)])
+                batch = [self._real(stored, half), self._op(offset, COMMIT)]
+                if failpoints.armed("transaction.before_commit_op"):
+                    self.store.put_messages(batch[:1])
+                    failpoints.hit("transaction.before_commit_op")
+                self.store.put_messages(batch)
             else:
                 self.store.put_messages([self._op(offset, ROLLBACK)])
         finally:

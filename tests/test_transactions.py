@@ -73,9 +73,7 @@ def message(topic: str, key: str) -> Message:
 
 def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> list[str]:
     """Every message key a consumer group receives (and acks) within ``seconds``."""
-    consumer = SimpleConsumer(
-        config(node), group, {topic: FilterExpression()}, await_duration=1
-    )
+    consumer = SimpleConsumer(config(node), group, {topic: FilterExpression()}, await_duration=1)
     consumer.startup()
     got: list[str] = []
     try:
@@ -240,5 +238,37 @@ def test_kill_9_between_half_and_commit_loses_nothing_and_shows_no_rollback(
             p.shutdown()
         assert sorted(got) == ["k-committed", "k-orphan-commit"]
         assert "k-committed" not in checker.asked and "k-rolled-back" not in checker.asked
+    finally:
+        node.stop()
+
+
+def test_a_commit_torn_by_a_crash_is_completed_once_at_restart(tmp_path: Path) -> None:
+    """The crash lands after the committed copy is in the CommitLog and before the decision is:
+    at restart the copy is found by its message id, and the broker neither checks back nor
+    commits a second copy."""
+    data = tmp_path / "data"
+    node = Standalone(data, env={**FAST_CHECKS, "TMQ_FAILPOINTS": "transaction.before_commit_op"})
+    node.start()
+    node.create_topic("txn-torn", queues=2, message_type="TRANSACTION")
+    p = producer(node, "txn-torn", Checker())
+    try:
+        txn = p.begin_transaction()
+        p.send(message("txn-torn", "k-torn"), txn)
+        with pytest.raises(Exception):  # noqa: B017  the broker dies under the request
+            txn.commit()
+        assert node.proc is not None and node.proc.wait(10) == -9
+    finally:
+        p.shutdown()
+    node = Standalone(data, env=FAST_CHECKS)
+    node.start()
+    try:
+        checker = Checker({"k-torn": TransactionResolution.COMMIT})
+        p = producer(node, "txn-torn", checker)
+        try:
+            got = receive_keys(node, "txn-torn", "g-torn", 5)  # past the first check-back
+        finally:
+            p.shutdown()
+        assert got == ["k-torn"]
+        assert checker.asked == [], "the torn commit was completed, not checked back"
     finally:
         node.stop()

@@ -10,6 +10,8 @@ Points:
   committed.
 - ``offload.before_release``: the manifest is committed; no local CommitLog file is released.
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
+- ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
+  recording the decision is not (a torn commit batch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import signal
 log = logging.getLogger(__name__)
 
 _ARMED = frozenset(p.strip() for p in os.environ.get("TMQ_FAILPOINTS", "").split(",") if p.strip())
+
+
+def armed(name: str) -> bool:
+    return name in _ARMED
 
 
 def hit(name: str) -> None:
