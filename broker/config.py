@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.metadata import Limits
+from broker.timer import DEFAULT_MAX_DELAY_MS
 from broker.transaction import TransactionConfig
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
@@ -73,6 +74,9 @@ class BrokerConfig:
     transaction_check_interval_ms: int = 30_000
     transaction_check_max: int = 15
     transaction_check_exhausted: str = "rollback"
+    # The latest delivery time a delay message may ask for, from now (RocketMQ's
+    # timerMaxDelaySec, 3 days); later ones are refused with ILLEGAL_DELIVERY_TIME.
+    timer_max_delay_ms: int = DEFAULT_MAX_DELAY_MS
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     # The continuous Delta export, run as a child process beside the broker when enabled.

@@ -35,6 +35,7 @@ from broker.metrics import Traffic
 from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
 from broker.producers import ProducerRegistry
 from broker.protocol import (
+    PROPERTY_DELIVER_TIME,
     ProtocolError,
     duration,
     duration_ms,
@@ -43,6 +44,7 @@ from broker.protocol import (
     to_proto_message,
     to_store_message,
 )
+from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
 from broker.transaction import TransactionError, TransactionService
 from namesrv.client import NameServerClient
 from tiered.cold.segment import SegmentError
@@ -84,6 +86,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         traffic: Traffic | None = None,
         transactions: TransactionService | None = None,
         producers: ProducerRegistry | None = None,
+        timers: TimerService | None = None,
+        max_delay_ms: int = DEFAULT_MAX_DELAY_MS,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -95,6 +99,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self.traffic = traffic or Traffic()
         self.transactions = transactions
         self.producers = producers or ProducerRegistry()
+        self.timers = timers
+        self.max_delay_ms = max_delay_ms
         self._round_robin: dict[str, int] = {}
         self._rr_lock = threading.Lock()
 
@@ -331,11 +337,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 )
             if topic.message_type == "TRANSACTION":
                 return self._send_half(request, topic, batch, context)
+            if topic.message_type == "DELAY":
+                batch = [self._schedule(m) for m in batch]
             try:
                 results = self.store.put_messages(batch)
             except InvalidMessageError as e:
                 raise ProtocolError(d.BAD_REQUEST, str(e)) from None
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
+            if topic.message_type == "DELAY" and self.timers is not None:
+                self.timers.wakeup()
             entries = [
                 s.SendResultEntry(
                     status=status(),
@@ -347,6 +357,22 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return s.SendMessageResponse(status=status(), entries=entries)
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
+
+    def _schedule(self, msg: Message) -> Message:
+        """A delay message due in the future as a timer record; one already due as itself."""
+        if self.timers is None:
+            raise ProtocolError(d.UNSUPPORTED, "delay messages are not enabled")
+        due = msg.properties.get(PROPERTY_DELIVER_TIME)
+        if due is None:
+            raise ProtocolError(d.ILLEGAL_DELIVERY_TIME, "a delay message needs a delivery time")
+        now = time.time_ns() // 1_000_000
+        if int(due) - now > self.max_delay_ms:
+            raise ProtocolError(
+                d.ILLEGAL_DELIVERY_TIME,
+                f"delivery time is {(int(due) - now) / 1000:.0f} s away; the limit is "
+                f"{self.max_delay_ms // 1000} s",
+            )
+        return as_timer_message(msg) if int(due) > now else msg
 
     def _send_half(
         self,

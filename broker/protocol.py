@@ -227,6 +227,9 @@ def to_proto_message(
     group = props.get(PROPERTY_SHARDING_KEY)
     if group:
         sp.message_group = group
+    deliver = props.get(PROPERTY_DELIVER_TIME)
+    if deliver and deliver.isdigit():
+        sp.delivery_timestamp.FromMilliseconds(int(deliver))
     if receipt_handle is not None:
         sp.receipt_handle = receipt_handle
     if attempt is not None:

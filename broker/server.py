@@ -28,6 +28,7 @@ from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.producers import ProducerRegistry
 from broker.status import BrokerStatus, ExportFreshness, broker_status
+from broker.timer import TimerService
 from broker.transaction import TransactionService
 from lakehouse.runner import ContinuousExport
 from namesrv import namesrv_pb2 as nspb
@@ -60,6 +61,7 @@ class Broker:
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
         self.producers = ProducerRegistry()
         self.transactions: TransactionService | None = None
+        self.timers: TimerService | None = None
         self.offloader: Offloader | None = None
         self.fetcher: ColdFetcher | None = None
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
@@ -128,7 +130,15 @@ class Broker:
                 auto_create_groups=self.config.auto_create_groups,
                 traffic=self.metrics.traffic,
                 producers=self.producers,
+                max_delay_ms=self.config.timer_max_delay_ms,
             )
+            self.timers = TimerService(
+                self.store,
+                self.config.store.data_dir / "timer",
+                lambda: list(self.metadata.topics),
+            )
+            self.timers.start()
+            messaging.timers = self.timers
             self.transactions = TransactionService(
                 self.store,
                 self.metadata,
@@ -163,6 +173,8 @@ class Broker:
             self.metrics.close()
             if self.transactions is not None:
                 self.transactions.stop()
+            if self.timers is not None:
+                self.timers.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -289,9 +301,15 @@ class Broker:
         )
 
     def pinned_offset(self) -> int | None:
-        """The lowest CommitLog offset still needed by an undecided half message: no file from
-        there on may be released, whatever its topics' retention says."""
-        return self.transactions.pinned_offset() if self.transactions is not None else None
+        """The lowest CommitLog offset still needed by an undecided half message or an
+        undelivered timer: no file from there on may be released, whatever its topics'
+        retention says."""
+        pins = [
+            service.pinned_offset()
+            for service in (self.transactions, self.timers)
+            if service is not None
+        ]
+        return min((p for p in pins if p is not None), default=None)
 
     def _start_export(self, tier_url: str) -> None:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread
@@ -341,6 +359,8 @@ class Broker:
         self.metrics.close()
         if self.transactions is not None:
             self.transactions.stop()
+        if self.timers is not None:
+            self.timers.stop()
         self.metadata.flush_offsets(force=True)
         if self.fetcher is not None:
             self.fetcher.close()
