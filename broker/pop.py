@@ -239,10 +239,19 @@ class PopService:
             del state.in_flight[delivery.offset]
             self._commit(group, delivery.topic, delivery.queue_id, state)
 
-    def change_invisible_duration(self, group: str, receipt_handle: str, invisible_ms: int) -> str:
-        """Push the delivery's deadline to now + ``invisible_ms``; returns the new handle."""
+    def change_invisible_duration(
+        self,
+        group: str,
+        receipt_handle: str,
+        invisible_ms: int,
+        at_least: Callable[[int], int] | None = None,
+    ) -> str:
+        """Push the delivery's deadline to now + ``invisible_ms`` (raised to
+        ``at_least(delivery attempt)`` when given); returns the new handle."""
         with self._lock:
             _, delivery = self._find(group, receipt_handle)
+            if at_least is not None:
+                invisible_ms = max(invisible_ms, at_least(delivery.attempt))
             delivery.deadline_ms = self._clock() + invisible_ms
             delivery.handle_seq = next(self._seq)
             return self._handle(delivery)
