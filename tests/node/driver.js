@@ -1,6 +1,7 @@
 // Drives Apache's RocketMQ 5 Node.js client (npm rocketmq-client-nodejs, unmodified) for
 // tests/test_node_client.py. One JSON argument says what to do; the last stdout line is the
-// JSON result. Every run is bounded by its own `seconds` and exits by itself.
+// JSON result (a message's body is `body` repeated `repeat` times: a command line cannot carry
+// megabytes). Every run is bounded by its own `seconds` and exits by itself.
 'use strict';
 
 const {
@@ -23,7 +24,9 @@ function view(m) {
   return {
     messageId: m.messageId,
     topic: m.topic,
-    body: m.body.toString('utf8'),
+    // Large bodies are reported by length: stdout is a pipe read in one piece.
+    body: m.body.length <= 4096 ? m.body.toString('utf8') : null,
+    bodyLength: m.body.length,
     tag: m.tag ?? null,
     keys: m.keys,
     messageGroup: m.messageGroup ?? null,
@@ -48,7 +51,7 @@ async function produce() {
       try {
         const receipt = await producer.send({
           topic: args.topic,
-          body: Buffer.from(m.body, 'utf8'),
+          body: Buffer.from(m.body.repeat(m.repeat ?? 1), 'utf8'),
           tag: m.tag,
           keys: m.keys,
           messageGroup: m.messageGroup,
@@ -149,8 +152,7 @@ const commands = { produce, simple, push };
 
 commands[args.cmd]()
   .then(result => {
-    process.stdout.write(`${JSON.stringify(result)}\n`);
-    process.exit(0);
+    process.stdout.write(`${JSON.stringify(result)}\n`, () => process.exit(0));
   })
   .catch(e => {
     process.stdout.write(`${JSON.stringify({ fatal: String(e && e.stack ? e.stack : e) })}\n`);
