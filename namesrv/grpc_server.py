@@ -8,6 +8,8 @@ refused bind as an error that names the port.
 
 from __future__ import annotations
 
+import errno
+import socket
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -34,13 +36,36 @@ def new_server(
 def listen(server: grpc.Server, host: str, port: int, what: str) -> int:
     """Bind ``host:port`` (``port`` 0: any free one); returns the bound port. Raises
     PortInUseError with one line naming ``what`` and the port when the bind is refused."""
+    if port:
+        _check_free(host, port, what)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpcio raises instead of returning 0 in some releases
         bound = 0
-    if bound == 0:
-        raise PortInUseError(
-            f"{what}: cannot listen on {host}:{port}: the port is already in use "
-            "(another tmq or RocketMQ process?) or the address is not this host's"
-        )
+    if bound == 0:  # taken between the check and here
+        raise PortInUseError(f"{what}: cannot listen on {host}:{port}: the port is in use")
     return int(bound)
+
+
+def _check_free(host: str, port: int, what: str) -> None:
+    """Try the bind with a plain socket first, for a clear one-line error (gRPC's own failure
+    is a C-core log line). SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by a
+    stopped server is free, one another process listens on is not."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise PortInUseError(f"{what}: cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            reason = (
+                "the port is already in use (another tmq or RocketMQ process?)"
+                if e.errno == errno.EADDRINUSE
+                else e.strerror or str(e)
+            )
+            raise PortInUseError(f"{what}: cannot listen on {host}:{port}: {reason}") from None
