@@ -31,7 +31,13 @@ from broker.metadata import (
     check_topic_name,
 )
 from broker.metrics import Traffic
-from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
+from broker.pop import (
+    InvalidReceiptHandleError,
+    MessageFilter,
+    PopService,
+    Received,
+    TagFilter,
+)
 from broker.protocol import (
     CLIENT_RECEIVE_LIMIT,
     DELIVERY_ENVELOPE_RESERVE,
@@ -43,6 +49,7 @@ from broker.protocol import (
     to_proto_message,
     to_store_message,
 )
+from broker.sql92 import SqlFilter
 from namesrv.client import NameServerClient
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
@@ -366,13 +373,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         try:
             group = self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            expression = request.filter_expression
-            if expression.type == d.SQL:
-                raise ProtocolError(d.UNSUPPORTED, "SQL92 filters are not supported; use tags")
-            try:
-                tag_filter = TagFilter(expression.expression)
-            except ValueError as e:
-                raise ProtocolError(d.ILLEGAL_FILTER_EXPRESSION, str(e)) from None
+            tag_filter = message_filter(request.filter_expression)
             batch = max(1, min(request.batch_size or 1, self.limits.max_receive_batch))
             invisible = (
                 duration_ms(request.invisible_duration)
@@ -517,7 +518,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
             queue = self._queue(topic, request.message_queue.id)
-            tag_filter = TagFilter(request.filter_expression.expression)
+            tag_filter = message_filter(request.filter_expression)
             batch = max(1, min(request.batch_size or 32, 1024))
             poll = min(duration_ms(request.long_polling_timeout), MAX_LONG_POLLING_MS)
             deadline = time.monotonic() + max(0, poll - _LONG_POLL_MARGIN_MS) / 1000
@@ -622,6 +623,17 @@ def _overall(entries: list[s.AckMessageResultEntry]) -> d.Status:
     if len(entries) == 1:
         return d.Status(code=entries[0].status.code, message=entries[0].status.message)
     return status(d.MULTIPLE_RESULTS, "some entries failed; see entries")
+
+
+def message_filter(expression: d.FilterExpression) -> MessageFilter:
+    """The subscription's filter (TAG or SQL92); a malformed expression is refused with
+    ILLEGAL_FILTER_EXPRESSION, as the proxy's FilterAPI.build does."""
+    try:
+        if expression.type == d.SQL:
+            return SqlFilter(expression.expression)
+        return TagFilter(expression.expression)
+    except ValueError as e:
+        raise ProtocolError(d.ILLEGAL_FILTER_EXPRESSION, str(e)) from None
 
 
 def consumer_backoff_ms(attempt: int) -> int:

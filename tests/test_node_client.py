@@ -227,3 +227,26 @@ def test_a_message_no_consumer_could_receive_is_refused_at_send(broker: Standalo
         }
     )
     assert delivered["bodyLength"] == four_mib - 8192 and not delivered["corrupted"]
+
+
+def test_node_simple_consumer_with_a_sql92_filter_gets_only_matching_messages(
+    broker: Standalone,
+) -> None:
+    broker.create_topic("node-sql", queues=2)
+    messages = [
+        {"body": f"s-{i}", "tag": "t", "properties": {"n": str(i), "kind": ("a", "b")[i % 2]}}
+        for i in range(20)
+    ]
+    assert all("error" not in r for r in produce(broker, "node-sql", messages))
+    deliveries = node(
+        {
+            "cmd": "simple",
+            "endpoint": broker.endpoint,
+            "topic": "node-sql",
+            "group": "g-node-sql",
+            "sql": "kind = 'a' AND n >= 10",
+            "want": 5,
+            "seconds": 30,
+        }
+    )
+    assert sorted(int(d["properties"]["n"]) for d in deliveries) == [10, 12, 14, 16, 18]
