@@ -164,7 +164,9 @@ def to_store_message(
             )
         size += len(key.encode()) + len(value.encode())
         props[key] = value
-    if sp.tag:
+    # A tag or message group that is present but empty is refused (the proxy takes it as
+    # absent): a client that sets the field meant something by it.
+    if sp.HasField("tag"):
         if not sp.tag.strip() or "|" in sp.tag or _control(sp.tag):
             raise ProtocolError(
                 d.ILLEGAL_MESSAGE_TAG,
@@ -199,7 +201,7 @@ def to_store_message(
             f"topic {topic.name} takes {topic.message_type} messages, not {type_name}",
         )
     props[PROPERTY_MESSAGE_TYPE] = type_name
-    if sp.message_group:
+    if sp.HasField("message_group"):
         group = sp.message_group
         if not group.strip() or _control(group):
             raise ProtocolError(

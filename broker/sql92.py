@@ -228,28 +228,26 @@ class _Compile(Transformer[Token, Predicate]):
         return run
 
     def and_(self, left: Predicate, right: Predicate) -> Predicate:
-        def run(props: Props) -> Truth:
-            a = left(props)
-            if a is False:
-                return False
-            b = right(props)
-            if b is False:
-                return False
-            return None if a is None or b is None else True
-
-        return run
+        return _junction(left, right, decisive=False)
 
     def or_(self, left: Predicate, right: Predicate) -> Predicate:
-        def run(props: Props) -> Truth:
-            a = left(props)
-            if a is True:
-                return True
-            b = right(props)
-            if b is True:
-                return True
-            return None if a is None or b is None else False
+        return _junction(left, right, decisive=True)
 
-        return run
+
+def _junction(left: Predicate, right: Predicate, decisive: bool) -> Predicate:
+    """AND (FALSE decides) or OR (TRUE decides) in three-valued logic: UNKNOWN unless one side
+    decides or both agree on the other value."""
+
+    def run(props: Props) -> Truth:
+        a = left(props)
+        if a is decisive:
+            return decisive
+        b = right(props)
+        if b is decisive:
+            return decisive
+        return None if a is None or b is None else not decisive
+
+    return run
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, client_config, send_all
 from node_harness import ensure_node_client, node
-from rocketmq import ClientConfiguration, Credentials, FilterExpression, Message, Producer
+from rocketmq import FilterExpression, Message
 from rocketmq import SimpleConsumer as PySimpleConsumer
 
 
@@ -29,21 +29,18 @@ def produce(b: Standalone, topic: str, messages: list[dict[str, Any]]) -> list[d
     return result
 
 
-def py_config(b: Standalone) -> ClientConfiguration:
-    return ClientConfiguration(b.endpoint, Credentials(), namespace="", request_timeout=10)
-
-
-def py_send(b: Standalone, topic: str, messages: list[Message]) -> list[str]:
-    producer = Producer(py_config(b), topics=[topic])
-    producer.startup()
-    try:
-        return [producer.send(m).message_id for m in messages]
-    finally:
-        producer.shutdown()
+def consume(b: Standalone, cmd: str, topic: str, group: str, **options: Any) -> Any:
+    """Run the driver's ``simple`` or ``push`` consumer; returns its deliveries."""
+    return node(
+        {"cmd": cmd, "endpoint": b.endpoint, "topic": topic, "group": group, **options},
+        timeout=options.get("seconds", 60) + 60,
+    )
 
 
 def py_drain(b: Standalone, topic: str, group: str, want: int) -> list[Message]:
-    consumer = PySimpleConsumer(py_config(b), group, {topic: FilterExpression()}, await_duration=2)
+    consumer = PySimpleConsumer(
+        client_config(b), group, {topic: FilterExpression()}, await_duration=2
+    )
     consumer.startup()
     got: list[Message] = []
     try:
@@ -99,16 +96,7 @@ def test_node_fifo_groups_keep_order_and_consumers_see_the_sharding_key(
     ]
     receipts = produce(broker, "node-fifo", messages)
     assert all("error" not in r for r in receipts), receipts
-    deliveries = node(
-        {
-            "cmd": "simple",
-            "endpoint": broker.endpoint,
-            "topic": "node-fifo",
-            "group": "g-node-fifo",
-            "want": 40,
-            "seconds": 60,
-        }
-    )
+    deliveries = consume(broker, "simple", "node-fifo", "g-node-fifo", want=40, seconds=60)
     per_group: dict[str, list[int]] = defaultdict(list)
     for d in deliveries:
         assert not d["corrupted"]
@@ -136,17 +124,9 @@ def test_node_simple_consumer_receives_acks_and_changes_invisibility_of_python_m
         if i % 5 == 0:
             m.add_property("nack", "1")
         sent.append(m)
-    ids = py_send(broker, "py-to-node", sent)
-    deliveries = node(
-        {
-            "cmd": "simple",
-            "endpoint": broker.endpoint,
-            "topic": "py-to-node",
-            "group": "g-py-to-node",
-            "want": 20,
-            "seconds": 60,
-            "nackMs": 2000,
-        }
+    ids = send_all(broker, "py-to-node", sent)
+    deliveries = consume(
+        broker, "simple", "py-to-node", "g-py-to-node", want=20, seconds=60, nackMs=2000
     )
     assert not [d for d in deliveries if d["corrupted"]], "the Node client found bad digests"
     by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -177,16 +157,8 @@ def test_node_push_consumer_receives_every_message_and_retries_with_the_broker_b
     ]
     receipts = produce(broker, "node-push", messages)
     assert all("error" not in r for r in receipts), receipts
-    deliveries = node(
-        {
-            "cmd": "push",
-            "endpoint": broker.endpoint,
-            "topic": "node-push",
-            "group": "g-node-push",
-            "want": 100,
-            "seconds": 60,
-            "failTimes": 1,
-        }
+    deliveries = consume(
+        broker, "push", "node-push", "g-node-push", want=100, seconds=60, failTimes=1
     )
     assert not [d for d in deliveries if d["corrupted"]]
     by_index: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -216,16 +188,7 @@ def test_a_message_no_consumer_could_receive_is_refused_at_send(broker: Standalo
     # Settings carry), not stuck in front of every consumer.
     assert "error" in too_big, too_big
     assert "error" not in fits, fits
-    [delivered] = node(
-        {
-            "cmd": "simple",
-            "endpoint": broker.endpoint,
-            "topic": "node-big",
-            "group": "g-node-big",
-            "want": 1,
-            "seconds": 30,
-        }
-    )
+    [delivered] = consume(broker, "simple", "node-big", "g-node-big", want=1, seconds=30)
     assert delivered["bodyLength"] == four_mib - 8192 and not delivered["corrupted"]
 
 
@@ -238,15 +201,7 @@ def test_node_simple_consumer_with_a_sql92_filter_gets_only_matching_messages(
         for i in range(20)
     ]
     assert all("error" not in r for r in produce(broker, "node-sql", messages))
-    deliveries = node(
-        {
-            "cmd": "simple",
-            "endpoint": broker.endpoint,
-            "topic": "node-sql",
-            "group": "g-node-sql",
-            "sql": "kind = 'a' AND n >= 10",
-            "want": 5,
-            "seconds": 30,
-        }
+    deliveries = consume(
+        broker, "simple", "node-sql", "g-node-sql", sql="kind = 'a' AND n >= 10", want=5, seconds=30
     )
     assert sorted(int(d["properties"]["n"]) for d in deliveries) == [10, 12, 14, 16, 18]

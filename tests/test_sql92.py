@@ -10,11 +10,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, client_config
 from rocketmq import (
-    ClientConfiguration,
     ConsumeResult,
-    Credentials,
     FilterExpression,
     Message,
     MessageListener,
@@ -78,7 +76,7 @@ def test_malformed_sql92_is_refused(expression: str) -> None:
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
     node = Standalone(tmp_path_factory.mktemp("sql92") / "data").start()
     node.create_topic("sql", queues=2)
-    producer = Producer(config(node), topics=["sql"])
+    producer = Producer(client_config(node), topics=["sql"])
     producer.startup()
     try:
         for i in range(60):
@@ -95,17 +93,13 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
     assert node.stop() == 0
 
 
-def config(node: Standalone) -> ClientConfiguration:
-    return ClientConfiguration(node.endpoint, Credentials(), namespace="", request_timeout=10)
-
-
 SQL = "region IN ('eu', 'us') AND i BETWEEN 10 AND 39 AND TAGS = 'even'"
 WANTED = sorted(i for i in range(10, 40) if i % 2 == 0 and i % 3 in (0, 1))
 
 
 def test_a_simple_consumer_receives_only_what_the_sql92_filter_selects(broker: Standalone) -> None:
     consumer = SimpleConsumer(
-        config(broker), "g-sql-simple", {"sql": FilterExpression(SQL, FilterType.SQL)},
+        client_config(broker), "g-sql-simple", {"sql": FilterExpression(SQL, FilterType.SQL)},
         await_duration=2,
     )  # fmt: skip
     consumer.startup()
@@ -134,7 +128,7 @@ def test_a_push_consumer_receives_only_what_the_sql92_filter_selects(broker: Sta
             return ConsumeResult.SUCCESS
 
     consumer = PushConsumer(
-        config(broker), "g-sql-push", Listener(),
+        client_config(broker), "g-sql-push", Listener(),
         {"sql": FilterExpression("i >= 50 OR region = 'apac' AND i < 6", FilterType.SQL)},
     )  # fmt: skip
     consumer.startup()
