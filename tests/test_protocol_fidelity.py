@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -219,3 +220,26 @@ def test_a_metrics_port_in_use_stops_the_broker_with_one_line(tmp_path: Path) ->
         assert "metrics" in line and str(metrics) in line, line
     finally:
         assert first.stop() == 0
+
+
+@pytest.mark.parametrize(("held", "wanted"), [("0.0.0.0", "127.0.0.1"), ("127.0.0.1", "0.0.0.0")])
+def test_a_port_held_on_another_address_is_refused_too(held: str, wanted: str) -> None:
+    """The case SO_REUSEPORT let through: a gRPC server (grpcio's defaults) on the wildcard
+    address and a tmq NameServer on loopback, or the other way round, on one port."""
+    holder = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = holder.add_insecure_port(f"{held}:0")
+    holder.start()
+    try:
+        proc = _start("namesrv", "start", "--host", wanted, "--port", str(port))
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"a NameServer started on {wanted}:{port} while {held}:{port} is served")
+        assert proc.returncode == 1
+        assert err.strip().splitlines() == [
+            f"error: NameServer: cannot listen on {wanted}:{port}: the port is already in use "
+            "(another tmq or RocketMQ process?)"
+        ]
+    finally:
+        holder.stop(None)
