@@ -110,6 +110,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self._round_robin: dict[str, int] = {}
         # Client id (the x-mq-client-id header) -> ClientType, from each client's Settings.
         self._client_types: dict[str, int] = {}
+        self._client_streams: dict[str, int] = {}  # open Telemetry streams per client id
         self._clients_lock = threading.Lock()
         self._rr_lock = threading.Lock()
 
@@ -252,17 +253,22 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         """Answer every Settings the client sends with the settings the proxy would give it; the
         stream stays open as long as the client keeps it."""
         client_id = _client_id(context)
+        with self._clients_lock:
+            self._client_streams[client_id] = self._client_streams.get(client_id, 0) + 1
         try:
             for command in request_iterator:
                 if not command.HasField("settings"):
                     continue  # results of commands tmq never sends
-                if client_id:
-                    with self._clients_lock:
-                        self._client_types[client_id] = command.settings.client_type
+                with self._clients_lock:
+                    self._client_types[client_id] = command.settings.client_type
                 yield s.TelemetryCommand(status=status(), settings=self._settings(command.settings))
         finally:
-            if client_id:
-                with self._clients_lock:
+            # A client keeps one stream per endpoint and reopens them: forget its type only
+            # when its last stream closes.
+            with self._clients_lock:
+                self._client_streams[client_id] -= 1
+                if not self._client_streams[client_id]:
+                    del self._client_streams[client_id]
                     self._client_types.pop(client_id, None)
 
     def _settings(self, given: d.Settings) -> d.Settings:
