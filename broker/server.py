@@ -94,6 +94,8 @@ class Broker:
                 fetcher=lambda: self.fetcher,
                 released_files=lambda: self.released_files,
                 offload_failures=lambda: self.offload_failures,
+                transactions=lambda: self.transactions,
+                timers=lambda: self.timers,
             )
         )
         self.port = 0
@@ -158,6 +160,10 @@ class Broker:
                     self.offloader,
                     status=lambda: self.status(hot_bytes=True),
                     cluster=self.config.cluster,
+                    timers=lambda: self.timers.stats() if self.timers is not None else None,
+                    transactions_pending=lambda: (
+                        self.transactions.pending_by_topic() if self.transactions else {}
+                    ),
                 ),
                 server,
             )
