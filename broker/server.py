@@ -27,8 +27,8 @@ from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.producers import ProducerRegistry
 from broker.status import BrokerStatus, ExportFreshness, broker_status
-from broker.timer import TimerService
-from broker.transaction import TransactionService
+from broker.timer import TIMER_TOPIC, TimerService
+from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
@@ -299,7 +299,12 @@ class Broker:
                 log.error("retention failed: %s", e)
             if committed:
                 failpoints.hit("offload.before_release")
-        can_release = release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+        can_release = release_predicate(
+            self.store,
+            self.offloader,
+            dict(self.metadata.topics),
+            pinned_topics=frozenset((TIMER_TOPIC, HALF_TOPIC, OP_TOPIC)),
+        )
         pinned = self.pinned_offset()
         self.released_files += self.store.release_commitlog_files(
             lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)

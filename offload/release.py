@@ -7,6 +7,10 @@ A file may go only when, for every (topic, queue) with records in it:
 - the topic is not tiered and the file is older than its retention (RocketMQ's
   ``fileReservedTime`` rule, 72 h by default).
 
+Records of ``pinned_topics`` (the timer and transaction system topics) never hold a file back:
+the broker pins the files their undelivered or undecided records need (``release_commitlog_files``
+is given a pin), and once delivered or decided they are copies of nothing anybody reads.
+
 Never a record that is neither uploaded nor expired: this is the invariant RocketMQ's tieredstore
 broke (local data deleted before upload), checked here with the ConsumeQueues, not the clock.
 """
@@ -43,10 +47,13 @@ def release_predicate(
     topics: Mapping[str, TopicConfig],
     default_reserved_ms: int = DEFAULT_FILE_RESERVED_MS,
     now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    pinned_topics: frozenset[str] = frozenset(),
 ) -> Callable[[CommitLogFileInfo], bool]:
     def can_release(info: CommitLogFileInfo) -> bool:
         age = now_ms() - info.modified_ms
         for (topic, queue_id), cq in list(store.queues.queues.items()):
+            if topic in pinned_topics:
+                continue
             first_in = first_offset_at_or_after(cq, info.from_offset)
             if first_in >= cq.max_offset:
                 continue

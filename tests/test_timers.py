@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, free_port, send_batches, tmq
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -31,7 +32,7 @@ MAX_DELAY = {"TMQ_BROKER_TIMER_MAX_DELAY_MS": "600000"}  # 10 minutes
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Standalone]:
-    node = Standalone(tmp_path / "data", env=MAX_DELAY).start()
+    node = Standalone(tmp_path / "data", env=MAX_DELAY, metrics_port=free_port()).start()
     yield node
     node.stop()
 
@@ -72,14 +73,17 @@ def receive(
     return got
 
 
-def send_raw(node: Standalone, topic: str, items: list[tuple[str, int]]) -> list[s.SendResultEntry]:
+def send_raw(
+    node: Standalone, topic: str, items: list[tuple[str, int]], pad: int = 0
+) -> list[s.SendResultEntry]:
     """Delay messages ``(key, due ms)`` in batches over the protocol stubs."""
     stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
     out = []
     for i in range(0, len(items), 100):
         request = s.SendMessageRequest()
         for key, due in items[i : i + 100]:
-            m = request.messages.add(topic=d.Resource(name=topic), body=f"body of {key}".encode())
+            body = f"body of {key}".encode() + b"." * pad
+            m = request.messages.add(topic=d.Resource(name=topic), body=body)
             m.system_properties.message_id = os.urandom(16).hex().upper()
             m.system_properties.message_type = d.DELAY
             m.system_properties.keys.append(key)
@@ -89,6 +93,15 @@ def send_raw(node: Standalone, topic: str, items: list[tuple[str, int]]) -> list
         assert reply.status.code == d.OK, reply.status
         out += list(reply.entries)
     return out
+
+
+def scrape(node: Standalone, sample: str) -> float | None:
+    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[1])
+    return None
 
 
 def messages_in_topic(node: Standalone, topic: str) -> int:
@@ -111,6 +124,7 @@ def test_delay_messages_arrive_at_their_delivery_time_not_before(broker: Standal
         producer.shutdown()
     time.sleep(0.5)  # dispatch
     assert messages_in_topic(broker, "delay-basic") == 1, "only the past-due one is visible"
+    assert scrape(broker, 'tmq_timer_pending{topic="delay-basic"}') == 10
     got = receive(broker, "delay-basic", "g-delay", 11, 20)
     keys = Counter(next(iter(m.keys)) for m, _ in got)
     assert keys == Counter([*due, "k-past"])
@@ -123,6 +137,8 @@ def test_delay_messages_arrive_at_their_delivery_time_not_before(broker: Standal
         assert received - due[key] < 1500, f"{key} arrived {received - due[key]} ms late"
         assert m.born_timestamp // 1000 <= start // 1000 + 1, "the original born time is kept"
         assert m.body == f"body of {key}".encode()
+    assert scrape(broker, "tmq_timer_delivered_total") == 10
+    assert scrape(broker, 'tmq_timer_pending{topic="delay-basic"}') is None, "none pending"
 
 
 def test_a_delivery_time_beyond_the_maximum_is_refused(broker: Standalone) -> None:
@@ -160,5 +176,110 @@ def test_kill_9_mid_schedule_delivers_every_timer_exactly_once(tmp_path: Path) -
         assert messages_in_topic(node, "delay-crash") == 600, "no duplicate in the topic either"
         for m, received in got:
             assert received >= m.delivery_timestamp
+    finally:
+        node.stop()
+
+
+def pull_all(node: Standalone, topic: str, queues: int) -> list[d.Message]:
+    """Every message of ``topic`` by PullMessage from offset 0 (the tier below the hot tier)."""
+    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+    out: list[d.Message] = []
+    for queue in range(queues):
+        offset = 0
+        while True:
+            request = s.PullMessageRequest(
+                group=d.Resource(name="g-replay"),
+                message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=queue),
+                offset=offset,
+                batch_size=256,
+                filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+            )
+            got = 0
+            for r in stub.PullMessage(request, timeout=60):
+                if r.HasField("message"):
+                    out.append(r.message)
+                    got += 1
+                elif r.WhichOneof("content") == "next_offset":
+                    offset = r.next_offset
+            if not got:
+                break
+    return out
+
+
+def test_delivered_and_committed_messages_replay_from_the_tier_after_release(
+    tmp_path: Path,
+) -> None:
+    """Once delivered (or committed) they are ordinary messages: uploaded, released locally,
+    and read back by PullMessage from the archive with their born and delivery times. The timer
+    and transaction system topics hold no CommitLog file back once nothing there is pending."""
+    quick = ["--commitlog-file-size", "128KiB", "--offload-interval", "1", "--upload-after", "1s"]
+    node = Standalone(tmp_path / "data", extra=quick, env=MAX_DELAY).start()
+    try:
+        for name, kind in (
+            ("tier-delay", "DELAY"),
+            ("tier-txn", "TRANSACTION"),
+            ("tier-filler", "NORMAL"),
+        ):
+            done = tmq(
+                "topic", "create", name, "-n", node.namesrv, "--queues", "2", "--tiered",
+                "--message-type", kind,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+        start = now_ms()
+        send_raw(
+            node, "tier-delay", [(f"d{i}", start + 2000 + 5 * i) for i in range(200)], pad=1000
+        )
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        for i in range(100):
+            request = s.SendMessageRequest()
+            m = request.messages.add(topic=d.Resource(name="tier-txn"), body=b"t" * 1000)
+            m.system_properties.message_id = f"TXN{i:04d}"
+            m.system_properties.message_type = d.TRANSACTION
+            m.system_properties.keys.append(f"t{i}")
+            [entry] = stub.SendMessage(request, timeout=10).entries
+            ended = stub.EndTransaction(
+                s.EndTransactionRequest(
+                    topic=d.Resource(name="tier-txn"),
+                    message_id=f"TXN{i:04d}",
+                    transaction_id=entry.transaction_id,
+                    resolution=d.COMMIT,
+                    source=d.SOURCE_CLIENT,
+                ),
+                timeout=10,
+            )
+            assert ended.status.code == d.OK
+        deadline = time.monotonic() + 30
+        while messages_in_topic(node, "tier-delay") < 200:
+            assert time.monotonic() < deadline, "the timers were not delivered"
+            time.sleep(0.2)
+        # Later traffic, so the last (never released) CommitLog files hold none of the above.
+        send_batches(
+            node.endpoint, "tier-filler", [(b"f" * 1000, f"f{i}", "x") for i in range(400)]
+        )
+        deadline = time.monotonic() + 90
+        released = False
+        while not released:
+            assert time.monotonic() < deadline, "local CommitLog files were never released"
+            time.sleep(0.5)
+            released = all(
+                all(q.hot_min_offset == q.max_offset for q in described.queues)
+                for described in (
+                    node.admin().GetTopic(apb.GetTopicRequest(name=topic), timeout=10)
+                    for topic in ("tier-delay", "tier-txn")
+                )
+            )
+        delayed_back = pull_all(node, "tier-delay", 2)
+        assert sorted(m.system_properties.keys[0] for m in delayed_back) == sorted(
+            f"d{i}" for i in range(200)
+        )
+        for m in delayed_back:
+            sp = m.system_properties
+            assert sp.delivery_timestamp.ToMilliseconds() >= start + 2000
+            assert sp.store_timestamp.ToMilliseconds() >= sp.delivery_timestamp.ToMilliseconds()
+            assert sp.born_timestamp.ToMilliseconds() <= start + 1000
+        committed_back = pull_all(node, "tier-txn", 2)
+        assert sorted(m.system_properties.message_id for m in committed_back) == [
+            f"TXN{i:04d}" for i in range(100)
+        ]
     finally:
         node.stop()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, free_port
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -47,7 +48,7 @@ class Checker(TransactionChecker):
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Standalone]:
-    node = Standalone(tmp_path / "data", env=FAST_CHECKS).start()
+    node = Standalone(tmp_path / "data", env=FAST_CHECKS, metrics_port=free_port()).start()
     yield node
     node.stop()
 
@@ -87,6 +88,16 @@ def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> li
     finally:
         consumer.shutdown()
     return got
+
+
+def metric(node: Standalone, name: str) -> float:
+    """The value of an unlabelled sample on the broker's /metrics."""
+    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} is not on /metrics")
 
 
 def wait_for(predicate: object, seconds: float) -> bool:
@@ -165,11 +176,16 @@ def test_check_back_resolves_transactions_the_producer_never_ended(broker: Stand
     try:
         for key in ("k-yes", "k-no"):
             p.send(message("txn-check", key), p.begin_transaction())  # never ended
+        assert metric(broker, "tmq_transaction_half_pending") == 2
         assert wait_for(lambda: {"k-yes", "k-no"} <= set(checker.asked), 15), checker.asked
         got = receive_keys(broker, "txn-check", "g-check", 4)
     finally:
         p.shutdown()
     assert got == ["k-yes"]
+    assert metric(broker, "tmq_transaction_half_pending") == 0
+    assert metric(broker, "tmq_transaction_commits_total") == 1
+    assert metric(broker, "tmq_transaction_rollbacks_total") == 1
+    assert metric(broker, "tmq_transaction_checks_total") >= 2
 
 
 def test_an_unanswered_transaction_is_rolled_back_after_the_last_check(
