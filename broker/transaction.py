@@ -69,6 +69,8 @@ ROLLBACK = "rollback"
 CHECK = "check"
 EXHAUSTED_POLICIES = ("rollback", "keep")
 _PAST = {COMMIT: "committed", ROLLBACK: "rolled back"}
+# Undecided halves whose committed copy is kept in memory (the common case: decided in ms).
+_CACHED_COPIES = 10_000
 
 
 class TransactionError(Exception):
@@ -106,6 +108,9 @@ class Half:
     checks: int
     next_check_ms: int
     kept: bool = False  # checked check_max times and kept undecided: not checked again
+    # The committed copy, built at prepare time while few halves are pending (saves reading
+    # the half back from the CommitLog on COMMIT); None: read it then.
+    copy: Message | None = None
 
 
 @dataclass(slots=True)
@@ -276,6 +281,9 @@ class TransactionService:
                     stored_ms=r.store_timestamp,
                     checks=0,
                     next_check_ms=first,
+                    copy=self._copy(msg, r.queue_offset)
+                    if len(self._pending) < _CACHED_COPIES
+                    else None,
                 )
                 out.append(
                     Prepared(transaction_id(r.queue_offset, r.commitlog_offset), r.queue_offset)
@@ -309,10 +317,13 @@ class TransactionService:
             self._busy[offset] = decision
         try:
             if commit:
-                stored = self.store.read_message(half.commitlog_offset, half.size)
-                if stored is None:
-                    raise TransactionError(f"half message of {txn_id} is no longer stored")
-                batch = [self._real(stored, half), self._op(offset, COMMIT)]
+                copy = half.copy
+                if copy is None:
+                    stored = self.store.read_message(half.commitlog_offset, half.size)
+                    if stored is None:
+                        raise TransactionError(f"half message of {txn_id} is no longer stored")
+                    copy = self._real(stored, half)
+                batch = [copy, self._op(offset, COMMIT)]
                 if failpoints.armed("transaction.before_commit_op"):
                     self.store.put_messages(batch[:1])
                     failpoints.hit("transaction.before_commit_op")
@@ -341,6 +352,21 @@ class TransactionService:
             flag=stored.flag,
             born_timestamp=stored.born_timestamp,
             born_host=stored.born_host,
+        )
+
+    @staticmethod
+    def _copy(msg: Message, half_offset: int) -> Message:
+        props = dict(msg.properties)
+        props[PROPERTY_TRANSACTION_PREPARED] = "true"
+        props[PROPERTY_HALF_OFFSET] = str(half_offset)
+        return Message(
+            topic=msg.topic,
+            queue_id=msg.queue_id,
+            body=msg.body,
+            properties=props,
+            flag=msg.flag,
+            born_timestamp=msg.born_timestamp,
+            born_host=msg.born_host,
         )
 
     @staticmethod
