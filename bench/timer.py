@@ -139,7 +139,7 @@ def main() -> None:
                 "scheduled": TIMERS,
                 "delivered": len(ids),
                 "duplicates": len(ids) - len(set(ids)),
-                "schedule_seconds": round(schedule_seconds, 2),
+                "loaded_phase_seconds": round(schedule_seconds, 2),
                 "lateness_p50_ms": round(p(lateness, 50), 1),
                 "lateness_p99_ms": round(p(lateness, 99), 1),
                 "lateness_max_ms": max(lateness, default=0),

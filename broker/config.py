@@ -83,6 +83,9 @@ class BrokerConfig:
     lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
 
+    def __post_init__(self) -> None:
+        self.transactions  # noqa: B018  refuses a bad transaction_check_exhausted at load
+
     @property
     def config_dir(self) -> Path:
         return self.store.data_dir / "config"
