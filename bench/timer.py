@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import grpc
-from broker_harness import Standalone
+from broker_harness import Standalone, pull_all
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -83,31 +83,14 @@ def schedule(stub: service_pb2_grpc.MessagingServiceStub, first_due: int) -> Non
         assert reply.status.code == d.OK, reply.status
 
 
-def read_back(stub: service_pb2_grpc.MessagingServiceStub) -> tuple[list[str], list[int]]:
+def read_back(node: Standalone) -> tuple[list[str], list[int]]:
     ids, lateness = [], []
-    for queue in range(QUEUES):
-        offset = 0
-        while True:
-            request = s.PullMessageRequest(
-                group=d.Resource(name="bench-reader"),
-                message_queue=d.MessageQueue(topic=d.Resource(name="bench-delay"), id=queue),
-                offset=offset,
-                batch_size=1024,
-                filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
-            )
-            got = 0
-            for r in stub.PullMessage(request, timeout=60):
-                if r.HasField("message"):
-                    sp = r.message.system_properties
-                    ids.append(sp.message_id)
-                    lateness.append(
-                        sp.store_timestamp.ToMilliseconds() - sp.delivery_timestamp.ToMilliseconds()
-                    )
-                    got += 1
-                elif r.WhichOneof("content") == "next_offset":
-                    offset = r.next_offset
-            if not got:
-                break
+    for m in pull_all(node, "bench-delay", QUEUES):
+        sp = m.system_properties
+        ids.append(sp.message_id)
+        lateness.append(
+            sp.store_timestamp.ToMilliseconds() - sp.delivery_timestamp.ToMilliseconds()
+        )
     return ids, lateness
 
 
@@ -127,7 +110,7 @@ def main() -> None:
         scheduler.join()
         schedule_seconds = time.monotonic() - started
         time.sleep(3)  # the last timers' deliveries
-        ids, lateness = read_back(stub)
+        ids, lateness = read_back(node)
     finally:
         node.stop()
         shutil.rmtree(workdir, ignore_errors=True)

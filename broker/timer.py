@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC
+from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
@@ -366,15 +366,8 @@ def _delivered_copy(stored: StoredMessage) -> Message:
         if k not in (PROPERTY_REAL_TOPIC, PROPERTY_REAL_QUEUE_ID)
     }
     props[PROPERTY_TIMER_OFFSET] = str(stored.commitlog_offset)
-    return Message(
-        topic=stored.properties.get(PROPERTY_REAL_TOPIC, ""),
-        queue_id=int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")),
-        body=stored.body,
-        properties=props,
-        flag=stored.flag,
-        born_timestamp=stored.born_timestamp,
-        born_host=stored.born_host,
-    )
+    topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
+    return copy_to(stored, topic, int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")), props)
 
 
 def as_timer_message(msg: Message) -> Message:
@@ -382,12 +375,4 @@ def as_timer_message(msg: Message) -> Message:
     props = dict(msg.properties)
     props[PROPERTY_REAL_TOPIC] = msg.topic
     props[PROPERTY_REAL_QUEUE_ID] = str(msg.queue_id)
-    return Message(
-        topic=TIMER_TOPIC,
-        queue_id=0,
-        body=msg.body,
-        properties=props,
-        flag=msg.flag,
-        born_timestamp=msg.born_timestamp,
-        born_host=msg.born_host,
-    )
+    return copy_to(msg, TIMER_TOPIC, 0, props)

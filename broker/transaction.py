@@ -123,6 +123,22 @@ class Prepared:
 CheckSender = Callable[[str, StoredMessage, str], bool]
 
 
+def copy_to(
+    src: Message | StoredMessage, topic: str, queue_id: int, properties: dict[str, str]
+) -> Message:
+    """``src`` as a new record of ``topic``/``queue_id`` with ``properties``: same body, flag,
+    born time and host (a half message, a committed copy, a timer record, a delivered timer)."""
+    return Message(
+        topic=topic,
+        queue_id=queue_id,
+        body=src.body,
+        properties=properties,
+        flag=src.flag,
+        born_timestamp=src.born_timestamp,
+        born_host=src.born_host,
+    )
+
+
 def transaction_id(half_offset: int, commitlog_offset: int) -> str:
     return f"{half_offset:X}-{commitlog_offset:X}"
 
@@ -254,17 +270,7 @@ class TransactionService:
             props[PROPERTY_PRODUCER_GROUP] = msg.topic  # gRPC producers have no group
             if immunity:
                 props[PROPERTY_CHECK_IMMUNITY_MS] = str(immunity)
-            halves.append(
-                Message(
-                    topic=HALF_TOPIC,
-                    queue_id=0,
-                    body=msg.body,
-                    properties=props,
-                    flag=msg.flag,
-                    born_timestamp=msg.born_timestamp,
-                    born_host=msg.born_host,
-                )
-            )
+            halves.append(copy_to(msg, HALF_TOPIC, 0, props))
         results = self.store.put_messages(halves)
         out = []
         with self._lock:
@@ -344,30 +350,15 @@ class TransactionService:
     def _real(self, stored: StoredMessage, half: Half) -> Message:
         props = {k: v for k, v in stored.properties.items() if k not in _HALF_ONLY}
         props[PROPERTY_HALF_OFFSET] = str(half.offset)
-        return Message(
-            topic=half.topic,
-            queue_id=int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")),
-            body=stored.body,
-            properties=props,
-            flag=stored.flag,
-            born_timestamp=stored.born_timestamp,
-            born_host=stored.born_host,
-        )
+        queue_id = int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0"))
+        return copy_to(stored, half.topic, queue_id, props)
 
     @staticmethod
     def _copy(msg: Message, half_offset: int) -> Message:
         props = dict(msg.properties)
         props[PROPERTY_TRANSACTION_PREPARED] = "true"
         props[PROPERTY_HALF_OFFSET] = str(half_offset)
-        return Message(
-            topic=msg.topic,
-            queue_id=msg.queue_id,
-            body=msg.body,
-            properties=props,
-            flag=msg.flag,
-            born_timestamp=msg.born_timestamp,
-            born_host=msg.born_host,
-        )
+        return copy_to(msg, msg.topic, msg.queue_id, props)
 
     @staticmethod
     def _op(half_offset: int, kind: str, checks: int = 0) -> Message:

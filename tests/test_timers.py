@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from broker_harness import Standalone, free_port, send_batches, tmq
+from broker_harness import (
+    Standalone,
+    client_config,
+    free_port,
+    metric_sample,
+    pull_all,
+    send_batches,
+    tmq,
+)
 from rocketmq import (
-    ClientConfiguration,
-    Credentials,
     FilterExpression,
     Message,
     Producer,
@@ -37,10 +42,6 @@ def broker(tmp_path: Path) -> Iterator[Standalone]:
     node.stop()
 
 
-def config(node: Standalone) -> ClientConfiguration:
-    return ClientConfiguration(node.endpoint, Credentials(), namespace="", request_timeout=10)
-
-
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -59,7 +60,9 @@ def receive(
 ) -> list[tuple[Message, int]]:
     """(message, receive time in ms) for everything a group receives within ``seconds``, or
     until ``want`` messages came."""
-    consumer = SimpleConsumer(config(node), group, {topic: FilterExpression()}, await_duration=1)
+    consumer = SimpleConsumer(
+        client_config(node), group, {topic: FilterExpression()}, await_duration=1
+    )
     consumer.startup()
     got: list[tuple[Message, int]] = []
     try:
@@ -95,15 +98,6 @@ def send_raw(
     return out
 
 
-def scrape(node: Standalone, sample: str) -> float | None:
-    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[1])
-    return None
-
-
 def messages_in_topic(node: Standalone, topic: str) -> int:
     described = node.admin().GetTopic(apb.GetTopicRequest(name=topic), timeout=10)
     return sum(q.max_offset - q.min_offset for q in described.queues)
@@ -111,7 +105,7 @@ def messages_in_topic(node: Standalone, topic: str) -> int:
 
 def test_delay_messages_arrive_at_their_delivery_time_not_before(broker: Standalone) -> None:
     broker.create_topic("delay-basic", queues=2, message_type="DELAY")
-    producer = Producer(config(broker), topics=["delay-basic"])
+    producer = Producer(client_config(broker), topics=["delay-basic"])
     producer.startup()
     start = now_ms()
     due = {f"k{i}": start + 3000 + 150 * i for i in range(10)}
@@ -124,7 +118,7 @@ def test_delay_messages_arrive_at_their_delivery_time_not_before(broker: Standal
         producer.shutdown()
     time.sleep(0.5)  # dispatch
     assert messages_in_topic(broker, "delay-basic") == 1, "only the past-due one is visible"
-    assert scrape(broker, 'tmq_timer_pending{topic="delay-basic"}') == 10
+    assert metric_sample(broker, 'tmq_timer_pending{topic="delay-basic"}') == 10
     got = receive(broker, "delay-basic", "g-delay", 11, 20)
     keys = Counter(next(iter(m.keys)) for m, _ in got)
     assert keys == Counter([*due, "k-past"])
@@ -137,8 +131,8 @@ def test_delay_messages_arrive_at_their_delivery_time_not_before(broker: Standal
         assert received - due[key] < 1500, f"{key} arrived {received - due[key]} ms late"
         assert m.born_timestamp // 1000 <= start // 1000 + 1, "the original born time is kept"
         assert m.body == f"body of {key}".encode()
-    assert scrape(broker, "tmq_timer_delivered_total") == 10
-    assert scrape(broker, 'tmq_timer_pending{topic="delay-basic"}') is None, "none pending"
+    assert metric_sample(broker, "tmq_timer_delivered_total") == 10
+    assert metric_sample(broker, 'tmq_timer_pending{topic="delay-basic"}') is None, "none pending"
 
 
 def test_a_delivery_time_beyond_the_maximum_is_refused(broker: Standalone) -> None:
@@ -178,32 +172,6 @@ def test_kill_9_mid_schedule_delivers_every_timer_exactly_once(tmp_path: Path) -
             assert received >= m.delivery_timestamp
     finally:
         node.stop()
-
-
-def pull_all(node: Standalone, topic: str, queues: int) -> list[d.Message]:
-    """Every message of ``topic`` by PullMessage from offset 0 (the tier below the hot tier)."""
-    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
-    out: list[d.Message] = []
-    for queue in range(queues):
-        offset = 0
-        while True:
-            request = s.PullMessageRequest(
-                group=d.Resource(name="g-replay"),
-                message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=queue),
-                offset=offset,
-                batch_size=256,
-                filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
-            )
-            got = 0
-            for r in stub.PullMessage(request, timeout=60):
-                if r.HasField("message"):
-                    out.append(r.message)
-                    got += 1
-                elif r.WhichOneof("content") == "next_offset":
-                    offset = r.next_offset
-            if not got:
-                break
-    return out
 
 
 def test_delivered_and_committed_messages_replay_from_the_tier_after_release(

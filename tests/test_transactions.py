@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_harness import Standalone, free_port
+from broker_harness import Standalone, client_config, free_port, metric_sample
 from rocketmq import (
-    ClientConfiguration,
-    Credentials,
     FilterExpression,
     Message,
     Producer,
@@ -53,12 +50,8 @@ def broker(tmp_path: Path) -> Iterator[Standalone]:
     node.stop()
 
 
-def config(node: Standalone) -> ClientConfiguration:
-    return ClientConfiguration(node.endpoint, Credentials(), namespace="", request_timeout=10)
-
-
 def producer(node: Standalone, topic: str, checker: Checker) -> Producer:
-    p = Producer(config(node), topics=[topic], checker=checker)
+    p = Producer(client_config(node), topics=[topic], checker=checker)
     p.startup()
     return p
 
@@ -74,7 +67,9 @@ def message(topic: str, key: str) -> Message:
 
 def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> list[str]:
     """Every message key a consumer group receives (and acks) within ``seconds``."""
-    consumer = SimpleConsumer(config(node), group, {topic: FilterExpression()}, await_duration=1)
+    consumer = SimpleConsumer(
+        client_config(node), group, {topic: FilterExpression()}, await_duration=1
+    )
     consumer.startup()
     got: list[str] = []
     try:
@@ -88,16 +83,6 @@ def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> li
     finally:
         consumer.shutdown()
     return got
-
-
-def metric(node: Standalone, name: str) -> float:
-    """The value of an unlabelled sample on the broker's /metrics."""
-    url = f"http://127.0.0.1:{node.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} is not on /metrics")
 
 
 def wait_for(predicate: object, seconds: float) -> bool:
@@ -176,16 +161,16 @@ def test_check_back_resolves_transactions_the_producer_never_ended(broker: Stand
     try:
         for key in ("k-yes", "k-no"):
             p.send(message("txn-check", key), p.begin_transaction())  # never ended
-        assert metric(broker, "tmq_transaction_half_pending") == 2
+        assert metric_sample(broker, "tmq_transaction_half_pending") == 2
         assert wait_for(lambda: {"k-yes", "k-no"} <= set(checker.asked), 15), checker.asked
         got = receive_keys(broker, "txn-check", "g-check", 4)
     finally:
         p.shutdown()
     assert got == ["k-yes"]
-    assert metric(broker, "tmq_transaction_half_pending") == 0
-    assert metric(broker, "tmq_transaction_commits_total") == 1
-    assert metric(broker, "tmq_transaction_rollbacks_total") == 1
-    assert metric(broker, "tmq_transaction_checks_total") >= 2
+    assert metric_sample(broker, "tmq_transaction_half_pending") == 0
+    assert metric_sample(broker, "tmq_transaction_commits_total") == 1
+    assert metric_sample(broker, "tmq_transaction_rollbacks_total") == 1
+    assert metric_sample(broker, "tmq_transaction_checks_total") >= 2
 
 
 def test_an_unanswered_transaction_is_rolled_back_after_the_last_check(
