@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
@@ -500,6 +501,13 @@ class MessageStore:
         if messages:
             status = GetStatus.FOUND
         elif nxt == offset and offset < cq.min_offset:
+            # Released while this read was under way: the tier holds it now (or nobody does).
+            if (
+                not hot_only
+                and self.cold is not None
+                and self._from_cold(topic, queue_id, offset, cq)
+            ):
+                return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
             status = GetStatus.OFFSET_TOO_SMALL
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
 
@@ -645,9 +653,14 @@ class MessageStore:
                 count += 1
             if not count:
                 return 0
-            self.commitlog.delete_files_before(count)
-            cl_min = self.commitlog.min_offset
+            # Readers first, files second: once the queue minimums have moved past the files,
+            # every new read of those offsets goes to the tier (or is told OFFSET_TOO_SMALL);
+            # a read already under way that finds its file gone is re-routed by get_messages.
+            # Deleting first would let a reader see "no message" in the middle of its history.
+            cl_min = files[count].from_offset if count < len(files) else files[-1].end_offset
             self.queues.correct_min_offsets(cl_min)
             self.index.delete_before(cl_min)
+            failpoints.hit("release.mid_switch")
+            self.commitlog.delete_files_before(count)
             log.info("released %d CommitLog file(s); CommitLog now starts at %d", count, cl_min)
             return count
