@@ -69,7 +69,11 @@ class Broker:
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(
-                tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
+                tier,
+                config.cluster,
+                config.name,
+                tiered_queues=self._tiered_queues,
+                observe=self.metrics.observe_cold_read,
             )
             self.offloader = Offloader(
                 self.store,
@@ -96,11 +100,21 @@ class Broker:
         self._health = health.HealthServicer()
         self._threads: list[threading.Thread] = []
 
+    def _tiered_queues(self) -> list[tuple[str, int]]:
+        return [
+            (t.name, q)
+            for t in list(self.metadata.topics.values())
+            if t.tiered
+            for q in range(t.queues)
+        ]
+
     def start(self) -> int:
         """Open the store, serve, register; returns the bound port (``port = 0``: any free)."""
         self.store.start()
         try:
             self.metadata.load()
+            if self.fetcher is not None:
+                self.fetcher.start()
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="broker"),
                 options=[

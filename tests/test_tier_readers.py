@@ -147,3 +147,83 @@ def test_a_replay_racing_release_sees_no_gap_and_no_early_end(tmp_path: Path) ->
     finally:
         done.set()
         node.stop()
+
+
+def _wait_released(node: Standalone, seconds: float = 60) -> None:
+    """Until the first CommitLog file is gone: its messages are read from the tier only."""
+    first = node.data_dir / "commitlog" / f"{0:020d}"
+    deadline = time.monotonic() + seconds
+    while first.exists():
+        assert time.monotonic() < deadline, "nothing was released to the tier"
+        time.sleep(0.2)
+
+
+def test_an_object_store_outage_stops_no_hot_read(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """With the S3 endpoint black-holed, pulls and receives of a non-tiered topic and hot pulls
+    of a tiered one answer as fast as before; a cold read fails within its deadline with a
+    clear status, and works again once the endpoint heals."""
+    from conftest import S3Endpoint
+    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+
+    node = Standalone(
+        tmp_path / "data",
+        extra=[*TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    ).start()
+    consumer = None
+    try:
+        admin = node.admin()
+        for name, tiered in (("plain", False), ("cold", True)):
+            admin.PutTopic(
+                apb.PutTopicRequest(topic=apb.Topic(name=name, queues=1, perm=6, tiered=tiered)),
+                timeout=10,
+            )
+        send_batches(node.endpoint, "cold", [(body_of(i), f"k{i}", "t") for i in range(1200)])
+        _wait_released(node)
+        send_batches(node.endpoint, "plain", [(body_of(i), f"k{i}", "t") for i in range(200)])
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        end = end_offset(stub, "cold", 0)
+        # (No cold read before the outage: its batch would be served from the fetcher's cache.)
+
+        fault_proxy.set(blackhole=True)
+        time.sleep(6)  # past the manifest cache's refresh interval (5 s)
+        consumer = SimpleConsumer(
+            ClientConfiguration(node.endpoint, Credentials(), request_timeout=10),
+            "outage-readers",
+            {"plain": FilterExpression()},
+            await_duration=1,
+        )
+        consumer.startup()
+        for _ in range(3):
+            plain = pull(stub, "plain", 0, 100)
+            hot = pull(stub, "cold", 0, end - 5)
+            assert plain.code == d.OK and plain.offsets[0] == 100, plain
+            assert hot.code == d.OK and hot.offsets == list(range(end - 5, end)), hot
+            assert max(plain.seconds, hot.seconds) < 1.0, (plain.seconds, hot.seconds)
+            started = time.monotonic()
+            received = consumer.receive(16, 30)
+            assert received and time.monotonic() - started < 2.0
+            for m in received:
+                consumer.ack(m)
+        started = time.monotonic()
+        cold = pull(stub, "cold", 0, 0)
+        assert cold.code == d.PROXY_TIMEOUT and "cold tier" in cold.message, cold
+        assert time.monotonic() - started < 5.0  # its own deadline, well within the client's
+        assert fault_proxy.snapshot()["counters"]["blackholed"] >= 1
+
+        fault_proxy.heal()
+        deadline = time.monotonic() + 60
+        while True:
+            cold = pull(stub, "cold", 0, 0)
+            if cold.code == d.OK:
+                break
+            assert time.monotonic() < deadline, f"cold reads did not recover: {cold}"
+            time.sleep(0.5)
+        assert cold.offsets[:2] == [0, 1] and cold.bodies[0] == body_of(0)
+    finally:
+        fault_proxy.heal()
+        if consumer is not None:
+            consumer.shutdown()
+        node.stop()

@@ -155,11 +155,17 @@ def check_geometry(config: StoreConfig) -> None:
 
 
 class ColdReader(Protocol):
-    """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``)."""
+    """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``).
+
+    ``start_offset``, ``end_offset`` and ``may_hold`` answer from what the reader last loaded:
+    hot reads call them, and a hot read never waits on the object store. ``get`` and the
+    lookups are cold reads, each with its own deadline."""
 
     def start_offset(self, topic: str, queue_id: int) -> int | None: ...
 
     def end_offset(self, topic: str, queue_id: int) -> int: ...
+
+    def may_hold(self, topic: str, queue_id: int, offset: int) -> bool: ...
 
     def get(
         self,
@@ -512,14 +518,16 @@ class MessageStore:
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
 
     def _from_cold(self, topic: str, queue_id: int, offset: int, cq: ConsumeQueue) -> bool:
+        """Whether this read goes to the tier: below the hot store, when the tier may hold it
+        (or, with ``read_from_tier = "force"``, whenever it does). Answers from cached state."""
         assert self.cold is not None
-        start = self.cold.start_offset(topic, queue_id)
-        if start is None or offset < start:
-            return False
         if offset < cq.min_offset:
-            return True
-        return self.config.read_from_tier == "force" and offset < self.cold.end_offset(
-            topic, queue_id
+            return self.cold.may_hold(topic, queue_id, offset)
+        start = self.cold.start_offset(topic, queue_id)
+        return (
+            self.config.read_from_tier == "force"
+            and start is not None
+            and start <= offset < self.cold.end_offset(topic, queue_id)
         )
 
     def _get_cold(
@@ -606,6 +614,8 @@ class MessageStore:
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
+                if self.cold.start_offset(topic, queue_id) is None:
+                    continue  # no archive known for this queue: not a cold lookup
                 for m in self.cold.query_by_key(
                     topic, queue_id, key, begin_ms, end_ms, max_count - len(found)
                 ):
