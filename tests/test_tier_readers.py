@@ -15,17 +15,9 @@ from broker_harness import Standalone, send_batches
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
+from test_tiered_e2e import QUICK_TIERING
 
 from broker import admin_pb2 as apb
-
-TIERING = [
-    "--commitlog-file-size",
-    "128KiB",
-    "--offload-interval",
-    "1",
-    "--upload-after",
-    "1s",
-]
 
 
 def body_of(i: int) -> bytes:
@@ -84,7 +76,7 @@ def test_a_replay_racing_release_sees_no_gap_and_no_early_end(tmp_path: Path) ->
     ended, with the bytes sent for those offsets, up to the end the broker announced before it."""
     node = Standalone(
         tmp_path / "data",
-        extra=TIERING,
+        extra=QUICK_TIERING,
         env={"TMQ_FAILPOINTS": "release.mid_switch=sleep:1.0"},
     ).start()
     topic = "switch"
@@ -169,7 +161,7 @@ def test_an_object_store_outage_stops_no_hot_read(
 
     node = Standalone(
         tmp_path / "data",
-        extra=[*TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
         env=S3Endpoint(fault_proxy.url, "proxy").env(),
     ).start()
     consumer = None
