@@ -308,7 +308,12 @@ class TimerService:
                 continue
             copies.append(_delivered_copy(stored))
         if copies:
-            self.store.put_messages(copies)
+            try:
+                self.store.put_messages(copies)
+            except Exception:
+                for row in batch:  # not delivered: due again on the next pass
+                    heapq.heappush(self._heap, row)
+                raise
         delivered_at = self._clock()
         self.log.mark_done(self._current, [b[1] for b in batch])
         with self._lock:
