@@ -195,12 +195,16 @@ def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.nda
     if total == 0:
         return np.empty(0, np.uint8)
     ends = starts + lengths
-    if len(starts) < 2 or (starts[1:] >= ends[:-1]).all():
-        # Ascending, disjoint ranges (records in object order): one mask over the buffer.
-        marks = np.zeros(len(data) + 1, np.int8)
-        np.add.at(marks, starts, 1)
-        np.add.at(marks, ends, -1)
-        return data[np.cumsum(marks[:-1], dtype=np.int8).view(bool)]
+    dense = total * 8 >= len(data)  # else an index of the wanted bytes is cheaper than a mask
+    if dense and (len(starts) < 2 or (starts[1:] >= ends[:-1]).all()):
+        # Ascending, disjoint ranges (records in object order): one mask over the buffer,
+        # alternating runs of bytes skipped and bytes kept.
+        skips = starts - np.concatenate([[0], ends[:-1]])
+        runs = np.empty(2 * len(starts) + 1, np.int64)
+        runs[0:-1:2], runs[1::2], runs[-1] = skips, lengths, len(data) - ends[-1]
+        keep = np.zeros(len(runs), bool)
+        keep[1::2] = True
+        return data[np.repeat(keep, runs)]
     firsts = np.cumsum(lengths) - lengths
     index = np.repeat(starts - firsts, lengths) + np.arange(total)
     return data[index]
