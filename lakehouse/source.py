@@ -46,6 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
@@ -59,12 +60,27 @@ from lakehouse import schema
 from lakehouse.locations import Location
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.manifest import QueueManifest
-from tiered.cold.segment import SegmentInfo, SegmentReader
+from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
 from tiered.cold.storage import open_store
+from tiered.columnar import decode_run
+from tiered.record import RecordError
 
 log = logging.getLogger(__name__)
 
 NAME = "tmq"
+# The export's source: the same planning, but one row per slice instead of one per message,
+# so that the export's executors read and write in one Python function and message bytes
+# never cross into the JVM (lakehouse/sink.py).
+SLICES_NAME = "tmq-slices"
+SLICE_DDL = "queue_key string, segment string, first bigint, end bigint"
+SLICE_SCHEMA = pa.schema(
+    [
+        ("queue_key", pa.string()),
+        ("segment", pa.string()),
+        ("first", pa.int64()),
+        ("end", pa.int64()),
+    ]
+)
 DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
 DEFAULT_BYTES_PER_PARTITION = 32 << 20
 # Bytes of records fetched per ranged GET inside a task: bounds a task's memory.
@@ -153,17 +169,46 @@ class SegmentSlice(InputPartition):
         self.first = first
         self.end = end
 
+    def to_row(self) -> dict[str, Any]:
+        """The slice as a row of the ``tmq-slices`` source (``SLICE_DDL``)."""
+        return {
+            "queue_key": self.queue_key,
+            "segment": json.dumps(self.segment),
+            "first": self.first,
+            "end": self.end,
+        }
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SegmentSlice:
+        return cls(row["queue_key"], json.loads(row["segment"]), row["first"], row["end"])
+
 
 def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
-    """Decode a slice's records into source rows (on an executor)."""
+    """Decode a slice's records into source rows (on an executor): one GET of its offset-table
+    entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run.
+
+    Raises ``SegmentError`` naming the object for anything unreadable: missing, short, or a
+    record that fails its checks (CRC, structure, offset table)."""
     info = SegmentInfo(**part.segment)
     reader = SegmentReader(open_store(tier.url, tier.options), info)
     broker = QueueRef.parse(part.queue_key).broker
-    offset = part.first
-    while offset < part.end:
-        messages = reader.read(offset, part.end - offset, max_bytes=READ_SPAN_BYTES)
-        yield schema.rows(messages, broker, info.key)
-        offset += len(messages)
+    entries = reader.entries(part.first, part.end - part.first)
+    positions = entries["offset"].astype(np.int64)
+    sizes = entries["size"].astype(np.int64)
+    ends = positions + sizes
+    i = 0
+    while i < len(entries):
+        start = int(positions[i])
+        j = max(i + 1, int(np.searchsorted(ends, start + READ_SPAN_BYTES, "right")))
+        span = reader._range(start, int(ends[j - 1]) - start)
+        try:
+            records = decode_run(span, positions[i:j] - start, check_crc=True)
+        except RecordError as e:
+            raise SegmentError(f"{info.key}: {e}") from None
+        if not np.array_equal(np.asarray(records.column("size")), sizes[i:j]):
+            raise SegmentError(f"{info.key}: a record is not where its offset-table entry says")
+        yield schema.rows(records, broker, info.key)
+        i = j
 
 
 def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -359,3 +404,24 @@ class TmqDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return TmqStreamReader(SourceOptions.parse(self.options))
+
+
+class TmqSliceStreamReader(TmqStreamReader):
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, SegmentSlice):
+            yield pa.RecordBatch.from_pylist([partition.to_row()], schema=SLICE_SCHEMA)
+
+
+class TmqSliceDataSource(TmqDataSource):
+    """``format("tmq-slices")``: the ``tmq`` stream's slices, one row each (the export job's
+    input: its executors read each slice themselves)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SLICES_NAME
+
+    def schema(self) -> str:
+        return SLICE_DDL
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return TmqSliceStreamReader(SourceOptions.parse(self.options))

@@ -8,7 +8,7 @@ import sys
 from pyspark.sql import SparkSession
 
 from lakehouse import PROJECT_ROOT
-from lakehouse.source import TmqDataSource
+from lakehouse.source import TmqDataSource, TmqSliceDataSource
 
 
 def spark_session(
@@ -50,3 +50,4 @@ def spark_session(
 
 def register(session: SparkSession) -> None:
     session.dataSource.register(TmqDataSource)
+    session.dataSource.register(TmqSliceDataSource)

@@ -96,7 +96,7 @@ def expected_rows(messages: list[StoredMessage]) -> list[dict[str, Any]]:
                 "queue_offset": m.queue_offset,
                 "commitlog_offset": m.commitlog_offset,
                 "body": m.body,
-                "keys": m.properties.get("KEYS"),
+                "keys": m.keys,  # KEYS split at spaces: an array in the table
                 "tags": m.properties.get("TAGS"),
                 "msg_id": m.properties.get("UNIQ_KEY"),
                 "born_ms": m.born_timestamp,

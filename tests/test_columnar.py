@@ -12,7 +12,13 @@ import pytest
 from tiered.columnar import decode_run, host_string
 from tiered.record import CorruptRecordError, Message, RecordEncoder, RecordError, decode
 
-HOSTS = [("10.0.0.1", 4000), ("192.168.1.20", 65535), ("::1", 8081), ("fe80::1:2", 1), ("0.0.0.0", 0)]
+HOSTS = [
+    ("10.0.0.1", 4000),
+    ("192.168.1.20", 65535),
+    ("::1", 8081),
+    ("fe80::1:2", 1),
+    ("0.0.0.0", 0),
+]
 
 
 def reference(buf: bytes, positions: list[int]) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
 from lakehouse.lock import CheckpointLock
 from lakehouse.runner import ContinuousExport, LakehouseConfig
-from lakehouse.sink import FILE_META_SCHEMA, ParquetWriterTask, commit_files
+from lakehouse.sink import ParquetWriterTask, commit_files
 from lakehouse.source import Planner, SourceOptions, read_slice
 from lakehouse.tables import LakeTable, app_id, exported_offsets
 from lakehouse.tier import QueueRef
@@ -231,8 +231,8 @@ def test_a_replayed_batch_is_written_and_committed_as_nothing(
     source = [batch for s in slices for batch in read_slice(planner.options.tier, s)]
 
     def write(floors: dict[str, int]) -> list[dict[str, Any]]:
-        task = ParquetWriterTask(lake, floors, export_ts_us=0, batch_id=0)
-        return pa.Table.from_batches(list(task(iter(source))), FILE_META_SCHEMA).to_pylist()
+        task = ParquetWriterTask(lake, planner.options.tier, floors, export_ts_us=0, batch_id=0)
+        return task.write_rows(iter(source))
 
     files = write({})
     first = commit_files(lake, "orders", files, 0, 0)

@@ -204,7 +204,8 @@ def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.nda
         runs[0:-1:2], runs[1::2], runs[-1] = skips, lengths, len(data) - ends[-1]
         keep = np.zeros(len(runs), bool)
         keep[1::2] = True
-        return data[np.repeat(keep, runs)]
+        kept: np.ndarray = data[np.repeat(keep, runs)]
+        return kept
     firsts = np.cumsum(lengths) - lengths
     index = np.repeat(starts - firsts, lengths) + np.arange(total)
     return data[index]
@@ -254,7 +255,9 @@ def _properties(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> pa
     n = len(starts)
     if not lengths.any():
         return pa.MapArray.from_arrays(
-            pa.array(np.zeros(n + 1, np.int32)), pa.array([], pa.string()), pa.array([], pa.string())
+            pa.array(np.zeros(n + 1, np.int32)),
+            pa.array([], pa.string()),
+            pa.array([], pa.string()),
         )
     raw = _binary(data, starts, lengths)
     raw.cast(pa.string())  # the whole text must be UTF-8, as decode() demands
