@@ -38,6 +38,7 @@ from lakehouse.source import Planner, SourceOptions, read_slice
 from lakehouse.tables import LakeTable, app_id, exported_offsets
 from lakehouse.tier import QueueRef
 from tiered.cold.storage import open_store
+from tiered.record import Message
 
 TOPICS = ("orders", "payments")
 
@@ -441,3 +442,61 @@ def test_continuous_export_makes_new_offloads_visible_within_seconds(tmp_path: P
         archive.close()
     assert not runner.running() and runner.restarts == 0
     assert delta_rows(lake, "orders") == expected
+
+
+# -- the row analysts see ---------------------------------------------------------------------
+
+
+def test_keys_are_an_array_and_unset_born_times_are_null(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    store = small_archive.store
+    store.put_messages(
+        [
+            Message("orders", b"a", 0, {"KEYS": "k1 k2  k3", "UNIQ_KEY": "id-a"}, born_timestamp=0),
+            Message("orders", b"b", 0, {"UNIQ_KEY": "id-b"}, born_timestamp=1_700_000_000_123),
+            Message("orders", b"c", 0, {"KEYS": "solo"}, born_timestamp=0),
+        ]
+    )
+    assert store.wait_dispatched(30)
+    small_archive.offloader.offload_queue("orders", 0)
+    config = ExportConfig(f"file://{tmp_path}/tier", str(tmp_path / "lake"))
+    assert Export(spark, config).run(once=True, timeout=120).rows == 3
+    table = DeltaTable(str(tmp_path / "lake" / "orders"))
+    schema = json.loads(table.schema().to_json())["fields"]
+    types = {f["name"]: f["type"] for f in schema}
+    assert types["keys"] == {"type": "array", "elementType": "string", "containsNull": True}
+    rows = sorted(table.to_pyarrow_table().to_pylist(), key=lambda r: r["queue_offset"])
+    assert [r["keys"] for r in rows] == [["k1", "k2", "k3"], [], ["solo"]]
+    assert [r["born_ts"] is None for r in rows] == [True, False, True]
+    assert int(rows[1]["born_ts"].timestamp() * 1000) == 1_700_000_000_123
+    assert [r["msg_id"] for r in rows] == ["id-a", "id-b", None]
+    # Spark reads the array and the nulls as Spark types (the file-list route).
+    uri = str(tmp_path / "lake" / "orders")
+    frame = spark.read.option("basePath", uri).parquet(*table.file_uris())
+    hits = frame.where("array_contains(keys, 'k2') and born_ts is null").count()
+    assert hits == 1
+
+
+def test_every_filter_column_has_statistics_that_skip_files(backfilled: dict[str, Any]) -> None:
+    table = DeltaTable(str(backfilled["lake"] / "orders"))
+    actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert actions
+    filter_columns = [
+        "topic", "broker", "queue_id", "queue_offset", "commitlog_offset", "msg_id", "tags",
+        "born_ts", "store_ts", "export_ts", "segment",
+    ]  # fmt: skip
+    data = table.to_pyarrow_table()
+    for action in actions:
+        for column in filter_columns:
+            assert action[f"min.{column}"] is not None, (column, action["path"])
+            assert action[f"max.{column}"] is not None, (column, action["path"])
+        assert action["null_count.keys"] == 0
+    untagged = sum(1 for r in backfilled["expected"]["orders"] if r["tags"] is None)
+    assert sum(a["null_count.tags"] for a in actions) == untagged > 0
+    # msg_id's min/max prune: one id's lookup touches the files whose range holds it.
+    some_id = data.column("msg_id")[1234].as_py()
+    holding = [a for a in actions if a["min.msg_id"] <= some_id <= a["max.msg_id"]]
+    assert 0 < len(holding) < len(actions)
+    frame = pl.scan_delta(str(backfilled["lake"] / "orders")).filter(pl.col("msg_id") == some_id)
+    assert frame.collect().height == 1
