@@ -37,6 +37,7 @@ from lakehouse.sink import ParquetWriterTask, commit_files
 from lakehouse.source import Planner, SourceOptions, read_slice
 from lakehouse.tables import LakeTable, app_id, exported_offsets
 from lakehouse.tier import QueueRef
+from tiered.cold.manifest import ManifestStore
 from tiered.cold.storage import open_store
 from tiered.record import Message
 
@@ -500,3 +501,53 @@ def test_every_filter_column_has_statistics_that_skip_files(backfilled: dict[str
     assert 0 < len(holding) < len(actions)
     frame = pl.scan_delta(str(backfilled["lake"] / "orders")).filter(pl.col("msg_id") == some_id)
     assert frame.collect().height == 1
+
+
+# -- isolation --------------------------------------------------------------------------------
+
+
+def test_a_missing_segment_stops_only_its_queue_with_one_clear_line(tmp_path: Path) -> None:
+    archive = Archive.open(
+        tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2, segment_messages=100
+    )
+    for topic in TOPICS:
+        archive.produce(topic, 600)  # three segments per queue
+        archive.offload(topic)
+    expected = {t: expected_rows(archive.messages(t)) for t in TOPICS}
+    archive.close()
+    tier = open_store(f"file://{tmp_path}/tier")
+    damaged = ManifestStore(tier, QueueRef("c1", "broker-a", "orders", 0).prefix).load()
+    lost = damaged.segments[1]
+    lost_path = tmp_path / "tier" / lost.key
+    saved = lost_path.read_bytes()
+    lost_path.unlink()
+    lake = tmp_path / "lake"
+    args = ["--tier-url", f"file://{tmp_path}/tier", "--lake-root", str(lake)]
+    spark_args = ["--master", "local[1]", *FAST_START]
+
+    done = tmq("lakehouse", "export", "--once", *args, *spark_args, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert lost.key in errors[0] and "tmq verify orders" in errors[0]
+    assert f"resumes this queue at {lost.base_offset}" in errors[0]
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 30, done.stderr
+    # Every other queue, and the damaged queue up to the missing object, were exported.
+    assert delta_rows(lake, "payments") == expected["payments"]
+    orders = delta_rows(lake, "orders")
+    assert orders == [
+        r for r in expected["orders"] if r["queue_id"] == 1 or r["queue_offset"] < lost.base_offset
+    ]
+
+    status = tmq("lakehouse", "status", "--lake-root", str(lake), *args[:2], "--json")
+    assert status.returncode == 0, status.stderr
+    queues = {q["queue"]: q for s in json.loads(status.stdout) for q in s["queues"]}
+    assert lost.key in queues["c1/broker-a/orders/0"]["error"]
+    assert queues["c1/broker-a/orders/0"]["exported_offset"] == lost.base_offset
+    assert queues["c1/broker-a/orders/1"]["error"] is None
+
+    # The operator restores the object: the next run finishes the queue, exactly once.
+    lost_path.write_bytes(saved)
+    again = tmq("lakehouse", "export", "--once", *args, *spark_args, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert delta_rows(lake, "orders") == expected["orders"]
