@@ -64,6 +64,10 @@ def export(
         bool, typer.Option("--continuous", help="Keep exporting newly committed segments.")
     ] = False,
     trigger: Annotated[str, typer.Option(help="Continuous: micro-batch interval.")] = "10s",
+    compact_every: Annotated[
+        str,
+        typer.Option(help="Continuous: compact each partition's small files this often (0: off)."),
+    ] = "5m",
     master: Annotated[str, typer.Option(help="Spark master (local[*], spark://…, yarn).")] = (
         "local[*]"
     ),
@@ -98,6 +102,7 @@ def export(
         raise fail(f"--engine: {engine!r} is not delta-rs or delta-spark", 2)
     try:
         trigger_s = parse_duration_ms(trigger) / 1000
+        compact_s = parse_duration_ms(compact_every) / 1000
         max_bytes = parse_size(max_bytes_per_trigger)
     except ValueError as e:
         raise fail(str(e), 2) from None
@@ -121,6 +126,7 @@ def export(
         lake_root=lake_root,
         topics=list(topics) if topics else None,
         trigger_seconds=trigger_s,
+        compact_every_seconds=compact_s or None,
         checkpoint_dir=checkpoint,
         max_bytes_per_trigger=max_bytes,
         max_segments_per_trigger=max_segments_per_trigger,

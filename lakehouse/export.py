@@ -31,9 +31,16 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lakehouse import source as tmq_source
+from lakehouse.compaction import compact_small_files
 from lakehouse.locations import Location, is_local, local_path
 from lakehouse.lock import CheckpointLock, ExportLockedError
-from lakehouse.sink import FILE_META_DDL, CommitResult, ParquetWriterTask, commit_files
+from lakehouse.sink import (
+    FILE_META_DDL,
+    TARGET_FILE_BYTES,
+    CommitResult,
+    ParquetWriterTask,
+    commit_files,
+)
 from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import open_store
@@ -42,6 +49,7 @@ log = logging.getLogger(__name__)
 
 Engine = Literal["delta-rs", "delta-spark"]
 DEFAULT_TRIGGER_SECONDS = 10.0
+DEFAULT_COMPACT_EVERY_SECONDS = 300.0
 
 
 class ExportError(RuntimeError):
@@ -61,6 +69,10 @@ class ExportConfig:
     engine: Engine = "delta-rs"
     # Wait for the export holding the checkpoint to stop, then take over (hot standby).
     standby: bool = False
+    # Continuous mode: compact a topic's partitions this often (None: never), so that small
+    # per-trigger files do not pile up (lakehouse/compaction.py).
+    compact_every_seconds: float | None = DEFAULT_COMPACT_EVERY_SECONDS
+    target_file_bytes: int = TARGET_FILE_BYTES
     tier_options: dict[str, Any] = field(default_factory=dict)
     lake_options: dict[str, Any] = field(default_factory=dict)
 
@@ -119,6 +131,8 @@ class Export:
         self.stopped: dict[str, str] = {}  # queue key -> the one line an operator reads
         self._store = open_store(self.tier.url, self.tier.options)
         self._manifests = ManifestCache(self._store)
+        self._continuous = False
+        self._last_compaction: dict[str, float] = {}
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -201,8 +215,28 @@ class Export:
             report.files,
             report.seconds,
         )
+        if self._continuous:
+            self._compact([c.topic for c in commits if c.table_version is not None])
         if self.on_batch is not None:
             self.on_batch(report)
+
+    def _compact(self, topics: list[str]) -> None:
+        """Compact the partitions of ``topics`` once every ``compact_every_seconds`` (on the
+        driver, between batches: never concurrent with the export's own commits)."""
+        every = self.config.compact_every_seconds
+        if every is None:
+            return
+        now = time.monotonic()
+        for topic in topics:
+            last = self._last_compaction.setdefault(topic, now)
+            if now - last < every:
+                continue
+            self._last_compaction[topic] = now
+            compacted = compact_small_files(
+                LakeTable(self.lake, topic), self.config.target_file_bytes
+            )
+            if compacted:
+                log.info("%s: compacted %d small files", topic, compacted)
 
     def _check_tables(self, queues: list[QueueRef]) -> None:
         """Stop the queues of a table this export cannot append to (an older row format)."""
@@ -356,6 +390,7 @@ class Export:
             .option("checkpointLocation", self.checkpoint)
             .queryName(f"tmq-export-{hashlib.sha1(self.checkpoint.encode()).hexdigest()[:8]}")
         )
+        self._continuous = not once
         trigger = "0 seconds" if once else f"{self.config.trigger_seconds} seconds"
         query = writer.trigger(processingTime=trigger).start()
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -11,10 +11,12 @@ Offsets. A streaming offset is the next queue offset of every archived queue, ke
 ``cluster/broker/topic/queue`` (``tier.QueueRef.key``): ``{"c1/broker-a/orders/0": 1200, …}``.
 Segments have no gaps, so ``[start, end)`` of a queue is exactly ``end - start`` messages.
 
-Partitions. One Spark task per slice of one segment object (``SegmentSlice``): the task reads
-the slice's offset-table entries and records with ranged GETs (``SegmentReader``), decodes them
-with the shared codec and yields Arrow record batches. Slices are cut to about
-``bytesPerPartition``, so a 64 MiB segment spreads over several cores.
+Partitions. A slice is part of one segment object (``SegmentSlice``): its offset-table entries
+and records are read with ranged GETs (``SegmentReader``) and decoded as one columnar run
+(``tiered/columnar.py``) into Arrow record batches. Slices are cut to about
+``bytesPerPartition``, so a 64 MiB segment spreads over several cores, and small consecutive
+slices are packed into one task of about that size (``SlicePack``), so a batch of a hundred
+one-second segments costs one task, not a hundred.
 
 Admission control. pyspark 4.0's ``latestOffset()`` takes no arguments, so the reader keeps
 its own position (the end of the last planned batch) and admits whole segments, oldest first
@@ -183,6 +185,33 @@ class SegmentSlice(InputPartition):
         return cls(row["queue_key"], json.loads(row["segment"]), row["first"], row["end"])
 
 
+class SlicePack(InputPartition):
+    """One Spark task: consecutive slices, together about ``bytesPerPartition``. Packing keeps
+    a micro-batch of many small segments (a low-latency offload makes one per queue every
+    second) to a task or two, instead of paying a task's fixed cost per segment."""
+
+    def __init__(self, slices: list[SegmentSlice]) -> None:
+        super().__init__([s.value for s in slices])
+        self.slices = slices
+
+
+def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
+    packs: list[SlicePack] = []
+    current: list[SegmentSlice] = []
+    size = 0
+    for s in slices:
+        info = s.segment
+        estimate = int(info["size"]) * (s.end - s.first) // max(1, int(info["count"]))
+        if current and size + estimate > target_bytes:
+            packs.append(SlicePack(current))
+            current, size = [], 0
+        current.append(s)
+        size += estimate
+    if current:
+        packs.append(SlicePack(current))
+    return packs
+
+
 def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
     """Decode a slice's records into source rows (on an executor): one GET of its offset-table
     entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run.
@@ -212,10 +241,12 @@ def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
 
 
 def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    """The rows of one task's slices."""
     # When partitions() returns none, Spark still runs one task with a partition of its own.
-    if not isinstance(partition, SegmentSlice):
-        return iter(())
-    return read_slice(tier, partition)
+    if not isinstance(partition, SlicePack):
+        return
+    for part in partition.slices:
+        yield from read_slice(tier, part)
 
 
 @dataclass(slots=True, frozen=True)
@@ -362,7 +393,7 @@ class TmqStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         self._position = {**(self._position or {}), **end}
-        return self.planner.slices(start, end)
+        return pack(self.planner.slices(start, end), self.options.bytes_per_partition)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.options.tier, partition)
@@ -383,7 +414,7 @@ class TmqBatchReader(DataSourceReader):
             q.key: planner.limit_of(q, planner.manifests.get(q, refresh=False))
             for q in planner.queues()
         }
-        return planner.slices(start, end)
+        return pack(planner.slices(start, end), self.options.bytes_per_partition)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.options.tier, partition)
@@ -408,8 +439,9 @@ class TmqDataSource(DataSource):
 
 class TmqSliceStreamReader(TmqStreamReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, SegmentSlice):
-            yield pa.RecordBatch.from_pylist([partition.to_row()], schema=SLICE_SCHEMA)
+        if isinstance(partition, SlicePack):
+            rows = [s.to_row() for s in partition.slices]
+            yield pa.RecordBatch.from_pylist(rows, schema=SLICE_SCHEMA)
 
 
 class TmqSliceDataSource(TmqDataSource):
