@@ -63,7 +63,7 @@ from lakehouse.locations import Location
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.manifest import QueueManifest
 from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
-from tiered.cold.storage import open_store
+from tiered.cold.storage import ObjectStore, open_store
 from tiered.columnar import decode_run
 from tiered.record import RecordError
 
@@ -212,6 +212,19 @@ def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
     return packs
 
 
+_STORES: dict[str, ObjectStore] = {}
+
+
+def tier_store(tier: Location) -> ObjectStore:
+    """The tier's store, one per worker process: creating an S3 client loads botocore's service
+    models and TLS contexts, a fixed cost a reused Python worker should pay once, not per task."""
+    key = json.dumps([tier.url, tier.options], sort_keys=True, default=str)
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = open_store(tier.url, tier.options)
+    return store
+
+
 def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
     """Decode a slice's records into source rows (on an executor): one GET of its offset-table
     entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run.
@@ -219,7 +232,7 @@ def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
     Raises ``SegmentError`` naming the object for anything unreadable: missing, short, or a
     record that fails its checks (CRC, structure, offset table)."""
     info = SegmentInfo(**part.segment)
-    reader = SegmentReader(open_store(tier.url, tier.options), info)
+    reader = SegmentReader(tier_store(tier), info)
     broker = QueueRef.parse(part.queue_key).broker
     entries = reader.entries(part.first, part.end - part.first)
     positions = entries["offset"].astype(np.int64)

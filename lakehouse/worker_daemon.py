@@ -8,25 +8,38 @@ here, the forked workers inherit them.
 
 Spark runs it as ``python -m lakehouse.worker_daemon [worker module]``, exactly as it runs
 ``pyspark.daemon``.
+
+Spark also puts ``pyspark.zip`` and py4j's zip first on every worker's path, for clusters
+without pyspark installed. Here it is installed (the same version: it is what started the
+JVM), and the zips cost on every task: pyspark's worker calls ``importlib.invalidate_caches()``
+per task, which makes each zip importer re-read its whole directory. They are dropped from the
+path before anything imports pyspark, so workers import the installed package.
 """
 
 from __future__ import annotations
 
-# The imports are the point: loaded once, inherited by every forked worker.
-import numpy  # noqa: F401
-import pandas  # noqa: F401  (pyspark's Arrow paths import it)
-import pyarrow
-import pyarrow.compute
-import pyarrow.parquet  # noqa: F401
-import pyspark.sql.datasource
-import pyspark.worker  # noqa: F401
+import importlib
+import sys
 
-import lakehouse.sink
-import lakehouse.source  # noqa: F401
-import tiered.columnar  # noqa: F401
+# Loaded once here, inherited by every forked worker.
+PRELOAD = (
+    "numpy",
+    "pandas",  # pyspark's Arrow paths import it
+    "pyarrow",
+    "pyarrow.compute",
+    "pyarrow.parquet",
+    "pyspark.sql.datasource",
+    "pyspark.worker",
+    "lakehouse.sink",
+    "lakehouse.source",
+    "tiered.columnar",
+)
 
 
 def main() -> None:
+    sys.path[:] = [p for p in sys.path if not p.endswith(".zip")]
+    for name in PRELOAD:
+        importlib.import_module(name)
     from pyspark import daemon
 
     daemon.manager()

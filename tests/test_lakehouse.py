@@ -410,20 +410,23 @@ def wait_for_rows(lake: Path, topic: str, n: int, timeout: float, runner: Any) -
     return time.monotonic()
 
 
+def continuous_export(tmp_path: Path, lake: Path, **settings: Any) -> ContinuousExport:
+    """The broker's export child over ``{tmp_path}/tier``, on one core, starting fast."""
+    config = LakehouseConfig(
+        enabled=True,
+        lake_root=str(lake),
+        master="local[1]",
+        log_path=str(tmp_path / "export.log"),
+        spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
+        **settings,
+    )
+    return ContinuousExport(config, f"file://{tmp_path}/tier")
+
+
 def test_continuous_export_makes_new_offloads_visible_within_seconds(tmp_path: Path) -> None:
     archive = Archive.open(tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2)
     lake = tmp_path / "lake"
-    runner = ContinuousExport(
-        LakehouseConfig(
-            enabled=True,
-            lake_root=str(lake),
-            trigger_seconds=2,
-            master="local[1]",
-            log_path=str(tmp_path / "export.log"),
-            spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
-        ),
-        f"file://{tmp_path}/tier",
-    )
+    runner = continuous_export(tmp_path, lake, trigger_seconds=2)
     try:
         archive.produce("orders", 500)
         archive.offload("orders")
@@ -562,18 +565,7 @@ def test_low_latency_profile_is_fresh_from_produce_and_keeps_few_files(tmp_path:
     archive = Archive.open(tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2)
     archive.upload_after_ms = 1000
     lake = tmp_path / "lake"
-    runner = ContinuousExport(
-        LakehouseConfig(
-            enabled=True,
-            lake_root=str(lake),
-            trigger_seconds=1,
-            compact_every_seconds=5,
-            master="local[1]",
-            log_path=str(tmp_path / "export.log"),
-            spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
-        ),
-        f"file://{tmp_path}/tier",
-    )
+    runner = continuous_export(tmp_path, lake, trigger_seconds=1, compact_every_seconds=5)
     live = LiveTopic(archive, "live", rate_per_s=20, offload_every_s=1.0)
     samples: list[float] = []
     try:
