@@ -133,7 +133,9 @@ def test_backfilled_tables_read_the_same_with_polars_and_duckdb(backfilled: dict
 def test_a_second_once_adds_nothing(backfilled: dict[str, Any], spark: Any) -> None:
     lake = backfilled["lake"]
     versions = {t: DeltaTable(str(lake / t)).version() for t in TOPICS}
+    started = time.monotonic()
     report = Export(spark, backfilled["config"]).run(once=True, timeout=120)
+    assert time.monotonic() - started <= 5, "a caught-up --once starts no query"
     assert report.rows == 0 and report.batches == []
     assert {t: DeltaTable(str(lake / t)).version() for t in TOPICS} == versions
 
