@@ -56,6 +56,17 @@ class ExportError(RuntimeError):
     """The export cannot run or failed; the message is for an operator."""
 
 
+class _SourceDidNotStart(Exception):
+    """The query's Python source process missed Spark's hard-coded 10 s to connect back."""
+
+
+# Spark's message when a Python process it started did not connect back within 10 s (a
+# constant in PythonWorkerFactory): on a loaded machine the streaming source's process can
+# miss it while importing; the query is then started again, up to QUERY_START_ATTEMPTS times.
+WORKER_START_TIMEOUT = "Python worker failed to connect back"
+QUERY_START_ATTEMPTS = 3
+
+
 @dataclass(slots=True)
 class ExportConfig:
     tier_url: str
@@ -384,31 +395,61 @@ class Export:
             if self._reached(targets, queues, manifests):
                 log.info("nothing new to export")
                 return ExportReport([], dict(self.offsets))
+        self._continuous = not once
+        for attempt in range(1, QUERY_START_ATTEMPTS + 1):
+            try:
+                return self._run_query(starting, targets, queues, once=once, timeout=timeout)
+            except _SourceDidNotStart as e:
+                if attempt == QUERY_START_ATTEMPTS:
+                    raise ExportError(str(e)) from None
+                log.warning("%s; starting the query again (attempt %d)", e, attempt + 1)
+        raise AssertionError("unreachable")
+
+    def _run_query(
+        self,
+        starting: dict[str, int],
+        targets: dict[str, int] | None,
+        queues: list[QueueRef],
+        *,
+        once: bool,
+        timeout: float | None,
+    ) -> ExportReport:
         writer = (
             self._reader(starting, targets)
             .writeStream.foreachBatch(self._write_batch)
             .option("checkpointLocation", self.checkpoint)
             .queryName(f"tmq-export-{hashlib.sha1(self.checkpoint.encode()).hexdigest()[:8]}")
         )
-        self._continuous = not once
         trigger = "0 seconds" if once else f"{self.config.trigger_seconds} seconds"
+        batches_before = len(self.batches)
         query = writer.trigger(processingTime=trigger).start()
         deadline = None if timeout is None else time.monotonic() + timeout
+        failure: BaseException | None = None
         try:
             while query.isActive:
-                if targets is not None and self._reached(targets, queues, manifests):
+                if targets is not None and self._reached(targets, queues, self._manifests):
                     break
                 if self._stop.is_set():
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     raise ExportError(f"export did not finish within {timeout:.0f} s")
                 query.awaitTermination(1)
+        except ExportError:
+            raise
+        except Exception as e:  # the query failed: StreamingQueryException
+            failure = e
         finally:
             if query.isActive:
                 query.stop()
-        failure = query.exception()
+        failure = failure or query.exception()
         if failure is not None or self._error is not None:
-            raise ExportError(_one_line(self._error or failure)) from None
+            message = _one_line(self._error or failure)
+            if WORKER_START_TIMEOUT in message and len(self.batches) == batches_before:
+                raise _SourceDidNotStart(
+                    "Spark's Python source process did not connect back within Spark's fixed "
+                    "10 s (an overloaded machine)"
+                )
+            raise ExportError(message) from None
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 
     def _discard_checkpoint_ahead_of(
