@@ -235,8 +235,10 @@ class ParquetWriterTask:
                     for rows in read_slice(self.tier, part):
                         files.add(rows)
                 except (SegmentError, ObjectNotFoundError) as e:
-                    files.discard(part.queue_key)
-                    damaged.append(damage_row(part.queue_key, part.first, _first_line(e)))
+                    # Rows decoded before the damage are whole and checked: keep them.
+                    written = files.close_queue(part.queue_key)
+                    at = part.first if written is None else max(part.first, written + 1)
+                    damaged.append(damage_row(part.queue_key, at, _first_line(e)))
         done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
@@ -300,11 +302,14 @@ class _FileSet:
             if current.arrow_bytes >= self.task.target_file_bytes:
                 self.done.append(self.open.pop(queue_key).close())
 
-    def discard(self, queue_key: str) -> None:
-        """Forget a queue's open file (its slice failed): an orphan that vacuum deletes."""
+    def close_queue(self, queue_key: str) -> int | None:
+        """Close a queue's open file (its next slice failed); the file's last offset, or None
+        when it had none open."""
         current = self.open.pop(queue_key, None)
-        if current is not None:
-            current.close()
+        if current is None:
+            return None
+        self.done.append(current.close())
+        return current.last_offset
 
     def close(self) -> list[dict[str, Any]]:
         out = self.done + [f.close() for f in self.open.values()]
