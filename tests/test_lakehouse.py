@@ -25,6 +25,7 @@ import duckdb
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from broker_harness import REPO, tmq
 from deltalake import DeltaTable
@@ -501,11 +502,17 @@ def test_every_filter_column_has_statistics_that_skip_files(backfilled: dict[str
         assert action["null_count.keys"] == 0
     untagged = sum(1 for r in backfilled["expected"]["orders"] if r["tags"] is None)
     assert sum(a["null_count.tags"] for a in actions) == untagged > 0
-    # msg_id's min/max prune: one id's lookup touches the files whose range holds it.
+    # The bounds are the files' real ones, so a lookup skips every file whose range lacks it.
+    lake = backfilled["lake"] / "orders"
+    for action in actions:
+        ids = pq.read_table(lake / action["path"], columns=["msg_id"]).column("msg_id")
+        bounds = pc.min_max(ids)
+        assert action["min.msg_id"] == bounds["min"].as_py()
+        assert action["max.msg_id"] == bounds["max"].as_py()
+    absent = "orders-id-~"  # sorts after every id
+    assert [a for a in actions if a["min.msg_id"] <= absent <= a["max.msg_id"]] == []
     some_id = data.column("msg_id")[1234].as_py()
-    holding = [a for a in actions if a["min.msg_id"] <= some_id <= a["max.msg_id"]]
-    assert 0 < len(holding) < len(actions)
-    frame = pl.scan_delta(str(backfilled["lake"] / "orders")).filter(pl.col("msg_id") == some_id)
+    frame = pl.scan_delta(str(lake)).filter(pl.col("msg_id") == some_id)
     assert frame.collect().height == 1
 
 
