@@ -25,6 +25,8 @@ lines on stdin:
   acknowledged after this instant); the durable state is written to DURABLE_DIR; prints
   ``crashed FILES DIRS``;
 - ``exit``: unmount and exit (after ``crash``; the processes using the mount are gone by then);
+- ``fail-fsync SIZE``: the next fsync of a file of SIZE bytes fails with EIO and its unwritten pages are dropped,
+  as Linux does after a writeback error (a later fsync then succeeds without them);
 - ``stats``: prints ``stats FSYNCS DIR_FSYNCS``.
 """
 
@@ -120,6 +122,7 @@ class PowerLossFS:
         self.next_ino = 2
         self.lock = threading.Lock()
         self.crashed = False
+        self.fail_next_fsync: int | None = None  # a file size
         self.fsyncs = 0
         self.dir_fsyncs = 0
         root = Node(1, True)
@@ -261,6 +264,10 @@ class PowerLossFS:
                 node.resize(offset + length)
             return b""
         if opcode == FSYNC:
+            if self.fail_next_fsync == len(node.data):
+                self.fail_next_fsync = None
+                node.dirty.clear()
+                return errno.EIO
             node.sync()
             self.fsyncs += 1
             return b""
@@ -402,6 +409,10 @@ def main() -> None:
                 fs.crashed = True
                 files, dirs = fs.dump()
             print(f"crashed {files} {dirs}", flush=True)
+        elif command.startswith("fail-fsync "):
+            with fs.lock:
+                fs.fail_next_fsync = int(command.split()[1])
+            print("armed", flush=True)
         elif command == "stats":
             print(f"stats {fs.fsyncs} {fs.dir_fsyncs}", flush=True)
         elif command == "exit":
