@@ -25,8 +25,9 @@ lines on stdin:
   acknowledged after this instant); the durable state is written to DURABLE_DIR; prints
   ``crashed FILES DIRS``;
 - ``exit``: unmount and exit (after ``crash``; the processes using the mount are gone by then);
-- ``fail-fsync SIZE``: the next fsync of a file of SIZE bytes fails with EIO and its unwritten pages are dropped,
-  as Linux does after a writeback error (a later fsync then succeeds without them);
+- ``fail-fsync SIZE``: the next fsync of a file of SIZE bytes fails with EIO and its unwritten
+  pages are dropped, as Linux does after a writeback error (a later fsync then succeeds
+  without them);
 - ``stats``: prints ``stats FSYNCS DIR_FSYNCS``.
 """
 

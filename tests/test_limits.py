@@ -4,7 +4,9 @@ capped auto-creation, and group metadata whose cost does not grow with the numbe
 from __future__ import annotations
 
 import os
+import statistics
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from broker_harness import Standalone
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
+
+from broker import admin_pb2 as apb
 
 MiB = 1 << 20
 
@@ -90,3 +94,53 @@ def test_a_body_at_the_limit_inflates_and_one_byte_more_is_refused(limit: int) -
     with pytest.raises(ProtocolError) as e:
         inflate(zlib.compress(bytes(limit + 1)), limit)
     assert e.value.code == d.MESSAGE_BODY_TOO_LARGE
+
+
+def heartbeat(stub: service_pb2_grpc.MessagingServiceStub, group: str) -> d.Status:
+    request = s.HeartbeatRequest(group=d.Resource(name=group), client_type=d.SIMPLE_CONSUMER)
+    return stub.Heartbeat(request, timeout=30).status
+
+
+def test_group_cost_stays_flat_as_groups_accumulate(tmp_path: Path) -> None:
+    from broker.metadata import MetadataStore
+
+    meta = MetadataStore(tmp_path / "config")
+    meta.load()
+    costs: list[float] = []
+    for i in range(3000):
+        started = time.perf_counter()
+        meta.auto_create_group(f"group-{i}", limit=10_000)
+        costs.append(time.perf_counter() - started)
+    meta.close()
+    first = statistics.median(costs[:300])
+    last = statistics.median(costs[-300:])
+    # Rewriting every group per group made the 3,000th cost 30x the first.
+    assert last < 3 * first + 0.002, f"first {first * 1e3:.2f} ms, last {last * 1e3:.2f} ms"
+    again = MetadataStore(tmp_path / "config")
+    again.load()
+    assert len(again.groups) == 3000 and again.auto_created_groups == 3000
+    assert (tmp_path / "config" / "groups.json").exists(), "the log should have been compacted"
+
+
+def test_auto_created_groups_are_capped_and_survive_kill_9(tmp_path: Path) -> None:
+    node = Standalone(tmp_path / "data", env={"TMQ_LIMITS_MAX_AUTO_CREATED_GROUPS": "5"}).start()
+    try:
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        for i in range(5):
+            assert heartbeat(stub, f"auto-{i}").code == d.OK
+        refused = heartbeat(stub, "auto-5")
+        assert refused.code == d.CONSUMER_GROUP_NOT_FOUND
+        assert "max_auto_created_groups" in refused.message
+        assert heartbeat(stub, "auto-0").code == d.OK  # existing groups still answer
+        node.create_group("by-operator")  # the cap is on clients, not on operators
+        assert heartbeat(stub, "by-operator").code == d.OK
+        node.kill9()
+        node.start()
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        names = {
+            g.name for g in node.admin().ListGroups(apb.ListGroupsRequest(), timeout=10).groups
+        }
+        assert names == {f"auto-{i}" for i in range(5)} | {"by-operator"}
+        assert heartbeat(stub, "auto-6").code == d.CONSUMER_GROUP_NOT_FOUND
+    finally:
+        node.stop()
