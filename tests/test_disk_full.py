@@ -109,5 +109,6 @@ def test_a_broker_without_room_for_one_commitlog_file_does_not_start(small_disk:
     node = Standalone(small_disk / "data", extra=["--commitlog-file-size", "64MiB"])
     with pytest.raises(RuntimeError) as e:
         node.start()
+        node.stop()  # it should not have started
     assert "commitlog_file_size" in str(e.value)
     assert not (small_disk / "data" / "commitlog").exists()
