@@ -408,6 +408,7 @@ class Broker:
         if self.timers is not None:
             self.timers.stop()
         self.metadata.flush_offsets(force=True)
+        self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
         self.store.shutdown()
