@@ -35,7 +35,13 @@ from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
-from tiered.cold.storage import open_store
+from tiered.cold.storage import (
+    ObjectStore,
+    PermanentStorageError,
+    StorageError,
+    check_writable,
+    open_store,
+)
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,10 @@ ADMIN_SERVICE = "tmq.admin.v1.Admin"
 # Each client holds one worker for its Telemetry stream and one per long poll.
 _WORKERS = 128
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class TierUnusableError(ValueError):
+    """The configured tier refuses this broker (missing bucket, permissions, credentials)."""
 
 
 class Broker:
@@ -66,8 +76,9 @@ class Broker:
         self.metrics = BrokerMetrics()
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
+        self.tier: ObjectStore | None = None
         if config.tier_url:
-            tier = open_store(config.tier_url, config.tier_options)
+            tier = self.tier = open_store(config.tier_url, config.tier_options, config.retry)
             self.fetcher = ColdFetcher(
                 tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
             )
@@ -97,7 +108,9 @@ class Broker:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:
-        """Open the store, serve, register; returns the bound port (``port = 0``: any free)."""
+        """Check the tier, open the store, serve, register; returns the bound port (``port =
+        0``: any free)."""
+        self._check_tier()
         self.store.start()
         try:
             self.metadata.load()
@@ -206,6 +219,20 @@ class Broker:
                 self.register()
             except Exception:
                 log.exception("registration with the NameServers failed")
+
+    def _check_tier(self) -> None:
+        """Refuse to start on a tier that cannot work (no such bucket, no permission to write,
+        bad credentials): ``TierUnusableError`` with one line naming the bucket and the fix,
+        instead of a broker that fails at its first upload. An unreachable tier only warns:
+        the hot path never depends on the network, and uploads catch up once it is back."""
+        if self.tier is None:
+            return
+        try:
+            check_writable(self.tier, f"{self.config.cluster}/{self.config.name}")
+        except PermanentStorageError as e:
+            raise TierUnusableError(f"the cold tier cannot be used: {e}") from None
+        except StorageError as e:
+            log.warning("the cold tier is unreachable at start (uploads will retry): %s", e)
 
     def _maintenance_loop(self) -> None:
         ticks = 0

@@ -42,7 +42,7 @@ class Archive:
             self.tier,
             "c1",
             "broker-a",
-            OffloadPolicy(segment_max_messages=self.segment_messages, retry_base_delay_s=0.0),
+            OffloadPolicy(segment_max_messages=self.segment_messages),
         )
 
     def produce(self, topic: str, n: int, seed: int = 1, body_size: int | None = None) -> None:

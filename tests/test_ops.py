@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -24,12 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from broker.config import BrokerConfig, load_config
-from broker.metadata import Limits
-from lakehouse.runner import LakehouseConfig
-from offload.offloader import OffloadPolicy
+from broker.config import SECTIONS, BrokerConfig, load_config
 from tiered.cold.credentials import REDACTED, ScrubSecrets, redact, scrub, secret_values
-from tiered.config import StoreConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -300,12 +297,13 @@ def test_unreachable_object_store_fails_operator_commands_in_one_line_without_se
 ) -> None:
     secrets = ["supersecret123", "AKIAOPSTESTKEY0001", "optionsecret-789", "AKIAOPTIONKEY00002"]
     config = tmp_path / "tmq.toml"
-    # s3fs's and botocore's own retries off: a dead endpoint then fails in about a second.
+    # tmq's one retry policy, short: a dead endpoint then fails in about a second (s3fs's and
+    # botocore's own retries are off by default).
     config.write_text(
         "[broker]\n"
-        'tier_options = { key = "AKIAOPTIONKEY00002", secret = "optionsecret-789", retries = 1,'
-        " config_kwargs = { connect_timeout = 1, retries = { max_attempts = 1 } } }\n"
-        "[offload]\nretry_attempts = 2\nretry_base_delay_s = 0.05\n"
+        'tier_options = { key = "AKIAOPTIONKEY00002", secret = "optionsecret-789",'
+        " config_kwargs = { connect_timeout = 1 } }\n"
+        "[retry]\nattempts = 2\nbase_delay_s = 0.05\n"
     )
     env = {
         "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
@@ -354,16 +352,10 @@ def test_tmq_toml_example_lists_every_key_with_its_default() -> None:
     example = REPO / "tmq.toml.example"
     assert load_config(example, env={}) == BrokerConfig()
     text = example.read_text()
-    for section, cls in (
-        ("broker", BrokerConfig),
-        ("store", StoreConfig),
-        ("offload", OffloadPolicy),
-        ("limits", Limits),
-        ("lakehouse", LakehouseConfig),
-    ):
+    for section, cls in SECTIONS.items():
         body = text.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]
         for f in fields(cls):
-            if f.name in ("store", "offload", "limits", "lakehouse"):
+            if f.name in SECTIONS:
                 continue
             name = "trigger" if f.name == "trigger_seconds" else f.name
             assert re.search(rf"^#? ?{name} = ", body, re.MULTILINE), f"[{section}] {name}"
@@ -456,3 +448,18 @@ def test_an_error_escaping_a_command_is_one_scrubbed_line(
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err == f"error: ConnectionRefusedError: [Errno 111] refused while using {REDACTED}\n"
+
+
+def test_a_broker_refuses_to_start_on_a_bucket_that_does_not_exist(tmp_path: Path, s3: Any) -> None:
+    missing = f"tmq-missing-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "tmq.toml"
+    config.write_text(
+        f'[broker]\nport = 0\nmetrics_port = 0\nnamesrv = []\ntier_url = "s3://{missing}/tmq"\n'
+        f'[store]\ndata_dir = "{tmp_path / "data"}"\n'
+    )
+    done = tmq("broker", "start", "--config", str(config), env=s3.env(), timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: the cold tier cannot be used: "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"s3://{missing}: NoSuchBucket" in done.stderr and "create it" in done.stderr
+    assert not (tmp_path / "data" / "commitlog").exists(), "refused before opening the store"
