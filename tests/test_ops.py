@@ -463,3 +463,70 @@ def test_a_broker_refuses_to_start_on_a_bucket_that_does_not_exist(tmp_path: Pat
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"s3://{missing}: NoSuchBucket" in done.stderr and "create it" in done.stderr
     assert not (tmp_path / "data" / "commitlog").exists(), "refused before opening the store"
+
+
+# -- CLI consistency -----------------------------------------------------------------------------
+
+
+def test_topic_text_shows_tiering_ttls_and_sizes_as_an_operator_writes_them(
+    node: Standalone,
+) -> None:
+    ns = node.namesrv
+    ok("topic", "create", "ops-text", "-n", ns, "-q", "1", "--tiered", "--ttl", "90d")
+    ok("topic", "update", "ops-text", "-n", ns, "--local-ttl", "1d", "--max-bytes", "50GiB")
+    described = ok("topic", "describe", "ops-text", "-n", ns)
+    assert "tiered; ttl 90d, local ttl 1d, archive limit 50GiB per queue" in described
+    [listed] = [line for line in ok("topic", "list", "-n", ns).splitlines() if "ops-text" in line]
+    assert " tiered " in listed and "ttl=90d local_ttl=1d max_bytes=50GiB" in listed
+    retained = ok("retain", "ops-text", "-n", ns)
+    assert "archive limit 50GiB per queue" in retained and "53687091200" not in retained
+
+
+@pytest.mark.parametrize("command", [["create", "ops-zero"], ["update", "ops-text"]])
+def test_a_topic_without_queues_is_refused(node: Standalone, command: list[str]) -> None:
+    done = tmq("topic", *command, "-n", node.namesrv, "--queues", "0")
+    assert done.returncode == 2
+    assert done.stderr == "error: --queues: a topic needs at least 1 queue, not 0\n"
+    listed = ok("topic", "list", "-n", node.namesrv, "--json")
+    assert "ops-zero" not in {t["topic"] for t in json.loads(listed)}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["topic", "craete", "x"], "error: No such command 'craete'. Did you mean 'create'?"),
+        (["topic", "create", "x", "--queus", "3"], "error: No such option: --queus"),
+        (["offload", "x", "--keep-local", "lots"], "error: --keep-local: not a size: 'lots'"),
+    ],
+)
+def test_a_typo_is_one_error_line(args: list[str], expected: str) -> None:
+    done = tmq(*args)
+    assert done.returncode == 2
+    assert done.stderr.startswith(expected) and done.stderr.count("\n") == 1, done.stderr
+    assert "╭" not in done.stderr
+
+
+def test_offload_keep_local_states_its_unit() -> None:
+    done = tmq("offload", "--help", env={"COLUMNS": "200"})
+    [line] = [line for line in done.stdout.splitlines() if "│ --keep-local" in line]
+    assert re.search(r"--keep-local\s+SIZE\s", line), line
+    assert "(64KiB, 512MiB, 1GiB; powers of 1024)" in line
+
+
+@pytest.mark.parametrize(
+    ("shell", "marker"), [("zsh", "#compdef tmq"), ("bash", "complete -o default")]
+)
+def test_the_completion_script_is_for_the_shell_named(shell: str, marker: str) -> None:
+    done = tmq("--show-completion", shell)
+    assert done.returncode == 0, done.stderr
+    assert marker in done.stdout and "_TMQ_COMPLETE" in done.stdout
+
+
+def test_sizes_and_durations_print_as_they_are_written() -> None:
+    from tiered.config import format_duration, format_size, parse_size
+
+    assert format_size(53687091200) == "50GiB" and parse_size("50GiB") == 53687091200
+    assert format_size(64 * 1024) == "64KiB" and format_size(1536 * 1024 * 1024) == "1.5GiB"
+    assert format_size(512) == "512B"
+    assert (format_duration(0), format_duration(90 * 86_400_000)) == ("forever", "90d")
+    assert (format_duration(14 * 86_400_000), format_duration(1500)) == ("2w", "1500ms")
