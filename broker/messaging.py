@@ -41,7 +41,7 @@ from broker.protocol import (
     to_proto_message,
     to_store_message,
 )
-from namesrv.client import NameServerClient
+from remoting.namesrv_client import NameServerClient
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError

@@ -28,11 +28,11 @@ from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
 from lakehouse.runner import ContinuousExport
-from namesrv import namesrv_pb2 as nspb
-from namesrv.client import NameServerClient
-from namesrv.safe_handlers import add_safely
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
+from remoting import namesrv_pb2 as nspb
+from remoting.namesrv_client import NameServerClient
+from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.storage import (
@@ -297,8 +297,9 @@ class Broker:
                 log.error("retention failed: %s", e)
             if committed:
                 failpoints.hit("offload.before_release")
+        topics = dict(self.metadata.topics)  # a snapshot: admin calls may change it meanwhile
         self.released_files += self.store.release_commitlog_files(
-            release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+            release_predicate(self.store, self.offloader, topics)
         )
 
     def _start_export(self, tier_url: str) -> None:

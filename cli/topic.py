@@ -11,7 +11,7 @@ import typer
 
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
-from namesrv.client import NameServerClient, parse_addresses
+from remoting.namesrv_client import NameServerClient, parse_addresses
 from tiered.cold.credentials import scrub_known
 from tiered.config import format_duration, format_size, parse_duration_ms, parse_size
 

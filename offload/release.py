@@ -15,39 +15,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
-from broker.metadata import TopicConfig
 from offload.offloader import Offloader
-from tiered.hot.consume_queue import ConsumeQueue
 from tiered.store import CommitLogFileInfo, MessageStore
 
 DEFAULT_FILE_RESERVED_MS = 72 * 3_600_000
 
 
-def first_offset_at_or_after(cq: ConsumeQueue, commitlog_offset: int) -> int:
-    """The first queue offset whose record starts at or after ``commitlog_offset``."""
-    lo, hi = cq.min_offset, cq.max_offset
-    while lo < hi:
-        mid = (lo + hi) // 2
-        entry = cq.get_entry(mid)
-        if entry is not None and entry[0] < commitlog_offset:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+class TopicRetention(Protocol):
+    """What release needs to know of a topic (the broker's ``TopicConfig`` is one; None or 0:
+    no limit set): offload sits below the broker and never imports it."""
+
+    @property
+    def tiered(self) -> bool: ...
+    @property
+    def retention_ms(self) -> int | None: ...
+    @property
+    def local_retention_ms(self) -> int | None: ...
 
 
 def release_predicate(
     store: MessageStore,
     offloader: Offloader | None,
-    topics: Mapping[str, TopicConfig],
+    topics: Mapping[str, TopicRetention],
     default_reserved_ms: int = DEFAULT_FILE_RESERVED_MS,
     now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
 ) -> Callable[[CommitLogFileInfo], bool]:
     def can_release(info: CommitLogFileInfo) -> bool:
         age = now_ms() - info.modified_ms
         for (topic, queue_id), cq in list(store.queues.queues.items()):
-            first_in = first_offset_at_or_after(cq, info.from_offset)
+            first_in = cq.first_offset_at_or_after(info.from_offset)
             if first_in >= cq.max_offset:
                 continue
             entry = cq.get_entry(first_in)
@@ -57,7 +55,7 @@ def release_predicate(
             if cfg is not None and cfg.tiered:
                 if offloader is None:
                     return False
-                last_in = first_offset_at_or_after(cq, info.end_offset) - 1
+                last_in = cq.first_offset_at_or_after(info.end_offset) - 1
                 if offloader.watermark(topic, queue_id) <= last_in:
                     return False  # not uploaded yet
                 if age < (cfg.local_retention_ms or 0):

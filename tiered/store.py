@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Protocol
 
 from tiered.config import StoreConfig
+from tiered.formats import Entry
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
-from tiered.hot.consume_queue import TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
+from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueStore
 from tiered.hot.data_dir import DataDir
 from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexService
 from tiered.hot.mapped_file import StoreLoadError
+from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
     Message,
     RecordError,
@@ -108,9 +110,9 @@ class StartReport:
 def check_topic(topic: str) -> None:
     if topic in _TOPIC_CHECK_CACHE:
         return
-    if not isinstance(topic, str) or not TOPIC_NAME.match(topic):
+    if not is_valid_name(topic):
         raise InvalidMessageError(
-            f"invalid topic {topic!r}: use 1-255 characters from [%|a-zA-Z0-9_-]"
+            f"invalid topic {topic!r}: use 1-{MAX_NAME_LENGTH} characters from {NAME_CHARS}"
         )
     if len(_TOPIC_CHECK_CACHE) < 100_000:
         _TOPIC_CHECK_CACHE.add(topic)
@@ -556,17 +558,13 @@ class MessageStore:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
                 if cold < self.cold.end_offset(topic, queue_id):
                     return cold
-        lo, hi = cq.min_offset, cq.max_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            ts = self.store_timestamp_at(topic, queue_id, mid)
-            if (
-                ts is None or ts < timestamp_ms
-            ):  # released meanwhile: everything below is older still
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        return cq.bisect(lambda entry: self._stored_before(entry, timestamp_ms))
+
+    def _stored_before(self, entry: Entry | None, timestamp_ms: int) -> bool:
+        """Whether the record of ``entry`` was stored before ``timestamp_ms``; a record released
+        meanwhile counts as older (everything below it is older still)."""
+        raw = self.commitlog.read(entry[0], entry[1]) if entry is not None else None
+        return raw is None or read_store_timestamp(raw, 0) < timestamp_ms
 
     def query_by_key(
         self,

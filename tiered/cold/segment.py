@@ -32,8 +32,7 @@ import numpy as np
 from google_crc32c import value as crc32c
 
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
-from tiered.hot.consume_queue import CQ_DTYPE, CQ_ENTRY_SIZE
-from tiered.hot.index_file import key_hash
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, key_hash
 from tiered.record import (
     EncodedBatch,
     StoredMessage,

@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tiered.formats import CQ_DTYPE, key_hash
 from tiered.hot.commitlog import CommitLog
-from tiered.hot.consume_queue import CQ_DTYPE, ConsumeQueueStore
-from tiered.hot.index_file import IndexFile, IndexService, key_hash
+from tiered.hot.consume_queue import ConsumeQueueStore
+from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
     KEY_SEPARATOR,
     EncodedBatch,
