@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tiered.cold.counting import CountingObjectStore
 from tiered.cold.manifest import (
     KEEP_VERSIONS,
     ManifestConflictError,
@@ -23,24 +22,6 @@ from tiered.cold.storage import ObjectStore, open_store
 from tiered.config import StoreConfig
 from tiered.record import CorruptRecordError, Message, RecordEncoder, StoredMessage
 from tiered.store import MessageStore
-
-
-class CountingStore:
-    """Counts requests by kind (what a random read costs)."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -127,7 +108,7 @@ def test_a_random_read_costs_the_same_requests_at_1x_and_10x(tmp_path, hot) -> N
     encoder = RecordEncoder()
     costs = []
     for copies, root in ((1, "small"), (10, "large")):
-        tier = CountingStore(open_store(f"file://{tmp_path}/{root}"))
+        tier = CountingObjectStore(open_store(f"file://{tmp_path}/{root}"))
         manifests = ManifestStore(tier, queue_prefix("c1", "b", "archive", 0))
         manifest = manifests.load()
         # 10x: the same messages again and again, re-encoded at the following offsets.
