@@ -59,38 +59,41 @@ class TierUnusableError(ValueError):
 
 class Broker:
     def __init__(self, config: BrokerConfig) -> None:
+        """The composition root: every part of the broker is built here, in dependency order
+        (tier -> cold fetcher -> store -> offloader, metadata -> pop), and nothing rewires a
+        part afterwards."""
         self.config = config
-        self.store = MessageStore(config.store)
-        self.metadata = MetadataStore(config.config_dir)
-        self._stop = threading.Event()
-        self._register_now = threading.Event()
-        self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
-        self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
-        self.offloader: Offloader | None = None
-        self.fetcher: ColdFetcher | None = None
-        # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
-        # `tmq status` report it; None: not reported).
-        self.export_freshness: ExportFreshness | None = None
-        self._export: ContinuousExport | None = None
-        self._freshness: dict[str, float] = {}
         self.metrics = BrokerMetrics()
-        self.released_files = 0
-        self.offload_failures = 0  # periodic per-queue offload attempts that failed
         self.tier: ObjectStore | None = None
+        self.fetcher: ColdFetcher | None = None
+        self.offloader: Offloader | None = None
         if config.tier_url:
-            tier = self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.tier = open_store(config.tier_url, config.tier_options, config.retry)
             self.fetcher = ColdFetcher(
-                tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
+                self.tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
             )
+        self.store = MessageStore(config.store, cold=self.fetcher)
+        if self.tier is not None and self.fetcher is not None:
             self.offloader = Offloader(
                 self.store,
-                tier,
+                self.tier,
                 config.cluster,
                 config.name,
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
             )
-            self.store.cold = self.fetcher
+        self.metadata = MetadataStore(config.config_dir)
+        self._stop = threading.Event()
+        self._register_now = threading.Event()
+        self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
+        self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
+        # `tmq status` report it; None: not reported).
+        self.export_freshness: ExportFreshness | None = None
+        self._export: ContinuousExport | None = None
+        self._freshness: dict[str, float] = {}
+        self.released_files = 0
+        self.offload_failures = 0  # periodic per-queue offload attempts that failed
         self.metrics.attach(
             MetricSources(
                 traffic=self.metrics.traffic,

@@ -36,7 +36,6 @@ from tiered.cold.manifest import (
 )
 from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
 from tiered.cold.storage import ObjectStore, StorageError
-from tiered.record import decode
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -190,14 +189,15 @@ class Offloader:
         if manifest is None:
             return None
         archived = sum(s.size for s in manifest.segments)
-        cq = self.store.queues.get(topic, queue_id)
         start = manifest.end_offset
-        if cq is None or cq.max_offset <= start:
+        end = self.store.max_offset(topic, queue_id)
+        if end <= start:
             return UploadLag(0, 0, 0.0, archived)
-        oldest = self.store.store_timestamp_at(topic, queue_id, max(start, cq.min_offset))
+        hot_min = self.store.hot_min_offset(topic, queue_id)
+        oldest = self.store.store_timestamp_at(topic, queue_id, max(start, hot_min))
         return UploadLag(
-            cq.max_offset - start,
-            cq.bytes_between(start, cq.max_offset),
+            end - start,
+            self.store.queue_bytes(topic, queue_id, start, end),
             max(0.0, (now_ms - oldest) / 1000) if oldest is not None else 0.0,
             archived,
         )
@@ -214,23 +214,14 @@ class Offloader:
             return None
         if pending >= self.policy.upload_min_messages:
             return f"{pending} messages pending"
-        cq = self.store.queues.get(topic, queue_id)
-        if cq is None:
-            return None
-        first = cq.get_entry(start)
-        if first is None:
+        stored_ms = self.store.store_timestamp_at(topic, queue_id, start)
+        if stored_ms is None:
             return "pending messages are no longer local"  # let offload_queue report the gap
-        phys, size, _tag = first
-        oldest = self.store.commitlog.read(phys, size)
-        if oldest is not None:
-            stored_ms = decode(oldest, 0, check_crc=False).store_timestamp
-            if now_ms - stored_ms >= self.policy.upload_after_ms:
-                return f"oldest pending message is {(now_ms - stored_ms) / 1000:.0f} s old"
-        pending_bytes = 0
-        for _offset, (_phys, length, _tag) in cq.iter_entries(start, pending):
-            pending_bytes += length
-            if pending_bytes >= self.policy.upload_min_bytes:
-                return f"{pending_bytes} bytes pending"
+        if now_ms - stored_ms >= self.policy.upload_after_ms:
+            return f"oldest pending message is {(now_ms - stored_ms) / 1000:.0f} s old"
+        pending_bytes = self.store.queue_bytes(topic, queue_id, start, start + pending)
+        if pending_bytes >= self.policy.upload_min_bytes:
+            return f"{pending_bytes} bytes pending"
         return None
 
     def _lock(self, topic: str, queue_id: int) -> threading.RLock:
@@ -334,18 +325,15 @@ class Offloader:
     def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
         records: list[bytes] = []
         size = 0
-        cq = self.store.queues.get(topic, queue_id)
-        if cq is None:
-            raise OffloadError(f"{topic}/{queue_id}: no ConsumeQueue in the hot store")
         limit = min(target - start, self.policy.segment_max_messages)
         # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
         # segment builder checks every record once).
-        for offset, (phys, length, _tag) in cq.iter_entries(start, limit):
+        for offset, (phys, length, _tag) in self.store.queue_entries(topic, queue_id, start, limit):
             if offset != start + len(records):
                 raise OffloadError(
                     f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
                 )
-            raw = self.store.commitlog.read(phys, length)
+            raw = self.store.read_record_bytes(phys, length)
             if raw is None:
                 raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
             records.append(raw)

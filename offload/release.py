@@ -44,19 +44,12 @@ def release_predicate(
 ) -> Callable[[CommitLogFileInfo], bool]:
     def can_release(info: CommitLogFileInfo) -> bool:
         age = now_ms() - info.modified_ms
-        for (topic, queue_id), cq in list(store.queues.queues.items()):
-            first_in = cq.first_offset_at_or_after(info.from_offset)
-            if first_in >= cq.max_offset:
-                continue
-            entry = cq.get_entry(first_in)
-            if entry is None or entry[0] >= info.end_offset:
-                continue  # no record of this queue in the file
-            cfg = topics.get(topic)
+        for span in store.queues_in_file(info):
+            cfg = topics.get(span.topic)
             if cfg is not None and cfg.tiered:
                 if offloader is None:
                     return False
-                last_in = cq.first_offset_at_or_after(info.end_offset) - 1
-                if offloader.watermark(topic, queue_id) <= last_in:
+                if offloader.watermark(span.topic, span.queue_id) <= span.last:
                     return False  # not uploaded yet
                 if age < (cfg.local_retention_ms or 0):
                     return False

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -37,9 +37,12 @@ from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
 from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueStore
 from tiered.hot.data_dir import DataDir
+from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
 from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexService
-from tiered.hot.mapped_file import StoreLoadError
+
+# What start() raises, for callers above tiered (they never import tiered.hot).
+from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
     Message,
@@ -93,6 +96,27 @@ class CommitLogFileInfo:
     from_offset: int
     end_offset: int
     modified_ms: int
+
+
+@dataclass(slots=True, frozen=True)
+class CommitLogStats:
+    """The CommitLog's extent: what `tmq status`, the admin Stats call and `tmq store check`
+    report."""
+
+    min_offset: int
+    max_offset: int
+    files: int
+
+
+@dataclass(slots=True, frozen=True)
+class QueueSpan:
+    """The queue offsets ``[first, last]`` of one (topic, queue) whose records lie in a CommitLog
+    file (what release checks against the tier watermark)."""
+
+    topic: str
+    queue_id: int
+    first: int
+    last: int
 
 
 @dataclass(slots=True)
@@ -180,7 +204,11 @@ class ColdReader(Protocol):
 
 
 class MessageStore:
-    def __init__(self, config: StoreConfig) -> None:
+    """The facade over both tiers that everything above ``tiered`` uses: the broker, offload,
+    status and the CLI reach the CommitLog, ConsumeQueues and IndexFiles only through these
+    methods."""
+
+    def __init__(self, config: StoreConfig, cold: ColdReader | None = None) -> None:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
@@ -194,8 +222,8 @@ class MessageStore:
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
         self.start_report: StartReport | None = None
-        # Set by the broker when the topic data is tiered: reads below the hot tier go there.
-        self.cold: ColdReader | None = None
+        # The cold tier's reader when topics are tiered: reads below the hot tier go there.
+        self.cold = cold
         self._running = False
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
@@ -537,6 +565,47 @@ class MessageStore:
         return self.commitlog.read_message(
             commitlog_offset, size, check_crc=self.config.check_crc_on_read
         )
+
+    def queue_entries(
+        self, topic: str, queue_id: int, start: int, max_count: int
+    ) -> Iterator[tuple[int, Entry]]:
+        """(queue offset, ConsumeQueue entry) of up to ``max_count`` hot entries from ``start``
+        (from the hot minimum if ``start`` is below it); nothing for an unknown queue."""
+        cq = self._cq(topic, queue_id)
+        return cq.iter_entries(start, max_count) if cq is not None else iter(())
+
+    def read_record_bytes(self, commitlog_offset: int, size: int) -> bytes | None:
+        """One whole CommitLog record, undecoded (what a segment object holds); None once its
+        file is released."""
+        return self.commitlog.read(commitlog_offset, size)
+
+    def queue_bytes(
+        self, topic: str, queue_id: int, start: int | None = None, end: int | None = None
+    ) -> int:
+        """Total record size of the queue's hot entries in ``[start, end)`` (default: all)."""
+        cq = self._cq(topic, queue_id)
+        if cq is None:
+            return 0
+        lo = cq.min_offset if start is None else start
+        return cq.bytes_between(lo, cq.max_offset if end is None else end)
+
+    def commitlog_stats(self) -> CommitLogStats:
+        return CommitLogStats(
+            self.commitlog.min_offset, self.commitlog.max_offset, len(self.commitlog.files.files)
+        )
+
+    def queues_in_file(self, info: CommitLogFileInfo) -> list[QueueSpan]:
+        """Every queue with records in the CommitLog file ``info``, with their queue offsets
+        there (two bisections per queue over its ConsumeQueue)."""
+        spans = []
+        for (topic, queue_id), cq in list(self.queues.queues.items()):
+            first = cq.first_offset_at_or_after(info.from_offset)
+            entry = cq.get_entry(first) if first < cq.max_offset else None
+            if entry is None or entry[0] >= info.end_offset:
+                continue  # no record of this queue in the file
+            last = cq.first_offset_at_or_after(info.end_offset) - 1
+            spans.append(QueueSpan(topic, queue_id, first, last))
+        return spans
 
     def store_timestamp_at(self, topic: str, queue_id: int, queue_offset: int) -> int | None:
         cq = self._cq(topic, queue_id)
