@@ -10,9 +10,9 @@ from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
+    BrokerMetadata,
     GroupConfig,
     InvalidNameError,
-    MetadataStore,
     TopicConfig,
     check_group_name,
 )
@@ -53,7 +53,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         broker_name: str,
         on_topics_changed: Callable[[], None],
         apply_retention: Callable[[str | None, bool], list[RetentionResult]] | None = None,

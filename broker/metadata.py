@@ -107,7 +107,7 @@ def _load(path: Path) -> Any:
         raise RuntimeError(f"{path} is damaged ({e}); restore it from a backup") from e
 
 
-class MetadataStore:
+class BrokerMetadata:
     """Topics, groups and consumer offsets of one broker, thread-safe."""
 
     def __init__(self, config_dir: Path) -> None:

@@ -23,7 +23,7 @@ from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
 from broker.messaging import BrokerIdentity, MessagingServicer
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
@@ -82,7 +82,7 @@ class Broker:
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
             )
-        self.metadata = MetadataStore(config.config_dir)
+        self.metadata = BrokerMetadata(config.config_dir)
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)

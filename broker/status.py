@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 from offload.offloader import Offloader, UploadLag
 from tiered.store import MessageStore
 
@@ -64,7 +64,7 @@ def export_freshness_or_none(provider: ExportFreshness | None) -> dict[str, floa
 
 def broker_status(
     store: MessageStore,
-    metadata: MetadataStore,
+    metadata: BrokerMetadata,
     offloader: Offloader | None,
     export_freshness: ExportFreshness | None,
     *,

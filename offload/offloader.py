@@ -29,7 +29,7 @@ from typing import TypeVar
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
-    ManifestStore,
+    ManifestLog,
     QueueManifest,
     queue_prefix,
     segment_key,
@@ -138,8 +138,8 @@ class Offloader:
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
 
-    def manifests(self, topic: str, queue_id: int) -> ManifestStore:
-        return ManifestStore(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
+    def manifests(self, topic: str, queue_id: int) -> ManifestLog:
+        return ManifestLog(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
 
     def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
         key = (topic, queue_id)

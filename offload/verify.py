@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiered.cold.manifest import ManifestError, ManifestStore, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentError, read_footer, verify
 from tiered.cold.storage import ObjectStore
 
@@ -53,7 +53,7 @@ def verify_queue(
     verdict = QueueVerdict(topic, queue_id)
     prefix = queue_prefix(cluster, broker, topic, queue_id)
     try:
-        manifest = ManifestStore(tier, prefix).load()
+        manifest = ManifestLog(tier, prefix).load()
     except ManifestError as e:
         verdict.anomalies.append(f"manifest: {e}")
         verdict.status = FAILURE

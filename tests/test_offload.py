@@ -12,7 +12,7 @@ from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadPolicy
 from offload.release import release_predicate
 from tiered.cold.faults import FaultyObjectStore
-from tiered.cold.manifest import ManifestStore, queue_prefix, segment_key
+from tiered.cold.manifest import ManifestLog, queue_prefix, segment_key
 from tiered.cold.segment import SegmentReader, build
 from tiered.cold.storage import ObjectStore, RetryingObjectStore, RetryPolicy, open_store
 from tiered.config import StoreConfig
@@ -65,7 +65,7 @@ def snapshot(store: MessageStore, topic: str, queue_id: int) -> list[StoredMessa
 
 
 def read_tier(tier: ObjectStore, topic: str, queue_id: int) -> list[StoredMessage]:
-    manifest = ManifestStore(tier, queue_prefix("c1", "broker-a", topic, queue_id)).load()
+    manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", topic, queue_id)).load()
     out: list[StoredMessage] = []
     offset = manifest.start_offset
     while offset < manifest.end_offset:
@@ -157,7 +157,7 @@ def test_a_crash_between_object_write_and_commit_leaves_no_gap_and_the_orphan_is
     result = Offloader(hot, tier, "c1", "broker-a", FAST).offload_queue("orders", 0)
     assert result.watermark == 1000
     assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)
-    manifest = ManifestStore(tier, prefix).load()
+    manifest = ManifestLog(tier, prefix).load()
     assert orphan.key not in {s.key for s in manifest.segments}
     assert {o.key for o in tier.list(f"{prefix}segments/")} == {s.key for s in manifest.segments}
 

@@ -35,7 +35,7 @@ from tiered.config import StoreConfig
 from tiered.formats import Entry
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
-from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueStore
+from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable
 from tiered.hot.data_dir import DataDir
 from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
 from tiered.hot.dispatcher import Dispatcher
@@ -212,7 +212,7 @@ class MessageStore:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
-        self.queues = ConsumeQueueStore(
+        self.queues = ConsumeQueueTable(
             config.consumequeue_dir, config.consumequeue_entries_per_file
         )
         self.index = IndexService(

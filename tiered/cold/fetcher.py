@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tiered.cold.manifest import ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
 from tiered.cold.storage import ObjectStore
 from tiered.record import StoredMessage
@@ -68,7 +68,7 @@ class ColdFetcher:
         cached = self._manifests.get(key)
         if cached is None or refresh or time.monotonic() - cached[0] > self.manifest_ttl_s:
             prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
-            cached = (time.monotonic(), ManifestStore(self.tier, prefix).load())
+            cached = (time.monotonic(), ManifestLog(self.tier, prefix).load())
             self._manifests[key] = cached
         return cached[1]
 

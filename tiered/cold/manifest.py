@@ -135,8 +135,9 @@ class QueueManifest:
             raise ManifestError(f"unreadable manifest: {e}") from e
 
 
-class ManifestStore:
-    """Reads and commits one queue's manifests."""
+class ManifestLog:
+    """One queue's manifests in the tier: the versions, newest current; reads and commits them.
+    (Only ``MessageStore`` is called a store; decision 107.)"""
 
     def __init__(self, store: ObjectStore, prefix: str) -> None:
         self.store = store

@@ -244,8 +244,9 @@ def _sizes(f: MappedFile) -> np.ndarray:
     return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
 
 
-class ConsumeQueueStore:
-    """Every ConsumeQueue of the store, created on first dispatch."""
+class ConsumeQueueTable:
+    """Every ConsumeQueue of the store by (topic, queue id), created on first dispatch
+    (RocketMQ's ``consumeQueueTable``)."""
 
     def __init__(self, root: Path, entries_per_file: int) -> None:
         self.root = root
