@@ -18,6 +18,7 @@ import pytest
 
 from tiered.cold.faults import FaultyObjectStore
 from tiered.cold.storage import (
+    FsspecObjectStore,
     ObjectInfo,
     ObjectNotFoundError,
     ObjectStore,
@@ -142,24 +143,36 @@ def auth_s3() -> Iterator[AuthS3]:
         server.wait(10)
 
 
-def slow_retries() -> RetryPolicy:
-    """A policy whose every retry would show: 5 attempts, a second apart at least."""
-    return RetryPolicy(attempts=5, base_delay_s=2.0, max_delay_s=2.0)
+def watched(url: str, options: dict[str, Any]) -> tuple[ObjectStore, list[float]]:
+    """The store at ``url`` under a 5-attempt policy, and the backoffs it slept (one per
+    retry)."""
+    slept: list[float] = []
+    policy = RetryPolicy(attempts=5, base_delay_s=0.01)
+    return RetryingObjectStore(FsspecObjectStore(url, options), policy, slept.append), slept
 
 
 def test_a_missing_bucket_fails_at_once_naming_the_bucket_and_the_fix(s3: Any) -> None:
     missing = f"tmq-missing-{uuid.uuid4().hex[:8]}"
-    store = open_store(f"s3://{missing}/tier", s3.storage_options(), slow_retries())
-    started = time.monotonic()
+    store, slept = watched(f"s3://{missing}/tier", s3.storage_options())
     with pytest.raises(PermanentStorageError) as raised:
         store.put("c/b/probe", b"x")
-    assert time.monotonic() - started < 1.5, "a permanent error is never retried"
+    assert slept == [], "a permanent error is never retried"
     message = str(raised.value)
     assert "\n" not in message
     assert f"s3://{missing}" in message and "NoSuchBucket" in message
     assert "create it, or fix tier_url" in message
     with pytest.raises(PermanentStorageError, match="NoSuchBucket"):
         check_writable(store, "c/b")
+    # Never mistaken for "no such object" or "nothing listed" either.
+    for call in (
+        lambda: store.size("c/b/x"),
+        lambda: store.get("c/b/x"),
+        lambda: store.list("c/"),
+        lambda: store.children(""),
+        lambda: store.delete("c/b/x"),
+    ):
+        with pytest.raises(PermanentStorageError, match="NoSuchBucket"):
+            call()
 
 
 def test_unknown_credentials_and_denied_access_fail_at_once_with_their_fix(
@@ -171,11 +184,10 @@ def test_unknown_credentials_and_denied_access_fail_at_once_with_their_fix(
     ]
     for key, secret, code, fix in cases:
         options = {"endpoint_url": auth_s3.url, "key": key, "secret": secret}
-        store = open_store(f"s3://{auth_s3.bucket}/tier", options, slow_retries())
-        started = time.monotonic()
+        store, slept = watched(f"s3://{auth_s3.bucket}/tier", options)
         with pytest.raises(PermanentStorageError) as raised:
             check_writable(store, "c/b")
-        assert time.monotonic() - started < 1.5, f"{code} is never retried"
+        assert slept == [], f"{code} is never retried"
         message = str(raised.value)
         assert message.startswith(f"s3://{auth_s3.bucket}: {code}: "), message
         assert fix in message and "\n" not in message
@@ -184,15 +196,13 @@ def test_unknown_credentials_and_denied_access_fail_at_once_with_their_fix(
 
 def test_a_refused_connection_is_transient_even_when_the_url_holds_412(tmp_path: Path) -> None:
     # The old classification matched "412" in the text and took this for "the key exists".
-    store = open_store(
-        "s3://tmq-412/tier",
-        {"endpoint_url": "http://127.0.0.1:1/412", "key": "k", "secret": "s"},
-        RetryPolicy(attempts=2, base_delay_s=0.01),
+    store, slept = watched(
+        "s3://tmq-412/tier", {"endpoint_url": "http://127.0.0.1:1/412", "key": "k", "secret": "s"}
     )
     with pytest.raises(StorageError) as raised:
         store.put_if_absent("c/b/412", b"x")
     assert not isinstance(raised.value, PermanentStorageError)
-    assert "failed 2 attempts" in str(raised.value)
+    assert "failed 5 attempts" in str(raised.value) and len(slept) == 4
 
 
 def test_transient_failures_are_retried_by_the_one_policy_and_permanent_ones_never(

@@ -233,19 +233,21 @@ class FsspecObjectStore:
     def size(self, key: str) -> int | None:
         try:
             return int(self.fs.info(self._path(key))["size"])
-        except FileNotFoundError:
-            return None
         except Exception as e:
-            raise self._translate(key, e) from e
+            error = self._translate(key, e)
+            if isinstance(error, ObjectNotFoundError):
+                return None
+            raise error from e
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
             found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return []
         except Exception as e:
-            raise self._translate(prefix, e) from e
+            error = self._translate(prefix, e)
+            if isinstance(error, ObjectNotFoundError):
+                return []
+            raise error from e
         out = []
         for path, info in found.items():
             rel = path[len(self.root) :].lstrip("/")  # fsspec paths start with the root
@@ -256,20 +258,21 @@ class FsspecObjectStore:
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            return
         except Exception as e:
-            raise self._translate(key, e) from e
+            error = self._translate(key, e)
+            if not isinstance(error, ObjectNotFoundError):
+                raise error from e
 
     def children(self, prefix: str) -> Sequence[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
             # refresh: s3fs caches delimiter listings, and new queues must become visible.
             found = self.fs.ls(base, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
         except Exception as e:
-            raise self._translate(prefix or "/", e) from e
+            error = self._translate(prefix or "/", e)
+            if isinstance(error, ObjectNotFoundError):
+                return []
+            raise error from e
         names = {str(info["name"]).rstrip("/").rsplit("/", 1)[-1] for info in found}
         return sorted(n for n in names if n and not n.startswith("."))
 
@@ -279,7 +282,7 @@ T = TypeVar("T")
 
 @dataclass(slots=True, frozen=True)
 class RetryPolicy:
-    """The one retry policy for object-store calls (the ``[tier]`` section of tmq.toml).
+    """The one retry policy for object-store calls (the ``[retry]`` section of tmq.toml).
 
     A call that fails with a transient ``StorageError`` is tried again after an exponential,
     jittered backoff (``base_delay_s``, doubling up to ``max_delay_s``), ``attempts`` times in
