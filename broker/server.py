@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,6 +30,7 @@ from lakehouse.runner import ContinuousExport
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from remoting import namesrv_pb2 as nspb
+from remoting.grpc_server import listen, new_server
 from remoting.namesrv_client import NameServerClient
 from remoting.servicers import add_safely
 from tiered import failpoints
@@ -117,16 +117,15 @@ class Broker:
         self.store.start()
         try:
             self.metadata.load()
-            server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="broker"),
-                options=[
+            server = new_server(
+                _WORKERS,
+                "broker",
+                [
                     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ],
             )
-            self.port = server.add_insecure_port(f"{self.config.listen}:{self.config.port}")
-            if self.port == 0:
-                raise OSError(f"cannot listen on {self.config.listen}:{self.config.port}")
+            self.port = listen(server, self.config.listen, self.config.port, "broker")
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
