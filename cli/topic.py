@@ -155,7 +155,9 @@ def topic_on_brokers(
 def retention_text(ttl_ms: int, local_ttl_ms: int, max_bytes: int) -> str:
     """A topic's retention in one phrase: ``ttl 90d, local ttl 1d, archive limit 50GiB per
     queue``."""
-    text = f"ttl {format_duration(ttl_ms)}, local ttl {format_duration(local_ttl_ms)}"
+    # A local TTL of 0 keeps nothing local once it is uploaded (offload/release.py).
+    local = format_duration(local_ttl_ms) if local_ttl_ms else "0 (released once uploaded)"
+    text = f"ttl {format_duration(ttl_ms)}, local ttl {local}"
     return text + (f", archive limit {format_size(max_bytes)} per queue" if max_bytes else "")
 
 
@@ -298,7 +300,8 @@ def list_topics(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption =
         typer.echo(
             f"{r['topic']:40s} {r['broker']:16s} queues={r['queues']} "
             f"type={r['message_type']} {tiering} messages={total} "
-            f"ttl={format_duration(r['ttl_ms'])} local_ttl={format_duration(r['local_ttl_ms'])}"
+            f"ttl={format_duration(r['ttl_ms'])} "
+            f"local_ttl={format_duration(r['local_ttl_ms']) if r['local_ttl_ms'] else '0'}"
             + (f" max_bytes={format_size(r['max_bytes'])}" if r["max_bytes"] else "")
         )
 
