@@ -41,7 +41,7 @@ def test_every_section_reads_from_toml_and_the_environment_overrides_it(tmp_path
         ("[broker]\nauto_create_groups = 1\n", {}, "is not true or false"),
         ("[broker]\nnamesrv = 5\n", {}, "namesrv: 5 is not a list"),
         ("store = 1\n", {}, r"store must be a section"),
-        ("[retry]\nattempts = 0\n", {}, "retry_attempts must be at least 1"),
+        ("[retry]\nattempts = 0\n", {}, r"\[retry\] attempts must be at least 1"),
         ("", {"TMQ_RETRY_ATTEMPTS": "many"}, "environment TMQ_RETRY_ATTEMPTS: attempts"),
     ],
 )

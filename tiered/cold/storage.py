@@ -295,7 +295,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"retry_attempts must be at least 1, not {self.attempts}")
+            raise ValueError(f"[retry] attempts must be at least 1, not {self.attempts}")
 
     def call(
         self, what: str, fn: Callable[[], T], sleep: Callable[[float], None] = time.sleep
