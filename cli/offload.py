@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
 import typer
@@ -12,17 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, brokers, call, fail, topic_on_brokers
+from cli.topic import NamesrvOption, brokers, call, fail, time_ms, topic_on_brokers
 from tiered.config import parse_size
-
-
-def _time_ms(text: str) -> int:
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
-    except ValueError:
-        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
 
 
 def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
@@ -118,7 +108,7 @@ def offload(
         topic=words[0],
         queue=queue,
         keep_local_bytes=keep,
-        before_ms=_time_ms(before) if before else 0,
+        before_ms=time_ms(before) if before else 0,
     )
     rows = []
     for broker_name, stub in brokers(namesrv):

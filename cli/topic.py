@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 import grpc
@@ -47,6 +48,17 @@ def duration_ms(text: str | None, what: str) -> int | None:
         return parse_duration_ms(text)
     except ValueError as e:
         raise fail(f"{what}: {e}", 2) from None
+
+
+def time_ms(text: str) -> int:
+    """An option's time, epoch milliseconds or ISO 8601 (``2026-11-20T10:00:00Z``), as epoch
+    milliseconds; exit 2 on nonsense."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
 
 
 def size_bytes(text: str | None, what: str) -> int | None:

@@ -497,6 +497,8 @@ def test_a_topic_without_queues_is_refused(node: Standalone, command: list[str])
         (["topic", "craete", "x"], "error: No such command 'craete'. Did you mean 'create'?"),
         (["topic", "create", "x", "--queus", "3"], "error: No such option: --queus"),
         (["offload", "x", "--keep-local", "lots"], "error: --keep-local: not a size: 'lots'"),
+        (["offload", "x", "--before", "soon"], "error: not a time: 'soon'"),
+        (["replay", "x", "--from-time", "yesterday"], "error: not a time: 'yesterday'"),
     ],
 )
 def test_a_typo_is_one_error_line(args: list[str], expected: str) -> None:
