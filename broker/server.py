@@ -22,7 +22,7 @@ from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
 from broker.messaging import BrokerIdentity, MessagingServicer
-from broker.metadata import BrokerMetadata
+from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
@@ -60,17 +60,22 @@ class TierUnusableError(ValueError):
 class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         """The composition root: every part of the broker is built here, in dependency order
-        (tier -> cold fetcher -> store -> offloader, metadata -> pop), and nothing rewires a
+        (metadata, tier -> cold fetcher -> store -> offloader, pop), and nothing rewires a
         part afterwards."""
         self.config = config
         self.metrics = BrokerMetrics()
+        self.metadata = BrokerMetadata(config.config_dir)
         self.tier: ObjectStore | None = None
         self.fetcher: ColdFetcher | None = None
         self.offloader: Offloader | None = None
         if config.tier_url:
             self.tier = open_store(config.tier_url, config.tier_options, config.retry)
             self.fetcher = ColdFetcher(
-                self.tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
+                self.tier,
+                config.cluster,
+                config.name,
+                tiered_queues=self._tiered_queues,
+                observe=self.metrics.observe_cold_read,
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:
@@ -82,7 +87,6 @@ class Broker:
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
             )
-        self.metadata = BrokerMetadata(config.config_dir)
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
@@ -110,6 +114,14 @@ class Broker:
         self._health = health.HealthServicer()
         self._threads: list[threading.Thread] = []
 
+    def _tiered_queues(self) -> list[tuple[str, int]]:
+        return [
+            (t.name, q)
+            for t in list(self.metadata.topics.values())
+            if t.tiered
+            for q in range(t.queues)
+        ]
+
     def start(self) -> int:
         """Check the tier, open the store, serve, register; returns the bound port (``port =
         0``: any free)."""
@@ -117,6 +129,8 @@ class Broker:
         self.store.start()
         try:
             self.metadata.load()
+            if self.fetcher is not None:
+                self.fetcher.start()
             server = new_server(
                 _WORKERS,
                 "broker",
@@ -255,27 +269,40 @@ class Broker:
     ) -> list[RetentionResult]:
         """Expire archived segments older than their topic's TTL, or beyond its byte limit
         (one topic, or all)."""
+        results = []
+        for cfg, queue_id in self._retained_queues(topic):
+            r = self._expire(cfg, queue_id, dry_run)
+            if r.segments:
+                results.append(r)
+        return results
+
+    def _retained_queues(self, topic: str | None = None) -> list[tuple[TopicConfig, int]]:
+        return [
+            (cfg, queue_id)
+            for cfg in list(self.metadata.topics.values())
+            if (topic is None or cfg.name == topic)
+            and cfg.tiered
+            and (cfg.retention_ms or cfg.retention_bytes)
+            for queue_id in range(cfg.queues)
+        ]
+
+    def _expire(self, cfg: TopicConfig, queue_id: int, dry_run: bool = False) -> RetentionResult:
         assert self.offloader is not None
         now = time.time_ns() // 1_000_000
-        results = []
-        for cfg in list(self.metadata.topics.values()):
-            if (topic is not None and cfg.name != topic) or not cfg.tiered:
-                continue
-            if not cfg.retention_ms and not cfg.retention_bytes:
-                continue
-            cutoff = now - cfg.retention_ms if cfg.retention_ms else 0
-            for queue_id in range(cfg.queues):
-                r = self.offloader.expire(
-                    cfg.name, queue_id, cutoff, max_bytes=cfg.retention_bytes, dry_run=dry_run
-                )
-                if r.segments:
-                    results.append(r)
-        return results
+        cutoff = now - cfg.retention_ms if cfg.retention_ms else 0
+        return self.offloader.expire(
+            cfg.name, queue_id, cutoff, max_bytes=cfg.retention_bytes, dry_run=dry_run
+        )
 
     def offload_and_release(self) -> None:
         """Upload every tiered queue the offload policy says is due, expire what retention
         says, then release the CommitLog files that the release rule allows
-        (offload/release.py)."""
+        (offload/release.py).
+
+        Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
+        damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
+        goes on with the other queues and with release, which keeps what it cannot prove safe
+        to delete."""
         if self.offloader is not None:
             now = time.time_ns() // 1_000_000
             committed = False
@@ -290,19 +317,28 @@ class Broker:
                         log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
                         if self.offloader.offload_queue(topic.name, queue_id).segments:
                             committed = True
-                    except OffloadError as e:
-                        self.offload_failures += 1
-                        log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
-            try:
-                self.apply_retention()
-            except OffloadError as e:
-                log.error("retention failed: %s", e)
+                    except Exception as e:
+                        self._queue_failed("offload", topic.name, queue_id, e)
+            for cfg, queue_id in self._retained_queues():
+                if self._stop.is_set():
+                    return
+                try:
+                    self._expire(cfg, queue_id)
+                except Exception as e:
+                    self._queue_failed("retention", cfg.name, queue_id, e)
             if committed:
                 failpoints.hit("offload.before_release")
         topics = dict(self.metadata.topics)  # a snapshot: admin calls may change it meanwhile
         self.released_files += self.store.release_commitlog_files(
             release_predicate(self.store, self.offloader, topics)
         )
+
+    def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
+        self.offload_failures += 1
+        if isinstance(e, OffloadError):
+            log.error("%s of %s/%d failed: %s", step, topic, queue_id, e)
+        else:  # not a storage failure the offloader knows: keep the traceback
+            log.exception("%s of %s/%d failed: %s: %s", step, topic, queue_id, type(e).__name__, e)
 
     def _start_export(self, tier_url: str) -> None:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread

@@ -9,16 +9,21 @@ A file may go only when, for every (topic, queue) with records in it:
 
 Never a record that is neither uploaded nor expired: this is the invariant RocketMQ's tieredstore
 broke (local data deleted before upload), checked here with the ConsumeQueues, not the clock.
+The rule fails closed: a ConsumeQueue entry that cannot be read, or a tier watermark that
+cannot be learnt (the tier is down and the manifest was never loaded), keeps the file.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from offload.offloader import Offloader
-from tiered.store import CommitLogFileInfo, MessageStore
+from tiered.store import CommitLogFileInfo, MessageStore, UnreadableEntryError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FILE_RESERVED_MS = 72 * 3_600_000
 
@@ -44,12 +49,34 @@ def release_predicate(
 ) -> Callable[[CommitLogFileInfo], bool]:
     def can_release(info: CommitLogFileInfo) -> bool:
         age = now_ms() - info.modified_ms
-        for span in store.queues_in_file(info):
+        try:
+            spans = store.queues_in_file(info)
+        except UnreadableEntryError as e:
+            log.error(
+                "%s: kept: the ConsumeQueue of %s/%d cannot be read at queue offset %d",
+                info.path.name,
+                e.topic,
+                e.queue_id,
+                e.offset,
+            )
+            return False
+        for span in spans:
             cfg = topics.get(span.topic)
             if cfg is not None and cfg.tiered:
                 if offloader is None:
                     return False
-                if offloader.watermark(span.topic, span.queue_id) <= span.last:
+                try:
+                    watermark = offloader.watermark(span.topic, span.queue_id)
+                except Exception as e:  # the tier is down and the manifest was never loaded
+                    log.warning(
+                        "%s: kept: no tier watermark for %s/%d: %s",
+                        info.path.name,
+                        span.topic,
+                        span.queue_id,
+                        e,
+                    )
+                    return False
+                if watermark <= span.last:
                     return False  # not uploaded yet
                 if age < (cfg.local_retention_ms or 0):
                     return False

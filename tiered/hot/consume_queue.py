@@ -24,6 +24,16 @@ from tiered.names import is_valid_name
 log = logging.getLogger(__name__)
 
 
+class UnreadableEntryError(Exception):
+    """A ConsumeQueue entry between the queue's minimum and maximum could not be read."""
+
+    def __init__(self, topic: str, queue_id: int, offset: int) -> None:
+        super().__init__(f"{topic}/{queue_id}: queue offset {offset}")
+        self.topic = topic
+        self.queue_id = queue_id
+        self.offset = offset
+
+
 class ConsumeQueue:
     def __init__(self, topic: str, queue_id: int, directory: Path, entries_per_file: int) -> None:
         self.topic = topic
@@ -183,22 +193,33 @@ class ConsumeQueue:
 
     # -- truncate and clean --------------------------------------------------------------------
 
-    def bisect(self, below: Callable[[Entry | None], bool]) -> int:
+    def bisect(self, below: Callable[[int, Entry | None], bool]) -> int:
         """The first offset in ``[min_offset, max_offset)`` whose entry is not ``below`` the
-        boundary (``max_offset`` if every one is). ``below`` must hold for a prefix of the queue
-        and not after it: entries are in CommitLog (and so store-time) order within a queue."""
+        boundary (``max_offset`` if every one is); ``below`` gets the offset and its entry (None
+        if unreadable). It must hold for a prefix of the queue and not after it: entries are in
+        CommitLog (and so store-time) order within a queue."""
         lo, hi = self.min_offset, self.max_offset
         while lo < hi:
             mid = (lo + hi) // 2
-            if below(self.get_entry(mid)):
+            if below(mid, self.get_entry(mid)):
                 lo = mid + 1
             else:
                 hi = mid
         return lo
 
-    def first_offset_at_or_after(self, commitlog_offset: int) -> int:
-        """The first queue offset whose record starts at or after ``commitlog_offset``."""
-        return self.bisect(lambda e: e is not None and e[0] < commitlog_offset)
+    def first_offset_at_or_after(self, commitlog_offset: int, *, strict: bool = False) -> int:
+        """The first queue offset whose record starts at or after ``commitlog_offset``. An entry
+        that cannot be read counts as past it, or with ``strict`` raises
+        ``UnreadableEntryError`` rather than guess (release must fail closed)."""
+
+        def below(offset: int, entry: Entry | None) -> bool:
+            if entry is None:
+                if strict:
+                    raise UnreadableEntryError(self.topic, self.queue_id, offset)
+                return False
+            return entry[0] < commitlog_offset
+
+        return self.bisect(below)
 
     def truncate_from_physical(self, commitlog_end: int) -> int:
         """Drop entries that point at or past ``commitlog_end`` (a CommitLog cut after a crash).
@@ -208,7 +229,7 @@ class ConsumeQueue:
         """
         if self.max_physical_end <= commitlog_end:
             return 0
-        lo = self.bisect(lambda e: e is not None and e[0] + e[1] <= commitlog_end)
+        lo = self.bisect(lambda _, e: e is not None and e[0] + e[1] <= commitlog_end)
         dropped = self.max_offset - lo
         self._drop_files_from(lo * CQ_ENTRY_SIZE)
         self._tail = self.files.last_file()
