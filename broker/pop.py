@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.metadata import GroupConfig, MetadataStore, TopicConfig, dlq_topic, retry_topic
+from broker.metadata import BrokerMetadata, GroupConfig, TopicConfig, dlq_topic, retry_topic
 from tiered.record import Message, StoredMessage, tag_hash
 from tiered.store import GetStatus, MessageStore
 
@@ -104,7 +104,7 @@ class PopService:
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         clock: Callable[[], int] = now_ms,
         on_topic_created: Callable[[], None] = lambda: None,
     ) -> None:

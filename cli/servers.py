@@ -37,8 +37,7 @@ broker_app = typer.Typer(
 def _start(broker: Broker) -> int:
     """Start ``broker``; what stops it (a damaged or locked data dir, a configuration the data
     was not written with, a port in use) exits with one line."""
-    from tiered.hot.data_dir import DataDirLockedError
-    from tiered.hot.mapped_file import StoreLoadError
+    from tiered.store import DataDirLockedError, StoreLoadError
 
     try:
         return broker.start()
