@@ -135,7 +135,7 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "tmq_tier_upload_failures",
-            "Periodic uploads of a queue that failed after their retries (tier unreachable?).",
+            "Periodic uploads or expiries of a queue that failed (tier unreachable? see the log).",
             self.sources.offload_failures(),
         )
         lag = {
