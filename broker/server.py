@@ -357,6 +357,7 @@ class Broker:
             self._export.stop()
         self.metrics.close()
         self.metadata.flush_offsets(force=True)
+        self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
         self.store.shutdown()
