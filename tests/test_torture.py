@@ -8,10 +8,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from broker_harness import Standalone, tmq
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    FilterExpression,
+    Message,
+    Producer,
+    SimpleConsumer,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,19 +101,25 @@ def test_three_minutes_of_torture_with_expiry_lose_nothing_acknowledged(
 # -- what the torture run found ----------------------------------------------------------------
 
 
-def _node(tmp_path: Path, extra: list[str], env: dict[str, str] | None = None) -> Any:
-    from broker_harness import Standalone
-
-    return Standalone(
+def tiered_queue_behind_proxy(
+    tmp_path: Path, s3: Any, bucket: str, proxy: Any, topic: str
+) -> Standalone:
+    """A broker with one tiered queue ``topic`` on S3 through ``proxy``, offloading every
+    second."""
+    node = Standalone(
         tmp_path / "data",
-        extra=["--commitlog-file-size", "64KiB", "--offload-interval", "1", *extra],
-        env=env,
+        extra=[
+            *("--commitlog-file-size", "64KiB", "--offload-interval", "1"),
+            *("--upload-after", "1s", "--tier-url", f"s3://{bucket}/t"),
+        ],
+        env={**s3.env(), "AWS_ENDPOINT_URL": proxy.url},
     ).start()
+    done = tmq("topic", "create", topic, "-n", node.namesrv, "-q", "1", "--tiered")
+    assert done.returncode == 0, done.stderr
+    return node
 
 
-def _produce(node: Any, topic: str, count: int) -> list[str]:
-    from rocketmq import ClientConfiguration, Credentials, Message, Producer
-
+def produce(node: Standalone, topic: str, count: int) -> list[str]:
     producer = Producer(ClientConfiguration(node.endpoint, Credentials()), topics=[topic])
     producer.startup()
     ids = []
@@ -114,11 +131,8 @@ def _produce(node: Any, topic: str, count: int) -> list[str]:
     return ids
 
 
-def _receive(node: Any, group: str, topic: str, count: int, seconds: float) -> list[str]:
-    import time
-
-    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
-
+def receive(node: Standalone, group: str, topic: str, count: int, seconds: float) -> list[str]:
+    """Receive and ack up to ``count`` messages within ``seconds``."""
     config = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
     consumer = SimpleConsumer(config, group, {topic: FilterExpression()}, await_duration=2)
     consumer.startup()
@@ -138,84 +152,51 @@ def _receive(node: Any, group: str, topic: str, count: int, seconds: float) -> l
 
 
 def test_consumer_offsets_are_saved_while_an_offload_pass_hangs_on_the_tier(
-    tmp_path: Path, s3: Any, bucket: str
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
 ) -> None:
     """The offload pass and the consumer-offset flush shared one thread: with the object store
     black-holed the pass hung for minutes, no offset was saved, and a kill -9 rewound the group
     to where it was before (everything redelivered)."""
-    import time
-
-    from broker_harness import tmq
-
-    sys.path.insert(0, str(REPO / "localstack"))
-    from fault_proxy import FaultProxy
-
-    proxy = FaultProxy(s3.url).start()
-    node = _node(
-        tmp_path,
-        ["--upload-after", "1s", "--tier-url", f"s3://{bucket}/t"],
-        env={**s3.env(), "AWS_ENDPOINT_URL": proxy.url},
-    )
+    node = tiered_queue_behind_proxy(tmp_path, s3, bucket, fault_proxy, "hang")
     try:
-        assert (
-            tmq("topic", "create", "hang", "-n", node.namesrv, "-q", "1", "--tiered").returncode
-            == 0
-        )
-        ids = _produce(node, "hang", 40)
-        proxy.set(blackhole=True)  # the next offload pass waits on the tier
+        ids = produce(node, "hang", 40)
+        fault_proxy.set(blackhole=True)  # the next offload pass waits on the tier
         time.sleep(3)
-        assert sorted(_receive(node, "g-hang", "hang", 40, 60)) == sorted(ids)
+        assert sorted(receive(node, "g-hang", "hang", 40, 60)) == sorted(ids)
         time.sleep(7)  # offsets are saved every 5 s
         node.kill9()
-        proxy.heal()
+        fault_proxy.heal()
         node.start()
-        again = _receive(node, "g-hang", "hang", 40, 8)
+        again = receive(node, "g-hang", "hang", 40, 8)
         assert again == [], f"{len(again)} acknowledged messages delivered again after kill -9"
     finally:
         node.stop()
-        proxy.stop()
 
 
 def test_a_restarted_broker_delivers_archived_messages_a_lagging_group_has_not_received(
-    tmp_path: Path, s3: Any, bucket: str
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
 ) -> None:
     """After a restart the tier's start is unknown until its manifest is loaded, so the first
     readable offset looked like the hot store's; the pop path took that for retention and
     skipped every archived message the group had not received yet."""
-    import json
-    import threading
-    import time
-
-    from broker_harness import tmq
-
-    sys.path.insert(0, str(REPO / "localstack"))
-    from fault_proxy import FaultProxy
-
-    proxy = FaultProxy(s3.url).start()
-    node = _node(
-        tmp_path,
-        ["--upload-after", "1s", "--tier-url", f"s3://{bucket}/t"],
-        env={**s3.env(), "AWS_ENDPOINT_URL": proxy.url},
-    )
+    node = tiered_queue_behind_proxy(tmp_path, s3, bucket, fault_proxy, "lag")
     try:
-        ns = node.namesrv
-        assert tmq("topic", "create", "lag", "-n", ns, "-q", "1", "--tiered").returncode == 0
-        ids = _produce(node, "lag", 400)
-        first = _receive(node, "g-lag", "lag", 50, 60)
+        ids = produce(node, "lag", 400)
+        first = receive(node, "g-lag", "lag", 50, 60)
         assert len(first) == 50
         deadline = time.monotonic() + 90
         while True:  # released locally: the group's position is only in the tier now
-            [row] = json.loads(tmq("offload", "status", "lag", "-n", ns, "--json").stdout)
+            done = tmq("offload", "status", "lag", "-n", node.namesrv, "--json")
+            [row] = json.loads(done.stdout)
             if row["hot_min_offset"] > 100:
                 break
             assert time.monotonic() < deadline, row
             time.sleep(1)
         node.stop()
-        proxy.set(blackhole=True, methods=["GET"])  # the manifest is slow to come back
+        fault_proxy.set(blackhole=True, methods=["GET"])  # the manifest is slow to come back
         node.start()
-        threading.Timer(8, proxy.heal).start()
-        rest = _receive(node, "g-lag", "lag", 350, 90)
+        threading.Timer(8, fault_proxy.heal).start()
+        rest = receive(node, "g-lag", "lag", 350, 90)
         assert sorted(set(first + rest)) == sorted(ids), f"{400 - len(set(first + rest))} skipped"
     finally:
         node.stop()
-        proxy.stop()
