@@ -227,6 +227,11 @@ class BrokerCollector(Collector):
                 "Share of cold reads served from the read-ahead cache since start (0 to 1).",
                 fetcher.hit_ratio,
             )
+            yield _counter(
+                "tmq_cold_read_unavailable",
+                "Cold reads refused: the tier did not answer in time, failed, or was too busy.",
+                fetcher.unavailable,
+            )
 
 
 class BrokerMetrics:

@@ -86,7 +86,8 @@ class S3Endpoint:
     url: str
     kind: str  # "localstack" or "moto"
 
-    def client(self) -> Any:
+    def client(self, config: Any = None) -> Any:
+        """A boto3 S3 client; ``config``: a ``botocore.config.Config`` (timeouts, retries)."""
         import boto3
 
         return boto3.client(
@@ -95,6 +96,7 @@ class S3Endpoint:
             region_name="us-east-1",
             aws_access_key_id="test",
             aws_secret_access_key="test",
+            config=config,
         )
 
     def storage_options(self) -> dict[str, Any]:

@@ -26,17 +26,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "localstack" / "fault_proxy.py
 
 
 def _client(proxy: Any, read_timeout: float = 2.0) -> Any:
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=proxy.url,
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        config=Config(
-            connect_timeout=2, read_timeout=read_timeout, retries={"total_max_attempts": 1}
-        ),
+    return S3Endpoint(proxy.url, "proxy").client(
+        Config(connect_timeout=2, read_timeout=read_timeout, retries={"total_max_attempts": 1})
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from broker_harness import Standalone, send_batches
-from test_tier_readers import TIERING
+from test_tiered_e2e import QUICK_TIERING
 
 from broker import admin_pb2 as apb
 from broker.metadata import TopicConfig
@@ -50,7 +50,7 @@ def test_release_keeps_a_file_when_a_consumequeue_entry_cannot_be_read(
 def test_a_broken_queue_stops_neither_other_queues_nor_release(tmp_path: Path) -> None:
     """One tiered topic's manifest is damaged in the tier, so its retention fails on every
     pass. Other topics still upload, and CommitLog files are still released."""
-    node = Standalone(tmp_path / "data", extra=TIERING).start()
+    node = Standalone(tmp_path / "data", extra=QUICK_TIERING).start()
     try:
         admin = node.admin()
         admin.PutTopic(

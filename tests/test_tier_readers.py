@@ -15,17 +15,9 @@ from broker_harness import Standalone, send_batches
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
+from test_tiered_e2e import QUICK_TIERING
 
 from broker import admin_pb2 as apb
-
-TIERING = [
-    "--commitlog-file-size",
-    "128KiB",
-    "--offload-interval",
-    "1",
-    "--upload-after",
-    "1s",
-]
 
 
 def body_of(i: int) -> bytes:
@@ -84,7 +76,7 @@ def test_a_replay_racing_release_sees_no_gap_and_no_early_end(tmp_path: Path) ->
     ended, with the bytes sent for those offsets, up to the end the broker announced before it."""
     node = Standalone(
         tmp_path / "data",
-        extra=TIERING,
+        extra=QUICK_TIERING,
         env={"TMQ_FAILPOINTS": "release.mid_switch=sleep:1.0"},
     ).start()
     topic = "switch"
@@ -169,7 +161,7 @@ def test_an_object_store_outage_stops_no_hot_read(
 
     node = Standalone(
         tmp_path / "data",
-        extra=[*TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
         env=S3Endpoint(fault_proxy.url, "proxy").env(),
     ).start()
     consumer = None
@@ -226,4 +218,51 @@ def test_an_object_store_outage_stops_no_hot_read(
         fault_proxy.heal()
         if consumer is not None:
             consumer.shutdown()
+        node.stop()
+
+
+def test_tmq_replay_rides_out_a_slow_cold_tier(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """Every S3 read takes 1.5 s, so a cold batch (two ranged GETs) misses the broker's 2.5 s
+    read deadline: the pull is answered PROXY_TIMEOUT, the fetch completes in the background,
+    and `tmq replay` asks again and gets every message, in order."""
+    from broker_harness import tmq
+    from conftest import S3Endpoint
+
+    node = Standalone(
+        tmp_path / "data",
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    ).start()
+    try:
+        node.admin().PutTopic(
+            apb.PutTopicRequest(topic=apb.Topic(name="slow", queues=1, perm=6, tiered=True)),
+            timeout=10,
+        )
+        send_batches(node.endpoint, "slow", [(body_of(i), f"k{i}", "t") for i in range(600)])
+        _wait_released(node)
+        fault_proxy.set(delay_ms=1500, methods=["GET"])
+        done = tmq(
+            "replay",
+            "slow",
+            "-n",
+            node.namesrv,
+            "--from-offset",
+            "0",
+            "--queue",
+            "0",
+            "--json",
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        import json
+
+        offsets = [json.loads(line)["offset"] for line in done.stdout.splitlines()]
+        assert offsets == list(range(600))
+        assert "PROXY_TIMEOUT" in node.log_path.read_text() or "did not answer" in (
+            node.log_path.read_text()
+        )
+    finally:
+        fault_proxy.heal()
         node.stop()

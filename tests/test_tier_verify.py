@@ -13,7 +13,8 @@ from broker_harness import Standalone, send_batches
 from conftest import S3Endpoint
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2_grpc
-from test_tier_readers import TIERING, body_of, end_offset, pull
+from test_tier_readers import body_of, end_offset, pull
+from test_tiered_e2e import QUICK_TIERING
 
 from broker import admin_pb2 as apb
 from tiered.cold.manifest import ManifestStore, queue_prefix
@@ -29,7 +30,7 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
     fault_proxy.set(delay_ms=25, methods=["PUT"])
     node = Standalone(
         tmp_path / "data",
-        extra=[*TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
         env=S3Endpoint(fault_proxy.url, "proxy").env(),
     ).start()
     stop = threading.Event()
