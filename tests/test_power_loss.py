@@ -87,6 +87,7 @@ class Producer:
         self.refused = 0
         self.lines: list[str] = []
         self.first_ack = threading.Event()
+        self.stderr = ""
         self.reader = threading.Thread(target=self._collect)
         self.reader.start()
 
@@ -110,6 +111,7 @@ class Producer:
         self.child.wait()
         self.reader.join()
         if self.child.stderr is not None:
+            self.stderr = self.child.stderr.read()
             self.child.stderr.close()
 
 
@@ -130,7 +132,9 @@ def power_loss_rounds(tmp_path: Path, rounds: int, seed: str) -> dict[str, int]:
                 time.sleep(rng.uniform(0.05, 1.0))  # likely during start-up and recovery
                 recovered_on_fuse += 1
             else:
-                assert producer.first_ack.wait(60), "the producer never acknowledged anything"
+                if not producer.first_ack.wait(60):
+                    producer.kill()
+                    raise AssertionError(f"no acknowledgement in 60 s: {producer.stderr[-3000:]}")
                 time.sleep(rng.uniform(0.0, 0.8))
             fs.crash()
             producer.kill()
