@@ -97,6 +97,7 @@ class IndexFile:
         if create:
             self.header = IndexHeader(begin_offset=begin_offset, end_offset=begin_offset)
             self._write_header()
+            os.fsync(fd)  # the size and the header, before the name is made durable
         else:
             self.header = IndexHeader(*_HEADER.unpack_from(self.mm, 0))
             if not 1 <= self.header.next_entry <= max_entries + 1:

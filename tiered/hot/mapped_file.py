@@ -54,6 +54,9 @@ class MappedFile:
         try:
             if create:
                 os.posix_fallocate(self._fd, 0, size)
+                # The size is metadata: without this a power loss can leave a zero-length file
+                # in the middle of a queue, which recovery refuses as damage.
+                os.fsync(self._fd)
             self.mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self._fd)
