@@ -650,10 +650,13 @@ def audit_final(run: Run) -> dict[str, Any]:
     TTL before retention was stopped; gone otherwise, it is lost (``removed_before_ttl`` when
     retention took it too early). Retention is stopped first (the TTL raised to a year), so
     that the audit does not race expiry at the front of the queues."""
-    final_wall = time.time()
     done = tmq("retain", TOPIC, "-n", run.node.namesrv, "--ttl", "365d")
     if done.returncode != 0:
         raise RuntimeError(f"tmq retain: {done.stderr}")
+    # A retention pass that began before the new TTL took effect may still be deleting with
+    # the old one; its cutoff is before this moment minus the old TTL.
+    time.sleep(2)
+    final_wall = time.time()
     begins, found, problems = read_all(run)
     acks = run.ledger.snapshot()
     lost: list[str] = []
