@@ -174,20 +174,27 @@ class PopService:
         now = self._clock()
         if group.fifo and state.in_flight:
             return self._redeliver_fifo(group, state, stored_topic, queue_id, now, invisible_ms)
-        lo = self.store.min_offset(stored_topic, queue_id)
-        if state.next < lo:
-            log.warning(
-                "group %s: %s/%d offsets %d..%d are gone (retention); skipping them",
-                group.name,
-                stored_topic,
-                queue_id,
-                state.next,
-                lo - 1,
-            )
-            state.next = lo
         result = self.store.get_messages(
             stored_topic, queue_id, state.next, max_count, tag_filter=tag_filter.code_matches
         )
+        if result.status is GetStatus.OFFSET_TOO_SMALL:
+            # Only a read says what is gone: before it, the first offset a restarted broker
+            # knows may be the hot store's (the tier's manifest is not loaded yet), and
+            # skipping to it would drop archived messages the group never received.
+            lo = self.store.min_offset(stored_topic, queue_id)
+            if state.next < lo:
+                log.warning(
+                    "group %s: %s/%d offsets %d..%d are gone (retention); skipping them",
+                    group.name,
+                    stored_topic,
+                    queue_id,
+                    state.next,
+                    lo - 1,
+                )
+                state.next = lo
+                result = self.store.get_messages(
+                    stored_topic, queue_id, lo, max_count, tag_filter=tag_filter.code_matches
+                )
         out: list[Received] = []
         if result.status is GetStatus.FOUND or result.status is GetStatus.NO_MATCHED_MESSAGE:
             for msg in result.messages:

@@ -186,6 +186,7 @@ class Broker:
         for target, name in (
             (self._registration_loop, "tmq-registration"),
             (self._maintenance_loop, "tmq-maintenance"),
+            (self._offload_loop, "tmq-offload"),
         ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -251,18 +252,26 @@ class Broker:
             log.warning("the cold tier is unreachable at start (uploads will retry): %s", e)
 
     def _maintenance_loop(self) -> None:
+        """Revive expired pop deliveries every second and save consumer offsets every 5 s.
+        Its own thread: an offload pass can take minutes (a backlog, a slow or dead tier), and
+        offsets not saved meanwhile would rewind every group that far after a kill -9."""
         ticks = 0
-        offload_every = max(1, self.config.offload_interval_ms // 1000)
         while not self._stop.wait(1.0):
             ticks += 1
             try:
                 self.pop.revive_expired()
                 if ticks % 5 == 0:
                     self.metadata.flush_offsets()
-                if ticks % offload_every == 0:
-                    self.offload_and_release()
             except Exception:
                 log.exception("broker maintenance failed; retrying")
+
+    def _offload_loop(self) -> None:
+        """Offload, retention and release, every ``offload_interval_ms``."""
+        while not self._stop.wait(max(1.0, self.config.offload_interval_ms / 1000)):
+            try:
+                self.offload_and_release()
+            except Exception:
+                log.exception("offload pass failed; retrying")
 
     def apply_retention(
         self, topic: str | None = None, dry_run: bool = False
