@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 from tiered import failpoints
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -159,7 +159,7 @@ class TransactionService:
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         config: TransactionConfig,
         send_check: CheckSender,
         clock: Callable[[], int] = now_ms,

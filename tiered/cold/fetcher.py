@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.record import StoredMessage
@@ -141,7 +141,7 @@ class ColdFetcher:
     def _load(self, topic: str, queue_id: int) -> QueueManifest:
         prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
         loaded_at = time.monotonic()
-        manifest = ManifestStore(self.tier, prefix).load()
+        manifest = ManifestLog(self.tier, prefix).load()
         key = (topic, queue_id)
         with self._lock:
             # A commit that landed while this load was under way is newer: keep it.
