@@ -60,7 +60,7 @@ from remoting.namesrv_client import NameServerClient
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
-from tiered.record import CorruptRecordError, Message, StoredMessage
+from tiered.record import CorruptRecordError, Message
 from tiered.store import GetStatus, InvalidMessageError, MessageStore, StoreUnwritableError
 
 log = logging.getLogger(__name__)
@@ -344,15 +344,6 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         settings.metric.Clear()
         settings.metric.on = False
         return settings
-
-    def send_transaction_check(self, topic: str, half: StoredMessage, transaction_id: str) -> bool:
-        """Ask a producer of ``topic`` to decide the half message (RecoverOrphanedTransaction)."""
-        message = to_proto_message(half, topic, None, None, None)
-        message.system_properties.message_type = d.TRANSACTION
-        command = s.TelemetryCommand()
-        command.recover_orphaned_transaction_command.message.CopyFrom(message)
-        command.recover_orphaned_transaction_command.transaction_id = transaction_id
-        return self.producers.send(topic, command)
 
     def NotifyClientTermination(
         self, request: s.NotifyClientTerminationRequest, context: grpc.ServicerContext

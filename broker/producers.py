@@ -12,7 +12,11 @@ import itertools
 import threading
 from collections.abc import Callable
 
+from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
+
+from broker.protocol import to_proto_message
+from tiered.record import StoredMessage
 
 Outbox = Callable[[s.TelemetryCommand], None]
 
@@ -48,3 +52,13 @@ class ProducerRegistry:
             outbox = self._streams[live[next(self._turn) % len(live)]]
         outbox(command)
         return True
+
+    def check_back(self, topic: str, half: StoredMessage, transaction_id: str) -> bool:
+        """Ask a producer of ``topic`` to decide a half message
+        (``RecoverOrphanedTransactionCommand``); False when none is connected."""
+        message = to_proto_message(half, topic, None, None, None)
+        message.system_properties.message_type = d.TRANSACTION
+        command = s.TelemetryCommand()
+        command.recover_orphaned_transaction_command.message.CopyFrom(message)
+        command.recover_orphaned_transaction_command.transaction_id = transaction_id
+        return self.send(topic, command)

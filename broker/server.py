@@ -95,9 +95,13 @@ class Broker:
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
         self.producers = ProducerRegistry()
-        # Built in start(): they read the store's recovered state.
-        self.transactions: TransactionService | None = None
-        self.timers: TimerService | None = None
+        # Both read the store's recovered state when started (start()).
+        self.transactions = TransactionService(
+            self.store, self.metadata, config.transactions, self.producers.check_back
+        )
+        self.timers = TimerService(
+            self.store, config.store.data_dir / "timer", lambda: list(self.metadata.topics)
+        )
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
         # `tmq status` report it; None: not reported).
         self.export_freshness: ExportFreshness | None = None
@@ -162,23 +166,12 @@ class Broker:
                 auto_create_groups=self.config.auto_create_groups,
                 traffic=self.metrics.traffic,
                 producers=self.producers,
+                transactions=self.transactions,
+                timers=self.timers,
                 max_delay_ms=self.config.timer_max_delay_ms,
             )
-            self.timers = TimerService(
-                self.store,
-                self.config.store.data_dir / "timer",
-                lambda: list(self.metadata.topics),
-            )
             self.timers.start()
-            messaging.timers = self.timers
-            self.transactions = TransactionService(
-                self.store,
-                self.metadata,
-                self.config.transactions,
-                messaging.send_transaction_check,
-            )
             self.transactions.start()
-            messaging.transactions = self.transactions
             add_safely(service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server)
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
@@ -191,10 +184,8 @@ class Broker:
                     self.offloader,
                     status=lambda: self.status(hot_bytes=True),
                     cluster=self.config.cluster,
-                    timers=lambda: self.timers.stats() if self.timers is not None else None,
-                    transactions_pending=lambda: (
-                        self.transactions.pending_by_topic() if self.transactions else {}
-                    ),
+                    timers=self.timers.stats,
+                    transactions_pending=self.transactions.pending_by_topic,
                 ),
                 server,
             )
@@ -207,10 +198,8 @@ class Broker:
             self._server = server
         except BaseException:
             self.metrics.close()
-            if self.transactions is not None:
-                self.transactions.stop()
-            if self.timers is not None:
-                self.timers.stop()
+            self.transactions.stop()
+            self.timers.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -384,11 +373,7 @@ class Broker:
         """The lowest CommitLog offset still needed by an undecided half message or an
         undelivered timer: no file from there on may be released, whatever its topics'
         retention says."""
-        pins = [
-            service.pinned_offset()
-            for service in (self.transactions, self.timers)
-            if service is not None
-        ]
+        pins = (self.transactions.pinned_offset(), self.timers.pinned_offset())
         return min((p for p in pins if p is not None), default=None)
 
     def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
@@ -444,10 +429,8 @@ class Broker:
         if self._export is not None:
             self._export.stop()
         self.metrics.close()
-        if self.transactions is not None:
-            self.transactions.stop()
-        if self.timers is not None:
-            self.timers.stop()
+        self.transactions.stop()
+        self.timers.stop()
         self.metadata.flush_offsets(force=True)
         self.metadata.close()
         if self.fetcher is not None:

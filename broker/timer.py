@@ -93,7 +93,6 @@ class TimerLog:
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._files: dict[tuple[int, str], int] = {}  # (bucket, kind) -> fd
 
     def buckets(self) -> list[int]:
@@ -177,6 +176,7 @@ class TimerService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.log.dir.mkdir(parents=True, exist_ok=True)
         if self._checkpoint_path.exists():
             self.enqueue_offset = int(json.loads(self._checkpoint_path.read_text())["enqueue"])
         for bucket in self.log.buckets():
@@ -199,10 +199,11 @@ class TimerService:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._thread is None:
+            return  # never started: its checkpoint must not be overwritten
         self._stop.set()
         self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         self._checkpoint()
         self.log.close()
 

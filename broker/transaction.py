@@ -189,9 +189,10 @@ class TransactionService:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._thread is None:
+            return  # never started: nothing was recovered, nothing to save
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         self._save_watermark()
 
     def _scan(self, topic: str, start: int) -> list[StoredMessage]:
