@@ -143,6 +143,7 @@ class Broker:
         try:
             self.metadata.load()
             if self.fetcher is not None:
+                self.fetcher.prime()  # before serving: reads see the archive from the first
                 self.fetcher.start()
             server = new_server(
                 _WORKERS,

@@ -578,6 +578,10 @@ class MessageStore:
             status, nxt = GetStatus.OFFSET_OVERFLOW_BADLY, hi
         else:
             status, nxt = GetStatus.NO_MATCHED_MESSAGE, offset
+        if status is GetStatus.OFFSET_TOO_SMALL:
+            # Below both tiers: the first readable offset may be in the archive, below ``lo``.
+            first = self.min_offset(topic, queue_id)
+            return GetResult(status, [], first, first, hi)
         if status is not GetStatus.NO_MATCHED_MESSAGE:
             return GetResult(status, [], nxt, lo, hi)
         messages: list[StoredMessage] = []
@@ -638,8 +642,14 @@ class MessageStore:
         assert self.cold is not None
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
-        status = GetStatus.FOUND if messages else GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, messages, nxt, self.min_offset(topic, queue_id), cq.max_offset)
+        lo = self.min_offset(topic, queue_id)
+        if messages:
+            status = GetStatus.FOUND
+        elif offset < lo:
+            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
+        else:
+            status = GetStatus.NO_MATCHED_MESSAGE
+        return GetResult(status, messages, nxt, lo, cq.max_offset)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
         return self.commitlog.read_message(

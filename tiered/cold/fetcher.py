@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -96,6 +96,30 @@ class ColdFetcher:
             target=self._refresh_loop, name="tmq-cold-manifests", daemon=True
         )
         self._refresher.start()
+
+    def prime(self, timeout_s: float = 10.0) -> None:
+        """Load the tiered queues' manifests now, in parallel, waiting at most ``timeout_s``.
+
+        The broker calls this before it serves: otherwise, after a restart, the first reads,
+        ``QueryOffset(BEGINNING)`` and a new group's start would see only the hot store until
+        the refresher came round, as if the archive were gone. A queue not loaded in time
+        (the tier is down) is left to the refresher, and named in the log."""
+        try:
+            wanted = sorted(set(self._tiered_queues()))
+        except Exception:
+            log.exception("cold manifests: cannot list the tiered queues")
+            return
+        futures = {key: self._pool.submit(self._load, *key) for key in wanted}
+        done, _ = wait(list(futures.values()), timeout=timeout_s)
+        missed = [k for k, f in futures.items() if f not in done or f.exception() is not None]
+        if missed:
+            log.warning(
+                "cold manifests: %d of %d tiered queue(s) not loaded at start (%s); reads of "
+                "their archive wait for the tier",
+                len(missed),
+                len(futures),
+                ", ".join(f"{t}/{q}" for t, q in missed[:5]),
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -230,7 +254,9 @@ class ColdFetcher:
     ) -> tuple[list[StoredMessage], int]:
         """Up to ``max_count`` messages from ``offset`` within one segment, and the next offset.
         Raises ``SegmentError`` when the archive does not hold ``offset``, and
-        ``ColdTierUnavailableError`` when the object store does not answer in time."""
+        ``ColdTierUnavailableError`` when the object store does not answer in time. A segment
+        that retention removed while this read was under way is not an error: the answer is
+        no messages, and the archive's new start as the next offset."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest = self.cached(topic, queue_id)
         if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
@@ -247,7 +273,15 @@ class ColdFetcher:
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            batch = self._batch(info, next_offset, what)
+            try:
+                batch = self._batch(info, next_offset, what)
+            except SegmentError:
+                if out:
+                    break  # what was read stands; the next read meets the error afresh
+                expired_to = self._expired_to(topic, queue_id, info, what)
+                if expired_to is None:
+                    raise
+                return [], expired_to
             for m in batch[next_offset - batch[0].queue_offset :]:
                 next_offset = m.queue_offset + 1
                 if tag_filter is None or tag_filter(m):
@@ -256,6 +290,15 @@ class ColdFetcher:
                     if len(out) >= max_count or size >= max_bytes:
                         break
         return out, next_offset
+
+    def _expired_to(self, topic: str, queue_id: int, info: SegmentInfo, what: str) -> int | None:
+        """Where the archive starts now, if retention removed ``info`` while a read of it was
+        under way (its object is gone, and so is it from the manifest); None if the manifest
+        still names it, which makes the missing object a real loss."""
+        fresh = self._within_deadline(what, lambda: self.manifest(topic, queue_id, refresh=True))
+        if any(s.key == info.key for s in fresh.segments):
+            return None
+        return fresh.start_offset
 
     @staticmethod
     def _batch_len(info: SegmentInfo) -> int:
