@@ -388,15 +388,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 return self._send_half(request, topic, batch, context)
             if topic.message_type == "DELAY":
                 batch = [self._schedule(m) for m in batch]
-            try:
-                results = self.store.put_messages(batch)
-            except InvalidMessageError as e:
-                raise ProtocolError(d.BAD_REQUEST, str(e)) from None
-            except StoreUnwritableError as e:
-                # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full")
-                # with INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
-                log.error("send refused: %s", e)
-                raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
+            results = _appended(lambda: self.store.put_messages(batch))
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
             if topic.message_type == "DELAY" and self.timers is not None:
                 self.timers.wakeup()
@@ -439,7 +431,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         context: grpc.ServicerContext,
     ) -> s.SendMessageResponse:
         """Store transactional messages as half messages; consumers see them after COMMIT."""
-        if self.transactions is None:
+        transactions = self.transactions
+        if transactions is None:
             raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
         client_id = _client_id(context)
         if client_id:
@@ -450,13 +443,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             else None
             for pm in request.messages
         ]
-        try:
-            prepared = self.transactions.prepare(batch, immunity)
-        except InvalidMessageError as e:
-            raise ProtocolError(d.BAD_REQUEST, str(e)) from None
-        except StoreUnwritableError as e:
-            log.error("send refused: %s", e)
-            raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
+        prepared = _appended(lambda: transactions.prepare(batch, immunity))
         self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
         entries = [
             s.SendResultEntry(
@@ -776,6 +763,19 @@ def consumer_backoff_ms(attempt: int) -> int:
     """The backoff before redelivering a message whose ``attempt``-th delivery failed: the
     customized policy's step, as Apache's Java client reads it (the last step repeats)."""
     return CONSUMER_BACKOFF_MS[min(max(attempt, 1), len(CONSUMER_BACKOFF_MS)) - 1]
+
+
+def _appended(append: Callable[[], R]) -> R:
+    """Run a store append, answering the store's refusals as the proxy does."""
+    try:
+        return append()
+    except InvalidMessageError as e:
+        raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+    except StoreUnwritableError as e:
+        # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full") with
+        # INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
+        log.error("send refused: %s", e)
+        raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
 
 
 def _client_id(context: grpc.ServicerContext) -> str:
