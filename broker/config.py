@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from broker.ha.config import HaConfig
 from broker.metadata import Limits
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
@@ -70,6 +71,8 @@ class BrokerConfig:
     # The continuous Delta export, run as a child process beside the broker when enabled.
     lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
+    # Replica group membership and replication (off by default: a single broker).
+    ha: HaConfig = field(default_factory=HaConfig)
 
     @property
     def config_dir(self) -> Path:
@@ -83,7 +86,7 @@ _SIZE_KEYS = {
     "segment_max_bytes",
     "upload_min_bytes",
 }
-_SECTIONS = ("broker", "store", "offload", "limits", "lakehouse")
+_SECTIONS = ("broker", "store", "offload", "limits", "lakehouse", "ha")
 
 
 def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
@@ -128,6 +131,7 @@ def _section_fields(section: str) -> dict[str, Any]:
         "offload": OffloadPolicy,
         "limits": Limits,
         "lakehouse": LakehouseConfig,
+        "ha": HaConfig,
     }
     return {f.name: f.type for f in fields(cls[section])}
 
@@ -174,6 +178,7 @@ def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerC
             offload=OffloadPolicy(**sections["offload"]),
             limits=Limits(**sections["limits"]),
             lakehouse=LakehouseConfig(**sections["lakehouse"]),
+            ha=HaConfig(**sections["ha"]),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None

@@ -22,6 +22,8 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
+from broker.ha.master import ReplicationMaster
+from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import MetadataStore
 from broker.metrics import BrokerMetrics, MetricSources
@@ -36,6 +38,7 @@ from offload.release import release_predicate
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.storage import open_store
+from tiered.hot.epoch_file import EpochFile
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,13 @@ class Broker:
         self.metrics = BrokerMetrics()
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
+        # A member of a replica group ([ha] enabled): streams its CommitLog to slaves, or
+        # follows a master. None: a single broker.
+        self.replication: ReplicationMaster | ReplicationSlave | None = None
+        if config.ha.enabled:
+            epochs = EpochFile(config.store.data_dir / "ha")
+            role = ReplicationMaster if config.ha.role == "master" else ReplicationSlave
+            self.replication = role(self.store, epochs, config.ha)
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(
@@ -88,6 +98,7 @@ class Broker:
                 fetcher=lambda: self.fetcher,
                 released_files=lambda: self.released_files,
                 offload_failures=lambda: self.offload_failures,
+                replication=lambda: self.replication.status() if self.replication else None,
             )
         )
         self.port = 0
@@ -101,6 +112,8 @@ class Broker:
         self.store.start()
         try:
             self.metadata.load()
+            if self.replication is not None:
+                self.replication.start()
             server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="broker"),
                 options=[
@@ -125,6 +138,7 @@ class Broker:
                     self.config.limits,
                     auto_create_groups=self.config.auto_create_groups,
                     traffic=self.metrics.traffic,
+                    replication=self.replication,
                 ),
                 server,
             )
@@ -151,6 +165,8 @@ class Broker:
             self._server = server
         except BaseException:
             self.metrics.close()
+            if self.replication is not None:
+                self.replication.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -182,7 +198,7 @@ class Broker:
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,
-            broker_id=0,
+            broker_id=self.broker_id,
             endpoint=nspb.Endpoint(host=self.config.advertise_host, port=self.port),
             topics=[
                 nspb.TopicConfig(
@@ -191,6 +207,11 @@ class Broker:
                 for t in list(self.metadata.topics.values())
             ],
         )
+
+    @property
+    def broker_id(self) -> int:
+        """0 for a master or a single broker, 1.. for slaves (RocketMQ's brokerId)."""
+        return self.config.ha.broker_id if self.config.ha.enabled else 0
 
     def register(self) -> None:
         if self.namesrv is not None:
@@ -246,7 +267,10 @@ class Broker:
     def offload_and_release(self) -> None:
         """Upload every tiered queue the offload policy says is due, expire what retention
         says, then release the CommitLog files that the release rule allows
-        (offload/release.py)."""
+        (offload/release.py). A slave does none of it: only the master uploads, and a slave
+        keeps its files until failover makes tier-aware release safe on it."""
+        if isinstance(self.replication, ReplicationSlave):
+            return
         if self.offloader is not None:
             now = time.time_ns() // 1_000_000
             committed = False
@@ -312,7 +336,7 @@ class Broker:
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
-            self.namesrv.unregister(self.config.cluster, self.config.name, 0)
+            self.namesrv.unregister(self.config.cluster, self.config.name, self.broker_id)
         if self._server is not None:
             self._server.stop(grace).wait()
         for thread in self._threads:
@@ -321,6 +345,8 @@ class Broker:
             self._export.stop()
         self.metrics.close()
         self.metadata.flush_offsets(force=True)
+        if self.replication is not None:
+            self.replication.stop()
         if self.fetcher is not None:
             self.fetcher.close()
         self.store.shutdown()

@@ -198,6 +198,7 @@ class MessageStore:
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
         self._maintenance_lock = threading.Lock()
+        self._append_listeners: list[Callable[[int], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -416,7 +417,85 @@ class MessageStore:
         if self.config.flush == "sync" and len(results):
             self.commitlog.wait_flushed(results.end_offset)
         self.dispatcher.wakeup()
+        if len(results):
+            for listener in self._append_listeners:
+                listener(results.end_offset)
         return results
+
+    # -- replication -------------------------------------------------------------------------
+
+    @property
+    def min_physical_offset(self) -> int:
+        return self.commitlog.min_offset
+
+    @property
+    def max_physical_offset(self) -> int:
+        """Just past the last CommitLog byte written."""
+        return self.commitlog.max_offset
+
+    def flush_commitlog(self) -> int:
+        """fsync the CommitLog; returns the flushed offset."""
+        return self.commitlog.flush()
+
+    def add_append_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(end_offset)`` after every append (outside the put lock): what
+        replication uses to push new bytes at once."""
+        self._append_listeners.append(listener)
+
+    def read_commitlog(self, offset: int, max_bytes: int) -> bytes | None:
+        """Whole CommitLog records from ``offset`` within one file (see
+        ``CommitLog.read_records``): what a master streams to its slaves."""
+        return self.commitlog.read_records(offset, max_bytes)
+
+    def append_replicated(self, offset: int, data: bytes) -> None:
+        """Append a master's CommitLog bytes at the same physical offset; they become readable
+        once this store's dispatcher has built their ConsumeQueue and IndexFile entries."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        self.commitlog.append_replicated(offset, data)
+        if self.config.flush == "sync":
+            self.commitlog.wait_flushed(offset + len(data))
+        assert self.dispatcher is not None
+        self.dispatcher.wakeup()
+
+    def truncate_to(self, offset: int) -> None:
+        """Cut the CommitLog at ``offset`` (a record boundary) with the ConsumeQueue and
+        IndexFile data that pointed past it, as recovery does for a torn tail; a replica does
+        this to drop a tail the rest of its group never had. Appends must not run meanwhile."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        with self._maintenance_lock:
+            assert self.dispatcher is not None
+            self.dispatcher.stop()
+            if offset < self.commitlog.max_offset:
+                report = self.commitlog.truncate(offset)
+                log.warning(
+                    "replication: cut the CommitLog at %d (%d bytes copied to %s)",
+                    offset,
+                    report.truncated_bytes,
+                    ", ".join(map(str, report.quarantined)) or "nowhere: they were zero",
+                )
+            end = self.commitlog.max_offset
+            self.queues.truncate_from_physical(end)
+            self._clamp_index(end)
+            reput = min(self.dispatcher.reput_offset, end)
+            index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+            self.dispatcher = Dispatcher(
+                self.commitlog,
+                self.queues,
+                self.index,
+                reput_offset=min(reput, index_from),
+                index_from=index_from,
+            )
+            self.dispatcher.dispatch(self.commitlog.confirmed_offset)
+            self.commitlog.on_append = self.dispatcher.submit
+            self.commitlog.reset_queue_offsets(
+                {key: cq.max_offset for key, cq in self.queues.queues.items()}
+            )
+            self.queues.flush()
+            self.index.flush()
+            self._save_checkpoint()
+            self.dispatcher.start()
 
     # -- read ----------------------------------------------------------------------------------
 
