@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,22 +277,46 @@ def test_sync_send_fails_cleanly_without_enough_replicas_and_recovers(group) -> 
         lambda: master.metric("tmq_replication_sync_state_set_size") == 2,
     )
     assert all(st.code == d.OK for st in send(master.endpoint, 0, 200))
+    # A slave that is connected but stops answering: the send is stored on the master, waits
+    # sync_timeout_ms for the slave, and fails; after max_lag_ms the slave leaves the set and
+    # sends are refused up front.
+    assert slave.proc is not None
+    os.kill(slave.proc.pid, signal.SIGSTOP)
+    try:
+        timed_out = send(master.endpoint, 200, 20)
+        assert [st.code for st in timed_out] == [d.SLAVE_PERSISTENCE_TIMEOUT]
+        wait_until(
+            "a silent slave leaves the SyncStateSet",
+            lambda: master.metric("tmq_replication_sync_state_set_size") == 1,
+        )
+        before = master.metric("tmq_replication_max_offset")
+        assert [st.code for st in send(master.endpoint, 220, 20)] == [d.HA_NOT_AVAILABLE]
+        assert master.metric("tmq_replication_max_offset") == before
+    finally:
+        os.kill(slave.proc.pid, signal.SIGCONT)
+    wait_until(
+        "the slave catches up and rejoins",
+        lambda: master.metric("tmq_replication_sync_state_set_size") == 2,
+    )
+    assert all(st.code == d.OK for st in send(master.endpoint, 220, 100))
     slave.stop()
     wait_until(
         "the SyncStateSet shrinks",
         lambda: master.metric("tmq_replication_sync_state_set_size") == 1,
     )
     before = master.metric("tmq_replication_max_offset")
-    refused = send(master.endpoint, 200, 20)
+    refused = send(master.endpoint, 320, 20)
     assert [st.code for st in refused] == [d.HA_NOT_AVAILABLE]
     assert master.metric("tmq_replication_max_offset") == before  # nothing stored, nothing acked
     slave.start("slave", 1, master=master)
     wait_until(
         "the slave rejoins", lambda: master.metric("tmq_replication_sync_state_set_size") == 2
     )
-    assert all(st.code == d.OK for st in send(master.endpoint, 200, 200))
+    assert all(st.code == d.OK for st in send(master.endpoint, 320, 80))
     master.stop()
     slave.stop()
+    # 380 acknowledged, and the 20 that timed out: stored on the master (never acknowledged),
+    # then replicated like any other bytes. Refused sends stored nothing.
     assert assert_same_replica(master.data_dir, slave.data_dir) == 400
 
 
@@ -354,3 +379,39 @@ def test_a_divergent_tail_is_cut_back_to_the_last_common_epoch(group) -> None:  
         assert len(bodies) == 450
         texts = {body.split(b" ")[1] for body in bodies}
         assert texts == {str(n).encode() for n in [*range(300), *range(1000, 1150)]}
+
+
+def test_truncation_never_cuts_what_sync_acknowledged(group, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    a, b = group("a"), group("b")
+    a.start("master", 0, mode="sync", min_in_sync_replicas=2)
+    b.start("slave", 1, master=a)
+    a.create_topic()
+    wait_until("b is in sync", lambda: a.metric("tmq_replication_sync_state_set_size") == 2)
+    assert all(st.code == d.OK for st in send(a.endpoint, 0, 100))
+    b.stop()
+    stale = tmp_path / "b-stale"
+    shutil.copytree(b.data_dir, stale)  # b as it was after 100 messages
+    b.start("slave", 1, master=a)
+    wait_until("b is back in sync", lambda: a.metric("tmq_replication_sync_state_set_size") == 2)
+    assert all(st.code == d.OK for st in send(a.endpoint, 100, 100))
+    time.sleep(0.5)  # the master records its confirmed offset every 200 ms
+    acked_end = a.metric("tmq_replication_max_offset")
+    b.stop()
+    a.stop()
+    # The stale copy is made master (as a wrong election would): it lacks 100 acked messages.
+    shutil.rmtree(b.data_dir)
+    shutil.copytree(stale, b.data_dir)
+    b.start("master", 0, mode="async")
+    b.create_topic()
+    assert all(st.code == d.OK for st in send(b.endpoint, 1000, 10))
+    a_files = commitlog_files(a.data_dir)
+    a.start("slave", 1, master=b)
+    wait_until(
+        "a refuses to follow",
+        lambda: "refusing to truncate acknowledged messages" in a.log_path.read_text(),
+    )
+    assert a.metric("tmq_replication_connected") == 0
+    assert a.metric("tmq_replication_max_offset") == acked_end
+    a.stop()
+    b.stop()
+    assert commitlog_files(a.data_dir) == a_files
