@@ -74,8 +74,12 @@ class Broker:
         self.replication: ReplicationMaster | ReplicationSlave | None = None
         if config.ha.enabled:
             epochs = EpochFile(config.store.data_dir / "ha")
-            role = ReplicationMaster if config.ha.role == "master" else ReplicationSlave
-            self.replication = role(self.store, epochs, config.ha)
+            if config.ha.role == "master":
+                self.replication = ReplicationMaster(self.store, epochs, config.ha, self.metadata)
+            else:
+                self.replication = ReplicationSlave(
+                    self.store, epochs, config.ha, self.metadata, self._register_now.set
+                )
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(

@@ -137,14 +137,24 @@ sync_timeout_ms = {sync_timeout_ms}
         m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else None
 
-    def create_topic(self) -> None:
+    def create_topic(self, *, exist_ok: bool = False) -> None:
         stub = apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
-        stub.PutTopic(
-            apb.PutTopicRequest(
-                topic=apb.Topic(name=TOPIC, queues=QUEUES, perm=6, message_type="NORMAL")
-            ),
-            timeout=10,
-        )
+        try:
+            stub.PutTopic(
+                apb.PutTopicRequest(
+                    topic=apb.Topic(name=TOPIC, queues=QUEUES, perm=6, message_type="NORMAL")
+                ),
+                timeout=10,
+            )
+        except grpc.RpcError as e:
+            if not (exist_ok and e.code() == grpc.StatusCode.ALREADY_EXISTS):
+                raise
+
+    def has_topic(self) -> bool:
+        stub = apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
+        return TOPIC in [
+            t.topic.name for t in stub.ListTopics(apb.ListTopicsRequest(), timeout=10).topics
+        ]
 
 
 def send(endpoint: str, first: int, count: int, batch: int = 20) -> list[d.Status]:
@@ -335,6 +345,25 @@ def test_async_acks_without_slaves_and_a_restarted_slave_catches_up(group) -> No
     slave.start("slave", 1, master=master)
     wait_until("the restarted slave caught up", lambda: caught_up(master, slave))
     assert master.metric("tmq_replication_sync_state_set_size") == 2
+    # Topics, groups and consumer offsets follow the master too (RocketMQ's SlaveSynchronize).
+    queue = d.MessageQueue(topic=d.Resource(name=TOPIC), id=1)
+    on_master = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(master.endpoint))
+    reply = on_master.UpdateOffset(
+        s.UpdateOffsetRequest(group=d.Resource(name="ha-group"), message_queue=queue, offset=7),
+        timeout=10,
+    )
+    assert reply.status.code == d.OK, reply.status
+    on_slave = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(slave.endpoint))
+
+    def slave_offset() -> int | None:
+        r = on_slave.GetOffset(
+            s.GetOffsetRequest(group=d.Resource(name="ha-group"), message_queue=queue), timeout=10
+        )
+        return r.offset if r.status.code == d.OK else None
+
+    wait_until("the slave has the group's offset", lambda: slave_offset() == 7)
+    # A slave takes no sends.
+    assert [st.code for st in send(slave.endpoint, 5000, 1)] == [d.HA_NOT_AVAILABLE]
     master.stop()
     slave.stop()
     assert assert_same_replica(master.data_dir, slave.data_dir) == 1200
@@ -349,13 +378,14 @@ def test_a_divergent_tail_is_cut_back_to_the_last_common_epoch(group) -> None:  
     assert all(st.code == d.OK for st in send(a.endpoint, 0, 300))
     wait_until("b caught up", lambda: caught_up(a, b))
     common = a.metric("tmq_replication_max_offset")
+    wait_until("b has the topic's metadata", b.has_topic)
     b.stop()
     # a writes on alone in epoch 1: a tail nobody else has (ASYNC acked it; SYNC would not).
     assert all(st.code == d.OK for st in send(a.endpoint, 300, 200))
     a.stop()
     # b becomes master: epoch 2 starts where b's log ends, and it writes different messages.
     b.start("master", 0, mode="async")
-    b.create_topic()
+    assert b.has_topic()  # replicated from a while b was its slave
     assert b.metric("tmq_replication_epoch") == 2
     assert all(st.code == d.OK for st in send(b.endpoint, 1000, 150))
     # a returns as b's slave: its epoch-1 tail past `common` must go, then b's bytes follow.
@@ -402,7 +432,7 @@ def test_truncation_never_cuts_what_sync_acknowledged(group, tmp_path: Path) -> 
     shutil.rmtree(b.data_dir)
     shutil.copytree(stale, b.data_dir)
     b.start("master", 0, mode="async")
-    b.create_topic()
+    b.create_topic(exist_ok=True)
     assert all(st.code == d.OK for st in send(b.endpoint, 1000, 10))
     a_files = commitlog_files(a.data_dir)
     a.start("slave", 1, master=b)

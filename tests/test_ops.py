@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from broker.config import BrokerConfig, load_config
+from broker.ha.config import HaConfig
 from broker.metadata import Limits
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
@@ -360,10 +361,11 @@ def test_tmq_toml_example_lists_every_key_with_its_default() -> None:
         ("offload", OffloadPolicy),
         ("limits", Limits),
         ("lakehouse", LakehouseConfig),
+        ("ha", HaConfig),
     ):
         body = text.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]
         for f in fields(cls):
-            if f.name in ("store", "offload", "limits", "lakehouse"):
+            if f.name in ("store", "offload", "limits", "lakehouse", "ha"):
                 continue
             name = "trigger" if f.name == "trigger_seconds" else f.name
             assert re.search(rf"^#? ?{name} = ", body, re.MULTILINE), f"[{section}] {name}"

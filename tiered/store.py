@@ -62,6 +62,10 @@ class StoreNotRunningError(RuntimeError):
     pass
 
 
+class ReplicaStoreError(RuntimeError):
+    """The store of a slave takes bytes only from its master."""
+
+
 class GetStatus(Enum):
     """Outcome of a read by queue offset (RocketMQ's ``GetMessageStatus``)."""
 
@@ -199,6 +203,7 @@ class MessageStore:
         self._stop_flusher = threading.Event()
         self._maintenance_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
+        self._replica = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -395,6 +400,8 @@ class MessageStore:
         under ASYNC."""
         if not self._running:
             raise StoreNotRunningError("the store is not running")
+        if self._replica:
+            raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size
         for msg in messages:
             check_topic(msg.topic)
@@ -436,6 +443,11 @@ class MessageStore:
     def flush_commitlog(self) -> int:
         """fsync the CommitLog; returns the flushed offset."""
         return self.commitlog.flush()
+
+    def set_replica(self, replica: bool) -> None:
+        """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly
+        its master's bytes, so nothing of its own (a producer, a pop revive) may be appended."""
+        self._replica = replica
 
     def add_append_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(end_offset)`` after every append (outside the put lock): what

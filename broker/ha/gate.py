@@ -4,7 +4,7 @@ send."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class SendGate(Protocol):
@@ -33,6 +33,14 @@ class ReplicationTimeoutError(ReplicationError):
 
 class NotMasterError(ReplicationError):
     """This broker is a slave: it takes no sends."""
+
+
+class ReplicatedMetadata(Protocol):
+    """Topics, groups and consumer offsets as replication moves them (``MetadataStore``)."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def replace(self, snapshot: dict[str, Any]) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)

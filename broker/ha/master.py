@@ -4,14 +4,16 @@
 Threads it owns:
 - ``tmq-ha-accept``: accepts slave connections; every 200 ms it also re-evaluates the
   SyncStateSet (logging each change) and records the group's confirmed offset in the epoch file;
-- per slave, ``tmq-ha-ack-{id}`` (handshake, then reads ACKs) and ``tmq-ha-push-{id}`` (sends
-  DATA frames: new bytes as soon as they are appended, a heartbeat each second otherwise).
+- per slave, ``tmq-ha-conn-{port}`` (handshake, then reads ACKs) and ``tmq-ha-push-{id}``
+  (sends DATA frames: new bytes as soon as they are appended, a heartbeat each second otherwise;
+  and the metadata snapshot whenever it changed, checked each second).
 Producers calling ``wait_replicated`` wait on one condition that ACKs notify.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -24,6 +26,7 @@ from broker.ha.config import HaConfig, parse_address
 from broker.ha.gate import (
     NotEnoughReplicasError,
     ReplicaLag,
+    ReplicatedMetadata,
     ReplicationStatus,
     ReplicationTimeoutError,
 )
@@ -58,8 +61,15 @@ class SlaveState:
 
 
 class ReplicationMaster:
-    def __init__(self, store: MessageStore, epochs: EpochFile, config: HaConfig) -> None:
+    def __init__(
+        self,
+        store: MessageStore,
+        epochs: EpochFile,
+        config: HaConfig,
+        metadata: ReplicatedMetadata | None = None,
+    ) -> None:
         self.store = store
+        self.metadata = metadata
         self.epochs = epochs
         self.config = config
         self.epoch = 0
@@ -324,8 +334,16 @@ class ReplicationMaster:
 
     def _push(self, sock: socket.socket, state: SlaveState, offset: int) -> None:
         last_send = 0.0
+        sent_metadata = b""
+        metadata_at = 0.0
         try:
             while not self._stop.is_set() and state.connected:
+                if self.metadata is not None and time.monotonic() - metadata_at >= _HEARTBEAT_S:
+                    document = json.dumps(self.metadata.snapshot(), sort_keys=True).encode()
+                    if document != sent_metadata:
+                        sock.sendall(wire.encode_metadata(document))
+                        sent_metadata = document
+                    metadata_at = time.monotonic()
                 top = self.store.max_physical_offset
                 payload = b""
                 if offset < top and offset - state.acked_offset < _WINDOW_BYTES:

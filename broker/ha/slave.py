@@ -8,14 +8,16 @@ until one answers as master), runs one session, and reconnects a second after an
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from broker.ha import wire
 from broker.ha.config import HaConfig, parse_address
-from broker.ha.gate import NotMasterError, ReplicationStatus
+from broker.ha.gate import NotMasterError, ReplicatedMetadata, ReplicationStatus
 from tiered.hot.epoch_file import EpochFile, TruncationRefusedError, consistent_point
 from tiered.store import MessageStore
 
@@ -26,8 +28,19 @@ _CONFIRM_SAVE_S = 0.2
 
 
 class ReplicationSlave:
-    def __init__(self, store: MessageStore, epochs: EpochFile, config: HaConfig) -> None:
+    def __init__(
+        self,
+        store: MessageStore,
+        epochs: EpochFile,
+        config: HaConfig,
+        metadata: ReplicatedMetadata | None = None,
+        on_metadata: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
+        # Replaced by the master's topics, groups and offsets whenever it sends them; then
+        # ``on_metadata`` (the broker re-registers its topics).
+        self.metadata = metadata
+        self.on_metadata = on_metadata
         self.epochs = epochs
         self.config = config
         self.master_address: str | None = None
@@ -41,6 +54,7 @@ class ReplicationSlave:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.store.set_replica(True)
         self.epochs.load()
         self.epochs.truncate_from(self.store.max_physical_offset + 1)
         self._thread = threading.Thread(target=self._run, name="tmq-ha-slave", daemon=True)
@@ -143,7 +157,16 @@ class ReplicationSlave:
         )
         saved_at = 0.0
         while not self._stop.is_set():
-            data = wire.decode_data(wire.expect(sock, wire.FrameType.DATA))
+            kind, body = wire.read_frame(sock)
+            if kind is wire.FrameType.METADATA:
+                if self.metadata is not None:
+                    self.metadata.replace(json.loads(body))
+                    if self.on_metadata is not None:
+                        self.on_metadata()
+                continue
+            if kind is not wire.FrameType.DATA:
+                raise wire.ProtocolError(f"expected DATA, got {kind.name}")
+            data = wire.decode_data(body)
             self.master_max_offset = data.master_max_offset
             self.master_epoch = max(self.master_epoch, data.epoch)
             if data.payload:

@@ -22,6 +22,8 @@ Bodies:
   (physical offset of the first byte), master max offset i64, confirmed offset i64, then the
   bytes: whole CommitLog records within one file and one epoch. No bytes: a heartbeat.
 - ``ERROR`` (either way): a UTF-8 reason; the sender closes the connection after it.
+- ``METADATA`` (master -> slave): the master's topics, groups and consumer offsets as UTF-8 JSON
+  (``MetadataStore.snapshot``); sent after WELCOME and whenever it changed, checked every second.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class FrameType(IntEnum):
     ACK = 3
     DATA = 4
     ERROR = 5
+    METADATA = 6
 
 
 class ProtocolError(ConnectionError):
@@ -122,6 +125,10 @@ def encode_data_header(d: Data) -> bytes:
     """The frame up to the payload: send it and the payload without joining them."""
     head = _DATA.pack(d.epoch, d.offset, d.master_max_offset, d.confirmed_offset)
     return _LEN_TYPE.pack(1 + len(head) + len(d.payload), FrameType.DATA) + head
+
+
+def encode_metadata(document: bytes) -> bytes:
+    return _frame(FrameType.METADATA, document)
 
 
 def encode_error(reason: str) -> bytes:
