@@ -38,8 +38,16 @@ from broker.metadata import (
     check_topic_name,
 )
 from broker.metrics import Traffic
-from broker.pop import InvalidReceiptHandleError, PopService, Received, TagFilter
+from broker.pop import (
+    InvalidReceiptHandleError,
+    MessageFilter,
+    PopService,
+    Received,
+    TagFilter,
+)
 from broker.protocol import (
+    CLIENT_RECEIVE_LIMIT,
+    DELIVERY_ENVELOPE_RESERVE,
     ProtocolError,
     duration,
     duration_ms,
@@ -48,6 +56,7 @@ from broker.protocol import (
     to_proto_message,
     to_store_message,
 )
+from broker.sql92 import SqlFilter
 from namesrv.client import NameServerClient
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
@@ -59,6 +68,16 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 DEFAULT_INVISIBLE_MS = 30_000
+# The proxy's defaults for what Telemetry's Settings tell clients (ProxyConfig and
+# CustomizedRetryPolicy): producers retry a failed send 3 times, 10 ms doubling up to 1 s;
+# consumers back off 1s 5s 10s 30s 1m 2m ... 2h before each redelivery.
+PRODUCER_MAX_ATTEMPTS = 3
+PRODUCER_BACKOFF_INITIAL_MS = 10
+PRODUCER_BACKOFF_MAX_MS = 1000
+PRODUCER_BACKOFF_MULTIPLIER = 2.0
+CONSUMER_BACKOFF_MS = tuple(
+    s * 1000 for s in (1, 5, 10, 30, *(60 * m for m in range(1, 11)), 1200, 1800, 3600, 7200)
+)
 MIN_INVISIBLE_MS = 1_000
 MAX_INVISIBLE_MS = 12 * 3600 * 1000
 MAX_LONG_POLLING_MS = 20_000
@@ -108,6 +127,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self.auto_create_groups = auto_create_groups
         self.traffic = traffic or Traffic()
         self._round_robin: dict[str, int] = {}
+        # Client id (the x-mq-client-id header) -> ClientType, from each client's Settings.
+        self._client_types: dict[str, int] = {}
+        self._client_streams: dict[str, int] = {}  # open Telemetry streams per client id
+        self._clients_lock = threading.Lock()
         self._rr_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -247,47 +270,79 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def Telemetry(
         self, request_iterator: Iterable[s.TelemetryCommand], context: grpc.ServicerContext
     ) -> Iterator[s.TelemetryCommand]:
-        """Answer every Settings the client sends with the broker's settings; the stream stays
-        open as long as the client keeps it."""
-        for command in request_iterator:
-            if not command.HasField("settings"):
-                continue  # results of commands tmq never sends
-            reply = s.TelemetryCommand(status=status())
-            reply.settings.CopyFrom(command.settings)
-            settings = reply.settings
-            if command.settings.HasField("publishing"):
-                settings.publishing.max_body_size = self.limits.max_body_bytes
-                settings.publishing.validate_message_type = True
-                settings.backoff_policy.max_attempts = 3
-                backoff = settings.backoff_policy.exponential_backoff
-                backoff.initial.CopyFrom(duration(10))
-                backoff.max.CopyFrom(duration(1000))
-                backoff.multiplier = 2.0
-            elif command.settings.HasField("subscription"):
-                sub = settings.subscription
-                group = self.metadata.group(sub.group.name)
-                sub.fifo = bool(group and group.fifo)
-                sub.receive_batch_size = self.limits.max_receive_batch
-                if not sub.HasField("long_polling_timeout"):
-                    sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
-                attempts = group.max_delivery_attempts if group else DEFAULT_MAX_DELIVERY_ATTEMPTS
-                settings.backoff_policy.max_attempts = attempts
-                for seconds in (1, 5, 10, 30, 60, 120, 300):
-                    settings.backoff_policy.customized_backoff.next.add().FromSeconds(seconds)
-            settings.metric.on = False
-            yield reply
+        """Answer every Settings the client sends with the settings the proxy would give it; the
+        stream stays open as long as the client keeps it."""
+        client_id = _client_id(context)
+        with self._clients_lock:
+            self._client_streams[client_id] = self._client_streams.get(client_id, 0) + 1
+        try:
+            for command in request_iterator:
+                if not command.HasField("settings"):
+                    continue  # results of commands tmq never sends
+                with self._clients_lock:
+                    self._client_types[client_id] = command.settings.client_type
+                yield s.TelemetryCommand(status=status(), settings=self._settings(command.settings))
+        finally:
+            # A client keeps one stream per endpoint and reopens them: forget its type only
+            # when its last stream closes.
+            with self._clients_lock:
+                self._client_streams[client_id] -= 1
+                if not self._client_streams[client_id]:
+                    del self._client_streams[client_id]
+                    self._client_types.pop(client_id, None)
+
+    def _settings(self, given: d.Settings) -> d.Settings:
+        """GrpcClientSettingsManager's merge with the proxy's defaults: producers get the
+        proxy's send retry policy and the body limit, consumers their group's FIFO flag,
+        attempts and the customized backoff, everybody metrics off."""
+        settings = d.Settings()
+        settings.CopyFrom(given)
+        if given.HasField("publishing"):
+            settings.publishing.max_body_size = min(
+                self.limits.max_body_bytes, CLIENT_RECEIVE_LIMIT - DELIVERY_ENVELOPE_RESERVE
+            )
+            settings.publishing.validate_message_type = True
+            policy = settings.backoff_policy
+            policy.Clear()
+            policy.max_attempts = PRODUCER_MAX_ATTEMPTS
+            policy.exponential_backoff.initial.CopyFrom(duration(PRODUCER_BACKOFF_INITIAL_MS))
+            policy.exponential_backoff.max.CopyFrom(duration(PRODUCER_BACKOFF_MAX_MS))
+            policy.exponential_backoff.multiplier = PRODUCER_BACKOFF_MULTIPLIER
+        elif given.HasField("subscription"):
+            sub = settings.subscription
+            group = self.metadata.group(sub.group.name)
+            sub.fifo = bool(group and group.fifo)
+            sub.receive_batch_size = self.limits.max_receive_batch
+            sub.long_polling_timeout.CopyFrom(duration(MAX_LONG_POLLING_MS))
+            policy = settings.backoff_policy
+            policy.Clear()
+            policy.max_attempts = (
+                group.max_delivery_attempts if group else DEFAULT_MAX_DELIVERY_ATTEMPTS
+            )
+            for ms in CONSUMER_BACKOFF_MS:
+                policy.customized_backoff.next.append(duration(ms))
+        settings.metric.Clear()
+        settings.metric.on = False
+        return settings
 
     def NotifyClientTermination(
         self, request: s.NotifyClientTerminationRequest, context: grpc.ServicerContext
     ) -> Any:
+        client_id = _client_id(context)
+        with self._clients_lock:
+            self._client_types.pop(client_id, None)
         return s.NotifyClientTerminationResponse(status=status())
+
+    def _client_type(self, context: grpc.ServicerContext) -> int:
+        with self._clients_lock:
+            return self._client_types.get(_client_id(context), int(d.CLIENT_TYPE_UNSPECIFIED))
 
     # -- produce -------------------------------------------------------------------------------
 
     def SendMessage(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
         def work() -> s.SendMessageResponse:
             if not request.messages:
-                raise ProtocolError(d.BAD_REQUEST, "no messages in the request")
+                raise ProtocolError(d.MESSAGE_CORRUPTED, "no message to send")
             if len(request.messages) > self.limits.max_batch:
                 raise ProtocolError(
                     d.BAD_REQUEST,
@@ -296,7 +351,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 )
             names = {m.topic.name for m in request.messages}
             if len(names) != 1:
-                raise ProtocolError(d.BAD_REQUEST, "a batch must be for one topic")
+                raise ProtocolError(d.MESSAGE_CORRUPTED, "topic in message is not same")
             topic = self._topic(names.pop(), need=PERM_WRITE)
             peer = _peer_host(context)
             batch = []
@@ -324,6 +379,9 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 s.SendResultEntry(
                     status=status(),
                     message_id=pm.system_properties.message_id,
+                    # The broker's SendResult carries the unique key as the transaction id
+                    # for every message, and the proxy passes it on.
+                    transaction_id=pm.system_properties.message_id,
                     offset=results[i].queue_offset,
                 )
                 for i, pm in enumerate(request.messages)
@@ -347,13 +405,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         try:
             group = self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
-            expression = request.filter_expression
-            if expression.type == d.SQL:
-                raise ProtocolError(d.UNSUPPORTED, "SQL92 filters are not supported; use tags")
-            try:
-                tag_filter = TagFilter(expression.expression)
-            except ValueError as e:
-                raise ProtocolError(d.ILLEGAL_FILTER_EXPRESSION, str(e)) from None
+            tag_filter = message_filter(request.filter_expression)
             batch = max(1, min(request.batch_size or 1, self.limits.max_receive_batch))
             invisible = (
                 duration_ms(request.invisible_duration)
@@ -452,9 +504,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             invisible = duration_ms(request.invisible_duration)
             if not 0 <= invisible <= MAX_INVISIBLE_MS:
                 raise ProtocolError(d.ILLEGAL_INVISIBLE_TIME, "invisible duration out of range")
+            # A push consumer changes a message's invisibility only to nack it. Apache's Node
+            # client ignores the customized backoff it was given and nacks with 0 ms, which
+            # would spin a failing message through its attempts in a second: hold a push
+            # consumer's nack to the backoff its Settings announced (Java and Python clients
+            # ask for exactly that already).
+            floor = consumer_backoff_ms if self._client_type(context) == d.PUSH_CONSUMER else None
             try:
                 handle = self.pop.change_invisible_duration(
-                    request.group.name, request.receipt_handle, invisible
+                    request.group.name, request.receipt_handle, invisible, floor
                 )
             except InvalidReceiptHandleError as e:
                 return s.ChangeInvisibleDurationResponse(
@@ -492,7 +550,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
             queue = self._queue(topic, request.message_queue.id)
-            tag_filter = TagFilter(request.filter_expression.expression)
+            tag_filter = message_filter(request.filter_expression)
             batch = max(1, min(request.batch_size or 32, 1024))
             poll = min(duration_ms(request.long_polling_timeout), MAX_LONG_POLLING_MS)
             deadline = time.monotonic() + max(0, poll - _LONG_POLL_MARGIN_MS) / 1000
@@ -597,6 +655,30 @@ def _overall(entries: list[s.AckMessageResultEntry]) -> d.Status:
     if len(entries) == 1:
         return d.Status(code=entries[0].status.code, message=entries[0].status.message)
     return status(d.MULTIPLE_RESULTS, "some entries failed; see entries")
+
+
+def message_filter(expression: d.FilterExpression) -> MessageFilter:
+    """The subscription's filter (TAG or SQL92); a malformed expression is refused with
+    ILLEGAL_FILTER_EXPRESSION, as the proxy's FilterAPI.build does."""
+    try:
+        if expression.type == d.SQL:
+            return SqlFilter(expression.expression)
+        return TagFilter(expression.expression)
+    except ValueError as e:
+        raise ProtocolError(d.ILLEGAL_FILTER_EXPRESSION, str(e)) from None
+
+
+def consumer_backoff_ms(attempt: int) -> int:
+    """The backoff before redelivering a message whose ``attempt``-th delivery failed: the
+    customized policy's step, as Apache's Java client reads it (the last step repeats)."""
+    return CONSUMER_BACKOFF_MS[min(max(attempt, 1), len(CONSUMER_BACKOFF_MS)) - 1]
+
+
+def _client_id(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-mq-client-id":
+            return str(value)
+    return ""
 
 
 def _peer_host(context: grpc.ServicerContext) -> str:

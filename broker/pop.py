@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from broker.metadata import GroupConfig, MetadataStore, TopicConfig, dlq_topic, retry_topic
 from tiered.record import Message, StoredMessage, tag_hash
@@ -39,6 +40,15 @@ PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+class MessageFilter(Protocol):
+    """What a subscription asks of each message: first of its ConsumeQueue tag hash (cheap,
+    may say yes wrongly), then of the record."""
+
+    def code_matches(self, code: int) -> bool: ...
+
+    def matches(self, msg: StoredMessage) -> bool: ...
 
 
 class TagFilter:
@@ -113,7 +123,7 @@ class PopService:
         self,
         group: GroupConfig,
         topic: TopicConfig,
-        tag_filter: TagFilter,
+        tag_filter: MessageFilter,
         max_count: int,
         invisible_ms: int,
     ) -> list[Received]:
@@ -156,7 +166,7 @@ class PopService:
         stored_topic: str,
         topic: str,
         queue_id: int,
-        tag_filter: TagFilter,
+        tag_filter: MessageFilter,
         max_count: int,
         invisible_ms: int,
     ) -> list[Received]:
@@ -239,10 +249,19 @@ class PopService:
             del state.in_flight[delivery.offset]
             self._commit(group, delivery.topic, delivery.queue_id, state)
 
-    def change_invisible_duration(self, group: str, receipt_handle: str, invisible_ms: int) -> str:
-        """Push the delivery's deadline to now + ``invisible_ms``; returns the new handle."""
+    def change_invisible_duration(
+        self,
+        group: str,
+        receipt_handle: str,
+        invisible_ms: int,
+        at_least: Callable[[int], int] | None = None,
+    ) -> str:
+        """Push the delivery's deadline to now + ``invisible_ms`` (raised to
+        ``at_least(delivery attempt)`` when given); returns the new handle."""
         with self._lock:
             _, delivery = self._find(group, receipt_handle)
+            if at_least is not None:
+                invisible_ms = max(invisible_ms, at_least(delivery.attempt))
             delivery.deadline_ms = self._clock() + invisible_ms
             delivery.handle_seq = next(self._seq)
             return self._handle(delivery)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import ipaddress
+import re
 import zlib
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -29,14 +31,37 @@ from tiered.record import (
 # System properties kept as record properties, beside the user's.
 PROPERTY_MESSAGE_TYPE = "__MESSAGE_TYPE"
 PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
-_RESERVED = (
-    PROPERTY_KEYS,
-    PROPERTY_TAGS,
-    PROPERTY_UNIQ_KEY,
-    PROPERTY_SHARDING_KEY,
-    PROPERTY_MESSAGE_TYPE,
-    PROPERTY_DELIVER_TIME,
-)
+# RocketMQ's MessageConst.STRING_HASH_SET: system properties. A producer may not set them
+# (ILLEGAL_MESSAGE_PROPERTY_KEY) and a consumer never sees them among the user properties. The
+# message group ``__SHARDINGKEY`` is not one of them: the proxy hands it to consumers as a user
+# property as well as ``message_group``.
+# fmt: off
+ROCKETMQ_SYSTEM_PROPERTIES = frozenset((
+    "TRACE_ON", "MSG_REGION", "KEYS", "TAGS", "WAIT", "DELAY", "RETRY_TOPIC", "REAL_TOPIC",
+    "REAL_QID", "TRAN_MSG", "PGROUP", "MIN_OFFSET", "MAX_OFFSET", "BUYER_ID", "ORIGIN_MESSAGE_ID",
+    "TRANSFER_FLAG", "CORRECTION_FLAG", "MQ2_FLAG", "RECONSUME_TIME", "UNIQ_KEY",
+    "MAX_RECONSUME_TIMES", "CONSUME_START_TIME", "POP_CK", "POP_CK_OFFSET", "1ST_POP_TIME",
+    "TRAN_PREPARED_QUEUE_OFFSET", "DUP_INFO", "EXTEND_UNIQ_INFO", "INSTANCE_ID", "CORRELATION_ID",
+    "REPLY_TO_CLIENT", "TTL", "ARRIVE_TIME", "PUSH_REPLY_TIME", "CLUSTER", "MSG_TYPE",
+    "INNER_MULTI_QUEUE_OFFSET", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "TIMER_ENQUEUE_MS",
+    "TIMER_DEQUEUE_MS", "TIMER_ROLL_TIMES", "TIMER_OUT_MS", "TIMER_DEL_UNIQKEY",
+    "TIMER_DELAY_LEVEL", "__BORNHOST", "BORN_TIMESTAMP",
+))
+# fmt: on
+# tmq's own record properties, hidden from consumers like the system properties above.
+_INTERNAL = frozenset((PROPERTY_MESSAGE_TYPE, PROPERTY_DELIVER_TIME))
+_HIDDEN = ROCKETMQ_SYSTEM_PROPERTIES | _INTERNAL
+# Names a producer may not use as user properties: the hidden ones and the message group.
+_RESERVED_KEYS = _HIDDEN | {PROPERTY_SHARDING_KEY}
+# The proxy's maxMessageGroupSize: a message group must be shorter than this (UTF-8 bytes).
+MAX_MESSAGE_GROUP_BYTES = 64
+# What every official client can receive in one gRPC message: grpc-js (Node) and grpcio (Python)
+# keep gRPC's default 4 MiB receive limit, and each delivered message travels in its own
+# ReceiveMessageResponse / PullMessageResponse.
+CLIENT_RECEIVE_LIMIT = 4 * 1024 * 1024
+# Room for what the broker adds to a message on delivery: receipt handle, store host, offsets,
+# timestamps, the topic and the response's framing (measured well under 1 KiB).
+DELIVERY_ENVELOPE_RESERVE = 2048
 
 MESSAGE_TYPE_NAMES = {
     d.NORMAL: "NORMAL",
@@ -121,33 +146,53 @@ def to_store_message(
     if len(pm.user_properties) > limits.max_properties:
         raise ProtocolError(
             d.MESSAGE_PROPERTIES_TOO_LARGE,
-            f"{len(pm.user_properties)} properties; the limit is {limits.max_properties}",
+            f"too many user properties ({len(pm.user_properties)}); "
+            f"the limit is {limits.max_properties}",
         )
     props: dict[str, str] = {}
+    # The proxy counts user properties, the tag and the keys, in UTF-8 bytes.
     size = 0
     for key, value in pm.user_properties.items():
-        if not key or key in _RESERVED or _bad_chars(key):
-            raise ProtocolError(d.ILLEGAL_MESSAGE_PROPERTY_KEY, f"illegal property key {key!r}")
-        if _bad_chars(value):
-            raise ProtocolError(d.BAD_REQUEST, f"property {key!r} has an illegal character")
-        size += len(key) + len(value)
+        if not key or key in _RESERVED_KEYS:
+            raise ProtocolError(
+                d.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property is used by system: {key!r}"
+            )
+        if _control(key) or _control(value):
+            raise ProtocolError(
+                d.ILLEGAL_MESSAGE_PROPERTY_KEY,
+                f"property {key!r}: the key and value cannot contain control characters",
+            )
+        size += len(key.encode()) + len(value.encode())
         props[key] = value
+    # A tag or message group that is present but empty is refused (the proxy takes it as
+    # absent): a client that sets the field meant something by it.
+    if sp.HasField("tag"):
+        if not sp.tag.strip() or "|" in sp.tag or _control(sp.tag):
+            raise ProtocolError(
+                d.ILLEGAL_MESSAGE_TAG,
+                f"illegal tag {sp.tag!r}: blank, '|' and control characters are not allowed",
+            )
+        props[PROPERTY_TAGS] = sp.tag
+        size += len(sp.tag.encode())
+    if sp.keys:
+        for key in sp.keys:
+            # A space separates keys in the stored record (RocketMQ's KEY_SEPARATOR).
+            if not key.strip() or " " in key or _control(key):
+                raise ProtocolError(
+                    d.ILLEGAL_MESSAGE_KEY,
+                    f"illegal message key {key!r}: blank, spaces and control characters "
+                    "are not allowed",
+                )
+            size += len(key.encode())
+        props[PROPERTY_KEYS] = " ".join(sp.keys)
     if size > limits.max_properties_bytes:
         raise ProtocolError(
             d.MESSAGE_PROPERTIES_TOO_LARGE,
-            f"properties are {size} bytes; the limit is {limits.max_properties_bytes}",
+            f"the total size of user properties is {size} bytes; "
+            f"the limit is {limits.max_properties_bytes}",
         )
-    if sp.HasField("tag"):
-        if not sp.tag.strip() or "|" in sp.tag or _bad_chars(sp.tag):
-            raise ProtocolError(d.ILLEGAL_MESSAGE_TAG, f"illegal tag {sp.tag!r}")
-        props[PROPERTY_TAGS] = sp.tag
-    if sp.keys:
-        for key in sp.keys:
-            if not key.strip() or " " in key or _bad_chars(key):
-                raise ProtocolError(d.ILLEGAL_MESSAGE_KEY, f"illegal message key {key!r}")
-        props[PROPERTY_KEYS] = " ".join(sp.keys)
-    if not sp.message_id or _bad_chars(sp.message_id) or len(sp.message_id) > 128:
-        raise ProtocolError(d.ILLEGAL_MESSAGE_ID, "message_id is missing or illegal")
+    if not sp.message_id.strip() or _control(sp.message_id) or len(sp.message_id) > 128:
+        raise ProtocolError(d.ILLEGAL_MESSAGE_ID, "message id cannot be empty or illegal")
     props[PROPERTY_UNIQ_KEY] = sp.message_id
     type_name = MESSAGE_TYPE_NAMES.get(sp.message_type, "NORMAL")
     if type_name != topic.message_type:
@@ -157,9 +202,27 @@ def to_store_message(
         )
     props[PROPERTY_MESSAGE_TYPE] = type_name
     if sp.HasField("message_group"):
-        if not sp.message_group or _bad_chars(sp.message_group):
-            raise ProtocolError(d.ILLEGAL_MESSAGE_GROUP, "illegal message group")
-        props[PROPERTY_SHARDING_KEY] = sp.message_group
+        group = sp.message_group
+        if not group.strip() or _control(group):
+            raise ProtocolError(
+                d.ILLEGAL_MESSAGE_GROUP,
+                "message group cannot be blank or contain control characters",
+            )
+        if len(group.encode()) >= MAX_MESSAGE_GROUP_BYTES:
+            raise ProtocolError(
+                d.ILLEGAL_MESSAGE_GROUP,
+                f"message group is longer than {MAX_MESSAGE_GROUP_BYTES - 1} bytes",
+            )
+        props[PROPERTY_SHARDING_KEY] = group
+    # Refuse what no consumer could receive: the message as delivered must fit the clients'
+    # gRPC receive limit (a 4 MiB body alone passes the body limit and still would not).
+    delivered = len(body) + pm.ByteSize() - len(pm.body) + DELIVERY_ENVELOPE_RESERVE
+    if delivered > CLIENT_RECEIVE_LIMIT:
+        raise ProtocolError(
+            d.MESSAGE_BODY_TOO_LARGE,
+            f"message is {delivered} bytes as delivered (body {len(body)}); consumers' gRPC "
+            f"clients receive at most {CLIENT_RECEIVE_LIMIT} bytes per message",
+        )
     if sp.HasField("delivery_timestamp"):
         # The Python client writes the user's value into Timestamp.seconds unconverted.
         seconds = sp.delivery_timestamp.seconds
@@ -177,8 +240,13 @@ def to_store_message(
     )
 
 
-def _bad_chars(text: str) -> bool:
-    return "\x01" in text or "\x02" in text
+# Java's Character.isISOControl, which the proxy's GrpcValidator applies. It also keeps the
+# record's property separators (\x01, \x02) out of stored properties.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _control(text: str) -> bool:
+    return _CONTROL.search(text) is not None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -206,17 +274,20 @@ def to_proto_message(
     invisible_ms: int | None,
     namespace: str = "",
 ) -> d.Message:
-    """A stored message as the client receives it."""
+    """A stored message as the client receives it: GrpcConverter.buildMessage's fields."""
     props = m.properties
     sp = d.SystemProperties(
         message_id=props.get(PROPERTY_UNIQ_KEY) or f"{m.commitlog_offset:032X}",
-        body_digest=d.Digest(type=d.CRC32, checksum=f"{zlib.crc32(m.body) & 0xFFFFFFFF:08X}"),
+        # MD5 in uppercase hex, as the proxy sends: every client verifies it the same way (the
+        # Node client reads a CRC32 digest as a decimal string, the Python one as hex).
+        body_digest=d.Digest(type=d.MD5, checksum=hashlib.md5(m.body).hexdigest().upper()),
         body_encoding=d.IDENTITY,
         message_type=MESSAGE_TYPE_VALUES.get(props.get(PROPERTY_MESSAGE_TYPE, "NORMAL"), d.NORMAL),
         born_host=m.born_host[0],
         store_host=host_string(m.store_host),
         queue_id=m.queue_id,
         queue_offset=m.queue_offset,
+        delivery_attempt=m.reconsume_times + 1 if attempt is None else attempt,
     )
     sp.born_timestamp.FromMilliseconds(m.born_timestamp)
     sp.store_timestamp.FromMilliseconds(m.store_timestamp)
@@ -229,20 +300,11 @@ def to_proto_message(
         sp.message_group = group
     if receipt_handle is not None:
         sp.receipt_handle = receipt_handle
-    if attempt is not None:
-        sp.delivery_attempt = attempt
     if invisible_ms is not None:
         sp.invisible_duration.CopyFrom(duration(invisible_ms))
-    user = {
-        k: v
-        for k, v in props.items()
-        if k not in _RESERVED
-        and not k.startswith("__")
-        and k not in ("RETRY_TOPIC", "ORIGIN_MESSAGE_ID")
-    }
     return d.Message(
         topic=d.Resource(name=topic_name, resource_namespace=namespace),
-        user_properties=user,
+        user_properties={k: v for k, v in props.items() if k not in _HIDDEN},
         system_properties=sp,
         body=m.body,
     )

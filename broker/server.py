@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +31,7 @@ from broker.status import BrokerStatus, ExportFreshness, broker_status
 from lakehouse.runner import ContinuousExport
 from namesrv import namesrv_pb2 as nspb
 from namesrv.client import NameServerClient
+from namesrv.grpc_server import listen, new_server
 from namesrv.safe_handlers import add_safely
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
@@ -118,16 +118,15 @@ class Broker:
             self.metadata.load()
             if self.replication is not None:
                 self.replication.start()
-            server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="broker"),
-                options=[
+            server = new_server(
+                _WORKERS,
+                "broker",
+                [
                     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ],
             )
-            self.port = server.add_insecure_port(f"{self.config.listen}:{self.config.port}")
-            if self.port == 0:
-                raise OSError(f"cannot listen on {self.config.listen}:{self.config.port}")
+            self.port = listen(server, self.config.listen, self.config.port, "broker")
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )

@@ -96,6 +96,10 @@ def consume(
     group: Annotated[str, typer.Option("--group", "-g", help="Consumer group.")],
     namesrv: NamesrvOption = "127.0.0.1:9876",
     tags: Annotated[str, typer.Option(help="Tag filter, e.g. 'a || b'.")] = "*",
+    sql: Annotated[
+        str | None,
+        typer.Option(help="SQL92 filter on properties instead of tags, e.g. \"TAGS = 'paid'\"."),
+    ] = None,
     count: Annotated[int, typer.Option(help="Stop after this many messages (0: no limit).")] = 0,
     wait: Annotated[float, typer.Option(help="Stop after this many idle seconds.")] = 5.0,
     invisible: Annotated[
@@ -108,9 +112,14 @@ def consume(
     Example: tmq consume orders --group billing --count 10 --json
     """
     from rocketmq import FilterExpression, SimpleConsumer
+    from rocketmq.grpc_protocol import FilterType
 
+    if sql is not None and tags != "*":
+        typer.echo("error: give --tags or --sql, not both", err=True)
+        raise typer.Exit(2)
+    expression = FilterExpression(sql, FilterType.SQL) if sql else FilterExpression(tags)
     consumer = SimpleConsumer(
-        _client_config(namesrv, topic), group, {topic: FilterExpression(tags)}, await_duration=2
+        _client_config(namesrv, topic), group, {topic: expression}, await_duration=2
     )
     consumer.startup()
     got, idle_since = 0, time.monotonic()

@@ -125,7 +125,10 @@ def standalone(
     except (OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    ns_server, ns_port = namesrv_server.start(host, namesrv_port)
+    try:
+        ns_server, ns_port = namesrv_server.start(host, namesrv_port)
+    except OSError as e:
+        raise _start_failed(e) from None
     try:
         geometry = recorded_geometry(data_dir) or {}
         if commitlog_file_size is not None:
@@ -227,7 +230,10 @@ def namesrv_start(
 
     Example: tmq namesrv start --port 9876
     """
-    server, bound = namesrv_server.start(host, port, BrokerRegistry(expiry_ms=expiry_ms))
+    try:
+        server, bound = namesrv_server.start(host, port, BrokerRegistry(expiry_ms=expiry_ms))
+    except OSError as e:
+        raise _start_failed(e) from None
     typer.echo(f"NameServer listening on {host}:{bound}", err=True)
     try:
         _wait_for_signal()

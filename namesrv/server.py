@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from namesrv import namesrv_pb2 as pb
 from namesrv import namesrv_pb2_grpc as pb_grpc
+from namesrv.grpc_server import listen, new_server
 from namesrv.registry import HEARTBEAT_INTERVAL_MS, BrokerRegistry
 from namesrv.safe_handlers import add_safely
 
@@ -65,13 +65,11 @@ def start(
     host: str = "0.0.0.0", port: int = DEFAULT_PORT, registry: BrokerRegistry | None = None
 ) -> tuple[grpc.Server, int]:
     """Start a NameServer; returns the server and the port it bound (``port=0``: any free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="namesrv"))
+    server = new_server(8, "namesrv")
     add_to_server(server, registry or BrokerRegistry())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    bound = listen(server, host, port, "NameServer")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -132,6 +133,23 @@ class Standalone:
             ),
             timeout=10,
         )
+        self.wait_routed(name)
+
+    def wait_routed(self, topic: str, seconds: float = 15) -> None:
+        """Wait until the NameServer routes ``topic`` (the broker registers a new topic in the
+        background): a client started right after create_topic would otherwise be told the
+        topic is not served."""
+        from rocketmq.grpc_protocol import definition_pb2 as d
+        from rocketmq.grpc_protocol import service_pb2 as s
+        from rocketmq.grpc_protocol import service_pb2_grpc
+
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(self.endpoint))
+        deadline = time.monotonic() + seconds
+        while True:
+            reply = stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name=topic)), timeout=5)
+            if reply.status.code == d.OK or time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
 
     def create_group(self, name: str, max_attempts: int = 16, fifo: bool = False) -> None:
         self.admin().PutGroup(
@@ -192,3 +210,23 @@ def send_batches(
         assert reply.status.code == d.OK, reply.status
         out += [(e.message_id, e.offset) for e in reply.entries]
     return out
+
+
+def client_config(node: Standalone) -> Any:
+    """Apache's Python client configured for ``node`` (a ``ClientConfiguration``)."""
+    from rocketmq import ClientConfiguration, Credentials
+
+    return ClientConfiguration(node.endpoint, Credentials(), namespace="", request_timeout=10)
+
+
+def send_all(node: Standalone, topic: str, messages: list[Any]) -> list[str]:
+    """Send ``messages`` (the Python client's ``Message``) one by one with its Producer;
+    returns their message ids."""
+    from rocketmq import Producer
+
+    producer = Producer(client_config(node), topics=[topic])
+    producer.startup()
+    try:
+        return [producer.send(m).message_id for m in messages]
+    finally:
+        producer.shutdown()

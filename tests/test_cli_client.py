@@ -67,6 +67,14 @@ def test_topic_produce_consume_replay_and_describe(node: Standalone) -> None:
     assert sorted(m["body"] for m in got) == ["later", "later", "one", "three", "two"]
     assert {m["message_id"] for m in got} >= {s["message_id"] for s in sent}
     assert all(m["tag"] == "paid" and m["keys"] == ["k1"] for m in got if m["body"] != "later")
+    by_sql = run(
+        "consume", "cli-orders", "-n", ns, "-g", "cli-sql", "--sql", "TAGS = 'paid'", "--json"
+    )  # fmt: skip
+    assert sorted(json.loads(line)["body"] for line in by_sql.splitlines()) == [
+        "one",
+        "three",
+        "two",
+    ]
 
     replayed = [
         json.loads(line)

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, client_config, send_all
 from rocketmq import (
-    ClientConfiguration,
     ConsumeResult,
-    Credentials,
     FilterExpression,
     Message,
     MessageListener,
-    Producer,
     PushConsumer,
     SimpleConsumer,
 )
@@ -32,19 +29,6 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
     node = Standalone(tmp_path_factory.mktemp("e2e") / "data").start()
     yield node
     assert node.stop() == 0, "SIGTERM must stop the broker cleanly"
-
-
-def config(node: Standalone) -> ClientConfiguration:
-    return ClientConfiguration(node.endpoint, Credentials(), namespace="", request_timeout=10)
-
-
-def send_all(node: Standalone, topic: str, messages: list[Message]) -> list[str]:
-    producer = Producer(config(node), topics=[topic])
-    producer.startup()
-    try:
-        return [producer.send(m).message_id for m in messages]
-    finally:
-        producer.shutdown()
 
 
 def make(topic: str, i: int, tag: str | None = None, group: str | None = None) -> Message:
@@ -83,7 +67,7 @@ def test_a_thousand_messages_are_received_and_acked_exactly_once(broker: Standal
     sent = [make("e2e-thousand", i, tag=f"t{i % 3}") for i in range(1000)]
     ids = send_all(broker, "e2e-thousand", sent)
     consumer = SimpleConsumer(
-        config(broker), "g-thousand", {"e2e-thousand": FilterExpression()}, await_duration=2
+        client_config(broker), "g-thousand", {"e2e-thousand": FilterExpression()}, await_duration=2
     )
     consumer.startup()
     try:
@@ -106,7 +90,7 @@ def test_an_unacked_message_comes_back_then_goes_to_the_dlq(broker: Standalone) 
     broker.create_group("g-retry", max_attempts=3)
     [mid] = send_all(broker, "e2e-retry", [make("e2e-retry", 7)])
     consumer = SimpleConsumer(
-        config(broker), "g-retry", {"e2e-retry": FilterExpression()}, await_duration=2
+        client_config(broker), "g-retry", {"e2e-retry": FilterExpression()}, await_duration=2
     )
     consumer.startup()
     try:
@@ -122,7 +106,10 @@ def test_an_unacked_message_comes_back_then_goes_to_the_dlq(broker: Standalone) 
     finally:
         consumer.shutdown()
     dlq = SimpleConsumer(
-        config(broker), "g-dlq-reader", {"%DLQ%g-retry": FilterExpression()}, await_duration=2
+        client_config(broker),
+        "g-dlq-reader",
+        {"%DLQ%g-retry": FilterExpression()},
+        await_duration=2,
     )
     dlq.startup()
     try:
@@ -139,7 +126,7 @@ def test_messages_of_one_message_group_are_consumed_in_order(broker: Standalone)
     sent = [make("e2e-fifo", i, group=f"order-{i % 5}") for i in range(100)]
     send_all(broker, "e2e-fifo", sent)
     consumer = SimpleConsumer(
-        config(broker), "g-fifo", {"e2e-fifo": FilterExpression()}, await_duration=2
+        client_config(broker), "g-fifo", {"e2e-fifo": FilterExpression()}, await_duration=2
     )
     consumer.startup()
     try:
@@ -163,7 +150,10 @@ def test_a_tag_filter_delivers_only_matching_messages(broker: Standalone) -> Non
         [make("e2e-tags", i, tag=["red", "green", "blue"][i % 3]) for i in range(90)],
     )
     consumer = SimpleConsumer(
-        config(broker), "g-tags", {"e2e-tags": FilterExpression("red || blue")}, await_duration=2
+        client_config(broker),
+        "g-tags",
+        {"e2e-tags": FilterExpression("red || blue")},
+        await_duration=2,
     )
     consumer.startup()
     try:
@@ -187,7 +177,9 @@ def test_a_push_consumer_consumes_a_stream(broker: Standalone) -> None:
                 seen.append(message.properties["index"])
             return ConsumeResult.SUCCESS
 
-    consumer = PushConsumer(config(broker), "g-push", Listener(), {"e2e-push": FilterExpression()})
+    consumer = PushConsumer(
+        client_config(broker), "g-push", Listener(), {"e2e-push": FilterExpression()}
+    )
     consumer.startup()
     try:
         send_all(broker, "e2e-push", [make("e2e-push", i) for i in range(200)])
@@ -249,7 +241,7 @@ def test_restart_keeps_topics_offsets_and_messages(tmp_path: Path) -> None:
     node.create_topic("e2e-restart", queues=2)
     ids = send_all(node, "e2e-restart", [make("e2e-restart", i) for i in range(40)])
     consumer = SimpleConsumer(
-        config(node), "g-restart", {"e2e-restart": FilterExpression()}, await_duration=2
+        client_config(node), "g-restart", {"e2e-restart": FilterExpression()}, await_duration=2
     )
     consumer.startup()
     first = drain(consumer, 15)  # acknowledged: must not come back after the restart
@@ -258,7 +250,7 @@ def test_restart_keeps_topics_offsets_and_messages(tmp_path: Path) -> None:
     node.start()
     try:
         consumer = SimpleConsumer(
-            config(node), "g-restart", {"e2e-restart": FilterExpression()}, await_duration=2
+            client_config(node), "g-restart", {"e2e-restart": FilterExpression()}, await_duration=2
         )
         consumer.startup()
         rest = drain(consumer, 40 - len(first))
@@ -278,7 +270,7 @@ def test_kill_9_under_sync_flush_loses_no_acknowledged_message(tmp_path: Path) -
     node.start()
     try:
         consumer = SimpleConsumer(
-            config(node), "g-kill", {"e2e-kill": FilterExpression()}, await_duration=2
+            client_config(node), "g-kill", {"e2e-kill": FilterExpression()}, await_duration=2
         )
         consumer.startup()
         got = drain(consumer, 60)
@@ -292,7 +284,7 @@ def test_update_offset_rewinds_a_group_and_get_offset_reports_it(broker: Standal
     broker.create_topic("e2e-rewind", queues=1)
     send_all(broker, "e2e-rewind", [make("e2e-rewind", i) for i in range(30)])
     consumer = SimpleConsumer(
-        config(broker), "g-rewind", {"e2e-rewind": FilterExpression()}, await_duration=2
+        client_config(broker), "g-rewind", {"e2e-rewind": FilterExpression()}, await_duration=2
     )
     consumer.startup()
     try:

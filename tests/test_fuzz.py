@@ -134,7 +134,8 @@ def hostile_requests(rng: random.Random) -> list[tuple[str, object]]:
             s.ReceiveMessageRequest(
                 group=d.Resource(name="g"),
                 message_queue=q,
-                filter_expression=d.FilterExpression(type=d.SQL, expression="a > 1"),
+                # SQL92 is served; a malformed expression is refused.
+                filter_expression=d.FilterExpression(type=d.SQL, expression="a > 1 AND ("),
             ),
         )
     )

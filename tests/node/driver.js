@@ -1,0 +1,160 @@
+// Drives Apache's RocketMQ 5 Node.js client (npm rocketmq-client-nodejs, unmodified) for
+// tests/test_node_client.py. One JSON argument says what to do; the last stdout line is the
+// JSON result (a message's body is `body` repeated `repeat` times: a command line cannot carry
+// megabytes). Every run is bounded by its own `seconds` and exits by itself.
+'use strict';
+
+const {
+  Producer, SimpleConsumer, PushConsumer, ConsumeResult, FilterExpression,
+} = require('rocketmq-client-nodejs');
+
+const args = JSON.parse(process.argv[2]);
+const started = Date.now();
+
+// The client's default logger writes files under ~/logs; keep its warnings on stderr instead,
+// where a failing test shows them.
+const logger = {
+  info() {},
+  debug() {},
+  warn(...a) { process.stderr.write(`WARN ${a.map(String).join(' ')}\n`); },
+  error(...a) { process.stderr.write(`ERROR ${a.map(String).join(' ')}\n`); },
+};
+
+function view(m) {
+  return {
+    messageId: m.messageId,
+    topic: m.topic,
+    // Large bodies are reported by length: stdout is a pipe read in one piece.
+    body: m.body.length <= 4096 ? m.body.toString('utf8') : null,
+    bodyLength: m.body.length,
+    tag: m.tag ?? null,
+    keys: m.keys,
+    messageGroup: m.messageGroup ?? null,
+    properties: Object.fromEntries(m.properties),
+    corrupted: m.corrupted === true,
+    deliveryAttempt: m.deliveryAttempt ?? null,
+    at: Date.now() - started,
+  };
+}
+
+function filterOf(a) {
+  if (a.sql) return new FilterExpression(a.sql, 2); // FilterType.SQL
+  return a.tag ?? '*';
+}
+
+async function produce() {
+  const producer = new Producer({ endpoints: args.endpoint, logger, requestTimeout: 10000 });
+  await producer.startup();
+  const out = [];
+  try {
+    for (const m of args.messages) {
+      try {
+        const receipt = await producer.send({
+          topic: args.topic,
+          body: Buffer.from(m.body.repeat(m.repeat ?? 1), 'utf8'),
+          tag: m.tag,
+          keys: m.keys,
+          messageGroup: m.messageGroup,
+          properties: m.properties ? new Map(Object.entries(m.properties)) : undefined,
+        });
+        out.push({
+          messageId: receipt.messageId,
+          transactionId: receipt.transactionId,
+          offset: Number(receipt.offset),
+        });
+      } catch (e) {
+        out.push({ error: String(e && e.message ? e.message : e), code: e && e.code });
+      }
+    }
+  } finally {
+    await producer.shutdown();
+  }
+  return out;
+}
+
+// Receive until `want` messages are acked. A message whose `nack` property is set is, on its
+// first delivery, made visible again after `nackMs` with changeInvisibleDuration instead.
+async function simple() {
+  const consumer = new SimpleConsumer({
+    endpoints: args.endpoint,
+    consumerGroup: args.group,
+    subscriptions: new Map([ [ args.topic, filterOf(args) ] ]),
+    awaitDuration: 2000,
+    requestTimeout: 10000,
+    logger,
+  });
+  await consumer.startup();
+  const deliveries = [];
+  const acked = new Set();
+  try {
+    while (acked.size < args.want && Date.now() - started < args.seconds * 1000) {
+      let messages = [];
+      try {
+        messages = await consumer.receive(16, args.invisibleMs ?? 20000);
+      } catch (e) {
+        if (!/no new message|MESSAGE_NOT_FOUND/i.test(String(e))) throw e;
+      }
+      for (const m of messages) {
+        const v = view(m);
+        deliveries.push(v);
+        if (v.properties.nack && (m.deliveryAttempt ?? 1) === 1) {
+          await consumer.changeInvisibleDuration(m, args.nackMs ?? 2000);
+        } else {
+          await consumer.ack(m);
+          acked.add(m.messageId);
+        }
+      }
+    }
+  } finally {
+    await consumer.shutdown();
+  }
+  return deliveries;
+}
+
+// A PushConsumer whose listener fails the first `failTimes` deliveries of every message with
+// the property `fail` set; runs until `want` messages succeeded or `seconds` passed.
+async function push() {
+  const deliveries = [];
+  const succeeded = new Set();
+  const consumer = new PushConsumer({
+    endpoints: args.endpoint,
+    consumerGroup: args.group,
+    subscriptions: new Map([ [ args.topic, filterOf(args) ] ]),
+    requestTimeout: 10000,
+    logger,
+    messageListener: {
+      async consume(m) {
+        const v = view(m);
+        deliveries.push(v);
+        const failedBefore = deliveries.filter(d => d.messageId === v.messageId).length - 1;
+        if (v.properties.fail && failedBefore < (args.failTimes ?? 1)) {
+          return ConsumeResult.FAILURE;
+        }
+        succeeded.add(v.messageId);
+        return ConsumeResult.SUCCESS;
+      },
+    },
+  });
+  await consumer.startup();
+  try {
+    while (succeeded.size < args.want && Date.now() - started < args.seconds * 1000) {
+      await new Promise(r => setTimeout(r, 100));
+    }
+    // Let acks reach the broker before the consumer goes away.
+    await new Promise(r => setTimeout(r, 500));
+  } finally {
+    await consumer.shutdown();
+  }
+  return deliveries;
+}
+
+const commands = { produce, simple, push };
+
+commands[args.cmd]()
+  .then(result => {
+    process.stdout.write(`${JSON.stringify(result)}\n`, () => process.exit(0));
+  })
+  .catch(e => {
+    process.stdout.write(`${JSON.stringify({ fatal: String(e && e.stack ? e.stack : e) })}\n`);
+    process.exit(1);
+  });
