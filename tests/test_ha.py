@@ -63,6 +63,8 @@ class GroupMember:
         mode: str = "sync",
         min_in_sync_replicas: int = 1,
         sync_timeout_ms: int = 2000,
+        ha: bool = True,
+        file_size: int = FILE_SIZE,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -76,12 +78,12 @@ metrics_port = {self.metrics_port}
 
 [store]
 data_dir = "{self.data_dir}"
-commitlog_file_size = {FILE_SIZE}
+commitlog_file_size = {file_size}
 index_hash_slots = 4096
 index_max_entries = 16384
 
 [ha]
-enabled = true
+enabled = {str(ha).lower()}
 role = "{role}"
 broker_id = {broker_id}
 listen = "127.0.0.1:{self.ha_port}"
