@@ -190,6 +190,11 @@ def caught_up(master: GroupMember, *slaves: GroupMember) -> bool:
     return all(s.metric("tmq_replication_max_offset") == top for s in slaves)
 
 
+def slave_end(member: GroupMember) -> int:
+    with open_store(member.data_dir) as store:
+        return store.max_physical_offset
+
+
 def open_store(data_dir: Path) -> MessageStore:
     geometry = recorded_geometry(data_dir) or {}
     return MessageStore(StoreConfig(data_dir=data_dir, **geometry))  # type: ignore[arg-type]
@@ -269,9 +274,12 @@ def test_sync_acked_messages_are_on_every_slave_byte_identical(group) -> None:  
     for slave in (a, b):
         assert assert_same_replica(master.data_dir, slave.data_dir) == 1200
     assert len(commitlog_files(master.data_dir)) > 3  # the stream crossed file boundaries
-    epochs = EpochFile(a.data_dir / "ha")
-    epochs.load()
-    assert epochs.entries == [EpochEntry(1, 0)]
+    for slave in (a, b):
+        epochs = EpochFile(slave.data_dir / "ha")
+        epochs.load()
+        assert epochs.entries == [EpochEntry(1, 0)]
+        # What the group acknowledged, as the master last told each slave (every 200 ms).
+        assert 0 < epochs.confirmed_offset <= slave_end(slave)
 
 
 def test_sync_send_fails_cleanly_without_enough_replicas_and_recovers(group) -> None:  # type: ignore[no-untyped-def]
@@ -399,6 +407,11 @@ def test_a_divergent_tail_is_cut_back_to_the_last_common_epoch(group) -> None:  
     epochs = EpochFile(a.data_dir / "ha")
     epochs.load()
     assert epochs.entries == [EpochEntry(1, 0), EpochEntry(2, int(common))]
+    # ASYNC acknowledges nothing on the group's behalf: no member may refuse a cut for it.
+    assert epochs.confirmed_offset == 0
+    b_epochs = EpochFile(b.data_dir / "ha")
+    b_epochs.load()
+    assert b_epochs.confirmed_offset == 0
     assert commitlog_files(a.data_dir) == commitlog_files(b.data_dir)
     quarantined = list((a.data_dir / "quarantine").iterdir())
     assert quarantined, "the divergent tail is kept aside, not silently dropped"

@@ -188,7 +188,10 @@ class ReplicationMaster:
             return [0, *sorted(self._evaluate(now_ms()))]
 
     def confirmed_offset(self) -> int:
-        """The highest offset min_in_sync_replicas members hold (the master counts)."""
+        """SYNC: the highest offset min_in_sync_replicas members hold (the master counts).
+        ASYNC acknowledges nothing on the group's behalf: 0, so no replica refuses a cut."""
+        if self.config.mode != "sync":
+            return 0
         with self._cond:
             in_sync = self._evaluate(now_ms())
             held = sorted(

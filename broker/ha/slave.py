@@ -49,6 +49,7 @@ class ReplicationSlave:
         self.connected = False
         # Why the last session ended (for status and tests); None while none has failed.
         self.last_error: str | None = None
+        self._master_epochs: dict[int, int] = {}
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -142,6 +143,7 @@ class ReplicationSlave:
             )
         )
         welcome = wire.decode_welcome(wire.expect(sock, wire.FrameType.WELCOME))
+        self._master_epochs = {e.epoch: e.start_offset for e in welcome.epochs}
         sock.settimeout(None)
         start = self._align(welcome)
         sock.sendall(wire.encode_ack(start))
@@ -175,7 +177,7 @@ class ReplicationSlave:
                         raise wire.ProtocolError(
                             f"bytes of epoch {data.epoch} after epoch {self.epochs.last_epoch}"
                         )
-                    self.epochs.append(data.epoch, data.offset)
+                    self.epochs.append(data.epoch, self._epoch_start(data.epoch, data.offset))
                 store.append_replicated(data.offset, data.payload)
             top = store.max_physical_offset
             sock.sendall(wire.encode_ack(top))
@@ -183,6 +185,15 @@ class ReplicationSlave:
                 # What the group acknowledged and this slave holds: never to be truncated.
                 self.epochs.set_confirmed(min(data.confirmed_offset, top))
                 saved_at = time.monotonic()
+
+    def _epoch_start(self, epoch: int, offset: int) -> int:
+        """Where ``epoch`` starts, for this slave's epoch file: the master's start of it, even
+        when this slave's log begins later (an empty slave starts at the master's first file),
+        so that both files name the epoch alike."""
+        start = self._master_epochs.get(epoch, offset)
+        entries = self.epochs.entries
+        floor = entries[-1].start_offset if entries else 0
+        return start if floor <= start <= offset else offset
 
     def _align(self, welcome: wire.Welcome) -> int:
         """Where this slave's CommitLog and the master's agree; cut what lies past it."""
