@@ -4,12 +4,15 @@ tail to the last common epoch boundary."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -460,3 +463,97 @@ def test_truncation_never_cuts_what_sync_acknowledged(group, tmp_path: Path) -> 
     a.stop()
     b.stop()
     assert commitlog_files(a.data_dir) == a_files
+
+
+class LinkProxy:
+    """A TCP forwarder on loopback between a slave and its master's replication port; ``cut``
+    drops every connection and refuses new ones (a partition), ``heal`` lets them through."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = threading.Event()
+        self.open.set()
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.pairs.append((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self.open.clear()
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for pair in pairs:
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def heal(self) -> None:
+        self.open.set()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_a_partitioned_replication_link_shrinks_the_set_and_heals(group) -> None:  # type: ignore[no-untyped-def]
+    master, slave = group("master"), group("slave")
+    master.start("master", 0, mode="sync", min_in_sync_replicas=2, sync_timeout_ms=1500)
+    proxy = LinkProxy(master.ha_port)
+    try:
+        # The slave reaches its master only through the proxy.
+        via_proxy = GroupMember(master.root, "proxy", proxy.port)
+        slave.start("slave", 1, master=via_proxy)
+        master.create_topic()
+        wait_until("in sync", lambda: master.metric("tmq_replication_sync_state_set_size") == 2)
+        assert all(st.code == d.OK for st in send(master.endpoint, 0, 200))
+        proxy.cut()
+        wait_until(
+            "the SyncStateSet shrinks",
+            lambda: master.metric("tmq_replication_sync_state_set_size") == 1,
+        )
+        before = master.metric("tmq_replication_max_offset")
+        assert [st.code for st in send(master.endpoint, 200, 20)] == [d.HA_NOT_AVAILABLE]
+        assert master.metric("tmq_replication_max_offset") == before
+        assert slave.metric("tmq_replication_connected") == 0
+        proxy.heal()
+        wait_until(
+            "the slave rejoins", lambda: master.metric("tmq_replication_sync_state_set_size") == 2
+        )
+        assert all(st.code == d.OK for st in send(master.endpoint, 200, 200))
+        master.stop()
+        slave.stop()
+    finally:
+        proxy.close()
+    assert assert_same_replica(master.data_dir, slave.data_dir) == 400
