@@ -198,6 +198,9 @@ class Broker:
         )
 
     def registration(self) -> nspb.BrokerRegistration:
+        """What the NameServers hear. A slave registers no topics: it is listed (``tmq
+        status``) but routes lead clients to masters only, until slaves serve reads."""
+        serves = not isinstance(self.replication, ReplicationSlave)
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,
@@ -208,6 +211,7 @@ class Broker:
                     topic=t.name, queues=t.queues, perm=t.perm, message_type=t.message_type
                 )
                 for t in list(self.metadata.topics.values())
+                if serves
             ],
         )
 

@@ -26,7 +26,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
-from tests.broker_harness import REPO, free_port
+from tests.broker_harness import REPO, free_port, send_all
 from tiered.config import StoreConfig
 from tiered.hot.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
@@ -68,6 +68,7 @@ class GroupMember:
         sync_timeout_ms: int = 2000,
         ha: bool = True,
         file_size: int = FILE_SIZE,
+        namesrv: str = "",
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -76,7 +77,7 @@ class GroupMember:
 name = "broker-a"
 listen = "127.0.0.1"
 port = {self.grpc_port}
-namesrv = []
+namesrv = "{namesrv}"
 metrics_port = {self.metrics_port}
 
 [store]
@@ -557,3 +558,60 @@ def test_a_partitioned_replication_link_shrinks_the_set_and_heals(group) -> None
     finally:
         proxy.close()
     assert assert_same_replica(master.data_dir, slave.data_dir) == 400
+
+
+def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
+    group, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from rocketmq import Message
+
+    from namesrv.client import NameServerClient
+
+    port = free_port()
+    namesrv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.app",
+            "namesrv",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "namesrv.log").open("ab"),
+    )
+    client = NameServerClient([f"127.0.0.1:{port}"])
+    try:
+        master, slave = group("master"), group("slave")
+        master.start("master", 0, mode="sync", min_in_sync_replicas=2, namesrv=f"127.0.0.1:{port}")
+        slave.start("slave", 1, master=master, namesrv=f"127.0.0.1:{port}")
+        master.create_topic()
+        wait_until(
+            "both are registered",
+            lambda: sorted(b.broker.broker_id for b in client.cluster_info().brokers) == [0, 1],
+        )
+        wait_until("the slave has the topic", slave.has_topic)
+        route = client.route(TOPIC)
+        assert route is not None
+        assert [(b.broker_id, b.endpoint.port) for b in route.brokers] == [(0, master.grpc_port)]
+        wait_until("in sync", lambda: master.metric("tmq_replication_sync_state_set_size") == 2)
+        # Apache's client, given the slave as its access point, is routed to the master.
+        messages = []
+        for n in range(20):
+            m = Message()
+            m.topic = TOPIC
+            m.body = f"message {n} ".encode()
+            m.keys = f"key-{n}"
+            messages.append(m)
+        assert len(send_all(slave, TOPIC, messages)) == 20  # type: ignore[arg-type]
+        master.stop()
+        slave.stop()
+        assert assert_same_replica(master.data_dir, slave.data_dir) == 20
+    finally:
+        client.close()
+        namesrv.send_signal(signal.SIGTERM)
+        namesrv.wait(30)
