@@ -19,14 +19,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
-from tests.broker_harness import REPO, free_port, send_all
+from tests.broker_harness import REPO, free_port, send_all, wait_healthy
 from tiered.config import StoreConfig
 from tiered.hot.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
@@ -104,20 +103,7 @@ sync_timeout_ms = {sync_timeout_ms}
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
         )
-        channel = grpc.insecure_channel(self.endpoint)
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"{self.name} did not become healthy"
-            time.sleep(0.2)
-        channel.close()
+        wait_healthy(self.proc, self.endpoint, self.log_path, self.name)
         return self
 
     def stop(self) -> None:

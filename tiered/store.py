@@ -287,20 +287,14 @@ class MessageStore:
                     "is empty" if cq_dir_present else "is missing",
                 )
         reput = min(max(reput, cl_min), end)
-        index_from = min(max(self.index.end_offset, cl_min), end)
-        self.dispatcher = Dispatcher(
-            self.commitlog,
-            self.queues,
-            self.index,
-            reput_offset=min(reput, index_from),
-            index_from=index_from,
-        )
+        dispatcher = self._new_dispatcher(reput, end)
+        index_from = dispatcher.index_from
         for gap in self.index.gaps(cl_min, min(index_from, end)):
-            self.dispatcher.rebuild_index(*gap)
+            dispatcher.rebuild_index(*gap)
             report.index_gaps_rebuilt.append(gap)
-        report.redispatched_bytes = end - self.dispatcher.reput_offset
-        self.dispatcher.dispatch(end)
-        self.commitlog.on_append = self.dispatcher.submit
+        report.redispatched_bytes = end - dispatcher.reput_offset
+        dispatcher.dispatch(end)
+        self.commitlog.on_append = dispatcher.submit
         for (topic, queue_id), cq in self.queues.queues.items():
             self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
         # Make what recovery kept durable before anything new is acknowledged on top of it.
@@ -311,6 +305,19 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _new_dispatcher(self, reput: int, end: int) -> Dispatcher:
+        """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
+        stop before it."""
+        index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+        self.dispatcher = Dispatcher(
+            self.commitlog,
+            self.queues,
+            self.index,
+            reput_offset=min(reput, index_from),
+            index_from=index_from,
+        )
+        return self.dispatcher
 
     def _clamp_index(self, end: int) -> None:
         """IndexFiles must not claim CommitLog bytes that recovery cut off."""
@@ -490,24 +497,16 @@ class MessageStore:
             end = self.commitlog.max_offset
             self.queues.truncate_from_physical(end)
             self._clamp_index(end)
-            reput = min(self.dispatcher.reput_offset, end)
-            index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
-            self.dispatcher = Dispatcher(
-                self.commitlog,
-                self.queues,
-                self.index,
-                reput_offset=min(reput, index_from),
-                index_from=index_from,
-            )
-            self.dispatcher.dispatch(self.commitlog.confirmed_offset)
-            self.commitlog.on_append = self.dispatcher.submit
+            dispatcher = self._new_dispatcher(min(self.dispatcher.reput_offset, end), end)
+            dispatcher.dispatch(self.commitlog.confirmed_offset)
+            self.commitlog.on_append = dispatcher.submit
             self.commitlog.reset_queue_offsets(
                 {key: cq.max_offset for key, cq in self.queues.queues.items()}
             )
             self.queues.flush()
             self.index.flush()
             self._save_checkpoint()
-            self.dispatcher.start()
+            dispatcher.start()
 
     # -- read ----------------------------------------------------------------------------------
 
