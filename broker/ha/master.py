@@ -86,6 +86,15 @@ class ReplicationMaster:
 
     def start(self) -> int:
         """Begin a new epoch at the CommitLog's end, listen for slaves; returns the port."""
+        host, port = parse_address(self.config.listen, "listen")
+        try:
+            listener = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            raise OSError(
+                f"cannot listen for replication on {self.config.listen} ([ha] listen): "
+                f"{e.strerror or e}"
+            ) from None
+        listener.settimeout(_HOUSEKEEPING_S)
         self.epochs.load()
         end = self.store.max_physical_offset
         self.epochs.truncate_from(end + 1)  # entries past the log: a crash cut the tail
@@ -93,9 +102,6 @@ class ReplicationMaster:
             self.epochs.append(0, self.store.min_physical_offset)  # history from before HA
         self.epoch = max(self.epochs.last_epoch + 1, 1)
         self.epochs.append(self.epoch, end)
-        host, port = parse_address(self.config.listen, "listen")
-        listener = socket.create_server((host, port), reuse_port=False)
-        listener.settimeout(_HOUSEKEEPING_S)
         self._listener = listener
         self.port = listener.getsockname()[1]
         self.store.add_append_listener(self._appended)
