@@ -107,7 +107,7 @@ def main() -> None:
 
         # Sequential replay of queue 1 against raw GETs of the same objects.
         fetcher = ColdFetcher(tier, "bench", "broker-a", cache_bytes=32 << 20)
-        end = fetcher.end_offset("cold", 1)
+        end = fetcher.manifest("cold", 1).end_offset
         t0 = time.perf_counter()
         offset, replayed = 0, 0
         while offset < end:

@@ -58,6 +58,7 @@ from broker.protocol import (
 )
 from broker.sql92 import SqlFilter
 from namesrv.client import NameServerClient
+from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError
@@ -441,6 +442,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             log.error("%s", e)
             yield s.ReceiveMessageResponse(status=status(d.MESSAGE_CORRUPTED, str(e)))
             return
+        except ColdTierUnavailableError as e:
+            log.warning("%s", e)
+            yield s.ReceiveMessageResponse(status=status(d.PROXY_TIMEOUT, str(e)))
+            return
         except (SegmentError, StorageError) as e:
             log.error("archive read failed: %s", e)
             yield s.ReceiveMessageResponse(
@@ -574,6 +579,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 self._wait_for_messages(deadline)
         except ProtocolError as e:
             yield s.PullMessageResponse(status=status(e.code, e.message))
+            return
+        except ColdTierUnavailableError as e:
+            # The v2 protocol's "a backend did not answer in time" (HTTP 504): retry later.
+            log.warning("%s", e)
+            yield s.PullMessageResponse(status=status(d.PROXY_TIMEOUT, str(e)))
             return
         except (SegmentError, StorageError, CorruptRecordError) as e:
             log.error("pull failed: %s", e)

@@ -176,7 +176,7 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "tmq_tier_upload_failures",
-            "Periodic uploads of a queue that failed after their retries (tier unreachable?).",
+            "Periodic uploads or expiries of a queue that failed (tier unreachable? see the log).",
             self.sources.offload_failures(),
         )
         lag = {
@@ -267,6 +267,11 @@ class BrokerCollector(Collector):
                 "tmq_cold_read_cache_hit_ratio",
                 "Share of cold reads served from the read-ahead cache since start (0 to 1).",
                 fetcher.hit_ratio,
+            )
+            yield _counter(
+                "tmq_cold_read_unavailable",
+                "Cold reads refused: the tier did not answer in time, failed, or was too busy.",
+                fetcher.unavailable,
             )
 
 

@@ -24,7 +24,7 @@ from broker.config import BrokerConfig
 from broker.ha.master import ReplicationMaster
 from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
-from broker.metadata import MetadataStore
+from broker.metadata import MetadataStore, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
@@ -83,7 +83,11 @@ class Broker:
         if config.tier_url:
             tier = open_store(config.tier_url, config.tier_options)
             self.fetcher = ColdFetcher(
-                tier, config.cluster, config.name, observe=self.metrics.observe_cold_read
+                tier,
+                config.cluster,
+                config.name,
+                tiered_queues=self._tiered_queues,
+                observe=self.metrics.observe_cold_read,
             )
             self.offloader = Offloader(
                 self.store,
@@ -111,11 +115,21 @@ class Broker:
         self._health = health.HealthServicer()
         self._threads: list[threading.Thread] = []
 
+    def _tiered_queues(self) -> list[tuple[str, int]]:
+        return [
+            (t.name, q)
+            for t in list(self.metadata.topics.values())
+            if t.tiered
+            for q in range(t.queues)
+        ]
+
     def start(self) -> int:
         """Open the store, serve, register; returns the bound port (``port = 0``: any free)."""
         self.store.start()
         try:
             self.metadata.load()
+            if self.fetcher is not None:
+                self.fetcher.start()
             if self.replication is not None:
                 self.replication.start()
             server = new_server(
@@ -254,28 +268,41 @@ class Broker:
     ) -> list[RetentionResult]:
         """Expire archived segments older than their topic's TTL, or beyond its byte limit
         (one topic, or all)."""
+        results = []
+        for cfg, queue_id in self._retained_queues(topic):
+            r = self._expire(cfg, queue_id, dry_run)
+            if r.segments:
+                results.append(r)
+        return results
+
+    def _retained_queues(self, topic: str | None = None) -> list[tuple[TopicConfig, int]]:
+        return [
+            (cfg, queue_id)
+            for cfg in list(self.metadata.topics.values())
+            if (topic is None or cfg.name == topic)
+            and cfg.tiered
+            and (cfg.retention_ms or cfg.retention_bytes)
+            for queue_id in range(cfg.queues)
+        ]
+
+    def _expire(self, cfg: TopicConfig, queue_id: int, dry_run: bool = False) -> RetentionResult:
         assert self.offloader is not None
         now = time.time_ns() // 1_000_000
-        results = []
-        for cfg in list(self.metadata.topics.values()):
-            if (topic is not None and cfg.name != topic) or not cfg.tiered:
-                continue
-            if not cfg.retention_ms and not cfg.retention_bytes:
-                continue
-            cutoff = now - cfg.retention_ms if cfg.retention_ms else 0
-            for queue_id in range(cfg.queues):
-                r = self.offloader.expire(
-                    cfg.name, queue_id, cutoff, max_bytes=cfg.retention_bytes, dry_run=dry_run
-                )
-                if r.segments:
-                    results.append(r)
-        return results
+        cutoff = now - cfg.retention_ms if cfg.retention_ms else 0
+        return self.offloader.expire(
+            cfg.name, queue_id, cutoff, max_bytes=cfg.retention_bytes, dry_run=dry_run
+        )
 
     def offload_and_release(self) -> None:
         """Upload every tiered queue the offload policy says is due, expire what retention
         says, then release the CommitLog files that the release rule allows
-        (offload/release.py). A slave does none of it: only the master uploads, and a slave
-        keeps its files until failover makes tier-aware release safe on it."""
+        (offload/release.py).
+
+        Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
+        damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
+        goes on with the other queues and with release, which keeps what it cannot prove safe
+        to delete. A slave does none of it: only the master uploads, and a slave keeps its
+        files until failover makes tier-aware release safe on it."""
         if isinstance(self.replication, ReplicationSlave):
             return
         if self.offloader is not None:
@@ -292,18 +319,27 @@ class Broker:
                         log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
                         if self.offloader.offload_queue(topic.name, queue_id).segments:
                             committed = True
-                    except OffloadError as e:
-                        self.offload_failures += 1
-                        log.error("offload of %s/%d failed: %s", topic.name, queue_id, e)
-            try:
-                self.apply_retention()
-            except OffloadError as e:
-                log.error("retention failed: %s", e)
+                    except Exception as e:
+                        self._queue_failed("offload", topic.name, queue_id, e)
+            for cfg, queue_id in self._retained_queues():
+                if self._stop.is_set():
+                    return
+                try:
+                    self._expire(cfg, queue_id)
+                except Exception as e:
+                    self._queue_failed("retention", cfg.name, queue_id, e)
             if committed:
                 failpoints.hit("offload.before_release")
         self.released_files += self.store.release_commitlog_files(
             release_predicate(self.store, self.offloader, dict(self.metadata.topics))
         )
+
+    def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
+        self.offload_failures += 1
+        if isinstance(e, OffloadError):
+            log.error("%s of %s/%d failed: %s", step, topic, queue_id, e)
+        else:  # not a storage failure the offloader knows: keep the traceback
+            log.exception("%s of %s/%d failed: %s: %s", step, topic, queue_id, type(e).__name__, e)
 
     def _start_export(self, tier_url: str) -> None:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread

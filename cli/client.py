@@ -21,6 +21,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from cli.topic import NamesrvOption, ask_namesrv, fail
 
 _TIMEOUT = 10
+# How often in a row a replay repeats a pull the broker answers PROXY_TIMEOUT (a slow cold tier).
+_COLD_RETRIES = 20
 
 
 def route(namesrv: str, topic: str) -> Any:
@@ -233,6 +235,7 @@ def replay(
         # With --limit the bar counts messages printed; without, queue offsets covered.
         task = progress.add_task(topic, total=min(total, limit) if limit else total)
         for broker_name, stub, q, mq, offset, end in ranges:
+            retries = _COLD_RETRIES
             while offset < end and (limit == 0 or printed < limit):
                 request = s.PullMessageRequest(
                     group=d.Resource(name="tmq-replay"),
@@ -241,8 +244,14 @@ def replay(
                     batch_size=256,
                 )
                 next_offset = offset
+                retry = False
                 for item in stub.PullMessage(request, timeout=60):
                     kind = item.WhichOneof("content")
+                    if kind == "status" and item.status.code == d.PROXY_TIMEOUT and retries:
+                        # The cold tier did not answer within the broker's read deadline; the
+                        # fetch goes on there, so the same pull soon finds it cached.
+                        retries, retry = retries - 1, True
+                        break
                     if kind == "status" and item.status.code not in (d.OK, d.MESSAGE_NOT_FOUND):
                         raise fail(f"{broker_name} {topic}/{q}: {item.status.message}")
                     if kind == "message" and (limit == 0 or printed < limit):
@@ -263,6 +272,10 @@ def replay(
                         printed += 1
                     if kind == "next_offset":
                         next_offset = item.next_offset
+                if retry:
+                    time.sleep(0.5)
+                    continue
+                retries = _COLD_RETRIES  # consecutive refusals count, not a replay's total
                 if next_offset <= offset:
                     break
                 done += min(next_offset, end) - offset

@@ -157,9 +157,14 @@ def verify(
     namesrv: NamesrvOption = "127.0.0.1:9876",
     repair: Annotated[bool, typer.Option(help="Delete orphaned objects.")] = False,
     deep: Annotated[bool, typer.Option(help="Re-read every object and check its CRC.")] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(help="Seconds per broker; what is not checked by then makes a WARNING."),
+    ] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Compare manifests with the bucket: OK, WARNING (orphans) or FAILURE (missing, damaged).
+    """Compare manifests with the bucket: OK, WARNING (orphans, or not all checked in time) or
+    FAILURE (missing, damaged).
 
     Example: tmq verify orders --json; exit code 0 OK, 1 WARNING, 2 FAILURE.
     """
@@ -170,6 +175,7 @@ def verify(
             f"broker {broker_name}",
             stub.Verify,
             pb.VerifyRequest(topic=topic or "", repair=repair, deep=deep),
+            timeout=timeout,
         )
         statuses.append(reply.status)
         rows += [

@@ -243,6 +243,11 @@ class Offloader:
         with self._guard:
             return self._locks.setdefault((topic, queue_id), threading.RLock())
 
+    def queue_lock(self, topic: str, queue_id: int) -> threading.RLock:
+        """The lock held while this queue uploads, commits or expires: whoever holds it sees
+        no upload of the queue under way (``tmq verify --repair`` deletes orphans under it)."""
+        return self._lock(topic, queue_id)
+
     def offload_queue(self, topic: str, queue_id: int, up_to: int | None = None) -> OffloadResult:
         """Upload dispatched messages of one queue below ``up_to`` (default: all dispatched)."""
         with self._lock(topic, queue_id):

@@ -2,26 +2,55 @@
 
 Per queue the verdict is:
 
-- FAILURE: a segment the manifest names is missing or damaged, or the manifest's segments do not
-  form one contiguous range (a read of those offsets would fail);
+- FAILURE: a segment the current manifest names is missing or damaged, or the manifest's
+  segments do not form one contiguous range (a read of those offsets would fail);
 - WARNING: objects under the queue's ``segments/`` that no manifest names (orphans: an upload
-  that crashed before its commit, or a retention pass that crashed before its deletes);
+  that crashed before its commit, or a retention pass that crashed before its deletes), or
+  segments left unchecked because the deadline came first;
 - OK otherwise.
 
-``repair`` deletes orphans (never anything the manifest names). ``deep`` re-reads every segment
-and checks its CRC instead of its size and footer.
+The tier is in use while this runs: the offloader uploads and commits, retention commits and
+then deletes. So nothing is judged on one snapshot:
+
+- a segment that looks missing or damaged is re-judged against a manifest loaded after the
+  listing: retention may have removed it from the archive meanwhile (not a failure);
+- an object no manifest named is an orphan only if, under the queue's offload lock (no upload
+  or retention of this queue under way in this process), the manifest loaded then does not
+  name it either. Only then may ``repair`` delete it, still under that lock. An object
+  uploaded but not yet committed, or committed after the first load, is never deleted.
+
+What is checked: without ``deep``, that every named object exists with the size the manifest
+records, from the listing alone (one LIST request per 1,000 segments: the footer was read
+back and compared when the object was uploaded, and objects are immutable). ``deep`` re-reads
+every segment and checks its CRC, in parallel on the caller's pool, until ``deadline``
+(``time.monotonic()``); what is left by then is counted, and makes a WARNING.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from tiered.cold.manifest import ManifestError, ManifestStore, queue_prefix
-from tiered.cold.segment import SegmentError, read_footer, verify
-from tiered.cold.storage import ObjectStore
+from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.segment import SegmentError, SegmentInfo, verify
+from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 
 OK, WARNING, FAILURE = "OK", "WARNING", "FAILURE"
 _RANK = {OK: 0, WARNING: 1, FAILURE: 2}
+# How long verify waits for a queue's offload lock before it leaves orphans unconfirmed.
+LOCK_WAIT_S = 5.0
+
+
+class QueueLock(Protocol):
+    """The offloader's per-queue lock (``Offloader.queue_lock``)."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -34,10 +63,43 @@ class QueueVerdict:
     anomalies: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    unchecked: int = 0  # segments not checked before the deadline
+    notes: list[str] = field(default_factory=list)  # what was not judged, and why
 
 
 def worst(statuses: list[str]) -> str:
     return max(statuses, key=_RANK.__getitem__, default=OK)
+
+
+def _gaps(manifest: QueueManifest) -> list[str]:
+    out = []
+    expected = manifest.start_offset
+    for info in manifest.segments:
+        if info.base_offset != expected:
+            out.append(f"{info.key}: starts at {info.base_offset}, expected {expected}")
+        expected = info.end_offset
+    return out
+
+
+def _check(tier: ObjectStore, info: SegmentInfo) -> str | None:
+    """Why this listed segment is damaged (its bytes against its CRC), or None."""
+    try:
+        verify(tier, info)
+    except ObjectNotFoundError:
+        return "missing"  # deleted since the listing (retention): re-judged below
+    except SegmentError as e:
+        return str(e)
+    return None
+
+
+@contextmanager
+def _held(lock: QueueLock, timeout: float) -> Iterator[bool]:
+    got = lock.acquire(timeout=max(0.0, timeout))
+    try:
+        yield got
+    finally:
+        if got:
+            lock.release()
 
 
 def verify_queue(
@@ -47,43 +109,90 @@ def verify_queue(
     topic: str,
     queue_id: int,
     *,
+    lock: QueueLock,
     repair: bool = False,
     deep: bool = False,
+    pool: Executor | None = None,
+    deadline: float | None = None,
 ) -> QueueVerdict:
     verdict = QueueVerdict(topic, queue_id)
-    prefix = queue_prefix(cluster, broker, topic, queue_id)
+    store = ManifestStore(tier, queue_prefix(cluster, broker, topic, queue_id))
     try:
-        manifest = ManifestStore(tier, prefix).load()
+        first = store.load()
     except ManifestError as e:
         verdict.anomalies.append(f"manifest: {e}")
         verdict.status = FAILURE
         return verdict
-    listed = {o.key: o.size for o in tier.list(f"{prefix}segments/")}
-    expected = manifest.start_offset
-    for info in manifest.segments:
-        if info.base_offset != expected:
-            verdict.anomalies.append(
-                f"{info.key}: starts at {info.base_offset}, expected {expected}"
+    listed = {o.key: o.size for o in tier.list(f"{store.prefix}segments/")}
+
+    suspects = {s.key: "missing" for s in first.segments if s.key not in listed}
+    for info in first.segments:
+        if info.key in listed and listed[info.key] != info.size:
+            suspects[info.key] = (
+                f"{info.key}: {listed[info.key]} bytes, the manifest says {info.size}"
             )
-        expected = info.end_offset
-        if info.key not in listed:
-            verdict.missing.append(info.key)
-            continue
-        try:
-            if deep:
-                verify(tier, info)
-            elif listed[info.key] != info.size or read_footer(tier, info.key) != info:
-                raise SegmentError(f"{info.key}: size or footer differs from the manifest")
-        except SegmentError as e:
-            verdict.damaged.append(str(e))
-    named = {s.key for s in manifest.segments}
-    verdict.orphans = sorted(k for k in listed if k not in named)
-    if repair:
-        for key in verdict.orphans:
-            tier.delete(key)
-            verdict.repaired.append(key)
+    present = [s for s in first.segments if s.key not in suspects] if deep else []
+    results: dict[str, str | None] = {}
+    if pool is None:
+        for info in present:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            results[info.key] = _check(tier, info)
+    else:
+        futures = {s.key: pool.submit(_check, tier, s) for s in present}
+        for key, future in futures.items():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0 and not future.done():
+                future.cancel()
+                continue
+            try:
+                results[key] = future.result(timeout=remaining)
+            except TimeoutError:
+                future.cancel()
+    verdict.unchecked = len(present) - len(results)
+    suspects.update({k: why for k, why in results.items() if why is not None})
+    gaps = _gaps(first)
+
+    latest = first
+    if suspects or gaps:
+        # Retention may have moved the archive on since the first load: judge the survivors.
+        latest = store.load()
+        named_now = {s.key for s in latest.segments}
+        for key, why in sorted(suspects.items()):
+            if key not in named_now:
+                continue
+            if why == "missing":
+                if tier.size(key) is None:
+                    verdict.missing.append(key)
+            else:
+                verdict.damaged.append(why)
+        gaps = _gaps(latest)
+    verdict.anomalies += gaps
+
+    named = {s.key for s in first.segments} | {s.key for s in latest.segments}
+    candidates = sorted(k for k in listed if k not in named)
+    if candidates:
+        wait = LOCK_WAIT_S if deadline is None else min(LOCK_WAIT_S, deadline - time.monotonic())
+        with _held(lock, wait) as locked:
+            if not locked:
+                verdict.notes.append(
+                    f"{len(candidates)} object(s) not in the manifest left unjudged: the queue "
+                    "was busy uploading or expiring"
+                )
+            else:
+                # Nothing of this queue is being uploaded or expired now: what the current
+                # manifest does not name is left over from an interrupted run.
+                current = {s.key for s in store.load().segments}
+                still = {o.key for o in tier.list(f"{store.prefix}segments/")}
+                verdict.orphans = [k for k in candidates if k in still and k not in current]
+                if repair:
+                    for key in verdict.orphans:
+                        tier.delete(key)
+                        verdict.repaired.append(key)
+    if verdict.unchecked:
+        verdict.notes.append(f"{verdict.unchecked} segment(s) not checked before the deadline")
     if verdict.missing or verdict.damaged or verdict.anomalies:
         verdict.status = FAILURE
-    elif verdict.orphans and not repair:
+    elif (verdict.orphans and not repair) or verdict.unchecked:
         verdict.status = WARNING
     return verdict

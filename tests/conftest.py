@@ -86,7 +86,8 @@ class S3Endpoint:
     url: str
     kind: str  # "localstack" or "moto"
 
-    def client(self) -> Any:
+    def client(self, config: Any = None) -> Any:
+        """A boto3 S3 client; ``config``: a ``botocore.config.Config`` (timeouts, retries)."""
         import boto3
 
         return boto3.client(
@@ -95,6 +96,7 @@ class S3Endpoint:
             region_name="us-east-1",
             aws_access_key_id="test",
             aws_secret_access_key="test",
+            config=config,
         )
 
     def storage_options(self) -> dict[str, Any]:
@@ -159,6 +161,29 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     STARTED_BY_TESTS.unlink()
     _load_localstack_manager().stop()
+
+
+def load_fault_proxy() -> Any:
+    """``localstack/fault_proxy.py`` (a script, not a package), loaded once."""
+    module = sys.modules.get("tmq_fault_proxy")
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            "tmq_fault_proxy", TESTS.parent / "localstack" / "fault_proxy.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tmq_fault_proxy"] = module  # dataclasses resolve their module by name
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fault_proxy(s3: S3Endpoint) -> Iterator[Any]:
+    """A fault-injecting HTTP proxy (localstack/fault_proxy.py) in front of the test S3; use
+    ``S3Endpoint(proxy.url, ...)`` to talk through it. Stopped (and healed) at the end."""
+    proxy = load_fault_proxy().FaultProxy(s3.url, seed=1).start()
+    yield proxy
+    proxy.stop()
 
 
 @pytest.fixture

@@ -136,6 +136,7 @@ def test_metrics_after_traffic_hold_the_documented_names_with_sane_values(
     assert m["tmq_tier_download_bytes_total"][()] > 0
     assert 0 <= m["tmq_cold_read_cache_hit_ratio"][()] <= 1
     assert m["tmq_cold_read_cache_misses_total"][()] > 0
+    assert m["tmq_cold_read_unavailable_total"][()] == 0  # a healthy tier refuses no read
     segments = m["tmq_tier_upload_segments_total"][()]
     assert m["tmq_retention_deleted_segments_total"][()] == segments
     assert m["tmq_retention_deleted_messages_total"][()] == SENT

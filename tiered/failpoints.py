@@ -3,13 +3,16 @@ exact step (as FoundationDB's and TiKV's failpoints do).
 
 ``TMQ_FAILPOINTS=offload.before_commit`` makes the process SIGKILL itself the first time it
 reaches that point: no cleanup handler, no flush, no ``finally`` runs, exactly as ``kill -9``.
-Unarmed (the default), ``hit`` costs one set lookup.
+``TMQ_FAILPOINTS=release.mid_switch=sleep:1.5`` instead pauses there for 1.5 s every time, to
+widen a race window a test wants to hit. Unarmed (the default), ``hit`` costs one dict lookup.
 
 Points:
 - ``offload.before_commit``: a segment object is written and verified; its manifest is not
   committed.
 - ``offload.before_release``: the manifest is committed; no local CommitLog file is released.
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
+- ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are
+  routed past them / the files are deleted).
 """
 
 from __future__ import annotations
@@ -17,15 +20,34 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 log = logging.getLogger(__name__)
 
-_ARMED = frozenset(p.strip() for p in os.environ.get("TMQ_FAILPOINTS", "").split(",") if p.strip())
+
+def _parse(spec: str) -> dict[str, float | None]:
+    """``name`` (kill) or ``name=sleep:SECONDS``, comma-separated."""
+    armed: dict[str, float | None] = {}
+    for item in (p.strip() for p in spec.split(",")):
+        if not item:
+            continue
+        name, _, action = item.partition("=")
+        armed[name] = float(action.removeprefix("sleep:")) if action.startswith("sleep:") else None
+    return armed
+
+
+_ARMED = _parse(os.environ.get("TMQ_FAILPOINTS", ""))
 
 
 def hit(name: str) -> None:
-    if name in _ARMED:
-        log.critical("failpoint %s: killing this process (SIGKILL)", name)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    if name not in _ARMED:
+        return
+    pause = _ARMED[name]
+    if pause is not None:
+        log.warning("failpoint %s: pausing %.2fs", name, pause)
+        time.sleep(pause)
+        return
+    log.critical("failpoint %s: killing this process (SIGKILL)", name)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
@@ -158,11 +159,17 @@ def check_geometry(config: StoreConfig) -> None:
 
 
 class ColdReader(Protocol):
-    """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``)."""
+    """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``).
+
+    ``start_offset``, ``end_offset`` and ``may_hold`` answer from what the reader last loaded:
+    hot reads call them, and a hot read never waits on the object store. ``get`` and the
+    lookups are cold reads, each with its own deadline."""
 
     def start_offset(self, topic: str, queue_id: int) -> int | None: ...
 
     def end_offset(self, topic: str, queue_id: int) -> int: ...
+
+    def may_hold(self, topic: str, queue_id: int, offset: int) -> bool: ...
 
     def get(
         self,
@@ -590,18 +597,27 @@ class MessageStore:
         if messages:
             status = GetStatus.FOUND
         elif nxt == offset and offset < cq.min_offset:
+            # Released while this read was under way: the tier holds it now (or nobody does).
+            if (
+                not hot_only
+                and self.cold is not None
+                and self._from_cold(topic, queue_id, offset, cq)
+            ):
+                return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
             status = GetStatus.OFFSET_TOO_SMALL
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
 
     def _from_cold(self, topic: str, queue_id: int, offset: int, cq: ConsumeQueue) -> bool:
+        """Whether this read goes to the tier: below the hot store, when the tier may hold it
+        (or, with ``read_from_tier = "force"``, whenever it does). Answers from cached state."""
         assert self.cold is not None
-        start = self.cold.start_offset(topic, queue_id)
-        if start is None or offset < start:
-            return False
         if offset < cq.min_offset:
-            return True
-        return self.config.read_from_tier == "force" and offset < self.cold.end_offset(
-            topic, queue_id
+            return self.cold.may_hold(topic, queue_id, offset)
+        start = self.cold.start_offset(topic, queue_id)
+        return (
+            self.config.read_from_tier == "force"
+            and start is not None
+            and start <= offset < self.cold.end_offset(topic, queue_id)
         )
 
     def _get_cold(
@@ -688,6 +704,8 @@ class MessageStore:
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
+                if self.cold.start_offset(topic, queue_id) is None:
+                    continue  # no archive known for this queue: not a cold lookup
                 for m in self.cold.query_by_key(
                     topic, queue_id, key, begin_ms, end_ms, max_count - len(found)
                 ):
@@ -735,9 +753,14 @@ class MessageStore:
                 count += 1
             if not count:
                 return 0
-            self.commitlog.delete_files_before(count)
-            cl_min = self.commitlog.min_offset
+            # Readers first, files second: once the queue minimums have moved past the files,
+            # every new read of those offsets goes to the tier (or is told OFFSET_TOO_SMALL);
+            # a read already under way that finds its file gone is re-routed by get_messages.
+            # Deleting first would let a reader see "no message" in the middle of its history.
+            cl_min = files[count].from_offset if count < len(files) else files[-1].end_offset
             self.queues.correct_min_offsets(cl_min)
             self.index.delete_before(cl_min)
+            failpoints.hit("release.mid_switch")
+            self.commitlog.delete_files_before(count)
             log.info("released %d CommitLog file(s); CommitLog now starts at %d", count, cl_min)
             return count

@@ -1,11 +1,18 @@
 """The cold-read path: messages the hot store no longer (or never) holds, served from segments.
 
-- Manifests are cached per queue and refreshed after ``manifest_ttl_s`` (or when a read runs
-  past the cached end), so a random read costs two ranged GETs (offset-table entries, records).
+- Manifests are cached per queue. The hot path (``start_offset``, ``end_offset``, ``may_hold``,
+  which every read and ``min_offset`` call) only ever reads that cache: it never waits on the
+  object store. A background thread (``tmq-cold-manifests``) loads and refreshes the manifests
+  of tiered queues every ``manifest_ttl_s``; a commit in this process updates the cache at once
+  (``set_manifest``). During an outage the last manifest stays in use.
+- A cold read has its own deadline (``read_timeout_s``, shorter than a client's request
+  timeout): past it, or when the store fails, it raises ``ColdTierUnavailableError`` rather than
+  hold the request thread for the SDK's own timeouts and retries.
 - A byte-bounded read-ahead cache holds decoded batches; a sequential reader's next batch is
   fetched in the background while it consumes the current one.
-- The fetcher owns its thread pool (``workers``): replays from the archive queue there, bounded,
-  and never run on the broker's append path.
+- The fetcher owns its thread pool (``workers``) and bounds the fetches queued on it
+  (``max_inflight``): replays from the archive queue there, and never run on the broker's
+  append path.
 - A missing or damaged object raises ``SegmentError``: loud, never a silent gap.
 """
 
@@ -15,21 +22,29 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
-from tiered.cold.manifest import ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
-from tiered.cold.storage import ObjectStore
+from tiered.cold.storage import ObjectStore, StorageError
 from tiered.record import StoredMessage
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A read fetches about this many bytes of records with one ranged GET: big enough that request
 # latency is not the limit, small enough for a consumer's first message to come quickly.
 BATCH_BYTES = 1 << 20
 # How many batches past the current one a sequential reader has in flight.
 READ_AHEAD = 2
+
+
+class ColdTierUnavailableError(StorageError):
+    """The object store did not answer a cold read within its deadline, or failed it."""
 
 
 class ColdFetcher:
@@ -42,46 +57,165 @@ class ColdFetcher:
         workers: int = 4,
         cache_bytes: int = 64 << 20,
         manifest_ttl_s: float = 5.0,
+        read_timeout_s: float = 2.5,
+        max_inflight: int = 64,
+        tiered_queues: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
         observe: Callable[[float, int], None] | None = None,
     ) -> None:
-        """``observe(seconds, bytes)`` is told of every segment read (metrics)."""
+        """``tiered_queues()`` names the queues whose manifests the background thread keeps
+        fresh (the broker's tiered topics); ``observe(seconds, bytes)`` is told of every
+        segment read (metrics)."""
         self.tier = tier
         self.cluster = cluster
         self.broker = broker
         self.cache_bytes = cache_bytes
         self.manifest_ttl_s = manifest_ttl_s
+        self.read_timeout_s = read_timeout_s
+        self.max_inflight = max_inflight
+        self._tiered_queues = tiered_queues
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmq-cold-fetch")
         self._manifests: dict[tuple[str, int], tuple[float, QueueManifest]] = {}
         self._cache: OrderedDict[tuple[str, int], list[StoredMessage]] = OrderedDict()
         self._cached_bytes = 0
         self._inflight: dict[tuple[str, int], Future[list[StoredMessage]]] = {}
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._refresher: threading.Thread | None = None
         self.hits = 0
         self.misses = 0
         self.bytes_fetched = 0
+        self.unavailable = 0  # cold reads refused: deadline passed, store failed, or too busy
         self._observe = observe
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background thread that keeps tiered queues' manifests fresh."""
+        self._refresher = threading.Thread(
+            target=self._refresh_loop, name="tmq-cold-manifests", daemon=True
+        )
+        self._refresher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._refresher is not None:
+            self._refresher.join(timeout=5)
+
+    def _refresh_loop(self) -> None:
+        failing: set[tuple[str, int]] = set()
+        while not self._stop.is_set():
+            try:
+                wanted = set(self._tiered_queues())
+            except Exception:  # metadata being rewritten: next round
+                log.exception("cold manifests: cannot list the tiered queues")
+                wanted = set()
+            now = time.monotonic()
+            for key in sorted(wanted | set(self._manifests)):
+                if self._stop.is_set():
+                    return
+                cached = self._manifests.get(key)
+                if cached is not None and now - cached[0] < self.manifest_ttl_s:
+                    continue
+                try:
+                    self._load(*key)
+                    if key in failing:
+                        failing.discard(key)
+                        log.info("%s/%d: the cold tier answers again", *key)
+                except (StorageError, ManifestError) as e:
+                    if key not in failing:  # once per outage, not every round
+                        failing.add(key)
+                        log.warning(
+                            "%s/%d: manifest refresh failed (%s); cold reads use the last "
+                            "one loaded",
+                            *key,
+                            e,
+                        )
+            self._wake.wait(max(0.5, self.manifest_ttl_s / 2))
+            self._wake.clear()
 
     # -- manifests -------------------------------------------------------------------------------
 
-    def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
+    def _load(self, topic: str, queue_id: int) -> QueueManifest:
+        prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
+        loaded_at = time.monotonic()
+        manifest = ManifestStore(self.tier, prefix).load()
         key = (topic, queue_id)
-        cached = self._manifests.get(key)
-        if cached is None or refresh or time.monotonic() - cached[0] > self.manifest_ttl_s:
-            prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
-            cached = (time.monotonic(), ManifestStore(self.tier, prefix).load())
-            self._manifests[key] = cached
+        with self._lock:
+            # A commit that landed while this load was under way is newer: keep it.
+            current = self._manifests.get(key)
+            if current is None or current[1].version <= manifest.version:
+                self._manifests[key] = (loaded_at, manifest)
+            else:
+                manifest = current[1]
+        return manifest
+
+    def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
+        """The queue's manifest, loaded from the tier when not cached or ``refresh`` (a
+        blocking call: for cold reads and tools, never for the hot path)."""
+        cached = self._manifests.get((topic, queue_id))
+        if cached is None or refresh:
+            return self._load(topic, queue_id)
         return cached[1]
 
     def set_manifest(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
         """A manifest this process just committed: newer than anything cached."""
-        self._manifests[(topic, queue_id)] = (time.monotonic(), manifest)
+        with self._lock:
+            self._manifests[(topic, queue_id)] = (time.monotonic(), manifest)
+
+    def cached(self, topic: str, queue_id: int) -> QueueManifest | None:
+        entry = self._manifests.get((topic, queue_id))
+        return entry[1] if entry is not None else None
 
     def start_offset(self, topic: str, queue_id: int) -> int | None:
-        m = self.manifest(topic, queue_id)
-        return m.start_offset if m.segments else None
+        """Where the archive starts, as last known (None: empty or not known yet). Never
+        waits on the object store."""
+        m = self.cached(topic, queue_id)
+        return m.start_offset if m is not None and m.segments else None
 
     def end_offset(self, topic: str, queue_id: int) -> int:
-        return self.manifest(topic, queue_id).end_offset
+        """The tier watermark as last known (0 when not known yet). Never waits."""
+        m = self.cached(topic, queue_id)
+        return m.end_offset if m is not None else 0
+
+    def may_hold(self, topic: str, queue_id: int, offset: int) -> bool:
+        """Whether a read of ``offset`` (below the hot store) should ask the tier: the cached
+        manifest holds it, or no manifest is known yet for a tiered queue (the read loads it,
+        within its deadline). Never waits on the object store."""
+        m = self.cached(topic, queue_id)
+        if m is not None:
+            return bool(m.segments) and m.start_offset <= offset
+        try:
+            tiered = (topic, queue_id) in set(self._tiered_queues())
+        except Exception:
+            tiered = False
+        if tiered:
+            self._wake.set()
+        return tiered
+
+    def _within_deadline(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the fetcher's pool and wait at most ``read_timeout_s`` for it."""
+        with self._lock:
+            busy = len(self._inflight) >= self.max_inflight
+        if busy:
+            self.unavailable += 1
+            raise ColdTierUnavailableError(f"{what}: the cold-read queue is full; retry later")
+        future = self._pool.submit(fn)
+        return self._wait(what, future)
+
+    def _wait(self, what: str, future: Future[T]) -> T:
+        try:
+            return future.result(timeout=self.read_timeout_s)
+        except FutureTimeout:
+            self.unavailable += 1
+            raise ColdTierUnavailableError(
+                f"{what}: the cold tier did not answer within {self.read_timeout_s:g} s"
+            ) from None
+        except StorageError as e:
+            self.unavailable += 1
+            raise ColdTierUnavailableError(f"{what}: the cold tier is unavailable: {e}") from e
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -95,12 +229,15 @@ class ColdFetcher:
         max_bytes: int = 4 << 20,
     ) -> tuple[list[StoredMessage], int]:
         """Up to ``max_count`` messages from ``offset`` within one segment, and the next offset.
-        Raises ``SegmentError`` when the archive does not hold ``offset``."""
-        manifest = self.manifest(topic, queue_id)
+        Raises ``SegmentError`` when the archive does not hold ``offset``, and
+        ``ColdTierUnavailableError`` when the object store does not answer in time."""
+        what = f"{topic}/{queue_id} offset {offset}"
+        manifest = self.cached(topic, queue_id)
+        if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
+            manifest = self._within_deadline(
+                what, lambda: self.manifest(topic, queue_id, refresh=True)
+            )
         info = manifest.find(offset)
-        if info is None and offset >= manifest.end_offset:
-            manifest = self.manifest(topic, queue_id, refresh=True)
-            info = manifest.find(offset)
         if info is None:
             raise SegmentError(
                 f"{topic}/{queue_id}: offset {offset} is not in the archive "
@@ -110,7 +247,7 @@ class ColdFetcher:
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            batch = self._batch(info, next_offset)
+            batch = self._batch(info, next_offset, what)
             for m in batch[next_offset - batch[0].queue_offset :]:
                 next_offset = m.queue_offset + 1
                 if tag_filter is None or tag_filter(m):
@@ -128,8 +265,8 @@ class ColdFetcher:
         average = max(1, info.size // max(1, info.count))
         return max(16, min(4096, BATCH_BYTES // average))
 
-    def _batch(self, info: SegmentInfo, offset: int) -> list[StoredMessage]:
-        """The cached batch holding ``offset``."""
+    def _batch(self, info: SegmentInfo, offset: int, what: str) -> list[StoredMessage]:
+        """The cached batch holding ``offset``, fetched within the read deadline."""
         n = self._batch_len(info)
         start = info.base_offset + (offset - info.base_offset) // n * n
         key = (info.key, start)
@@ -143,7 +280,10 @@ class ColdFetcher:
             if future is None:
                 self.misses += 1
                 future = self._submit(info, start)
-            batch = future.result()
+                if future is None:
+                    self.unavailable += 1
+                    raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
+            batch = self._wait(what, future)
         for ahead in range(1, READ_AHEAD + 1):  # read-ahead for a sequential reader
             nxt = start + ahead * n
             if nxt >= info.end_offset:
@@ -151,15 +291,19 @@ class ColdFetcher:
             with self._lock:
                 wanted = (info.key, nxt) not in self._cache
             if wanted:
-                self._submit(info, nxt)  # joins a fetch already in flight
+                self._submit(info, nxt)  # joins a fetch already in flight; skipped when full
         return batch
 
-    def _submit(self, info: SegmentInfo, start: int) -> Future[list[StoredMessage]]:
+    def _submit(self, info: SegmentInfo, start: int) -> Future[list[StoredMessage]] | None:
+        """The fetch of this batch, started or joined; None when ``max_inflight`` fetches are
+        already queued (the pool's queue is bounded by this, not by the executor)."""
         key = (info.key, start)
         with self._lock:
             existing = self._inflight.get(key)
             if existing is not None:
                 return existing
+            if len(self._inflight) >= self.max_inflight:
+                return None
             future = self._pool.submit(self._fetch, info, start)
             self._inflight[key] = future
         return future
@@ -186,13 +330,24 @@ class ColdFetcher:
                 self._inflight.pop(key, None)
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:
-        manifest = self.manifest(topic, queue_id)
-        for info in manifest.segments:
-            if info.max_store_timestamp >= timestamp_ms:
-                return SegmentReader(self.tier, info).offset_for_timestamp(timestamp_ms)
-        return manifest.end_offset
+        def work() -> int:
+            manifest = self.manifest(topic, queue_id)
+            for info in manifest.segments:
+                if info.max_store_timestamp >= timestamp_ms:
+                    return SegmentReader(self.tier, info).offset_for_timestamp(timestamp_ms)
+            return manifest.end_offset
+
+        return self._within_deadline(f"{topic}/{queue_id} time {timestamp_ms}", work)
 
     def query_by_key(
+        self, topic: str, queue_id: int, key: str, begin_ms: int, end_ms: int, limit: int
+    ) -> list[StoredMessage]:
+        return self._within_deadline(
+            f"{topic}/{queue_id} key {key!r}",
+            lambda: self._query_by_key(topic, queue_id, key, begin_ms, end_ms, limit),
+        )
+
+    def _query_by_key(
         self, topic: str, queue_id: int, key: str, begin_ms: int, end_ms: int, limit: int
     ) -> list[StoredMessage]:
         found: list[StoredMessage] = []
@@ -214,6 +369,3 @@ class ColdFetcher:
     def hit_ratio(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
