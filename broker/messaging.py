@@ -30,6 +30,7 @@ from broker.metadata import (
     PERM_READ,
     PERM_WRITE,
     GroupConfig,
+    GroupLimitError,
     InvalidNameError,
     Limits,
     MetadataStore,
@@ -62,7 +63,7 @@ from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError
-from tiered.store import GetStatus, InvalidMessageError, MessageStore
+from tiered.store import GetStatus, InvalidMessageError, MessageStore, StoreUnwritableError
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 raise ProtocolError(
                     d.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist"
                 )
-            cfg = GroupConfig(name=name)
-            self.metadata.put_group(cfg)
+            try:
+                cfg = self.metadata.auto_create_group(name, self.limits.max_auto_created_groups)
+            except GroupLimitError as e:
+                raise ProtocolError(d.CONSUMER_GROUP_NOT_FOUND, str(e)) from None
         return cfg
 
     def _route_queues(self, topic: str, namespace: str) -> list[d.MessageQueue]:
@@ -375,6 +378,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 raise ProtocolError(d.BAD_REQUEST, str(e)) from None
             except ReplicationError as e:
                 raise ProtocolError(_replication_code(e), str(e)) from None
+            except StoreUnwritableError as e:
+                # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full")
+                # with INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
+                log.error("send refused: %s", e)
+                raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
             entries = [
                 s.SendResultEntry(

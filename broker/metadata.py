@@ -2,9 +2,16 @@
 
 Each is one JSON document under ``{data_dir}/config/``, like RocketMQ's ``topics.json``,
 ``subscriptionGroup.json`` and ``consumerOffset.json``, replaced atomically (temporary file,
-fsync, rename) so a crash leaves the old or the new version. Topic and group changes are saved
-at once; consumer offsets, which move constantly, are saved periodically and on shutdown (a crash
-can replay what was consumed since the last save: at-least-once, as in RocketMQ).
+fsync, rename, fsync of the directory) so a crash leaves the old or the new version. Topic changes
+are saved at once; consumer offsets, which move constantly, are saved periodically and on shutdown
+(a crash can replay what was consumed since the last save: at-least-once, as in RocketMQ).
+
+Groups are created by clients on first use, so there may be thousands and one arrives with
+every new consumer: rewriting ``groups.json`` for each cost 83 ms after 3,000 groups. A group
+change is instead one fsynced line appended to ``groups.log``; ``groups.json`` is a snapshot,
+rewritten (and the log emptied) once the log holds more lines than the snapshot has groups, so
+the cost per group stays flat. Loading reads the snapshot, then replays the log; a torn last
+line (a crash during its append, never acknowledged) is ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from tiered.hot.durable import fsync_dir, make_dirs, write_file
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +111,22 @@ class GroupConfig:
     # Deliveries before a message goes to the dead-letter queue.
     max_delivery_attempts: int = DEFAULT_MAX_DELIVERY_ATTEMPTS
     fifo: bool = False
+    # Created by a client's first request rather than by an operator (counts against the cap).
+    auto_created: bool = False
+
+
+class GroupLimitError(RuntimeError):
+    """The broker already holds as many auto-created groups as it is configured to allow."""
+
+
+# The log is folded into the snapshot once it has this many lines or more than the snapshot has
+# groups: amortised, every group is written a bounded number of times.
+_MIN_COMPACT_LINES = 1024
 
 
 def _save(path: Path, document: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        json.dump(document, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    make_dirs(path.parent)
+    write_file(path, json.dumps(document, indent=1, sort_keys=True).encode())
 
 
 def _load(path: Path) -> Any:
@@ -134,6 +149,13 @@ class MetadataStore:
         # (group, topic, queue) -> next queue offset to consume
         self._offsets: dict[tuple[str, str, int], int] = {}
         self._offsets_dirty = False
+        self._group_log: int | None = None  # descriptor of groups.log, opened on first append
+        self._group_log_lines = 0
+        self.auto_created_groups = 0
+
+    @property
+    def _group_log_path(self) -> Path:
+        return self.dir / "groups.log"
 
     def load(self) -> None:
         for raw in _load(self.dir / "topics.json") or []:
@@ -142,6 +164,8 @@ class MetadataStore:
         for raw in _load(self.dir / "groups.json") or []:
             g = GroupConfig(**raw)
             self.groups[g.name] = g
+        self._replay_group_log()
+        self.auto_created_groups = sum(g.auto_created for g in self.groups.values())
         for row in _load(self.dir / "consumer_offsets.json") or []:
             self._offsets[(row["group"], row["topic"], row["queue"])] = row["offset"]
 
@@ -165,9 +189,86 @@ class MetadataStore:
     # -- groups --------------------------------------------------------------------------------
 
     def put_group(self, cfg: GroupConfig) -> None:
+        """Create or replace a group; durable when this returns."""
         with self._lock:
-            self.groups[cfg.name] = cfg
-            _save(self.dir / "groups.json", [asdict(g) for g in self.groups.values()])
+            self._put_group(cfg)
+
+    def auto_create_group(self, name: str, limit: int) -> GroupConfig:
+        """The group ``name``, created as a client's first request creates it, unless ``limit``
+        auto-created groups exist already (``GroupLimitError``)."""
+        with self._lock:
+            existing = self.groups.get(name)
+            if existing is not None:
+                return existing
+            if self.auto_created_groups >= limit:
+                raise GroupLimitError(
+                    f"consumer group {name} does not exist and this broker already auto-created "
+                    f"{self.auto_created_groups} groups (limits.max_auto_created_groups = "
+                    f"{limit}); create the group with the admin API or raise the limit"
+                )
+            cfg = GroupConfig(name=name, auto_created=True)
+            self._put_group(cfg)
+            return cfg
+
+    def _put_group(self, cfg: GroupConfig) -> None:
+        old = self.groups.get(cfg.name)
+        self._append_group(cfg)
+        self.groups[cfg.name] = cfg
+        self.auto_created_groups += int(cfg.auto_created) - int(bool(old and old.auto_created))
+        if self._group_log_lines >= max(_MIN_COMPACT_LINES, len(self.groups)):
+            self._compact_groups()
+
+    def _append_group(self, cfg: GroupConfig) -> None:
+        if self._group_log is None:
+            make_dirs(self.dir)
+            fresh = not self._group_log_path.exists()
+            self._group_log = os.open(
+                self._group_log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+            )
+            if fresh:
+                fsync_dir(self.dir)
+        line = (json.dumps(asdict(cfg), sort_keys=True) + "\n").encode()
+        os.write(self._group_log, line)
+        os.fdatasync(self._group_log)
+        self._group_log_lines += 1
+
+    def _compact_groups(self) -> None:
+        """Fold the log into the snapshot: snapshot first, then an empty log. A crash between
+        the two replays lines the snapshot already holds, which changes nothing."""
+        _save(self.dir / "groups.json", [asdict(g) for g in self.groups.values()])
+        if self._group_log is not None:
+            os.close(self._group_log)
+            self._group_log = None
+        write_file(self._group_log_path, b"")
+        self._group_log_lines = 0
+
+    def _replay_group_log(self) -> None:
+        try:
+            raw = self._group_log_path.read_bytes()
+        except FileNotFoundError:
+            return
+        lines = raw.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line:
+                continue
+            try:
+                g = GroupConfig(**json.loads(line))
+            except (ValueError, TypeError) as e:
+                if i == len(lines) - 1:  # no newline after it: a torn append
+                    log.warning("%s: ignoring a torn last line", self._group_log_path)
+                    break
+                raise RuntimeError(
+                    f"{self._group_log_path} line {i + 1} is damaged ({e}); restore it from a "
+                    "backup"
+                ) from e
+            self.groups[g.name] = g
+            self._group_log_lines += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._group_log is not None:
+                os.close(self._group_log)
+                self._group_log = None
 
     def group(self, name: str) -> GroupConfig | None:
         return self.groups.get(name)
@@ -194,8 +295,9 @@ class MetadataStore:
         offsets = {(r["group"], r["topic"], r["queue"]): r["offset"] for r in snapshot["offsets"]}
         with self._lock:
             self.topics, self.groups, self._offsets = topics, groups, offsets
+            self.auto_created_groups = sum(g.auto_created for g in groups.values())
             _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
-            _save(self.dir / "groups.json", [asdict(g) for g in groups.values()])
+            self._compact_groups()  # groups.json becomes the master's, and groups.log empty
         self.flush_offsets(force=True)
 
     # -- consumer offsets ----------------------------------------------------------------------
@@ -232,3 +334,6 @@ class Limits:
     max_properties_bytes: int = 16 * 1024
     max_batch: int = 1024
     max_receive_batch: int = 32
+    # Groups a client may create by naming them (RocketMQ's autoCreateSubscriptionGroup, with
+    # a ceiling): each also brings a retry and a dead-letter topic when it is used.
+    max_auto_created_groups: int = 10_000

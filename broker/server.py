@@ -390,6 +390,7 @@ class Broker:
         self.metadata.flush_offsets(force=True)
         if self.replication is not None:
             self.replication.stop()
+        self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
         self.store.shutdown()

@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -63,6 +64,10 @@ def export(
         bool, typer.Option("--continuous", help="Keep exporting newly committed segments.")
     ] = False,
     trigger: Annotated[str, typer.Option(help="Continuous: micro-batch interval.")] = "10s",
+    compact_every: Annotated[
+        str,
+        typer.Option(help="Continuous: compact each partition's small files this often (0: off)."),
+    ] = "5m",
     master: Annotated[str, typer.Option(help="Spark master (local[*], spark://…, yarn).")] = (
         "local[*]"
     ),
@@ -97,6 +102,7 @@ def export(
         raise fail(f"--engine: {engine!r} is not delta-rs or delta-spark", 2)
     try:
         trigger_s = parse_duration_ms(trigger) / 1000
+        compact_s = parse_duration_ms(compact_every) / 1000
         max_bytes = parse_size(max_bytes_per_trigger)
     except ValueError as e:
         raise fail(str(e), 2) from None
@@ -120,6 +126,7 @@ def export(
         lake_root=lake_root,
         topics=list(topics) if topics else None,
         trigger_seconds=trigger_s,
+        compact_every_seconds=compact_s or None,
         checkpoint_dir=checkpoint,
         max_bytes_per_trigger=max_bytes,
         max_segments_per_trigger=max_segments_per_trigger,
@@ -133,7 +140,7 @@ def export(
         # SIGTERM (the broker's stop, kill) and Ctrl-C end the query after the current batch.
         signal.signal(signal.SIGTERM, lambda *_: job.stop())
         signal.signal(signal.SIGINT, lambda *_: job.stop())
-        with _batch_progress(job, show=once and not as_json and sys.stderr.isatty()):
+        with _batch_progress(job, show=once and not as_json):
             report = job.run(once=once)
     except ExportError as e:
         raise fail(f"export: {e}") from None
@@ -143,6 +150,7 @@ def export(
         "rows": report.rows,
         "batches": len(report.batches),
         "offsets": report.offsets,
+        "stopped": report.stopped,
     }
     if as_json:
         typer.echo(json.dumps(summary))
@@ -151,12 +159,38 @@ def export(
             f"exported {report.rows} rows in {len(report.batches)} batch(es); "
             f"{len(report.offsets)} queue(s) exported"
         )
+    if report.stopped:
+        for line in report.stopped.values():
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(1)
 
 
 @contextlib.contextmanager
 def _batch_progress(job: Any, show: bool) -> Iterator[None]:
-    """A progress line on stderr while a backfill runs: rows committed, batches, time."""
+    """Progress on stderr while a backfill runs: rows and MB committed, and the rate. A live
+    line on a terminal, one line per batch otherwise (logs, CI)."""
     if not show:
+        yield
+        return
+    started = time.monotonic()
+    totals = {"rows": 0, "bytes": 0}
+
+    def line() -> str:
+        elapsed = max(time.monotonic() - started, 1e-3)
+        return (
+            f"exported {totals['rows']:,} rows, {totals['bytes'] / 1e6:,.1f} MB in "
+            f"{len(job.batches)} batch(es), {totals['rows'] / elapsed:,.0f} rows/s, "
+            f"{totals['bytes'] / 1e6 / elapsed:,.1f} MB/s"
+        )
+
+    if not sys.stderr.isatty():
+
+        def log_batch(batch: Any) -> None:
+            totals["rows"] += batch.rows
+            totals["bytes"] += batch.bytes
+            print(line(), file=sys.stderr, flush=True)
+
+        job.on_batch = log_batch
         yield
         return
     from rich.console import Console
@@ -164,15 +198,17 @@ def _batch_progress(job: Any, show: bool) -> Iterator[None]:
 
     with Progress(
         SpinnerColumn(),
-        TextColumn("exporting: {task.completed:,.0f} rows, {task.fields[batches]} batch(es)"),
+        TextColumn("{task.fields[line]}"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
         transient=True,
     ) as progress:
-        task = progress.add_task("export", total=None, batches=0)
+        task = progress.add_task("export", total=None, line="planning the first batch…")
 
         def advance(batch: Any) -> None:
-            progress.update(task, advance=batch.rows, batches=len(job.batches))
+            totals["rows"] += batch.rows
+            totals["bytes"] += batch.bytes
+            progress.update(task, line=line())
 
         job.on_batch = advance
         yield
@@ -214,6 +250,9 @@ def status(
             f"freshness lag {lag}"
         )
         for q in r.queues:
+            if q.error:
+                typer.echo(f"  {q.queue}: DAMAGED: exported to {q.exported_offset}; {q.error}")
+                continue
             typer.echo(
                 f"  {q.queue}: exported to {q.exported_offset} of {q.tier_watermark}"
                 f" ({q.pending} pending)"

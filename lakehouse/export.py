@@ -31,10 +31,17 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lakehouse import source as tmq_source
+from lakehouse.compaction import compact_small_files
 from lakehouse.locations import Location, is_local, local_path
 from lakehouse.lock import CheckpointLock, ExportLockedError
-from lakehouse.sink import FILE_META_DDL, CommitResult, ParquetWriterTask, commit_files
-from lakehouse.tables import LakeTable, exported_offsets
+from lakehouse.sink import (
+    FILE_META_DDL,
+    TARGET_FILE_BYTES,
+    CommitResult,
+    ParquetWriterTask,
+    commit_files,
+)
+from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import open_store
 
@@ -42,10 +49,22 @@ log = logging.getLogger(__name__)
 
 Engine = Literal["delta-rs", "delta-spark"]
 DEFAULT_TRIGGER_SECONDS = 10.0
+DEFAULT_COMPACT_EVERY_SECONDS = 300.0
 
 
 class ExportError(RuntimeError):
     """The export cannot run or failed; the message is for an operator."""
+
+
+class _SourceDidNotStart(Exception):
+    """The query's Python source process missed Spark's hard-coded 10 s to connect back."""
+
+
+# Spark's message when a Python process it started did not connect back within 10 s (a
+# constant in PythonWorkerFactory): on a loaded machine the streaming source's process can
+# miss it while importing; the query is then started again, up to QUERY_START_ATTEMPTS times.
+WORKER_START_TIMEOUT = "Python worker failed to connect back"
+QUERY_START_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -61,6 +80,10 @@ class ExportConfig:
     engine: Engine = "delta-rs"
     # Wait for the export holding the checkpoint to stop, then take over (hot standby).
     standby: bool = False
+    # Continuous mode: compact a topic's partitions this often (None: never), so that small
+    # per-trigger files do not pile up (lakehouse/compaction.py).
+    compact_every_seconds: float | None = DEFAULT_COMPACT_EVERY_SECONDS
+    target_file_bytes: int = TARGET_FILE_BYTES
     tier_options: dict[str, Any] = field(default_factory=dict)
     lake_options: dict[str, Any] = field(default_factory=dict)
 
@@ -73,11 +96,17 @@ class BatchReport:
     seconds: float
     commits: list[CommitResult]
 
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.commits)
+
 
 @dataclass(slots=True)
 class ExportReport:
     batches: list[BatchReport]
     offsets: dict[str, int]  # queue key -> exported offset (next to export)
+    # queue key -> why this export stopped that queue (a missing or damaged segment)
+    stopped: dict[str, str] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -110,7 +139,11 @@ class Export:
         self.checkpoint = config.checkpoint_dir or default_checkpoint(self.lake, config.topics)
         self.offsets: dict[str, int] = {}
         self.batches: list[BatchReport] = []
+        self.stopped: dict[str, str] = {}  # queue key -> the one line an operator reads
         self._store = open_store(self.tier.url, self.tier.options)
+        self._manifests = ManifestCache(self._store)
+        self._continuous = False
+        self._last_compaction: dict[str, float] = {}
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -145,7 +178,7 @@ class Export:
             options["maxBytesPerTrigger"] = str(self.config.max_bytes_per_trigger)
         if self.config.max_segments_per_trigger:
             options["maxSegmentsPerTrigger"] = str(self.config.max_segments_per_trigger)
-        return self.spark.readStream.format(tmq_source.NAME).options(**options).load()
+        return self.spark.readStream.format(tmq_source.SLICES_NAME).options(**options).load()
 
     def _write_batch(self, df: DataFrame, batch_id: int) -> None:
         try:
@@ -162,9 +195,14 @@ class Export:
         export_ts_us = int(time.time() * 1_000_000)
         log.info("batch %d: writing", batch_id)
         floors = self.exported(self.queues())
-        task = ParquetWriterTask(self.lake, floors, export_ts_us, batch_id)
+        with self._lock:
+            stopped = frozenset(self.stopped)
+        task = ParquetWriterTask(self.lake, self.tier, floors, export_ts_us, batch_id, stopped)
         # Only file metadata comes back to the driver: one row per Parquet file.
-        files = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
+        rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
+        for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
+            self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
+        files = self._contiguous([r for r in rows if not r["error"]], floors)
         commits = []
         for topic in sorted({f["topic"] for f in files}):
             mine = [f for f in files if f["topic"] == topic]
@@ -188,8 +226,88 @@ class Export:
             report.files,
             report.seconds,
         )
+        if self._continuous:
+            self._compact([c.topic for c in commits if c.table_version is not None])
         if self.on_batch is not None:
             self.on_batch(report)
+
+    def _compact(self, topics: list[str]) -> None:
+        """Compact the partitions of ``topics`` once every ``compact_every_seconds`` (on the
+        driver, between batches: never concurrent with the export's own commits)."""
+        every = self.config.compact_every_seconds
+        if every is None:
+            return
+        now = time.monotonic()
+        for topic in topics:
+            last = self._last_compaction.setdefault(topic, now)
+            if now - last < every:
+                continue
+            self._last_compaction[topic] = now
+            compacted = compact_small_files(
+                LakeTable(self.lake, topic), self.config.target_file_bytes
+            )
+            if compacted:
+                log.info("%s: compacted %d small files", topic, compacted)
+
+    def _check_tables(self, queues: list[QueueRef]) -> None:
+        """Stop the queues of a table this export cannot append to (an older row format)."""
+        for topic in sorted({q.topic for q in queues}):
+            table = LakeTable(self.lake, topic)
+            delta = table.open()
+            if delta is None:
+                continue
+            try:
+                table.check_row_version(delta)
+            except TableVersionError as e:
+                for q in queues:
+                    if q.topic == topic:
+                        with self._lock:
+                            self.stopped[q.key] = str(e)
+                log.error("%s", e)
+
+    def _stop_queue(self, queue_key: str, offset: int, reason: str) -> None:
+        """Stop exporting one queue for the rest of this run; every other queue goes on."""
+        with self._lock:
+            if queue_key in self.stopped:
+                return
+            topic = QueueRef.parse(queue_key).topic
+            self.stopped[queue_key] = (
+                f"queue {queue_key} stopped at offset {offset}: {reason}; run `tmq verify "
+                f"{topic}`, restore or re-upload the object, then run the export again (it "
+                f"resumes this queue at {offset})"
+            )
+            log.error("%s", self.stopped[queue_key])
+
+    def _contiguous(
+        self, files: list[dict[str, Any]], floors: dict[str, int]
+    ) -> list[dict[str, Any]]:
+        """The files that continue each queue's exported range without a gap. A gap (a slice
+        that failed, or a checkpoint ahead of the table) stops the queue rather than letting its
+        exported offset jump over messages; a range that expired from the tier is no gap."""
+        out: list[dict[str, Any]] = []
+        by_queue: dict[str, list[dict[str, Any]]] = {}
+        for f in files:
+            by_queue.setdefault(f["queue_key"], []).append(f)
+        for key, mine in sorted(by_queue.items()):
+            # Files after a damaged slice are dropped; the ones before it are committed.
+            queue = QueueRef.parse(key)
+            expected = floors.get(key)
+            if expected is None:
+                expected = self._manifests.get(queue, refresh=False).start_offset
+            for f in sorted(mine, key=lambda f: f["first_offset"]):
+                if f["last_offset"] < expected:
+                    continue  # already exported (a replay): commit_files skips it too
+                gap = f["first_offset"] > expected
+                if gap and self._manifests.get(queue).start_offset < f["first_offset"]:
+                    self._stop_queue(
+                        key,
+                        expected,
+                        f"offsets {expected}..{f['first_offset'] - 1} were not read in this batch",
+                    )
+                    break
+                out.append(f)
+                expected = f["last_offset"] + 1
+        return out
 
     def _write_batch_delta_spark(self, df: DataFrame, batch_id: int) -> None:
         """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair (the
@@ -265,16 +383,37 @@ class Export:
                 if self._stop.wait(self.config.trigger_seconds):
                     return ExportReport([], {})
                 queues = self.queues()
+        self._check_tables(queues)
         starting = self.exported(queues)
         self.offsets = dict(starting)
         targets: dict[str, int] | None = None
-        manifests = ManifestCache(self._store)
+        manifests = self._manifests
+        self._discard_checkpoint_ahead_of(starting, queues)
         if once:
             # Bounded by the tier watermarks as they are now: what "archived so far" means.
             targets = {q.key: manifests.get(q).end_offset for q in queues}
             if self._reached(targets, queues, manifests):
                 log.info("nothing new to export")
                 return ExportReport([], dict(self.offsets))
+        self._continuous = not once
+        for attempt in range(1, QUERY_START_ATTEMPTS + 1):
+            try:
+                return self._run_query(starting, targets, queues, once=once, timeout=timeout)
+            except _SourceDidNotStart as e:
+                if attempt == QUERY_START_ATTEMPTS:
+                    raise ExportError(str(e)) from None
+                log.warning("%s; starting the query again (attempt %d)", e, attempt + 1)
+        raise AssertionError("unreachable")
+
+    def _run_query(
+        self,
+        starting: dict[str, int],
+        targets: dict[str, int] | None,
+        queues: list[QueueRef],
+        *,
+        once: bool,
+        timeout: float | None,
+    ) -> ExportReport:
         writer = (
             self._reader(starting, targets)
             .writeStream.foreachBatch(self._write_batch)
@@ -282,24 +421,62 @@ class Export:
             .queryName(f"tmq-export-{hashlib.sha1(self.checkpoint.encode()).hexdigest()[:8]}")
         )
         trigger = "0 seconds" if once else f"{self.config.trigger_seconds} seconds"
+        batches_before = len(self.batches)
         query = writer.trigger(processingTime=trigger).start()
         deadline = None if timeout is None else time.monotonic() + timeout
+        failure: BaseException | None = None
         try:
             while query.isActive:
-                if targets is not None and self._reached(targets, queues, manifests):
+                if targets is not None and self._reached(targets, queues, self._manifests):
                     break
                 if self._stop.is_set():
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     raise ExportError(f"export did not finish within {timeout:.0f} s")
                 query.awaitTermination(1)
+        except ExportError:
+            raise
+        except Exception as e:  # the query failed: StreamingQueryException
+            failure = e
         finally:
             if query.isActive:
                 query.stop()
-        failure = query.exception()
+        failure = failure or query.exception()
         if failure is not None or self._error is not None:
-            raise ExportError(_one_line(self._error or failure)) from None
-        return ExportReport(list(self.batches), dict(self.offsets))
+            message = _one_line(self._error or failure)
+            if WORKER_START_TIMEOUT in message and len(self.batches) == batches_before:
+                raise _SourceDidNotStart(
+                    "Spark's Python source process did not connect back within Spark's fixed "
+                    "10 s (an overloaded machine)"
+                )
+            raise ExportError(message) from None
+        return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
+
+    def _discard_checkpoint_ahead_of(
+        self, exported: dict[str, int], queues: list[QueueRef]
+    ) -> None:
+        """A checkpoint whose last committed batch ends past a table's exported offset (a queue
+        stopped by a damaged segment in an earlier run) would skip the messages between them:
+        set it aside, so the query starts from the tables' app transactions instead."""
+        committed = _committed_offsets(Path(self.checkpoint))
+        if not committed:
+            return
+        starts = {q.key: self._manifests.get(q).start_offset for q in queues}
+        behind = [
+            key
+            for key, offset in committed.items()
+            if key in starts and max(exported.get(key, starts[key]), starts[key]) < offset
+        ]
+        if not behind:
+            return
+        aside = f"{self.checkpoint}.ahead-{int(time.time())}"
+        Path(self.checkpoint).rename(aside)
+        log.warning(
+            "the checkpoint is ahead of the table for %s; set it aside as %s and resuming "
+            "from the tables",
+            ", ".join(sorted(behind)),
+            aside,
+        )
 
     def _reached(
         self,
@@ -311,6 +488,8 @@ class Export:
         with self._lock:
             offsets = dict(self.offsets)
         for q in queues:
+            if q.key in self.stopped:
+                continue
             target = targets[q.key]
             exported = offsets.get(q.key)
             if exported is not None and exported >= target:
@@ -323,6 +502,25 @@ class Export:
     def stop(self) -> None:
         """Ask a running ``run()`` to stop after the current batch (thread- and signal-safe)."""
         self._stop.set()
+
+
+def _committed_offsets(checkpoint: Path) -> dict[str, int]:
+    """The source offsets at the end of the checkpoint's last committed batch (Spark's
+    ``offsets/N`` of the highest ``commits/N``), or {} without one."""
+    commits = checkpoint / "commits"
+    if not commits.is_dir():
+        return {}
+    done = sorted((int(p.name) for p in commits.iterdir() if p.name.isdigit()), reverse=True)
+    for batch in done:
+        offsets = checkpoint / "offsets" / str(batch)
+        try:
+            last = offsets.read_text().strip().splitlines()[-1]
+            parsed = json.loads(last)
+        except (OSError, ValueError, IndexError):
+            continue
+        if isinstance(parsed, dict):
+            return {str(k): int(v) for k, v in parsed.items() if isinstance(v, int)}
+    return {}
 
 
 def _passthrough(batches: Iterable[Any]) -> Iterator[Any]:

@@ -40,6 +40,7 @@ class LakehouseConfig:
     lake_root = "./tmq-data/lake"      # or s3://bucket/lake
     topics = []                        # empty: every archived topic
     trigger_seconds = 10
+    compact_every_seconds = 300        # compact small files this often (0: never)
     master = "local[2]"
     ```
 
@@ -50,6 +51,7 @@ class LakehouseConfig:
     lake_root: str = "./tmq-data/lake"
     topics: list[str] = field(default_factory=list)
     trigger_seconds: float = 10.0  # the export's default trigger
+    compact_every_seconds: float = 300.0
     master: str = "local[2]"
     checkpoint_dir: str | None = None
     # Extra Spark settings for the child (spark-submit's --conf), e.g. driver memory.
@@ -93,6 +95,8 @@ def export_command(config: LakehouseConfig, tier_url: str) -> list[str]:
         "--continuous",
         "--trigger",
         f"{config.trigger_seconds:g}s",
+        "--compact-every",
+        f"{int(config.compact_every_seconds * 1000)}ms",
         "--master",
         config.master,
     ]

@@ -9,12 +9,12 @@
  queue_offset          bigint                 logical offset in (broker, topic, queue_id)
  commitlog_offset      bigint                 PHYSICALOFFSET; unique per broker
  msg_id                string                 the client's message id (``UNIQ_KEY``), or null
- keys                  string                 ``KEYS``: space-separated, as RocketMQ keeps them
+ keys                  array<string>          ``KEYS`` split at spaces (RocketMQ keeps one string)
  tags                  string                 ``TAGS``, or null
  properties            map<string,string>     every property, system ones included
  body                  binary                 the body, byte for byte
  body_size             int                    len(body)
- born_ts               timestamp (UTC)        producer's clock
+ born_ts               timestamp (UTC)        producer's clock; null when the producer set none
  store_ts              timestamp (UTC)        broker's clock at append
  born_host             string                 ``ip:port``
  store_host            string                 ``ip:port``
@@ -26,18 +26,22 @@
 
 Timestamps carry a time zone (``timestamp`` in Delta, not ``timestamp_ntz``): Spark refuses
 delta-rs tables with the NTZ feature (delta-rs issue #2882), and every reader agrees on UTC.
-The row is built from ``tiered.record.StoredMessage``, so the one record codec decides every
-value.
+The row is built from the columnar decode of a run of records (``tiered/columnar.py``, checked
+against the reference codec), column by column: no Python object per row.
+
+Version 2 of the row (``keys`` as an array, null ``born_ts``) replaced version 1 (``keys`` one
+string, ``born_ts`` 1970-01-01 when unset); see ``tables.LakeTable`` for tables of version 1.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from tiered.record import StoredMessage
+from tiered.record import KEY_SEPARATOR, PROPERTY_KEYS, PROPERTY_TAGS, PROPERTY_UNIQ_KEY
 
 PARTITION_COLUMN = "store_date"
 _TS = pa.timestamp("us", tz="UTC")
@@ -53,12 +57,12 @@ SOURCE_SCHEMA = pa.schema(
         pa.field("queue_offset", pa.int64(), nullable=False),
         pa.field("commitlog_offset", pa.int64(), nullable=False),
         pa.field("msg_id", pa.string()),
-        pa.field("keys", pa.string()),
+        pa.field("keys", pa.list_(pa.string()), nullable=False),
         pa.field("tags", pa.string()),
         pa.field("properties", pa.map_(pa.string(), pa.string())),
         pa.field("body", pa.binary(), nullable=False),
         pa.field("body_size", pa.int32(), nullable=False),
-        pa.field("born_ts", _TS, nullable=False),
+        pa.field("born_ts", _TS),
         pa.field("store_ts", _TS, nullable=False),
         pa.field("born_host", pa.string(), nullable=False),
         pa.field("store_host", pa.string(), nullable=False),
@@ -82,16 +86,11 @@ FILE_SCHEMA = TABLE_SCHEMA.remove(TABLE_SCHEMA.get_field_index(PARTITION_COLUMN)
 SOURCE_DDL = (
     "topic string not null, broker string not null, queue_id int not null, "
     "queue_offset bigint not null, commitlog_offset bigint not null, msg_id string, "
-    "keys string, tags string, properties map<string,string>, body binary not null, "
-    "body_size int not null, born_ts timestamp not null, store_ts timestamp not null, "
+    "keys array<string> not null, tags string, properties map<string,string>, "
+    "body binary not null, body_size int not null, born_ts timestamp, store_ts timestamp not null, "
     "born_host string not null, store_host string not null, reconsume_times int not null, "
     "segment string not null, store_date date not null"
 )
-
-
-def _host(host: tuple[str, int]) -> str:
-    address, port = host
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def store_date(store_timestamp_ms: int) -> dt.date:
@@ -99,29 +98,52 @@ def store_date(store_timestamp_ms: int) -> dt.date:
     return _EPOCH + dt.timedelta(days=store_timestamp_ms // _MS_PER_DAY)
 
 
-def rows(messages: Sequence[StoredMessage], broker: str, segment: str) -> pa.RecordBatch:
-    """The source rows of ``messages`` (decoded from one segment object of ``broker``)."""
-    return pa.RecordBatch.from_pydict(
-        {
-            "topic": [m.topic for m in messages],
-            "broker": [broker] * len(messages),
-            "queue_id": [m.queue_id for m in messages],
-            "queue_offset": [m.queue_offset for m in messages],
-            "commitlog_offset": [m.commitlog_offset for m in messages],
-            "msg_id": [m.msg_id for m in messages],
-            "keys": [m.properties.get("KEYS") for m in messages],
-            "tags": [m.tags for m in messages],
-            "properties": [list(m.properties.items()) for m in messages],
-            "body": [m.body for m in messages],
-            "body_size": [len(m.body) for m in messages],
-            # Milliseconds to microseconds: the Delta/Spark timestamp unit.
-            "born_ts": [m.born_timestamp * 1000 for m in messages],
-            "store_ts": [m.store_timestamp * 1000 for m in messages],
-            "born_host": [_host(m.born_host) for m in messages],
-            "store_host": [_host(m.store_host) for m in messages],
-            "reconsume_times": [m.reconsume_times for m in messages],
-            "segment": [segment] * len(messages),
-            PARTITION_COLUMN: [m.store_timestamp // _MS_PER_DAY for m in messages],
-        },
+def split_keys(keys: pa.Array) -> pa.Array:
+    """``KEYS`` strings as lists, as ``tiered.record.split_keys`` splits them: at single spaces,
+    empty pieces dropped; a message without keys has an empty list."""
+    pieces = pc.split_pattern(keys.fill_null(""), KEY_SEPARATOR)
+    values = pieces.flatten()
+    nonempty = pc.greater(pc.binary_length(values), 0)
+    parents = np.asarray(pc.list_parent_indices(pieces))
+    counts = np.bincount(parents[np.asarray(nonempty)], minlength=len(keys))
+    offsets = np.zeros(len(keys) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), values.filter(nonempty))
+
+
+def _micros(ms: pa.Array) -> pa.Array:
+    return pc.multiply(ms, 1000).cast(_TS)
+
+
+def rows(records: pa.RecordBatch, broker: str, segment: str) -> pa.RecordBatch:
+    """The source rows of ``records`` (``tiered.columnar.RECORD_SCHEMA``, decoded from one
+    segment object of ``broker``), built column by column."""
+    n = records.num_rows
+    props = records.column("properties")
+    body = records.column("body")
+    born = records.column("born_timestamp")
+    store_ms = records.column("store_timestamp")
+    return pa.RecordBatch.from_arrays(
+        [
+            records.column("topic"),
+            pa.repeat(pa.scalar(broker), n),
+            records.column("queue_id"),
+            records.column("queue_offset"),
+            records.column("commitlog_offset"),
+            pc.map_lookup(props, PROPERTY_UNIQ_KEY, "first"),
+            split_keys(pc.map_lookup(props, PROPERTY_KEYS, "first")),
+            pc.map_lookup(props, PROPERTY_TAGS, "first"),
+            props,
+            body,
+            pc.binary_length(body),
+            # 0 is what a producer that sets no born time leaves: unknown, so null.
+            _micros(pc.if_else(pc.equal(born, 0), pa.scalar(None, pa.int64()), born)),
+            _micros(store_ms),
+            records.column("born_host"),
+            records.column("store_host"),
+            records.column("reconsume_times"),
+            pa.repeat(pa.scalar(segment), n),
+            pc.divide(store_ms, _MS_PER_DAY).cast(pa.int32()).cast(pa.date32()),
+        ],
         schema=SOURCE_SCHEMA,
     )

@@ -27,9 +27,10 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -38,26 +39,42 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
+from lakehouse.source import SegmentSlice, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import QueueRef
+from tiered.cold.segment import SegmentError
+from tiered.cold.storage import ObjectNotFoundError
 
 log = logging.getLogger(__name__)
 
 # Roll a data file at about this many bytes of Arrow data (Parquet compresses below it).
 TARGET_FILE_BYTES = 128 << 20
-# Columns that get min/max statistics in the Delta log, for data skipping.
+# Columns whose min/max go into the Delta log, for data skipping: what analysts filter on.
 STATS_COLUMNS = (
+    "topic",
+    "broker",
     "queue_id",
     "queue_offset",
     "commitlog_offset",
+    "msg_id",
+    "tags",
     "body_size",
-    "reconsume_times",
     "born_ts",
     "store_ts",
+    "born_host",
+    "store_host",
+    "reconsume_times",
+    "segment",
     "export_ts",
 )
+# Columns with a null count only: Delta keeps no min/max for arrays, maps or binaries.
+NULL_COUNT_COLUMNS = ("keys", "properties", "body")
+# Delta-spark's own cut for string statistics: a 32-character prefix.
+STRING_STATS_PREFIX = 32
+_DICTIONARY_COLUMNS = ["topic", "broker", "tags", "born_host", "store_host", "segment"]
+_PARQUET_STATS_COLUMNS = [*STATS_COLUMNS]
 
-# One row per data file, sent from executors to the driver.
+# One row per data file (or per damaged slice: empty path, ``error`` set), executors -> driver.
 FILE_META_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -70,12 +87,13 @@ FILE_META_SCHEMA = pa.schema(
         pa.field("last_offset", pa.int64()),
         pa.field("stats", pa.string()),
         pa.field("modification_time", pa.int64()),
+        pa.field("error", pa.string()),
     ]
 )
 FILE_META_DDL = (
     "topic string, queue_key string, path string, size bigint, store_date string, "
     "num_rows bigint, first_offset bigint, last_offset bigint, stats string, "
-    "modification_time bigint"
+    "modification_time bigint, error string"
 )
 
 
@@ -88,13 +106,21 @@ def queue_key_of_segment(segment: str) -> str:
     return segment.split("/segments/", 1)[0]
 
 
-def _stat_value(value: Any) -> Any:
+def _stat_value(value: Any, high: bool) -> Any:
     if isinstance(value, datetime):
-        # Delta's timestamp statistics: ISO 8601, milliseconds, UTC.
+        # Delta's timestamp statistics: ISO 8601, milliseconds, UTC; the max rounded up, so
+        # that sub-millisecond values stay inside [min, max].
+        micros = value.microsecond % 1000
+        if high and micros:
+            value = value + timedelta(microseconds=1000 - micros)
         return (
             value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.")
             + f"{value.microsecond // 1000:03d}Z"
         )
+    if isinstance(value, str) and len(value) > STRING_STATS_PREFIX:
+        # A prefix is a lower bound; a prefix followed by the highest code point an upper one.
+        prefix = value[:STRING_STATS_PREFIX]
+        return prefix + "\U0010ffff" if high else prefix
     return value
 
 
@@ -112,6 +138,7 @@ class _OpenFile:
     last_offset: int = 0
     mins: dict[str, Any] = field(default_factory=dict)
     maxs: dict[str, Any] = field(default_factory=dict)
+    nulls: dict[str, int] = field(default_factory=dict)
 
     def write(self, table: pa.Table) -> None:
         self.writer.write_table(table)
@@ -122,10 +149,15 @@ class _OpenFile:
         self.rows += table.num_rows
         self.arrow_bytes += table.nbytes
         for name in STATS_COLUMNS:
-            lo, hi = pc.min_max(table.column(name)).values()
-            lo, hi = lo.as_py(), hi.as_py()
+            column = table.column(name)
+            self.nulls[name] = self.nulls.get(name, 0) + column.null_count
+            lo, hi = (v.as_py() for v in pc.min_max(column).values())
+            if lo is None:
+                continue  # all null
             self.mins[name] = lo if name not in self.mins else min(self.mins[name], lo)
             self.maxs[name] = hi if name not in self.maxs else max(self.maxs[name], hi)
+        for name in NULL_COUNT_COLUMNS:
+            self.nulls[name] = self.nulls.get(name, 0) + table.column(name).null_count
 
     def close(self) -> dict[str, Any]:
         self.writer.close()
@@ -133,9 +165,9 @@ class _OpenFile:
         self.stream.close()
         stats = {
             "numRecords": self.rows,
-            "minValues": {k: _stat_value(v) for k, v in self.mins.items()},
-            "maxValues": {k: _stat_value(v) for k, v in self.maxs.items()},
-            "nullCount": dict.fromkeys(self.mins, 0),
+            "minValues": {k: _stat_value(v, False) for k, v in self.mins.items()},
+            "maxValues": {k: _stat_value(v, True) for k, v in self.maxs.items()},
+            "nullCount": self.nulls,
         }
         return {
             "topic": self.topic,
@@ -148,75 +180,162 @@ class _OpenFile:
             "last_offset": self.last_offset,
             "stats": json.dumps(stats, separators=(",", ":")),
             "modification_time": int(time.time() * 1000),
+            "error": None,
         }
+
+
+def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
+    """The metadata row of a slice that could not be read: no file, the reason in ``error``."""
+    return {
+        "topic": QueueRef.parse(queue_key).topic,
+        "queue_key": queue_key,
+        "path": "",
+        "size": 0,
+        "store_date": "",
+        "num_rows": 0,
+        "first_offset": first_offset,
+        "last_offset": first_offset - 1,
+        "stats": "",
+        "modification_time": 0,
+        "error": error,
+    }
 
 
 @dataclass(slots=True, frozen=True)
 class ParquetWriterTask:
-    """The ``mapInArrow`` function of one batch: source rows in, file metadata rows out.
+    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows), file metadata
+    rows out. Each task reads its slices with the columnar decode and writes the Arrow batches
+    as Parquet straight away; message bytes never pass through the JVM.
 
-    Each file holds rows of one queue and one ``store_date``, so its offsets are one range
-    and the driver can tell exactly which queue progress it carries."""
+    Each file holds rows of one queue and one ``store_date``, contiguous in queue offset, so the
+    driver can tell exactly which queue progress it carries. A slice that cannot be read
+    (missing or damaged object) yields a damage row instead of failing the task: the driver
+    stops that queue alone."""
 
     lake: Location
+    tier: Location
     floors: dict[str, int]  # queue key -> the table's exported offset when the batch began
     export_ts_us: int
     batch_id: int
+    stopped: frozenset[str] = frozenset()  # queues this export no longer reads
     target_file_bytes: int = TARGET_FILE_BYTES
 
-    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        fs, root = self.lake.filesystem()
-        files: dict[tuple[str, str], _OpenFile] = {}
-        done: list[dict[str, Any]] = []
-        for batch in batches:
-            for (segment, day), part in _runs(batch):
-                queue_key = queue_key_of_segment(segment)
-                floor = self.floors.get(queue_key)
-                if floor is not None:
-                    part = part.filter(pc.greater_equal(part.column("queue_offset"), floor))
-                if part.num_rows == 0:
-                    continue
-                topic = QueueRef.parse(queue_key).topic
-                rows = self._file_rows(part)
-                current = files.get((queue_key, day))
-                if current is None:
-                    current = files[(queue_key, day)] = self._open(fs, root, topic, queue_key, day)
-                current.write(rows)
-                if current.arrow_bytes >= self.target_file_bytes:
-                    done.append(files.pop((queue_key, day)).close())
-        done += [f.close() for f in files.values()]
+    def __call__(self, slices: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        files = _FileSet(self)
+        damaged: list[dict[str, Any]] = []
+        for batch in slices:
+            for row in batch.to_pylist():
+                part = SegmentSlice.from_row(row)
+                floor = self.floors.get(part.queue_key, part.first)
+                if part.queue_key in self.stopped or part.end <= floor:
+                    continue  # stopped, or a replayed slice the table already has
+                if floor > part.first:
+                    part = SegmentSlice(part.queue_key, part.segment, floor, part.end)
+                try:
+                    for rows in read_slice(self.tier, part):
+                        files.add(rows)
+                except (SegmentError, ObjectNotFoundError) as e:
+                    # Rows decoded before the damage are whole and checked: keep them.
+                    written = files.close_queue(part.queue_key)
+                    at = part.first if written is None else max(part.first, written + 1)
+                    damaged.append(damage_row(part.queue_key, at, _first_line(e)))
+        done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
 
-    def _file_rows(self, part: pa.Table) -> pa.Table:
-        stamped = part.drop_columns([PARTITION_COLUMN]).append_column(
-            "export_ts", pa.array([self.export_ts_us] * part.num_rows, pa.int64())
-        )
-        return pa.Table.from_arrays(
-            [stamped.column(f.name).cast(f.type) for f in FILE_SCHEMA], schema=FILE_SCHEMA
-        )
+    def write_rows(self, batches: Iterable[pa.RecordBatch]) -> list[dict[str, Any]]:
+        """Write source rows (``SOURCE_SCHEMA``) as files; their metadata rows."""
+        files = _FileSet(self)
+        for batch in batches:
+            files.add(batch)
+        return files.close()
 
-    def _open(self, fs: Any, root: str, topic: str, queue_key: str, day: str) -> _OpenFile:
+    def file_rows(self, part: pa.Table) -> pa.Table:
+        n = part.num_rows
+        stamp = pa.repeat(pa.scalar(self.export_ts_us, pa.timestamp("us", tz="UTC")), n)
+        columns = {name: part.column(name) for name in part.column_names}
+        columns["export_ts"] = stamp
+        return pa.Table.from_arrays([columns[f.name] for f in FILE_SCHEMA], schema=FILE_SCHEMA)
+
+    def open(self, fs: Any, root: str, topic: str, queue_key: str, day: str) -> _OpenFile:
         relative = f"{PARTITION_COLUMN}={day}/part-{self.batch_id:06d}-{uuid.uuid4().hex}.parquet"
         directory = f"{root}/{topic}/{PARTITION_COLUMN}={day}"
         fs.makedirs(directory, exist_ok=True)
         stream = fs.open(f"{root}/{topic}/{relative}", "wb")
-        writer = pq.ParquetWriter(stream, FILE_SCHEMA, compression="snappy")
+        writer = pq.ParquetWriter(
+            stream,
+            FILE_SCHEMA,
+            compression="snappy",
+            use_dictionary=_DICTIONARY_COLUMNS,
+            write_statistics=_PARQUET_STATS_COLUMNS,
+        )
         return _OpenFile(topic, queue_key, day, relative, stream, writer)
+
+
+class _FileSet:
+    """The open files of one task: one per queue, rolled at the target size or a new day."""
+
+    def __init__(self, task: ParquetWriterTask) -> None:
+        self.task = task
+        self.fs, self.root = task.lake.filesystem()
+        self.open: dict[str, _OpenFile] = {}
+        self.done: list[dict[str, Any]] = []
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        for (segment, day), part in _runs(batch):
+            queue_key = queue_key_of_segment(segment)
+            floor = self.task.floors.get(queue_key)
+            if floor is not None:
+                part = part.filter(pc.greater_equal(part.column("queue_offset"), floor))
+            if part.num_rows == 0:
+                continue
+            current = self.open.get(queue_key)
+            if current is not None and current.day != day:
+                self.done.append(self.open.pop(queue_key).close())
+                current = None
+            if current is None:
+                topic = QueueRef.parse(queue_key).topic
+                current = self.open[queue_key] = self.task.open(
+                    self.fs, self.root, topic, queue_key, day
+                )
+            current.write(self.task.file_rows(part))
+            if current.arrow_bytes >= self.task.target_file_bytes:
+                self.done.append(self.open.pop(queue_key).close())
+
+    def close_queue(self, queue_key: str) -> int | None:
+        """Close a queue's open file (its next slice failed); the file's last offset, or None
+        when it had none open."""
+        current = self.open.pop(queue_key, None)
+        if current is None:
+            return None
+        self.done.append(current.close())
+        return current.last_offset
+
+    def close(self) -> list[dict[str, Any]]:
+        out = self.done + [f.close() for f in self.open.values()]
+        self.open.clear()
+        return out
 
 
 def _runs(batch: pa.RecordBatch) -> Iterator[tuple[tuple[str, str], pa.Table]]:
     """Consecutive runs of rows with the same (segment, store_date)."""
-    if batch.num_rows == 0:
+    n = batch.num_rows
+    if n == 0:
         return
     table = pa.Table.from_batches([batch])
-    segments = table.column("segment").to_pylist()
-    days = [d.isoformat() for d in table.column(PARTITION_COLUMN).to_pylist()]
-    start = 0
-    for i in range(1, len(segments) + 1):
-        if i == len(segments) or segments[i] != segments[start] or days[i] != days[start]:
-            yield (segments[start], days[start]), table.slice(start, i - start)
-            start = i
+    segments = pc.dictionary_encode(table.column("segment")).combine_chunks()
+    codes = np.asarray(segments.indices)
+    days = np.asarray(table.column(PARTITION_COLUMN).combine_chunks().cast(pa.int32()))
+    cuts = np.flatnonzero((np.diff(codes) != 0) | (np.diff(days) != 0)) + 1
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+        segment = str(segments.dictionary[int(codes[lo])])
+        day = (date(1970, 1, 1) + timedelta(days=int(days[lo]))).isoformat()
+        yield (segment, day), table.slice(lo, hi - lo)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:500]
 
 
 @dataclass(slots=True)
@@ -226,6 +345,7 @@ class CommitResult:
     files: int
     rows: int
     offsets: dict[str, int]  # queue key -> exported offset after the commit
+    bytes: int = 0  # Parquet bytes committed
 
 
 def commit_files(
@@ -289,5 +409,10 @@ def commit_files(
                 f"{version}; is another export writing this table?"
             )
     return CommitResult(
-        topic, delta.version(), len(keep), sum(f["num_rows"] for f in keep), offsets
+        topic,
+        delta.version(),
+        len(keep),
+        sum(f["num_rows"] for f in keep),
+        offsets,
+        sum(f["size"] for f in keep),
     )

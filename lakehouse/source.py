@@ -11,10 +11,12 @@ Offsets. A streaming offset is the next queue offset of every archived queue, ke
 ``cluster/broker/topic/queue`` (``tier.QueueRef.key``): ``{"c1/broker-a/orders/0": 1200, …}``.
 Segments have no gaps, so ``[start, end)`` of a queue is exactly ``end - start`` messages.
 
-Partitions. One Spark task per slice of one segment object (``SegmentSlice``): the task reads
-the slice's offset-table entries and records with ranged GETs (``SegmentReader``), decodes them
-with the shared codec and yields Arrow record batches. Slices are cut to about
-``bytesPerPartition``, so a 64 MiB segment spreads over several cores.
+Partitions. A slice is part of one segment object (``SegmentSlice``): its offset-table entries
+and records are read with ranged GETs (``SegmentReader``) and decoded as one columnar run
+(``tiered/columnar.py``) into Arrow record batches. Slices are cut to about
+``bytesPerPartition``, so a 64 MiB segment spreads over several cores, and small consecutive
+slices are packed into one task of about that size (``SlicePack``), so a batch of a hundred
+one-second segments costs one task, not a hundred.
 
 Admission control. pyspark 4.0's ``latestOffset()`` takes no arguments, so the reader keeps
 its own position (the end of the last planned batch) and admits whole segments, oldest first
@@ -46,6 +48,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
@@ -59,12 +62,27 @@ from lakehouse import schema
 from lakehouse.locations import Location
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.manifest import QueueManifest
-from tiered.cold.segment import SegmentInfo, SegmentReader
-from tiered.cold.storage import open_store
+from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
+from tiered.cold.storage import ObjectStore, open_store
+from tiered.columnar import decode_run
+from tiered.record import RecordError
 
 log = logging.getLogger(__name__)
 
 NAME = "tmq"
+# The export's source: the same planning, but one row per slice instead of one per message,
+# so that the export's executors read and write in one Python function and message bytes
+# never cross into the JVM (lakehouse/sink.py).
+SLICES_NAME = "tmq-slices"
+SLICE_DDL = "queue_key string, segment string, first bigint, end bigint"
+SLICE_SCHEMA = pa.schema(
+    [
+        ("queue_key", pa.string()),
+        ("segment", pa.string()),
+        ("first", pa.int64()),
+        ("end", pa.int64()),
+    ]
+)
 DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
 DEFAULT_BYTES_PER_PARTITION = 32 << 20
 # Bytes of records fetched per ranged GET inside a task: bounds a task's memory.
@@ -153,24 +171,95 @@ class SegmentSlice(InputPartition):
         self.first = first
         self.end = end
 
+    def to_row(self) -> dict[str, Any]:
+        """The slice as a row of the ``tmq-slices`` source (``SLICE_DDL``)."""
+        return {
+            "queue_key": self.queue_key,
+            "segment": json.dumps(self.segment),
+            "first": self.first,
+            "end": self.end,
+        }
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SegmentSlice:
+        return cls(row["queue_key"], json.loads(row["segment"]), row["first"], row["end"])
+
+
+class SlicePack(InputPartition):
+    """One Spark task: consecutive slices, together about ``bytesPerPartition``. Packing keeps
+    a micro-batch of many small segments (a low-latency offload makes one per queue every
+    second) to a task or two, instead of paying a task's fixed cost per segment."""
+
+    def __init__(self, slices: list[SegmentSlice]) -> None:
+        super().__init__([s.value for s in slices])
+        self.slices = slices
+
+
+def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
+    packs: list[SlicePack] = []
+    current: list[SegmentSlice] = []
+    size = 0
+    for s in slices:
+        info = s.segment
+        estimate = int(info["size"]) * (s.end - s.first) // max(1, int(info["count"]))
+        if current and size + estimate > target_bytes:
+            packs.append(SlicePack(current))
+            current, size = [], 0
+        current.append(s)
+        size += estimate
+    if current:
+        packs.append(SlicePack(current))
+    return packs
+
+
+_STORES: dict[str, ObjectStore] = {}
+
+
+def tier_store(tier: Location) -> ObjectStore:
+    """The tier's store, one per worker process: creating an S3 client loads botocore's service
+    models and TLS contexts, a fixed cost a reused Python worker should pay once, not per task."""
+    key = json.dumps([tier.url, tier.options], sort_keys=True, default=str)
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = open_store(tier.url, tier.options)
+    return store
+
 
 def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
-    """Decode a slice's records into source rows (on an executor)."""
+    """Decode a slice's records into source rows (on an executor): one GET of its offset-table
+    entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run.
+
+    Raises ``SegmentError`` naming the object for anything unreadable: missing, short, or a
+    record that fails its checks (CRC, structure, offset table)."""
     info = SegmentInfo(**part.segment)
-    reader = SegmentReader(open_store(tier.url, tier.options), info)
+    reader = SegmentReader(tier_store(tier), info)
     broker = QueueRef.parse(part.queue_key).broker
-    offset = part.first
-    while offset < part.end:
-        messages = reader.read(offset, part.end - offset, max_bytes=READ_SPAN_BYTES)
-        yield schema.rows(messages, broker, info.key)
-        offset += len(messages)
+    entries = reader.entries(part.first, part.end - part.first)
+    positions = entries["offset"].astype(np.int64)
+    sizes = entries["size"].astype(np.int64)
+    ends = positions + sizes
+    i = 0
+    while i < len(entries):
+        start = int(positions[i])
+        j = max(i + 1, int(np.searchsorted(ends, start + READ_SPAN_BYTES, "right")))
+        span = reader._range(start, int(ends[j - 1]) - start)
+        try:
+            records = decode_run(span, positions[i:j] - start, check_crc=True)
+        except RecordError as e:
+            raise SegmentError(f"{info.key}: {e}") from None
+        if not np.array_equal(np.asarray(records.column("size")), sizes[i:j]):
+            raise SegmentError(f"{info.key}: a record is not where its offset-table entry says")
+        yield schema.rows(records, broker, info.key)
+        i = j
 
 
 def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    """The rows of one task's slices."""
     # When partitions() returns none, Spark still runs one task with a partition of its own.
-    if not isinstance(partition, SegmentSlice):
-        return iter(())
-    return read_slice(tier, partition)
+    if not isinstance(partition, SlicePack):
+        return
+    for part in partition.slices:
+        yield from read_slice(tier, part)
 
 
 @dataclass(slots=True, frozen=True)
@@ -317,7 +406,7 @@ class TmqStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         self._position = {**(self._position or {}), **end}
-        return self.planner.slices(start, end)
+        return pack(self.planner.slices(start, end), self.options.bytes_per_partition)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.options.tier, partition)
@@ -338,7 +427,7 @@ class TmqBatchReader(DataSourceReader):
             q.key: planner.limit_of(q, planner.manifests.get(q, refresh=False))
             for q in planner.queues()
         }
-        return planner.slices(start, end)
+        return pack(planner.slices(start, end), self.options.bytes_per_partition)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.options.tier, partition)
@@ -359,3 +448,25 @@ class TmqDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return TmqStreamReader(SourceOptions.parse(self.options))
+
+
+class TmqSliceStreamReader(TmqStreamReader):
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, SlicePack):
+            rows = [s.to_row() for s in partition.slices]
+            yield pa.RecordBatch.from_pylist(rows, schema=SLICE_SCHEMA)
+
+
+class TmqSliceDataSource(TmqDataSource):
+    """``format("tmq-slices")``: the ``tmq`` stream's slices, one row each (the export job's
+    input: its executors read each slice themselves)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SLICES_NAME
+
+    def schema(self) -> str:
+        return SLICE_DDL
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return TmqSliceStreamReader(SourceOptions.parse(self.options))

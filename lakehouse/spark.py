@@ -8,7 +8,7 @@ import sys
 from pyspark.sql import SparkSession
 
 from lakehouse import PROJECT_ROOT
-from lakehouse.source import TmqDataSource
+from lakehouse.source import TmqDataSource, TmqSliceDataSource
 
 
 def spark_session(
@@ -36,6 +36,10 @@ def spark_session(
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.shuffle.partitions", "4")
+        # Python workers fork from a daemon that has imported the export's modules already,
+        # and are reused across tasks: a task's fixed cost is then a fork, not imports.
+        .config("spark.python.daemon.module", "lakehouse.worker_daemon")
+        .config("spark.python.worker.reuse", "true")
         # Java's regex engine recurses deeply on long Python error messages; a small default
         # stack turned one failed batch into a StackOverflowError that hid the real error.
         .config("spark.driver.extraJavaOptions", "-Xss16m")
@@ -50,3 +54,4 @@ def spark_session(
 
 def register(session: SparkSession) -> None:
     session.dataSource.register(TmqDataSource)
+    session.dataSource.register(TmqSliceDataSource)

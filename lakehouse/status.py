@@ -18,7 +18,9 @@ import pyarrow.compute as pc
 from lakehouse.locations import Location
 from lakehouse.tables import LakeTable, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
-from tiered.cold.storage import ObjectStore, open_store
+from tiered.cold.manifest import ManifestError
+from tiered.cold.segment import SegmentError
+from tiered.cold.storage import ObjectNotFoundError, ObjectStore, open_store
 
 _TIME = struct.Struct(">q")
 
@@ -30,6 +32,7 @@ class QueueStatus:
     tier_watermark: int | None  # None: the tier was not consulted
     pending: int | None  # archived messages not yet exported
     lag_seconds: float | None
+    error: str | None = None  # the queue's manifest or segment cannot be read
 
 
 @dataclass(slots=True)
@@ -71,8 +74,39 @@ def _oldest_pending_ms(
     if info is None:
         return None
     i = max(at, manifest.start_offset) - info.base_offset
-    (ts,) = _TIME.unpack(store.get_range(info.key, info.times_at + 8 * i, 8))
+    try:
+        (ts,) = _TIME.unpack(store.get_range(info.key, info.times_at + 8 * i, 8))
+    except ObjectNotFoundError:
+        raise SegmentError(f"segment {info.key} is missing from the tier") from None
     return int(ts)
+
+
+def _queue_status(
+    store: ObjectStore, manifests: ManifestCache, q: QueueRef, exported: int | None, now: float
+) -> QueueStatus:
+    """One queue's progress; a queue whose manifest or segment cannot be read is reported
+    with its error (one line: the object and what to do), never failing the whole status."""
+    watermark: int | None = None
+    try:
+        manifest = manifests.get(q)
+        watermark = manifest.end_offset
+        at = exported if exported is not None else manifest.start_offset
+        pending = max(0, watermark - max(at, manifest.start_offset))
+        lag: float | None = 0.0
+        if pending:
+            oldest = _oldest_pending_ms(store, manifests, q, at)
+            lag = max(0.0, now - oldest / 1000) if oldest is not None else None
+    except (ManifestError, SegmentError, ObjectNotFoundError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return QueueStatus(
+            q.key,
+            exported,
+            watermark,
+            None,
+            None,
+            f"{reason}; run `tmq verify {q.topic}`",
+        )
+    return QueueStatus(q.key, exported, watermark, pending, lag)
 
 
 def topic_status(
@@ -102,14 +136,7 @@ def topic_status(
         exported = exported_offsets(delta, mine)
         for q in mine:
             assert store is not None and manifests is not None
-            watermark = manifests.get(q).end_offset
-            at = exported.get(q.key, manifests.get(q).start_offset)
-            pending = max(0, watermark - max(at, manifests.get(q).start_offset))
-            lag: float | None = 0.0
-            if pending:
-                oldest = _oldest_pending_ms(store, manifests, q, at)
-                lag = max(0.0, now - oldest / 1000) if oldest is not None else None
-            status.queues.append(QueueStatus(q.key, exported.get(q.key), watermark, pending, lag))
+            status.queues.append(_queue_status(store, manifests, q, exported.get(q.key), now))
         lags = [q.lag_seconds for q in status.queues if q.lag_seconds is not None]
         status.lag_seconds = max(lags) if lags else None
         out.append(status)

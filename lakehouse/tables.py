@@ -12,6 +12,7 @@ Table features: only what delta-rs, polars, DuckDB and Spark all read. Protocol 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from deltalake import DeltaTable
@@ -29,6 +30,10 @@ TABLE_PROPERTIES = {
     "delta.logRetentionDuration": "interval 30 days",
     "delta.checkpointInterval": "100",
 }
+
+
+class TableVersionError(RuntimeError):
+    """The table was written by an older tmq with a row format this export cannot append to."""
 
 
 def app_id(queue: QueueRef) -> str:
@@ -56,6 +61,7 @@ class LakeTable:
     def open_or_create(self) -> DeltaTable:
         table = self.open()
         if table is not None:
+            self.check_row_version(table)
             return table
         # mode="ignore": if a concurrent exporter created it first, this is a no-op.
         return DeltaTable.create(
@@ -68,6 +74,20 @@ class LakeTable:
             configuration=TABLE_PROPERTIES,
             storage_options=self.location.delta_options() or None,
         )
+
+    def check_row_version(self, table: DeltaTable) -> None:
+        """Refuse to append to a table of row version 1 (``keys`` one string, ``born_ts`` never
+        null): Delta cannot change a column's type in place, and mixing the two would break
+        every reader. The table is derived data: move it aside and export again."""
+        fields = {f["name"]: f for f in json.loads(table.schema().to_json())["fields"]}
+        keys = fields.get("keys", {}).get("type")
+        if keys == "string":
+            raise TableVersionError(
+                f"table {self.topic} ({self.location.url}) has the row format of an older tmq "
+                "(keys as one string); move it aside (e.g. rename it to "
+                f"{self.topic}_v1) and run the export again: it rebuilds the table from the "
+                "tier, from the oldest message the tier still retains"
+            )
 
 
 def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:

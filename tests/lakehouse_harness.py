@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ class Archive:
     queues: int
     segment_messages: int
     produced: int = 0
+    upload_after_ms: int = 60_000  # the offload policy's age trigger (its default)
 
     @classmethod
     def open(
@@ -42,7 +47,11 @@ class Archive:
             self.tier,
             "c1",
             "broker-a",
-            OffloadPolicy(segment_max_messages=self.segment_messages, retry_base_delay_s=0.0),
+            OffloadPolicy(
+                segment_max_messages=self.segment_messages,
+                retry_base_delay_s=0.0,
+                upload_after_ms=self.upload_after_ms,
+            ),
         )
 
     def produce(self, topic: str, n: int, seed: int = 1, body_size: int | None = None) -> None:
@@ -96,7 +105,7 @@ def expected_rows(messages: list[StoredMessage]) -> list[dict[str, Any]]:
                 "queue_offset": m.queue_offset,
                 "commitlog_offset": m.commitlog_offset,
                 "body": m.body,
-                "keys": m.properties.get("KEYS"),
+                "keys": m.keys,  # KEYS split at spaces: an array in the table
                 "tags": m.properties.get("TAGS"),
                 "msg_id": m.properties.get("UNIQ_KEY"),
                 "born_ms": m.born_timestamp,
@@ -106,3 +115,90 @@ def expected_rows(messages: list[StoredMessage]) -> list[dict[str, Any]]:
         ),
         key=lambda r: (r["queue_id"], r["queue_offset"]),
     )
+
+
+class LiveTopic:
+    """A topic produced at a steady rate and offloaded the way a broker does (every
+    ``offload_every_s``, each queue whose policy says it is due), recording when each
+    produced batch was acknowledged: freshness is measured from there."""
+
+    def __init__(self, archive: Archive, topic: str, rate_per_s: float, offload_every_s: float):
+        self.archive = archive
+        self.topic = topic
+        self.rate = rate_per_s
+        self.offload_every_s = offload_every_s
+        self.produced: list[tuple[float, dict[int, int]]] = []  # (ack time, queue -> end offset)
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._quiet = threading.Event()  # producing stopped; offloading goes on
+        self._threads = [
+            threading.Thread(target=self._guard(self._produce), daemon=True),
+            threading.Thread(target=self._guard(self._offload), daemon=True),
+        ]
+
+    def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as e:
+                self.errors.append(e)
+
+        return run
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop_producing(self) -> None:
+        self._quiet.set()
+
+    @property
+    def producing(self) -> bool:
+        return not self._quiet.is_set()
+
+    def stop(self) -> None:
+        self._quiet.set()
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        assert not self.errors, self.errors
+
+    def _produce(self) -> None:
+        store, queues = self.archive.store, self.archive.queues
+        per_tick = max(1, round(self.rate / 5))
+        n = 0
+        while not self._quiet.wait(per_tick / self.rate):
+            batch = [
+                Message(
+                    self.topic,
+                    os.urandom(1024),
+                    (n + i) % queues,
+                    {"UNIQ_KEY": f"live-{n + i}"},
+                    born_timestamp=int(time.time() * 1000),
+                )
+                for i in range(per_tick)
+            ]
+            store.put_messages(batch)
+            n += per_tick
+            ends = {q: store.max_offset(self.topic, q) for q in range(queues)}
+            self.produced.append((time.monotonic(), ends))
+
+    def _offload(self) -> None:
+        offloader = self.archive.offloader
+        while not self._stop.wait(self.offload_every_s):
+            now_ms = int(time.time() * 1000)
+            for q in range(self.archive.queues):
+                if offloader.due(self.topic, q, now_ms):
+                    offloader.offload_queue(self.topic, q)
+
+
+def exported_to(table: Any, topic: str, ends: dict[int, int]) -> bool:
+    """Whether ``table`` (a deltalake.DeltaTable, or None) has exported every queue to
+    ``ends``: the rows are queryable."""
+    if table is None:
+        return False
+    for q, end in ends.items():
+        done = table.transaction_version(f"tmq-export:c1/broker-a/{topic}/{q}")
+        if done is None or done < end:
+            return False
+    return True

@@ -10,6 +10,9 @@ Modes:
 - ``write-and-crash``: append COUNT messages, print ``done``, then ``os._exit`` without a
   shutdown, leaving the abort marker behind exactly as a crash would.
 - ``hold``: open the store, print ``ready`` and wait (a second process for lock tests).
+- ``produce-meta``: like ``produce``, and after each batch also creates consumer groups in the
+  broker's metadata store (``DATA_DIR/config``), printing ``group <name>`` once each is saved.
+  A refused batch prints ``refused <reason>`` and production goes on, as a broker keeps serving.
 
 Every body is derived from its id (``body_for``), so a verifier can check bytes without a log.
 """
@@ -74,14 +77,28 @@ def main() -> None:
             store.commitlog.flush()
         print("done", flush=True)
         os._exit(0)
-    elif mode == "produce":
+    elif mode in ("produce", "produce-meta"):
+        meta = None
+        if mode == "produce-meta":
+            from broker.metadata import GroupConfig, MetadataStore
+
+            meta = MetadataStore(Path(data_dir) / "config")
+            meta.load()
         seq = 0
         while True:
             batch = []
             for _ in range(rng.randint(1, 16)):
                 batch.append((f"{seed}-{seq}", message_for(f"{seed}-{seq}", rng)))
                 seq += 1
-            results = store.put_messages([m for _, m in batch])
+            try:
+                results = store.put_messages([m for _, m in batch])
+            except Exception as e:
+                if meta is None:
+                    raise
+                out.write(f"refused {type(e).__name__}\n")
+                out.flush()
+                time.sleep(0.01)
+                continue
             out.write(
                 "".join(
                     f"ack {mid} {m.topic} {m.queue_id} {r.queue_offset} {r.commitlog_offset}\n"
@@ -89,6 +106,12 @@ def main() -> None:
                 )
             )
             out.flush()
+            if meta is not None:
+                for k in range(8):
+                    name = f"g-{seed}-{seq}-{k}"
+                    meta.put_group(GroupConfig(name=name))
+                    out.write(f"group {name}\n")
+                out.flush()
 
 
 if __name__ == "__main__":

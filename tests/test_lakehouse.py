@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -24,20 +25,23 @@ import duckdb
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from broker_harness import REPO, tmq
 from deltalake import DeltaTable
-from lakehouse_harness import Archive, expected_rows
+from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
 from lakehouse.lock import CheckpointLock
 from lakehouse.runner import ContinuousExport, LakehouseConfig
-from lakehouse.sink import FILE_META_SCHEMA, ParquetWriterTask, commit_files
+from lakehouse.sink import ParquetWriterTask, commit_files
 from lakehouse.source import Planner, SourceOptions, read_slice
 from lakehouse.tables import LakeTable, app_id, exported_offsets
 from lakehouse.tier import QueueRef
+from tiered.cold.manifest import ManifestStore
 from tiered.cold.storage import open_store
+from tiered.record import Message
 
 TOPICS = ("orders", "payments")
 
@@ -130,7 +134,9 @@ def test_backfilled_tables_read_the_same_with_polars_and_duckdb(backfilled: dict
 def test_a_second_once_adds_nothing(backfilled: dict[str, Any], spark: Any) -> None:
     lake = backfilled["lake"]
     versions = {t: DeltaTable(str(lake / t)).version() for t in TOPICS}
+    started = time.monotonic()
     report = Export(spark, backfilled["config"]).run(once=True, timeout=120)
+    assert time.monotonic() - started <= 5, "a caught-up --once starts no query"
     assert report.rows == 0 and report.batches == []
     assert {t: DeltaTable(str(lake / t)).version() for t in TOPICS} == versions
 
@@ -231,8 +237,8 @@ def test_a_replayed_batch_is_written_and_committed_as_nothing(
     source = [batch for s in slices for batch in read_slice(planner.options.tier, s)]
 
     def write(floors: dict[str, int]) -> list[dict[str, Any]]:
-        task = ParquetWriterTask(lake, floors, export_ts_us=0, batch_id=0)
-        return pa.Table.from_batches(list(task(iter(source))), FILE_META_SCHEMA).to_pylist()
+        task = ParquetWriterTask(lake, planner.options.tier, floors, export_ts_us=0, batch_id=0)
+        return task.write_rows(iter(source))
 
     files = write({})
     first = commit_files(lake, "orders", files, 0, 0)
@@ -407,20 +413,23 @@ def wait_for_rows(lake: Path, topic: str, n: int, timeout: float, runner: Any) -
     return time.monotonic()
 
 
+def continuous_export(tmp_path: Path, lake: Path, **settings: Any) -> ContinuousExport:
+    """The broker's export child over ``{tmp_path}/tier``, on one core, starting fast."""
+    config = LakehouseConfig(
+        enabled=True,
+        lake_root=str(lake),
+        master="local[1]",
+        log_path=str(tmp_path / "export.log"),
+        spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
+        **settings,
+    )
+    return ContinuousExport(config, f"file://{tmp_path}/tier")
+
+
 def test_continuous_export_makes_new_offloads_visible_within_seconds(tmp_path: Path) -> None:
     archive = Archive.open(tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2)
     lake = tmp_path / "lake"
-    runner = ContinuousExport(
-        LakehouseConfig(
-            enabled=True,
-            lake_root=str(lake),
-            trigger_seconds=2,
-            master="local[1]",
-            log_path=str(tmp_path / "export.log"),
-            spark_conf={"spark.driver.extraJavaOptions": FAST_START[1].split("=", 1)[1]},
-        ),
-        f"file://{tmp_path}/tier",
-    )
+    runner = continuous_export(tmp_path, lake, trigger_seconds=2)
     try:
         archive.produce("orders", 500)
         archive.offload("orders")
@@ -441,3 +450,164 @@ def test_continuous_export_makes_new_offloads_visible_within_seconds(tmp_path: P
         archive.close()
     assert not runner.running() and runner.restarts == 0
     assert delta_rows(lake, "orders") == expected
+
+
+# -- the row analysts see ---------------------------------------------------------------------
+
+
+def test_keys_are_an_array_and_unset_born_times_are_null(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    store = small_archive.store
+    store.put_messages(
+        [
+            Message("orders", b"a", 0, {"KEYS": "k1 k2  k3", "UNIQ_KEY": "id-a"}, born_timestamp=0),
+            Message("orders", b"b", 0, {"UNIQ_KEY": "id-b"}, born_timestamp=1_700_000_000_123),
+            Message("orders", b"c", 0, {"KEYS": "solo"}, born_timestamp=0),
+        ]
+    )
+    assert store.wait_dispatched(30)
+    small_archive.offloader.offload_queue("orders", 0)
+    config = ExportConfig(f"file://{tmp_path}/tier", str(tmp_path / "lake"))
+    assert Export(spark, config).run(once=True, timeout=120).rows == 3
+    table = DeltaTable(str(tmp_path / "lake" / "orders"))
+    schema = json.loads(table.schema().to_json())["fields"]
+    types = {f["name"]: f["type"] for f in schema}
+    assert types["keys"] == {"type": "array", "elementType": "string", "containsNull": True}
+    rows = sorted(table.to_pyarrow_table().to_pylist(), key=lambda r: r["queue_offset"])
+    assert [r["keys"] for r in rows] == [["k1", "k2", "k3"], [], ["solo"]]
+    assert [r["born_ts"] is None for r in rows] == [True, False, True]
+    assert int(rows[1]["born_ts"].timestamp() * 1000) == 1_700_000_000_123
+    assert [r["msg_id"] for r in rows] == ["id-a", "id-b", None]
+    # Spark reads the array and the nulls as Spark types (the file-list route).
+    uri = str(tmp_path / "lake" / "orders")
+    frame = spark.read.option("basePath", uri).parquet(*table.file_uris())
+    hits = frame.where("array_contains(keys, 'k2') and born_ts is null").count()
+    assert hits == 1
+
+
+def test_every_filter_column_has_statistics_that_skip_files(backfilled: dict[str, Any]) -> None:
+    table = DeltaTable(str(backfilled["lake"] / "orders"))
+    actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert actions
+    filter_columns = [
+        "topic", "broker", "queue_id", "queue_offset", "commitlog_offset", "msg_id", "tags",
+        "born_ts", "store_ts", "export_ts", "segment",
+    ]  # fmt: skip
+    data = table.to_pyarrow_table()
+    for action in actions:
+        for column in filter_columns:
+            assert action[f"min.{column}"] is not None, (column, action["path"])
+            assert action[f"max.{column}"] is not None, (column, action["path"])
+        assert action["null_count.keys"] == 0
+    untagged = sum(1 for r in backfilled["expected"]["orders"] if r["tags"] is None)
+    assert sum(a["null_count.tags"] for a in actions) == untagged > 0
+    # The bounds are the files' real ones, so a lookup skips every file whose range lacks it.
+    lake = backfilled["lake"] / "orders"
+    for action in actions:
+        ids = pq.read_table(lake / action["path"], columns=["msg_id"]).column("msg_id")
+        bounds = pc.min_max(ids)
+        assert action["min.msg_id"] == bounds["min"].as_py()
+        assert action["max.msg_id"] == bounds["max"].as_py()
+    absent = "orders-id-~"  # sorts after every id
+    assert [a for a in actions if a["min.msg_id"] <= absent <= a["max.msg_id"]] == []
+    some_id = data.column("msg_id")[1234].as_py()
+    frame = pl.scan_delta(str(lake)).filter(pl.col("msg_id") == some_id)
+    assert frame.collect().height == 1
+
+
+# -- isolation --------------------------------------------------------------------------------
+
+
+def test_a_missing_segment_stops_only_its_queue_with_one_clear_line(tmp_path: Path) -> None:
+    archive = Archive.open(
+        tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2, segment_messages=100
+    )
+    for topic in TOPICS:
+        archive.produce(topic, 600)  # three segments per queue
+        archive.offload(topic)
+    expected = {t: expected_rows(archive.messages(t)) for t in TOPICS}
+    archive.close()
+    tier = open_store(f"file://{tmp_path}/tier")
+    damaged = ManifestStore(tier, QueueRef("c1", "broker-a", "orders", 0).prefix).load()
+    lost = damaged.segments[1]
+    lost_path = tmp_path / "tier" / lost.key
+    saved = lost_path.read_bytes()
+    lost_path.unlink()
+    lake = tmp_path / "lake"
+    args = ["--tier-url", f"file://{tmp_path}/tier", "--lake-root", str(lake)]
+    spark_args = ["--master", "local[1]", *FAST_START]
+
+    done = tmq("lakehouse", "export", "--once", *args, *spark_args, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert lost.key in errors[0] and "tmq verify orders" in errors[0]
+    assert f"resumes this queue at {lost.base_offset}" in errors[0]
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 30, done.stderr
+    # Every other queue, and the damaged queue up to the missing object, were exported.
+    assert delta_rows(lake, "payments") == expected["payments"]
+    orders = delta_rows(lake, "orders")
+    assert orders == [
+        r for r in expected["orders"] if r["queue_id"] == 1 or r["queue_offset"] < lost.base_offset
+    ]
+
+    status = tmq("lakehouse", "status", "--lake-root", str(lake), *args[:2], "--json")
+    assert status.returncode == 0, status.stderr
+    queues = {q["queue"]: q for s in json.loads(status.stdout) for q in s["queues"]}
+    assert lost.key in queues["c1/broker-a/orders/0"]["error"]
+    assert queues["c1/broker-a/orders/0"]["exported_offset"] == lost.base_offset
+    assert queues["c1/broker-a/orders/1"]["error"] is None
+
+    # The operator restores the object: the next run finishes the queue, exactly once.
+    lost_path.write_bytes(saved)
+    again = tmq("lakehouse", "export", "--once", *args, *spark_args, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert delta_rows(lake, "orders") == expected["orders"]
+
+
+def test_low_latency_profile_is_fresh_from_produce_and_keeps_few_files(tmp_path: Path) -> None:
+    """docs/lakehouse.md's low-latency profile: offload when the oldest pending message is 1 s
+    old (checked every second), Spark trigger 1 s. At 20 msgs/s, p95 from the producer's
+    acknowledgement to the rows being queryable in Delta is within 15 s, and automatic
+    compaction keeps the partition to a few files."""
+    archive = Archive.open(tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=2)
+    archive.upload_after_ms = 1000
+    lake = tmp_path / "lake"
+    runner = continuous_export(tmp_path, lake, trigger_seconds=1, compact_every_seconds=5)
+    live = LiveTopic(archive, "live", rate_per_s=20, offload_every_s=1.0)
+    samples: list[float] = []
+    try:
+        archive.produce("live", 10)
+        archive.offload("live")
+        runner.start()
+        wait_for_rows(lake, "live", 10, 180, runner)  # Spark's start-up is not freshness
+        live.start()
+        seen = 0
+        stop_at = time.monotonic() + 40
+        while time.monotonic() < stop_at or seen < len(live.produced):
+            assert runner.running(), runner.log_path.read_text()[-3000:]
+            assert time.monotonic() < stop_at + 60, "the last messages never became queryable"
+            if time.monotonic() >= stop_at and live.producing:
+                live.stop_producing()
+            table = LakeTable(Location.of(str(lake)), "live").open()
+            now = time.monotonic()
+            while seen < len(live.produced) and exported_to(table, "live", live.produced[seen][1]):
+                samples.append(now - live.produced[seen][0])
+                seen += 1
+            time.sleep(0.2)
+        expected = expected_rows(archive.messages("live"))
+    finally:
+        live.stop()
+        runner.stop()
+        archive.close()
+    p95 = statistics.quantiles(samples, n=20, method="inclusive")[18]
+    print(f"freshness from produce: p50 {statistics.median(samples):.1f} s, p95 {p95:.1f} s")
+    assert len(samples) >= 100 and p95 <= 15, sorted(samples)[-10:]
+    assert delta_rows(lake, "live") == expected, "every message exactly once, compaction too"
+    table = DeltaTable(str(lake / "live"))
+    active = table.file_uris()
+    written = parquet_files(lake / "live")
+    print(f"{len(written)} files written, {len(active)} in the table after compaction")
+    assert len(written) >= 3 * len(active), "compaction replaced the per-trigger files"
+    assert len(active) <= 12, "one compacted file plus at most the last interval's files"

@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -109,11 +110,20 @@ def test_send_result_carries_transaction_id_and_delivery_an_md5_digest(
         offset=0,
         batch_size=32,
     )
-    got = []
-    for q in (0, 1):
-        request.message_queue.id = q
-        got += [r.message for r in stub(broker).PullMessage(request, timeout=10) if r.message.body]
-    [delivered] = [x for x in got if x.system_properties.message_id == entry.message_id]
+    # Dispatch to the ConsumeQueue is asynchronous (as in RocketMQ): poll until it is there.
+    deadline = time.monotonic() + 10
+    while True:
+        got = []
+        for q in (0, 1):
+            request.message_queue.id = q
+            got += [
+                r.message for r in stub(broker).PullMessage(request, timeout=10) if r.message.body
+            ]
+        found = [x for x in got if x.system_properties.message_id == entry.message_id]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    [delivered] = found
     sp = delivered.system_properties
     assert sp.body_digest.type == d.MD5
     assert sp.body_digest.checksum == hashlib.md5(body).hexdigest().upper()

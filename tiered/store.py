@@ -34,11 +34,21 @@ from typing import Protocol
 from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from tiered.hot.commitlog import AppendBatch, AppendResult, CommitLog, RecoveryReport
-from tiered.hot.consume_queue import TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
+from tiered.hot.commitlog import (
+    AppendBatch,
+    AppendResult,
+    CommitLog,
+    DiskFullError,
+    DurabilityLostError,
+    RecoveryReport,
+    StoreUnwritableError,
+    free_bytes,
+)
+from tiered.hot.consume_queue import CQ_ENTRY_SIZE, TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
 from tiered.hot.data_dir import DataDir
 from tiered.hot.dispatcher import Dispatcher
-from tiered.hot.index_file import IndexService
+from tiered.hot.durable import write_file
+from tiered.hot.index_file import IndexFile, IndexService
 from tiered.hot.mapped_file import StoreLoadError
 from tiered.record import (
     Message,
@@ -50,6 +60,8 @@ from tiered.record import (
 )
 
 log = logging.getLogger(__name__)
+
+__all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError"]
 
 MAX_QUEUE_ID = 65535
 _TOPIC_CHECK_CACHE: set[str] = set()
@@ -145,9 +157,7 @@ def check_geometry(config: StoreConfig) -> None:
     wanted = {k: getattr(config, k) for k in _GEOMETRY_KEYS}
     recorded = recorded_geometry(config.data_dir)
     if recorded is None:
-        tmp = config.data_dir / (GEOMETRY_FILE + ".tmp")
-        tmp.write_text(json.dumps(wanted, indent=2) + "\n")
-        os.replace(tmp, config.data_dir / GEOMETRY_FILE)
+        write_file(config.data_dir / GEOMETRY_FILE, (json.dumps(wanted, indent=2) + "\n").encode())
         return
     diff = {k: (recorded[k], wanted[k]) for k in _GEOMETRY_KEYS if recorded[k] != wanted[k]}
     if diff:
@@ -199,6 +209,13 @@ class MessageStore:
         self.index = IndexService(
             config.index_dir, config.index_hash_slots, config.index_max_entries
         )
+        # A roll leaves room for a few ConsumeQueue files and the IndexFile slots its messages
+        # may need: those are written through mappings, where a full disk is a SIGBUS.
+        self.commitlog.roll_reserve_bytes = (
+            16 * config.consumequeue_entries_per_file * CQ_ENTRY_SIZE
+            + IndexFile.file_size(config.index_hash_slots, 0)
+            + (1 << 20)
+        )
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
@@ -246,6 +263,7 @@ class MessageStore:
 
     def _load_and_recover(self) -> StartReport:
         check_geometry(self.config)
+        self._check_room_for_a_commitlog_file()
         clean = self.data_dir.last_exit_was_clean
         cp = load_checkpoint(self.checkpoint_path)
         if not clean:
@@ -326,6 +344,22 @@ class MessageStore:
         )
         return self.dispatcher
 
+    def _check_room_for_a_commitlog_file(self) -> None:
+        """Refuse to start a store that could never store a message: no CommitLog file yet,
+        and no room for the first one at the configured size."""
+        cl_dir = self.config.commitlog_dir
+        if cl_dir.exists() and any(not p.name.startswith(".") for p in cl_dir.iterdir()):
+            return
+        need = self.config.commitlog_file_size + self.commitlog.roll_reserve_bytes
+        free = free_bytes(self.config.data_dir)
+        if free < need:
+            raise StoreLoadError(
+                f"{self.config.data_dir} has {free} bytes free, but a CommitLog file of "
+                f"commitlog_file_size = {self.config.commitlog_file_size} bytes (and "
+                f"{self.commitlog.roll_reserve_bytes} for its ConsumeQueue and IndexFile "
+                f"entries) needs {need}: free space or configure a smaller commitlog_file_size"
+            )
+
     def _clamp_index(self, end: int) -> None:
         """IndexFiles must not claim CommitLog bytes that recovery cut off."""
         for f in list(self.index.files):
@@ -343,6 +377,15 @@ class MessageStore:
         if self._flusher is not None:
             self._flusher.join()
         assert self.dispatcher is not None
+        if self.commitlog.failed is not None:
+            # Nothing more may be claimed durable: leave the abort marker, so the next start
+            # recovers from what the disk really holds.
+            self.dispatcher.stop()
+            self.commitlog.close()
+            self.queues.close()
+            self.index.close()
+            self.data_dir.unlock()
+            return
         self.commitlog.flush()
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
@@ -376,21 +419,39 @@ class MessageStore:
         while not self._stop_flusher.wait(interval):
             try:
                 self.flush()
+            except DurabilityLostError:
+                return  # logged once by the CommitLog; retrying would claim lost bytes durable
             except Exception:
                 log.exception("flush failed; retrying in %.1fs", interval)
 
     def flush(self) -> None:
-        """fsync the CommitLog, then ConsumeQueues and IndexFiles, then save the checkpoint."""
-        self.commitlog.flush()
-        self.queues.flush()
-        self.index.flush()
-        self._save_checkpoint()
+        """fsync the CommitLog, then ConsumeQueues and IndexFiles, then save the checkpoint.
 
-    def _save_checkpoint(self) -> None:
+        Any fsync failure, of the CommitLog or of derived files, stops the store taking writes
+        (``DurabilityLostError``), and no checkpoint is written after it.
+        """
         d = self.dispatcher
-        # Read the dispatch position before flushing what it covers: a checkpoint must never
-        # claim more than the files hold. (flush() flushed the queues after this was true.)
+        # Read how far dispatch and indexing got *before* flushing their files: whatever they
+        # add during the flush may not be on disk, and a checkpoint must never claim it.
         dispatched = d.reput_offset if d else 0
+        indexed = self.index.end_offset
+        self.commitlog.flush()
+        try:
+            self.queues.flush()
+            self.index.flush()
+            self._save_checkpoint(dispatched, indexed)
+        except OSError as e:
+            self.commitlog.fail(e)
+            raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
+
+    def _save_checkpoint(self, dispatched: int | None = None, indexed: int | None = None) -> None:
+        """Record what is on disk. ``dispatched`` and ``indexed`` must have been read before
+        the ConsumeQueues and IndexFiles were flushed (default: now, when nothing runs)."""
+        d = self.dispatcher
+        if dispatched is None:
+            dispatched = d.reput_offset if d else 0
+        if indexed is None:
+            indexed = self.index.end_offset
         save_checkpoint(
             self.checkpoint_path,
             Checkpoint(
@@ -399,7 +460,7 @@ class MessageStore:
                 index_timestamp=d.logics_timestamp if d else 0,
                 flushed_offset=self.commitlog.flushed_offset,
                 dispatched_offset=min(dispatched, self.commitlog.flushed_offset),
-                index_offset=min(self.index.end_offset, dispatched),
+                index_offset=min(indexed, dispatched),
             ),
         )
 
@@ -414,6 +475,8 @@ class MessageStore:
         under ASYNC."""
         if not self._running:
             raise StoreNotRunningError("the store is not running")
+        if self.commitlog.failed is not None:
+            raise self.commitlog.durability_lost()
         if self._replica:
             raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size

@@ -385,7 +385,7 @@ class ReplicationMaster:
                     sock.sendall(payload)
                 offset += len(payload)
                 last_send = time.monotonic()
-        except (OSError, wire.ProtocolError) as e:
+        except Exception as e:  # whatever stops the stream closes the connection; it reconnects
             if not self._stop.is_set():
                 log.warning("replication: stream to slave %d stopped: %s", state.broker_id, e)
                 if isinstance(e, wire.ProtocolError):

@@ -115,11 +115,11 @@ class ReplicationSlave:
                 self._sock = sock
                 try:
                     self._session(sock, address)
-                except (OSError, wire.ProtocolError, TruncationRefusedError, ValueError) as e:
+                except Exception as e:  # never die silently: log, and reconnect in a second
                     if not self._stop.is_set():
                         self.last_error = str(e)
                         log.warning("replication from %s stopped: %s", address, e)
-                        if isinstance(e, TruncationRefusedError | ValueError):
+                        if not isinstance(e, OSError | wire.ProtocolError):
                             with contextlib.suppress(OSError):
                                 sock.sendall(wire.encode_error(str(e)))
                 finally:

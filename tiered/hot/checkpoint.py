@@ -17,19 +17,20 @@ Layout (big-endian, 60 bytes, in a file of its own):
  4      crc                   CRC32 of everything above
 ====== ===================== ===================================================
 
-It is replaced atomically (write a temporary file, fsync, rename), so a crash leaves either the
-old or the new checkpoint, never a torn one; a checkpoint that fails its CRC is ignored and
-recovery scans the whole CommitLog instead.
+It is replaced atomically (write a temporary file, fsync, rename, fsync the directory), so a
+crash leaves either the old or the new checkpoint, never a torn one; a checkpoint that fails its
+CRC is ignored and recovery scans the whole CommitLog instead.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import zlib
 from dataclasses import astuple, dataclass
 from pathlib import Path
+
+from tiered.hot.durable import write_file
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,4 @@ def load_checkpoint(path: Path) -> Checkpoint | None:
 
 
 def save_checkpoint(path: Path, cp: Checkpoint) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, cp.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_file(path, cp.encode())

@@ -10,7 +10,9 @@ appended so far, and every waiter whose bytes that covered returns without an fs
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
 import struct
 import threading
@@ -50,6 +52,22 @@ _ZERO_SKIP_CHUNK = 16 << 20
 
 class MessageTooLargeError(ValueError):
     """A record that cannot fit in one CommitLog file."""
+
+
+class StoreUnwritableError(RuntimeError):
+    """The store refuses writes; nothing of the refused batch was stored."""
+
+
+class DiskFullError(StoreUnwritableError):
+    """The disk cannot take the next CommitLog file (and room for its ConsumeQueue and
+    IndexFile entries)."""
+
+
+class DurabilityLostError(StoreUnwritableError):
+    """An fsync failed. The kernel may already have dropped the unwritten pages and marked them
+    clean, so a retried fsync that "succeeds" proves nothing (PostgreSQL's fsyncgate): the store
+    takes no more writes and never again claims anything durable. A restart recovers from what
+    the disk really holds."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,6 +117,12 @@ class RecoveryReport:
     quarantined: list[Path] = field(default_factory=list)
 
 
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still allocate on ``directory``'s filesystem."""
+    st = os.statvfs(directory if directory.exists() else directory.parent)
+    return st.f_bavail * st.f_frsize
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -116,6 +140,11 @@ class CommitLog:
         self.queue_offsets: dict[tuple[str, int], int] = {}
         self._flushed_offset = 0
         self.last_store_timestamp = 0
+        # The first fsync failure; once set, no write and no flush is ever accepted again.
+        self.failed: OSError | None = None
+        # Free bytes a roll must leave beside the new file, for the ConsumeQueue and IndexFile
+        # files its messages will need (set by the store from its geometry).
+        self.roll_reserve_bytes = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -153,6 +182,8 @@ class CommitLog:
         but queue offsets never repeat.)
         """
         with self._put_lock:
+            if self.failed is not None:
+                raise self.durability_lost()
             store_ts = now_ms()
             last = self.files.last_file()
             size = self.files.file_size
@@ -190,6 +221,9 @@ class CommitLog:
                     continue
                 chunks.append((file_from, batch, next_offsets))
                 break
+            # Every file the batch needs exists before its first byte is written: a full disk
+            # refuses the whole batch, never stores the part before the roll.
+            self._create_files([c[0] for c in chunks])
             for chunk_from, batch, published in chunks:
                 f = self._file_for_append(chunk_from)
                 f.append(b"".join(batch.parts))
@@ -200,11 +234,46 @@ class CommitLog:
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
 
-    def _file_for_append(self, from_offset: int) -> MappedFile:
+    def _create_files(self, starts: list[int]) -> None:
         last = self.files.last_file()
-        if last is not None and last.from_offset == from_offset:
-            return last
-        return self.files.create_file(from_offset)
+        needed = [s for s in starts if last is None or s > last.from_offset]
+        created: list[MappedFile] = []
+        try:
+            for start in needed:
+                self._check_room()
+                created.append(self.files.create_file(start))
+        except OSError as e:
+            self.files.discard_last(created)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"the disk is full: cannot create CommitLog file {start} of "
+                    f"{self.files.file_size} bytes in {self.files.directory} ({e.strerror})"
+                ) from e
+            raise
+        except DiskFullError:
+            self.files.discard_last(created)
+            raise
+
+    def _check_room(self) -> None:
+        need = self.files.file_size + self.roll_reserve_bytes
+        free = free_bytes(self.files.directory)
+        if free < need:
+            raise DiskFullError(
+                f"the disk is full: {free} bytes free in {self.files.directory}, a new "
+                f"CommitLog file needs {self.files.file_size} and {self.roll_reserve_bytes} "
+                "more for its ConsumeQueue and IndexFile entries; release or free space"
+            )
+
+    def durability_lost(self) -> DurabilityLostError:
+        return DurabilityLostError(
+            f"the store refuses writes: an fsync failed ({self.failed}); what is not yet "
+            "flushed may be lost. Check the disk, then restart the broker"
+        )
+
+    def _file_for_append(self, from_offset: int) -> MappedFile:
+        f = self.files.find_file(from_offset)
+        assert f is not None and f.from_offset == from_offset, "created by _create_files"
+        return f
 
     # -- replication -------------------------------------------------------------------------
 
@@ -237,6 +306,8 @@ class CommitLog:
         IndexFiles. Queue offsets are not tracked here; ``reset_queue_offsets`` rebuilds them
         from the ConsumeQueues before this log takes appends of its own."""
         with self._put_lock:
+            if self.failed is not None:
+                raise self.durability_lost()
             last = self.files.last_file()
             expected = self.files.max_offset
             if last is None:
@@ -250,6 +321,7 @@ class CommitLog:
                     f"replicated bytes at {offset}, but this CommitLog ends at {expected}"
                 )
             if last is None or last.wrote == last.size:
+                self._check_room()
                 last = self.files.create_file(offset)
             if last.wrote + len(data) > last.size:
                 raise ValueError(f"replicated bytes at {offset} run past the end of {last.path}")
@@ -274,7 +346,7 @@ class CommitLog:
     def flush(self) -> int:
         """fsync (msync) everything appended so far; returns the flushed offset."""
         with self._flush_lock:
-            self._flushed_offset = max(self._flushed_offset, self.files.flush())
+            self._flushed_offset = max(self._flushed_offset, self._flush_files())
             return self._flushed_offset
 
     def wait_flushed(self, offset: int) -> None:
@@ -284,7 +356,27 @@ class CommitLog:
         with self._flush_lock:
             if self._flushed_offset >= offset:
                 return  # another waiter's fsync covered these bytes
-            self._flushed_offset = max(self._flushed_offset, self.files.flush())
+            self._flushed_offset = max(self._flushed_offset, self._flush_files())
+
+    def _flush_files(self) -> int:
+        if self.failed is not None:
+            raise self.durability_lost()
+        try:
+            return self.files.flush()
+        except OSError as e:
+            self.fail(e)
+            raise self.durability_lost() from e
+
+    def fail(self, error: OSError) -> None:
+        """Record an fsync failure (of this log or of data derived from it): from now on every
+        append and flush is refused."""
+        if self.failed is None:
+            self.failed = error
+            log.critical(
+                "fsync failed (%s): the store takes no more writes and writes no more "
+                "checkpoints; check the disk and restart the broker",
+                error,
+            )
 
     # -- read ----------------------------------------------------------------------------------
 

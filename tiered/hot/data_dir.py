@@ -13,6 +13,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from tiered.hot.durable import make_dirs
+
 
 class DataDirLockedError(RuntimeError):
     pass
@@ -26,7 +28,7 @@ class DataDir:
         self._lock_fd: int | None = None
 
     def lock(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

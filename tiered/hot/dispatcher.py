@@ -68,6 +68,8 @@ class Dispatcher:
         self.logics_timestamp = 0
         self._pending: deque[EncodedBatch] = deque()
         self._pending_bytes = 0
+        # submit (a producer, under the put lock) and _pop (this thread) both move the count.
+        self._pending_lock = threading.Lock()
         self._tag_codes: dict[str | None, int] = {None: 0}
         self._queue_id_map: dict[tuple[str, int], int] = {}
         self._queue_keys: list[tuple[str, int]] = []
@@ -81,10 +83,11 @@ class Dispatcher:
     def submit(self, batch: EncodedBatch) -> None:
         """Take an appended chunk (called under the CommitLog's put lock, in order)."""
         nbytes = batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
-        if self._pending_bytes + nbytes > _PENDING_LIMIT_BYTES:
-            return  # dispatch will parse these records from the CommitLog
-        self._pending.append(batch)
-        self._pending_bytes += nbytes
+        with self._pending_lock:
+            if self._pending_bytes + nbytes > _PENDING_LIMIT_BYTES:
+                return  # dispatch will parse these records from the CommitLog
+            self._pending.append(batch)
+            self._pending_bytes += nbytes
 
     def dispatch(self, end: int) -> int:
         """Dispatch every record from ``reput_offset`` up to ``end``; returns the new offset."""
@@ -151,8 +154,9 @@ class Dispatcher:
         return out
 
     def _pop(self) -> None:
-        batch = self._pending.popleft()
-        self._pending_bytes -= batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
+        with self._pending_lock:
+            batch = self._pending.popleft()
+            self._pending_bytes -= batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
 
     def _parse(self, start: int, end: int) -> EncodedBatch | None:
         """Read the records in CommitLog ``[start, end)`` (up to a step's worth)."""

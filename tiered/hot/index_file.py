@@ -27,12 +27,15 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from google_crc32c import value as crc32c
+
+from tiered.hot.durable import fsync_dir, make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class IndexFile:
         try:
             if create:
                 os.ftruncate(fd, self.size)  # sparse: slots and entries are zero until used
+                # The slots are written through the mapping, where a full disk would be a
+                # SIGBUS: their blocks are allocated now, so a full disk fails here instead.
+                os.posix_fallocate(fd, 0, HEADER_SIZE + slots * _SLOT.size)
             elif os.fstat(fd).st_size != self.size:
                 raise ValueError(
                     f"{path}: {os.fstat(fd).st_size} bytes, expected {self.size} for "
@@ -91,6 +97,7 @@ class IndexFile:
         if create:
             self.header = IndexHeader(begin_offset=begin_offset, end_offset=begin_offset)
             self._write_header()
+            os.fsync(fd)  # the size and the header, before the name is made durable
         else:
             self.header = IndexHeader(*_HEADER.unpack_from(self.mm, 0))
             if not 1 <= self.header.next_entry <= max_entries + 1:
@@ -233,6 +240,9 @@ class IndexService:
         self.slots = slots
         self.max_entries = max_entries
         self.files: list[IndexFile] = []
+        # The dispatcher adds files while release deletes old ones: each replaces the list
+        # under this lock, so neither loses the other's change.
+        self._lock = threading.Lock()
 
     def load(self) -> None:
         if not self.directory.exists():
@@ -278,14 +288,16 @@ class IndexService:
         return [(a, b) for a, b in ranges if a < b]
 
     def new_file(self, begin_offset: int) -> IndexFile:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.directory)
         stamp = time.strftime("%Y%m%d%H%M%S", time.gmtime())
         base = f"{stamp}{time.time_ns() // 1_000_000 % 1000:03d}-{begin_offset:020d}"
         path, n = self.directory / base, 0
         while path.exists():
             n += 1
             path = self.directory / f"{base}-{n}"
-        return IndexFile(path, self.slots, self.max_entries, create=True, begin_offset=begin_offset)
+        f = IndexFile(path, self.slots, self.max_entries, create=True, begin_offset=begin_offset)
+        fsync_dir(self.directory)
+        return f
 
     def writer_at(self, offset: int, need: int = 1) -> IndexFile:
         """The file that takes ``need`` entries for a record at ``offset``: the newest file, or
@@ -295,12 +307,14 @@ class IndexService:
             if tail is not None:
                 tail.flush()
             tail = self.new_file(offset)
-            self.files.append(tail)
+            with self._lock:
+                self.files = [*self.files, tail]
         return tail
 
     def insert_rebuilt(self, files: list[IndexFile]) -> None:
         """Add files rebuilt for gaps; they lie below the newest file, which stays last."""
-        self.files = sorted([*self.files, *files], key=lambda f: f.header.begin_offset)
+        with self._lock:
+            self.files = sorted([*self.files, *files], key=lambda f: f.header.begin_offset)
 
     def query(self, topic: str, key: str, begin_ms: int, end_ms: int, limit: int) -> list[int]:
         """Candidate physical offsets for ``key`` in ``topic``, newest files first, deduplicated."""
@@ -324,10 +338,11 @@ class IndexService:
         """Delete files whose whole range lies below ``commitlog_min`` (never the newest)."""
         keep: list[IndexFile] = []
         gone: list[IndexFile] = []
-        for i, f in enumerate(self.files):
-            last = i == len(self.files) - 1
-            (gone if not last and f.header.end_offset <= commitlog_min else keep).append(f)
-        self.files = keep
+        with self._lock:
+            for i, f in enumerate(self.files):
+                last = i == len(self.files) - 1
+                (gone if not last and f.header.end_offset <= commitlog_min else keep).append(f)
+            self.files = keep
         for f in gone:
             f.destroy()
         return len(gone)

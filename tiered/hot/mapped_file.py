@@ -21,6 +21,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from tiered.hot.durable import fsync_dir, make_dirs
+
 log = logging.getLogger(__name__)
 
 OFFSET_NAME_DIGITS = 20
@@ -52,6 +54,9 @@ class MappedFile:
         try:
             if create:
                 os.posix_fallocate(self._fd, 0, size)
+                # The size is metadata: without this a power loss can leave a zero-length file
+                # in the middle of a queue, which recovery refuses as damage.
+                os.fsync(self._fd)
             self.mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self._fd)
@@ -245,17 +250,34 @@ class MappedFileQueue:
         """Create (preallocate and map) the file starting at ``from_offset`` and append it."""
         if from_offset % self.file_size:
             raise ValueError(f"offset {from_offset} is not a multiple of {self.file_size}")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.directory)
         # fallocate makes this cheap (milliseconds for 1 GiB), so a roll does not stall appends.
         f = MappedFile(
             self.directory / offset_name(from_offset), from_offset, self.file_size, create=True
         )
+        try:
+            # The file's own fsyncs never make its name durable: without this, a power loss
+            # after a roll loses the whole new file, acknowledged messages and all.
+            fsync_dir(self.directory)
+        except BaseException:
+            f.destroy()
+            raise
         with self._lock:
             if self.files and self.files[-1].from_offset >= from_offset:
                 f.destroy()
                 raise ValueError(f"file at {from_offset} is not past the last file")
             self.files = [*self.files, f]
         return f
+
+    def discard_last(self, files: list[MappedFile]) -> None:
+        """Remove ``files``, just created at the end and never written (a refused batch)."""
+        if not files:
+            return
+        with self._lock:
+            self.files = [f for f in self.files if f not in files]
+        for f in files:
+            f.destroy()
+        fsync_dir(self.directory)
 
     def flush(self) -> int:
         """fdatasync every file with unflushed bytes; returns the flushed offset."""
@@ -296,6 +318,8 @@ class MappedFileQueue:
             gone, self.files = self.files[:count], self.files[count:]
         for f in gone:
             f.destroy()
+        if gone:
+            fsync_dir(self.directory)  # else a power loss brings released files back
         return gone
 
     def destroy(self) -> None:

@@ -1,0 +1,146 @@
+"""Limits that hold under hostile input, against a real broker process: bounded decompression,
+capped auto-creation, and group metadata whose cost does not grow with the number of groups."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import grpc
+import pytest
+from broker_harness import Standalone
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2 as s
+from rocketmq.grpc_protocol import service_pb2_grpc
+
+from broker import admin_pb2 as apb
+
+MiB = 1 << 20
+
+
+def gzip_bomb(inflated: int) -> bytes:
+    """A GZIP body of about inflated/1000 bytes that inflates to ``inflated`` zero bytes."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    zeros = bytes(MiB)
+    parts = [packer.compress(zeros) for _ in range(inflated // MiB)]
+    parts.append(packer.flush())
+    return b"".join(parts)
+
+
+def send_one(
+    stub: service_pb2_grpc.MessagingServiceStub, topic: str, body: bytes, gz: bool
+) -> d.Status:
+    request = s.SendMessageRequest()
+    m = request.messages.add(topic=d.Resource(name=topic), body=body)
+    m.system_properties.message_id = os.urandom(16).hex().upper()
+    m.system_properties.message_type = d.NORMAL
+    m.system_properties.body_encoding = d.GZIP if gz else d.IDENTITY
+    reply = stub.SendMessage(request, timeout=120)
+    return reply.status
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM): a spike between two samples still shows."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_gzip_bombs_are_refused_without_inflating_them(tmp_path: Path) -> None:
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("bombs", queues=1)
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        # A legitimate compressed body still inflates.
+        ok = zlib.compress(b"hello " * 1000)
+        assert send_one(stub, "bombs", ok, gz=True).code == d.OK
+        assert node.proc is not None
+        before = peak_rss_bytes(node.proc.pid)
+        bomb = gzip_bomb(512 * MiB)  # about 0.5 MiB on the wire
+        assert len(bomb) < 2 * MiB
+        codes: list[int] = []
+
+        def fire() -> None:
+            codes.append(send_one(stub, "bombs", bomb, gz=True).code)
+
+        threads = [threading.Thread(target=fire) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        growth = peak_rss_bytes(node.proc.pid) - before
+        assert codes == [d.MESSAGE_BODY_TOO_LARGE] * 4
+        # Four bombs of 512 MiB each; the limit is 4 MiB a body. Unbounded, the peak grew by
+        # at least one whole inflated body.
+        assert growth < 128 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+        # Truncated GZIP is corrupt, not too large, and the broker still serves.
+        assert send_one(stub, "bombs", ok[: len(ok) // 2], gz=True).code == d.MESSAGE_CORRUPTED
+        assert send_one(stub, "bombs", b"plain", gz=False).code == d.OK
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("limit", [4 * MiB])
+def test_a_body_at_the_limit_inflates_and_one_byte_more_is_refused(limit: int) -> None:
+    from broker.protocol import ProtocolError, inflate
+
+    exact = zlib.compress(bytes(limit))
+    assert len(inflate(exact, limit)) == limit
+    with pytest.raises(ProtocolError) as e:
+        inflate(zlib.compress(bytes(limit + 1)), limit)
+    assert e.value.code == d.MESSAGE_BODY_TOO_LARGE
+
+
+def heartbeat(stub: service_pb2_grpc.MessagingServiceStub, group: str) -> d.Status:
+    request = s.HeartbeatRequest(group=d.Resource(name=group), client_type=d.SIMPLE_CONSUMER)
+    return stub.Heartbeat(request, timeout=30).status
+
+
+def test_group_cost_stays_flat_as_groups_accumulate(tmp_path: Path) -> None:
+    from broker.metadata import MetadataStore
+
+    meta = MetadataStore(tmp_path / "config")
+    meta.load()
+    costs: list[float] = []
+    for i in range(3000):
+        started = time.perf_counter()
+        meta.auto_create_group(f"group-{i}", limit=10_000)
+        costs.append(time.perf_counter() - started)
+    meta.close()
+    first = statistics.median(costs[:300])
+    last = statistics.median(costs[-300:])
+    # Rewriting every group per group made the 3,000th cost 30x the first.
+    assert last < 3 * first + 0.002, f"first {first * 1e3:.2f} ms, last {last * 1e3:.2f} ms"
+    again = MetadataStore(tmp_path / "config")
+    again.load()
+    assert len(again.groups) == 3000 and again.auto_created_groups == 3000
+    assert (tmp_path / "config" / "groups.json").exists(), "the log should have been compacted"
+
+
+def test_auto_created_groups_are_capped_and_survive_kill_9(tmp_path: Path) -> None:
+    node = Standalone(tmp_path / "data", env={"TMQ_LIMITS_MAX_AUTO_CREATED_GROUPS": "5"}).start()
+    try:
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        for i in range(5):
+            assert heartbeat(stub, f"auto-{i}").code == d.OK
+        refused = heartbeat(stub, "auto-5")
+        assert refused.code == d.CONSUMER_GROUP_NOT_FOUND
+        assert "max_auto_created_groups" in refused.message
+        assert heartbeat(stub, "auto-0").code == d.OK  # existing groups still answer
+        node.create_group("by-operator")  # the cap is on clients, not on operators
+        assert heartbeat(stub, "by-operator").code == d.OK
+        node.kill9()
+        node.start()
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        names = {
+            g.name for g in node.admin().ListGroups(apb.ListGroupsRequest(), timeout=10).groups
+        }
+        assert names == {f"auto-{i}" for i in range(5)} | {"by-operator"}
+        assert heartbeat(stub, "auto-6").code == d.CONSUMER_GROUP_NOT_FOUND
+    finally:
+        node.stop()

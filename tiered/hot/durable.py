@@ -1,0 +1,56 @@
+"""Making names durable: what fsync of a file does not do.
+
+fsync of a file makes its bytes durable, not its name. A file just created, a directory just
+made, a rename or an unlink is only durable once the directory holding the name has been
+fsynced too (POSIX; ext4 and XFS honour it, and the power-loss tests' filesystem enforces it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path``: the names in it (creates, renames, unlinks) are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` whose new directories survive a power loss (each parent is fsynced)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # another thread made it; it fsyncs the parent itself
+        fsync_dir(d.parent)
+
+
+def replace(tmp: Path, path: Path) -> None:
+    """Rename the fsynced ``tmp`` over ``path`` and make the rename durable."""
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: a crash leaves the old or the new
+    content, never a torn or empty file, and never the old one once this has returned."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    replace(tmp, path)
