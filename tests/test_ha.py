@@ -25,6 +25,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
+from broker.metadata import MetadataStore
 from tests.broker_harness import REPO, free_port, send_all, wait_healthy
 from tiered.config import StoreConfig
 from tiered.hot.epoch_file import EpochEntry, EpochFile
@@ -367,6 +368,10 @@ def test_async_acks_without_slaves_and_a_restarted_slave_catches_up(group) -> No
     master.stop()
     slave.stop()
     assert assert_same_replica(master.data_dir, slave.data_dir) == 1200
+    copy = MetadataStore(slave.data_dir / "config")
+    copy.load()  # what the slave kept on disk
+    assert TOPIC in copy.topics and "ha-group" in copy.groups
+    assert copy.offset("ha-group", TOPIC, 1) == 7
 
 
 def test_a_divergent_tail_is_cut_back_to_the_last_common_epoch(group) -> None:  # type: ignore[no-untyped-def]
