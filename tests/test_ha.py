@@ -69,6 +69,7 @@ class GroupMember:
         ha: bool = True,
         file_size: int = FILE_SIZE,
         namesrv: str = "",
+        peers: list[GroupMember] | None = None,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -92,6 +93,7 @@ role = "{role}"
 broker_id = {broker_id}
 listen = "127.0.0.1:{self.ha_port}"
 master = "{f"127.0.0.1:{master.ha_port}" if master else ""}"
+peers = {[f"127.0.0.1:{p.ha_port}" for p in peers or []]}
 mode = "{mode}"
 min_in_sync_replicas = {min_in_sync_replicas}
 max_lag_ms = 3000
@@ -579,7 +581,9 @@ def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
     try:
         master, slave = group("master"), group("slave")
         master.start("master", 0, mode="sync", min_in_sync_replicas=2, namesrv=f"127.0.0.1:{port}")
-        slave.start("slave", 1, master=master, namesrv=f"127.0.0.1:{port}")
+        # No master address: the slave finds it among the group's peers (one of them down).
+        down = GroupMember(tmp_path, "down", free_port())
+        slave.start("slave", 1, peers=[down, master], namesrv=f"127.0.0.1:{port}")
         master.create_topic()
         wait_until(
             "both are registered",
