@@ -20,9 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,28 +28,15 @@ import boto3
 
 from bench.offload import localstack
 from offload.offloader import Offloader, OffloadPolicy
+from tiered.cold.counting import CountingObjectStore
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.segment import SegmentReader
-from tiered.cold.storage import ObjectStore, open_store
+from tiered.cold.storage import open_store
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
 
 BASE = 20_000  # messages in the 1x archive; the 10x one has 200,000
-
-
-class Counting:
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner, self.url, self.calls = inner, inner.url, Counter[str]()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
 
 
 def fill(store: MessageStore, queue_id: int, n: int) -> None:
@@ -124,7 +109,7 @@ def main() -> None:
         # read itself (the fetcher's read-ahead would add a prefetch; its cache would hide reads).
         per_read = {}
         for label, queue_id in (("1x", 0), ("10x", 1)):
-            counting = Counting(tier)
+            counting = CountingObjectStore(tier)
             manifest = ColdFetcher(tier, "bench", "broker-a").manifest("cold", queue_id)
             rng = random.Random(queue_id)
             reads = 100

@@ -51,7 +51,7 @@ from lakehouse.locations import Location
 from lakehouse.spark import spark_session
 from lakehouse.tables import LakeTable
 from lakehouse.tier import QueueRef
-from tiered.cold.manifest import ManifestStore
+from tiered.cold.manifest import ManifestLog
 from tiered.cold.storage import open_store
 from tiered.record import Message
 
@@ -89,7 +89,7 @@ def segment_keys(archive: Archive, topic: str) -> tuple[list[str], int]:
     keys, size = [], 0
     for q in range(QUEUES):
         prefix = QueueRef("c1", "broker-a", topic, q).prefix
-        for s in ManifestStore(archive.tier, prefix).load().segments:
+        for s in ManifestLog(archive.tier, prefix).load().segments:
             keys.append(s.key)
             size += s.size
     return keys, size

@@ -12,9 +12,9 @@ from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
+    BrokerMetadata,
     GroupConfig,
     InvalidNameError,
-    MetadataStore,
     TopicConfig,
     check_group_name,
 )
@@ -58,7 +58,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         broker_name: str,
         on_topics_changed: Callable[[], None],
         apply_retention: Callable[[str | None, bool], list[RetentionResult]] | None = None,
@@ -166,10 +166,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        commitlog = self.store.commitlog_stats()
         return pb.StatsResponse(
             broker_name=self.broker_name,
-            commitlog_min_offset=self.store.commitlog.min_offset,
-            commitlog_max_offset=self.store.commitlog.max_offset,
+            commitlog_min_offset=commitlog.min_offset,
+            commitlog_max_offset=commitlog.max_offset,
             dispatched_offset=self.store.dispatched_offset,
             topics=len(self.metadata.topics),
             groups=len(self.metadata.groups),
@@ -283,14 +284,16 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     def _keep_local(self, topic: str, queue_id: int, keep_bytes: int) -> int:
         """The offset above which the queue's newest messages total at most ``keep_bytes``."""
-        cq = self.store.queues.get(topic, queue_id)
-        if cq is None:
-            return 0
+        hot_min, end = (
+            self.store.hot_min_offset(topic, queue_id),
+            self.store.max_offset(topic, queue_id),
+        )
         sizes = [
-            entry[1] for _, entry in cq.iter_entries(cq.min_offset, cq.max_offset - cq.min_offset)
+            entry[1]
+            for _, entry in self.store.queue_entries(topic, queue_id, hot_min, end - hot_min)
         ]
         kept = 0
-        offset = cq.max_offset
+        offset = end
         for size in reversed(sizes):
             if kept + size > keep_bytes:
                 break

@@ -23,18 +23,26 @@ upload_min_bytes = "16MiB"     # or this many bytes are pending,
 upload_min_messages = 10000    # or this many messages
 segment_max_bytes = "64MiB"    # roll segment objects at this size
 
+[retry]                        # the one retry policy for every object-store call
+attempts = 6
+
 [limits]
 max_body_bytes = 4194304
 ```
 
 Every key can be overridden from the environment as ``TMQ_{SECTION}_{KEY}`` (see
-``load_config``); ``tmq.toml.example`` lists them all with their defaults.
+``load_config``); ``tmq.toml.example`` lists them all with their defaults. The loader is strict:
+an unknown section or key, or a value of the wrong type, is an error naming the file and the key.
+Values are converted by the fields' real types (``typing.get_type_hints``), never by reading
+annotations as text.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,7 @@ from broker.ha.config import HaConfig
 from broker.metadata import Limits
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
+from tiered.cold.storage import RetryPolicy
 from tiered.config import StoreConfig, parse_duration_ms, parse_size
 
 
@@ -68,6 +77,8 @@ class BrokerConfig:
     metrics_port: int = 5557
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    # Every object-store call of the broker (upload, manifest, cold read, verify, retention).
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
     # The continuous Delta export, run as a child process beside the broker when enabled.
     lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
@@ -79,106 +90,155 @@ class BrokerConfig:
         return self.store.data_dir / "config"
 
 
-_SIZE_KEYS = {
+# Each section of tmq.toml and the dataclass it fills ("broker": the top-level fields).
+SECTIONS: dict[str, type] = {
+    "broker": BrokerConfig,
+    "store": StoreConfig,
+    "offload": OffloadPolicy,
+    "retry": RetryPolicy,
+    "limits": Limits,
+    "lakehouse": LakehouseConfig,
+    "ha": HaConfig,
+}
+# Keys that take a size ("64MiB", "1GiB" or a byte count) rather than a plain integer.
+SIZE_KEYS = {
     "commitlog_file_size",
     "max_message_size",
     "max_dispatch_lag_bytes",
     "segment_max_bytes",
     "upload_min_bytes",
 }
-_SECTIONS = ("broker", "store", "offload", "limits", "lakehouse", "ha")
+# Short forms of a few environment overrides.
+SHORT_ENV = {
+    "TMQ_NAMESRV_ADDR": "TMQ_BROKER_NAMESRV",
+    "TMQ_PORT": "TMQ_BROKER_PORT",
+    "TMQ_DATA_DIR": "TMQ_STORE_DATA_DIR",
+    "TMQ_FLUSH": "TMQ_STORE_FLUSH",
+    "TMQ_TIER_URL": "TMQ_BROKER_TIER_URL",
+}
 
 
-def _coerce(section: str, key: str, value: Any, target: type | str) -> Any:
-    """A TOML or environment value as the field's type (sizes accept KiB/MiB/GiB)."""
-    if key in _SIZE_KEYS:
-        return parse_size(value)
-    if key == "store_host":
-        return _host(section, value)
-    if not isinstance(value, str):
-        return value
-    kind = str(target).replace(" | None", "")
-    if kind.startswith("list"):
-        return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
-    if kind == "bool":
-        if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ValueError(f"[{section}] {key}: {value!r} is not true or false")
-        return value.lower() in ("1", "true", "yes")
-    if kind in ("int", "float"):
+def section_fields(section: str) -> dict[str, Any]:
+    """The keys of ``section`` and their types (nested sections left out of ``broker``)."""
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    nested = set(SECTIONS.values())
+    return {f.name: hints[f.name] for f in fields(cls) if hints[f.name] not in nested}
+
+
+def convert(name: str, key: str, value: Any, kind: Any, from_env: bool) -> Any:
+    """``value`` (from TOML, or a string from the environment) as a value of type ``kind``;
+    ``ValueError`` naming ``name`` (where the value came from) and the key otherwise."""
+    if key in SIZE_KEYS:
         try:
-            return float(value) if kind == "float" else int(value)
+            return parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {key}: {e}") from None
+    args = typing.get_args(kind)
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        if from_env and value == "" and type(None) in args:
+            return None
+        (kind,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{name}: {key} must be one of {list(args)}, not {value!r}")
+        return value
+    if kind is bool:
+        if from_env:
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(f"{name}: {key}: {value!r} is not true or false")
+            return value.lower() in ("1", "true", "yes")
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: {key}: {value!r} is not true or false")
+        return value
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"{name}: {key}: {value!r} is not a number")
+        if isinstance(value, str) and not from_env:
+            raise ValueError(f"{name}: {key}: {value!r} is not a number (write it unquoted)")
+        try:
+            number = kind(value)
         except ValueError:
-            raise ValueError(f"[{section}] {key}: {value!r} is not a number") from None
-    return value
-
-
-def _host(section: str, value: Any) -> tuple[str, int]:
-    """``"127.0.0.1:10911"`` or ``["127.0.0.1", 10911]`` as (host, port)."""
-    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if isinstance(value, list) and len(value) == 2:
-        host, port = value
-    try:
-        return str(host), int(port)
-    except ValueError:
-        pass
-    raise ValueError(f"[{section}] store_host: {value!r} is not host:port")
-
-
-def _section_fields(section: str) -> dict[str, Any]:
-    cls = {
-        "broker": BrokerConfig,
-        "store": StoreConfig,
-        "offload": OffloadPolicy,
-        "limits": Limits,
-        "lakehouse": LakehouseConfig,
-        "ha": HaConfig,
-    }
-    return {f.name: f.type for f in fields(cls[section])}
+            raise ValueError(f"{name}: {key}: {value!r} is not a number") from None
+        if kind is int and isinstance(value, float) and value != number:
+            raise ValueError(f"{name}: {key}: {value!r} is not a whole number")
+        return number
+    if kind in (str, Path):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: {key}: {value!r} is not a string")
+        return kind(value)
+    if origin is list:
+        if from_env or isinstance(value, str):  # "h1:9876;h2:9876" or "a,b"
+            return [a.strip() for a in value.replace(",", ";").split(";") if a.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{name}: {key}: {value!r} is not a list")
+        return [convert(name, key, v, args[0], False) for v in value]
+    if origin is tuple:  # host:port
+        if isinstance(value, str):
+            host, _, port = value.rpartition(":")
+        elif isinstance(value, list) and len(value) == 2:
+            host, port = value
+        else:
+            host, port = "", ""
+        try:
+            return str(host), int(port)
+        except ValueError:
+            raise ValueError(f"{name}: {key}: {value!r} is not host:port") from None
+    if origin is dict:
+        if from_env:
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]  # an inline table: { a = "b" }
+            except tomllib.TOMLDecodeError:
+                raise ValueError(f"{name}: {key}: {value!r} is not an inline table") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: {key}: {value!r} is not a table")
+        return value
+    raise TypeError(f"{key}: no conversion for {kind!r}")  # a new field type: teach convert
 
 
 def load_config(path: Path | None, env: dict[str, str] | None = None) -> BrokerConfig:
     """Read ``path`` (None: defaults only), then apply ``TMQ_{SECTION}_{KEY}`` overrides from
     ``env`` (for example ``TMQ_STORE_FLUSH=sync``, ``TMQ_OFFLOAD_UPLOAD_AFTER_MS=5000``), and the
     short forms ``TMQ_NAMESRV_ADDR``, ``TMQ_PORT``, ``TMQ_DATA_DIR``, ``TMQ_FLUSH``,
-    ``TMQ_TIER_URL``."""
-    raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
+    ``TMQ_TIER_URL``. Unknown sections and keys are errors that name the file and the key."""
     where = str(path) if path is not None else "config"
-    unknown = set(raw) - set(_SECTIONS)
+    try:
+        raw: dict[str, Any] = tomllib.loads(path.read_text()) if path is not None else {}
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not valid TOML: {e}") from None
+    unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}")
+        raise ValueError(f"{where}: unknown section [{unknown[0]}] (known: {', '.join(SECTIONS)})")
     env = dict(os.environ if env is None else env)
-    short = {
-        "TMQ_NAMESRV_ADDR": "TMQ_BROKER_NAMESRV",
-        "TMQ_PORT": "TMQ_BROKER_PORT",
-        "TMQ_DATA_DIR": "TMQ_STORE_DATA_DIR",
-        "TMQ_FLUSH": "TMQ_STORE_FLUSH",
-        "TMQ_TIER_URL": "TMQ_BROKER_TIER_URL",
-    }
-    for alias, name in short.items():
+    for alias, name in SHORT_ENV.items():
         if alias in env:
             env.setdefault(name, env[alias])
     sections: dict[str, dict[str, Any]] = {}
-    for section in _SECTIONS:
-        known = _section_fields(section)
-        given = dict(raw.get(section, {}))
+    for section in SECTIONS:
+        known = section_fields(section)
+        given = raw.get(section, {})
+        if not isinstance(given, dict):
+            raise ValueError(f"{where}: {section} must be a section ([{section}])")
+        given = dict(given)
         if section == "lakehouse" and "trigger" in given:  # "10s", as on the command line
             given["trigger_seconds"] = parse_duration_ms(given.pop("trigger")) / 1000
-        bad = set(given) - set(known)
+        bad = sorted(set(given) - set(known))
         if bad:
-            raise ValueError(f"{where}: unknown key(s) in [{section}]: {sorted(bad)}")
-        for key in known:
+            raise ValueError(f"{where}: unknown key {bad[0]!r} in [{section}]")
+        values = {
+            k: convert(f"{where}: [{section}]", k, v, known[k], False) for k, v in given.items()
+        }
+        for key, kind in known.items():
             name = f"TMQ_{section.upper()}_{key.upper()}"
             if name in env:
-                given[key] = env[name]
-        sections[section] = {k: _coerce(section, k, v, known[k]) for k, v in given.items()}
+                values[key] = convert(f"environment {name}", key, env[name], kind, True)
+        sections[section] = values
     try:
         return BrokerConfig(
             **sections["broker"],
-            store=StoreConfig(**sections["store"]),
-            offload=OffloadPolicy(**sections["offload"]),
-            limits=Limits(**sections["limits"]),
-            lakehouse=LakehouseConfig(**sections["lakehouse"]),
-            ha=HaConfig(**sections["ha"]),
+            **{s: SECTIONS[s](**sections[s]) for s in SECTIONS if s != "broker"},
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None

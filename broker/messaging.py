@@ -29,11 +29,11 @@ from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
     PERM_READ,
     PERM_WRITE,
+    BrokerMetadata,
     GroupConfig,
     GroupLimitError,
     InvalidNameError,
     Limits,
-    MetadataStore,
     TopicConfig,
     check_group_name,
     check_topic_name,
@@ -58,7 +58,7 @@ from broker.protocol import (
     to_store_message,
 )
 from broker.sql92 import SqlFilter
-from namesrv.client import NameServerClient
+from remoting.namesrv_client import NameServerClient
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
@@ -109,7 +109,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         pop: PopService,
         identity: BrokerIdentity,
         namesrv: NameServerClient | None,

@@ -19,20 +19,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered.hot.durable import fsync_dir, make_dirs, write_file
+from tiered.durable import fsync_dir, make_dirs, write_file
+
+# The name rule is the store's, defined once (tiered/names.py); the broker's modules import it
+# from here.
+from tiered.names import MAX_GROUP_LENGTH as MAX_GROUP_LENGTH
+from tiered.names import MAX_TOPIC_LENGTH as MAX_TOPIC_LENGTH
+from tiered.names import InvalidNameError as InvalidNameError
+from tiered.names import check_group_name as check_group_name
+from tiered.names import check_topic_name as check_topic_name
 
 log = logging.getLogger(__name__)
 
-# RocketMQ's TopicValidator: the charset keeps every name a safe path component and object key.
-_NAME = re.compile(r"^[%|a-zA-Z0-9_-]+$")
-MAX_TOPIC_LENGTH = 127
-MAX_GROUP_LENGTH = 120
 MAX_QUEUES = 1024
 
 PERM_READ = 4
@@ -45,25 +48,6 @@ SUPPORTED_MESSAGE_TYPES = ("NORMAL", "FIFO")
 RETRY_GROUP_PREFIX = "%RETRY%"
 DEFAULT_MAX_DELIVERY_ATTEMPTS = 16  # RocketMQ 5's retryMaxTimes
 DLQ_GROUP_PREFIX = "%DLQ%"
-
-
-class InvalidNameError(ValueError):
-    pass
-
-
-def check_topic_name(topic: str) -> None:
-    if not topic or len(topic) > MAX_TOPIC_LENGTH or not _NAME.match(topic):
-        raise InvalidNameError(
-            f"invalid topic {topic!r}: 1-{MAX_TOPIC_LENGTH} characters from [%|a-zA-Z0-9_-]"
-        )
-
-
-def check_group_name(group: str) -> None:
-    if not group or len(group) > MAX_GROUP_LENGTH or not _NAME.match(group):
-        raise InvalidNameError(
-            f"invalid consumer group {group!r}: 1-{MAX_GROUP_LENGTH} characters from "
-            "[%|a-zA-Z0-9_-]"
-        )
 
 
 def retry_topic(group: str) -> str:
@@ -138,7 +122,7 @@ def _load(path: Path) -> Any:
         raise RuntimeError(f"{path} is damaged ({e}); restore it from a backup") from e
 
 
-class MetadataStore:
+class BrokerMetadata:
     """Topics, groups and consumer offsets of one broker, thread-safe."""
 
     def __init__(self, config_dir: Path) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.metadata import GroupConfig, MetadataStore, TopicConfig, dlq_topic, retry_topic
+from broker.metadata import BrokerMetadata, GroupConfig, TopicConfig, dlq_topic, retry_topic
 from tiered.record import Message, StoredMessage, tag_hash
 from tiered.store import GetStatus, MessageStore
 
@@ -104,7 +104,7 @@ class PopService:
     def __init__(
         self,
         store: MessageStore,
-        metadata: MetadataStore,
+        metadata: BrokerMetadata,
         clock: Callable[[], int] = now_ms,
         on_topic_created: Callable[[], None] = lambda: None,
     ) -> None:
@@ -174,20 +174,27 @@ class PopService:
         now = self._clock()
         if group.fifo and state.in_flight:
             return self._redeliver_fifo(group, state, stored_topic, queue_id, now, invisible_ms)
-        lo = self.store.min_offset(stored_topic, queue_id)
-        if state.next < lo:
-            log.warning(
-                "group %s: %s/%d offsets %d..%d are gone (retention); skipping them",
-                group.name,
-                stored_topic,
-                queue_id,
-                state.next,
-                lo - 1,
-            )
-            state.next = lo
         result = self.store.get_messages(
             stored_topic, queue_id, state.next, max_count, tag_filter=tag_filter.code_matches
         )
+        if result.status is GetStatus.OFFSET_TOO_SMALL:
+            # Only a read says what is gone: before it, the first offset a restarted broker
+            # knows may be the hot store's (the tier's manifest is not loaded yet), and
+            # skipping to it would drop archived messages the group never received.
+            lo = self.store.min_offset(stored_topic, queue_id)
+            if state.next < lo:
+                log.warning(
+                    "group %s: %s/%d offsets %d..%d are gone (retention); skipping them",
+                    group.name,
+                    stored_topic,
+                    queue_id,
+                    state.next,
+                    lo - 1,
+                )
+                state.next = lo
+                result = self.store.get_messages(
+                    stored_topic, queue_id, lo, max_count, tag_filter=tag_filter.code_matches
+                )
         out: list[Received] = []
         if result.status is GetStatus.FOUND or result.status is GetStatus.NO_MATCHED_MESSAGE:
             for msg in result.messages:

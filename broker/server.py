@@ -24,21 +24,27 @@ from broker.config import BrokerConfig
 from broker.ha.master import ReplicationMaster
 from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
-from broker.metadata import MetadataStore, TopicConfig
+from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.status import BrokerStatus, ExportFreshness, broker_status
 from lakehouse.runner import ContinuousExport
-from namesrv import namesrv_pb2 as nspb
-from namesrv.client import NameServerClient
-from namesrv.grpc_server import listen, new_server
-from namesrv.safe_handlers import add_safely
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
+from remoting import namesrv_pb2 as nspb
+from remoting.grpc_server import listen, new_server
+from remoting.namesrv_client import NameServerClient
+from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
-from tiered.cold.storage import open_store
-from tiered.hot.epoch_file import EpochFile
+from tiered.cold.storage import (
+    ObjectStore,
+    PermanentStorageError,
+    StorageError,
+    check_writable,
+    open_store,
+)
+from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -50,23 +56,49 @@ _WORKERS = 128
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+class TierUnusableError(ValueError):
+    """The configured tier refuses this broker (missing bucket, permissions, credentials)."""
+
+
 class Broker:
     def __init__(self, config: BrokerConfig) -> None:
+        """The composition root: every part of the broker is built here, in dependency order
+        (metadata, tier -> cold fetcher -> store -> offloader, pop), and nothing rewires a
+        part afterwards."""
         self.config = config
-        self.store = MessageStore(config.store)
-        self.metadata = MetadataStore(config.config_dir)
+        self.metrics = BrokerMetrics()
+        self.metadata = BrokerMetadata(config.config_dir)
+        self.tier: ObjectStore | None = None
+        self.fetcher: ColdFetcher | None = None
+        self.offloader: Offloader | None = None
+        if config.tier_url:
+            self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.fetcher = ColdFetcher(
+                self.tier,
+                config.cluster,
+                config.name,
+                tiered_queues=self._tiered_queues,
+                observe=self.metrics.observe_cold_read,
+            )
+        self.store = MessageStore(config.store, cold=self.fetcher)
+        if self.tier is not None and self.fetcher is not None:
+            self.offloader = Offloader(
+                self.store,
+                self.tier,
+                config.cluster,
+                config.name,
+                config.offload,
+                on_commit=self.fetcher.set_manifest,
+            )
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
-        self.offloader: Offloader | None = None
-        self.fetcher: ColdFetcher | None = None
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
         # `tmq status` report it; None: not reported).
         self.export_freshness: ExportFreshness | None = None
         self._export: ContinuousExport | None = None
         self._freshness: dict[str, float] = {}
-        self.metrics = BrokerMetrics()
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
         # A member of a replica group ([ha] enabled): streams its CommitLog to slaves, or
@@ -80,24 +112,6 @@ class Broker:
                 self.replication = ReplicationSlave(
                     self.store, epochs, config.ha, self.metadata, self._register_now.set
                 )
-        if config.tier_url:
-            tier = open_store(config.tier_url, config.tier_options)
-            self.fetcher = ColdFetcher(
-                tier,
-                config.cluster,
-                config.name,
-                tiered_queues=self._tiered_queues,
-                observe=self.metrics.observe_cold_read,
-            )
-            self.offloader = Offloader(
-                self.store,
-                tier,
-                config.cluster,
-                config.name,
-                config.offload,
-                on_commit=self.fetcher.set_manifest,
-            )
-            self.store.cold = self.fetcher
         self.metrics.attach(
             MetricSources(
                 traffic=self.metrics.traffic,
@@ -124,7 +138,9 @@ class Broker:
         ]
 
     def start(self) -> int:
-        """Open the store, serve, register; returns the bound port (``port = 0``: any free)."""
+        """Check the tier, open the store, serve, register; returns the bound port (``port =
+        0``: any free)."""
+        self._check_tier()
         self.store.start()
         try:
             self.metadata.load()
@@ -190,6 +206,7 @@ class Broker:
         for target, name in (
             (self._registration_loop, "tmq-registration"),
             (self._maintenance_loop, "tmq-maintenance"),
+            (self._offload_loop, "tmq-offload"),
         ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -249,19 +266,41 @@ class Broker:
             except Exception:
                 log.exception("registration with the NameServers failed")
 
+    def _check_tier(self) -> None:
+        """Refuse to start on a tier that cannot work (no such bucket, no permission to write,
+        bad credentials): ``TierUnusableError`` with one line naming the bucket and the fix,
+        instead of a broker that fails at its first upload. An unreachable tier only warns:
+        the hot path never depends on the network, and uploads catch up once it is back."""
+        if self.tier is None:
+            return
+        try:
+            check_writable(self.tier, f"{self.config.cluster}/{self.config.name}")
+        except PermanentStorageError as e:
+            raise TierUnusableError(f"the cold tier cannot be used: {e}") from None
+        except StorageError as e:
+            log.warning("the cold tier is unreachable at start (uploads will retry): %s", e)
+
     def _maintenance_loop(self) -> None:
+        """Revive expired pop deliveries every second and save consumer offsets every 5 s.
+        Its own thread: an offload pass can take minutes (a backlog, a slow or dead tier), and
+        offsets not saved meanwhile would rewind every group that far after a kill -9."""
         ticks = 0
-        offload_every = max(1, self.config.offload_interval_ms // 1000)
         while not self._stop.wait(1.0):
             ticks += 1
             try:
                 self.pop.revive_expired()
                 if ticks % 5 == 0:
                     self.metadata.flush_offsets()
-                if ticks % offload_every == 0:
-                    self.offload_and_release()
             except Exception:
                 log.exception("broker maintenance failed; retrying")
+
+    def _offload_loop(self) -> None:
+        """Offload, retention and release, every ``offload_interval_ms``."""
+        while not self._stop.wait(max(1.0, self.config.offload_interval_ms / 1000)):
+            try:
+                self.offload_and_release()
+            except Exception:
+                log.exception("offload pass failed; retrying")
 
     def apply_retention(
         self, topic: str | None = None, dry_run: bool = False
@@ -330,8 +369,9 @@ class Broker:
                     self._queue_failed("retention", cfg.name, queue_id, e)
             if committed:
                 failpoints.hit("offload.before_release")
+        topics = dict(self.metadata.topics)  # a snapshot: admin calls may change it meanwhile
         self.released_files += self.store.release_commitlog_files(
-            release_predicate(self.store, self.offloader, dict(self.metadata.topics))
+            release_predicate(self.store, self.offloader, topics)
         )
 
     def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:

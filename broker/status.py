@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 from offload.offloader import Offloader, UploadLag
 from tiered.store import MessageStore
 
@@ -64,7 +64,7 @@ def export_freshness_or_none(provider: ExportFreshness | None) -> dict[str, floa
 
 def broker_status(
     store: MessageStore,
-    metadata: MetadataStore,
+    metadata: BrokerMetadata,
     offloader: Offloader | None,
     export_freshness: ExportFreshness | None,
     *,
@@ -77,23 +77,20 @@ def broker_status(
             if not cfg.tiered:
                 continue
             for q in range(cfg.queues):
-                cq = store.queues.get(cfg.name, q)
                 queues.append(
                     TieredQueueStatus(
                         cfg.name,
                         q,
                         store.max_offset(cfg.name, q),
                         offloader.upload_lag(cfg.name, q, now_ms),
-                        (cq.bytes_between(cq.min_offset, cq.max_offset) if cq else 0)
-                        if hot_bytes
-                        else None,
+                        store.queue_bytes(cfg.name, q) if hot_bytes else None,
                     )
                 )
-    files = len(store.commitlog.files.files)
+    commitlog = store.commitlog_stats()
     return BrokerStatus(
-        dispatch_lag_bytes=max(0, store.commitlog.max_offset - store.dispatched_offset),
-        commitlog_files=files,
-        hot_store_bytes=files * store.config.commitlog_file_size,
+        dispatch_lag_bytes=max(0, commitlog.max_offset - store.dispatched_offset),
+        commitlog_files=commitlog.files,
+        hot_store_bytes=commitlog.files * store.config.commitlog_file_size,
         cold_store_bytes=offloader.archived_bytes() if offloader is not None else 0,
         has_tier=offloader is not None,
         tiered_queues=queues,

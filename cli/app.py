@@ -8,12 +8,20 @@ scrubbed from that line and from every log record (tiered/cold/credentials.py).
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import sys
+from typing import Annotated
 
 import grpc
 import typer
+from typer.completion import install_callback, show_callback
+
+try:  # typer 0.2x parses with its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover (older typer: click itself)
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 from cli import client, lakehouse, offload, retain, servers, status
 from cli import store as store_commands
@@ -26,8 +34,48 @@ app = typer.Typer(
     "Example: tmq standalone, then in another shell: tmq status",
     no_args_is_help=True,
     pretty_exceptions_enable=False,  # tracebacks with locals could print secrets
-    add_completion=True,
+    # Typer's own completion options ignore the shell named (they detect the running one):
+    # ``tmq --show-completion zsh`` printed bash. These take the shell as their value.
+    add_completion=False,
 )
+
+
+class Shell(enum.StrEnum):
+    bash = "bash"
+    zsh = "zsh"
+    fish = "fish"
+    powershell = "powershell"
+    pwsh = "pwsh"
+
+
+@app.callback()
+def _root(
+    show_completion: Annotated[
+        Shell | None,
+        typer.Option(
+            "--show-completion",
+            metavar="SHELL",
+            callback=show_callback,
+            expose_value=False,
+            is_eager=True,
+            help="Print the completion script for SHELL (bash, zsh, fish, powershell).",
+        ),
+    ] = None,
+    install_completion: Annotated[
+        Shell | None,
+        typer.Option(
+            "--install-completion",
+            metavar="SHELL",
+            callback=install_callback,
+            expose_value=False,
+            is_eager=True,
+            help="Install completion for SHELL.",
+        ),
+    ] = None,
+) -> None:
+    """tmq: a RocketMQ-5-compatible broker with tiered storage to S3 and Delta export."""
+
+
 app.command("standalone")(servers.standalone)
 app.add_typer(servers.namesrv_app, name="namesrv")
 app.add_typer(servers.broker_app, name="broker")
@@ -59,7 +107,19 @@ def main() -> None:
     )
     scrub_logs(secret_values(env=os.environ))
     try:
-        app(prog_name="tmq")
+        code = app(prog_name="tmq", standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:
+        typer.echo(e.format_message())  # `tmq` or `tmq topic` alone: the help
+        sys.exit(2)
+    except click_errors.UsageError as e:
+        # A typo (unknown command or option, a bad value): the one-line form, not a box.
+        where = e.ctx.command_path if e.ctx is not None else "tmq"
+        message = " ".join(e.format_message().split())
+        typer.echo(f"error: {scrub_known(message)} (see '{where} --help')", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)
     except KeyboardInterrupt:
         typer.echo("error: interrupted", err=True)
         sys.exit(130)
@@ -69,6 +129,8 @@ def main() -> None:
         logging.getLogger("tmq").debug("unhandled", exc_info=True)
         typer.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(1)
+    if isinstance(code, int) and code != 0:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

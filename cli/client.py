@@ -10,7 +10,6 @@ import base64
 import json
 import sys
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
 import grpc
@@ -18,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.topic import NamesrvOption, ask_namesrv, fail
+from cli.topic import NamesrvOption, ask_namesrv, fail, time_ms
 
 _TIMEOUT = 10
 # How often in a row a replay repeats a pull the broker answers PROXY_TIMEOUT (a slow cold tier).
@@ -165,16 +164,6 @@ def _print_message(as_json: bool, **fields: Any) -> None:
         )
 
 
-def _parse_time(text: str) -> int:
-    """Epoch milliseconds, or ISO 8601 (``2026-11-20T10:00:00Z``)."""
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
-    except ValueError:
-        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
-
-
 def _progress(as_json: bool) -> Progress:
     """A progress bar on stderr, shown only to a person: not with --json, not when stderr is
     a pipe or a file. Lines printed meanwhile appear above it."""
@@ -210,7 +199,7 @@ def replay(
 
     if (from_offset is None) == (from_time is None):
         raise fail("give exactly one of --from-offset and --from-time", 2)
-    start_ms = _parse_time(from_time) if from_time is not None else None
+    start_ms = time_ms(from_time) if from_time is not None else None
     # First every queue's range, so the progress bar knows its total; then the reads.
     ranges = []
     for b in route(namesrv, topic).brokers:
@@ -309,8 +298,8 @@ def query(
         topic=topic,
         key=key,
         max=limit,
-        begin_ms=_parse_time(begin) if begin else 0,
-        end_ms=_parse_time(end) if end else 0,
+        begin_ms=time_ms(begin) if begin else 0,
+        end_ms=time_ms(end) if end else 0,
     )
     found = 0
     for broker_name, stub in brokers(namesrv):

@@ -4,37 +4,20 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
-import grpc
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, _call, brokers, fail
+from cli.topic import NamesrvOption, brokers, call, fail, time_ms, topic_on_brokers
 from tiered.config import parse_size
-
-
-def _time_ms(text: str) -> int:
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
-    except ValueError:
-        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
 
 
 def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
     rows = []
-    for broker_name, stub in brokers(namesrv):
-        try:
-            d = stub.GetTopic(pb.GetTopicRequest(name=topic), timeout=10)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                continue
-            raise fail(f"broker {broker_name}: {e.details()}") from None
+    for broker_name, _stub, d in topic_on_brokers(namesrv, topic):
         rows += [
             {
                 "broker": broker_name,
@@ -48,8 +31,6 @@ def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
             }
             for q in d.queues
         ]
-    if not rows:
-        raise fail(f"topic {topic} does not exist")
     return rows
 
 
@@ -92,7 +73,12 @@ def offload(
     namesrv: NamesrvOption = "127.0.0.1:9876",
     queue: Annotated[int, typer.Option(help="Only this queue (default: all).")] = -1,
     keep_local: Annotated[
-        str | None, typer.Option(help="Leave the newest SIZE per queue local only.")
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Leave the newest SIZE of each queue only local: bytes, or with a unit "
+            "(64KiB, 512MiB, 1GiB; powers of 1024).",
+        ),
     ] = None,
     before: Annotated[str | None, typer.Option(help="Only messages stored before TIME.")] = None,
     wait: Annotated[bool, typer.Option(help="status: wait until everything is uploaded.")] = False,
@@ -122,12 +108,12 @@ def offload(
         topic=words[0],
         queue=queue,
         keep_local_bytes=keep,
-        before_ms=_time_ms(before) if before else 0,
+        before_ms=time_ms(before) if before else 0,
     )
     rows = []
     for broker_name, stub in brokers(namesrv):
         # An upload of gigabytes takes minutes, not the 10 s other admin calls get.
-        reply = _call(f"broker {broker_name}", stub.Offload, request, timeout=timeout)
+        reply = call(f"broker {broker_name}", stub.Offload, request, timeout=timeout)
         rows += [
             {
                 "broker": broker_name,
@@ -171,7 +157,7 @@ def verify(
     statuses = []
     rows = []
     for broker_name, stub in brokers(namesrv):
-        reply = _call(
+        reply = call(
             f"broker {broker_name}",
             stub.Verify,
             pb.VerifyRequest(topic=topic or "", repair=repair, deep=deep),

@@ -5,28 +5,21 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-import grpc
 import typer
 
 from broker import admin_pb2 as pb
 from cli.topic import (
     NamesrvOption,
-    _call,
     brokers,
+    call,
     duration_ms,
     fail,
+    retention_text,
     set_retention,
     size_bytes,
+    topic_on_brokers,
 )
-
-
-def _human(ms: int) -> str:
-    if ms == 0:
-        return "forever"
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms}ms"
+from tiered.config import format_size
 
 
 def retain(
@@ -59,16 +52,10 @@ def retain(
     if topic is None:
         raise fail("name a topic (or use --apply)", 2)
     rows: list[dict[str, Any]] = []
-    for broker_name, stub in brokers(namesrv):
-        try:
-            described = stub.GetTopic(pb.GetTopicRequest(name=topic), timeout=10)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                continue
-            raise fail(f"broker {broker_name}: {e.details()}") from None
+    for broker_name, stub, described in topic_on_brokers(namesrv, topic):
         t = described.topic
         if set_retention(t, ttl_ms, local_ms, limit):
-            _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=t, update=True))
+            call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=t, update=True))
         rows.append(
             {
                 "broker": broker_name,
@@ -79,16 +66,13 @@ def retain(
                 "max_bytes": t.retention_bytes,
             }
         )
-    if not rows:
-        raise fail(f"topic {topic} does not exist")
     if as_json:
         typer.echo(json.dumps(rows))
         return
     for r in rows:
         typer.echo(
-            f"{r['topic']} on {r['broker']}: ttl {_human(r['ttl_ms'])}, local ttl "
-            f"{_human(r['local_ttl_ms'])}"
-            + (f", archive limit {r['max_bytes']} bytes per queue" if r["max_bytes"] else "")
+            f"{r['topic']} on {r['broker']}: "
+            + retention_text(r["ttl_ms"], r["local_ttl_ms"], r["max_bytes"])
             + ("" if r["tiered"] else " (not tiered)")
         )
 
@@ -96,7 +80,7 @@ def retain(
 def _apply(topic: str | None, namesrv: str, dry_run: bool, as_json: bool) -> None:
     rows = []
     for broker_name, stub in brokers(namesrv):
-        reply = _call(
+        reply = call(
             f"broker {broker_name}",
             stub.ApplyRetention,
             pb.ApplyRetentionRequest(topic=topic or "", dry_run=dry_run),
@@ -122,7 +106,7 @@ def _apply(topic: str | None, namesrv: str, dry_run: bool, as_json: bool) -> Non
     for r in rows:
         typer.echo(
             f"{r['topic']}/{r['queue']} on {r['broker']}: {verb} {r['segments']} segment(s), "
-            f"{r['messages']} messages, {r['bytes']} bytes; archive starts at "
+            f"{r['messages']} messages, {format_size(r['bytes'])}; archive starts at "
             f"{r['new_start_offset']}"
         )
     if not rows:

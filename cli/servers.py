@@ -37,8 +37,7 @@ broker_app = typer.Typer(
 def _start(broker: Broker) -> int:
     """Start ``broker``; what stops it (a damaged or locked data dir, a configuration the data
     was not written with, a port in use) exits with one line."""
-    from tiered.hot.data_dir import DataDirLockedError
-    from tiered.hot.mapped_file import StoreLoadError
+    from tiered.store import DataDirLockedError, StoreLoadError
 
     try:
         return broker.start()
@@ -66,9 +65,14 @@ def _wait_for_signal(stop: threading.Event | None = None) -> None:
 def standalone(
     data_dir: Annotated[Path, typer.Option(help="Where the store lives.")] = Path("tmq-data"),
     grpc_port: Annotated[
-        int, typer.Option(help="The broker's gRPC port (RocketMQ proxy's).")
+        int,
+        typer.Option(
+            help="The broker's gRPC port (RocketMQ proxy's).", envvar="TMQ_STANDALONE_GRPC_PORT"
+        ),
     ] = 8081,
-    namesrv_port: Annotated[int, typer.Option(help="The NameServer's port.")] = 9876,
+    namesrv_port: Annotated[
+        int, typer.Option(help="The NameServer's port.", envvar="TMQ_STANDALONE_NAMESRV_PORT")
+    ] = 9876,
     flush: Annotated[
         str | None,
         typer.Option(help="sync: ack after fsync; async: after the page cache (default async)."),
@@ -98,7 +102,10 @@ def standalone(
     ] = None,
     metrics_port: Annotated[
         int | None,
-        typer.Option(help="Prometheus /metrics port (default 5557; 0 turns metrics off)."),
+        typer.Option(
+            help="Prometheus /metrics port (default 5557; 0 turns metrics off).",
+            envvar="TMQ_STANDALONE_METRICS_PORT",
+        ),
     ] = None,
     config_file: Annotated[
         Path | None,

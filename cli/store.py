@@ -29,9 +29,13 @@ def check(
 
     Example: tmq store check --data-dir ./tmq-data --json
     """
-    from tiered.hot.data_dir import DataDirLockedError
-    from tiered.hot.mapped_file import StoreLoadError
-    from tiered.store import GEOMETRY_FILE, MessageStore, recorded_geometry
+    from tiered.store import (
+        GEOMETRY_FILE,
+        DataDirLockedError,
+        MessageStore,
+        StoreLoadError,
+        recorded_geometry,
+    )
 
     if not data_dir.is_dir():
         typer.echo(f"error: {data_dir} is not a directory", err=True)
@@ -55,14 +59,15 @@ def check(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     try:
+        commitlog = store.commitlog_stats()
         summary: dict[str, Any] = {
             "data_dir": str(data_dir),
             "last_exit_clean": report.clean_exit,
             "checkpoint_found": report.checkpoint_found,
             "commitlog": {
-                "min_offset": store.commitlog.min_offset,
-                "max_offset": store.commitlog.max_offset,
-                "files": len(store.commitlog.files.files),
+                "min_offset": commitlog.min_offset,
+                "max_offset": commitlog.max_offset,
+                "files": commitlog.files,
             },
             "recovery": {
                 **{k: v for k, v in asdict(report.commitlog).items() if k != "quarantined"},

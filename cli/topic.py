@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 import grpc
@@ -11,9 +12,9 @@ import typer
 
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
-from namesrv.client import NameServerClient, parse_addresses
+from remoting.namesrv_client import NameServerClient, parse_addresses
 from tiered.cold.credentials import scrub_known
-from tiered.config import parse_duration_ms, parse_size
+from tiered.config import format_duration, format_size, parse_duration_ms, parse_size
 
 app = typer.Typer(
     help="Create, change and inspect topics.\n\nExample: tmq topic describe orders --json",
@@ -47,6 +48,17 @@ def duration_ms(text: str | None, what: str) -> int | None:
         return parse_duration_ms(text)
     except ValueError as e:
         raise fail(f"{what}: {e}", 2) from None
+
+
+def time_ms(text: str) -> int:
+    """An option's time, epoch milliseconds or ISO 8601 (``2026-11-20T10:00:00Z``), as epoch
+    milliseconds; exit 2 on nonsense."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        raise fail(f"not a time: {text!r} (epoch ms or ISO 8601)", 2) from None
 
 
 def size_bytes(text: str | None, what: str) -> int | None:
@@ -117,7 +129,8 @@ def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.Ad
     return found
 
 
-def _call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
+def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
+    """One admin RPC (``fn(*args)``); exit with one line naming ``what`` when it fails."""
     try:
         return fn(*args, timeout=timeout)
     except grpc.RpcError as e:
@@ -127,6 +140,42 @@ def _call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
                 "tier; see its log)"
             ) from None
         raise fail(f"{what}: {e.details() or e.code().name}") from None
+
+
+def topic_on_brokers(
+    namesrv: str, name: str, *, only: str | None = None, everywhere: bool = False
+) -> list[tuple[str, pb_grpc.AdminStub, pb.TopicDescription]]:
+    """(broker name, admin stub, description) of topic ``name`` on every live broker (or the
+    one named ``only``) that has it; exit with one line when none has it (or, with
+    ``everywhere``, when one lacks it)."""
+    found = []
+    for broker_name, stub in brokers(namesrv, only):
+        try:
+            described = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=_TIMEOUT)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise fail(f"broker {broker_name}: {e.details() or e.code().name}") from None
+            if everywhere:
+                raise fail(f"topic {name} does not exist on {broker_name}") from None
+            continue
+        found.append((broker_name, stub, described))
+    if not found:
+        raise fail(f"topic {name} does not exist")
+    return found
+
+
+def retention_text(ttl_ms: int, local_ttl_ms: int, max_bytes: int) -> str:
+    """A topic's retention in one phrase: ``ttl 90d, local ttl 1d, archive limit 50GiB per
+    queue``."""
+    # A local TTL of 0 keeps nothing local once it is uploaded (offload/release.py).
+    local = format_duration(local_ttl_ms) if local_ttl_ms else "0 (released once uploaded)"
+    text = f"ttl {format_duration(ttl_ms)}, local ttl {local}"
+    return text + (f", archive limit {format_size(max_bytes)} per queue" if max_bytes else "")
+
+
+def positive_queues(queues: int | None) -> None:
+    if queues is not None and queues < 1:
+        raise fail(f"--queues: a topic needs at least 1 queue, not {queues}", 2)
 
 
 @app.command("create")
@@ -149,6 +198,7 @@ def create(
 
     Example: tmq topic create orders --queues 8 --tiered --ttl 90d --local-ttl 1d
     """
+    positive_queues(queues)
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
     done = []
@@ -163,7 +213,7 @@ def create(
             local_retention_ms=local_ms or 0,
             retention_bytes=limit or 0,
         )
-        _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
+        call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic))
         done.append(broker_name)
     _report(name, "created", done, as_json)
 
@@ -199,16 +249,14 @@ def update(
 
     Example: tmq topic update orders --queues 16 --tiered --ttl 30d
     """
+    positive_queues(queues)
     ttl_ms, local_ms = duration_ms(ttl, "--ttl"), duration_ms(local_ttl, "--local-ttl")
     limit = size_bytes(max_bytes, "--max-bytes")
     done = []
-    for broker_name, stub in brokers(namesrv, broker):
-        try:
-            topic = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=10).topic
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise fail(f"topic {name} does not exist on {broker_name}") from None
-            raise fail(f"broker {broker_name}: {e.details()}") from None
+    for broker_name, stub, described in topic_on_brokers(
+        namesrv, name, only=broker, everywhere=True
+    ):
+        topic = described.topic
         if queues is not None:
             topic.queues = queues
         if perm is not None:
@@ -216,7 +264,7 @@ def update(
         if tiered is not None:
             topic.tiered = tiered
         set_retention(topic, ttl_ms, local_ms, limit)
-        _call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
+        call(f"broker {broker_name}", stub.PutTopic, pb.PutTopicRequest(topic=topic, update=True))
         done.append(broker_name)
     _report(name, "updated", done, as_json)
 
@@ -253,16 +301,20 @@ def list_topics(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption =
     """
     rows = []
     for broker_name, stub in brokers(namesrv):
-        listing = _call(f"broker {broker_name}", stub.ListTopics, pb.ListTopicsRequest())
+        listing = call(f"broker {broker_name}", stub.ListTopics, pb.ListTopicsRequest())
         rows += [_description(broker_name, t) for t in listing.topics]
     if as_json:
         typer.echo(json.dumps(rows))
         return
     for r in rows:
         total = sum(q["max_offset"] for q in r["queue_offsets"])
+        tiering = "tiered" if r["tiered"] else "local"
         typer.echo(
             f"{r['topic']:40s} {r['broker']:16s} queues={r['queues']} "
-            f"type={r['message_type']} messages={total}"
+            f"type={r['message_type']} {tiering} messages={total} "
+            f"ttl={format_duration(r['ttl_ms'])} "
+            f"local_ttl={format_duration(r['local_ttl_ms']) if r['local_ttl_ms'] else '0'}"
+            + (f" max_bytes={format_size(r['max_bytes'])}" if r["max_bytes"] else "")
         )
 
 
@@ -274,26 +326,15 @@ def describe(
 
     Example: tmq topic describe orders --json
     """
-    rows = []
-    for broker_name, stub in brokers(namesrv):
-        try:
-            rows.append(
-                _description(
-                    broker_name, stub.GetTopic(pb.GetTopicRequest(name=name), timeout=_TIMEOUT)
-                )
-            )
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
-                raise fail(f"broker {broker_name}: {e.details()}") from None
-    if not rows:
-        raise fail(f"topic {name} does not exist")
+    rows = [_description(b, d) for b, _stub, d in topic_on_brokers(namesrv, name)]
     if as_json:
         typer.echo(json.dumps(rows))
         return
     for r in rows:
         typer.echo(
             f"{r['topic']} on {r['broker']}: {r['queues']} queues, perm {r['perm']}, "
-            f"{r['message_type']}"
+            f"{r['message_type']}, {'tiered' if r['tiered'] else 'not tiered'}; "
+            + retention_text(r["ttl_ms"], r["local_ttl_ms"], r["max_bytes"])
         )
         for q in r["queue_offsets"]:
             typer.echo(f"  queue {q['queue']}: offsets [{q['min_offset']}, {q['max_offset']})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore
 
 
@@ -61,7 +61,7 @@ class ManifestCache:
         cached = self._cached.get(queue)
         if cached is not None and not refresh:
             return cached
-        manifests = ManifestStore(self.store, queue.prefix)
+        manifests = ManifestLog(self.store, queue.prefix)
         versions = manifests.versions()  # one LIST: cheap enough for every micro-batch
         if cached is not None and versions and max(versions) == cached.version:
             return cached

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from namesrv import namesrv_pb2 as pb
+from remoting import namesrv_pb2 as pb
 
 log = logging.getLogger(__name__)
 

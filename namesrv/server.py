@@ -7,11 +7,11 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from namesrv import namesrv_pb2 as pb
-from namesrv import namesrv_pb2_grpc as pb_grpc
-from namesrv.grpc_server import listen, new_server
 from namesrv.registry import HEARTBEAT_INTERVAL_MS, BrokerRegistry
-from namesrv.safe_handlers import add_safely
+from remoting import namesrv_pb2 as pb
+from remoting import namesrv_pb2_grpc as pb_grpc
+from remoting.grpc_server import listen, new_server
+from remoting.servicers import add_safely
 
 log = logging.getLogger(__name__)
 

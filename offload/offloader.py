@@ -5,7 +5,8 @@ For one (topic, queue) the pipeline is:
 1. read the next run of records from the hot store, starting at the manifest's end (the tier
    watermark), as whole CommitLog records;
 2. build a segment object (``tiered/cold/segment.py``) and write it with ``put_if_absent`` under
-   a fresh key, retrying transient failures with backoff (a retry never replaces anything);
+   a fresh key (the tier's one retry policy retries transient failures; a retry never replaces
+   anything);
 3. verify it: the stored object has the expected size and its footer is the one we wrote;
 4. commit the next manifest version (atomic, fenced);
 5. only now does the watermark move, and with it what local release may delete.
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,14 +29,13 @@ from typing import TypeVar
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
-    ManifestStore,
+    ManifestLog,
     QueueManifest,
     queue_prefix,
     segment_key,
 )
 from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
 from tiered.cold.storage import ObjectStore, StorageError
-from tiered.record import decode
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -61,9 +59,6 @@ class OffloadPolicy:
     upload_min_messages: int = 10_000
     segment_max_bytes: int = 64 * 1024 * 1024
     segment_max_messages: int = 100_000
-    retry_attempts: int = 8
-    retry_base_delay_s: float = 0.2
-    retry_max_delay_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -128,7 +123,6 @@ class Offloader:
         cluster: str,
         broker: str,
         policy: OffloadPolicy | None = None,
-        sleep: Callable[[float], None] = time.sleep,
         on_commit: Callable[[str, int, QueueManifest], None] | None = None,
     ) -> None:
         self.store = store
@@ -136,7 +130,6 @@ class Offloader:
         self.cluster = cluster
         self.broker = broker
         self.policy = policy or OffloadPolicy()
-        self._sleep = sleep
         # Told every committed manifest (the broker's cold fetcher), so no reader in this
         # process ever sees an older archive than the one local release relies on.
         self.on_commit = on_commit
@@ -145,15 +138,15 @@ class Offloader:
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
 
-    def manifests(self, topic: str, queue_id: int) -> ManifestStore:
-        return ManifestStore(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
+    def manifests(self, topic: str, queue_id: int) -> ManifestLog:
+        return ManifestLog(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
 
     def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
         key = (topic, queue_id)
         if refresh or key not in self._manifests:
             with self._lock(topic, queue_id):
                 first = key not in self._manifests
-                manifest = self._retry(
+                manifest = self._step(
                     f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
                 )
                 if first:
@@ -168,7 +161,7 @@ class Offloader:
         a broker name owns its prefix (a second writer is fenced at commit), so nothing else can
         be halfway through an upload here."""
         named = {s.key for s in manifest.segments}
-        listed = self._retry(
+        listed = self._step(
             f"list {manifest.prefix}segments/",
             lambda: self.tier.list(f"{manifest.prefix}segments/"),
         )
@@ -177,7 +170,7 @@ class Offloader:
                 log.warning(
                     "%s: not in the manifest (an interrupted upload or expiry); deleted", obj.key
                 )
-                self._retry(f"delete {obj.key}", functools.partial(self.tier.delete, obj.key))
+                self._step(f"delete {obj.key}", functools.partial(self.tier.delete, obj.key))
                 self.stats.deleted_objects += 1
 
     def cached_manifest(self, topic: str, queue_id: int) -> QueueManifest | None:
@@ -196,14 +189,15 @@ class Offloader:
         if manifest is None:
             return None
         archived = sum(s.size for s in manifest.segments)
-        cq = self.store.queues.get(topic, queue_id)
         start = manifest.end_offset
-        if cq is None or cq.max_offset <= start:
+        end = self.store.max_offset(topic, queue_id)
+        if end <= start:
             return UploadLag(0, 0, 0.0, archived)
-        oldest = self.store.store_timestamp_at(topic, queue_id, max(start, cq.min_offset))
+        hot_min = self.store.hot_min_offset(topic, queue_id)
+        oldest = self.store.store_timestamp_at(topic, queue_id, max(start, hot_min))
         return UploadLag(
-            cq.max_offset - start,
-            cq.bytes_between(start, cq.max_offset),
+            end - start,
+            self.store.queue_bytes(topic, queue_id, start, end),
             max(0.0, (now_ms - oldest) / 1000) if oldest is not None else 0.0,
             archived,
         )
@@ -220,23 +214,14 @@ class Offloader:
             return None
         if pending >= self.policy.upload_min_messages:
             return f"{pending} messages pending"
-        cq = self.store.queues.get(topic, queue_id)
-        if cq is None:
-            return None
-        first = cq.get_entry(start)
-        if first is None:
+        stored_ms = self.store.store_timestamp_at(topic, queue_id, start)
+        if stored_ms is None:
             return "pending messages are no longer local"  # let offload_queue report the gap
-        phys, size, _tag = first
-        oldest = self.store.commitlog.read(phys, size)
-        if oldest is not None:
-            stored_ms = decode(oldest, 0, check_crc=False).store_timestamp
-            if now_ms - stored_ms >= self.policy.upload_after_ms:
-                return f"oldest pending message is {(now_ms - stored_ms) / 1000:.0f} s old"
-        pending_bytes = 0
-        for _offset, (_phys, length, _tag) in cq.iter_entries(start, pending):
-            pending_bytes += length
-            if pending_bytes >= self.policy.upload_min_bytes:
-                return f"{pending_bytes} bytes pending"
+        if now_ms - stored_ms >= self.policy.upload_after_ms:
+            return f"oldest pending message is {(now_ms - stored_ms) / 1000:.0f} s old"
+        pending_bytes = self.store.queue_bytes(topic, queue_id, start, start + pending)
+        if pending_bytes >= self.policy.upload_min_bytes:
+            return f"{pending_bytes} bytes pending"
         return None
 
     def _lock(self, topic: str, queue_id: int) -> threading.RLock:
@@ -327,7 +312,7 @@ class Offloader:
             self._commit(topic, queue_id, manifest.without_segments_before(expired[-1].end_offset))
             failpoints.hit("retention.before_delete")
             for info in expired:
-                self._retry(f"delete {info.key}", functools.partial(self.tier.delete, info.key))
+                self._step(f"delete {info.key}", functools.partial(self.tier.delete, info.key))
                 self.stats.deleted_objects += 1
             self.stats.retention_segments += result.segments
             self.stats.retention_messages += result.messages
@@ -345,18 +330,15 @@ class Offloader:
     def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
         records: list[bytes] = []
         size = 0
-        cq = self.store.queues.get(topic, queue_id)
-        if cq is None:
-            raise OffloadError(f"{topic}/{queue_id}: no ConsumeQueue in the hot store")
         limit = min(target - start, self.policy.segment_max_messages)
         # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
         # segment builder checks every record once).
-        for offset, (phys, length, _tag) in cq.iter_entries(start, limit):
+        for offset, (phys, length, _tag) in self.store.queue_entries(topic, queue_id, start, limit):
             if offset != start + len(records):
                 raise OffloadError(
                     f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
                 )
-            raw = self.store.commitlog.read(phys, length)
+            raw = self.store.read_record_bytes(phys, length)
             if raw is None:
                 raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
             records.append(raw)
@@ -379,12 +361,12 @@ class Offloader:
                 raise SegmentError(f"{info.key}: stored object differs from what was written")
             return stored
 
-        return self._retry(f"upload {info.key}", write_and_verify)
+        return self._step(f"upload {info.key}", write_and_verify)
 
     def _commit(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
         store = self.manifests(topic, queue_id)
         try:
-            self._retry(
+            self._step(
                 f"commit manifest {store.prefix} v{manifest.version}",
                 lambda: store.commit(manifest),
             )
@@ -398,15 +380,11 @@ class Offloader:
         if self.on_commit is not None:
             self.on_commit(topic, queue_id, manifest)
 
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.policy.retry_base_delay_s
-        for attempt in range(1, self.policy.retry_attempts + 1):
-            try:
-                return fn()
-            except (StorageError, SegmentError) as e:
-                if attempt == self.policy.retry_attempts:
-                    raise OffloadError(f"{what}: failed after {attempt} attempts: {e}") from e
-                log.warning("%s: attempt %d failed (%s); retrying", what, attempt, e)
-                self._sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.policy.retry_max_delay_s)
-        raise AssertionError("unreachable")
+    def _step(self, what: str, fn: Callable[[], T]) -> T:
+        """One step of a pass against the tier. Retries are the tier's (``RetryPolicy``, one
+        layer); what still fails fails the pass, and the next pass starts again from the
+        committed watermark."""
+        try:
+            return fn()
+        except (StorageError, SegmentError) as e:
+            raise OffloadError(f"{what}: {e}") from e

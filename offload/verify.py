@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, verify
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 
@@ -116,7 +116,7 @@ def verify_queue(
     deadline: float | None = None,
 ) -> QueueVerdict:
     verdict = QueueVerdict(topic, queue_id)
-    store = ManifestStore(tier, queue_prefix(cluster, broker, topic, queue_id))
+    store = ManifestLog(tier, queue_prefix(cluster, broker, topic, queue_id))
     try:
         first = store.load()
     except ManifestError as e:

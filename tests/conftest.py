@@ -30,8 +30,9 @@ def small_config(tmp_path: Path) -> StoreConfig:
 
 
 @pytest.fixture
-def open_store() -> Iterator[Callable[[StoreConfig], MessageStore]]:
-    """Start stores and shut every one down at the end of the test, whatever happens."""
+def start_store() -> Iterator[Callable[[StoreConfig], MessageStore]]:
+    """Start MessageStores and shut every one down at the end of the test, whatever happens
+    (not ``tiered.cold.storage.open_store``, which opens an object store)."""
     opened: list[MessageStore] = []
 
     def _open(config: StoreConfig) -> MessageStore:

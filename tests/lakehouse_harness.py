@@ -49,7 +49,6 @@ class Archive:
             "broker-a",
             OffloadPolicy(
                 segment_max_messages=self.segment_messages,
-                retry_base_delay_s=0.0,
                 upload_after_ms=self.upload_after_ms,
             ),
         )

@@ -80,9 +80,9 @@ def main() -> None:
     elif mode in ("produce", "produce-meta"):
         meta = None
         if mode == "produce-meta":
-            from broker.metadata import GroupConfig, MetadataStore
+            from broker.metadata import BrokerMetadata, GroupConfig
 
-            meta = MetadataStore(Path(data_dir) / "config")
+            meta = BrokerMetadata(Path(data_dir) / "config")
             meta.load()
         seq = 0
         while True:

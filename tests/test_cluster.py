@@ -23,7 +23,7 @@ from rocketmq import (
     SimpleConsumer,
 )
 
-from namesrv.client import NameServerClient
+from remoting.namesrv_client import NameServerClient
 
 
 def wait_healthy(address: str, proc: subprocess.Popen[str]) -> None:

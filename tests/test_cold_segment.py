@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tiered.cold.counting import CountingObjectStore
 from tiered.cold.manifest import (
     KEEP_VERSIONS,
     ManifestConflictError,
     ManifestError,
-    ManifestStore,
+    ManifestLog,
     QueueManifest,
     queue_prefix,
     segment_key,
@@ -23,24 +22,6 @@ from tiered.cold.storage import ObjectStore, open_store
 from tiered.config import StoreConfig
 from tiered.record import CorruptRecordError, Message, RecordEncoder, StoredMessage
 from tiered.store import MessageStore
-
-
-class CountingStore:
-    """Counts requests by kind (what a random read costs)."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.calls: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -89,7 +70,7 @@ def raw_records(store: MessageStore, messages: list[StoredMessage]) -> list[byte
 def archive(
     tier: ObjectStore, hot_store: MessageStore, messages: list[StoredMessage], per_segment: int
 ) -> QueueManifest:
-    manifests = ManifestStore(tier, queue_prefix("c1", "broker-a", "archive", 0))
+    manifests = ManifestLog(tier, queue_prefix("c1", "broker-a", "archive", 0))
     manifest = manifests.load()
     for start in range(0, len(messages), per_segment):
         chunk = messages[start : start + per_segment]
@@ -127,8 +108,8 @@ def test_a_random_read_costs_the_same_requests_at_1x_and_10x(tmp_path, hot) -> N
     encoder = RecordEncoder()
     costs = []
     for copies, root in ((1, "small"), (10, "large")):
-        tier = CountingStore(open_store(f"file://{tmp_path}/{root}"))
-        manifests = ManifestStore(tier, queue_prefix("c1", "b", "archive", 0))
+        tier = CountingObjectStore(open_store(f"file://{tmp_path}/{root}"))
+        manifests = ManifestLog(tier, queue_prefix("c1", "b", "archive", 0))
         manifest = manifests.load()
         # 10x: the same messages again and again, re-encoded at the following offsets.
         for copy in range(copies):
@@ -206,7 +187,7 @@ def test_a_missing_or_damaged_object_is_detected(tier, hot) -> None:
 
 def test_manifest_commits_are_atomic_fenced_and_retry_safe(tier) -> None:
     prefix = queue_prefix("c1", "b", "t", 3)
-    writer_a, writer_b = ManifestStore(tier, prefix), ManifestStore(tier, prefix)
+    writer_a, writer_b = ManifestLog(tier, prefix), ManifestLog(tier, prefix)
     base = writer_a.load()
     assert base.version == 0 and base.end_offset == 0
     v1 = QueueManifest(prefix, 1, [], log_start_offset=0)

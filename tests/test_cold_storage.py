@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tiered.cold.storage import ObjectInfo, ObjectNotFoundError, ObjectStore, open_store
+from tiered.cold.faults import FaultyObjectStore
+from tiered.cold.storage import (
+    FsspecObjectStore,
+    ObjectInfo,
+    ObjectNotFoundError,
+    ObjectStore,
+    PermanentStorageError,
+    RetryingObjectStore,
+    RetryPolicy,
+    StorageError,
+    check_writable,
+    open_store,
+)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -69,3 +90,138 @@ def test_keys_cannot_leave_the_tier_root(tmp_path: Path, key: str) -> None:
     with pytest.raises(ValueError, match="illegal object key"):
         store.put_if_absent(key, b"x")
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# -- errors by code, one retry policy ---------------------------------------------------------
+
+
+@dataclass
+class AuthS3:
+    """An S3 endpoint that checks credentials (moto's server with IAM enforced: LocalStack's
+    community edition accepts any key): a bucket, and a user with no permission on it."""
+
+    url: str
+    bucket: str
+    powerless_key: str
+    powerless_secret: str
+
+
+@pytest.fixture(scope="module")
+def auth_s3() -> Iterator[AuthS3]:
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # The first three requests are let through unchecked: they set the stage.
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.2)
+        kw = {"endpoint_url": url, "region_name": "us-east-1"}
+        creds = {"aws_access_key_id": "AKIASETUP00000000001", "aws_secret_access_key": "x"}
+        boto3.client("s3", **kw, **creds).create_bucket(Bucket="tmq-guarded")
+        iam = boto3.client("iam", **kw, **creds)
+        iam.create_user(UserName="powerless")
+        key = iam.create_access_key(UserName="powerless")["AccessKey"]
+        yield AuthS3(url, "tmq-guarded", key["AccessKeyId"], key["SecretAccessKey"])
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def watched(url: str, options: dict[str, Any]) -> tuple[ObjectStore, list[float]]:
+    """The store at ``url`` under a 5-attempt policy, and the backoffs it slept (one per
+    retry)."""
+    slept: list[float] = []
+    policy = RetryPolicy(attempts=5, base_delay_s=0.01)
+    return RetryingObjectStore(FsspecObjectStore(url, options), policy, slept.append), slept
+
+
+def test_a_missing_bucket_fails_at_once_naming_the_bucket_and_the_fix(s3: Any) -> None:
+    missing = f"tmq-missing-{uuid.uuid4().hex[:8]}"
+    store, slept = watched(f"s3://{missing}/tier", s3.storage_options())
+    with pytest.raises(PermanentStorageError) as raised:
+        store.put("c/b/probe", b"x")
+    assert slept == [], "a permanent error is never retried"
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"s3://{missing}" in message and "NoSuchBucket" in message
+    assert "create it, or fix tier_url" in message
+    with pytest.raises(PermanentStorageError, match="NoSuchBucket"):
+        check_writable(store, "c/b")
+    # Never mistaken for "no such object" or "nothing listed" either.
+    for call in (
+        lambda: store.size("c/b/x"),
+        lambda: store.get("c/b/x"),
+        lambda: store.list("c/"),
+        lambda: store.children(""),
+        lambda: store.delete("c/b/x"),
+    ):
+        with pytest.raises(PermanentStorageError, match="NoSuchBucket"):
+            call()
+
+
+def test_unknown_credentials_and_denied_access_fail_at_once_with_their_fix(
+    auth_s3: AuthS3,
+) -> None:
+    cases = [
+        ("AKIANOSUCHKEY0000001", "whatever", "InvalidAccessKeyId", "check AWS_ACCESS_KEY_ID"),
+        (auth_s3.powerless_key, auth_s3.powerless_secret, "AccessDenied", "s3:PutObject"),
+    ]
+    for key, secret, code, fix in cases:
+        options = {"endpoint_url": auth_s3.url, "key": key, "secret": secret}
+        store, slept = watched(f"s3://{auth_s3.bucket}/tier", options)
+        with pytest.raises(PermanentStorageError) as raised:
+            check_writable(store, "c/b")
+        assert slept == [], f"{code} is never retried"
+        message = str(raised.value)
+        assert message.startswith(f"s3://{auth_s3.bucket}: {code}: "), message
+        assert fix in message and "\n" not in message
+        assert secret not in message
+
+
+def test_a_refused_connection_is_transient_even_when_the_url_holds_412(tmp_path: Path) -> None:
+    # The old classification matched "412" in the text and took this for "the key exists".
+    store, slept = watched(
+        "s3://tmq-412/tier", {"endpoint_url": "http://127.0.0.1:1/412", "key": "k", "secret": "s"}
+    )
+    with pytest.raises(StorageError) as raised:
+        store.put_if_absent("c/b/412", b"x")
+    assert not isinstance(raised.value, PermanentStorageError)
+    assert "failed 5 attempts" in str(raised.value) and len(slept) == 4
+
+
+def test_transient_failures_are_retried_by_the_one_policy_and_permanent_ones_never(
+    tmp_path: Path,
+) -> None:
+    inner = open_store(f"file://{tmp_path}/tier", retry=RetryPolicy(attempts=1))
+    faulty = FaultyObjectStore(inner, failure_rate=0.5, seed=3)
+    store = RetryingObjectStore(faulty, RetryPolicy(attempts=20, base_delay_s=0.0))
+    for i in range(20):
+        assert store.put_if_absent(f"k/{i}", b"x") is True
+    assert faulty.injected["503"] > 5, "failures were injected and every call still succeeded"
+
+    calls = []
+
+    class Refusing(FaultyObjectStore):
+        def get(self, key: str) -> bytes:
+            calls.append(key)
+            raise PermanentStorageError("s3://b: AccessDenied: grant …")
+
+    with pytest.raises(PermanentStorageError):
+        RetryingObjectStore(Refusing(inner), RetryPolicy(attempts=20, base_delay_s=0.0)).get("k/0")
+    assert calls == ["k/0"]

@@ -36,6 +36,13 @@ def test_every_section_reads_from_toml_and_the_environment_overrides_it(tmp_path
         ("[store]\nflsh = 1\n", {}, "unknown key"),
         ("", {"TMQ_BROKER_PORT": "eighty"}, "not a number"),
         ("", {"TMQ_STORE_FLUSH": "sometimes"}, "flush must be"),
+        ("[retry]\nattempt = 3\n", {}, r"tmq.toml: unknown key 'attempt' in \[retry\]"),
+        ('[broker]\nport = "8081"\n', {}, r"tmq.toml: \[broker\]: port: '8081' is not a number"),
+        ("[broker]\nauto_create_groups = 1\n", {}, "is not true or false"),
+        ("[broker]\nnamesrv = 5\n", {}, "namesrv: 5 is not a list"),
+        ("store = 1\n", {}, r"store must be a section"),
+        ("[retry]\nattempts = 0\n", {}, r"\[retry\] attempts must be at least 1"),
+        ("", {"TMQ_RETRY_ATTEMPTS": "many"}, "environment TMQ_RETRY_ATTEMPTS: attempts"),
     ],
 )
 def test_mistakes_are_named(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
@@ -43,3 +50,20 @@ def test_mistakes_are_named(tmp_path: Path, text: str, env: dict[str, str], mess
     toml.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(toml, env)
+
+
+def test_every_value_is_converted_by_its_fields_type(tmp_path: Path) -> None:
+    env = {
+        "TMQ_RETRY_ATTEMPTS": "3",
+        "TMQ_RETRY_BASE_DELAY_S": "0.5",
+        "TMQ_BROKER_TIER_OPTIONS": '{ endpoint_url = "http://127.0.0.1:4566" }',
+        "TMQ_STORE_STORE_HOST": "10.0.0.1:10911",
+        "TMQ_LAKEHOUSE_TOPICS": "a,b",
+        "TMQ_STORE_DATA_DIR": str(tmp_path),
+    }
+    c = load_config(None, env)
+    assert (c.retry.attempts, c.retry.base_delay_s) == (3, 0.5)
+    assert c.tier_options == {"endpoint_url": "http://127.0.0.1:4566"}
+    assert c.store.store_host == ("10.0.0.1", 10911)
+    assert c.lakehouse.topics == ["a", "b"]
+    assert c.store.data_dir == tmp_path

@@ -52,14 +52,14 @@ def crashed(small_config: StoreConfig) -> tuple[StoreConfig, list[StoredMessage]
     return small_config, msgs
 
 
-def test_half_written_last_record_is_cut_and_copied_aside(crashed, open_store) -> None:
+def test_half_written_last_record_is_cut_and_copied_aside(crashed, start_store) -> None:
     config, msgs = crashed
     last = msgs[-1]
     path, pos = file_of(config, last.commitlog_offset)
     original = path.read_bytes()[pos : pos + last.size]
     patch(path, pos + last.size // 2, bytes(last.size - last.size // 2))
 
-    store = open_store(config)
+    store = start_store(config)
     report = store.start_report
     assert report is not None and not report.clean_exit
     assert report.commitlog.end_offset == store.commitlog.max_offset == last.commitlog_offset
@@ -94,21 +94,21 @@ def test_flipped_body_byte_is_reported_and_refused_not_truncated(crashed) -> Non
         store.shutdown()
 
 
-def test_bit_rot_after_a_clean_exit_fails_the_read_loudly(small_config, open_store) -> None:
+def test_bit_rot_after_a_clean_exit_fails_the_read_loudly(small_config, start_store) -> None:
     crash_after_writing(small_config.data_dir, 120)
-    store = open_store(small_config)
+    store = start_store(small_config)
     store.shutdown()
     msgs = brute_force_scan(small_config.commitlog_dir)
     victim = next(m for m in msgs[50:] if len(m.body) > 10)
     path, pos = file_of(small_config, victim.commitlog_offset)
     patch(path, pos + 88 + 5, bytes([victim.body[5] ^ 0x10]))
-    store = open_store(small_config)
+    store = start_store(small_config)
     with pytest.raises(CorruptRecordError, match="CRC"):
         store.get_messages(victim.topic, victim.queue_id, victim.queue_offset, 5)
     assert_all_readable(store, [m for m in msgs if m is not victim])
 
 
-def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, open_store) -> None:
+def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, start_store) -> None:
     config, msgs = crashed
     cut = msgs[280]
     path, pos = file_of(config, cut.commitlog_offset)
@@ -117,7 +117,7 @@ def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, open_s
         if later.name > path.name:
             patch(later, 0, bytes(config.commitlog_file_size))
 
-    store = open_store(config)
+    store = start_store(config)
     assert store.commitlog.max_offset == cut.commitlog_offset
     assert_all_readable(store, msgs[:280])
     for topic in {m.topic for m in msgs}:
@@ -127,14 +127,14 @@ def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, open_s
     assert not config.quarantine_dir.exists(), "zeros are not data: nothing to keep aside"
 
 
-def test_deleted_consumequeue_directory_is_rebuilt_after_a_crash(crashed, open_store) -> None:
+def test_deleted_consumequeue_directory_is_rebuilt_after_a_crash(crashed, start_store) -> None:
     config, msgs = crashed
     shutil.rmtree(config.consumequeue_dir)
-    store = open_store(config)
+    store = start_store(config)
     assert_all_readable(store, msgs)
 
 
-def test_deleted_index_file_is_rebuilt(small_config, open_store) -> None:
+def test_deleted_index_file_is_rebuilt(small_config, start_store) -> None:
     crash_after_writing(small_config.data_dir, 2500)  # ~5000 index entries: 3 files of 2000
     msgs = brute_force_scan(small_config.commitlog_dir)
     index_files = sorted(small_config.index_dir.iterdir(), key=lambda p: p.name.split("-")[1])
@@ -176,7 +176,7 @@ def test_wrong_size_segment_refuses_to_start_and_changes_nothing(crashed, damage
         MessageStore(config).start()
 
 
-def test_second_process_on_the_same_data_dir_is_refused(small_config, open_store) -> None:
+def test_second_process_on_the_same_data_dir_is_refused(small_config, start_store) -> None:
     holder = run_child(small_config.data_dir, "hold", "async")
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
@@ -185,7 +185,7 @@ def test_second_process_on_the_same_data_dir_is_refused(small_config, open_store
     finally:
         holder.kill()
         holder.wait()
-    open_store(small_config)  # the kernel dropped the dead holder's lock
+    start_store(small_config)  # the kernel dropped the dead holder's lock
 
 
 def test_unreadable_header_with_valid_data_after_it_refuses_to_start(crashed) -> None:
@@ -200,7 +200,7 @@ def test_unreadable_header_with_valid_data_after_it_refuses_to_start(crashed) ->
     assert digest(config.commitlog_dir) == before, "a refused start must not modify the log"
 
 
-def test_damaged_checkpoint_means_a_full_scan(crashed, open_store) -> None:
+def test_damaged_checkpoint_means_a_full_scan(crashed, start_store) -> None:
     config, msgs = crashed
     patch(config.data_dir / "checkpoint", 10, b"\xff\xff")
     store = MessageStore(config)
@@ -214,17 +214,17 @@ def test_damaged_checkpoint_means_a_full_scan(crashed, open_store) -> None:
         store.shutdown()
 
 
-def test_empty_last_file_from_a_crash_during_a_roll_is_removed(crashed, open_store) -> None:
+def test_empty_last_file_from_a_crash_during_a_roll_is_removed(crashed, start_store) -> None:
     config, msgs = crashed
     files = sorted(config.commitlog_dir.iterdir())
     stray = config.commitlog_dir / f"{int(files[-1].name) + config.commitlog_file_size:020d}"
     stray.touch()
-    store = open_store(config)
+    store = start_store(config)
     assert not stray.exists()
     assert_all_readable(store, msgs)
 
 
-def test_files_whose_creation_a_crash_interrupted_are_removed(crashed, open_store) -> None:
+def test_files_whose_creation_a_crash_interrupted_are_removed(crashed, start_store) -> None:
     config, msgs = crashed
     last = sorted(config.commitlog_dir.iterdir())[-1]
     short = config.commitlog_dir / f"{int(last.name) + config.commitlog_file_size:020d}"
@@ -234,7 +234,7 @@ def test_files_whose_creation_a_crash_interrupted_are_removed(crashed, open_stor
     entries_bytes = config.consumequeue_entries_per_file * 20
     (queue_dir / f"{int(last_cq.name) + entries_bytes:020d}").write_bytes(bytes(100))
     (config.index_dir / "20991231000000000-00000000000000000000").touch()  # before ftruncate
-    store = open_store(config)
+    store = start_store(config)
     assert not short.exists()
     assert_all_readable(store, msgs)
     m = msgs[-1]

@@ -20,7 +20,7 @@ from botocore.exceptions import (
 )
 from conftest import S3Endpoint, load_fault_proxy
 
-from tiered.cold.storage import StorageError, open_store
+from tiered.cold.storage import RetryPolicy, StorageError, open_store
 
 SCRIPT = Path(__file__).resolve().parent.parent / "localstack" / "fault_proxy.py"
 
@@ -91,10 +91,8 @@ def test_error_after_forward_means_the_write_happened(
     fault_proxy.set(error_rate=1.0, error_status=500, after_forward=True, methods=["PUT"])
     store = open_store(
         f"s3://{bucket}/tier",
-        {
-            **S3Endpoint(fault_proxy.url, "proxy").storage_options(),
-            "config_kwargs": {"retries": {"total_max_attempts": 1}},
-        },
+        S3Endpoint(fault_proxy.url, "proxy").storage_options(),
+        RetryPolicy(attempts=1),  # tmq's one retry layer, off: the first failure surfaces
     )
     with pytest.raises(StorageError):
         store.put("seg/0", b"payload")

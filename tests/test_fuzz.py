@@ -231,7 +231,7 @@ def test_five_thousand_hostile_requests_leave_the_broker_serving(node) -> None:
 
     # 2. Random bytes as every method's request: INVALID_ARGUMENT when they do not decode, a
     #    status in the response when they happen to. (grpcio's own decoding path leaked a worker
-    #    per undecodable request and hung the server after 160: namesrv/safe_handlers.py.)
+    #    per undecodable request and hung the server after 160: remoting/servicers.py.)
     for _ in range(3000 - len(crafted)):
         method = rng.choice(METHODS)
         path = f"/apache.rocketmq.v2.MessagingService/{method}"

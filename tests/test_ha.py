@@ -25,10 +25,10 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 from tests.broker_harness import REPO, free_port, send_all, wait_healthy
 from tiered.config import StoreConfig
-from tiered.hot.epoch_file import EpochEntry, EpochFile
+from tiered.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
 
 # Small CommitLog files: replication crosses many file boundaries (and their BLANK padding).
@@ -199,13 +199,16 @@ def commitlog_files(data_dir: Path) -> dict[str, bytes]:
 
 def queue_entries(store: MessageStore) -> dict[tuple[str, int], list[tuple[int, int, int, int]]]:
     """Every ConsumeQueue entry: (queue offset, physical offset, size, tag hash)."""
-    out = {}
-    for (topic, queue_id), cq in sorted(store.queues.queues.items()):
-        out[(topic, queue_id)] = [
-            (q, *entry)
-            for q, entry in cq.iter_entries(cq.min_offset, cq.max_offset - cq.min_offset)
+    return {
+        (topic, q): [
+            (qoff, *entry)
+            for qoff, entry in store.queue_entries(
+                topic, q, store.hot_min_offset(topic, q), store.max_offset(topic, q)
+            )
         ]
-    return out
+        for topic in store.topics()
+        for q in store.queue_ids(topic)
+    }
 
 
 def assert_same_replica(master_dir: Path, slave_dir: Path) -> int:
@@ -370,7 +373,7 @@ def test_async_acks_without_slaves_and_a_restarted_slave_catches_up(group) -> No
     master.stop()
     slave.stop()
     assert assert_same_replica(master.data_dir, slave.data_dir) == 1200
-    copy = MetadataStore(slave.data_dir / "config")
+    copy = BrokerMetadata(slave.data_dir / "config")
     copy.load()  # what the slave kept on disk
     assert TOPIC in copy.topics and "ha-group" in copy.groups
     assert copy.offset("ha-group", TOPIC, 1) == 7
@@ -558,7 +561,7 @@ def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
 ) -> None:  # type: ignore[no-untyped-def]
     from rocketmq import Message
 
-    from namesrv.client import NameServerClient
+    from remoting.namesrv_client import NameServerClient
 
     port = free_port()
     namesrv = subprocess.Popen(

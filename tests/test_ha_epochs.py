@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered.hot.epoch_file import EpochEntry, EpochFile, consistent_point
+from tiered.epoch_file import EpochEntry, EpochFile, consistent_point
 
 E = EpochEntry
 

@@ -39,7 +39,7 @@ from lakehouse.sink import ParquetWriterTask, commit_files
 from lakehouse.source import Planner, SourceOptions, read_slice
 from lakehouse.tables import LakeTable, app_id, exported_offsets
 from lakehouse.tier import QueueRef
-from tiered.cold.manifest import ManifestStore
+from tiered.cold.manifest import ManifestLog
 from tiered.cold.storage import open_store
 from tiered.record import Message
 
@@ -529,7 +529,7 @@ def test_a_missing_segment_stops_only_its_queue_with_one_clear_line(tmp_path: Pa
     expected = {t: expected_rows(archive.messages(t)) for t in TOPICS}
     archive.close()
     tier = open_store(f"file://{tmp_path}/tier")
-    damaged = ManifestStore(tier, QueueRef("c1", "broker-a", "orders", 0).prefix).load()
+    damaged = ManifestLog(tier, QueueRef("c1", "broker-a", "orders", 0).prefix).load()
     lost = damaged.segments[1]
     lost_path = tmp_path / "tier" / lost.key
     saved = lost_path.read_bytes()

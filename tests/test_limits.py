@@ -102,9 +102,9 @@ def heartbeat(stub: service_pb2_grpc.MessagingServiceStub, group: str) -> d.Stat
 
 
 def test_group_cost_stays_flat_as_groups_accumulate(tmp_path: Path) -> None:
-    from broker.metadata import MetadataStore
+    from broker.metadata import BrokerMetadata
 
-    meta = MetadataStore(tmp_path / "config")
+    meta = BrokerMetadata(tmp_path / "config")
     meta.load()
     costs: list[float] = []
     for i in range(3000):
@@ -116,7 +116,7 @@ def test_group_cost_stays_flat_as_groups_accumulate(tmp_path: Path) -> None:
     last = statistics.median(costs[-300:])
     # Rewriting every group per group made the 3,000th cost 30x the first.
     assert last < 3 * first + 0.002, f"first {first * 1e3:.2f} ms, last {last * 1e3:.2f} ms"
-    again = MetadataStore(tmp_path / "config")
+    again = BrokerMetadata(tmp_path / "config")
     again.load()
     assert len(again.groups) == 3000 and again.auto_created_groups == 3000
     assert (tmp_path / "config" / "groups.json").exists(), "the log should have been compacted"

@@ -8,10 +8,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from namesrv import namesrv_pb2 as pb
 from namesrv import server as namesrv_server
-from namesrv.client import NameServerClient, parse_addresses
 from namesrv.registry import BrokerRegistry
+from remoting import namesrv_pb2 as pb
+from remoting.namesrv_client import NameServerClient, parse_addresses
 
 
 def registration(name: str, port: int, *topics: tuple[str, int]) -> pb.BrokerRegistration:

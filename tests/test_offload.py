@@ -12,14 +12,15 @@ from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadPolicy
 from offload.release import release_predicate
 from tiered.cold.faults import FaultyObjectStore
-from tiered.cold.manifest import ManifestStore, queue_prefix, segment_key
-from tiered.cold.segment import SegmentReader, build
-from tiered.cold.storage import ObjectStore, open_store
+from tiered.cold.fetcher import ColdFetcher
+from tiered.cold.manifest import ManifestLog, queue_prefix, segment_key
+from tiered.cold.segment import SegmentError, SegmentReader, build
+from tiered.cold.storage import ObjectStore, RetryingObjectStore, RetryPolicy, open_store
 from tiered.config import StoreConfig
 from tiered.record import Message, StoredMessage
-from tiered.store import MessageStore
+from tiered.store import GetStatus, MessageStore
 
-FAST = OffloadPolicy(segment_max_messages=700, retry_base_delay_s=0.0)
+FAST = OffloadPolicy(segment_max_messages=700)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -65,7 +66,7 @@ def snapshot(store: MessageStore, topic: str, queue_id: int) -> list[StoredMessa
 
 
 def read_tier(tier: ObjectStore, topic: str, queue_id: int) -> list[StoredMessage]:
-    manifest = ManifestStore(tier, queue_prefix("c1", "broker-a", topic, queue_id)).load()
+    manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", topic, queue_id)).load()
     out: list[StoredMessage] = []
     offset = manifest.start_offset
     while offset < manifest.end_offset:
@@ -127,18 +128,11 @@ def test_untiered_topics_in_the_same_files_keep_the_file_reserved_time(hot, tier
 def test_offload_survives_failing_storage_without_loss_or_duplicates(hot, tier) -> None:
     fill(hot, "orders", 3000, seed=5)
     faulty = FaultyObjectStore(tier, failure_rate=0.2, fail_after_write_rate=0.1, seed=11)
-    offloader = Offloader(
-        hot,
-        faulty,
-        "c1",
-        "broker-a",
-        OffloadPolicy(
-            segment_max_messages=300,
-            retry_attempts=30,
-            retry_base_delay_s=0.05,
-            retry_max_delay_s=0.2,
-        ),
+    # The tier's one retry policy, around the faults (as open_store puts it around S3).
+    retrying = RetryingObjectStore(
+        faulty, RetryPolicy(attempts=30, base_delay_s=0.05, max_delay_s=0.2)
     )
+    offloader = Offloader(hot, retrying, "c1", "broker-a", OffloadPolicy(segment_max_messages=300))
     offloader.offload_queue("orders", 0)
     faulty.blackhole(0.5)  # every call times out for a while, then the store comes back
     offloader.offload_queue("orders", 1)
@@ -164,7 +158,7 @@ def test_a_crash_between_object_write_and_commit_leaves_no_gap_and_the_orphan_is
     result = Offloader(hot, tier, "c1", "broker-a", FAST).offload_queue("orders", 0)
     assert result.watermark == 1000
     assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)
-    manifest = ManifestStore(tier, prefix).load()
+    manifest = ManifestLog(tier, prefix).load()
     assert orphan.key not in {s.key for s in manifest.segments}
     assert {o.key for o in tier.list(f"{prefix}segments/")} == {s.key for s in manifest.segments}
 
@@ -173,9 +167,7 @@ def test_retention_removes_exactly_the_expired_segments_then_their_objects(hot, 
     for chunk in range(5):  # one segment's worth each, a few ms apart: distinct store times
         fill(hot, "orders", 400, queues=1, seed=70 + chunk)
         time.sleep(0.01)
-    offloader = Offloader(
-        hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=400, retry_base_delay_s=0.0)
-    )
+    offloader = Offloader(hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=400))
     offloader.offload_queue("orders", 0)
     manifest = offloader.manifest("orders", 0)
     assert len(manifest.segments) == 5
@@ -198,3 +190,39 @@ def test_retention_removes_exactly_the_expired_segments_then_their_objects(hot, 
         assert tier.size(key) is None
     assert offloader.expire("orders", 0, cutoff).segments == 0, "idempotent"
     assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)[after.start_offset :]
+
+
+def test_a_cold_read_racing_retention_is_told_offset_too_small_not_an_error(hot, tier) -> None:
+    """A reader whose cached manifest still names a segment that retention has just removed
+    (manifest first, then the object) is told where the archive starts now, with
+    OFFSET_TOO_SMALL: not an internal error, and not a gap."""
+    for chunk in range(3):
+        fill(hot, "orders", 400, queues=1, seed=90 + chunk)
+        time.sleep(0.01)
+    offloader = Offloader(hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=400))
+    offloader.offload_queue("orders", 0)
+    manifest = offloader.manifest("orders", 0)
+    assert len(manifest.segments) == 3
+    fetcher = ColdFetcher(tier, "c1", "broker-a")
+    try:
+        assert fetcher.manifest("orders", 0).segments == manifest.segments  # cached now
+        cutoff = manifest.segments[0].max_store_timestamp + 1
+        assert offloader.expire("orders", 0, cutoff).segments == 1  # the fetcher is not told
+        messages, nxt = fetcher.get("orders", 0, 0, 10)
+        assert (messages, nxt) == ([], manifest.segments[1].base_offset)
+        assert fetcher.start_offset("orders", 0) == manifest.segments[1].base_offset
+
+        # Through the store: the status says why, and where to go on from.
+        hot.cold = fetcher
+        hot.release_commitlog_files(lambda _file: True)
+        assert hot.min_offset("orders", 0) == manifest.segments[1].base_offset
+        result = hot.get_messages("orders", 0, 5, 10)
+        assert result.status is GetStatus.OFFSET_TOO_SMALL
+        assert result.next_offset == manifest.segments[1].base_offset
+
+        # A segment the manifest still names but whose object is gone is a real loss: loud.
+        tier.delete(manifest.segments[1].key)
+        with pytest.raises(SegmentError):
+            fetcher.get("orders", 0, manifest.segments[1].base_offset, 10)
+    finally:
+        fetcher.close()

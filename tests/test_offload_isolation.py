@@ -19,12 +19,12 @@ from tiered.store import MessageStore
 
 
 def test_release_keeps_a_file_when_a_consumequeue_entry_cannot_be_read(
-    small_config: StoreConfig, open_store: Callable[[StoreConfig], MessageStore]
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore]
 ) -> None:
     """'young' still needs its messages (10 days of retention); 'old' may go. With one of
     young's ConsumeQueue files unreadable, the rule cannot tell whether young has records in a
     CommitLog file: it must keep the file, not assume "no record of young here"."""
-    store = open_store(small_config)
+    store = start_store(small_config)
     for i in range(1200):
         store.put_message(Message(topic="old" if i % 2 else "young", queue_id=0, body=b"x" * 400))
     assert store.wait_dispatched()

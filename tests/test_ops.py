@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -24,13 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from broker.config import BrokerConfig, load_config
-from broker.ha.config import HaConfig
-from broker.metadata import Limits
-from lakehouse.runner import LakehouseConfig
-from offload.offloader import OffloadPolicy
+from broker.config import SECTIONS, BrokerConfig, load_config
 from tiered.cold.credentials import REDACTED, ScrubSecrets, redact, scrub, secret_values
-from tiered.config import StoreConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -302,12 +298,13 @@ def test_unreachable_object_store_fails_operator_commands_in_one_line_without_se
 ) -> None:
     secrets = ["supersecret123", "AKIAOPSTESTKEY0001", "optionsecret-789", "AKIAOPTIONKEY00002"]
     config = tmp_path / "tmq.toml"
-    # s3fs's and botocore's own retries off: a dead endpoint then fails in about a second.
+    # tmq's one retry policy, short: a dead endpoint then fails in about a second (s3fs's and
+    # botocore's own retries are off by default).
     config.write_text(
         "[broker]\n"
-        'tier_options = { key = "AKIAOPTIONKEY00002", secret = "optionsecret-789", retries = 1,'
-        " config_kwargs = { connect_timeout = 1, retries = { max_attempts = 1 } } }\n"
-        "[offload]\nretry_attempts = 2\nretry_base_delay_s = 0.05\n"
+        'tier_options = { key = "AKIAOPTIONKEY00002", secret = "optionsecret-789",'
+        " config_kwargs = { connect_timeout = 1 } }\n"
+        "[retry]\nattempts = 2\nbase_delay_s = 0.05\n"
     )
     env = {
         "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
@@ -356,17 +353,10 @@ def test_tmq_toml_example_lists_every_key_with_its_default() -> None:
     example = REPO / "tmq.toml.example"
     assert load_config(example, env={}) == BrokerConfig()
     text = example.read_text()
-    for section, cls in (
-        ("broker", BrokerConfig),
-        ("store", StoreConfig),
-        ("offload", OffloadPolicy),
-        ("limits", Limits),
-        ("lakehouse", LakehouseConfig),
-        ("ha", HaConfig),
-    ):
+    for section, cls in SECTIONS.items():
         body = text.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]
         for f in fields(cls):
-            if f.name in ("store", "offload", "limits", "lakehouse", "ha"):
+            if f.name in SECTIONS:
                 continue
             name = "trigger" if f.name == "trigger_seconds" else f.name
             assert re.search(rf"^#? ?{name} = ", body, re.MULTILINE), f"[{section}] {name}"
@@ -459,3 +449,87 @@ def test_an_error_escaping_a_command_is_one_scrubbed_line(
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err == f"error: ConnectionRefusedError: [Errno 111] refused while using {REDACTED}\n"
+
+
+def test_a_broker_refuses_to_start_on_a_bucket_that_does_not_exist(tmp_path: Path, s3: Any) -> None:
+    missing = f"tmq-missing-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "tmq.toml"
+    config.write_text(
+        f'[broker]\nport = 0\nmetrics_port = 0\nnamesrv = []\ntier_url = "s3://{missing}/tmq"\n'
+        f'[store]\ndata_dir = "{tmp_path / "data"}"\n'
+    )
+    done = tmq("broker", "start", "--config", str(config), env=s3.env(), timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: the cold tier cannot be used: "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"s3://{missing}: NoSuchBucket" in done.stderr and "create it" in done.stderr
+    assert not (tmp_path / "data" / "commitlog").exists(), "refused before opening the store"
+
+
+# -- CLI consistency -----------------------------------------------------------------------------
+
+
+def test_topic_text_shows_tiering_ttls_and_sizes_as_an_operator_writes_them(
+    node: Standalone,
+) -> None:
+    ns = node.namesrv
+    ok("topic", "create", "ops-text", "-n", ns, "-q", "1", "--tiered", "--ttl", "90d")
+    ok("topic", "update", "ops-text", "-n", ns, "--local-ttl", "1d", "--max-bytes", "50GiB")
+    described = ok("topic", "describe", "ops-text", "-n", ns)
+    assert "tiered; ttl 90d, local ttl 1d, archive limit 50GiB per queue" in described
+    [listed] = [line for line in ok("topic", "list", "-n", ns).splitlines() if "ops-text" in line]
+    assert " tiered " in listed and "ttl=90d local_ttl=1d max_bytes=50GiB" in listed
+    retained = ok("retain", "ops-text", "-n", ns)
+    assert "archive limit 50GiB per queue" in retained and "53687091200" not in retained
+
+
+@pytest.mark.parametrize("command", [["create", "ops-zero"], ["update", "ops-text"]])
+def test_a_topic_without_queues_is_refused(node: Standalone, command: list[str]) -> None:
+    done = tmq("topic", *command, "-n", node.namesrv, "--queues", "0")
+    assert done.returncode == 2
+    assert done.stderr == "error: --queues: a topic needs at least 1 queue, not 0\n"
+    listed = ok("topic", "list", "-n", node.namesrv, "--json")
+    assert "ops-zero" not in {t["topic"] for t in json.loads(listed)}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["topic", "craete", "x"], "error: No such command 'craete'. Did you mean 'create'?"),
+        (["topic", "create", "x", "--queus", "3"], "error: No such option: --queus"),
+        (["offload", "x", "--keep-local", "lots"], "error: --keep-local: not a size: 'lots'"),
+        (["offload", "x", "--before", "soon"], "error: not a time: 'soon'"),
+        (["replay", "x", "--from-time", "yesterday"], "error: not a time: 'yesterday'"),
+    ],
+)
+def test_a_typo_is_one_error_line(args: list[str], expected: str) -> None:
+    done = tmq(*args)
+    assert done.returncode == 2
+    assert done.stderr.startswith(expected) and done.stderr.count("\n") == 1, done.stderr
+    assert "╭" not in done.stderr
+
+
+def test_offload_keep_local_states_its_unit() -> None:
+    done = tmq("offload", "--help", env={"COLUMNS": "200"})
+    [line] = [line for line in done.stdout.splitlines() if "│ --keep-local" in line]
+    assert re.search(r"--keep-local\s+SIZE\s", line), line
+    assert "(64KiB, 512MiB, 1GiB; powers of 1024)" in line
+
+
+@pytest.mark.parametrize(
+    ("shell", "marker"), [("zsh", "#compdef tmq"), ("bash", "complete -o default")]
+)
+def test_the_completion_script_is_for_the_shell_named(shell: str, marker: str) -> None:
+    done = tmq("--show-completion", shell)
+    assert done.returncode == 0, done.stderr
+    assert marker in done.stdout and "_TMQ_COMPLETE" in done.stdout
+
+
+def test_sizes_and_durations_print_as_they_are_written() -> None:
+    from tiered.config import format_duration, format_size, parse_size
+
+    assert format_size(53687091200) == "50GiB" and parse_size("50GiB") == 53687091200
+    assert format_size(64 * 1024) == "64KiB" and format_size(1536 * 1024 * 1024) == "1.5GiB"
+    assert format_size(512) == "512B"
+    assert (format_duration(0), format_duration(90 * 86_400_000)) == ("forever", "90d")
+    assert (format_duration(14 * 86_400_000), format_duration(1500)) == ("2w", "1500ms")

@@ -26,7 +26,7 @@ import pytest
 from conftest import run_child
 from test_crash import Ack, verify
 
-from broker.metadata import MetadataStore
+from broker.metadata import BrokerMetadata
 
 FS = Path(__file__).with_name("powerloss_fs.py")
 
@@ -145,7 +145,7 @@ def power_loss_rounds(tmp_path: Path, rounds: int, seed: str) -> dict[str, int]:
         if rng.random() < 0.25 and round_no < rounds - 1:
             continue  # the next round recovers on the power-loss filesystem itself
         verify(durable / "store", "sync", acked)
-        meta = MetadataStore(durable / "store" / "config")
+        meta = BrokerMetadata(durable / "store" / "config")
         meta.load()
         missing = groups - set(meta.groups)
         assert not missing, f"{len(missing)} saved groups lost, e.g. {sorted(missing)[:3]}"

@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from broker_harness import REPO
+from broker_harness import REPO, free_port
 
 
 def readme_commands() -> list[str]:
@@ -33,6 +33,13 @@ def test_the_quickstart_runs_from_a_fresh_clone(tmp_path: Path) -> None:
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
     log = tmp_path / "quickstart.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    # The README's command, exactly; only its ports come from the environment, so a busy
+    # machine (another broker on 8081/9876/5557) cannot break the test.
+    env |= {
+        "TMQ_STANDALONE_GRPC_PORT": str(free_port()),
+        "TMQ_STANDALONE_NAMESRV_PORT": str(free_port()),
+        "TMQ_STANDALONE_METRICS_PORT": str(free_port()),
+    }
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["bash", "-c", readme_commands()[0]],

@@ -23,9 +23,9 @@ def all_files(root: Path) -> set[Path]:
 
 @pytest.mark.parametrize("topic", ["../x", "a/b", "..", "", "x" * 256, "tab\t", "ünï", "a.b"])
 def test_hostile_topic_names_are_refused_before_any_file_is_made(
-    tmp_path, open_store, topic
+    tmp_path, start_store, topic
 ) -> None:
-    store = open_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20))
+    store = start_store(StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20))
     before = all_files(tmp_path)
     with pytest.raises(InvalidMessageError, match="invalid topic"):
         store.put_message(msg(topic))
@@ -33,8 +33,8 @@ def test_hostile_topic_names_are_refused_before_any_file_is_made(
     assert store.commitlog.max_offset == 0
 
 
-def test_oversized_body_is_refused_and_nothing_is_stored(tmp_path, open_store) -> None:
-    store = open_store(
+def test_oversized_body_is_refused_and_nothing_is_stored(tmp_path, start_store) -> None:
+    store = start_store(
         StoreConfig(data_dir=tmp_path / "d", commitlog_file_size=1 << 20, max_message_size=1000)
     )
     store.put_message(msg(body=b"a" * 1000))
@@ -44,15 +44,15 @@ def test_oversized_body_is_refused_and_nothing_is_stored(tmp_path, open_store) -
     assert store.max_offset("t", 0) == 1, "a refused batch stores none of its messages"
 
 
-def test_record_larger_than_a_commitlog_file_is_refused(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_record_larger_than_a_commitlog_file_is_refused(small_config, start_store) -> None:
+    store = start_store(small_config)
     with pytest.raises(InvalidMessageError, match="does not fit"):
         store.put_message(msg(body=b"a" * small_config.commitlog_file_size))
     assert store.commitlog.max_offset == 0
 
 
-def test_bad_queue_id_and_property_separators_are_refused(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_bad_queue_id_and_property_separators_are_refused(small_config, start_store) -> None:
+    store = start_store(small_config)
     with pytest.raises(InvalidMessageError):
         store.put_message(msg(qid=-1))
     with pytest.raises(InvalidMessageError):
@@ -60,8 +60,8 @@ def test_bad_queue_id_and_property_separators_are_refused(small_config, open_sto
     assert store.commitlog.max_offset == 0
 
 
-def test_read_statuses_follow_rocketmq(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_read_statuses_follow_rocketmq(small_config, start_store) -> None:
+    store = start_store(small_config)
     assert store.get_messages("t", 0, 0).status is GetStatus.NO_MATCHED_LOGIC_QUEUE
     store.put_messages([msg(body=bytes([i])) for i in range(5)])
     assert store.wait_dispatched()
@@ -73,8 +73,8 @@ def test_read_statuses_follow_rocketmq(small_config, open_store) -> None:
     assert [m.body for m in found.messages] == [b"\x02", b"\x03"] and found.next_offset == 4
 
 
-def test_a_batch_spanning_files_gets_consecutive_queue_offsets(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_a_batch_spanning_files_gets_consecutive_queue_offsets(small_config, start_store) -> None:
+    store = start_store(small_config)
     results = store.put_messages([msg(body=os.urandom(1000)) for _ in range(400)])
     assert [r.queue_offset for r in results] == list(range(400))
     assert len(store.commitlog.files.files) >= 3
@@ -83,15 +83,15 @@ def test_a_batch_spanning_files_gets_consecutive_queue_offsets(small_config, ope
     assert [m.commitlog_offset for m in got] == [r.commitlog_offset for r in results]
 
 
-def test_sync_flush_acknowledges_only_fsynced_bytes(small_config, open_store) -> None:
+def test_sync_flush_acknowledges_only_fsynced_bytes(small_config, start_store) -> None:
     small_config.flush = "sync"
-    store = open_store(small_config)
+    store = start_store(small_config)
     result = store.put_messages([msg(body=b"a" * 100) for _ in range(50)])[-1]
     assert store.commitlog.flushed_offset >= result.commitlog_offset + result.size
 
 
-def test_release_keeps_undispatched_and_current_files(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_release_keeps_undispatched_and_current_files(small_config, start_store) -> None:
+    store = start_store(small_config)
     store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(300)])
     assert store.wait_dispatched()
     n_files = len(store.commitlog_files())
@@ -105,8 +105,8 @@ def test_release_keeps_undispatched_and_current_files(small_config, open_store) 
     assert store.query_by_key("t", "k299")[0].queue_offset == 299
 
 
-def test_release_stops_at_the_first_file_the_predicate_keeps(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_release_stops_at_the_first_file_the_predicate_keeps(small_config, start_store) -> None:
+    store = start_store(small_config)
     store.put_messages([msg(body=os.urandom(2000)) for _ in range(300)])
     assert store.wait_dispatched()
     second = store.commitlog_files()[1].from_offset
@@ -114,14 +114,14 @@ def test_release_stops_at_the_first_file_the_predicate_keeps(small_config, open_
     assert store.commitlog.min_offset == second
 
 
-def test_released_state_survives_a_restart(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_released_state_survives_a_restart(small_config, start_store) -> None:
+    store = start_store(small_config)
     store.put_messages([msg(body=os.urandom(2000)) for _ in range(300)])
     assert store.wait_dispatched()
     store.release_commitlog_files(lambda info: True)
     lo, hi = store.min_offset("t", 0), store.max_offset("t", 0)
     store.shutdown()
-    again = open_store(small_config)
+    again = start_store(small_config)
     assert (again.min_offset("t", 0), again.max_offset("t", 0)) == (lo, hi)
     assert again.put_message(msg()).queue_offset == hi
 
@@ -133,11 +133,11 @@ def test_sizes_and_durations_parse_like_an_operator_writes_them() -> None:
         parse_size("lots")
 
 
-def test_a_config_with_other_file_sizes_is_refused(small_config, open_store) -> None:
-    store = open_store(small_config)
+def test_a_config_with_other_file_sizes_is_refused(small_config, start_store) -> None:
+    store = start_store(small_config)
     store.put_message(msg())
     store.shutdown()
     other = StoreConfig(data_dir=small_config.data_dir, commitlog_file_size=1 << 20)
     with pytest.raises(StoreLoadError, match="commitlog_file_size was 131072, configured 1048576"):
         MessageStore(other).start()
-    assert open_store(small_config).max_offset("t", 0) == 1
+    assert start_store(small_config).max_offset("t", 0) == 1

@@ -113,21 +113,21 @@ def assert_index_matches(store: MessageStore, scanned: list[StoredMessage], samp
     assert store.query_by_key(TOPICS[0], "no-such-key") == []
 
 
-def test_consume_queues_match_a_commitlog_scan(loaded, open_store) -> None:
+def test_consume_queues_match_a_commitlog_scan(loaded, start_store) -> None:
     config, scanned = loaded
-    store = open_store(config)
+    store = start_store(config)
     assert_consume_queues_match(store, scanned)
 
 
-def test_index_matches_a_commitlog_scan(loaded, open_store) -> None:
+def test_index_matches_a_commitlog_scan(loaded, start_store) -> None:
     config, scanned = loaded
-    store = open_store(config)
+    store = start_store(config)
     assert_index_matches(store, scanned, sample=4000)
 
 
-def test_offset_for_timestamp_matches_a_scan(loaded, open_store) -> None:
+def test_offset_for_timestamp_matches_a_scan(loaded, start_store) -> None:
     config, scanned = loaded
-    store = open_store(config)
+    store = start_store(config)
     rng = random.Random(9)
     queues = by_queue(scanned)
     for topic, qid in rng.sample(sorted(queues), 60):
@@ -136,9 +136,9 @@ def test_offset_for_timestamp_matches_a_scan(loaded, open_store) -> None:
             assert store.offset_for_timestamp(topic, qid, ts) == bisect.bisect_left(stamps, ts)
 
 
-def test_tag_filter_matches_a_scan(loaded, open_store) -> None:
+def test_tag_filter_matches_a_scan(loaded, start_store) -> None:
     config, scanned = loaded
-    store = open_store(config)
+    store = start_store(config)
     red = tag_hash("red")
     for (topic, qid), expected in list(by_queue(scanned).items())[:40]:
         want = [m.queue_offset for m in expected if m.tags == "red"]
@@ -152,7 +152,7 @@ def test_tag_filter_matches_a_scan(loaded, open_store) -> None:
 
 
 def test_deleted_consumequeue_and_index_dirs_are_rebuilt_identically(
-    loaded, open_store, tmp_path
+    loaded, start_store, tmp_path
 ) -> None:
     config, scanned = loaded
     copy = dataclasses.replace(config, data_dir=tmp_path / "c")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from broker_harness import Standalone, body_bytes, send_batches, tmq
 
-from tiered.cold.manifest import ManifestStore, queue_prefix
+from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
 TOPIC = "crash-orders"
@@ -57,7 +57,7 @@ def replayed_bodies(node: Standalone) -> list[bytes]:
 
 def manifests(tier: ObjectStore) -> list[Any]:
     return [
-        ManifestStore(tier, queue_prefix("DefaultCluster", "broker-a", TOPIC, q)).load()
+        ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", TOPIC, q)).load()
         for q in range(QUEUES)
     ]
 

@@ -18,7 +18,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
-from tiered.cold.manifest import ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
 # topic -> (queues, TTL at creation, messages in phase 1, in phase 2): 50,000 in all.
@@ -76,7 +76,7 @@ def pull(stub: Any, topic: str, queue: int, offset: int) -> tuple[int, str, list
 
 def manifests(tier: ObjectStore, topic: str) -> list[QueueManifest]:
     return [
-        ManifestStore(tier, queue_prefix("DefaultCluster", "broker-a", topic, q)).load()
+        ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", topic, q)).load()
         for q in range(TOPICS[topic][0])
     ]
 

@@ -17,7 +17,7 @@ from test_tier_readers import body_of, end_offset, pull
 from test_tiered_e2e import QUICK_TIERING
 
 from broker import admin_pb2 as apb
-from tiered.cold.manifest import ManifestStore, queue_prefix
+from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentReader
 from tiered.cold.storage import open_store
 
@@ -90,7 +90,7 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
         stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
         seen: dict[bytes, int] = {}
         for q in (0, 1):
-            manifest = ManifestStore(tier, queue_prefix("DefaultCluster", "broker-a", "keep", q))
+            manifest = ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", "keep", q))
             archive = manifest.load()
             end = end_offset(stub, "keep", q)
             assert archive.start_offset == 0 and archive.end_offset == end
@@ -146,7 +146,7 @@ def test_verify_checks_six_hundred_segments_fast_and_answers_by_its_deadline(
     built = [build([raw], i, segment_key(prefix, i)) for i, raw in enumerate(raws) if raw]
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda pair: tier.put_if_absent(pair[1].key, pair[0]), built))
-    ManifestStore(tier, prefix).commit(QueueManifest(prefix, 1, [info for _data, info in built], 0))
+    ManifestLog(tier, prefix).commit(QueueManifest(prefix, 1, [info for _data, info in built], 0))
     lock = threading.RLock()
     with ThreadPoolExecutor(16) as pool:
         started = time.monotonic()

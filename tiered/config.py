@@ -39,6 +39,26 @@ def parse_size(text: str | int) -> int:
     return int(m.group(1)) * _SIZE_UNITS[unit]
 
 
+def format_size(n: int) -> str:
+    """Bytes as an operator writes them: ``50GiB``, ``64MiB``, ``1.5GiB``, ``512B``. Exact
+    multiples print as ``parse_size`` reads them back."""
+    for name, unit in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= unit:
+            return f"{n // unit}{name}" if n % unit == 0 else f"{n / unit:.1f}{name}"
+    return f"{n}B"
+
+
+def format_duration(ms: int) -> str:
+    """Milliseconds in the largest unit that divides them (``90d``, ``12h``, ``1500ms``); 0 is
+    ``forever`` (a TTL of 0 keeps everything)."""
+    if ms == 0:
+        return "forever"
+    for unit in ("w", "d", "h", "m", "s"):
+        if ms % _DURATION_MS[unit] == 0:
+            return f"{ms // _DURATION_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
 def parse_duration_ms(text: str | int) -> int:
     """``"90d"``, ``"12h"``, ``"30s"``, ``"500ms"``; a bare number is seconds."""
     if isinstance(text, int):

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -33,6 +33,8 @@ from typing import Protocol
 
 from tiered import failpoints
 from tiered.config import StoreConfig
+from tiered.durable import write_file
+from tiered.formats import CQ_ENTRY_SIZE, Entry
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import (
     AppendBatch,
@@ -44,12 +46,16 @@ from tiered.hot.commitlog import (
     StoreUnwritableError,
     free_bytes,
 )
-from tiered.hot.consume_queue import CQ_ENTRY_SIZE, TOPIC_NAME, ConsumeQueue, ConsumeQueueStore
+from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable
+from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryError
 from tiered.hot.data_dir import DataDir
+from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
 from tiered.hot.dispatcher import Dispatcher
-from tiered.hot.durable import write_file
 from tiered.hot.index_file import IndexFile, IndexService
-from tiered.hot.mapped_file import StoreLoadError
+
+# What start() raises, for callers above tiered (they never import tiered.hot).
+from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
+from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
     Message,
     RecordError,
@@ -110,6 +116,27 @@ class CommitLogFileInfo:
     modified_ms: int
 
 
+@dataclass(slots=True, frozen=True)
+class CommitLogStats:
+    """The CommitLog's extent: what `tmq status`, the admin Stats call and `tmq store check`
+    report."""
+
+    min_offset: int
+    max_offset: int
+    files: int
+
+
+@dataclass(slots=True, frozen=True)
+class QueueSpan:
+    """The queue offsets ``[first, last]`` of one (topic, queue) whose records lie in a CommitLog
+    file (what release checks against the tier watermark)."""
+
+    topic: str
+    queue_id: int
+    first: int
+    last: int
+
+
 @dataclass(slots=True)
 class StartReport:
     clean_exit: bool
@@ -125,9 +152,9 @@ class StartReport:
 def check_topic(topic: str) -> None:
     if topic in _TOPIC_CHECK_CACHE:
         return
-    if not isinstance(topic, str) or not TOPIC_NAME.match(topic):
+    if not is_valid_name(topic):
         raise InvalidMessageError(
-            f"invalid topic {topic!r}: use 1-255 characters from [%|a-zA-Z0-9_-]"
+            f"invalid topic {topic!r}: use 1-{MAX_NAME_LENGTH} characters from {NAME_CHARS}"
         )
     if len(_TOPIC_CHECK_CACHE) < 100_000:
         _TOPIC_CHECK_CACHE.add(topic)
@@ -199,11 +226,15 @@ class ColdReader(Protocol):
 
 
 class MessageStore:
-    def __init__(self, config: StoreConfig) -> None:
+    """The facade over both tiers that everything above ``tiered`` uses: the broker, offload,
+    status and the CLI reach the CommitLog, ConsumeQueues and IndexFiles only through these
+    methods."""
+
+    def __init__(self, config: StoreConfig, cold: ColdReader | None = None) -> None:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
-        self.queues = ConsumeQueueStore(
+        self.queues = ConsumeQueueTable(
             config.consumequeue_dir, config.consumequeue_entries_per_file
         )
         self.index = IndexService(
@@ -220,8 +251,8 @@ class MessageStore:
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
         self.start_report: StartReport | None = None
-        # Set by the broker when the topic data is tiered: reads below the hot tier go there.
-        self.cold: ColdReader | None = None
+        # The cold tier's reader when topics are tiered: reads below the hot tier go there.
+        self.cold = cold
         self._running = False
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
@@ -637,6 +668,10 @@ class MessageStore:
             status, nxt = GetStatus.OFFSET_OVERFLOW_BADLY, hi
         else:
             status, nxt = GetStatus.NO_MATCHED_MESSAGE, offset
+        if status is GetStatus.OFFSET_TOO_SMALL:
+            # Below both tiers: the first readable offset may be in the archive, below ``lo``.
+            first = self.min_offset(topic, queue_id)
+            return GetResult(status, [], first, first, hi)
         if status is not GetStatus.NO_MATCHED_MESSAGE:
             return GetResult(status, [], nxt, lo, hi)
         messages: list[StoredMessage] = []
@@ -697,13 +732,65 @@ class MessageStore:
         assert self.cold is not None
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
-        status = GetStatus.FOUND if messages else GetStatus.NO_MATCHED_MESSAGE
-        return GetResult(status, messages, nxt, self.min_offset(topic, queue_id), cq.max_offset)
+        lo = self.min_offset(topic, queue_id)
+        if messages:
+            status = GetStatus.FOUND
+        elif offset < lo:
+            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
+        else:
+            status = GetStatus.NO_MATCHED_MESSAGE
+        return GetResult(status, messages, nxt, lo, cq.max_offset)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
         return self.commitlog.read_message(
             commitlog_offset, size, check_crc=self.config.check_crc_on_read
         )
+
+    def queue_entries(
+        self, topic: str, queue_id: int, start: int, max_count: int
+    ) -> Iterator[tuple[int, Entry]]:
+        """(queue offset, ConsumeQueue entry) of up to ``max_count`` hot entries from ``start``
+        (from the hot minimum if ``start`` is below it); nothing for an unknown queue."""
+        cq = self._cq(topic, queue_id)
+        return cq.iter_entries(start, max_count) if cq is not None else iter(())
+
+    def read_record_bytes(self, commitlog_offset: int, size: int) -> bytes | None:
+        """One whole CommitLog record, undecoded (what a segment object holds); None once its
+        file is released."""
+        return self.commitlog.read(commitlog_offset, size)
+
+    def queue_bytes(
+        self, topic: str, queue_id: int, start: int | None = None, end: int | None = None
+    ) -> int:
+        """Total record size of the queue's hot entries in ``[start, end)`` (default: all)."""
+        cq = self._cq(topic, queue_id)
+        if cq is None:
+            return 0
+        lo = cq.min_offset if start is None else start
+        return cq.bytes_between(lo, cq.max_offset if end is None else end)
+
+    def commitlog_stats(self) -> CommitLogStats:
+        return CommitLogStats(
+            self.commitlog.min_offset, self.commitlog.max_offset, len(self.commitlog.files.files)
+        )
+
+    def queues_in_file(self, info: CommitLogFileInfo) -> list[QueueSpan]:
+        """Every queue with records in the CommitLog file ``info``, with their queue offsets
+        there (two bisections per queue over its ConsumeQueue). Raises ``UnreadableEntryError``
+        rather than guess past a ConsumeQueue entry it cannot read."""
+        spans = []
+        for (topic, queue_id), cq in list(self.queues.queues.items()):
+            first = cq.first_offset_at_or_after(info.from_offset, strict=True)
+            if first >= cq.max_offset:
+                continue
+            entry = cq.get_entry(first)
+            if entry is None:
+                raise UnreadableEntryError(topic, queue_id, first)
+            if entry[0] >= info.end_offset:
+                continue  # no record of this queue in the file
+            last = cq.first_offset_at_or_after(info.end_offset, strict=True) - 1
+            spans.append(QueueSpan(topic, queue_id, first, last))
+        return spans
 
     def store_timestamp_at(self, topic: str, queue_id: int, queue_offset: int) -> int | None:
         cq = self._cq(topic, queue_id)
@@ -725,17 +812,13 @@ class MessageStore:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
                 if cold < self.cold.end_offset(topic, queue_id):
                     return cold
-        lo, hi = cq.min_offset, cq.max_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            ts = self.store_timestamp_at(topic, queue_id, mid)
-            if (
-                ts is None or ts < timestamp_ms
-            ):  # released meanwhile: everything below is older still
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        return cq.bisect(lambda _, entry: self._stored_before(entry, timestamp_ms))
+
+    def _stored_before(self, entry: Entry | None, timestamp_ms: int) -> bool:
+        """Whether the record of ``entry`` was stored before ``timestamp_ms``; a record released
+        meanwhile counts as older (everything below it is older still)."""
+        raw = self.commitlog.read(entry[0], entry[1]) if entry is not None else None
+        return raw is None or read_store_timestamp(raw, 0) < timestamp_ms
 
     def query_by_key(
         self,

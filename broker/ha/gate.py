@@ -36,7 +36,7 @@ class NotMasterError(ReplicationError):
 
 
 class ReplicatedMetadata(Protocol):
-    """Topics, groups and consumer offsets as replication moves them (``MetadataStore``)."""
+    """Topics, groups and consumer offsets as replication moves them (``BrokerMetadata``)."""
 
     def snapshot(self) -> dict[str, Any]: ...
 

@@ -30,7 +30,7 @@ from broker.ha.gate import (
     ReplicationStatus,
     ReplicationTimeoutError,
 )
-from tiered.hot.epoch_file import EpochFile
+from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)

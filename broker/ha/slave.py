@@ -18,7 +18,7 @@ from collections.abc import Callable
 from broker.ha import wire
 from broker.ha.config import HaConfig, parse_address
 from broker.ha.gate import NotMasterError, ReplicatedMetadata, ReplicationStatus
-from tiered.hot.epoch_file import EpochFile, TruncationRefusedError, consistent_point
+from tiered.epoch_file import EpochFile, TruncationRefusedError, consistent_point
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)

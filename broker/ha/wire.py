@@ -23,7 +23,7 @@ Bodies:
   bytes: whole CommitLog records within one file and one epoch. No bytes: a heartbeat.
 - ``ERROR`` (either way): a UTF-8 reason; the sender closes the connection after it.
 - ``METADATA`` (master -> slave): the master's topics, groups and consumer offsets as UTF-8 JSON
-  (``MetadataStore.snapshot``); sent after WELCOME and whenever it changed, checked every second.
+  (``BrokerMetadata.snapshot``); sent after WELCOME and whenever it changed, checked every second.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from tiered.hot.epoch_file import EpochEntry
+from tiered.epoch_file import EpochEntry
 
 VERSION = 1
 # A frame never carries more than this (a 4 MiB body in one record, and headers).

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from tiered.cold.manifest import ManifestError, ManifestStore, QueueManifest, queue_prefix
+from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.record import StoredMessage
@@ -141,7 +141,7 @@ class ColdFetcher:
     def _load(self, topic: str, queue_id: int) -> QueueManifest:
         prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
         loaded_at = time.monotonic()
-        manifest = ManifestStore(self.tier, prefix).load()
+        manifest = ManifestLog(self.tier, prefix).load()
         key = (topic, queue_id)
         with self._lock:
             # A commit that landed while this load was under way is newer: keep it.
@@ -230,7 +230,9 @@ class ColdFetcher:
     ) -> tuple[list[StoredMessage], int]:
         """Up to ``max_count`` messages from ``offset`` within one segment, and the next offset.
         Raises ``SegmentError`` when the archive does not hold ``offset``, and
-        ``ColdTierUnavailableError`` when the object store does not answer in time."""
+        ``ColdTierUnavailableError`` when the object store does not answer in time. A segment
+        that retention removed while this read was under way is not an error: the answer is
+        no messages, and the archive's new start as the next offset."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest = self.cached(topic, queue_id)
         if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
@@ -247,7 +249,15 @@ class ColdFetcher:
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            batch = self._batch(info, next_offset, what)
+            try:
+                batch = self._batch(info, next_offset, what)
+            except SegmentError:
+                if out:
+                    break  # what was read stands; the next read meets the error afresh
+                expired_to = self._expired_to(topic, queue_id, info, what)
+                if expired_to is None:
+                    raise
+                return [], expired_to
             for m in batch[next_offset - batch[0].queue_offset :]:
                 next_offset = m.queue_offset + 1
                 if tag_filter is None or tag_filter(m):
@@ -256,6 +266,15 @@ class ColdFetcher:
                     if len(out) >= max_count or size >= max_bytes:
                         break
         return out, next_offset
+
+    def _expired_to(self, topic: str, queue_id: int, info: SegmentInfo, what: str) -> int | None:
+        """Where the archive starts now, if retention removed ``info`` while a read of it was
+        under way (its object is gone, and so is it from the manifest); None if the manifest
+        still names it, which makes the missing object a real loss."""
+        fresh = self._within_deadline(what, lambda: self.manifest(topic, queue_id, refresh=True))
+        if any(s.key == info.key for s in fresh.segments):
+            return None
+        return fresh.start_offset
 
     @staticmethod
     def _batch_len(info: SegmentInfo) -> int:

@@ -26,7 +26,7 @@ from google_crc32c import value as crc32c
 
 from tiered.cold.segment import SegmentInfo
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
-from tiered.hot.consume_queue import TOPIC_NAME
+from tiered.names import is_valid_name
 
 FORMAT = "tmq-queue-manifest/1"
 KEEP_VERSIONS = 10
@@ -42,7 +42,7 @@ class ManifestError(Exception):
 
 def queue_prefix(cluster: str, broker: str, topic: str, queue_id: int) -> str:
     for name, value in (("cluster", cluster), ("broker", broker), ("topic", topic)):
-        if not TOPIC_NAME.match(value):
+        if not is_valid_name(value):
             raise ValueError(f"illegal {name} name {value!r} for an object key")
     if queue_id < 0:
         raise ValueError(f"illegal queue id {queue_id}")
@@ -135,8 +135,9 @@ class QueueManifest:
             raise ManifestError(f"unreadable manifest: {e}") from e
 
 
-class ManifestStore:
-    """Reads and commits one queue's manifests."""
+class ManifestLog:
+    """One queue's manifests in the tier: the versions, newest current; reads and commits them.
+    (Only ``MessageStore`` is called a store; decision 107.)"""
 
     def __init__(self, store: ObjectStore, prefix: str) -> None:
         self.store = store

@@ -7,7 +7,7 @@ An object is immutable. Layout (big-endian):
 ======================= ===========================================================================
  records                 the messages, each a whole CommitLog record (``tiered/record.py``): the
                          same bytes as in the hot tier, so one codec reads both
- offset table            one ConsumeQueue entry (20 bytes, ``consume_queue.CQ_ENTRY``) per record:
+ offset table            one ConsumeQueue entry (20 bytes, ``tiered/formats.py``) per record:
                          position of the record *in this object*, size, tag hash
  time table              the store timestamp of each record (8 bytes)
  key index               (key hash 4, record number 4) for every key and unique id, sorted: the
@@ -32,8 +32,7 @@ import numpy as np
 from google_crc32c import value as crc32c
 
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
-from tiered.hot.consume_queue import CQ_DTYPE, CQ_ENTRY_SIZE
-from tiered.hot.index_file import key_hash
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, key_hash
 from tiered.record import (
     EncodedBatch,
     StoredMessage,
@@ -83,6 +82,38 @@ class SegmentInfo:
     def to_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
+    def footer(self) -> bytes:
+        """The object's footer: magic, version, then the fields of ``FOOTER_FIELDS``, then the
+        footer's own CRC32C (everything but ``key`` and ``size``, which the object's name and
+        length give)."""
+        body = _FOOTER_BODY.pack(MAGIC, VERSION, *(getattr(self, f) for f in FOOTER_FIELDS))
+        return body + struct.pack(">I", int(crc32c(body)))
+
+    @classmethod
+    def from_footer(cls, key: str, size: int, raw: bytes) -> SegmentInfo:
+        """The manifest entry of the object ``key`` of ``size`` bytes whose footer is ``raw``."""
+        magic, version, *values, footer_crc = _FOOTER.unpack(raw)
+        if magic != MAGIC or crc32c(raw[:-4]) != footer_crc:
+            raise SegmentError(f"{key}: not a segment object, or its footer is damaged")
+        if version != VERSION:
+            raise SegmentError(f"{key}: segment format version {version} is not supported")
+        return cls(key=key, size=size, **dict(zip(FOOTER_FIELDS, values, strict=True)))
+
+
+# The footer holds these fields of SegmentInfo, in this order (``_FOOTER_BODY``'s after magic
+# and version): the manifest's entry and the object's footer are one record, written once.
+FOOTER_FIELDS = (
+    "base_offset",
+    "count",
+    "offsets_at",
+    "times_at",
+    "keys_at",
+    "key_count",
+    "min_store_timestamp",
+    "max_store_timestamp",
+    "crc",
+)
+
 
 def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
     """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
@@ -121,35 +152,20 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
     times_at = offsets_at + count * CQ_ENTRY_SIZE
     keys_at = times_at + 8 * count
     body = b"".join([body_records, table.tobytes(), np.asarray(stamps, _TIME).tobytes(), key_index])
-    crc = int(crc32c(body))
-    footer_body = _FOOTER_BODY.pack(
-        MAGIC,
-        VERSION,
-        base_offset,
-        count,
-        offsets_at,
-        times_at,
-        keys_at,
-        len(keys),
-        min(stamps),
-        max(stamps),
-        crc,
-    )
-    data = body + footer_body + struct.pack(">I", int(crc32c(footer_body)))
     info = SegmentInfo(
-        key,
-        base_offset,
-        count,
-        len(data),
-        offsets_at,
-        times_at,
-        keys_at,
-        len(keys),
-        min(stamps),
-        max(stamps),
-        crc,
+        key=key,
+        base_offset=base_offset,
+        count=count,
+        size=len(body) + FOOTER_SIZE,
+        offsets_at=offsets_at,
+        times_at=times_at,
+        keys_at=keys_at,
+        key_count=len(keys),
+        min_store_timestamp=min(stamps),
+        max_store_timestamp=max(stamps),
+        crc=int(crc32c(body)),
     )
-    return data, info
+    return body + info.footer(), info
 
 
 def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
@@ -159,16 +175,7 @@ def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
         raise SegmentError(f"{key}: object is missing")
     if size < FOOTER_SIZE:
         raise SegmentError(f"{key}: {size} bytes is too small to be a segment")
-    raw = store.get_range(key, size - FOOTER_SIZE, FOOTER_SIZE)
-    (magic, version, base, count, offsets_at, times_at, keys_at, key_count, lo, hi, crc,
-     footer_crc) = _FOOTER.unpack(raw)  # fmt: skip
-    if magic != MAGIC or crc32c(raw[:-4]) != footer_crc:
-        raise SegmentError(f"{key}: not a segment object, or its footer is damaged")
-    if version != VERSION:
-        raise SegmentError(f"{key}: segment format version {version} is not supported")
-    return SegmentInfo(
-        key, base, count, size, offsets_at, times_at, keys_at, key_count, lo, hi, crc
-    )
+    return SegmentInfo.from_footer(key, size, store.get_range(key, size - FOOTER_SIZE, FOOTER_SIZE))
 
 
 def verify(store: ObjectStore, info: SegmentInfo) -> None:

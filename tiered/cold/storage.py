@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlparse
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -30,11 +33,41 @@ DEFAULT_S3_OPTIONS: dict[str, Any] = {
     # manifests): a cached listing would hide their objects, and s3fs answers GET and HEAD
     # "not found" from a cached listing without asking the store.
     "use_listings_cache": False,
+    # One retry policy (``RetryPolicy``), so botocore's own is off (one attempt; s3fs's too, see
+    # ``FsspecObjectStore``). Stacked, the three multiplied: 8 x 5 x 3 attempts for one dead PUT.
     "config_kwargs": {
         "connect_timeout": 5,
         "read_timeout": 30,
-        "retries": {"max_attempts": 3, "mode": "standard"},
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
     },
+}
+
+# S3 error codes (botocore's ``ClientError``) that no retry can fix, with what to do about them.
+PERMANENT_CODES = {
+    "NoSuchBucket": "the bucket does not exist: create it, or fix tier_url",
+    "InvalidBucketName": "that is not a valid bucket name: fix tier_url",
+    "AccessDenied": "access denied: grant these credentials s3:GetObject, s3:PutObject, "
+    "s3:DeleteObject and s3:ListBucket on the bucket",
+    "AllAccessDisabled": "all access to the bucket is disabled: ask its owner",
+    "AccountProblem": "the account cannot use the bucket: ask its owner",
+    "InvalidAccessKeyId": "the store does not know this access key: check AWS_ACCESS_KEY_ID "
+    "or AWS_PROFILE (or tier_options.key)",
+    "SignatureDoesNotMatch": "the secret key does not match the access key: check "
+    "AWS_SECRET_ACCESS_KEY (or tier_options.secret)",
+    "ExpiredToken": "the session token has expired: refresh the credentials",
+    "InvalidToken": "the session token is not valid: refresh the credentials",
+    "PermanentRedirect": "the bucket is in another region: set AWS_REGION to the bucket's",
+    "AuthorizationHeaderMalformed": "the bucket is in another region: set AWS_REGION to the "
+    "bucket's",
+}
+# Codes worth another attempt although their HTTP status is below 500.
+TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "ConditionalRequestConflict",  # a rival conditional PUT in flight: the retry decides
 }
 # s3fs sends a conditional (If-None-Match) PUT only below its multipart threshold (2 x 50 MiB).
 MAX_CONDITIONAL_PUT_BYTES = 100 * 1024 * 1024
@@ -42,6 +75,11 @@ MAX_CONDITIONAL_PUT_BYTES = 100 * 1024 * 1024
 
 class StorageError(Exception):
     """A storage call failed in a way worth retrying (unavailable, timed out, throttled)."""
+
+
+class PermanentStorageError(StorageError):
+    """A storage call failed in a way no retry can fix (no such bucket, access denied, bad
+    credentials): the message names the bucket and what the operator must do. Never retried."""
 
 
 class ObjectNotFoundError(KeyError):
@@ -109,8 +147,11 @@ class FsspecObjectStore:
         self.url = url.rstrip("/")
         options = dict(storage_options or {})
         if self.url.startswith(("s3://", "s3a://")):
-            options = {**DEFAULT_S3_OPTIONS, **options}
+            config = {**DEFAULT_S3_OPTIONS["config_kwargs"], **options.get("config_kwargs", {})}
+            options = {**DEFAULT_S3_OPTIONS, **options, "config_kwargs": config}
         self.fs, root = fsspec.core.url_to_fs(self.url, **options)
+        if hasattr(self.fs, "retries"):  # s3fs's retry loop (a class attribute, not an option)
+            self.fs.retries = 1
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:
@@ -120,13 +161,33 @@ class FsspecObjectStore:
         return f"{self.root}/{check_key(key)}"
 
     def _translate(self, key: str, e: Exception) -> Exception:
-        if isinstance(e, FileNotFoundError):
+        """The error as this interface states it, classified by the service's error code (never
+        by matching text): not found, permanent, or transient. Credentials never appear in
+        these messages."""
+        code, status = _error_code(e)
+        if code in PERMANENT_CODES:
+            return PermanentStorageError(f"{self._bucket()}: {code}: {PERMANENT_CODES[code]}")
+        if code == "NoSuchKey" or status == 404 or (code is None and _not_found(e)):
             return ObjectNotFoundError(key)
         if isinstance(e, ValueError | ObjectNotFoundError):
             return e
-        # Everything else from the network or the service is transient by assumption; the
-        # caller retries with backoff. Credentials never appear in these messages.
-        return StorageError(f"{self.url}: {key}: {type(e).__name__}: {e}")
+        if isinstance(e, TypeError | AttributeError | NameError | AssertionError):
+            # A bug or a bad option (an unknown tier_options key): no retry helps.
+            return PermanentStorageError(f"{self.url}: {key}: {type(e).__name__}: {e}")
+        if status is not None and 400 <= status < 500 and code not in TRANSIENT_CODES:
+            # A request the service refuses as such (400, 403, 405…): the same again fails the
+            # same way.
+            return PermanentStorageError(f"{self.url}: {key}: {code} (HTTP {status}): {e}")
+        if code is None and isinstance(e, PermissionError):
+            return PermanentStorageError(
+                f"{self.url}: {key}: permission denied: let tmq's user write the directory"
+            )
+        # 5xx, throttling, timeouts, refused connections: worth another attempt.
+        return StorageError(f"{self.url}: {key}: {code or type(e).__name__}: {e}")
+
+    def _bucket(self) -> str:
+        parsed = urlparse(self.url)
+        return f"{parsed.scheme}://{parsed.netloc}" if parsed.netloc else self.url
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -140,8 +201,9 @@ class FsspecObjectStore:
         except FileExistsError:
             return False
         except Exception as e:
-            if "PreconditionFailed" in str(e) or "412" in str(e):
-                return False
+            code, status = _error_code(e)
+            if code == "PreconditionFailed" or status == 412:
+                return False  # If-None-Match failed: the key exists
             raise self._translate(key, e) from e
 
     def put(self, key: str, data: bytes) -> None:
@@ -171,19 +233,21 @@ class FsspecObjectStore:
     def size(self, key: str) -> int | None:
         try:
             return int(self.fs.info(self._path(key))["size"])
-        except FileNotFoundError:
-            return None
         except Exception as e:
-            raise self._translate(key, e) from e
+            error = self._translate(key, e)
+            if isinstance(error, ObjectNotFoundError):
+                return None
+            raise error from e
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
             found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return []
         except Exception as e:
-            raise self._translate(prefix, e) from e
+            error = self._translate(prefix, e)
+            if isinstance(error, ObjectNotFoundError):
+                return []
+            raise error from e
         out = []
         for path, info in found.items():
             rel = path[len(self.root) :].lstrip("/")  # fsspec paths start with the root
@@ -194,22 +258,142 @@ class FsspecObjectStore:
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            return
         except Exception as e:
-            raise self._translate(key, e) from e
+            error = self._translate(key, e)
+            if not isinstance(error, ObjectNotFoundError):
+                raise error from e
 
     def children(self, prefix: str) -> Sequence[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
             # refresh: s3fs caches delimiter listings, and new queues must become visible.
             found = self.fs.ls(base, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
         except Exception as e:
-            raise self._translate(prefix or "/", e) from e
+            error = self._translate(prefix or "/", e)
+            if isinstance(error, ObjectNotFoundError):
+                return []
+            raise error from e
         names = {str(info["name"]).rstrip("/").rsplit("/", 1)[-1] for info in found}
         return sorted(n for n in names if n and not n.startswith("."))
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, frozen=True)
+class RetryPolicy:
+    """The one retry policy for object-store calls (the ``[retry]`` section of tmq.toml).
+
+    A call that fails with a transient ``StorageError`` is tried again after an exponential,
+    jittered backoff (``base_delay_s``, doubling up to ``max_delay_s``), ``attempts`` times in
+    all; a ``PermanentStorageError`` and "not found" are never retried. s3fs's and botocore's
+    own retries are off (``DEFAULT_S3_OPTIONS``), so this is the only layer that retries."""
+
+    attempts: int = 6
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"[retry] attempts must be at least 1, not {self.attempts}")
+
+    def call(
+        self, what: str, fn: Callable[[], T], sleep: Callable[[float], None] = time.sleep
+    ) -> T:
+        delay = self.base_delay_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except PermanentStorageError:
+                raise
+            except StorageError as e:
+                if attempt == self.attempts:
+                    raise StorageError(f"{e} (failed {attempt} attempts)") from e
+                log.warning("%s: attempt %d failed (%s); retrying", what, attempt, e)
+                sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.max_delay_s)
+        raise AssertionError("unreachable")
+
+
+class RetryingObjectStore:
+    """``ObjectStore`` that retries every call of another by a ``RetryPolicy``. Every method of
+    the interface is safe to retry (``put_if_absent`` answers False when an earlier attempt
+    landed; the caller tells its own bytes from a rival's)."""
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        policy: RetryPolicy,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.policy = policy
+        self._sleep = sleep
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        return self.policy.call(what, fn, self._sleep)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._call(f"put {key}", lambda: self.inner.put_if_absent(key, data))
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(f"put {key}", lambda: self.inner.put(key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._call(f"get {key}", lambda: self.inner.get(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._call(f"get {key}", lambda: self.inner.get_range(key, start, length))
+
+    def size(self, key: str) -> int | None:
+        return self._call(f"head {key}", lambda: self.inner.size(key))
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self._call(f"list {prefix}", lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", lambda: self.inner.delete(key))
+
+    def children(self, prefix: str) -> Sequence[str]:
+        return self._call(f"list {prefix}", lambda: self.inner.children(prefix))
+
+
+def check_writable(store: ObjectStore, prefix: str) -> None:
+    """Write, read back and delete a probe object under ``prefix``: what a broker does before it
+    serves, so a missing bucket or missing permissions stop it at start (one line naming the
+    bucket and the fix) instead of at its first upload. Raises ``PermanentStorageError`` for
+    those; a ``StorageError`` when the store is unreachable."""
+    key = f"{prefix.rstrip('/')}/.write-check-{os.getpid()}-{random.getrandbits(32):08x}"
+    store.put(key, b"tmq")
+    try:
+        if store.get(key) != b"tmq":
+            raise PermanentStorageError(f"{store.url}: {key}: read back other bytes than written")
+    finally:
+        store.delete(key)
+
+
+def _error_code(e: BaseException) -> tuple[str | None, int | None]:
+    """The S3 error code and HTTP status of ``e`` or of what caused it (s3fs turns botocore's
+    ``ClientError`` into an ``OSError`` and keeps the original as its cause); (None, None) for
+    an error that never got an answer from the service (a refused connection, a timeout)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            code = response["Error"].get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return (str(code) if code else None), (int(status) if status else None)
+        cur = cur.__cause__ or cur.__context__
+    return None, None
+
+
+def _not_found(e: BaseException) -> bool:
+    return isinstance(e, FileNotFoundError) or (
+        isinstance(e, OSError) and e.errno == 2  # ENOENT from a backend's OSError
+    )
 
 
 def _write_temp(directory: Path, data: bytes) -> Path:
@@ -251,5 +435,9 @@ def _local_replace(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
-    return FsspecObjectStore(url, storage_options)
+def open_store(
+    url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> ObjectStore:
+    """The object store at ``url``, every call retried by ``retry`` (the one policy; default
+    ``RetryPolicy()``): transient failures with backoff, permanent ones never."""
+    return RetryingObjectStore(FsspecObjectStore(url, storage_options), retry or RetryPolicy())

@@ -30,7 +30,7 @@ import zlib
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from tiered.hot.durable import write_file
+from tiered.durable import write_file
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,7 @@
 """ConsumeQueue: the per-(topic, queue) index from queue offset to CommitLog position.
 
-An entry is 20 bytes, big-endian, at byte ``queue_offset * 20`` of the queue's stream:
-
-====== ================ ==============================================
- bytes  field            meaning
-====== ================ ==============================================
- 8      commitlog offset physical offset of the record
- 4      size             record size in bytes (0: no entry here)
- 8      tag hash         ``record.tag_hash`` of the TAGS property
-====== ================ ==============================================
+An entry (``tiered/formats.py``: CommitLog offset 8, size 4, tag hash 8) lives at byte
+``queue_offset * 20`` of the queue's stream.
 
 Files live at ``consumequeue/{topic}/{queue_id}/{20-digit byte offset}``. The ConsumeQueue is
 derived data: it can always be rebuilt from the CommitLog, and re-dispatching a record it already
@@ -18,25 +11,27 @@ holds is a no-op.
 from __future__ import annotations
 
 import logging
-import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import MappedFile, MappedFileQueue
+from tiered.names import is_valid_name
 
 log = logging.getLogger(__name__)
 
-CQ_ENTRY = struct.Struct(">qiq")
-CQ_ENTRY_SIZE = CQ_ENTRY.size  # 20
-CQ_DTYPE = np.dtype([("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
 
-# RocketMQ's TopicValidator charset; it keeps every topic a safe single path component.
-TOPIC_NAME = re.compile(r"^[%|a-zA-Z0-9_-]{1,255}$")
+class UnreadableEntryError(Exception):
+    """A ConsumeQueue entry between the queue's minimum and maximum could not be read."""
 
-Entry = tuple[int, int, int]  # (commitlog offset, size, tag hash)
+    def __init__(self, topic: str, queue_id: int, offset: int) -> None:
+        super().__init__(f"{topic}/{queue_id}: queue offset {offset}")
+        self.topic = topic
+        self.queue_id = queue_id
+        self.offset = offset
 
 
 class ConsumeQueue:
@@ -198,6 +193,34 @@ class ConsumeQueue:
 
     # -- truncate and clean --------------------------------------------------------------------
 
+    def bisect(self, below: Callable[[int, Entry | None], bool]) -> int:
+        """The first offset in ``[min_offset, max_offset)`` whose entry is not ``below`` the
+        boundary (``max_offset`` if every one is); ``below`` gets the offset and its entry (None
+        if unreadable). It must hold for a prefix of the queue and not after it: entries are in
+        CommitLog (and so store-time) order within a queue."""
+        lo, hi = self.min_offset, self.max_offset
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if below(mid, self.get_entry(mid)):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def first_offset_at_or_after(self, commitlog_offset: int, *, strict: bool = False) -> int:
+        """The first queue offset whose record starts at or after ``commitlog_offset``. An entry
+        that cannot be read counts as past it, or with ``strict`` raises
+        ``UnreadableEntryError`` rather than guess (release must fail closed)."""
+
+        def below(offset: int, entry: Entry | None) -> bool:
+            if entry is None:
+                if strict:
+                    raise UnreadableEntryError(self.topic, self.queue_id, offset)
+                return False
+            return entry[0] < commitlog_offset
+
+        return self.bisect(below)
+
     def truncate_from_physical(self, commitlog_end: int) -> int:
         """Drop entries that point at or past ``commitlog_end`` (a CommitLog cut after a crash).
 
@@ -206,14 +229,7 @@ class ConsumeQueue:
         """
         if self.max_physical_end <= commitlog_end:
             return 0
-        lo, hi = self.min_offset, self.max_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            entry = self.get_entry(mid)
-            if entry is not None and entry[0] + entry[1] <= commitlog_end:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = self.bisect(lambda _, e: e is not None and e[0] + e[1] <= commitlog_end)
         dropped = self.max_offset - lo
         self._drop_files_from(lo * CQ_ENTRY_SIZE)
         self._tail = self.files.last_file()
@@ -233,14 +249,7 @@ class ConsumeQueue:
     def correct_min_offset(self, commitlog_min: int) -> None:
         """Advance ``min_offset`` past entries whose records were deleted from the CommitLog, and
         delete ConsumeQueue files that hold nothing else."""
-        lo, hi = self.min_offset, self.max_offset
-        while lo < hi:
-            mid = (lo + hi) // 2
-            entry = self.get_entry(mid)
-            if entry is not None and entry[0] < commitlog_min:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = self.first_offset_at_or_after(commitlog_min)
         self.min_offset = lo
         whole_files = sum(1 for f in self.files.files if f.tail_offset <= lo * CQ_ENTRY_SIZE)
         self.files.delete_first_files(whole_files)
@@ -256,8 +265,9 @@ def _sizes(f: MappedFile) -> np.ndarray:
     return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
 
 
-class ConsumeQueueStore:
-    """Every ConsumeQueue of the store, created on first dispatch."""
+class ConsumeQueueTable:
+    """Every ConsumeQueue of the store by (topic, queue id), created on first dispatch
+    (RocketMQ's ``consumeQueueTable``)."""
 
     def __init__(self, root: Path, entries_per_file: int) -> None:
         self.root = root
@@ -268,7 +278,7 @@ class ConsumeQueueStore:
         if not self.root.exists():
             return
         for topic_dir in sorted(self.root.iterdir()):
-            if not TOPIC_NAME.match(topic_dir.name):
+            if not is_valid_name(topic_dir.name):
                 log.warning("ignoring %s: not a topic directory", topic_dir)
                 continue
             for queue_dir in sorted(topic_dir.iterdir()):
@@ -281,7 +291,7 @@ class ConsumeQueueStore:
                     self.queues[(cq.topic, cq.queue_id)] = cq
 
     def _new(self, topic: str, queue_id: int) -> ConsumeQueue:
-        if not TOPIC_NAME.match(topic) or queue_id < 0:
+        if not is_valid_name(topic) or queue_id < 0:
             raise ValueError(f"not a valid topic/queue: {topic!r}/{queue_id}")
         return ConsumeQueue(
             topic, queue_id, self.root / topic / str(queue_id), self.entries_per_file

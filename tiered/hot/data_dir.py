@@ -13,7 +13,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from tiered.hot.durable import make_dirs
+from tiered.durable import make_dirs
 
 
 class DataDirLockedError(RuntimeError):

@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tiered.formats import CQ_DTYPE, key_hash
 from tiered.hot.commitlog import CommitLog
-from tiered.hot.consume_queue import CQ_DTYPE, ConsumeQueueStore
-from tiered.hot.index_file import IndexFile, IndexService, key_hash
+from tiered.hot.consume_queue import ConsumeQueueTable
+from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
     KEY_SEPARATOR,
     EncodedBatch,
@@ -54,7 +55,7 @@ class Dispatcher:
     def __init__(
         self,
         commitlog: CommitLog,
-        queues: ConsumeQueueStore,
+        queues: ConsumeQueueTable,
         index: IndexService,
         *,
         reput_offset: int,

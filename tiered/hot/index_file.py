@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from google_crc32c import value as crc32c
 
-from tiered.hot.durable import fsync_dir, make_dirs
+from tiered.durable import fsync_dir, make_dirs
+from tiered.formats import key_hash
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,6 @@ ENTRY_SIZE = _ENTRY.size  # 20
 _ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("offset", ">i8"), ("seconds", ">i4"), ("prev", ">i4")])
 # A chain longer than this is corrupt (entries always point to strictly older ones).
 _MAX_CHAIN = 1_000_000
-
-
-def key_hash(topic: str, key: str) -> int:
-    """The 31-bit hash of ``topic#key`` (RocketMQ indexes keys per topic the same way)."""
-    return int(crc32c(f"{topic}#{key}".encode())) & 0x7FFFFFFF
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from tiered.hot.durable import fsync_dir, make_dirs
+from tiered.durable import fsync_dir, make_dirs
 
 log = logging.getLogger(__name__)
 

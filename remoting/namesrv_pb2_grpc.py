@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from namesrv import namesrv_pb2 as namesrv_dot_namesrv__pb2
+from remoting import namesrv_pb2 as remoting_dot_namesrv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in namesrv/namesrv_pb2_grpc.py depends on'
+        + ' but the generated code in remoting/namesrv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class NameServerStub:
         """
         self.RegisterBroker = channel.unary_unary(
                 '/tmq.namesrv.v1.NameServer/RegisterBroker',
-                request_serializer=namesrv_dot_namesrv__pb2.RegisterBrokerRequest.SerializeToString,
-                response_deserializer=namesrv_dot_namesrv__pb2.RegisterBrokerResponse.FromString,
+                request_serializer=remoting_dot_namesrv__pb2.RegisterBrokerRequest.SerializeToString,
+                response_deserializer=remoting_dot_namesrv__pb2.RegisterBrokerResponse.FromString,
                 _registered_method=True)
         self.UnregisterBroker = channel.unary_unary(
                 '/tmq.namesrv.v1.NameServer/UnregisterBroker',
-                request_serializer=namesrv_dot_namesrv__pb2.UnregisterBrokerRequest.SerializeToString,
-                response_deserializer=namesrv_dot_namesrv__pb2.UnregisterBrokerResponse.FromString,
+                request_serializer=remoting_dot_namesrv__pb2.UnregisterBrokerRequest.SerializeToString,
+                response_deserializer=remoting_dot_namesrv__pb2.UnregisterBrokerResponse.FromString,
                 _registered_method=True)
         self.GetRoute = channel.unary_unary(
                 '/tmq.namesrv.v1.NameServer/GetRoute',
-                request_serializer=namesrv_dot_namesrv__pb2.GetRouteRequest.SerializeToString,
-                response_deserializer=namesrv_dot_namesrv__pb2.TopicRoute.FromString,
+                request_serializer=remoting_dot_namesrv__pb2.GetRouteRequest.SerializeToString,
+                response_deserializer=remoting_dot_namesrv__pb2.TopicRoute.FromString,
                 _registered_method=True)
         self.GetClusterInfo = channel.unary_unary(
                 '/tmq.namesrv.v1.NameServer/GetClusterInfo',
-                request_serializer=namesrv_dot_namesrv__pb2.GetClusterInfoRequest.SerializeToString,
-                response_deserializer=namesrv_dot_namesrv__pb2.ClusterInfo.FromString,
+                request_serializer=remoting_dot_namesrv__pb2.GetClusterInfoRequest.SerializeToString,
+                response_deserializer=remoting_dot_namesrv__pb2.ClusterInfo.FromString,
                 _registered_method=True)
 
 
@@ -91,23 +91,23 @@ def add_NameServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterBroker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterBroker,
-                    request_deserializer=namesrv_dot_namesrv__pb2.RegisterBrokerRequest.FromString,
-                    response_serializer=namesrv_dot_namesrv__pb2.RegisterBrokerResponse.SerializeToString,
+                    request_deserializer=remoting_dot_namesrv__pb2.RegisterBrokerRequest.FromString,
+                    response_serializer=remoting_dot_namesrv__pb2.RegisterBrokerResponse.SerializeToString,
             ),
             'UnregisterBroker': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterBroker,
-                    request_deserializer=namesrv_dot_namesrv__pb2.UnregisterBrokerRequest.FromString,
-                    response_serializer=namesrv_dot_namesrv__pb2.UnregisterBrokerResponse.SerializeToString,
+                    request_deserializer=remoting_dot_namesrv__pb2.UnregisterBrokerRequest.FromString,
+                    response_serializer=remoting_dot_namesrv__pb2.UnregisterBrokerResponse.SerializeToString,
             ),
             'GetRoute': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRoute,
-                    request_deserializer=namesrv_dot_namesrv__pb2.GetRouteRequest.FromString,
-                    response_serializer=namesrv_dot_namesrv__pb2.TopicRoute.SerializeToString,
+                    request_deserializer=remoting_dot_namesrv__pb2.GetRouteRequest.FromString,
+                    response_serializer=remoting_dot_namesrv__pb2.TopicRoute.SerializeToString,
             ),
             'GetClusterInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterInfo,
-                    request_deserializer=namesrv_dot_namesrv__pb2.GetClusterInfoRequest.FromString,
-                    response_serializer=namesrv_dot_namesrv__pb2.ClusterInfo.SerializeToString,
+                    request_deserializer=remoting_dot_namesrv__pb2.GetClusterInfoRequest.FromString,
+                    response_serializer=remoting_dot_namesrv__pb2.ClusterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,8 +135,8 @@ class NameServer:
             request,
             target,
             '/tmq.namesrv.v1.NameServer/RegisterBroker',
-            namesrv_dot_namesrv__pb2.RegisterBrokerRequest.SerializeToString,
-            namesrv_dot_namesrv__pb2.RegisterBrokerResponse.FromString,
+            remoting_dot_namesrv__pb2.RegisterBrokerRequest.SerializeToString,
+            remoting_dot_namesrv__pb2.RegisterBrokerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -162,8 +162,8 @@ class NameServer:
             request,
             target,
             '/tmq.namesrv.v1.NameServer/UnregisterBroker',
-            namesrv_dot_namesrv__pb2.UnregisterBrokerRequest.SerializeToString,
-            namesrv_dot_namesrv__pb2.UnregisterBrokerResponse.FromString,
+            remoting_dot_namesrv__pb2.UnregisterBrokerRequest.SerializeToString,
+            remoting_dot_namesrv__pb2.UnregisterBrokerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class NameServer:
             request,
             target,
             '/tmq.namesrv.v1.NameServer/GetRoute',
-            namesrv_dot_namesrv__pb2.GetRouteRequest.SerializeToString,
-            namesrv_dot_namesrv__pb2.TopicRoute.FromString,
+            remoting_dot_namesrv__pb2.GetRouteRequest.SerializeToString,
+            remoting_dot_namesrv__pb2.TopicRoute.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class NameServer:
             request,
             target,
             '/tmq.namesrv.v1.NameServer/GetClusterInfo',
-            namesrv_dot_namesrv__pb2.GetClusterInfoRequest.SerializeToString,
-            namesrv_dot_namesrv__pb2.ClusterInfo.FromString,
+            remoting_dot_namesrv__pb2.GetClusterInfoRequest.SerializeToString,
+            remoting_dot_namesrv__pb2.ClusterInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,10 +20,11 @@ drop a message a producer was told is safe (``TruncationRefusedError``).
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from tiered.durable import make_dirs, write_file
 
 
 class TruncationRefusedError(RuntimeError):
@@ -34,20 +35,6 @@ class TruncationRefusedError(RuntimeError):
 class EpochEntry:
     epoch: int
     start_offset: int
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class EpochFile:
@@ -63,7 +50,7 @@ class EpochFile:
         self._confirmed = 0
 
     def load(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.directory)
         entries: list[EpochEntry] = []
         if self.path.exists():
             for n, line in enumerate(self.path.read_text().splitlines(), 1):
@@ -97,9 +84,8 @@ class EpochFile:
         return self._confirmed
 
     def _save(self) -> None:
-        _write_atomically(
-            self.path, "".join(f"{e.epoch} {e.start_offset}\n" for e in self._entries)
-        )
+        lines = "".join(f"{e.epoch} {e.start_offset}\n" for e in self._entries)
+        write_file(self.path, lines.encode())
 
     def append(self, epoch: int, start_offset: int) -> None:
         """Record that ``epoch`` starts at ``start_offset``. Epochs only grow."""
@@ -143,7 +129,7 @@ class EpochFile:
             if offset <= self._confirmed:
                 return
             self._confirmed = offset
-            _write_atomically(self.confirmed_path, f"{offset}\n")
+            write_file(self.confirmed_path, f"{offset}\n".encode())
 
 
 def consistent_point(

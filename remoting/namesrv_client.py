@@ -6,8 +6,8 @@ import logging
 
 import grpc
 
-from namesrv import namesrv_pb2 as pb
-from namesrv import namesrv_pb2_grpc as pb_grpc
+from remoting import namesrv_pb2 as pb
+from remoting import namesrv_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Regenerate the Python modules of tmq's own .proto files (namesrv/, broker/); run from anywhere.
+"""Regenerate the Python modules of tmq's own .proto files (remoting/, broker/); run from anywhere.
 
 Apache's MessagingService stubs are not generated here: they come from rocketmq-python-client.
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = [ROOT / "namesrv" / "namesrv.proto", ROOT / "broker" / "admin.proto"]
+PROTOS = [ROOT / "remoting" / "namesrv.proto", ROOT / "broker" / "admin.proto"]
 
 if __name__ == "__main__":
     for proto in PROTOS:
