@@ -145,6 +145,7 @@ class Broker:
         try:
             self.metadata.load()
             if self.fetcher is not None:
+                self.fetcher.prime()  # before serving: reads see the archive from the first
                 self.fetcher.start()
             if self.replication is not None:
                 self.replication.start()

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -96,6 +96,30 @@ class ColdFetcher:
             target=self._refresh_loop, name="tmq-cold-manifests", daemon=True
         )
         self._refresher.start()
+
+    def prime(self, timeout_s: float = 10.0) -> None:
+        """Load the tiered queues' manifests now, in parallel, waiting at most ``timeout_s``.
+
+        The broker calls this before it serves: otherwise, after a restart, the first reads,
+        ``QueryOffset(BEGINNING)`` and a new group's start would see only the hot store until
+        the refresher came round, as if the archive were gone. A queue not loaded in time
+        (the tier is down) is left to the refresher, and named in the log."""
+        try:
+            wanted = sorted(set(self._tiered_queues()))
+        except Exception:
+            log.exception("cold manifests: cannot list the tiered queues")
+            return
+        futures = {key: self._pool.submit(self._load, *key) for key in wanted}
+        done, _ = wait(list(futures.values()), timeout=timeout_s)
+        missed = [k for k, f in futures.items() if f not in done or f.exception() is not None]
+        if missed:
+            log.warning(
+                "cold manifests: %d of %d tiered queue(s) not loaded at start (%s); reads of "
+                "their archive wait for the tier",
+                len(missed),
+                len(futures),
+                ", ".join(f"{t}/{q}" for t, q in missed[:5]),
+            )
 
     def close(self) -> None:
         self._stop.set()
