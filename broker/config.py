@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from broker.ha.config import HaConfig
 from broker.metadata import Limits
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
@@ -81,6 +82,8 @@ class BrokerConfig:
     # The continuous Delta export, run as a child process beside the broker when enabled.
     lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
+    # Replica group membership and replication (off by default: a single broker).
+    ha: HaConfig = field(default_factory=HaConfig)
 
     @property
     def config_dir(self) -> Path:
@@ -95,6 +98,7 @@ SECTIONS: dict[str, type] = {
     "retry": RetryPolicy,
     "limits": Limits,
     "lakehouse": LakehouseConfig,
+    "ha": HaConfig,
 }
 # Keys that take a size ("64MiB", "1GiB" or a byte count) rather than a plain integer.
 SIZE_KEYS = {

@@ -18,6 +18,13 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.ha.gate import (
+    NotEnoughReplicasError,
+    NotMasterError,
+    ReplicationError,
+    ReplicationTimeoutError,
+    SendGate,
+)
 from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
     PERM_READ,
@@ -80,6 +87,16 @@ MAX_LONG_POLLING_MS = 20_000
 _LONG_POLL_MARGIN_MS = 500
 
 
+def _replication_code(e: ReplicationError) -> int:
+    """Apache's proxy's codes: SLAVE_NOT_AVAILABLE and IN_SYNC_REPLICAS_NOT_ENOUGH answer
+    HA_NOT_AVAILABLE, FLUSH_SLAVE_TIMEOUT answers SLAVE_PERSISTENCE_TIMEOUT."""
+    if isinstance(e, ReplicationTimeoutError):
+        return int(d.SLAVE_PERSISTENCE_TIMEOUT)
+    if isinstance(e, NotEnoughReplicasError | NotMasterError):
+        return int(d.HA_NOT_AVAILABLE)
+    return int(d.INTERNAL_ERROR)
+
+
 class BrokerIdentity:
     def __init__(self, cluster: str, name: str, advertise_host: str, port: int) -> None:
         self.cluster = cluster
@@ -100,8 +117,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         *,
         auto_create_groups: bool = True,
         traffic: Traffic | None = None,
+        replication: SendGate | None = None,
     ) -> None:
         self.store = store
+        self.replication = replication
         self.metadata = metadata
         self.pop = pop
         self.identity = identity
@@ -189,6 +208,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                     namespace,
                 )
                 for b in route.brokers
+                if b.broker_id == 0  # slaves take no sends; clients are routed to masters
                 for q in range(b.queues)
             ]
         cfg = self._topic(topic, need=0)
@@ -349,9 +369,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                     to_store_message(pm, topic, self._next_queue(topic, group), self.limits, peer)
                 )
             try:
+                if self.replication is not None:
+                    self.replication.check_writable()
                 results = self.store.put_messages(batch)
+                if self.replication is not None:
+                    self.replication.wait_replicated(results.end_offset)
             except InvalidMessageError as e:
                 raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+            except ReplicationError as e:
+                raise ProtocolError(_replication_code(e), str(e)) from None
             except StoreUnwritableError as e:
                 # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full")
                 # with INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.

@@ -21,6 +21,8 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
+from broker.ha.master import ReplicationMaster
+from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
@@ -42,6 +44,7 @@ from tiered.cold.storage import (
     check_writable,
     open_store,
 )
+from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,17 @@ class Broker:
         self._freshness: dict[str, float] = {}
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
+        # A member of a replica group ([ha] enabled): streams its CommitLog to slaves, or
+        # follows a master. None: a single broker.
+        self.replication: ReplicationMaster | ReplicationSlave | None = None
+        if config.ha.enabled:
+            epochs = EpochFile(config.store.data_dir / "ha")
+            if config.ha.role == "master":
+                self.replication = ReplicationMaster(self.store, epochs, config.ha, self.metadata)
+            else:
+                self.replication = ReplicationSlave(
+                    self.store, epochs, config.ha, self.metadata, self._register_now.set
+                )
         self.metrics.attach(
             MetricSources(
                 traffic=self.metrics.traffic,
@@ -106,6 +120,7 @@ class Broker:
                 fetcher=lambda: self.fetcher,
                 released_files=lambda: self.released_files,
                 offload_failures=lambda: self.offload_failures,
+                replication=lambda: self.replication.status() if self.replication else None,
             )
         )
         self.port = 0
@@ -132,6 +147,8 @@ class Broker:
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
                 self.fetcher.start()
+            if self.replication is not None:
+                self.replication.start()
             server = new_server(
                 _WORKERS,
                 "broker",
@@ -155,6 +172,7 @@ class Broker:
                     self.config.limits,
                     auto_create_groups=self.config.auto_create_groups,
                     traffic=self.metrics.traffic,
+                    replication=self.replication,
                 ),
                 server,
             )
@@ -181,6 +199,8 @@ class Broker:
             self._server = server
         except BaseException:
             self.metrics.close()
+            if self.replication is not None:
+                self.replication.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -210,18 +230,27 @@ class Broker:
         )
 
     def registration(self) -> nspb.BrokerRegistration:
+        """What the NameServers hear. A slave registers no topics: it is listed (``tmq
+        status``) but routes lead clients to masters only, until slaves serve reads."""
+        serves = not isinstance(self.replication, ReplicationSlave)
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,
-            broker_id=0,
+            broker_id=self.broker_id,
             endpoint=nspb.Endpoint(host=self.config.advertise_host, port=self.port),
             topics=[
                 nspb.TopicConfig(
                     topic=t.name, queues=t.queues, perm=t.perm, message_type=t.message_type
                 )
                 for t in list(self.metadata.topics.values())
+                if serves
             ],
         )
+
+    @property
+    def broker_id(self) -> int:
+        """0 for a master or a single broker, 1.. for slaves (RocketMQ's brokerId)."""
+        return self.config.ha.broker_id if self.config.ha.enabled else 0
 
     def register(self) -> None:
         if self.namesrv is not None:
@@ -312,7 +341,10 @@ class Broker:
         Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
         damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
         goes on with the other queues and with release, which keeps what it cannot prove safe
-        to delete."""
+        to delete. A slave does none of it: only the master uploads, and a slave keeps its
+        files until failover makes tier-aware release safe on it."""
+        if isinstance(self.replication, ReplicationSlave):
+            return
         if self.offloader is not None:
             now = time.time_ns() // 1_000_000
             committed = False
@@ -388,7 +420,7 @@ class Broker:
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
-            self.namesrv.unregister(self.config.cluster, self.config.name, 0)
+            self.namesrv.unregister(self.config.cluster, self.config.name, self.broker_id)
         if self._server is not None:
             self._server.stop(grace).wait()
         for thread in self._threads:
@@ -397,6 +429,8 @@ class Broker:
             self._export.stop()
         self.metrics.close()
         self.metadata.flush_offsets(force=True)
+        if self.replication is not None:
+            self.replication.stop()
         self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
