@@ -748,13 +748,13 @@ def torture(args: argparse.Namespace) -> dict[str, Any]:
     # Short S3 timeouts: a black-holed request fails in seconds and the offloader retries it.
     config.write_text(
         "[broker]\n"
-        "tier_options = { config_kwargs = { connect_timeout = 2, read_timeout = 5,"
-        " retries = { max_attempts = 2 } } }\n"
+        "tier_options = { config_kwargs = { connect_timeout = 2, read_timeout = 5 } }\n"
         "[offload]\n"
         f'segment_max_bytes = "{args.segment_bytes}"\n'
         "upload_after_ms = 1000\n"
-        "retry_attempts = 3\n"
-        "retry_base_delay_s = 0.2\n"
+        "[retry]\n"
+        "attempts = 3\n"
+        "base_delay_s = 0.2\n"
     )
     node = Standalone(
         root / "data",

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from broker.ha.config import HaConfig
 from broker.metadata import Limits
 from broker.timer import DEFAULT_MAX_DELAY_MS
 from broker.transaction import TransactionConfig
@@ -93,6 +94,8 @@ class BrokerConfig:
     # The continuous Delta export, run as a child process beside the broker when enabled.
     lakehouse: LakehouseConfig = field(default_factory=LakehouseConfig)
     limits: Limits = field(default_factory=Limits)
+    # Replica group membership and replication (off by default: a single broker).
+    ha: HaConfig = field(default_factory=HaConfig)
 
     def __post_init__(self) -> None:
         self.transactions  # noqa: B018  refuses a bad transaction_check_exhausted at load
@@ -119,6 +122,7 @@ SECTIONS: dict[str, type] = {
     "retry": RetryPolicy,
     "limits": Limits,
     "lakehouse": LakehouseConfig,
+    "ha": HaConfig,
 }
 # Keys that take a size ("64MiB", "1GiB" or a byte count) rather than a plain integer.
 SIZE_KEYS = {

@@ -19,6 +19,13 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.ha.gate import (
+    NotEnoughReplicasError,
+    NotMasterError,
+    ReplicationError,
+    ReplicationTimeoutError,
+    SendGate,
+)
 from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
     PERM_READ,
@@ -61,7 +68,13 @@ from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError, Message
-from tiered.store import GetStatus, InvalidMessageError, MessageStore, StoreUnwritableError
+from tiered.store import (
+    AppendBatch,
+    GetStatus,
+    InvalidMessageError,
+    MessageStore,
+    StoreUnwritableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +96,16 @@ MAX_INVISIBLE_MS = 12 * 3600 * 1000
 MAX_LONG_POLLING_MS = 20_000
 # Answer a long poll this long before the client's own deadline would cut it.
 _LONG_POLL_MARGIN_MS = 500
+
+
+def _replication_code(e: ReplicationError) -> int:
+    """Apache's proxy's codes: SLAVE_NOT_AVAILABLE and IN_SYNC_REPLICAS_NOT_ENOUGH answer
+    HA_NOT_AVAILABLE, FLUSH_SLAVE_TIMEOUT answers SLAVE_PERSISTENCE_TIMEOUT."""
+    if isinstance(e, ReplicationTimeoutError):
+        return int(d.SLAVE_PERSISTENCE_TIMEOUT)
+    if isinstance(e, NotEnoughReplicasError | NotMasterError):
+        return int(d.HA_NOT_AVAILABLE)
+    return int(d.INTERNAL_ERROR)
 
 
 class BrokerIdentity:
@@ -109,8 +132,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         producers: ProducerRegistry | None = None,
         timers: TimerService | None = None,
         max_delay_ms: int = DEFAULT_MAX_DELAY_MS,
+        replication: SendGate | None = None,
     ) -> None:
         self.store = store
+        self.replication = replication
         self.metadata = metadata
         self.pop = pop
         self.identity = identity
@@ -202,6 +227,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                     namespace,
                 )
                 for b in route.brokers
+                if b.broker_id == 0  # slaves take no sends; clients are routed to masters
                 for q in range(b.queues)
             ]
         cfg = self._topic(topic, need=0)
@@ -388,7 +414,19 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 return self._send_half(request, topic, batch, context)
             if topic.message_type == "DELAY":
                 batch = [self._schedule(m) for m in batch]
-            results = _appended(lambda: self.store.put_messages(batch))
+
+            def put() -> AppendBatch:
+                if self.replication is not None:
+                    self.replication.check_writable()
+                appended = self.store.put_messages(batch)
+                if self.replication is not None:
+                    self.replication.wait_replicated(appended.end_offset)
+                return appended
+
+            try:
+                results = _appended(put)
+            except ReplicationError as e:
+                raise ProtocolError(_replication_code(e), str(e)) from None
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
             if topic.message_type == "DELAY" and self.timers is not None:
                 self.timers.wakeup()

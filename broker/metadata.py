@@ -256,6 +256,33 @@ class BrokerMetadata:
     def group(self, name: str) -> GroupConfig | None:
         return self.groups.get(name)
 
+    # -- replication ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Topics, groups and consumer offsets as one JSON-able document (what a master sends
+        its slaves; RocketMQ's SlaveSynchronize)."""
+        with self._lock:
+            return {
+                "topics": [asdict(t) for t in self.topics.values()],
+                "groups": [asdict(g) for g in self.groups.values()],
+                "offsets": [
+                    {"group": g, "topic": t, "queue": q, "offset": o}
+                    for (g, t, q), o in sorted(self._offsets.items())
+                ],
+            }
+
+    def replace(self, snapshot: dict[str, Any]) -> None:
+        """Become ``snapshot`` (a master's), durably: a slave's copy of its master's metadata."""
+        topics = {t.name: t for t in (TopicConfig(**raw) for raw in snapshot["topics"])}
+        groups = {g.name: g for g in (GroupConfig(**raw) for raw in snapshot["groups"])}
+        offsets = {(r["group"], r["topic"], r["queue"]): r["offset"] for r in snapshot["offsets"]}
+        with self._lock:
+            self.topics, self.groups, self._offsets = topics, groups, offsets
+            self.auto_created_groups = sum(g.auto_created for g in groups.values())
+            _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
+            self._compact_groups()  # groups.json becomes the master's, and groups.log empty
+        self.flush_offsets(force=True)
+
     # -- consumer offsets ----------------------------------------------------------------------
 
     def offset(self, group: str, topic: str, queue: int) -> int | None:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.ha.gate import ReplicationStatus
 from broker.status import BrokerStatus
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class MetricSources:
     offload_failures: Callable[[], int]
     transactions: Callable[[], TransactionService | None] = lambda: None
     timers: Callable[[], TimerService | None] = lambda: None
+    # A replica group member's replication state; None for a single broker.
+    replication: Callable[[], ReplicationStatus | None] = lambda: None
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -104,6 +107,7 @@ class BrokerCollector(Collector):
         yield from self._storage(self.sources.status())
         yield from self._tier()
         yield from self._message_model()
+        yield from self._replication()
 
     def _message_model(self) -> Iterator[Metric]:
         transactions = self.sources.transactions()
@@ -140,6 +144,43 @@ class BrokerCollector(Collector):
                 "Delay messages delivered into their topics.",
                 stats.delivered,
             )
+
+    def _replication(self) -> Iterator[Metric]:
+        status = self.sources.replication()
+        if status is None:
+            return
+        yield _gauge("tmq_replication_epoch", "The replica group's current epoch.", status.epoch)
+        yield _gauge(
+            "tmq_replication_max_offset",
+            "This node's CommitLog end (physical offset).",
+            status.max_offset,
+        )
+        yield _gauge(
+            "tmq_replication_confirmed_offset",
+            "SYNC: the CommitLog offset below which min_in_sync_replicas hold every byte.",
+            status.confirmed_offset,
+        )
+        lag = GaugeMetricFamily(
+            "tmq_replication_lag_bytes",
+            "CommitLog bytes a slave lacks (master: per slave; slave: its own).",
+            labels=["broker_id"],
+        )
+        if status.role == "master":
+            yield _gauge(
+                "tmq_replication_sync_state_set_size",
+                "Members of the SyncStateSet, the master included.",
+                len(status.sync_state_set),
+            )
+            for slave in status.slaves:
+                lag.add_metric([str(slave.broker_id)], slave.lag_bytes)
+        else:
+            yield _gauge(
+                "tmq_replication_connected",
+                "1 while this slave follows a master.",
+                int(status.connected),
+            )
+            lag.add_metric([str(status.broker_id)], status.lag_bytes)
+        yield lag
 
     def _traffic(self) -> Iterator[Metric]:
         produced, consumed = self.sources.traffic.snapshot()

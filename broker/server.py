@@ -21,6 +21,8 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
+from broker.ha.master import ReplicationMaster
+from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
@@ -45,6 +47,7 @@ from tiered.cold.storage import (
     check_writable,
     open_store,
 )
+from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,17 @@ class Broker:
         self._freshness: dict[str, float] = {}
         self.released_files = 0
         self.offload_failures = 0  # periodic per-queue offload attempts that failed
+        # A member of a replica group ([ha] enabled): streams its CommitLog to slaves, or
+        # follows a master. None: a single broker.
+        self.replication: ReplicationMaster | ReplicationSlave | None = None
+        if config.ha.enabled:
+            epochs = EpochFile(config.store.data_dir / "ha")
+            if config.ha.role == "master":
+                self.replication = ReplicationMaster(self.store, epochs, config.ha, self.metadata)
+            else:
+                self.replication = ReplicationSlave(
+                    self.store, epochs, config.ha, self.metadata, self._register_now.set
+                )
         self.metrics.attach(
             MetricSources(
                 traffic=self.metrics.traffic,
@@ -119,6 +133,7 @@ class Broker:
                 offload_failures=lambda: self.offload_failures,
                 transactions=lambda: self.transactions,
                 timers=lambda: self.timers,
+                replication=lambda: self.replication.status() if self.replication else None,
             )
         )
         self.port = 0
@@ -145,6 +160,8 @@ class Broker:
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
                 self.fetcher.start()
+            if self.replication is not None:
+                self.replication.start()
             server = new_server(
                 _WORKERS,
                 "broker",
@@ -170,6 +187,7 @@ class Broker:
                 transactions=self.transactions,
                 timers=self.timers,
                 max_delay_ms=self.config.timer_max_delay_ms,
+                replication=self.replication,
             )
             self.timers.start()
             self.transactions.start()
@@ -201,6 +219,8 @@ class Broker:
             self.metrics.close()
             self.transactions.stop()
             self.timers.stop()
+            if self.replication is not None:
+                self.replication.stop()
             self.store.shutdown()
             raise
         self.register()
@@ -230,18 +250,27 @@ class Broker:
         )
 
     def registration(self) -> nspb.BrokerRegistration:
+        """What the NameServers hear. A slave registers no topics: it is listed (``tmq
+        status``) but routes lead clients to masters only, until slaves serve reads."""
+        serves = not isinstance(self.replication, ReplicationSlave)
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,
-            broker_id=0,
+            broker_id=self.broker_id,
             endpoint=nspb.Endpoint(host=self.config.advertise_host, port=self.port),
             topics=[
                 nspb.TopicConfig(
                     topic=t.name, queues=t.queues, perm=t.perm, message_type=t.message_type
                 )
                 for t in list(self.metadata.topics.values())
+                if serves
             ],
         )
+
+    @property
+    def broker_id(self) -> int:
+        """0 for a master or a single broker, 1.. for slaves (RocketMQ's brokerId)."""
+        return self.config.ha.broker_id if self.config.ha.enabled else 0
 
     def register(self) -> None:
         if self.namesrv is not None:
@@ -332,7 +361,10 @@ class Broker:
         Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
         damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
         goes on with the other queues and with release, which keeps what it cannot prove safe
-        to delete."""
+        to delete. A slave does none of it: only the master uploads, and a slave keeps its
+        files until failover makes tier-aware release safe on it."""
+        if isinstance(self.replication, ReplicationSlave):
+            return
         if self.offloader is not None:
             now = time.time_ns() // 1_000_000
             committed = False
@@ -422,7 +454,7 @@ class Broker:
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
-            self.namesrv.unregister(self.config.cluster, self.config.name, 0)
+            self.namesrv.unregister(self.config.cluster, self.config.name, self.broker_id)
         if self._server is not None:
             self._server.stop(grace).wait()
         for thread in self._threads:
@@ -433,6 +465,8 @@ class Broker:
         self.transactions.stop()
         self.timers.stop()
         self.metadata.flush_offsets(force=True)
+        if self.replication is not None:
+            self.replication.stop()
         self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()

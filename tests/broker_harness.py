@@ -40,6 +40,30 @@ def tmq(
     )
 
 
+def wait_healthy(
+    proc: subprocess.Popen[Any], endpoint: str, log_path: Path, what: str, seconds: float = 60
+) -> None:
+    """Wait until the server ``proc`` runs says SERVING on ``endpoint``; raise with the end of
+    its log if it exits first or takes longer than ``seconds``."""
+    channel = grpc.insecure_channel(endpoint)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited: {log_path.read_text()[-2000:]}")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not become healthy in {seconds:.0f} s")
+            time.sleep(0.2)
+    finally:
+        channel.close()
+
+
 class Standalone:
     """A ``tmq standalone`` child process on free ports."""
 
@@ -106,21 +130,7 @@ class Standalone:
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
         )
-        channel = grpc.insecure_channel(self.endpoint)
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"standalone exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("standalone did not become healthy in 60 s")
-            time.sleep(0.2)
-        channel.close()
+        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone")
         return self
 
     def admin(self) -> apb_grpc.AdminStub:

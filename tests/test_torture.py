@@ -194,8 +194,10 @@ def test_a_restarted_broker_delivers_archived_messages_a_lagging_group_has_not_r
             time.sleep(1)
         node.stop()
         fault_proxy.set(blackhole=True, methods=["GET"])  # the manifest is slow to come back
-        node.start()
+        # Healed while the broker starts: start-up waits for the tier (its probe, then the
+        # manifests, up to 10 s); a heal timed from after start would never come.
         threading.Timer(8, fault_proxy.heal).start()
+        node.start()
         rest = receive(node, "g-lag", "lag", 350, 90)
         assert sorted(set(first + rest)) == sorted(ids), f"{400 - len(set(first + rest))} skipped"
     finally:

@@ -81,6 +81,10 @@ class StoreNotRunningError(RuntimeError):
     pass
 
 
+class ReplicaStoreError(RuntimeError):
+    """The store of a slave takes bytes only from its master."""
+
+
 class GetStatus(Enum):
     """Outcome of a read by queue offset (RocketMQ's ``GetMessageStatus``)."""
 
@@ -253,6 +257,8 @@ class MessageStore:
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
         self._maintenance_lock = threading.Lock()
+        self._append_listeners: list[Callable[[int], None]] = []
+        self._replica = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -337,20 +343,14 @@ class MessageStore:
                     "is empty" if cq_dir_present else "is missing",
                 )
         reput = min(max(reput, cl_min), end)
-        index_from = min(max(self.index.end_offset, cl_min), end)
-        self.dispatcher = Dispatcher(
-            self.commitlog,
-            self.queues,
-            self.index,
-            reput_offset=min(reput, index_from),
-            index_from=index_from,
-        )
+        dispatcher = self._new_dispatcher(reput, end)
+        index_from = dispatcher.index_from
         for gap in self.index.gaps(cl_min, min(index_from, end)):
-            self.dispatcher.rebuild_index(*gap)
+            dispatcher.rebuild_index(*gap)
             report.index_gaps_rebuilt.append(gap)
-        report.redispatched_bytes = end - self.dispatcher.reput_offset
-        self.dispatcher.dispatch(end)
-        self.commitlog.on_append = self.dispatcher.submit
+        report.redispatched_bytes = end - dispatcher.reput_offset
+        dispatcher.dispatch(end)
+        self.commitlog.on_append = dispatcher.submit
         for (topic, queue_id), cq in self.queues.queues.items():
             self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
         # Make what recovery kept durable before anything new is acknowledged on top of it.
@@ -361,6 +361,19 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _new_dispatcher(self, reput: int, end: int) -> Dispatcher:
+        """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
+        stop before it."""
+        index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+        self.dispatcher = Dispatcher(
+            self.commitlog,
+            self.queues,
+            self.index,
+            reput_offset=min(reput, index_from),
+            index_from=index_from,
+        )
+        return self.dispatcher
 
     def _check_room_for_a_commitlog_file(self) -> None:
         """Refuse to start a store that could never store a message: no CommitLog file yet,
@@ -495,6 +508,8 @@ class MessageStore:
             raise StoreNotRunningError("the store is not running")
         if self.commitlog.failed is not None:
             raise self.commitlog.durability_lost()
+        if self._replica:
+            raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size
         for msg in messages:
             check_topic(msg.topic)
@@ -517,7 +532,82 @@ class MessageStore:
         if self.config.flush == "sync" and len(results):
             self.commitlog.wait_flushed(results.end_offset)
         self.dispatcher.wakeup()
+        if len(results):
+            for listener in self._append_listeners:
+                listener(results.end_offset)
         return results
+
+    # -- replication -------------------------------------------------------------------------
+
+    @property
+    def min_physical_offset(self) -> int:
+        return self.commitlog.min_offset
+
+    @property
+    def max_physical_offset(self) -> int:
+        """Just past the last CommitLog byte written."""
+        return self.commitlog.max_offset
+
+    def flush_commitlog(self) -> int:
+        """fsync the CommitLog; returns the flushed offset."""
+        return self.commitlog.flush()
+
+    def set_replica(self, replica: bool) -> None:
+        """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly
+        its master's bytes, so nothing of its own (a producer, a pop revive) may be appended."""
+        self._replica = replica
+
+    def add_append_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(end_offset)`` after every append (outside the put lock): what
+        replication uses to push new bytes at once."""
+        self._append_listeners.append(listener)
+
+    def read_commitlog(self, offset: int, max_bytes: int) -> bytes | None:
+        """Whole CommitLog records from ``offset`` within one file (see
+        ``CommitLog.read_records``): what a master streams to its slaves."""
+        return self.commitlog.read_records(offset, max_bytes)
+
+    def append_replicated(self, offset: int, data: bytes) -> None:
+        """Append a master's CommitLog bytes at the same physical offset; they become readable
+        once this store's dispatcher has built their ConsumeQueue and IndexFile entries."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        self.commitlog.append_replicated(offset, data)
+        if self.config.flush == "sync":
+            self.commitlog.wait_flushed(offset + len(data))
+        assert self.dispatcher is not None
+        self.dispatcher.wakeup()
+
+    def truncate_to(self, offset: int) -> None:
+        """Cut the CommitLog at ``offset`` (a record boundary) with the ConsumeQueue and
+        IndexFile data that pointed past it, as recovery does for a torn tail; a replica does
+        this to drop a tail the rest of its group never had. Appends must not run meanwhile."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        with self._maintenance_lock:
+            assert self.dispatcher is not None
+            self.dispatcher.stop()
+            if offset < self.commitlog.max_offset:
+                report = self.commitlog.truncate(offset)
+                log.warning(
+                    "replication: cut the CommitLog at %d (%d bytes copied to %s)",
+                    offset,
+                    report.truncated_bytes,
+                    ", ".join(map(str, report.quarantined)) or "nowhere: they were zero",
+                )
+            end = self.commitlog.max_offset
+            self.queues.truncate_from_physical(end)
+            self._clamp_index(end)
+            dispatcher = self._new_dispatcher(min(self.dispatcher.reput_offset, end), end)
+            dispatcher.dispatch(self.commitlog.confirmed_offset)
+            self.commitlog.on_append = dispatcher.submit
+            self.commitlog.reset_queue_offsets(
+                {key: cq.max_offset for key, cq in self.queues.queues.items()}
+            )
+            self.queues.flush()
+            self.index.flush()
+            self._save_checkpoint()
+            dispatcher.start()
 
     # -- read ----------------------------------------------------------------------------------
 

@@ -275,6 +275,72 @@ class CommitLog:
         assert f is not None and f.from_offset == from_offset, "created by _create_files"
         return f
 
+    # -- replication -------------------------------------------------------------------------
+
+    def read_records(self, offset: int, max_bytes: int) -> bytes | None:
+        """Whole records (a BLANK padding included) from ``offset``, a record boundary, within
+        one file: at most ``max_bytes`` unless the first record alone is larger. ``b""`` when
+        nothing is written there yet; None when ``offset`` is not held here (released)."""
+        f = self.files.find_file(offset)
+        if f is None:
+            return b"" if offset == self.files.max_offset else None
+        pos = offset - f.from_offset
+        wrote = f.wrote  # appends publish ``wrote`` only after their bytes are in place
+        end = pos
+        mm = f.mm
+        while end < wrote:
+            total = read_total_and_magic(mm, end)[0]
+            if total <= 0 or end + total > wrote:
+                raise RecordError(f"CommitLog {f.path}: no record boundary at offset {end}")
+            if end > pos and end + total - pos > max_bytes:
+                break
+            end += total
+        try:
+            return f.read(pos, end - pos)
+        except ValueError:  # unmapped by retention meanwhile
+            return None
+
+    def append_replicated(self, offset: int, data: bytes) -> None:
+        """Append bytes a master wrote at ``offset`` (whole records, within one file), at the
+        same physical offset. The slave's dispatcher parses them into its own ConsumeQueues and
+        IndexFiles. Queue offsets are not tracked here; ``reset_queue_offsets`` rebuilds them
+        from the ConsumeQueues before this log takes appends of its own."""
+        with self._put_lock:
+            if self.failed is not None:
+                raise self.durability_lost()
+            last = self.files.last_file()
+            expected = self.files.max_offset
+            if last is None:
+                if offset % self.files.file_size:
+                    raise ValueError(
+                        f"replicated bytes at {offset} do not start a CommitLog file "
+                        f"({self.files.file_size} bytes)"
+                    )
+            elif offset != expected:
+                raise ValueError(
+                    f"replicated bytes at {offset}, but this CommitLog ends at {expected}"
+                )
+            if last is None or last.wrote == last.size:
+                self._check_room()
+                last = self.files.create_file(offset)
+            if last.wrote + len(data) > last.size:
+                raise ValueError(f"replicated bytes at {offset} run past the end of {last.path}")
+            last.append(data)
+
+    def truncate(self, offset: int) -> RecoveryReport:
+        """Make ``offset`` (a record boundary) the end of the log; the bytes cut are copied to
+        the quarantine directory first, so a divergent tail can still be inspected."""
+        with self._put_lock, self._flush_lock:
+            report = RecoveryReport(scanned_from=offset, end_offset=offset)
+            self._cut(offset, report)
+            self._flushed_offset = min(self._flushed_offset, offset)
+            return report
+
+    def reset_queue_offsets(self, next_offsets: dict[tuple[str, int], int]) -> None:
+        """Take the next queue offset of every queue (from the ConsumeQueues)."""
+        with self._put_lock:
+            self.queue_offsets = dict(next_offsets)
+
     # -- flush ---------------------------------------------------------------------------------
 
     def flush(self) -> int:

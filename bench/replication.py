@@ -1,0 +1,142 @@
+"""Produce throughput of a replica group against the same broker without replication.
+
+Each setup runs real ``tmq broker start --config`` processes on loopback (tests/test_ha.py's
+``GroupMember``): no replication, SYNC to 1 slave (min_in_sync_replicas 2), SYNC to 2 slaves
+(min_in_sync_replicas 3), and ASYNC to 1 slave (whose replication lag is sampled under load).
+Two client threads send ``SendMessage`` batches of 32 messages of 1 KiB for ``SECONDS`` each.
+
+Failover is not built yet (docs/ha.md), so ``failover_p50_s``, ``failover_max_s`` and
+``acked_lost`` are reported as null. Prints one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2 as s
+from rocketmq.grpc_protocol import service_pb2_grpc
+
+from tests.broker_harness import free_port
+from tests.test_ha import TOPIC, GroupMember
+
+BODY = os.urandom(1024)
+BATCH = 32
+THREADS = 2
+SECONDS = 6.0
+
+
+def request() -> s.SendMessageRequest:
+    r = s.SendMessageRequest()
+    for _ in range(BATCH):
+        m = r.messages.add(topic=d.Resource(name=TOPIC), body=BODY)
+        m.system_properties.message_id = os.urandom(16).hex().upper()
+        m.system_properties.message_type = d.NORMAL
+        m.system_properties.body_encoding = d.IDENTITY
+    return r
+
+
+def produce(endpoint: str, seconds: float, sample: GroupMember | None) -> dict[str, float]:
+    sent = [0] * THREADS
+    failed = [0] * THREADS
+    lags: list[float] = []
+    stop = time.monotonic() + seconds
+
+    def worker(i: int) -> None:
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+        while time.monotonic() < stop:
+            reply = stub.SendMessage(request(), timeout=30)
+            if reply.status.code == d.OK:
+                sent[i] += BATCH
+            else:
+                failed[i] += BATCH
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    while sample is not None and time.monotonic() < stop:
+        lag = sample.metric("tmq_replication_lag_bytes")
+        if lag is not None:
+            lags.append(lag)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    out = {"msgs_per_s": round(sum(sent) / elapsed), "failed": sum(failed)}
+    if lags:
+        out["lag_bytes_max"] = max(lags)
+        out["lag_bytes_mean"] = round(sum(lags) / len(lags))
+    return out
+
+
+def run(root: Path, slaves: int, mode: str) -> dict[str, float]:
+    master = GroupMember(root, "master", free_port())
+    members = [master]
+    try:
+        master.start(
+            "master",
+            0,
+            mode=mode,
+            min_in_sync_replicas=slaves + 1 if mode == "sync" else 1,
+            sync_timeout_ms=10_000,
+            ha=slaves > 0,
+            file_size=64 << 20,
+        )
+        for i in range(1, slaves + 1):
+            slave = GroupMember(root, f"slave{i}", free_port())
+            members.append(slave)
+            slave.start("slave", i, master=master, file_size=64 << 20)
+        master.create_topic()
+        deadline = time.monotonic() + 30
+        while slaves and master.metric("tmq_replication_sync_state_set_size") != slaves + 1:
+            assert time.monotonic() < deadline, "slaves did not join the SyncStateSet"
+            time.sleep(0.2)
+        produce(master.endpoint, 1.0, None)  # warm-up
+        return produce(master.endpoint, SECONDS, master if mode == "async" and slaves else None)
+    finally:
+        for m in members:
+            m.stop()
+
+
+def main() -> None:
+    results = {}
+    for name, slaves, mode in (
+        ("none", 0, "async"),
+        ("sync_1_slave", 1, "sync"),
+        ("sync_2_slaves", 2, "sync"),
+        ("async_1_slave", 1, "async"),
+    ):
+        with tempfile.TemporaryDirectory(prefix=f"tmq-bench-ha-{name}-") as tmp:
+            results[name] = run(Path(tmp), slaves, mode)
+        print(name, results[name], file=sys.stderr, flush=True)
+    none = results["none"]["msgs_per_s"]
+    summary = {
+        "bench": "replication",
+        "message_bytes": len(BODY),
+        "batch": BATCH,
+        "threads": THREADS,
+        "seconds": SECONDS,
+        "results": results,
+        "ratio_sync_vs_none": round(results["sync_1_slave"]["msgs_per_s"] / none, 3),
+        "ratio_sync_2_slaves_vs_none": round(results["sync_2_slaves"]["msgs_per_s"] / none, 3),
+        "async_lag_bytes_max": results["async_1_slave"].get("lag_bytes_max"),
+        "failover_p50_s": None,
+        "failover_max_s": None,
+        "acked_lost": None,
+        "note": "failover is not built yet; see docs/ha.md",
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""What the send path asks of replication, and why a replica group refuses to acknowledge a
+send."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class SendGate(Protocol):
+    """Replication as SendMessage sees it (``ReplicationMaster`` or ``ReplicationSlave``)."""
+
+    def check_writable(self) -> None:
+        """Before storing: raise ``ReplicationError`` when this broker must not take sends."""
+
+    def wait_replicated(self, end_offset: int) -> None:
+        """After storing: return once the send may be acknowledged; raise otherwise."""
+
+
+class ReplicationError(RuntimeError):
+    """A send this replica group cannot acknowledge."""
+
+
+class NotEnoughReplicasError(ReplicationError):
+    """SYNC mode with fewer than min_in_sync_replicas in the SyncStateSet: refused before the
+    message is stored (RocketMQ's IN_SYNC_REPLICAS_NOT_ENOUGH)."""
+
+
+class ReplicationTimeoutError(ReplicationError):
+    """SYNC mode: stored on the master, but not on enough replicas in time (RocketMQ's
+    FLUSH_SLAVE_TIMEOUT). The producer was not told it is safe; a retry may duplicate it."""
+
+
+class NotMasterError(ReplicationError):
+    """This broker is a slave: it takes no sends."""
+
+
+class ReplicatedMetadata(Protocol):
+    """Topics, groups and consumer offsets as replication moves them (``BrokerMetadata``)."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def replace(self, snapshot: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaLag:
+    """One slave as its master sees it."""
+
+    broker_id: int
+    address: str
+    connected: bool
+    acked_offset: int
+    lag_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicationStatus:
+    """A replica group member's view, for metrics and operators."""
+
+    role: str  # "master" or "slave"
+    broker_id: int
+    epoch: int
+    mode: str
+    max_offset: int  # this node's CommitLog end
+    confirmed_offset: int  # SYNC: what the group acknowledged, as far as this node knows
+    sync_state_set: list[int]  # the master's view; a slave reports []
+    slaves: list[ReplicaLag]  # the master's view; a slave reports []
+    master: str | None = None  # a slave: the master it follows
+    connected: bool = True  # a slave: whether it is following one now
+    lag_bytes: int = 0  # a slave: how far behind the master's last reported end
+    last_error: str | None = None
