@@ -69,7 +69,6 @@ from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
 from tiered.record import CorruptRecordError, Message
 from tiered.store import (
-    AppendBatch,
     GetStatus,
     InvalidMessageError,
     MessageStore,
@@ -415,16 +414,16 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if topic.message_type == "DELAY":
                 batch = [self._schedule(m) for m in batch]
 
-            def put() -> AppendBatch:
+            def put() -> list[int]:  # the queue offsets
                 if self.replication is not None:
                     self.replication.check_writable()
                 appended = self.store.put_messages(batch)
                 if self.replication is not None:
                     self.replication.wait_replicated(appended.end_offset)
-                return appended
+                return [r.queue_offset for r in appended]
 
             try:
-                results = _appended(put)
+                offsets = _appended(put)
             except ReplicationError as e:
                 raise ProtocolError(_replication_code(e), str(e)) from None
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
@@ -437,7 +436,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                     # The broker's SendResult carries the unique key as the transaction id
                     # for every message, and the proxy passes it on.
                     transaction_id=pm.system_properties.message_id,
-                    offset=results[i].queue_offset,
+                    offset=offsets[i],
                 )
                 for i, pm in enumerate(request.messages)
             ]
