@@ -19,6 +19,7 @@ from broker.metadata import (
     check_group_name,
 )
 from broker.status import BrokerStatus
+from broker.timer import TimerStats
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.verify import verify_queue, worst
 from tiered.cold.storage import StorageError
@@ -65,6 +66,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         offloader: Offloader | None = None,
         status: Callable[[], BrokerStatus] | None = None,
         cluster: str = "",
+        timers: Callable[[], TimerStats | None] = lambda: None,
+        transactions_pending: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -74,6 +77,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.offloader = offloader
         self.status = status
         self.cluster = cluster
+        self.timers = timers
+        self.transactions_pending = transactions_pending
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -103,7 +108,13 @@ class AdminServicer(pb_grpc.AdminServicer):
                 return 0
             return self.offloader.watermark(cfg.name, q)
 
+        timers = self.timers() if cfg.message_type == "DELAY" else None
         return pb.TopicDescription(
+            timers_pending=timers.pending_by_topic.get(cfg.name, 0) if timers else 0,
+            timer_delivery_lag_seconds=timers.lag_seconds if timers else 0.0,
+            transactions_pending=self.transactions_pending().get(cfg.name, 0)
+            if cfg.message_type == "TRANSACTION"
+            else 0,
             topic=topic_to_pb(cfg),
             queues=[
                 pb.QueueStats(

@@ -41,12 +41,18 @@ class QueueStats(_message.Message):
     def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ...) -> None: ...
 
 class TopicDescription(_message.Message):
-    __slots__ = ("topic", "queues")
+    __slots__ = ("topic", "queues", "timers_pending", "timer_delivery_lag_seconds", "transactions_pending")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
+    TIMERS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    TIMER_DELIVERY_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSACTIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
     topic: Topic
     queues: _containers.RepeatedCompositeFieldContainer[QueueStats]
-    def __init__(self, topic: _Optional[_Union[Topic, _Mapping]] = ..., queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ...) -> None: ...
+    timers_pending: int
+    timer_delivery_lag_seconds: float
+    transactions_pending: int
+    def __init__(self, topic: _Optional[_Union[Topic, _Mapping]] = ..., queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ..., timers_pending: _Optional[int] = ..., timer_delivery_lag_seconds: _Optional[float] = ..., transactions_pending: _Optional[int] = ...) -> None: ...
 
 class PutTopicRequest(_message.Message):
     __slots__ = ("topic", "update")

@@ -49,6 +49,8 @@ from typing import Any
 
 from broker.ha.config import HaConfig
 from broker.metadata import Limits
+from broker.timer import DEFAULT_MAX_DELAY_MS
+from broker.transaction import TransactionConfig
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
 from tiered.cold.storage import RetryPolicy
@@ -75,6 +77,16 @@ class BrokerConfig:
     offload_interval_ms: int = 10_000
     # Prometheus metrics at http://{listen}:{metrics_port}/metrics; 0 turns them off.
     metrics_port: int = 5557
+    # Transactional messages (RocketMQ's transactionTimeOut, transactionCheckInterval,
+    # transactionCheckMax): the first check-back this long after the half message, then every
+    # interval, at most this many; then "rollback" or "keep" the half message undecided.
+    transaction_timeout_ms: int = 6_000
+    transaction_check_interval_ms: int = 30_000
+    transaction_check_max: int = 15
+    transaction_check_exhausted: str = "rollback"
+    # The latest delivery time a delay message may ask for, from now (RocketMQ's
+    # timerMaxDelaySec, 3 days); later ones are refused with ILLEGAL_DELIVERY_TIME.
+    timer_max_delay_ms: int = DEFAULT_MAX_DELAY_MS
     store: StoreConfig = field(default_factory=StoreConfig)
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     # Every object-store call of the broker (upload, manifest, cold read, verify, retention).
@@ -85,9 +97,21 @@ class BrokerConfig:
     # Replica group membership and replication (off by default: a single broker).
     ha: HaConfig = field(default_factory=HaConfig)
 
+    def __post_init__(self) -> None:
+        self.transactions  # noqa: B018  refuses a bad transaction_check_exhausted at load
+
     @property
     def config_dir(self) -> Path:
         return self.store.data_dir / "config"
+
+    @property
+    def transactions(self) -> TransactionConfig:
+        return TransactionConfig(
+            timeout_ms=self.transaction_timeout_ms,
+            check_interval_ms=self.transaction_check_interval_ms,
+            check_max=self.transaction_check_max,
+            exhausted=self.transaction_check_exhausted,
+        )
 
 
 # Each section of tmq.toml and the dataclass it fills ("broker": the top-level fields).

@@ -7,6 +7,7 @@ nothing else); an unexpected exception becomes INTERNAL_ERROR and is logged, nev
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import zlib
@@ -46,9 +47,11 @@ from broker.pop import (
     Received,
     TagFilter,
 )
+from broker.producers import ProducerRegistry
 from broker.protocol import (
     CLIENT_RECEIVE_LIMIT,
     DELIVERY_ENVELOPE_RESERVE,
+    PROPERTY_DELIVER_TIME,
     ProtocolError,
     duration,
     duration_ms,
@@ -58,12 +61,19 @@ from broker.protocol import (
     to_store_message,
 )
 from broker.sql92 import SqlFilter
+from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
+from broker.transaction import TransactionError, TransactionService
 from remoting.namesrv_client import NameServerClient
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
-from tiered.record import CorruptRecordError
-from tiered.store import GetStatus, InvalidMessageError, MessageStore, StoreUnwritableError
+from tiered.record import CorruptRecordError, Message
+from tiered.store import (
+    GetStatus,
+    InvalidMessageError,
+    MessageStore,
+    StoreUnwritableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +127,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         *,
         auto_create_groups: bool = True,
         traffic: Traffic | None = None,
+        transactions: TransactionService | None = None,
+        producers: ProducerRegistry | None = None,
+        timers: TimerService | None = None,
+        max_delay_ms: int = DEFAULT_MAX_DELAY_MS,
         replication: SendGate | None = None,
     ) -> None:
         self.store = store
@@ -128,6 +142,10 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         self.limits = limits
         self.auto_create_groups = auto_create_groups
         self.traffic = traffic or Traffic()
+        self.transactions = transactions
+        self.producers = producers or ProducerRegistry()
+        self.timers = timers
+        self.max_delay_ms = max_delay_ms
         self._round_robin: dict[str, int] = {}
         # Client id (the x-mq-client-id header) -> ClientType, from each client's Settings.
         self._client_types: dict[str, int] = {}
@@ -274,19 +292,42 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def Telemetry(
         self, request_iterator: Iterable[s.TelemetryCommand], context: grpc.ServicerContext
     ) -> Iterator[s.TelemetryCommand]:
-        """Answer every Settings the client sends with the settings the proxy would give it; the
-        stream stays open as long as the client keeps it."""
+        """Answer every Settings the client sends with the settings the proxy would give it,
+        and carry the broker's own commands (transaction check-backs) to a producer. A reader
+        thread takes the client's side of the stream; this one writes, for as long as the
+        client keeps the stream."""
+        outbox: queue.SimpleQueue[s.TelemetryCommand | None] = queue.SimpleQueue()
         client_id = _client_id(context)
         with self._clients_lock:
             self._client_streams[client_id] = self._client_streams.get(client_id, 0) + 1
+
+        def read() -> None:
+            try:
+                for command in request_iterator:
+                    if not command.HasField("settings"):
+                        continue  # results of commands the broker sent
+                    with self._clients_lock:
+                        self._client_types[client_id] = command.settings.client_type
+                    outbox.put(
+                        s.TelemetryCommand(
+                            status=status(), settings=self._settings(command.settings)
+                        )
+                    )
+                    if command.settings.HasField("publishing") and client_id:
+                        topics = [t.name for t in command.settings.publishing.topics]
+                        self.producers.connect(client_id, outbox.put, topics)
+            except Exception as e:  # the client went away; gRPC says how
+                log.debug("telemetry stream of %s ended: %s", client_id or "a client", e)
+            finally:
+                outbox.put(None)
+
+        threading.Thread(target=read, name="tmq-telemetry-reader", daemon=True).start()
         try:
-            for command in request_iterator:
-                if not command.HasField("settings"):
-                    continue  # results of commands tmq never sends
-                with self._clients_lock:
-                    self._client_types[client_id] = command.settings.client_type
-                yield s.TelemetryCommand(status=status(), settings=self._settings(command.settings))
+            while (reply := outbox.get()) is not None:
+                yield reply
         finally:
+            if client_id:
+                self.producers.disconnect(client_id, outbox.put)
             # A client keeps one stream per endpoint and reopens them: forget its type only
             # when its last stream closes.
             with self._clients_lock:
@@ -368,22 +409,26 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 batch.append(
                     to_store_message(pm, topic, self._next_queue(topic, group), self.limits, peer)
                 )
-            try:
+            if topic.message_type == "TRANSACTION":
+                return self._send_half(request, topic, batch, context)
+            if topic.message_type == "DELAY":
+                batch = [self._schedule(m) for m in batch]
+
+            def put() -> list[int]:  # the queue offsets
                 if self.replication is not None:
                     self.replication.check_writable()
-                results = self.store.put_messages(batch)
+                appended = self.store.put_messages(batch)
                 if self.replication is not None:
-                    self.replication.wait_replicated(results.end_offset)
-            except InvalidMessageError as e:
-                raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+                    self.replication.wait_replicated(appended.end_offset)
+                return [r.queue_offset for r in appended]
+
+            try:
+                offsets = _appended(put)
             except ReplicationError as e:
                 raise ProtocolError(_replication_code(e), str(e)) from None
-            except StoreUnwritableError as e:
-                # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full")
-                # with INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
-                log.error("send refused: %s", e)
-                raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
+            if topic.message_type == "DELAY" and self.timers is not None:
+                self.timers.wakeup()
             entries = [
                 s.SendResultEntry(
                     status=status(),
@@ -391,7 +436,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                     # The broker's SendResult carries the unique key as the transaction id
                     # for every message, and the proxy passes it on.
                     transaction_id=pm.system_properties.message_id,
-                    offset=results[i].queue_offset,
+                    offset=offsets[i],
                 )
                 for i, pm in enumerate(request.messages)
             ]
@@ -399,12 +444,77 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
 
+    def _schedule(self, msg: Message) -> Message:
+        """A delay message due in the future as a timer record; one already due as itself."""
+        if self.timers is None:
+            raise ProtocolError(d.UNSUPPORTED, "delay messages are not enabled")
+        due = msg.properties.get(PROPERTY_DELIVER_TIME)
+        if due is None:
+            raise ProtocolError(d.ILLEGAL_DELIVERY_TIME, "a delay message needs a delivery time")
+        now = time.time_ns() // 1_000_000
+        if int(due) - now > self.max_delay_ms:
+            raise ProtocolError(
+                d.ILLEGAL_DELIVERY_TIME,
+                f"delivery time is {(int(due) - now) / 1000:.0f} s away; the limit is "
+                f"{self.max_delay_ms // 1000} s",
+            )
+        return as_timer_message(msg) if int(due) > now else msg
+
+    def _send_half(
+        self,
+        request: s.SendMessageRequest,
+        topic: TopicConfig,
+        batch: list[Message],
+        context: grpc.ServicerContext,
+    ) -> s.SendMessageResponse:
+        """Store transactional messages as half messages; consumers see them after COMMIT."""
+        transactions = self.transactions
+        if transactions is None:
+            raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
+        client_id = _client_id(context)
+        if client_id:
+            self.producers.publishes(client_id, topic.name)
+        immunity = [
+            duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
+            if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
+            else None
+            for pm in request.messages
+        ]
+        prepared = _appended(lambda: transactions.prepare(batch, immunity))
+        self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
+        entries = [
+            s.SendResultEntry(
+                status=status(),
+                message_id=pm.system_properties.message_id,
+                transaction_id=p.transaction_id,
+                offset=p.half_offset,
+            )
+            for pm, p in zip(request.messages, prepared, strict=True)
+        ]
+        return s.SendMessageResponse(status=status(), entries=entries)
+
     def EndTransaction(
         self, request: s.EndTransactionRequest, context: grpc.ServicerContext
     ) -> Any:
-        return s.EndTransactionResponse(
-            status=status(d.UNSUPPORTED, "transactional messages are not supported")
-        )
+        def work() -> s.EndTransactionResponse:
+            if self.transactions is None:
+                raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
+            self._topic(request.topic.name, need=PERM_WRITE)
+            if request.resolution == d.TRANSACTION_RESOLUTION_UNSPECIFIED:
+                # The producer does not know yet (a checker's UNKNOWN): ask again later.
+                return s.EndTransactionResponse(status=status())
+            try:
+                self.transactions.end(
+                    request.topic.name,
+                    request.message_id,
+                    request.transaction_id,
+                    commit=request.resolution == d.COMMIT,
+                )
+            except TransactionError as e:
+                raise ProtocolError(d.INVALID_TRANSACTION_ID, str(e)) from None
+            return s.EndTransactionResponse(status=status())
+
+        return self._guard(lambda st: s.EndTransactionResponse(status=st), work)
 
     # -- pop consumption -----------------------------------------------------------------------
 
@@ -690,6 +800,19 @@ def consumer_backoff_ms(attempt: int) -> int:
     """The backoff before redelivering a message whose ``attempt``-th delivery failed: the
     customized policy's step, as Apache's Java client reads it (the last step repeats)."""
     return CONSUMER_BACKOFF_MS[min(max(attempt, 1), len(CONSUMER_BACKOFF_MS)) - 1]
+
+
+def _appended(append: Callable[[], R]) -> R:
+    """Run a store append, answering the store's refusals as the proxy does."""
+    try:
+        return append()
+    except InvalidMessageError as e:
+        raise ProtocolError(d.BAD_REQUEST, str(e)) from None
+    except StoreUnwritableError as e:
+        # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full") with
+        # INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
+        log.error("send refused: %s", e)
+        raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
 
 
 def _client_id(context: grpc.ServicerContext) -> str:

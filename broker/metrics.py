@@ -27,6 +27,8 @@ from broker.status import BrokerStatus
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from broker.timer import TimerService
+    from broker.transaction import TransactionService
     from offload.offloader import Offloader
     from tiered.cold.fetcher import ColdFetcher
 
@@ -82,6 +84,8 @@ class MetricSources:
     fetcher: Callable[[], ColdFetcher | None]
     released_files: Callable[[], int]
     offload_failures: Callable[[], int]
+    transactions: Callable[[], TransactionService | None] = lambda: None
+    timers: Callable[[], TimerService | None] = lambda: None
     # A replica group member's replication state; None for a single broker.
     replication: Callable[[], ReplicationStatus | None] = lambda: None
 
@@ -102,7 +106,44 @@ class BrokerCollector(Collector):
         yield from self._traffic()
         yield from self._storage(self.sources.status())
         yield from self._tier()
+        yield from self._message_model()
         yield from self._replication()
+
+    def _message_model(self) -> Iterator[Metric]:
+        transactions = self.sources.transactions()
+        if transactions is not None:
+            yield _gauge(
+                "tmq_transaction_half_pending",
+                "Half messages waiting for COMMIT or ROLLBACK.",
+                transactions.pending(),
+            )
+            for name, doc, value in (
+                ("tmq_transaction_commits", "Transactions committed.", transactions.commits),
+                ("tmq_transaction_rollbacks", "Transactions rolled back.", transactions.rollbacks),
+                ("tmq_transaction_checks", "Check-backs sent to producers.", transactions.checks),
+            ):
+                yield _counter(name, doc, value)
+        timers = self.sources.timers()
+        if timers is not None:
+            stats = timers.stats()
+            pending = GaugeMetricFamily(
+                "tmq_timer_pending",
+                "Delay messages not yet delivered, per topic.",
+                labels=["topic"],
+            )
+            for topic, n in sorted(stats.pending_by_topic.items()):
+                pending.add_metric([topic], n)
+            yield pending
+            yield _gauge(
+                "tmq_timer_delivery_lag_seconds",
+                "How late the oldest due, undelivered delay message is.",
+                stats.lag_seconds,
+            )
+            yield _counter(
+                "tmq_timer_delivered",
+                "Delay messages delivered into their topics.",
+                stats.delivered,
+            )
 
     def _replication(self) -> Iterator[Metric]:
         status = self.sources.replication()

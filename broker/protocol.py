@@ -17,6 +17,8 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from rocketmq.grpc_protocol import definition_pb2 as d
 
 from broker.metadata import PERM_READ, PERM_WRITE, Limits, TopicConfig
+from broker.timer import PROPERTY_TIMER_OFFSET
+from broker.transaction import PROPERTY_CHECK_IMMUNITY_MS, PROPERTY_HALF_OFFSET
 from tiered.record import (
     PROPERTY_KEYS,
     PROPERTY_SHARDING_KEY,
@@ -48,7 +50,15 @@ ROCKETMQ_SYSTEM_PROPERTIES = frozenset((
 ))
 # fmt: on
 # tmq's own record properties, hidden from consumers like the system properties above.
-_INTERNAL = frozenset((PROPERTY_MESSAGE_TYPE, PROPERTY_DELIVER_TIME))
+_INTERNAL = frozenset(
+    (
+        PROPERTY_MESSAGE_TYPE,
+        PROPERTY_DELIVER_TIME,
+        PROPERTY_HALF_OFFSET,
+        PROPERTY_CHECK_IMMUNITY_MS,
+        PROPERTY_TIMER_OFFSET,
+    )
+)
 _HIDDEN = ROCKETMQ_SYSTEM_PROPERTIES | _INTERNAL
 # Names a producer may not use as user properties: the hidden ones and the message group.
 _RESERVED_KEYS = _HIDDEN | {PROPERTY_SHARDING_KEY}
@@ -320,6 +330,9 @@ def to_proto_message(
     group = props.get(PROPERTY_SHARDING_KEY)
     if group:
         sp.message_group = group
+    deliver = props.get(PROPERTY_DELIVER_TIME)
+    if deliver and deliver.isdigit():
+        sp.delivery_timestamp.FromMilliseconds(int(deliver))
     if receipt_handle is not None:
         sp.receipt_handle = receipt_handle
     if invisible_ms is not None:

@@ -27,7 +27,10 @@ from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
+from broker.producers import ProducerRegistry
 from broker.status import BrokerStatus, ExportFreshness, broker_status
+from broker.timer import TIMER_TOPIC, TimerService
+from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
@@ -94,6 +97,14 @@ class Broker:
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.producers = ProducerRegistry()
+        # Both read the store's recovered state when started (start()).
+        self.transactions = TransactionService(
+            self.store, self.metadata, config.transactions, self.producers.check_back
+        )
+        self.timers = TimerService(
+            self.store, config.store.data_dir / "timer", lambda: list(self.metadata.topics)
+        )
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
         # `tmq status` report it; None: not reported).
         self.export_freshness: ExportFreshness | None = None
@@ -120,6 +131,8 @@ class Broker:
                 fetcher=lambda: self.fetcher,
                 released_files=lambda: self.released_files,
                 offload_failures=lambda: self.offload_failures,
+                transactions=lambda: self.transactions,
+                timers=lambda: self.timers,
                 replication=lambda: self.replication.status() if self.replication else None,
             )
         )
@@ -161,21 +174,24 @@ class Broker:
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
-            add_safely(
-                service_pb2_grpc.add_MessagingServiceServicer_to_server,
-                MessagingServicer(
-                    self.store,
-                    self.metadata,
-                    self.pop,
-                    identity,
-                    self.namesrv,
-                    self.config.limits,
-                    auto_create_groups=self.config.auto_create_groups,
-                    traffic=self.metrics.traffic,
-                    replication=self.replication,
-                ),
-                server,
+            messaging = MessagingServicer(
+                self.store,
+                self.metadata,
+                self.pop,
+                identity,
+                self.namesrv,
+                self.config.limits,
+                auto_create_groups=self.config.auto_create_groups,
+                traffic=self.metrics.traffic,
+                producers=self.producers,
+                transactions=self.transactions,
+                timers=self.timers,
+                max_delay_ms=self.config.timer_max_delay_ms,
+                replication=self.replication,
             )
+            self.timers.start()
+            self.transactions.start()
+            add_safely(service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server)
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(
@@ -187,6 +203,8 @@ class Broker:
                     self.offloader,
                     status=lambda: self.status(hot_bytes=True),
                     cluster=self.config.cluster,
+                    timers=self.timers.stats,
+                    transactions_pending=self.transactions.pending_by_topic,
                 ),
                 server,
             )
@@ -199,6 +217,8 @@ class Broker:
             self._server = server
         except BaseException:
             self.metrics.close()
+            self.transactions.stop()
+            self.timers.stop()
             if self.replication is not None:
                 self.replication.stop()
             self.store.shutdown()
@@ -371,9 +391,23 @@ class Broker:
             if committed:
                 failpoints.hit("offload.before_release")
         topics = dict(self.metadata.topics)  # a snapshot: admin calls may change it meanwhile
-        self.released_files += self.store.release_commitlog_files(
-            release_predicate(self.store, self.offloader, topics)
+        can_release = release_predicate(
+            self.store,
+            self.offloader,
+            topics,
+            pinned_topics=frozenset((TIMER_TOPIC, HALF_TOPIC, OP_TOPIC)),
         )
+        pinned = self.pinned_offset()
+        self.released_files += self.store.release_commitlog_files(
+            lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
+        )
+
+    def pinned_offset(self) -> int | None:
+        """The lowest CommitLog offset still needed by an undecided half message or an
+        undelivered timer: no file from there on may be released, whatever its topics'
+        retention says."""
+        pins = (self.transactions.pinned_offset(), self.timers.pinned_offset())
+        return min((p for p in pins if p is not None), default=None)
 
     def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
         self.offload_failures += 1
@@ -428,6 +462,8 @@ class Broker:
         if self._export is not None:
             self._export.stop()
         self.metrics.close()
+        self.transactions.stop()
+        self.timers.stop()
         self.metadata.flush_offsets(force=True)
         if self.replication is not None:
             self.replication.stop()

@@ -183,7 +183,9 @@ def create(
     name: str,
     namesrv: NamesrvOption = "127.0.0.1:9876",
     queues: Annotated[int, typer.Option("--queues", "-q", help="Queues per broker.")] = 8,
-    message_type: Annotated[str, typer.Option(help="NORMAL or FIFO.")] = "NORMAL",
+    message_type: Annotated[
+        str, typer.Option(help="NORMAL, FIFO, DELAY or TRANSACTION.")
+    ] = "NORMAL",
     perm: Annotated[int, typer.Option(help="6 read-write, 4 read-only, 2 write-only.")] = 6,
     broker: Annotated[str | None, typer.Option(help="Only this broker (default: all).")] = None,
     tiered: Annotated[
@@ -280,6 +282,19 @@ def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
         "ttl_ms": d.topic.retention_ms,
         "local_ttl_ms": d.topic.local_retention_ms,
         "max_bytes": d.topic.retention_bytes,
+        **(
+            {
+                "timers_pending": d.timers_pending,
+                "timer_delivery_lag_seconds": round(d.timer_delivery_lag_seconds, 3),
+            }
+            if d.topic.message_type == "DELAY"
+            else {}
+        ),
+        **(
+            {"transactions_pending": d.transactions_pending}
+            if d.topic.message_type == "TRANSACTION"
+            else {}
+        ),
         "queue_offsets": [
             {
                 "queue": q.queue,
@@ -336,5 +351,12 @@ def describe(
             f"{r['message_type']}, {'tiered' if r['tiered'] else 'not tiered'}; "
             + retention_text(r["ttl_ms"], r["local_ttl_ms"], r["max_bytes"])
         )
+        if "timers_pending" in r:
+            typer.echo(
+                f"  timers: {r['timers_pending']} pending, delivery lag "
+                f"{r['timer_delivery_lag_seconds']:.3f} s"
+            )
+        if "transactions_pending" in r:
+            typer.echo(f"  transactions: {r['transactions_pending']} half messages pending")
         for q in r["queue_offsets"]:
             typer.echo(f"  queue {q['queue']}: offsets [{q['min_offset']}, {q['max_offset']})")

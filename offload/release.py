@@ -7,6 +7,10 @@ A file may go only when, for every (topic, queue) with records in it:
 - the topic is not tiered and the file is older than its retention (RocketMQ's
   ``fileReservedTime`` rule, 72 h by default).
 
+Records of ``pinned_topics`` (the timer and transaction system topics) never hold a file back:
+the broker pins the files their undelivered or undecided records need (``release_commitlog_files``
+is given a pin), and once delivered or decided they are copies of nothing anybody reads.
+
 Never a record that is neither uploaded nor expired: this is the invariant RocketMQ's tieredstore
 broke (local data deleted before upload), checked here with the ConsumeQueues, not the clock.
 The rule fails closed: a ConsumeQueue entry that cannot be read, or a tier watermark that
@@ -46,6 +50,7 @@ def release_predicate(
     topics: Mapping[str, TopicRetention],
     default_reserved_ms: int = DEFAULT_FILE_RESERVED_MS,
     now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    pinned_topics: frozenset[str] = frozenset(),
 ) -> Callable[[CommitLogFileInfo], bool]:
     def can_release(info: CommitLogFileInfo) -> bool:
         age = now_ms() - info.modified_ms
@@ -61,6 +66,8 @@ def release_predicate(
             )
             return False
         for span in spans:
+            if span.topic in pinned_topics:
+                continue
             cfg = topics.get(span.topic)
             if cfg is not None and cfg.tiered:
                 if offloader is None:

@@ -240,3 +240,46 @@ def send_all(node: Standalone, topic: str, messages: list[Any]) -> list[str]:
         return [producer.send(m).message_id for m in messages]
     finally:
         producer.shutdown()
+
+
+def metric_sample(node: Standalone, sample: str) -> float | None:
+    """The value of one sample (``name`` or ``name{labels}``) on the broker's /metrics, or
+    None when it is not there (``node`` started with a ``metrics_port``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[1])
+    return None
+
+
+def pull_all(node: Standalone, topic: str, queues: int) -> list[Any]:
+    """Every message of ``topic`` by PullMessage from offset 0 (the tier below the hot tier),
+    as ``apache.rocketmq.v2.Message``."""
+    from rocketmq.grpc_protocol import definition_pb2 as d
+    from rocketmq.grpc_protocol import service_pb2 as s
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+    out: list[Any] = []
+    for queue in range(queues):
+        offset = 0
+        while True:
+            request = s.PullMessageRequest(
+                group=d.Resource(name="g-replay"),
+                message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=queue),
+                offset=offset,
+                batch_size=256,
+                filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+            )
+            got = 0
+            for r in stub.PullMessage(request, timeout=60):
+                if r.HasField("message"):
+                    out.append(r.message)
+                    got += 1
+                elif r.WhichOneof("content") == "next_offset":
+                    offset = r.next_offset
+            if not got:
+                break
+    return out

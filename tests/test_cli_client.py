@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from broker_harness import Standalone, tmq
 
@@ -111,12 +112,38 @@ def test_client_errors_are_one_line_with_a_nonzero_exit(node: Standalone) -> Non
         assert "Traceback" not in done.stderr
 
 
-def test_delay_and_transaction_topics_are_refused_until_supported(node: Standalone) -> None:
-    for kind in ("DELAY", "TRANSACTION"):
-        done = tmq(
-            "topic", "create", f"t-{kind.lower()}", "-n", node.namesrv, "--message-type", kind
-        )
-        assert done.returncode == 1 and "not supported yet" in done.stderr, done.stderr
+def test_topic_describe_shows_pending_timers_and_half_messages(node: Standalone) -> None:
+    from rocketmq.grpc_protocol import definition_pb2 as d
+    from rocketmq.grpc_protocol import service_pb2 as s
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    ns = node.namesrv
+    run("topic", "create", "t-delay", "-n", ns, "--message-type", "DELAY", "--queues", "1")
+    run("topic", "create", "t-txn", "-n", ns, "--message-type", "TRANSACTION", "--queues", "1")
+    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+    for topic, kind in (("t-delay", d.DELAY), ("t-txn", d.TRANSACTION)):
+        request = s.SendMessageRequest()
+        for i in range(3):
+            m = request.messages.add(topic=d.Resource(name=topic), body=b"later")
+            m.system_properties.message_id = f"{topic}-{i}"
+            m.system_properties.message_type = kind
+            if kind == d.DELAY:
+                due = time.time_ns() // 1_000_000 + 3_600_000
+                m.system_properties.delivery_timestamp.FromMilliseconds(due)
+        assert stub.SendMessage(request, timeout=10).status.code == d.OK
+    deadline = time.monotonic() + 10
+    while True:
+        [delay] = json.loads(run("topic", "describe", "t-delay", "-n", ns, "--json"))
+        if delay["timers_pending"] == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delay["timers_pending"] == 3
+    assert delay["timer_delivery_lag_seconds"] == 0
+    assert [q["max_offset"] for q in delay["queue_offsets"]] == [0], "nothing delivered yet"
+    [txn] = json.loads(run("topic", "describe", "t-txn", "-n", ns, "--json"))
+    assert txn["transactions_pending"] == 3
+    text = run("topic", "describe", "t-delay", "-n", ns)
+    assert "timers: 3 pending" in text
 
 
 def test_topic_update_changes_only_what_it_is_given(node: Standalone) -> None:

@@ -3,8 +3,10 @@ and across clients with Apache's Python client."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,3 +207,56 @@ def test_node_simple_consumer_with_a_sql92_filter_gets_only_matching_messages(
         broker, "simple", "node-sql", "g-node-sql", sql="kind = 'a' AND n >= 10", want=5, seconds=30
     )
     assert sorted(int(d["properties"]["n"]) for d in deliveries) == [10, 12, 14, 16, 18]
+
+
+def test_node_transactions_commit_roll_back_and_answer_check_backs(tmp_path: Path) -> None:
+    """The Node client's Transaction and TransactionChecker: a committed and a rolled-back
+    message, and two left to the broker's check-back, which the checker decides."""
+    ensure_node_client()
+    fast = {
+        "TMQ_BROKER_TRANSACTION_TIMEOUT_MS": "1000",
+        "TMQ_BROKER_TRANSACTION_CHECK_INTERVAL_MS": "1000",
+    }
+    b = Standalone(tmp_path / "data", env=fast).start()
+    try:
+        b.create_topic("node-txn", queues=2, message_type="TRANSACTION")
+        result = node(
+            {
+                "cmd": "transact",
+                "endpoint": b.endpoint,
+                "topic": "node-txn",
+                "seconds": 6,
+                "answers": {"k-check-yes": "COMMIT", "k-check-no": "ROLLBACK"},
+                "messages": [
+                    {"body": "committed", "keys": ["k-commit"], "end": "commit"},
+                    {"body": "rolled back", "keys": ["k-rollback"], "end": "rollback"},
+                    {"body": "checked yes", "keys": ["k-check-yes"]},
+                    {"body": "checked no", "keys": ["k-check-no"]},
+                ],
+            },
+            timeout=90,
+        )
+        assert all(s["transactionId"] for s in result["sent"])
+        assert {"k-check-yes", "k-check-no"} <= set(result["asked"])
+        assert not {"k-commit", "k-rollback"} & set(result["asked"])
+        got = py_drain(b, "node-txn", "g-node-txn", 2)
+        assert sorted(m.body for m in got) == [b"checked yes", b"committed"]
+    finally:
+        b.stop()
+
+
+def test_node_delay_messages_arrive_at_their_delivery_timestamp(broker: Standalone) -> None:
+    broker.create_topic("node-delay", queues=2, message_type="DELAY")
+    start = time.time_ns() // 1_000_000
+    due = {f"k-delay-{i}": start + 2500 + 200 * i for i in range(5)}
+    sent = produce(
+        broker,
+        "node-delay",
+        [{"body": key, "keys": [key], "deliveryMs": ms} for key, ms in due.items()],
+    )
+    assert all("error" not in r for r in sent), sent
+    got = consume(broker, "simple", "node-delay", "g-node-delay", want=5, seconds=20)
+    assert sorted(m["body"] for m in got) == sorted(due)
+    for m in got:
+        assert m["deliveryTimestamp"] == due[m["body"]]
+        assert m["receivedAt"] >= due[m["body"]], "not before its delivery time"

@@ -13,6 +13,8 @@ Points:
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
 - ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are
   routed past them / the files are deleted).
+- ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
+  recording the decision is not (a torn commit batch).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def _parse(spec: str) -> dict[str, float | None]:
 
 
 _ARMED = _parse(os.environ.get("TMQ_FAILPOINTS", ""))
+
+
+def armed(name: str) -> bool:
+    return name in _ARMED
 
 
 def hit(name: str) -> None:

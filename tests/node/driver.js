@@ -33,6 +33,8 @@ function view(m) {
     properties: Object.fromEntries(m.properties),
     corrupted: m.corrupted === true,
     deliveryAttempt: m.deliveryAttempt ?? null,
+    deliveryTimestamp: m.deliveryTimestamp ? m.deliveryTimestamp.getTime() : null,
+    receivedAt: Date.now(),
     at: Date.now() - started,
   };
 }
@@ -56,6 +58,7 @@ async function produce() {
           keys: m.keys,
           messageGroup: m.messageGroup,
           properties: m.properties ? new Map(Object.entries(m.properties)) : undefined,
+          deliveryTimestamp: m.deliveryMs ? new Date(m.deliveryMs) : undefined,
         });
         out.push({
           messageId: receipt.messageId,
@@ -70,6 +73,44 @@ async function produce() {
     await producer.shutdown();
   }
   return out;
+}
+
+// Transactional messages: each message's `end` is "commit", "rollback" or absent (left for the
+// broker's check-back). The checker answers from `answers` (key -> "COMMIT" / "ROLLBACK"; anything
+// else: unknown) and records what it was asked; runs `seconds` after the last send.
+async function transact() {
+  const RESOLUTION = { COMMIT: 1, ROLLBACK: 2 }; // apache.rocketmq.v2.TransactionResolution
+  const asked = [];
+  const producer = new Producer({
+    endpoints: args.endpoint,
+    topic: args.topic,
+    logger,
+    requestTimeout: 10000,
+    checker: {
+      async check(view) {
+        const key = view.keys[0];
+        asked.push(key);
+        return RESOLUTION[(args.answers ?? {})[key]] ?? 0;
+      },
+    },
+  });
+  await producer.startup();
+  const sent = [];
+  try {
+    for (const m of args.messages) {
+      const txn = producer.beginTransaction();
+      const receipt = await producer.send(
+        { topic: args.topic, body: Buffer.from(m.body, 'utf8'), keys: m.keys }, txn,
+      );
+      sent.push({ messageId: receipt.messageId, transactionId: receipt.transactionId });
+      if (m.end === 'commit') await txn.commit();
+      if (m.end === 'rollback') await txn.rollback();
+    }
+    await new Promise(r => setTimeout(r, args.seconds * 1000));
+  } finally {
+    await producer.shutdown();
+  }
+  return { sent, asked };
 }
 
 // Receive until `want` messages are acked. A message whose `nack` property is set is, on its
@@ -148,7 +189,7 @@ async function push() {
   return deliveries;
 }
 
-const commands = { produce, simple, push };
+const commands = { produce, simple, push, transact };
 
 commands[args.cmd]()
   .then(result => {

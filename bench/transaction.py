@@ -1,0 +1,128 @@
+"""Transactional produce + commit against plain produce, in one run, through Apache's client.
+
+Both phases use ``Producer`` from ``rocketmq-python-client`` against one ``tmq standalone``
+process, 1 KiB bodies, the same number of client threads: plain ``send`` on a NORMAL topic, then
+``begin_transaction`` + ``send`` + ``commit`` on a TRANSACTION topic (a half message, then the
+commit's copy and its op record: two round trips and three CommitLog records per message, where
+plain produce has one of each). Goal: ratio >= 0.5.
+
+The two phases alternate (``ROUNDS`` x 2 s each) so that load from other work on a shared
+machine falls on both alike. Runs in about 30 s; prints one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from broker_harness import Standalone
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    Message,
+    Producer,
+    TransactionChecker,
+    TransactionResolution,
+)
+
+BODY = os.urandom(1024)
+ROUNDS = 6  # the phases alternate, 2 s each, so load from other work falls on both alike
+PHASE_S = 2.0
+THREADS = 2
+
+
+class CommitAll(TransactionChecker):
+    def check(self, message: Message) -> TransactionResolution:
+        return TransactionResolution.COMMIT
+
+
+def phase(producer: Producer, topic: str, transactional: bool) -> tuple[int, float]:
+    """Messages sent by THREADS threads in PHASE_S seconds, and the seconds it took."""
+    counts = [0] * THREADS
+    stop = time.monotonic() + PHASE_S
+
+    def work(i: int) -> None:
+        while time.monotonic() < stop:
+            m = Message()
+            m.topic = topic
+            m.body = BODY
+            if transactional:
+                txn = producer.begin_transaction()
+                producer.send(m, txn)
+                txn.commit()
+            else:
+                producer.send(m)
+            counts[i] += 1
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts), time.monotonic() - started
+
+
+def main() -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="tmq-bench-txn-"))
+    node = Standalone(workdir / "data").start()
+    try:
+        node.create_topic("bench-normal", queues=4)
+        node.create_topic("bench-txn", queues=4, message_type="TRANSACTION")
+        cfg = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
+        plain = Producer(cfg, topics=["bench-normal"])
+        txn_producer = Producer(cfg, topics=["bench-txn"], checker=CommitAll())
+        plain.startup()
+        txn_producer.startup()
+        totals = {False: [0, 0.0], True: [0, 0.0]}
+        try:
+            warm = Message()  # routes and channels before anything is timed
+            warm.topic, warm.body = "bench-normal", BODY
+            plain.send(warm)
+            warm = Message()
+            warm.topic, warm.body = "bench-txn", BODY
+            txn = txn_producer.begin_transaction()
+            txn_producer.send(warm, txn)
+            txn.commit()
+            for _ in range(ROUNDS):
+                for transactional in (False, True):
+                    producer = txn_producer if transactional else plain
+                    topic = "bench-txn" if transactional else "bench-normal"
+                    n, seconds = phase(producer, topic, transactional)
+                    totals[transactional][0] += n
+                    totals[transactional][1] += seconds
+        finally:
+            plain.shutdown()
+            txn_producer.shutdown()
+        normal = totals[False][0] / totals[False][1]
+        transactional_rate = totals[True][0] / totals[True][1]
+    finally:
+        node.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        json.dumps(
+            {
+                "bench": "transaction",
+                "threads": THREADS,
+                "rounds": ROUNDS,
+                "seconds_per_phase": PHASE_S,
+                "normal_msgs_per_s": round(normal, 1),
+                "transactional_msgs_per_s": round(transactional_rate, 1),
+                "ratio": round(transactional_rate / normal, 3),
+                "goal_ratio": 0.5,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

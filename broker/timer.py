@@ -1,0 +1,384 @@
+"""Delay (timer) messages: a durable schedule on disk, delivered into their topics when due.
+
+A delay message is acknowledged once it is in the CommitLog, in the system topic
+``rmq_sys_wheel_timer`` (one queue), with its real topic and queue in ``REAL_TOPIC`` /
+``REAL_QID`` and its delivery time in ``__STARTDELIVERTIME`` (RocketMQ's timer topic).
+
+The timer log (``{data_dir}/timer/``) is a time wheel on disk: one append-only *bucket file*
+per minute of delivery time, holding fixed-size entries that point into the CommitLog. Only the
+bucket being delivered lives in memory, so millions of pending timers cost disk, not RAM:
+
+====== ============ ==============================================================
+ bytes  field        meaning
+====== ============ ==============================================================
+ 8      DELIVER_MS   delivery time, ms since the epoch
+ 8      OFFSET       CommitLog offset of the timer record (its identity)
+ 4      SIZE         size of the timer record
+ 4      TOPIC_CRC    CRC32 of the real topic's name (per-topic pending counts)
+====== ============ ==============================================================
+
+Beside each bucket a *done file* lists the CommitLog offsets already delivered (8 bytes each).
+``checkpoint.json`` holds the timer topic's queue offset below which every timer is in a bucket
+file (fsynced first).
+
+One thread, ``tmq-timer``, owns all of it: it *enqueues* new timer records (reads the timer
+topic's ConsumeQueue from the checkpoint, appends entries to their bucket, or to the current
+bucket when already due) and *delivers* the current bucket's due entries in time order, as copies
+into their real topics that keep the born time and carry ``__STARTDELIVERTIME`` and
+``__TIMER_OFFSET`` (the timer record's offset). A finished bucket is deleted only after a
+checkpoint, so a timer re-read after a crash can never land in a bucket already gone.
+
+Crash safety (kill -9): re-enqueued entries are de-duplicated by CommitLog offset; the first
+bucket delivered after a start is checked against the IndexFile (a delivered copy with this
+``__TIMER_OFFSET`` already in its topic) before each delivery, which covers a crash between a
+delivery and its done record. Downtime is caught up: every bucket whose time has passed is due
+at once. Undelivered timers pin their CommitLog files against release (``pinned_offset``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
+from tiered.record import Message, StoredMessage
+from tiered.store import GetStatus, MessageStore
+
+log = logging.getLogger(__name__)
+
+TIMER_TOPIC = "rmq_sys_wheel_timer"
+PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
+PROPERTY_TIMER_OFFSET = "__TIMER_OFFSET"
+BUCKET_MS = 60_000
+DEFAULT_MAX_DELAY_MS = 3 * 86_400_000  # RocketMQ's timerMaxDelaySec: 3 days
+ENTRY = np.dtype([("due", ">i8"), ("offset", ">i8"), ("size", ">i4"), ("topic", ">u4")])
+_DONE = np.dtype(">i8")
+_ENQUEUE_BATCH = 1024
+_DELIVER_BATCH = 256
+_CHECKPOINT_EVERY_S = 1.0
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def topic_crc(topic: str) -> int:
+    return zlib.crc32(topic.encode())
+
+
+def bucket_of(due_ms: int) -> int:
+    return due_ms - due_ms % BUCKET_MS
+
+
+@dataclass(slots=True)
+class TimerStats:
+    pending: int
+    pending_by_topic: dict[str, int]
+    delivered: int
+    lag_seconds: float  # how far behind the oldest due, undelivered timer is
+
+
+class TimerLog:
+    """The bucket and done files (format in the module docstring); owned by one thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._files: dict[tuple[int, str], int] = {}  # (bucket, kind) -> fd
+
+    def buckets(self) -> list[int]:
+        return sorted(int(p.name[:-7]) for p in self.dir.glob("*.bucket"))
+
+    def _path(self, bucket: int, kind: str) -> Path:
+        return self.dir / f"{bucket:013d}.{kind}"
+
+    def _fd(self, bucket: int, kind: str) -> int:
+        fd = self._files.get((bucket, kind))
+        if fd is None:
+            fd = os.open(self._path(bucket, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._files[(bucket, kind)] = fd
+        return fd
+
+    def append(self, bucket: int, entries: np.ndarray) -> None:
+        os.write(self._fd(bucket, "bucket"), entries.astype(ENTRY).tobytes())
+
+    def mark_done(self, bucket: int, offsets: list[int]) -> None:
+        os.write(self._fd(bucket, "done"), np.asarray(offsets, dtype=_DONE).tobytes())
+
+    def entries(self, bucket: int) -> np.ndarray:
+        path = self._path(bucket, "bucket")
+        raw = path.read_bytes() if path.exists() else b""
+        whole = len(raw) - len(raw) % ENTRY.itemsize  # a torn last entry is re-enqueued
+        return np.frombuffer(raw[:whole], dtype=ENTRY)
+
+    def done(self, bucket: int) -> set[int]:
+        path = self._path(bucket, "done")
+        raw = path.read_bytes() if path.exists() else b""
+        return set(np.frombuffer(raw[: len(raw) - len(raw) % 8], dtype=_DONE).tolist())
+
+    def sync(self) -> None:
+        for fd in self._files.values():
+            os.fsync(fd)
+
+    def delete(self, bucket: int) -> None:
+        for kind in ("bucket", "done"):
+            fd = self._files.pop((bucket, kind), None)
+            if fd is not None:
+                os.close(fd)
+            self._path(bucket, kind).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.sync()
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+
+class TimerService:
+    def __init__(
+        self,
+        store: MessageStore,
+        directory: Path,
+        topics: Callable[[], list[str]],
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.store = store
+        self.log = TimerLog(directory)
+        self._checkpoint_path = directory / "checkpoint.json"
+        self._topics = topics
+        self._clock = clock
+        self._lock = threading.Lock()  # guards what metrics and release read
+        self._stop = threading.Event()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.enqueue_offset = 0
+        self.delivered = 0
+        # Per bucket file: entries not yet delivered, their lowest CommitLog offset, and the
+        # undelivered count per topic CRC.
+        self._pending: dict[int, int] = {}
+        self._min_offset: dict[int, int] = {}
+        self._by_topic: dict[int, int] = {}
+        self._current = 0
+        self._heap: list[tuple[int, int, int, int]] = []  # (due, offset, size, topic crc)
+        self._seen: set[int] = set()  # offsets in the current bucket, delivered or not
+        self._verify = False  # check deliveries against the IndexFile (first bucket after start)
+        self.lateness_ms: list[int] = []  # of recent deliveries, for the benchmark and metrics
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.log.dir.mkdir(parents=True, exist_ok=True)
+        if self._checkpoint_path.exists():
+            self.enqueue_offset = int(json.loads(self._checkpoint_path.read_text())["enqueue"])
+        for bucket in self.log.buckets():
+            entries = self.log.entries(bucket)
+            done = self.log.done(bucket)
+            offsets = np.unique(entries["offset"])
+            keep = entries[~np.isin(entries["offset"], list(done))] if done else entries
+            _, first = np.unique(keep["offset"], return_index=True)
+            keep = keep[first]
+            self._pending[bucket] = len(keep)
+            self._min_offset[bucket] = int(offsets.min()) if len(offsets) else 2**62
+            for crc, n in zip(*np.unique(keep["topic"], return_counts=True), strict=True):
+                self._by_topic[int(crc)] = self._by_topic.get(int(crc), 0) + int(n)
+        buckets = self.log.buckets()
+        self._load(
+            min(buckets[0], bucket_of(self._clock())) if buckets else bucket_of(self._clock())
+        )
+        self._verify = True
+        self._thread = threading.Thread(target=self._run, name="tmq-timer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return  # never started: its checkpoint must not be overwritten
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join()
+        self._checkpoint()
+        self.log.close()
+
+    def wakeup(self) -> None:
+        self._wakeup.set()
+
+    # -- the wheel -----------------------------------------------------------------------------
+
+    def _load(self, bucket: int) -> None:
+        self._current = bucket
+        entries = self.log.entries(bucket)
+        done = self.log.done(bucket)
+        self._seen = set(entries["offset"].tolist())
+        self._heap = []
+        for due, offset, size, crc in entries.tolist():
+            if offset not in done:
+                done.add(offset)  # de-duplicates entries enqueued twice
+                self._heap.append((due, offset, size, crc))
+        heapq.heapify(self._heap)
+        with self._lock:
+            self._pending[bucket] = len(self._heap)
+
+    def _advance(self, now: int) -> bool:
+        """Move past a finished bucket (its time passed, nothing left); True if it moved."""
+        if self._heap or now < self._current + BUCKET_MS:
+            return False
+        self._checkpoint()  # nothing enqueued before this can be re-read into a later bucket
+        finished = self._current
+        self.log.delete(finished)
+        with self._lock:
+            self._pending.pop(finished, None)
+            self._min_offset.pop(finished, None)
+        later = [b for b in self._pending if b > finished]
+        self._load(min([*later, bucket_of(now)]))
+        self._verify = False
+        return True
+
+    def _run(self) -> None:
+        last_checkpoint = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                now = self._clock()
+                enqueued = self._enqueue(now)
+                delivered = self._deliver(now)
+                moved = self._advance(now)
+                if time.monotonic() - last_checkpoint >= _CHECKPOINT_EVERY_S:
+                    self._checkpoint()
+                    last_checkpoint = time.monotonic()
+                if not (enqueued or delivered or moved):
+                    wait = 0.05
+                    if self._heap:
+                        wait = min(wait, max(0.0, (self._heap[0][0] - self._clock()) / 1000))
+                    self._wakeup.wait(wait)
+                    self._wakeup.clear()
+            except Exception:
+                log.exception("timer wheel failed; retrying in 1 s")
+                self._stop.wait(1.0)
+
+    def _enqueue(self, now: int) -> int:
+        got = self.store.get_messages(
+            TIMER_TOPIC, 0, self.enqueue_offset, _ENQUEUE_BATCH, hot_only=True
+        )
+        if got.status is not GetStatus.FOUND:
+            if got.status is GetStatus.OFFSET_TOO_SMALL:
+                self.enqueue_offset = got.next_offset
+            return 0
+        rows: dict[int, list[tuple[int, int, int, int]]] = {}
+        for m in got.messages:
+            due = int(m.properties.get(PROPERTY_DELIVER_TIME, "0"))
+            bucket = max(bucket_of(due), self._current)
+            crc = topic_crc(m.properties.get(PROPERTY_REAL_TOPIC, ""))
+            row = (due, m.commitlog_offset, m.size, crc)
+            if bucket == self._current:
+                if m.commitlog_offset in self._seen:
+                    continue  # re-read after a crash: already scheduled
+                self._seen.add(m.commitlog_offset)
+                heapq.heappush(self._heap, row)
+            rows.setdefault(bucket, []).append(row)
+        with self._lock:
+            for bucket, bucket_rows in rows.items():
+                self.log.append(bucket, np.array(bucket_rows, dtype=ENTRY))
+                self._pending[bucket] = self._pending.get(bucket, 0) + len(bucket_rows)
+                low = min(r[1] for r in bucket_rows)
+                self._min_offset[bucket] = min(self._min_offset.get(bucket, low), low)
+                for r in bucket_rows:
+                    self._by_topic[r[3]] = self._by_topic.get(r[3], 0) + 1
+        self.enqueue_offset = got.next_offset
+        return len(got.messages)
+
+    def _deliver(self, now: int) -> int:
+        batch: list[tuple[int, int, int, int]] = []
+        while self._heap and self._heap[0][0] <= now and len(batch) < _DELIVER_BATCH:
+            batch.append(heapq.heappop(self._heap))
+        if not batch:
+            return 0
+        copies: list[Message] = []
+        for _, offset, size, _ in batch:
+            stored = self.store.read_message(offset, size)
+            if stored is None:
+                log.error("timer record at CommitLog offset %d is gone; not delivered", offset)
+                continue
+            if self._verify and self._already_delivered(stored):
+                continue
+            copies.append(_delivered_copy(stored))
+        if copies:
+            try:
+                self.store.put_messages(copies)
+            except Exception:
+                for row in batch:  # not delivered: due again on the next pass
+                    heapq.heappush(self._heap, row)
+                raise
+        delivered_at = self._clock()
+        self.log.mark_done(self._current, [b[1] for b in batch])
+        with self._lock:
+            self._pending[self._current] = self._pending.get(self._current, 0) - len(batch)
+            for b in batch:
+                self._by_topic[b[3]] = self._by_topic.get(b[3], 0) - 1
+            self.delivered += len(copies)
+            self.lateness_ms += [delivered_at - b[0] for b in batch]
+            del self.lateness_ms[:-100_000]
+        return len(batch)
+
+    def _already_delivered(self, stored: StoredMessage) -> bool:
+        topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
+        for m in self.store.query_by_key(
+            topic, stored.msg_id or "", begin_ms=stored.store_timestamp
+        ):
+            if m.properties.get(PROPERTY_TIMER_OFFSET) == str(stored.commitlog_offset):
+                return True
+        return False
+
+    def _checkpoint(self) -> None:
+        self.log.sync()
+        tmp = self._checkpoint_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"enqueue": self.enqueue_offset}))
+        with tmp.open("rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self._checkpoint_path)
+
+    # -- what others read ----------------------------------------------------------------------
+
+    def pinned_offset(self) -> int | None:
+        """The lowest CommitLog offset an undelivered timer needs kept."""
+        with self._lock:
+            live = [self._min_offset[b] for b, n in self._pending.items() if n > 0]
+        return min(live, default=None)
+
+    def stats(self) -> TimerStats:
+        now = self._clock()
+        with self._lock:
+            names = {topic_crc(t): t for t in self._topics()}
+            by_topic = {names.get(c, f"crc:{c}"): n for c, n in self._by_topic.items() if n > 0}
+            heap_head = self._heap[0][0] if self._heap else None
+            return TimerStats(
+                pending=sum(max(0, n) for n in self._pending.values()),
+                pending_by_topic=by_topic,
+                delivered=self.delivered,
+                lag_seconds=max(0.0, (now - heap_head) / 1000) if heap_head is not None else 0.0,
+            )
+
+
+def _delivered_copy(stored: StoredMessage) -> Message:
+    props = {
+        k: v
+        for k, v in stored.properties.items()
+        if k not in (PROPERTY_REAL_TOPIC, PROPERTY_REAL_QUEUE_ID)
+    }
+    props[PROPERTY_TIMER_OFFSET] = str(stored.commitlog_offset)
+    topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
+    return copy_to(stored, topic, int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")), props)
+
+
+def as_timer_message(msg: Message) -> Message:
+    """A delay message for its topic as the record the timer topic stores."""
+    props = dict(msg.properties)
+    props[PROPERTY_REAL_TOPIC] = msg.topic
+    props[PROPERTY_REAL_QUEUE_ID] = str(msg.queue_id)
+    return copy_to(msg, TIMER_TOPIC, 0, props)

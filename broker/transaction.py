@@ -1,0 +1,461 @@
+"""Transactional messages: half messages, EndTransaction, and check-back (RocketMQ's 2PC).
+
+State lives in the CommitLog, in two system topics, as in RocketMQ's
+``TransactionalMessageServiceImpl``:
+
+- ``RMQ_SYS_TRANS_HALF_TOPIC`` (one queue): every half message, with its real topic and queue in
+  the ``REAL_TOPIC`` / ``REAL_QID`` properties. No consumer can subscribe to it, so a half message
+  is invisible.
+- ``RMQ_SYS_TRANS_OP_HALF_TOPIC`` (one queue): one small record per decision about a half message:
+  its half queue offset in the body and the decision in ``__TXN_OP`` (``commit``, ``rollback``, or
+  ``check`` with the number of check-backs so far in ``__TXN_CHECKS``).
+
+COMMIT appends, in one CommitLog batch, the real message (a copy of the half message into its
+topic, carrying ``__TXN_HALF_OFFSET``) and then the commit op. A crash can tear that batch after
+the real message; on start-up every half message without a decision is looked up in the IndexFile
+by its message id, and a copy carrying its half offset counts as committed (the missing op is
+written then). So a COMMIT is never applied twice, and a retried EndTransaction is answered from
+the recorded decision.
+
+Start-up rebuilds the pending set from the CommitLog: every op, then every half message from the
+watermark (the lowest half offset still undecided, saved as the offset of the system group
+``CID_RMQ_SYS_TRANS``; a stale watermark only means more to scan). Pending half messages pin
+their CommitLog files (``pinned_offset``): retention never releases them while undecided.
+
+Threads: request threads call ``prepare`` and ``end``; ``tmq-transaction-check`` sends
+check-backs (``RecoverOrphanedTransactionCommand``) to a producer of the topic through its
+Telemetry stream every ``check_interval_ms``, and after ``check_max`` unanswered checks rolls the
+half message back or keeps it, as configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker.metadata import BrokerMetadata
+from tiered import failpoints
+from tiered.record import Message, StoredMessage
+from tiered.store import GetStatus, MessageStore
+
+log = logging.getLogger(__name__)
+
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+SYSTEM_GROUP = "CID_RMQ_SYS_TRANS"
+
+PROPERTY_REAL_TOPIC = "REAL_TOPIC"
+PROPERTY_REAL_QUEUE_ID = "REAL_QID"
+PROPERTY_TRANSACTION_PREPARED = "TRAN_MSG"
+PROPERTY_PRODUCER_GROUP = "PGROUP"
+PROPERTY_CHECK_IMMUNITY_MS = "__TXN_CHECK_IMMUNITY_MS"
+PROPERTY_HALF_OFFSET = "__TXN_HALF_OFFSET"
+PROPERTY_OP = "__TXN_OP"
+PROPERTY_CHECKS = "__TXN_CHECKS"
+# Half-message bookkeeping that the committed copy does not keep.
+_HALF_ONLY = (
+    PROPERTY_REAL_TOPIC,
+    PROPERTY_REAL_QUEUE_ID,
+    PROPERTY_PRODUCER_GROUP,
+    PROPERTY_CHECK_IMMUNITY_MS,
+)
+
+COMMIT = "commit"
+ROLLBACK = "rollback"
+CHECK = "check"
+EXHAUSTED_POLICIES = ("rollback", "keep")
+_PAST = {COMMIT: "committed", ROLLBACK: "rolled back"}
+# Undecided halves whose committed copy is kept in memory (the common case: decided in ms).
+_CACHED_COPIES = 10_000
+
+
+class TransactionError(Exception):
+    """An EndTransaction the broker refuses (unknown id, or a decision already taken)."""
+
+
+@dataclass(slots=True)
+class TransactionConfig:
+    """RocketMQ's broker settings: ``transactionTimeOut``, ``transactionCheckInterval``,
+    ``transactionCheckMax``; ``exhausted``: what happens after the last unanswered check."""
+
+    timeout_ms: int = 6_000
+    check_interval_ms: int = 30_000
+    check_max: int = 15
+    exhausted: str = "rollback"
+
+    def __post_init__(self) -> None:
+        if self.exhausted not in EXHAUSTED_POLICIES:
+            raise ValueError(
+                f"transaction_check_exhausted must be one of {EXHAUSTED_POLICIES}, "
+                f"not {self.exhausted!r}"
+            )
+
+
+@dataclass(slots=True)
+class Half:
+    """An undecided half message."""
+
+    offset: int  # queue offset in HALF_TOPIC
+    commitlog_offset: int
+    size: int
+    topic: str
+    message_id: str
+    stored_ms: int
+    checks: int
+    next_check_ms: int
+    kept: bool = False  # checked check_max times and kept undecided: not checked again
+    # The committed copy, built at prepare time while few halves are pending (saves reading
+    # the half back from the CommitLog on COMMIT); None: read it then.
+    copy: Message | None = None
+
+
+@dataclass(slots=True)
+class Prepared:
+    transaction_id: str
+    half_offset: int
+
+
+# A producer's Telemetry stream: send it a check-back for (stored half message, transaction id).
+CheckSender = Callable[[str, StoredMessage, str], bool]
+
+
+def copy_to(
+    src: Message | StoredMessage, topic: str, queue_id: int, properties: dict[str, str]
+) -> Message:
+    """``src`` as a new record of ``topic``/``queue_id`` with ``properties``: same body, flag,
+    born time and host (a half message, a committed copy, a timer record, a delivered timer)."""
+    return Message(
+        topic=topic,
+        queue_id=queue_id,
+        body=src.body,
+        properties=properties,
+        flag=src.flag,
+        born_timestamp=src.born_timestamp,
+        born_host=src.born_host,
+    )
+
+
+def transaction_id(half_offset: int, commitlog_offset: int) -> str:
+    return f"{half_offset:X}-{commitlog_offset:X}"
+
+
+def parse_transaction_id(text: str) -> tuple[int, int]:
+    try:
+        half, _, phys = text.partition("-")
+        return int(half, 16), int(phys, 16)
+    except ValueError:
+        raise TransactionError(f"transaction id {text!r} was not issued by this broker") from None
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class TransactionService:
+    def __init__(
+        self,
+        store: MessageStore,
+        metadata: BrokerMetadata,
+        config: TransactionConfig,
+        send_check: CheckSender,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.store = store
+        self.metadata = metadata
+        self.config = config
+        self.send_check = send_check
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[int, Half] = {}
+        self._decided: dict[int, str] = {}  # half offset -> COMMIT/ROLLBACK, above the watermark
+        self._busy: dict[int, str] = {}  # half offset -> decision being written right now
+        self.commits = 0
+        self.rollbacks = 0
+        self.checks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._recover()
+        self._thread = threading.Thread(
+            target=self._check_loop, name="tmq-transaction-check", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return  # never started: nothing was recovered, nothing to save
+        self._stop.set()
+        self._thread.join()
+        self._save_watermark()
+
+    def _scan(self, topic: str, start: int) -> list[StoredMessage]:
+        out: list[StoredMessage] = []
+        offset = max(start, self.store.min_offset(topic, 0))
+        while True:
+            got = self.store.get_messages(topic, 0, offset, 256, hot_only=True)
+            if got.status is not GetStatus.FOUND:
+                return out
+            out += got.messages
+            offset = got.next_offset
+
+    def _recover(self) -> None:
+        checks: dict[int, int] = {}
+        for op in self._scan(OP_TOPIC, 0):
+            target = int(op.body)
+            kind = op.properties.get(PROPERTY_OP)
+            if kind in (COMMIT, ROLLBACK):
+                self._decided[target] = kind
+            elif kind == CHECK:
+                count = int(op.properties.get(PROPERTY_CHECKS, 0))
+                checks[target] = max(checks.get(target, 0), count)
+        watermark = self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) or 0
+        repaired = 0
+        for m in self._scan(HALF_TOPIC, watermark):
+            if m.queue_offset in self._decided:
+                continue
+            half = self._half(m, checks.get(m.queue_offset, 0))
+            if self._committed_copy_exists(half):
+                # The crash tore the commit batch after the real message: finish it.
+                self._append_op(half.offset, COMMIT)
+                self._decided[half.offset] = COMMIT
+                repaired += 1
+                continue
+            self._pending[half.offset] = half
+        self._decided = {h: k for h, k in self._decided.items() if h >= watermark}
+        if self._pending or repaired:
+            log.info(
+                "transactions: %d half message(s) undecided, %d commit(s) completed after a crash",
+                len(self._pending),
+                repaired,
+            )
+
+    def _half(self, m: StoredMessage, checks: int) -> Half:
+        immunity = int(m.properties.get(PROPERTY_CHECK_IMMUNITY_MS) or self.config.timeout_ms)
+        first = m.store_timestamp + immunity
+        return Half(
+            offset=m.queue_offset,
+            commitlog_offset=m.commitlog_offset,
+            size=m.size,
+            topic=m.properties.get(PROPERTY_REAL_TOPIC, ""),
+            message_id=m.msg_id or "",
+            stored_ms=m.store_timestamp,
+            checks=checks,
+            next_check_ms=first if checks == 0 else self._clock() + self.config.check_interval_ms,
+        )
+
+    def _committed_copy_exists(self, half: Half) -> bool:
+        for m in self.store.query_by_key(half.topic, half.message_id, begin_ms=half.stored_ms):
+            if m.properties.get(PROPERTY_HALF_OFFSET) == str(half.offset):
+                return True
+        return False
+
+    # -- prepare and end -----------------------------------------------------------------------
+
+    def prepare(
+        self, messages: list[Message], check_immunity_ms: list[int | None]
+    ) -> list[Prepared]:
+        """Store ``messages`` (each for its real topic and queue) as half messages."""
+        halves = []
+        for msg, immunity in zip(messages, check_immunity_ms, strict=True):
+            props = dict(msg.properties)
+            props[PROPERTY_REAL_TOPIC] = msg.topic
+            props[PROPERTY_REAL_QUEUE_ID] = str(msg.queue_id)
+            props[PROPERTY_TRANSACTION_PREPARED] = "true"
+            props[PROPERTY_PRODUCER_GROUP] = msg.topic  # gRPC producers have no group
+            if immunity:
+                props[PROPERTY_CHECK_IMMUNITY_MS] = str(immunity)
+            halves.append(copy_to(msg, HALF_TOPIC, 0, props))
+        results = self.store.put_messages(halves)
+        out = []
+        with self._lock:
+            for msg, half, r, immunity in zip(
+                messages, halves, results, check_immunity_ms, strict=True
+            ):
+                first = r.store_timestamp + (immunity or self.config.timeout_ms)
+                self._pending[r.queue_offset] = Half(
+                    offset=r.queue_offset,
+                    commitlog_offset=r.commitlog_offset,
+                    size=r.size,
+                    topic=msg.topic,
+                    message_id=half.properties.get("UNIQ_KEY", ""),
+                    stored_ms=r.store_timestamp,
+                    checks=0,
+                    next_check_ms=first,
+                    copy=self._copy(msg, r.queue_offset)
+                    if len(self._pending) < _CACHED_COPIES
+                    else None,
+                )
+                out.append(
+                    Prepared(transaction_id(r.queue_offset, r.commitlog_offset), r.queue_offset)
+                )
+        return out
+
+    def end(self, topic: str, message_id: str, txn_id: str, commit: bool) -> None:
+        """Commit or roll back; idempotent: repeating the decision already taken succeeds."""
+        offset, phys = parse_transaction_id(txn_id)
+        decision = COMMIT if commit else ROLLBACK
+        with self._lock:
+            busy = self._busy.get(offset)
+            if busy is not None:
+                if busy == decision:
+                    return  # a repeat of a decision being written right now
+                raise TransactionError(f"transaction {txn_id} is being {_PAST[busy]}")
+            half = self._pending.get(offset)
+            if half is None:
+                done = self._decided.get(offset)
+                if done == decision:
+                    return
+                if done is not None:
+                    raise TransactionError(f"transaction {txn_id} was already {_PAST[done]}")
+                raise TransactionError(f"transaction {txn_id} is unknown or long decided")
+            if half.commitlog_offset != phys or half.message_id != message_id:
+                raise TransactionError(
+                    f"transaction {txn_id} does not belong to message {message_id}"
+                )
+            if half.topic != topic:
+                raise TransactionError(f"transaction {txn_id} is for topic {half.topic}")
+            self._busy[offset] = decision
+        try:
+            if commit:
+                copy = half.copy
+                if copy is None:
+                    stored = self.store.read_message(half.commitlog_offset, half.size)
+                    if stored is None:
+                        raise TransactionError(f"half message of {txn_id} is no longer stored")
+                    copy = self._real(stored, half)
+                batch = [copy, self._op(offset, COMMIT)]
+                if failpoints.armed("transaction.before_commit_op"):
+                    self.store.put_messages(batch[:1])
+                    failpoints.hit("transaction.before_commit_op")
+                self.store.put_messages(batch)
+            else:
+                self.store.put_messages([self._op(offset, ROLLBACK)])
+        finally:
+            with self._lock:
+                self._busy.pop(offset, None)
+        with self._lock:
+            self._pending.pop(offset, None)
+            self._decided[offset] = decision
+            if commit:
+                self.commits += 1
+            else:
+                self.rollbacks += 1
+
+    def _real(self, stored: StoredMessage, half: Half) -> Message:
+        props = {k: v for k, v in stored.properties.items() if k not in _HALF_ONLY}
+        props[PROPERTY_HALF_OFFSET] = str(half.offset)
+        queue_id = int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0"))
+        return copy_to(stored, half.topic, queue_id, props)
+
+    @staticmethod
+    def _copy(msg: Message, half_offset: int) -> Message:
+        props = dict(msg.properties)
+        props[PROPERTY_TRANSACTION_PREPARED] = "true"
+        props[PROPERTY_HALF_OFFSET] = str(half_offset)
+        return copy_to(msg, msg.topic, msg.queue_id, props)
+
+    @staticmethod
+    def _op(half_offset: int, kind: str, checks: int = 0) -> Message:
+        props = {PROPERTY_OP: kind}
+        if kind == CHECK:
+            props[PROPERTY_CHECKS] = str(checks)
+        return Message(topic=OP_TOPIC, queue_id=0, body=str(half_offset).encode(), properties=props)
+
+    def _append_op(self, half_offset: int, kind: str, checks: int = 0) -> None:
+        self.store.put_messages([self._op(half_offset, kind, checks)])
+
+    # -- check-back ----------------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        tick = max(0.05, min(1.0, self.config.check_interval_ms / 4000))
+        while not self._stop.wait(tick):
+            try:
+                self.check_due()
+                self._save_watermark()
+            except Exception:
+                log.exception("transaction check-back failed; retrying")
+
+    def check_due(self) -> int:
+        """Send a check-back for every half message that is due; returns how many were sent."""
+        now = self._clock()
+        with self._lock:
+            due = [
+                h
+                for h in self._pending.values()
+                if h.next_check_ms <= now and not h.kept and h.offset not in self._busy
+            ]
+        sent = 0
+        for half in due:
+            if self._stop.is_set():
+                break
+            txn = transaction_id(half.offset, half.commitlog_offset)
+            if half.checks >= self.config.check_max:
+                self._give_up(half, txn)
+                continue
+            stored = self.store.read_message(half.commitlog_offset, half.size)
+            if stored is None:
+                continue
+            half.checks += 1
+            half.next_check_ms = now + self.config.check_interval_ms
+            self._append_op(half.offset, CHECK, half.checks)
+            self.checks += 1
+            if self.send_check(half.topic, stored, txn):
+                sent += 1
+            else:
+                log.info(
+                    "transaction %s of %s: no producer of the topic is connected (check %d/%d)",
+                    half.message_id,
+                    half.topic,
+                    half.checks,
+                    self.config.check_max,
+                )
+        return sent
+
+    def _give_up(self, half: Half, txn: str) -> None:
+        """After the last check went unanswered: roll back, or keep (never checked again)."""
+        what = "kept undecided" if self.config.exhausted == "keep" else "rolled back"
+        log.warning(
+            "transaction %s of %s: no decision after %d checks; %s",
+            half.message_id,
+            half.topic,
+            half.checks,
+            what,
+        )
+        if self.config.exhausted == "keep":
+            half.kept = True
+            return
+        with contextlib.suppress(TransactionError):  # decided meanwhile
+            self.end(half.topic, half.message_id, txn, False)
+
+    # -- watermark, pinning, metrics -----------------------------------------------------------
+
+    def _save_watermark(self) -> None:
+        with self._lock:
+            low = min(self._pending) if self._pending else self.store.max_offset(HALF_TOPIC, 0)
+            busy = min(self._busy) if self._busy else low
+            watermark = min(low, busy)
+            self._decided = {h: k for h, k in self._decided.items() if h >= watermark}
+        if self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) != watermark:
+            self.metadata.commit_offset(SYSTEM_GROUP, HALF_TOPIC, 0, watermark)
+
+    def pinned_offset(self) -> int | None:
+        """The lowest CommitLog offset an undecided half message needs kept."""
+        with self._lock:
+            return min((h.commitlog_offset for h in self._pending.values()), default=None)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def pending_by_topic(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self._lock:
+            for h in self._pending.values():
+                out[h.topic] = out.get(h.topic, 0) + 1
+        return out

@@ -1,0 +1,275 @@
+"""Transactional messages through Apache's Python client against ``tmq standalone`` processes:
+half messages, COMMIT and ROLLBACK, check-back of orphaned transactions, and kill -9."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from broker_harness import Standalone, client_config, free_port, metric_sample
+from rocketmq import (
+    FilterExpression,
+    Message,
+    Producer,
+    SimpleConsumer,
+    TransactionChecker,
+    TransactionResolution,
+)
+from rocketmq.grpc_protocol import definition_pb2 as d
+
+# Check-backs start 1 s after the half message and repeat every second, at most 4 times.
+FAST_CHECKS = {
+    "TMQ_BROKER_TRANSACTION_TIMEOUT_MS": "1000",
+    "TMQ_BROKER_TRANSACTION_CHECK_INTERVAL_MS": "1000",
+    "TMQ_BROKER_TRANSACTION_CHECK_MAX": "4",
+}
+
+
+class Checker(TransactionChecker):
+    """Answers check-backs from a table: message key -> resolution; records what it was asked."""
+
+    def __init__(self, answers: dict[str, TransactionResolution] | None = None) -> None:
+        self.answers = answers or {}
+        self.asked: list[str] = []
+        self._lock = threading.Lock()
+
+    def check(self, message: Message) -> TransactionResolution:
+        key = next(iter(message.keys))
+        with self._lock:
+            self.asked.append(key)
+        return self.answers.get(key, TransactionResolution.TRANSACTION_RESOLUTION_UNSPECIFIED)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Standalone]:
+    node = Standalone(tmp_path / "data", env=FAST_CHECKS, metrics_port=free_port()).start()
+    yield node
+    node.stop()
+
+
+def producer(node: Standalone, topic: str, checker: Checker) -> Producer:
+    p = Producer(client_config(node), topics=[topic], checker=checker)
+    p.startup()
+    return p
+
+
+def message(topic: str, key: str) -> Message:
+    m = Message()
+    m.topic = topic
+    m.body = f"body of {key}".encode()
+    m.keys = key
+    m.add_property("k", key)
+    return m
+
+
+def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> list[str]:
+    """Every message key a consumer group receives (and acks) within ``seconds``."""
+    consumer = SimpleConsumer(
+        client_config(node), group, {topic: FilterExpression()}, await_duration=1
+    )
+    consumer.startup()
+    got: list[str] = []
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for m in consumer.receive(16, 10):
+                got.append(next(iter(m.keys)))
+                assert m.message_type == d.TRANSACTION
+                assert m.body == f"body of {got[-1]}".encode()
+                consumer.ack(m)
+    finally:
+        consumer.shutdown()
+    return got
+
+
+def wait_for(predicate: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_half_message_is_invisible_until_commit_and_a_repeated_commit_does_not_duplicate(
+    broker: Standalone,
+) -> None:
+    broker.create_topic("txn-commit", queues=2, message_type="TRANSACTION")
+    checker = Checker()
+    p = producer(broker, "txn-commit", checker)
+    try:
+        txn = p.begin_transaction()
+        sent = message("txn-commit", "k-commit")
+        receipt = p.send(sent, txn)
+        assert receipt.transaction_id
+        assert receive_keys(broker, "txn-commit", "g-commit", 2.5) == [], "half is invisible"
+        txn.commit()
+        # The same decision again (a producer retrying a lost answer) is accepted, and no-op.
+        again = p.end_transaction(
+            receipt.message_queue.endpoints,
+            sent,
+            receipt.transaction_id,
+            TransactionResolution.COMMIT,
+            d.SOURCE_CLIENT,
+        )
+        assert again.status.code == d.OK
+        # The opposite decision is refused.
+        late = p.end_transaction(
+            receipt.message_queue.endpoints,
+            sent,
+            receipt.transaction_id,
+            TransactionResolution.ROLLBACK,
+            d.SOURCE_CLIENT,
+        )
+        assert late.status.code == d.INVALID_TRANSACTION_ID
+    finally:
+        p.shutdown()
+    assert receive_keys(broker, "txn-commit", "g-commit", 4) == ["k-commit"]
+
+
+def test_a_rolled_back_message_is_never_delivered(broker: Standalone) -> None:
+    broker.create_topic("txn-rollback", queues=1, message_type="TRANSACTION")
+    checker = Checker()
+    p = producer(broker, "txn-rollback", checker)
+    try:
+        for key in ("k-rb-1", "k-rb-2"):
+            txn = p.begin_transaction()
+            p.send(message("txn-rollback", key), txn)
+            if key == "k-rb-1":
+                txn.rollback()
+            else:
+                txn.commit()
+        time.sleep(2.5)  # past the first check-back time
+    finally:
+        p.shutdown()
+    assert receive_keys(broker, "txn-rollback", "g-rb", 4) == ["k-rb-2"]
+    assert checker.asked == [], "a transaction ended in time is never checked back"
+
+
+def test_check_back_resolves_transactions_the_producer_never_ended(broker: Standalone) -> None:
+    broker.create_topic("txn-check", queues=2, message_type="TRANSACTION")
+    checker = Checker(
+        {
+            "k-yes": TransactionResolution.COMMIT,
+            "k-no": TransactionResolution.ROLLBACK,
+        }
+    )
+    p = producer(broker, "txn-check", checker)
+    try:
+        for key in ("k-yes", "k-no"):
+            p.send(message("txn-check", key), p.begin_transaction())  # never ended
+        assert metric_sample(broker, "tmq_transaction_half_pending") == 2
+        assert wait_for(lambda: {"k-yes", "k-no"} <= set(checker.asked), 15), checker.asked
+        got = receive_keys(broker, "txn-check", "g-check", 4)
+    finally:
+        p.shutdown()
+    assert got == ["k-yes"]
+    assert metric_sample(broker, "tmq_transaction_half_pending") == 0
+    assert metric_sample(broker, "tmq_transaction_commits_total") == 1
+    assert metric_sample(broker, "tmq_transaction_rollbacks_total") == 1
+    assert metric_sample(broker, "tmq_transaction_checks_total") >= 2
+
+
+def test_an_unanswered_transaction_is_rolled_back_after_the_last_check(
+    broker: Standalone,
+) -> None:
+    broker.create_topic("txn-unknown", queues=1, message_type="TRANSACTION")
+    checker = Checker()  # answers UNKNOWN to everything
+    p = producer(broker, "txn-unknown", checker)
+    try:
+        txn = p.begin_transaction()
+        receipt = p.send(message("txn-unknown", "k-unknown"), txn)
+        # 4 checks, 1 s apart, then the broker gives up and rolls back.
+        assert wait_for(lambda: checker.asked.count("k-unknown") >= 4, 20), checker.asked
+        time.sleep(2.5)
+        asked = len(checker.asked)
+        time.sleep(2.5)
+        assert len(checker.asked) == asked == 4, "no check after the last one"
+        late = p.end_transaction(
+            receipt.message_queue.endpoints,
+            txn._Transaction__message,  # type: ignore[attr-defined]
+            receipt.transaction_id,
+            TransactionResolution.COMMIT,
+            d.SOURCE_CLIENT,
+        )
+        assert late.status.code == d.INVALID_TRANSACTION_ID, "it was rolled back"
+    finally:
+        p.shutdown()
+    assert receive_keys(broker, "txn-unknown", "g-unknown", 3) == []
+
+
+def test_kill_9_between_half_and_commit_loses_nothing_and_shows_no_rollback(
+    tmp_path: Path,
+) -> None:
+    node = Standalone(tmp_path / "data", env=FAST_CHECKS).start()
+    try:
+        node.create_topic("txn-crash", queues=2, message_type="TRANSACTION")
+        quiet = Checker()  # this producer dies with the broker: it answers nothing
+        p = producer(node, "txn-crash", quiet)
+        try:
+            committed = p.begin_transaction()
+            p.send(message("txn-crash", "k-committed"), committed)
+            committed.commit()
+            rolled = p.begin_transaction()
+            p.send(message("txn-crash", "k-rolled-back"), rolled)
+            rolled.rollback()
+            for key in ("k-orphan-commit", "k-orphan-rollback"):
+                p.send(message("txn-crash", key), p.begin_transaction())
+            node.kill9()
+        finally:
+            p.shutdown()
+        assert quiet.asked == [], "the broker died before the first check-back"
+        node.start()
+        checker = Checker(
+            {
+                "k-orphan-commit": TransactionResolution.COMMIT,
+                "k-orphan-rollback": TransactionResolution.ROLLBACK,
+            }
+        )
+        p = producer(node, "txn-crash", checker)
+        try:
+            assert wait_for(
+                lambda: {"k-orphan-commit", "k-orphan-rollback"} <= set(checker.asked), 20
+            ), checker.asked
+            got = receive_keys(node, "txn-crash", "g-crash", 5)
+        finally:
+            p.shutdown()
+        assert sorted(got) == ["k-committed", "k-orphan-commit"]
+        assert "k-committed" not in checker.asked and "k-rolled-back" not in checker.asked
+    finally:
+        node.stop()
+
+
+def test_a_commit_torn_by_a_crash_is_completed_once_at_restart(tmp_path: Path) -> None:
+    """The crash lands after the committed copy is in the CommitLog and before the decision is:
+    at restart the copy is found by its message id, and the broker neither checks back nor
+    commits a second copy."""
+    data = tmp_path / "data"
+    node = Standalone(data, env={**FAST_CHECKS, "TMQ_FAILPOINTS": "transaction.before_commit_op"})
+    node.start()
+    node.create_topic("txn-torn", queues=2, message_type="TRANSACTION")
+    p = producer(node, "txn-torn", Checker())
+    try:
+        txn = p.begin_transaction()
+        p.send(message("txn-torn", "k-torn"), txn)
+        with pytest.raises(Exception):  # noqa: B017  the broker dies under the request
+            txn.commit()
+        assert node.proc is not None and node.proc.wait(10) == -9
+    finally:
+        p.shutdown()
+    node = Standalone(data, env=FAST_CHECKS)
+    node.start()
+    try:
+        checker = Checker({"k-torn": TransactionResolution.COMMIT})
+        p = producer(node, "txn-torn", checker)
+        try:
+            got = receive_keys(node, "txn-torn", "g-torn", 5)  # past the first check-back
+        finally:
+            p.shutdown()
+        assert got == ["k-torn"]
+        assert checker.asked == [], "the torn commit was completed, not checked back"
+    finally:
+        node.stop()
