@@ -414,18 +414,9 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if topic.message_type == "DELAY":
                 batch = [self._schedule(m) for m in batch]
 
-            def put() -> list[int]:  # the queue offsets
-                if self.replication is not None:
-                    self.replication.check_writable()
-                appended = self.store.put_messages(batch)
-                if self.replication is not None:
-                    self.replication.wait_replicated(appended.end_offset)
-                return [r.queue_offset for r in appended]
-
-            try:
-                offsets = _appended(put)
-            except ReplicationError as e:
-                raise ProtocolError(_replication_code(e), str(e)) from None
+            offsets = self._replicated(
+                lambda: [r.queue_offset for r in _appended(lambda: self.store.put_messages(batch))]
+            )
             self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
             if topic.message_type == "DELAY" and self.timers is not None:
                 self.timers.wakeup()
@@ -443,6 +434,21 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return s.SendMessageResponse(status=status(), entries=entries)
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
+
+    def _replicated(self, store: Callable[[], R]) -> R:
+        """Run ``store`` (an append) as the replica group allows: refused before anything is
+        stored when this broker may not take sends, and answered only once the group holds
+        every byte written so far (SYNC); a ``ReplicationError`` becomes the proxy's code.
+        Plain, delay and half messages and transaction decisions all come through here."""
+        try:
+            if self.replication is not None:
+                self.replication.check_writable()
+            result = store()
+            if self.replication is not None:
+                self.replication.wait_replicated(self.store.max_physical_offset)
+        except ReplicationError as e:
+            raise ProtocolError(_replication_code(e), str(e)) from None
+        return result
 
     def _schedule(self, msg: Message) -> Message:
         """A delay message due in the future as a timer record; one already due as itself."""
@@ -480,7 +486,9 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             else None
             for pm in request.messages
         ]
-        prepared = _appended(lambda: transactions.prepare(batch, immunity))
+        prepared = self._replicated(
+            lambda: _appended(lambda: transactions.prepare(batch, immunity))
+        )
         self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
         entries = [
             s.SendResultEntry(
@@ -503,12 +511,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if request.resolution == d.TRANSACTION_RESOLUTION_UNSPECIFIED:
                 # The producer does not know yet (a checker's UNKNOWN): ask again later.
                 return s.EndTransactionResponse(status=status())
+            transactions = self.transactions
             try:
-                self.transactions.end(
-                    request.topic.name,
-                    request.message_id,
-                    request.transaction_id,
-                    commit=request.resolution == d.COMMIT,
+                self._replicated(
+                    lambda: transactions.end(
+                        request.topic.name,
+                        request.message_id,
+                        request.transaction_id,
+                        commit=request.resolution == d.COMMIT,
+                    )
                 )
             except TransactionError as e:
                 raise ProtocolError(d.INVALID_TRANSACTION_ID, str(e)) from None
