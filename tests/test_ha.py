@@ -152,7 +152,14 @@ sync_timeout_ms = {sync_timeout_ms}
         ]
 
 
-def send(endpoint: str, first: int, count: int, batch: int = 20) -> list[d.Status]:
+def send(
+    endpoint: str,
+    first: int,
+    count: int,
+    batch: int = 20,
+    topic: str = TOPIC,
+    message_type: int = d.NORMAL,
+) -> list[d.Status]:
     """Send messages ``first .. first+count-1`` in batches; every batch's status, in order."""
     stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
     out = []
@@ -160,10 +167,10 @@ def send(endpoint: str, first: int, count: int, batch: int = 20) -> list[d.Statu
         request = s.SendMessageRequest()
         for n in range(i, min(i + batch, first + count)):
             m = request.messages.add(
-                topic=d.Resource(name=TOPIC), body=f"message {n} ".encode() * 40
+                topic=d.Resource(name=topic), body=f"message {n} ".encode() * 40
             )
             m.system_properties.message_id = os.urandom(16).hex().upper()
-            m.system_properties.message_type = d.NORMAL
+            m.system_properties.message_type = message_type
             m.system_properties.body_encoding = d.IDENTITY
             m.system_properties.keys.append(f"key-{n}")
             m.system_properties.tag = "ha"
@@ -286,6 +293,15 @@ def test_sync_send_fails_cleanly_without_enough_replicas_and_recovers(group) -> 
     refused = send(master.endpoint, 0, 20)
     assert [st.code for st in refused] == [d.HA_NOT_AVAILABLE]
     assert "min_in_sync_replicas=2" in refused[0].message
+    # A transactional (half) message is a send like any other: refused the same way.
+    apb_grpc.AdminStub(grpc.insecure_channel(master.endpoint)).PutTopic(
+        apb.PutTopicRequest(
+            topic=apb.Topic(name="ha-tx", queues=1, perm=6, message_type="TRANSACTION")
+        ),
+        timeout=10,
+    )
+    half = send(master.endpoint, 0, 1, topic="ha-tx", message_type=d.TRANSACTION)
+    assert [st.code for st in half] == [d.HA_NOT_AVAILABLE]
     assert master.metric("tmq_replication_max_offset") == 0
     slave.start("slave", 1, master=master)
     wait_until(
