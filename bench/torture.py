@@ -775,7 +775,13 @@ def torture(args: argparse.Namespace) -> dict[str, Any]:
             "AWS_SECRET_ACCESS_KEY": "test",
             "AWS_DEFAULT_REGION": "us-east-1",
         },
-    ).start()
+    )
+    try:
+        node.start()
+    except BaseException:
+        if faults is not None:
+            faults.stop()  # the proxy is a process of its own: never leave it behind
+        raise
     run = Run(node, args.queues, args.ttl, args.seed)
     started = time.monotonic()
     try:
