@@ -249,7 +249,10 @@ class CommitLog:
                     f"the disk is full: cannot create CommitLog file {start} of "
                     f"{self.files.file_size} bytes in {self.files.directory} ({e.strerror})"
                 ) from e
-            raise
+            # Any other failure (EIO from the new file's or its directory's fsync) is an fsync
+            # failure like the flusher's: a retry could report success over dropped pages.
+            self.fail(e)
+            raise self.durability_lost() from e
         except DiskFullError:
             self.files.discard_last(created)
             raise
