@@ -150,6 +150,31 @@ def _wait_released(node: Standalone, seconds: float = 60) -> None:
         time.sleep(0.2)
 
 
+def _archived_behind_proxy(
+    tmp_path: Path, fault_proxy: Any, bucket: str, topic: str, count: int
+) -> Standalone:
+    """A broker whose S3 tier is reached through the fault proxy, with a one-queue tiered
+    ``topic`` of ``count`` messages whose first CommitLog file is already released."""
+    from conftest import S3Endpoint
+
+    node = Standalone(
+        tmp_path / "data",
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    ).start()
+    try:
+        node.admin().PutTopic(
+            apb.PutTopicRequest(topic=apb.Topic(name=topic, queues=1, perm=6, tiered=True)),
+            timeout=10,
+        )
+        send_batches(node.endpoint, topic, [(body_of(i), f"k{i}", "t") for i in range(count)])
+        _wait_released(node)
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
 def test_an_object_store_outage_stops_no_hot_read(
     tmp_path: Path, fault_proxy: Any, bucket: str
 ) -> None:
@@ -228,20 +253,9 @@ def test_tmq_replay_rides_out_a_slow_cold_tier(
     read deadline: the pull is answered PROXY_TIMEOUT, the fetch completes in the background,
     and `tmq replay` asks again and gets every message, in order."""
     from broker_harness import tmq
-    from conftest import S3Endpoint
 
-    node = Standalone(
-        tmp_path / "data",
-        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
-        env=S3Endpoint(fault_proxy.url, "proxy").env(),
-    ).start()
+    node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "slow", 600)
     try:
-        node.admin().PutTopic(
-            apb.PutTopicRequest(topic=apb.Topic(name="slow", queues=1, perm=6, tiered=True)),
-            timeout=10,
-        )
-        send_batches(node.endpoint, "slow", [(body_of(i), f"k{i}", "t") for i in range(600)])
-        _wait_released(node)
         fault_proxy.set(delay_ms=1500, methods=["GET"])
         done = tmq(
             "replay",
@@ -286,20 +300,8 @@ def test_a_restarted_broker_sees_the_archive_from_its_first_request(
     pull from offset 0 see the archive: the broker loads the tiered queues' manifests before it
     serves. Without that, the archive looked gone until the manifest refresher came round (a
     new group started past it, and pop skipped it as expired)."""
-    from conftest import S3Endpoint
-
-    node = Standalone(
-        tmp_path / "data",
-        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
-        env=S3Endpoint(fault_proxy.url, "proxy").env(),
-    ).start()
+    node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "kept", 1200)
     try:
-        node.admin().PutTopic(
-            apb.PutTopicRequest(topic=apb.Topic(name="kept", queues=1, perm=6, tiered=True)),
-            timeout=10,
-        )
-        send_batches(node.endpoint, "kept", [(body_of(i), f"k{i}", "t") for i in range(1200)])
-        _wait_released(node)
         assert node.stop() == 0
         fault_proxy.set(delay_ms=1500, methods=["GET"])  # a manifest load takes seconds now
         node.start()
