@@ -16,10 +16,11 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from rocketmq.grpc_protocol import service_pb2_grpc
+from rocketmq.grpc_protocol import service_pb2, service_pb2_grpc
 
-from broker import admin_pb2_grpc
+from broker import acl_pb2, acl_pb2_grpc, admin_pb2, admin_pb2_grpc
 from broker.admin import AdminServicer
+from broker.authorization import AclServicer, BrokerPolicy
 from broker.config import BrokerConfig
 from broker.ha.master import ReplicationMaster
 from broker.ha.slave import ReplicationSlave
@@ -35,8 +36,10 @@ from lakehouse.runner import ContinuousExport
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from remoting import namesrv_pb2 as nspb
+from remoting.auth import Authenticator, AuthInterceptor
 from remoting.grpc_server import listen, new_server
 from remoting.namesrv_client import NameServerClient
+from remoting.security import ChannelSecurity, server_credentials
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MESSAGING_SERVICE = "apache.rocketmq.v2.MessagingService"
 ADMIN_SERVICE = "tmq.admin.v1.Admin"
+ACL_SERVICE = "tmq.acl.v1.Acl"
 # Each client holds one worker for its Telemetry stream and one per long poll.
 _WORKERS = 128
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -64,11 +68,13 @@ class TierUnusableError(ValueError):
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, security: ChannelSecurity | None = None) -> None:
         """The composition root: every part of the broker is built here, in dependency order
         (metadata, tier -> cold fetcher -> store -> offloader, pop), and nothing rewires a
-        part afterwards."""
+        part afterwards. ``security``: the admin credentials (the first admin, with ``[auth]``
+        on) and TLS settings of the broker's own calls to the NameServers."""
         self.config = config
+        self.security = security or ChannelSecurity()
         self.metrics = BrokerMetrics()
         self.metadata = BrokerMetadata(config.config_dir)
         self.tier: ObjectStore | None = None
@@ -96,7 +102,7 @@ class Broker:
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
-        self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.namesrv = NameServerClient(config.namesrv, self.security) if config.namesrv else None
         self.producers = ProducerRegistry()
         # Both read the store's recovered state when started (start()).
         self.transactions = TransactionService(
@@ -169,8 +175,16 @@ class Broker:
                     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ],
+                self._interceptors(),
             )
-            self.port = listen(server, self.config.listen, self.config.port, "broker")
+            tls = self.config.tls
+            self.port = listen(
+                server,
+                self.config.listen,
+                self.config.port,
+                "broker",
+                server_credentials(tls) if tls.enabled else None,
+            )
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
@@ -208,11 +222,16 @@ class Broker:
                 ),
                 server,
             )
+            add_safely(
+                acl_pb2_grpc.add_AclServicer_to_server, AclServicer(self.metadata.acl), server
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             if self.config.metrics_port:
-                self.metrics_port = self.metrics.serve(self.config.listen, self.config.metrics_port)
+                self.metrics_port = self.metrics.serve(
+                    self.config.listen, self.config.metrics_port, self.config.tls
+                )
             server.start()
-            for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE):
+            for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE, ACL_SERVICE):
                 self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._server = server
         except BaseException:
@@ -242,6 +261,30 @@ class Broker:
             self.config.advertise_host,
         )
         return self.port
+
+    def _interceptors(self) -> list[grpc.ServerInterceptor]:
+        """With ``[auth]`` on: every call signed, and allowed by the ACLs (docs/security.md).
+        The environment's admin is created or updated first; with none there and none
+        stored, nobody could ever manage the broker, so it refuses to start."""
+        auth = self.config.auth
+        if not auth.enabled:
+            return []
+        acl = self.metadata.acl
+        if self.security.signs:
+            acl.ensure_admin(self.security.access_key, self.security.secret_key)
+        elif not any(admin for _, admin in acl.users()):
+            raise ValueError(
+                "[auth] is enabled but there is no admin user: set TMQ_ADMIN_ACCESS_KEY and "
+                "TMQ_ADMIN_SECRET_KEY for the first one"
+            )
+        return [
+            AuthInterceptor(
+                Authenticator(acl, auth.max_clock_skew_s),
+                BrokerPolicy(acl),
+                [service_pb2.DESCRIPTOR, admin_pb2.DESCRIPTOR, acl_pb2.DESCRIPTOR],
+                on_denied=self.metrics.denied,
+            )
+        ]
 
     def status(self, *, hot_bytes: bool = False) -> BrokerStatus:
         """A snapshot for metrics and ``tmq status`` (memory and local disk only)."""
