@@ -238,7 +238,7 @@ def test_a_sub_only_user_cannot_produce_consume_another_topic_or_administer(
     got = receive(reader, "readers", "topic-a")
     assert [m.message_id for m in got] == [sent]
     # Its route to topic-b is refused (no PUB or SUB there), so the consumer cannot start.
-    with pytest.raises(Exception, match="40300|topic-b route"):
+    with pytest.raises(Exception, match=r"40300|topic-b route"):
         receive(reader, "readers", "topic-b", seconds=3)
     refused = messaging(node).ReceiveMessage(
         s.ReceiveMessageRequest(
