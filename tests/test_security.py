@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from broker_harness import Standalone, free_port, metric_sample, tmq
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -29,7 +30,6 @@ from remoting.auth import (
     sign,
     signing_metadata,
 )
-from tests.broker_harness import Standalone, free_port, metric_sample, tmq
 
 ADMIN_KEY, ADMIN_SECRET = "tmq-admin", "admin-secret-0123456789"
 ADMIN = {"TMQ_ADMIN_ACCESS_KEY": ADMIN_KEY, "TMQ_ADMIN_SECRET_KEY": ADMIN_SECRET}
