@@ -12,6 +12,7 @@ import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -166,3 +167,29 @@ def test_the_node_client_produces_and_consumes_over_tls_with_credentials(
         env=env,
     )
     assert "error" in refused[0] and "messageId" not in refused[0], refused
+
+
+def test_mtls_a_nameserver_admits_only_clients_with_a_certificate_from_its_ca(
+    tmp_path: Path,
+) -> None:
+    """``client_ca_file``: the broker's own certificate doubles as its client certificate
+    (ChannelSecurity.for_server); a client that trusts the CA but has no certificate is
+    refused at the handshake."""
+    from namesrv import server as namesrv_server
+    from remoting.namesrv_client import NameServerClient
+    from remoting.security import ChannelSecurity, TlsConfig
+
+    ca, cert, key = make_ca(tmp_path)
+    tls = TlsConfig(str(cert), str(key), str(ca), client_ca_file=str(ca))
+    server, port = namesrv_server.start("127.0.0.1", 0, tls=tls)
+    try:
+        broker_side = NameServerClient([f"127.0.0.1:{port}"], ChannelSecurity.for_server(tls, {}))
+        assert broker_side.cluster_info().brokers is not None
+        broker_side.close()
+        anonymous = NameServerClient([f"127.0.0.1:{port}"], ChannelSecurity(ca_file=str(ca)))
+        with pytest.raises(grpc.RpcError) as refused:
+            anonymous.cluster_info()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        anonymous.close()
+    finally:
+        server.stop(None)

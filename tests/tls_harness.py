@@ -60,7 +60,9 @@ def make_ca(directory: Path) -> tuple[Path, Path, Path]:
             ),
             critical=False,
         )
-        .add_extension(x509.ExtendedKeyUsage([x509.OID_SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([x509.OID_SERVER_AUTH, x509.OID_CLIENT_AUTH]), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
