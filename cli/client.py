@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import sys
 import time
 from typing import Annotated, Any
@@ -37,12 +36,9 @@ def _client_config(namesrv: str, topic: str) -> tuple[Any, bool]:
     environment's admin key, and whether to use TLS."""
     from rocketmq import ClientConfiguration, Credentials  # imported late: it sets up logging
 
+    sec = security()  # with TLS, cli/__init__.py has made its CA gRPC's default roots
     b = route(namesrv, topic).brokers[0]
-    sec = security()
     credentials = Credentials(sec.access_key, sec.secret_key) if sec.signs else Credentials()
-    if sec.ca_file:
-        # Apache's client trusts gRPC's default roots only; this is where gRPC reads them.
-        os.environ.setdefault("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", sec.ca_file)
     config = ClientConfiguration(
         f"{b.endpoint.host}:{b.endpoint.port}", credentials, request_timeout=_TIMEOUT
     )

@@ -193,3 +193,22 @@ def test_mtls_a_nameserver_admits_only_clients_with_a_certificate_from_its_ca(
         anonymous.close()
     finally:
         server.stop(None)
+
+
+def test_the_cli_produces_and_consumes_over_tls_signed_with_the_admin_key(
+    secured: Standalone,
+) -> None:
+    env = {**ADMIN, "TMQ_TLS_CA_FILE": str(secured.ca_file)}
+    sent = tmq(
+        "produce", "secure", "--body", "from the cli", "--json", "--namesrv", secured.namesrv,
+        env=env,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    message_id = json.loads(sent.stdout)["message_id"]
+    got = tmq(
+        "consume", "secure", "--group", "cli-tls", "--wait", "5", "--json",
+        "--namesrv", secured.namesrv, env=env,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert message_id in [json.loads(line)["message_id"] for line in got.stdout.splitlines()]
+    assert ADMIN_SECRET not in got.stdout + got.stderr + sent.stdout + sent.stderr
