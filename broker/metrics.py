@@ -329,20 +329,23 @@ class BrokerMetrics:
             buckets=_COLD_READ_BUCKETS,
             registry=self.registry,
         )
-        # Calls refused by authentication or authorization (remoting/auth.py), by method and kind.
+        # Calls refused by authentication or authorization (remoting/auth.py), by kind; the
+        # method and the user are in the log line of each refusal.
         self.auth_denied = Counter(
             "tmq_auth_denied",
             "Calls refused: kind unauthenticated (no, bad or stale signature) or forbidden (no "
             "grant allows it).",
-            ["method", "kind"],
+            ["kind"],
             registry=self.registry,
         )
+        for kind in ("unauthenticated", "forbidden"):
+            self.auth_denied.labels(kind)  # exposed at 0 from the start, for rate() and alerts
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def denied(self, method: str, kind: str) -> None:
         """The auth interceptor's ``on_denied`` callback."""
-        self.auth_denied.labels(method, kind).inc()
+        self.auth_denied.labels(kind).inc()
 
     def observe_cold_read(self, seconds: float, nbytes: int) -> None:
         """The cold fetcher's ``observe`` callback."""

@@ -203,8 +203,7 @@ def test_without_credentials_every_rpc_is_refused(
     assert (
         metric_sample(
             node,
-            'tmq_auth_denied_total{kind="unauthenticated",'
-            'method="/apache.rocketmq.v2.MessagingService/QueryRoute"}',
+            'tmq_auth_denied_total{kind="unauthenticated"}',
         )
         or 0
     ) >= 1
@@ -276,8 +275,7 @@ def test_a_sub_only_user_cannot_produce_consume_another_topic_or_administer(
     assert (
         metric_sample(
             node,
-            'tmq_auth_denied_total{kind="forbidden",'
-            'method="/apache.rocketmq.v2.MessagingService/SendMessage"}',
+            'tmq_auth_denied_total{kind="forbidden"}',
         )
         or 0
     ) >= 1
