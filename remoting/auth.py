@@ -150,10 +150,17 @@ def _parse(authorization: str) -> tuple[str, bytes]:
 
 
 def _timestamp(date_time: str) -> float:
-    try:
-        return float(timegm(time.strptime(date_time, DATE_TIME_FORMAT)))
-    except (ValueError, OverflowError):
-        raise AuthenticationError(f"{DATE_TIME_HEADER} is not {DATE_TIME_FORMAT}") from None
+    """Seconds since the epoch of ``20261122T221500Z``. Sliced by hand: ``time.strptime``
+    took most of a call's authentication time (it takes a lock and compiles a pattern)."""
+    d = date_time
+    digits = d[:8] + d[9:15]
+    if len(d) != 16 or d[8] != "T" or d[15] != "Z" or not (digits.isascii() and digits.isdigit()):
+        raise AuthenticationError(f"{DATE_TIME_HEADER} is not {DATE_TIME_FORMAT}")
+    fields = (int(d[0:4]), int(d[4:6]), int(d[6:8]), int(d[9:11]), int(d[11:13]), int(d[13:15]))
+    year, month, day, hour, minute, second = fields
+    if not (1 <= month <= 12 and 1 <= day <= 31 and hour < 24 and minute < 60 and second < 61):
+        raise AuthenticationError(f"{DATE_TIME_HEADER} is not {DATE_TIME_FORMAT}")
+    return float(timegm((year, month, day, hour, minute, second, 0, 0, 0)))
 
 
 class Authenticator:

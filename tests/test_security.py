@@ -158,6 +158,24 @@ def test_the_signature_apache_python_client_sends_is_accepted_and_a_wrong_one_is
     assert sign("alice-secret", headers["x-mq-date-time"]) in good
 
 
+def test_every_hostile_header_is_an_authentication_error_and_nothing_else() -> None:
+    """20,000 random and near-valid headers through the parser in process: each is refused
+    with AuthenticationError (which the interceptor turns into 40100), never another exception
+    (which would reach the client as an internal error)."""
+    rng = random.Random(1722)
+    users = StaticUsers({"k": ("secret", True)})
+    auth = Authenticator(users)
+    good = dict(signing_metadata("k", "secret"))
+    pieces = ["MQv2-HMAC-SHA1", "Credential=", "Signature=", ",", "=", " ", "/", "k", "²", "0f"]
+    for i in range(20_000):
+        header = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        date = good["x-mq-date-time"] if i % 2 else header[:16]
+        if i % 3 == 0:
+            header = "".join(chr(rng.randint(0, 0x2FF)) for _ in range(rng.randint(0, 64)))
+        with pytest.raises(AuthenticationError):
+            auth.authenticate([("authorization", header), ("x-mq-date-time", date)])
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 
