@@ -469,3 +469,42 @@ def test_users_replicate_with_the_metadata_under_each_replicas_own_key(tmp_path:
     reloaded.load()
     assert reloaded.acl.lookup("app") == ("app-secret-123456", False)
     assert "app-secret-123456" not in (tmp_path / "slave" / "config" / "acl.json").read_text()
+
+
+def test_a_user_created_on_the_master_reaches_the_slave_over_replication(tmp_path: Path) -> None:
+    """Real master and slave processes (tests/test_ha.py's harness): users and grants travel
+    with the metadata snapshot, and the slave stores the secret encrypted under its own key."""
+    from test_ha import GroupMember
+
+    master = GroupMember(tmp_path, "master", free_port())
+    slave = GroupMember(tmp_path, "slave", free_port())
+    try:
+        master.start("master", 0, mode="async")
+        slave.start("slave", 1, master=master, mode="async")
+        acl = acl_pb2_grpc.AclStub(grpc.insecure_channel(master.endpoint))
+        acl.CreateUser(
+            acl_pb2.CreateUserRequest(name="replicated", secret_key="replicated-secret-1"),
+            timeout=10,
+        )
+        acl.Grant(
+            acl_pb2.GrantRequest(
+                grant=acl_pb2.Grant(user="replicated", resource="topic:t", actions=["PUB"])
+            ),
+            timeout=10,
+        )
+        on_slave = acl_pb2_grpc.AclStub(grpc.insecure_channel(slave.endpoint))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            grants = on_slave.ListGrants(acl_pb2.ListGrantsRequest(user="replicated"), timeout=5)
+            if grants.grants:
+                break
+            time.sleep(0.3)
+        assert [(g.resource, list(g.actions)) for g in grants.grants] == [("topic:t", ["PUB"])]
+        stored = (slave.data_dir / "config" / "acl.json").read_text()
+        assert '"replicated"' in stored and "replicated-secret-1" not in stored
+        assert (slave.data_dir / "auth.key").read_bytes() != (
+            master.data_dir / "auth.key"
+        ).read_bytes()
+    finally:
+        slave.stop()
+        master.stop()
