@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 import pytest
 from broker_harness import Standalone, free_port, metric_sample, tmq
+from node_harness import ensure_node_client
+from node_harness import node as node_client
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -508,3 +510,43 @@ def test_a_user_created_on_the_master_reaches_the_slave_over_replication(tmp_pat
     finally:
         slave.stop()
         master.stop()
+
+
+def test_the_node_client_signs_and_is_held_to_its_grants(node: Standalone) -> None:
+    """Apache's Node.js client with ``sessionCredentials`` (upper-case hex, UTC date-time): a
+    PUB-only user produces to its topic and is refused on another and when consuming."""
+    ensure_node_client()
+    secret = new_user(node, "node-app", ("topic:topic-a", "PUB"))
+    creds = {"accessKey": "node-app", "secretKey": secret}
+    sent = node_client(
+        {
+            "cmd": "produce",
+            "endpoint": node.endpoint,
+            "topic": "topic-a",
+            "messages": [{"body": "from node"}],
+            **creds,
+        }
+    )
+    assert "messageId" in sent[0], sent
+    refused = node_client(
+        {
+            "cmd": "produce",
+            "endpoint": node.endpoint,
+            "topic": "topic-b",
+            "messages": [{"body": "not allowed"}],
+            **creds,
+        }
+    )
+    assert refused[0].get("code") == 40300 and "messageId" not in refused[0], refused
+    with pytest.raises(AssertionError, match="ForbiddenException.*no SUB on group node-readers"):
+        node_client(
+            {
+                "cmd": "simple",
+                "endpoint": node.endpoint,
+                "topic": "topic-a",
+                "group": "node-readers",
+                "want": 1,
+                "seconds": 5,
+                **creds,
+            }
+        )
