@@ -538,7 +538,7 @@ def test_the_node_client_signs_and_is_held_to_its_grants(node: Standalone) -> No
         }
     )
     assert refused[0].get("code") == 40300 and "messageId" not in refused[0], refused
-    with pytest.raises(AssertionError, match="ForbiddenException.*no SUB on group node-readers"):
+    with pytest.raises(AssertionError, match=r"ForbiddenException.*no SUB on group node-readers"):
         node_client(
             {
                 "cmd": "simple",
