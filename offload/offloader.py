@@ -108,11 +108,17 @@ class OffloadError(RuntimeError):
     pass
 
 
-class NotLeaderError(OffloadError):
+class CommitRefusedError(OffloadError):
+    """A manifest commit was not made: another writer committed that version first, or this
+    broker must not write the tier. Nothing was committed (unlike a storage error, after which
+    the commit may have landed)."""
+
+
+class NotLeaderError(CommitRefusedError):
     """This broker is a slave: only the master writes the tier."""
 
 
-class FencedError(OffloadError):
+class FencedError(CommitRefusedError):
     """A master of a higher epoch owns this broker's tier prefix: this one was deposed and
     writes nothing there any more."""
 
@@ -367,7 +373,11 @@ class Offloader:
                     break  # the rest is not acknowledged by enough replicas yet
                 manifest = manifest.with_segment(info)
                 failpoints.hit("offload.before_commit")
-                self._commit(topic, queue_id, manifest)
+                try:
+                    self._commit(topic, queue_id, manifest)
+                except CommitRefusedError:
+                    self._discard(info.key)
+                    raise
                 result.segments += 1
                 result.messages += info.count
                 result.bytes += info.size
@@ -477,6 +487,16 @@ class Offloader:
 
         return self._step(f"upload {info.key}", write_and_verify)
 
+    def _discard(self, key: str) -> None:
+        """Delete a segment whose commit was refused: its key is unique to this upload and no
+        manifest can name it now, so it would only be an orphan (a fenced master leaves nothing
+        behind). Best effort: the next claim's sweep or ``verify --repair`` get what stays."""
+        try:
+            self.tier.delete(key)
+            self.stats.deleted_objects += 1
+        except StorageError as e:
+            log.warning("%s: not deleted after its refused commit: %s", key, e)
+
     def _commit(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
         """Commit ``manifest`` stamped with this broker's term. Refused (``FencedError``) when a
         higher epoch committed first; then this broker writes the tier no more."""
@@ -496,7 +516,7 @@ class Offloader:
             current = self.manifest(topic, queue_id)
             if current.epoch > term.epoch:
                 raise self._fence(current) from None
-            raise OffloadError(
+            raise CommitRefusedError(
                 f"{store.prefix}: another writer committed a manifest; is a second "
                 "broker offloading to the same prefix?"
             ) from None
