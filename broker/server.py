@@ -257,11 +257,11 @@ class Broker:
         return Term(epoch, f"{self.config.name}@{self.config.advertise_host}:{self.port}")
 
     def _upload_limit(self) -> int | None:
-        """SYNC: upload only what min_in_sync_replicas members hold, so that the tier never
-        archives a message a newly elected master lacks (Kafka's rule: remote copies stop at
-        the high watermark). ASYNC and a single broker: no limit."""
-        if isinstance(self.replication, ReplicationMaster) and self.config.ha.mode == "sync":
-            return self.replication.confirmed_offset()
+        """A master uploads only what every member of its SyncStateSet holds (Kafka's rule:
+        remote copies stop at the high watermark), so the tier never archives a message that
+        the next elected master lacks. A single broker: no limit."""
+        if isinstance(self.replication, ReplicationMaster):
+            return self.replication.in_sync_offset()
         return None
 
     def _fence_reason(self) -> str | None:

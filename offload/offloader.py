@@ -22,8 +22,8 @@ the orphan sweep and any upload. From then on every commit of a deposed master o
 is refused by the manifest's conditional put and reported as ``FencedError``: the offloader
 stops writing the tier for good (until this broker leads a later epoch), and release keeps
 every tiered file, so nothing local goes because of an upload this broker could not commit.
-Under SYNC replication ``upload_limit`` keeps uploads below what the group acknowledged, so the
-tier never holds a message that a newly elected master lacks.
+``upload_limit`` keeps a master's uploads below what every member of its SyncStateSet holds,
+so the tier never holds a message that the next elected master lacks.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ class Offloader:
         # Whether, and in which epoch, this broker may write the tier (a single broker: always,
         # epoch 0).
         self.leadership = leadership or single_broker(broker)
-        # The CommitLog offset below which records may be uploaded (None: no limit); the SYNC
-        # master's confirmed offset.
+        # The CommitLog offset below which records may be uploaded (None: no limit): a
+        # master's high watermark (every member of its SyncStateSet holds what is below).
         self.upload_limit = upload_limit or (lambda: None)
         # Set when a commit was refused for a higher epoch's: who took the prefix over.
         self.fenced_by: Term | None = None
@@ -239,6 +239,17 @@ class Offloader:
         manifest = self.manifest(topic, queue_id, refresh=True)
         if manifest.epoch > term.epoch:
             raise self._fence(manifest)
+        if manifest.end_offset > self.store.max_offset(topic, queue_id):
+            # Only after an unclean failover (an ASYNC master died with messages it had
+            # archived but not replicated): this master will write other messages at those
+            # offsets, and the tier keeps the old ones.
+            log.error(
+                "%s: the tier holds offsets up to %d, this master's queue ends at %d: messages "
+                "archived by a previous master were never replicated here",
+                manifest.prefix,
+                manifest.end_offset,
+                self.store.max_offset(topic, queue_id),
+            )
         if manifest.epoch < term.epoch:
             manifest = manifest.next_version()
             self._commit(topic, queue_id, manifest)
@@ -370,7 +381,7 @@ class Offloader:
             while manifest.end_offset < target:
                 info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
                 if info is None:
-                    break  # the rest is not acknowledged by enough replicas yet
+                    break  # the rest is not on every in-sync replica yet
                 manifest = manifest.with_segment(info)
                 failpoints.hit("offload.before_commit")
                 try:

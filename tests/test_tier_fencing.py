@@ -1,6 +1,7 @@
 """Tiered storage in a replica group, one offloader per role, on a real store and a real tier
 (file:// and LocalStack S3): only the leader writes; a deposed master's commits are refused by
-the manifest's conditional put; SYNC uploads stop at the group's confirmed offset."""
+the manifest's conditional put; a master uploads only below its high watermark (what every
+in-sync replica holds)."""
 
 from __future__ import annotations
 
@@ -98,14 +99,14 @@ def test_a_slave_never_writes_the_tier_nor_sweeps_it(hot, tier) -> None:
     assert ManifestLog(tier, PREFIX).load().end_offset == 200
 
 
-def test_sync_uploads_stop_at_the_confirmed_offset(hot, tier) -> None:
+def test_uploads_stop_at_the_high_watermark(hot, tier) -> None:
     fill(hot, "orders", 600, queues=1, seed=6)
     messages = snapshot(hot, "orders", 0)
-    confirmed = messages[450].commitlog_offset  # replicas hold every byte below message 450
-    limit: list[int | None] = [confirmed]
+    held = messages[450].commitlog_offset  # every in-sync replica holds message 449
+    limit: list[int | None] = [held]
     master = offloader(hot, tier, Term(1, "a"), upload_limit=lambda: limit[0])
     assert master.offload_queue("orders", 0).watermark == 450
-    assert master.offload_queue("orders", 0).segments == 0  # nothing more is confirmed
+    assert master.offload_queue("orders", 0).segments == 0  # nothing more is replicated
     limit[0] = hot.max_physical_offset
     assert master.offload_queue("orders", 0).watermark == 600
     assert read_tier(tier, "orders", 0) == messages
