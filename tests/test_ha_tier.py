@@ -46,6 +46,20 @@ def create_tiered_topic(member: GroupMember) -> None:
     )
 
 
+def replicated_tiered_topic(
+    group, env: dict[str, str], count: int
+) -> tuple[GroupMember, GroupMember]:  # type: ignore[no-untyped-def]
+    """Master a and its slave b (ASYNC) with a tiered topic of ``count`` messages on both."""
+    a, b = group("a"), group("b")
+    a.start("master", 0, mode="async", env=env)
+    b.start("slave", 1, master=a, env=env)
+    create_tiered_topic(a)
+    assert all(st.code == d.OK for st in send(a.endpoint, 0, count))
+    wait_until("b caught up", lambda: caught_up(a, b))
+    wait_until("b has the topic", b.has_topic)
+    return a, b
+
+
 def offload(member: GroupMember, keep_local_bytes: int = 0) -> list[int]:
     """``tmq offload TOPIC``: each queue's watermark after it."""
     reply = admin(member).Offload(
@@ -87,13 +101,7 @@ def test_a_deposed_master_is_fenced_and_the_new_master_resumes_at_the_watermark(
 ) -> None:  # type: ignore[no-untyped-def]
     env = tier_env(s3, bucket)
     tier = open_tier(f"s3://{bucket}/tier", s3.storage_options())
-    a, b = group("a"), group("b")
-    a.start("master", 0, mode="async", env=env)
-    b.start("slave", 1, master=a, env=env)
-    create_tiered_topic(a)
-    assert all(st.code == d.OK for st in send(a.endpoint, 0, 300))
-    wait_until("b caught up", lambda: caught_up(a, b))
-    wait_until("b has the topic", b.has_topic)
+    a, b = replicated_tiered_topic(group, env, 300)
     with pytest.raises(grpc.RpcError, match="slave"):
         offload(b)  # a slave never uploads
     assert sum(offload(a)) == 300
@@ -145,14 +153,7 @@ def test_a_deposed_master_is_fenced_and_the_new_master_resumes_at_the_watermark(
 
 
 def test_a_slave_releases_only_below_its_masters_watermark(group, s3, bucket: str) -> None:  # type: ignore[no-untyped-def]
-    env = tier_env(s3, bucket)
-    a, b = group("a"), group("b")
-    a.start("master", 0, mode="async", env=env)
-    b.start("slave", 1, master=a, env=env)
-    create_tiered_topic(a)
-    assert all(st.code == d.OK for st in send(a.endpoint, 0, 1500))
-    wait_until("b caught up", lambda: caught_up(a, b))
-    wait_until("b has the topic", b.has_topic)
+    a, b = replicated_tiered_topic(group, tier_env(s3, bucket), 1500)
     # Upload all but each queue's newest ~100 KB: the CommitLog files below go on the master...
     watermarks = offload(a, keep_local_bytes=100_000)
     assert 0 < sum(watermarks) < 1500
