@@ -1,10 +1,13 @@
 """Tiered storage in a replica group, with real broker processes and LocalStack S3: only the
 master uploads; a deposed master that still believes it leads is fenced by the manifest and
-keeps its files; the new master resumes at the watermark with no range uploaded twice; a slave
-releases local files only below the watermark its master committed."""
+keeps its files; the new master resumes at the watermark with no range uploaded twice; a master
+uploads only what its in-sync slaves hold; a slave releases local files only below the
+watermark its master committed."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import grpc
@@ -152,11 +155,25 @@ def test_a_deposed_master_is_fenced_and_the_new_master_resumes_at_the_watermark(
     b.stop()
 
 
-def test_a_slave_releases_only_below_its_masters_watermark(group, s3, bucket: str) -> None:  # type: ignore[no-untyped-def]
-    a, b = replicated_tiered_topic(group, tier_env(s3, bucket), 1500)
-    # Upload all but each queue's newest ~100 KB: the CommitLog files below go on the master...
-    watermarks = offload(a, keep_local_bytes=100_000)
-    assert 0 < sum(watermarks) < 1500
+def test_uploads_wait_for_the_in_sync_slave_which_releases_only_below_the_watermark(
+    group, s3, bucket: str
+) -> None:  # type: ignore[no-untyped-def]
+    # b stays in the SyncStateSet for a minute without acknowledging: a lagging member.
+    env = {**tier_env(s3, bucket), "TMQ_HA_MAX_LAG_MS": "60000"}
+    a, b = replicated_tiered_topic(group, env, 1500)
+    wait_until("a knows b holds everything", lambda: a.metric("tmq_replication_lag_bytes") == 0)
+    assert b.proc is not None
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        assert all(st.code == d.OK for st in send(a.endpoint, 1500, 600))  # ASYNC: acked
+        assert a.metric("tmq_replication_sync_state_set_size") == 2
+        # The master archives only what every in-sync member holds: b lacks the last 600.
+        watermarks = offload(a)
+        assert sum(watermarks) == 1500
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    wait_until("b caught up", lambda: caught_up(a, b))
+    # The CommitLog files below the watermark go on the master...
     wait_until("a released files", lambda: released(a) > 0)
     # ...and on the slave, from the watermark it reads in the tier, never above it.
     wait_until("b released files", lambda: released(b) > 0, 20)
@@ -164,10 +181,12 @@ def test_a_slave_releases_only_below_its_masters_watermark(group, s3, bucket: st
     assert [q.tier_watermark for q in described.queues] == watermarks
     for q, watermark in zip(described.queues, watermarks, strict=True):
         assert 0 < q.hot_min_offset <= watermark
+    assert sum(offload(a)) == 2100  # b holds everything again: the rest goes up
     b.stop()
     a.stop()
     with open_store(b.data_dir) as store:
         assert store.min_physical_offset > 0
+        assert sum(store.max_offset(TOPIC, q) for q in range(QUEUES)) == 2100
         for q, watermark in enumerate(watermarks):
             assert store.hot_min_offset(TOPIC, q) <= watermark
             kept = store.get_messages(TOPIC, q, watermark, max_count=2000).messages
