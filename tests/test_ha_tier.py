@@ -149,9 +149,17 @@ def test_a_deposed_master_is_fenced_and_the_new_master_resumes_at_the_watermark(
     assert (a.data_dir / "commitlog" / f"{0:020d}").exists()
     assert released(a) == 0
 
+    # a rejoins as b's slave: its divergent tail is cut, and now it may release below b's
+    # watermark (its log below it is b's).
+    a.kill9()
+    a.start("slave", 1, master=b, env=env)
+    wait_until("a caught up with b", lambda: caught_up(b, a))
+    assert a.metric("tmq_tier_fenced") == 0
+    wait_until("a released its first file", lambda: released(a) > 0, 20)
+    assert manifests(tier) == after_b
     verdict = admin(b).Verify(apb.VerifyRequest(topic=TOPIC), timeout=60)
     assert verdict.status == "OK", verdict
-    a.kill9()
+    a.stop()
     b.stop()
 
 
