@@ -412,6 +412,7 @@ class Broker:
                     if self._stop.is_set():
                         return  # shutting down: a pass against a dead tier would delay it
                     try:
+                        self.offloader.claim(topic.name, queue_id)  # fences a deposed master
                         reason = self.offloader.due(topic.name, queue_id, now)
                         if reason is None:
                             continue

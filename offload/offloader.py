@@ -227,6 +227,13 @@ class Offloader:
             f"{current.prefix}: fenced by {self.fenced_by.writer} (epoch {self.fenced_by.epoch})"
         )
 
+    def claim(self, topic: str, queue_id: int) -> None:
+        """Claim the queue for this broker's term now, rather than at its first upload (no I/O
+        once claimed in this term): a new master calls it for every tiered queue, so a deposed
+        master is fenced on every queue at once, busy or not."""
+        with self._lock(topic, queue_id):
+            self._claim(topic, queue_id)
+
     def _claim(self, topic: str, queue_id: int) -> QueueManifest:
         """The queue's manifest, claimed for this broker's term: on the first write of a term
         (or of a process), reload it, refuse if a higher epoch owns it, commit a version
