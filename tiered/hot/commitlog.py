@@ -101,6 +101,11 @@ class AppendBatch(Sequence[AppendResult]):
         return AppendResult(self._offsets[i], self._sizes[i], self._qoffs[i], self._ts)
 
     @property
+    def queue_offsets(self) -> list[int]:
+        """The queue offset of every message, in order."""
+        return self._qoffs
+
+    @property
     def end_offset(self) -> int:
         """Just past the last record appended."""
         return self._offsets[-1] + self._sizes[-1] if self._offsets else 0
