@@ -39,6 +39,7 @@ import mmap
 import os
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -630,7 +631,7 @@ def read_store_timestamp(buf: Buffer, pos: int) -> int:
 
 
 def scan_records_py(
-    buf: Buffer, pos: int, limit: int, physical_offset: int, *, check_crc: bool
+    buf: Buffer, pos: int, limit: int, physical_offset: int, check_crc: bool
 ) -> tuple[int, int]:
     """Validate consecutive records from ``pos`` (CommitLog offset ``physical_offset``) while
     each is a whole V2 record that leaves room for a BLANK record before ``limit``; return
@@ -638,6 +639,7 @@ def scan_records_py(
     ``limit``, or before the first record ``validate`` refuses: the caller runs ``validate``
     there to learn why. This is the crash-recovery scan."""
     count = 0
+    limit = min(limit, len(buf))
     while limit - pos >= BLANK_RECORD_SIZE:
         total, magic = _TOTAL_AND_MAGIC.unpack_from(buf, pos)
         if magic != MAGIC_CODE_V2 or not 0 < total <= limit - pos - BLANK_RECORD_SIZE:
@@ -764,6 +766,7 @@ def _native_engine() -> Any:
         from tiered import _record_native  # type: ignore[attr-defined]
     except ImportError:
         return None
+    _record_native.bind(sys.modules[__name__])
     return _record_native
 
 
