@@ -576,6 +576,22 @@ def read_dispatch_run_py(
     out: EncodedBatch,
     stamps: list[int],
 ) -> int:
+    """The reference implementation of ``read_dispatch_run``. Bytes that are not records
+    (which validated data never holds) raise ``RecordError``."""
+    try:
+        return _read_dispatch_run(buf, pos, limit, base_offset, out, stamps)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise RecordError(f"record at {pos}: {e}") from None
+
+
+def _read_dispatch_run(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    out: EncodedBatch,
+    stamps: list[int],
+) -> int:
     """Append the dispatch fields of every record from ``pos`` up to ``limit`` (or a BLANK
     record) to ``out``; return the position after the last one. ``base_offset`` is the CommitLog
     offset of ``buf[0]``. The records have been validated already (append or recovery)."""
@@ -615,6 +631,8 @@ def read_dispatch_run_py(
         qoffs.append(queue_offset)
         queues.append((topic, queue_id))
         stamps.append(fields[2])
+        if total <= 0:
+            raise RecordError(f"record at {pos}: total size {total}")
         pos += total
     return pos
 
@@ -741,7 +759,7 @@ def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
 
 def crc32c_py(data: Buffer) -> int:
     """CRC32C (Castagnoli) of ``data``, unsigned (google-crc32c, hardware-assisted)."""
-    return int(crc32c(data))
+    return int(crc32c(data if isinstance(data, bytes) else bytes(data)))
 
 
 class _PythonEngine:
