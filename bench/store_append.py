@@ -162,33 +162,33 @@ def dsync_1k_writes_per_s(root: Path) -> float:
 
 
 def bench_sync_threads_rounds(root: Path, body: bytes) -> dict[str, object]:
-    """Each round measures ``dd`` and then each thread count; the ratio of every round is taken
-    against that round's ``dd``, and the medians of the rounds are reported."""
-    rounds: list[dict[str, object]] = []
+    """Each round runs every thread count, each right after its own ``dd`` (the disk's fsync
+    rate moves 3x within a minute here); medians of the rounds are reported."""
+    rounds: list[dict[str, dict[str, float]]] = []
     for _ in range(ROUNDS):
-        limit = dsync_1k_writes_per_s(root)
-        runs = {n: bench_sync_threads(root, body, n) for n in SYNC_THREADS}
-        rounds.append(
-            {
+        runs: dict[str, dict[str, float]] = {}
+        for n in SYNC_THREADS:
+            limit = dsync_1k_writes_per_s(root)
+            r = bench_sync_threads(root, body, n)
+            runs[f"threads_{n}"] = {
+                **r,
                 "dd_dsync_1k_writes_per_s": round(limit),
-                **{
-                    f"threads_{n}": {**r, "ratio": round(r["msgs_per_s"] / limit, 2)}
-                    for n, r in runs.items()
-                },
+                "ratio": round(r["msgs_per_s"] / limit, 2),
             }
-        )
+        rounds.append(runs)
     result: dict[str, object] = {
-        "dd_dsync_1k_writes_per_s": statistics.median(
-            float(r["dd_dsync_1k_writes_per_s"])  # type: ignore[arg-type]
-            for r in rounds
-        )
-    }
-    for n in SYNC_THREADS:
-        runs_n = [r[f"threads_{n}"] for r in rounds]
-        result[f"threads_{n}"] = {
-            key: statistics.median(float(run[key]) for run in runs_n)  # type: ignore[index]
-            for key in ("msgs_per_s", "fsyncs_per_s", "msgs_per_fsync", "ratio")
+        name: {
+            key: statistics.median(r[name][key] for r in rounds)
+            for key in (
+                "msgs_per_s",
+                "fsyncs_per_s",
+                "msgs_per_fsync",
+                "dd_dsync_1k_writes_per_s",
+                "ratio",
+            )
         }
+        for name in rounds[0]
+    }
     result["rounds"] = rounds
     return result
 
