@@ -260,9 +260,20 @@ class ConsumeQueue:
 
 
 def _sizes(f: MappedFile) -> np.ndarray:
-    """The size field of every entry slot in ``f`` (a copy, so the mapping can be closed)."""
-    raw = f.read(0, f.size - f.size % CQ_ENTRY_SIZE)
-    return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
+    """The size field of every entry slot in ``f``, as a copy (so the mapping can be closed).
+
+    Read in place from the mapping, and only where the extent map says data may be: a file is
+    preallocated, and recovery would otherwise fault in every never-written page of it."""
+    count = f.size // CQ_ENTRY_SIZE
+    sizes = np.zeros(count, np.int64)
+    view = np.frombuffer(f.mm, dtype=CQ_DTYPE, count=count)
+    try:
+        for start, end in f.data_regions(0):
+            lo, hi = start // CQ_ENTRY_SIZE, min(count, -(-end // CQ_ENTRY_SIZE))
+            sizes[lo:hi] = view["size"][lo:hi]
+    finally:
+        del view  # release the mapping's buffer at once
+    return sizes
 
 
 class ConsumeQueueTable:
