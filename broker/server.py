@@ -40,6 +40,7 @@ from remoting.namesrv_client import NameServerClient
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
+from tiered.cold.worker import ColdWorker
 from tiered.cold.storage import (
     ObjectStore,
     PermanentStorageError,
@@ -74,14 +75,24 @@ class Broker:
         self.tier: ObjectStore | None = None
         self.fetcher: ColdFetcher | None = None
         self.offloader: Offloader | None = None
+        # The child process that builds and uploads segments and reads them back for cold
+        # reads, off this process's GIL (tiered/cold/worker.py); started by start().
+        self.cold_worker: ColdWorker | None = None
         if config.tier_url:
             self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.cold_worker = ColdWorker(
+                config.tier_url,
+                config.tier_options,
+                config.retry,
+                max_inflight=max(16, 4 * config.offload.parallel_uploads),
+            )
             self.fetcher = ColdFetcher(
                 self.tier,
                 config.cluster,
                 config.name,
                 tiered_queues=self._tiered_queues,
                 observe=self.metrics.observe_cold_read,
+                runner=self.cold_worker,
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:
@@ -92,6 +103,7 @@ class Broker:
                 config.name,
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
+                runner=self.cold_worker,
             )
         self._stop = threading.Event()
         self._register_now = threading.Event()
@@ -156,6 +168,8 @@ class Broker:
         self._check_tier()
         self.store.start()
         try:
+            if self.cold_worker is not None:
+                self.cold_worker.start()
             self.metadata.load()
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
@@ -221,6 +235,8 @@ class Broker:
             self.timers.stop()
             if self.replication is not None:
                 self.replication.stop()
+            if self.cold_worker is not None:
+                self.cold_worker.close()
             self.store.shutdown()
             raise
         self.register()
@@ -367,7 +383,7 @@ class Broker:
             return
         if self.offloader is not None:
             now = time.time_ns() // 1_000_000
-            committed = False
+            due: list[tuple[str, int]] = []
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
                     if self._stop.is_set():
@@ -377,10 +393,20 @@ class Broker:
                         if reason is None:
                             continue
                         log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
-                        if self.offloader.offload_queue(topic.name, queue_id).segments:
-                            committed = True
+                        due.append((topic.name, queue_id))
                     except Exception as e:
                         self._queue_failed("offload", topic.name, queue_id, e)
+            committed = False
+            # Several queues at once: their uploads share the cold worker's bounded queue.
+            for (name, queue_id), outcome in zip(
+                due, self.offloader.offload_queues(due), strict=True
+            ):
+                if isinstance(outcome, Exception):
+                    self._queue_failed("offload", name, queue_id, outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif outcome.segments:
+                    committed = True
             for cfg, queue_id in self._retained_queues():
                 if self._stop.is_set():
                     return
@@ -470,6 +496,10 @@ class Broker:
         self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.offloader is not None:
+            self.offloader.close()
+        if self.cold_worker is not None:
+            self.cold_worker.close()
         self.store.shutdown()
         if self.namesrv is not None:
             self.namesrv.close()

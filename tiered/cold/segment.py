@@ -35,6 +35,7 @@ from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, key_hash
 from tiered.record import (
     EncodedBatch,
+    RecordError,
     StoredMessage,
     decode,
     read_dispatch_run,
@@ -191,6 +192,55 @@ def verify(store: ObjectStore, info: SegmentInfo) -> None:
         raise SegmentError(f"{info.key}: content does not match its CRC")
 
 
+_QUEUE_OFFSET_AT = 20  # QUEUEOFFSET's position in a record (tiered/record.py)
+
+
+@dataclass(slots=True, frozen=True)
+class RecordSpan:
+    """Consecutive whole records of one segment, checked but not decoded: what the cold fetcher
+    caches, so a read decodes only the messages it returns."""
+
+    base_offset: int  # queue offset of the first record
+    data: bytes
+    positions: list[int]  # where each record starts in ``data``
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def message(self, i: int) -> StoredMessage:
+        """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
+        when the span was read."""
+        return decode(self.data, self.positions[i], check_crc=False)
+
+
+def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
+    """The segment's whole offset table (``CQ_DTYPE`` entries, one request): a cold job."""
+    return SegmentReader(store, info).range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
+
+
+def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes) -> RecordSpan:
+    """The records ``first, first + 1, ...`` of the segment whose offset-table entries are
+    ``entries``, with one ranged GET, each checked (structure, body CRC, queue offset): a cold
+    job. Raises ``SegmentError`` for a record that is not what its entry says."""
+    table = np.frombuffer(entries, dtype=CQ_DTYPE)
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    begin = int(starts[0])
+    data = SegmentReader(store, info).range(begin, int(ends[-1]) - begin)
+    positions = (starts - begin).tolist()
+    for i, (pos, size) in enumerate(zip(positions, table["size"].tolist(), strict=True)):
+        try:
+            (phys,) = _PHYS.unpack_from(data, pos + _PHYS_AT)
+            if validate(data, pos, phys, check_crc=True) != size:
+                raise SegmentError(f"{info.key}: record at {begin + pos} is not its entry's size")
+            (queue_offset,) = _PHYS.unpack_from(data, pos + _QUEUE_OFFSET_AT)
+        except (RecordError, struct.error) as e:
+            raise SegmentError(f"{info.key}: record at {begin + pos}: {e}") from e
+        if queue_offset != info.base_offset + first + i:
+            raise SegmentError(f"{info.key}: record at {begin + pos} has queue offset {queue_offset}")
+    return RecordSpan(info.base_offset + first, data, positions)
+
+
 class SegmentReader:
     """Reads one segment with ranged GETs; every method costs a fixed number of requests."""
 
@@ -204,7 +254,7 @@ class SegmentReader:
         if not 0 <= i < self.info.count:
             raise SegmentError(f"{self.info.key}: queue offset {queue_offset} is not in it")
         n = min(max_count, self.info.count - i)
-        raw = self._range(self.info.offsets_at + i * CQ_ENTRY_SIZE, n * CQ_ENTRY_SIZE)
+        raw = self.range(self.info.offsets_at + i * CQ_ENTRY_SIZE, n * CQ_ENTRY_SIZE)
         return np.frombuffer(raw, dtype=CQ_DTYPE)
 
     def read(
@@ -216,7 +266,7 @@ class SegmentReader:
         keep = max(1, int(np.searchsorted(ends - entries["offset"][0], max_bytes, "right")))
         entries = entries[:keep]
         start = int(entries["offset"][0])
-        span = self._range(start, int(ends[keep - 1]) - start)
+        span = self.range(start, int(ends[keep - 1]) - start)
         out = []
         for pos, size in zip(entries["offset"].tolist(), entries["size"].tolist(), strict=True):
             msg = decode(span, pos - start, check_crc=True)
@@ -227,7 +277,7 @@ class SegmentReader:
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first queue offset stored at or after ``timestamp_ms`` (one request)."""
-        raw = self._range(self.info.times_at, 8 * self.info.count)
+        raw = self.range(self.info.times_at, 8 * self.info.count)
         times = np.frombuffer(raw, dtype=_TIME)
         return self.info.base_offset + int(np.searchsorted(times, timestamp_ms, "left"))
 
@@ -235,13 +285,15 @@ class SegmentReader:
         """Queue offsets whose key index entry matches (candidates: check the records)."""
         if self.info.key_count == 0:
             return []
-        raw = self._range(self.info.keys_at, 8 * self.info.key_count)
+        raw = self.range(self.info.keys_at, 8 * self.info.key_count)
         index = np.frombuffer(raw, dtype=_KEY_DTYPE)
         h = key_hash(topic, key)
         lo, hi = np.searchsorted(index["hash"], [h, h + 1])
         return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
 
-    def _range(self, start: int, length: int) -> bytes:
+    def range(self, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (one request); ``SegmentError`` when
+        the object is missing or short."""
         try:
             data = self.store.get_range(self.info.key, start, length)
         except ObjectNotFoundError:
