@@ -30,9 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHES = sorted(
-    p.stem for p in (REPO / "bench").glob("*.py") if p.stem not in ("all", "__init__")
-)
+BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem not in ("all", "__init__"))
 
 # Short mode: module constants set before main(), and command-line arguments. Sized so that the
 # whole set runs in a few minutes on this 2-core machine.

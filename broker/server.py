@@ -40,7 +40,6 @@ from remoting.namesrv_client import NameServerClient
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
-from tiered.cold.worker import ColdWorker
 from tiered.cold.storage import (
     ObjectStore,
     PermanentStorageError,
@@ -48,6 +47,7 @@ from tiered.cold.storage import (
     check_writable,
     open_store,
 )
+from tiered.cold.worker import ColdWorker
 from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 

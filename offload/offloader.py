@@ -25,6 +25,7 @@ that fails deletes the objects it uploaded but did not commit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -36,6 +37,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from offload.segment_upload import SegmentJob, upload_segment
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
@@ -44,7 +46,6 @@ from tiered.cold.manifest import (
     queue_prefix,
     segment_key,
 )
-from offload.segment_upload import SegmentJob, upload_segment
 from tiered.cold.segment import SegmentError, SegmentInfo
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.cold.worker import JobRunner, LocalRunner, WorkerCrashedError
@@ -418,10 +419,8 @@ class Offloader:
         (never committed, under keys nobody else uses), so that a failed pass leaves no orphan
         behind when the tier answers. Best effort: the start-up sweep and ``verify`` remain."""
         for job, future in uploads:
-            try:
+            with contextlib.suppress(Exception):  # the object may exist all the same
                 future.result()
-            except Exception:
-                pass  # the object may exist all the same: delete it below
             try:
                 self.tier.delete(job.key)
             except Exception as e:

@@ -1,4 +1,4 @@
-"""One segment's build and upload: the offloader's job for the cold worker (``tiered/cold/worker.py``).
+"""One segment's build and upload: the offloader's job for the cold worker (tiered/cold/worker.py).
 
 The broker plans a segment (its key, its base queue offset and its ConsumeQueue entries, a few
 bytes per message) and hands it over; the job reads the records straight from the CommitLog

@@ -64,9 +64,7 @@ def fill(store: MessageStore, n: int) -> list[bytes]:
     rng = random.Random(5)
     bodies = [rng.randbytes(rng.randint(1, 600)) for _ in range(n)]
     for i, body in enumerate(bodies):
-        store.put_message(
-            Message(topic="t", queue_id=0, body=body, properties={"KEYS": f"k{i}"})
-        )
+        store.put_message(Message(topic="t", queue_id=0, body=body, properties={"KEYS": f"k{i}"}))
     assert store.wait_dispatched(10)
     return bodies
 

@@ -57,8 +57,7 @@ from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
 from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
-# How a CommitLog file is named by its first offset (the offloader's worker reads the files).
-from tiered.hot.mapped_file import offset_name as commitlog_file_name
+from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
     Message,

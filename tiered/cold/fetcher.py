@@ -32,9 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 import numpy as np
 
+from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import (
     RecordSpan,
     SegmentError,

@@ -215,7 +215,7 @@ class RecordSpan:
 
 def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
     """The segment's whole offset table (``CQ_DTYPE`` entries, one request): a cold job."""
-    return SegmentReader(store, info).range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
+    return SegmentReader(store, info)._range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
 
 
 def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes) -> RecordSpan:
@@ -226,7 +226,7 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
     starts = table["offset"].astype(np.int64)
     ends = starts + table["size"]
     begin = int(starts[0])
-    data = SegmentReader(store, info).range(begin, int(ends[-1]) - begin)
+    data = SegmentReader(store, info)._range(begin, int(ends[-1]) - begin)
     positions = (starts - begin).tolist()
     for i, (pos, size) in enumerate(zip(positions, table["size"].tolist(), strict=True)):
         try:
@@ -237,7 +237,9 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
         except (RecordError, struct.error) as e:
             raise SegmentError(f"{info.key}: record at {begin + pos}: {e}") from e
         if queue_offset != info.base_offset + first + i:
-            raise SegmentError(f"{info.key}: record at {begin + pos} has queue offset {queue_offset}")
+            raise SegmentError(
+                f"{info.key}: record at {begin + pos} has queue offset {queue_offset}"
+            )
     return RecordSpan(info.base_offset + first, data, positions)
 
 
@@ -254,7 +256,7 @@ class SegmentReader:
         if not 0 <= i < self.info.count:
             raise SegmentError(f"{self.info.key}: queue offset {queue_offset} is not in it")
         n = min(max_count, self.info.count - i)
-        raw = self.range(self.info.offsets_at + i * CQ_ENTRY_SIZE, n * CQ_ENTRY_SIZE)
+        raw = self._range(self.info.offsets_at + i * CQ_ENTRY_SIZE, n * CQ_ENTRY_SIZE)
         return np.frombuffer(raw, dtype=CQ_DTYPE)
 
     def read(
@@ -266,7 +268,7 @@ class SegmentReader:
         keep = max(1, int(np.searchsorted(ends - entries["offset"][0], max_bytes, "right")))
         entries = entries[:keep]
         start = int(entries["offset"][0])
-        span = self.range(start, int(ends[keep - 1]) - start)
+        span = self._range(start, int(ends[keep - 1]) - start)
         out = []
         for pos, size in zip(entries["offset"].tolist(), entries["size"].tolist(), strict=True):
             msg = decode(span, pos - start, check_crc=True)
@@ -277,7 +279,7 @@ class SegmentReader:
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first queue offset stored at or after ``timestamp_ms`` (one request)."""
-        raw = self.range(self.info.times_at, 8 * self.info.count)
+        raw = self._range(self.info.times_at, 8 * self.info.count)
         times = np.frombuffer(raw, dtype=_TIME)
         return self.info.base_offset + int(np.searchsorted(times, timestamp_ms, "left"))
 
@@ -285,13 +287,13 @@ class SegmentReader:
         """Queue offsets whose key index entry matches (candidates: check the records)."""
         if self.info.key_count == 0:
             return []
-        raw = self.range(self.info.keys_at, 8 * self.info.key_count)
+        raw = self._range(self.info.keys_at, 8 * self.info.key_count)
         index = np.frombuffer(raw, dtype=_KEY_DTYPE)
         h = key_hash(topic, key)
         lo, hi = np.searchsorted(index["hash"], [h, h + 1])
         return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
 
-    def range(self, start: int, length: int) -> bytes:
+    def _range(self, start: int, length: int) -> bytes:
         """``length`` bytes of the object from ``start`` (one request); ``SegmentError`` when
         the object is missing or short."""
         try:

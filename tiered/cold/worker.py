@@ -179,7 +179,9 @@ class ColdWorker:
         return future
 
     def _read_replies(
-        self, process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection
+        self,
+        process: multiprocessing.process.BaseProcess,
+        conn: multiprocessing.connection.Connection,
     ) -> None:
         while True:
             try:
