@@ -44,7 +44,9 @@ import pyarrow as pa
 from google_crc32c import value as crc32c
 
 from tiered.record import (
+    ENGINE_NAME,
     MAGIC_CODE_V2,
+    NATIVE_ENGINE,
     SYSFLAG_BORNHOST_V6,
     SYSFLAG_STOREHOST_V6,
     V4_HEAD_SIZE,
@@ -96,6 +98,17 @@ def decode_run(
     Raises what ``record.decode`` raises for the first record it refuses: ``RecordError``
     (truncated, malformed, not UTF-8) or ``CorruptRecordError`` (body CRC, with ``check_crc``).
     """
+    at = np.asarray(positions, dtype=np.int64)
+    if ENGINE_NAME == "native":
+        result: pa.RecordBatch = NATIVE_ENGINE.decode_run(buf, at, check_crc)
+        return result
+    return decode_run_py(buf, at, check_crc=check_crc)
+
+
+def decode_run_py(
+    buf: Buffer, positions: Sequence[int] | np.ndarray, *, check_crc: bool = True
+) -> pa.RecordBatch:
+    """The reference implementation of ``decode_run``, with numpy."""
     at = np.asarray(positions, dtype=np.int64)
     data = np.frombuffer(buf, dtype=np.uint8)
     try:

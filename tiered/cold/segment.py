@@ -34,13 +34,12 @@ from google_crc32c import value as crc32c
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, key_hash
 from tiered.record import (
-    EncodedBatch,
+    CorruptRecordError,
     RecordError,
     StoredMessage,
+    crc32c_of,
     decode,
-    read_dispatch_run,
-    split_keys,
-    tag_hash,
+    segment_tables,
     validate,
 )
 
@@ -119,40 +118,20 @@ FOOTER_FIELDS = (
 def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
     """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
     at ``base_offset``) as a segment object. Every record is checked on the way in (structure,
-    body CRC, contiguous queue offsets): a damaged record is refused, never archived."""
+    body CRC, contiguous queue offsets) by the record engine's segment build: a damaged record
+    is refused (``CorruptRecordError``), never archived."""
     body_records = b"".join(records)
-    fields = EncodedBatch()
-    stamps: list[int] = []
-    end = read_dispatch_run(body_records, 0, len(body_records), 0, fields, stamps)
-    count = len(fields.offsets)
-    if count == 0:
-        raise SegmentError(f"{key}: a segment needs at least one record")
-    if end != len(body_records):
-        raise SegmentError(f"{key}: bytes at {end} are not a record")
-    for pos in fields.offsets:
-        (phys,) = _PHYS.unpack_from(body_records, pos + _PHYS_AT)
-        validate(body_records, pos, phys, check_crc=True)  # raises CorruptRecordError
-    expected = list(range(base_offset, base_offset + count))
-    if fields.queue_offsets != expected:
-        bad = next(i for i, q in enumerate(fields.queue_offsets) if q != expected[i])
-        raise SegmentError(
-            f"{key}: record has queue offset {fields.queue_offsets[bad]}, expected {expected[bad]}"
-        )
-    table = np.empty(count, CQ_DTYPE)
-    table["offset"] = fields.offsets
-    table["size"] = fields.sizes
-    table["tag"] = [tag_hash(t) for t in fields.tags]
-    keys: list[tuple[int, int]] = []
-    for number, (topic, _) in enumerate(fields.queues):
-        for k in [*split_keys(fields.keys[number]), fields.uniq_keys[number]]:
-            if k:
-                keys.append((key_hash(topic, k), number))
-    keys.sort()
-    key_index = np.array(keys, dtype=_KEY_DTYPE).tobytes()
+    try:
+        tables = segment_tables(body_records, base_offset)
+    except CorruptRecordError:
+        raise
+    except RecordError as e:
+        raise SegmentError(f"{key}: {e}") from None
+    count = tables.count
     offsets_at = len(body_records)
     times_at = offsets_at + count * CQ_ENTRY_SIZE
     keys_at = times_at + 8 * count
-    body = b"".join([body_records, table.tobytes(), np.asarray(stamps, _TIME).tobytes(), key_index])
+    body = b"".join([body_records, tables.offset_table, tables.time_table, tables.key_index])
     info = SegmentInfo(
         key=key,
         base_offset=base_offset,
@@ -161,10 +140,10 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
         offsets_at=offsets_at,
         times_at=times_at,
         keys_at=keys_at,
-        key_count=len(keys),
-        min_store_timestamp=min(stamps),
-        max_store_timestamp=max(stamps),
-        crc=int(crc32c(body)),
+        key_count=tables.key_count,
+        min_store_timestamp=tables.min_store_timestamp,
+        max_store_timestamp=tables.max_store_timestamp,
+        crc=crc32c_of(body),
     )
     return body + info.footer(), info
 
