@@ -51,12 +51,13 @@ class SegmentJob:
     commitlog_file_size: int
 
 
-def read_records(job: SegmentJob) -> list[bytes]:
-    """The job's whole records from the CommitLog files, a run of nearby records per read."""
+def read_records(job: SegmentJob) -> bytes:
+    """The job's whole records from the CommitLog files, one after the other (one copy): a run
+    of nearby records per read, the bytes between them (other queues' records) left out."""
     table = np.frombuffer(job.entries, dtype=CQ_DTYPE)
     phys = table["offset"].astype(np.int64)
     sizes = table["size"].astype(np.int64)
-    records: list[bytes] = []
+    parts: list[memoryview] = []
     files: dict[int, int] = {}
     try:
         i, n = 0, len(table)
@@ -88,20 +89,20 @@ def read_records(job: SegmentJob) -> list[bytes]:
                     f"{job.key}: CommitLog offsets {run_start}..{run_start + run_len} are not local"
                 )
             view = memoryview(data)
-            for p, s in zip(phys[i:j].tolist(), sizes[i:j].tolist(), strict=True):
-                records.append(bytes(view[p - run_start : p - run_start + s]))
+            for p, size in zip(phys[i:j].tolist(), sizes[i:j].tolist(), strict=True):
+                parts.append(view[p - run_start : p - run_start + size])
             i = j
     finally:
         for fd in files.values():
             os.close(fd)
-    return records
+    return b"".join(parts)
 
 
 def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
     """Build the job's segment, write it unless its key exists, and return its verified footer.
     Raises ``SegmentError`` (a damaged or missing record, a stored object that is not ours) or
     ``StorageError`` (after the tier's retries)."""
-    data, info = build(read_records(job), job.base_offset, job.key)
+    data, info = build([read_records(job)], job.base_offset, job.key)
     if not tier.put_if_absent(info.key, data):
         # Our own earlier attempt landed (the key is unique to this segment's plan).
         log.info("%s already exists: a retried upload", info.key)

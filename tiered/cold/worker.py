@@ -57,6 +57,13 @@ class _RemoteError(Exception):
     """An exception of the child that could not be pickled, as its type name and message."""
 
 
+def _warm_up(tier: ObjectStore) -> None:
+    try:
+        tier.size(".tmq-cold-worker-warm-up")
+    except Exception as e:  # an outage now is met again by the first real job
+        log.info("cold worker: the object store did not answer yet: %s", e)
+
+
 def _child_main(
     conn: multiprocessing.connection.Connection,
     tier_url: str,
@@ -68,6 +75,9 @@ def _child_main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tmq-cold-worker %(message)s")
     tier = open_store(tier_url, tier_options, retry)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-worker")
+    # The object store's first call sets up its session and connections (seconds with s3fs):
+    # made now, with a HEAD of a key nobody writes, rather than by the first upload.
+    pool.submit(_warm_up, tier)
     send_lock = threading.Lock()
 
     def run(job_id: int, fn: Job[Any], args: tuple[Any, ...]) -> None:
