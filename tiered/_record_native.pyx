@@ -17,7 +17,7 @@ from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memchr, memcmp, memcpy
+from libc.string cimport memchr, memcmp, memcpy, memmove
 
 import struct
 
@@ -374,6 +374,26 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     return i, used
 
 
+def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue_id,
+                    Py_ssize_t max_body):
+    """``record.first_unchecked_py``."""
+    cdef Py_ssize_t count = len(messages), i
+    cdef bint fast
+    for i in range(start, count):
+        m = messages[i]
+        fast = _slots_ok and type(m) is Message
+        topic = _field(m, fast, 0)
+        if not PyUnicode_Check(topic) or topic not in topics:
+            return i
+        queue_id = _field(m, fast, 2)
+        if type(queue_id) is not int or not 0 <= queue_id <= max_queue_id:
+            return i
+        body = _field(m, fast, 1)
+        if not PyBytes_CheckExact(body) or PyBytes_GET_SIZE(body) > max_body:
+            return i
+    return count
+
+
 # -- scans ----------------------------------------------------------------------------------------
 
 cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
@@ -668,3 +688,293 @@ def segment_tables(records, int64_t base_offset):
         min_store_timestamp=int(times.min()),
         max_store_timestamp=int(times.max()),
     )
+
+
+# -- decode a run into Arrow --------------------------------------------------------------------
+
+class Anomaly(ValueError):
+    """A record ``record.decode`` may refuse: the caller lets ``decode`` say what."""
+
+
+DEF MAX_COLUMN = 2147483647  # int32 offsets of binary/string columns
+
+cdef struct Spans:
+    int64_t body_at
+    int64_t body_len
+    int64_t topic_at
+    int64_t topic_len
+    int64_t props_at
+    int64_t props_len
+    int64_t born_at
+    int64_t store_at
+
+
+cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bint check_crc,
+                     Spans* s) noexcept nogil:
+    """Where each part of the record at ``pos`` is; 0, or -1 for an anomaly."""
+    cdef int64_t total, end, born_at, store_ts_at, reconsume_at, body_len_at, p
+    cdef int32_t sys_flag
+    if pos < 0 or pos + V4_HEAD > length:
+        return -1
+    total = <int32_t>tmq_be32(b + pos)
+    if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
+        return -1
+    if total < V4_HEAD + 4 or pos + total > length:
+        return -1
+    end = pos + total
+    sys_flag = <int32_t>tmq_be32(b + pos + 36)
+    born_at = pos + 48
+    store_ts_at = born_at + (20 if sys_flag & SYSFLAG_BORN_V6 else 8)
+    reconsume_at = store_ts_at + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8)
+    body_len_at = reconsume_at + 12
+    s.body_at = body_len_at + 4
+    if s.body_at > end:
+        return -1
+    s.body_len = <int32_t>tmq_be32(b + body_len_at)
+    p = s.body_at + s.body_len
+    if s.body_len < 0 or p + 2 > end:
+        return -1
+    s.topic_len = tmq_be16(b + p)
+    s.topic_at = p + 2
+    p = s.topic_at + s.topic_len
+    if p + 2 > end:
+        return -1
+    s.props_len = tmq_be16(b + p)
+    s.props_at = p + 2
+    if s.props_at + s.props_len != end:
+        return -1
+    s.born_at = born_at
+    s.store_at = store_ts_at + 8
+    if check_crc and tmq_crc32c_extend(0, b + s.body_at, s.body_len) != tmq_be32(b + pos + 8):
+        return -1
+    return 0
+
+
+cdef object _binary_array(object pa, Py_ssize_t n, object offsets, object values):
+    return pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(values)]
+    )
+
+
+cdef object _host(const unsigned char* p, bint v6, dict names, object host_string):
+    """``ip:port`` of the host at ``p``, formatted once per distinct host."""
+    cdef int w = 16 if v6 else 4
+    key = PyBytes_FromStringAndSize(<const char*>p, w + 4)
+    name = names.get(key)
+    if name is None:
+        import socket
+        address = socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, key[:w])
+        name = host_string(address, <int32_t>tmq_be32(p + w))
+        names[key] = name
+    return name
+
+
+def decode_run(buf, positions, bint check_crc):
+    """``columnar.decode_run``: the records at ``positions`` (a non-empty int64 array) as one
+    ``columnar.RECORD_SCHEMA`` batch. Raises ``Anomaly`` for a record ``record.decode`` would
+    refuse (the caller asks ``decode`` for the error)."""
+    import pyarrow as pa
+    from tiered.columnar import RECORD_SCHEMA, host_string
+
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t length = v.shape[0]
+    cdef const unsigned char* b = &v[0] if length else NULL
+    at_array = np.ascontiguousarray(positions, np.int64)
+    cdef const int64_t[::1] at = at_array
+    cdef Py_ssize_t n = at.shape[0], i, k
+    cdef Spans* spans = <Spans*>malloc(sizeof(Spans) * max(n, 1))
+    if spans == NULL:
+        raise MemoryError()
+    size_a = np.empty(n, np.int32)
+    crc_a = np.empty(n, np.int64)
+    qid_a = np.empty(n, np.int32)
+    flag_a = np.empty(n, np.int32)
+    qoff_a = np.empty(n, np.int64)
+    phys_a = np.empty(n, np.int64)
+    sys_a = np.empty(n, np.int32)
+    born_ts_a = np.empty(n, np.int64)
+    store_ts_a = np.empty(n, np.int64)
+    recon_a = np.empty(n, np.int32)
+    prep_a = np.empty(n, np.int64)
+    body_off_a = np.empty(n + 1, np.int32)
+    topic_off_a = np.empty(n + 1, np.int32)
+    cdef int32_t[::1] size_v = size_a, qid_v = qid_a, flag_v = flag_a, sys_v = sys_a
+    cdef int32_t[::1] recon_v = recon_a, body_off = body_off_a, topic_off = topic_off_a
+    cdef int64_t[::1] crc_v = crc_a, qoff_v = qoff_a, phys_v = phys_a, born_ts_v = born_ts_a
+    cdef int64_t[::1] store_ts_v = store_ts_a, prep_v = prep_a
+    cdef int64_t bad = -1, pos, body_total = 0, topic_total = 0, props_total = 0, pairs = 0
+    cdef Spans* s
+    try:
+        with nogil:
+            for i in range(n):
+                pos = at[i]
+                s = &spans[i]
+                if _locate(b, length, pos, check_crc, s) < 0:
+                    bad = i
+                    break
+                size_v[i] = <int32_t>tmq_be32(b + pos)
+                crc_v[i] = tmq_be32(b + pos + 8)
+                qid_v[i] = <int32_t>tmq_be32(b + pos + 12)
+                flag_v[i] = <int32_t>tmq_be32(b + pos + 16)
+                qoff_v[i] = <int64_t>tmq_be64(b + pos + 20)
+                phys_v[i] = <int64_t>tmq_be64(b + pos + 28)
+                sys_v[i] = <int32_t>tmq_be32(b + pos + 36)
+                born_ts_v[i] = <int64_t>tmq_be64(b + pos + 40)
+                store_ts_v[i] = <int64_t>tmq_be64(b + s.store_at - 8)
+                k = s.store_at + (20 if sys_v[i] & SYSFLAG_STORE_V6 else 8)
+                recon_v[i] = <int32_t>tmq_be32(b + k)
+                prep_v[i] = <int64_t>tmq_be64(b + k + 4)
+                body_total += s.body_len
+                topic_total += s.topic_len
+                props_total += s.props_len
+                # Upper bound of pairs: one per separator, plus an unterminated last one.
+                pairs += s.props_len // 2 + 1
+        if bad >= 0:
+            raise Anomaly(f"record at {at[bad]} is not one decode accepts")
+        if max(body_total, topic_total, props_total) > MAX_COLUMN:
+            raise ValueError("a run of more than 2 GiB of one column: decode it in smaller runs")
+        body_values = np.empty(body_total, np.uint8)
+        topic_values = np.empty(topic_total, np.uint8)
+        name_values = np.empty(props_total, np.uint8)
+        value_values = np.empty(props_total, np.uint8)
+        map_off_a = np.empty(n + 1, np.int32)
+        name_off_a = np.empty(pairs + 1, np.int32)
+        value_off_a = np.empty(pairs + 1, np.int32)
+        repeats = np.zeros(n, np.uint8)
+        count = _fill(b, spans, n, body_values, body_off_a, topic_values, topic_off_a,
+                      name_values, name_off_a, value_values, value_off_a, map_off_a, repeats)
+        # A replaced value is not in the columns, whose UTF-8 check comes below: decode refuses
+        # a record whose properties are not UTF-8 as a whole, so check those records here.
+        for i in np.flatnonzero(repeats).tolist():
+            try:
+                PyUnicode_DecodeUTF8(<const char*>b + spans[i].props_at, spans[i].props_len, NULL)
+            except UnicodeDecodeError as e:
+                raise Anomaly(str(e)) from None
+        born_names: dict = {}
+        store_names: dict = {}
+        born_hosts = [
+            _host(b + spans[i].born_at, sys_v[i] & SYSFLAG_BORN_V6, born_names, host_string)
+            for i in range(n)
+        ]
+        store_hosts = [
+            _host(b + spans[i].store_at, sys_v[i] & SYSFLAG_STORE_V6, store_names, host_string)
+            for i in range(n)
+        ]
+    finally:
+        free(spans)
+    try:
+        topic = _binary_array(pa, n, topic_off_a, topic_values).cast(pa.string())
+        names = _binary_array(pa, count, name_off_a[: count + 1], name_values).cast(pa.string())
+        values = _binary_array(pa, count, value_off_a[: count + 1], value_values).cast(pa.string())
+    except pa.ArrowInvalid as e:  # invalid UTF-8
+        raise Anomaly(str(e)) from None
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(size_a),
+            pa.array(crc_a),
+            pa.array(qid_a),
+            pa.array(flag_a),
+            pa.array(qoff_a),
+            pa.array(phys_a),
+            pa.array(sys_a),
+            pa.array(born_ts_a),
+            pa.array(born_hosts, pa.string()),
+            pa.array(store_ts_a),
+            pa.array(store_hosts, pa.string()),
+            pa.array(recon_a),
+            pa.array(prep_a),
+            _binary_array(pa, n, body_off_a, body_values),
+            topic,
+            pa.MapArray.from_arrays(pa.array(map_off_a), names, values),
+        ],
+        schema=RECORD_SCHEMA,
+    )
+
+
+cdef Py_ssize_t _fill(const unsigned char* b, Spans* spans, Py_ssize_t n,
+                      unsigned char[::1] body, int32_t[::1] body_off,
+                      unsigned char[::1] topic, int32_t[::1] topic_off,
+                      unsigned char[::1] names, int32_t[::1] name_off,
+                      unsigned char[::1] values, int32_t[::1] value_off,
+                      int32_t[::1] map_off, uint8_t[::1] repeats):
+    """Copy bodies and topics into their columns, and split properties into map entries with
+    ``record.decode_properties``'s rules: empty pairs are skipped, a pair without ``\\x01`` is a
+    name with an empty value, a value runs to the pair's end, and a repeated name keeps its first
+    position and its last value. Returns the number of map entries."""
+    cdef Py_ssize_t i, count = 0, first, j
+    cdef int64_t bo = 0, to = 0, no = 0, vo = 0, at, end, pair_end, name_end, nlen, vlen
+    cdef const unsigned char* p
+    cdef const unsigned char* hit
+    cdef unsigned char* nb = &names[0] if names.shape[0] else NULL
+    cdef unsigned char* vb = &values[0] if values.shape[0] else NULL
+    cdef int64_t* vstart = NULL
+    cdef int64_t* vend = NULL
+    cdef Spans* s
+    body_off[0] = 0
+    topic_off[0] = 0
+    name_off[0] = 0
+    value_off[0] = 0
+    map_off[0] = 0
+    with nogil:
+        for i in range(n):
+            s = &spans[i]
+            if s.body_len:
+                memcpy(&body[bo], b + s.body_at, s.body_len)
+            bo += s.body_len
+            body_off[i + 1] = <int32_t>bo
+            if s.topic_len:
+                memcpy(&topic[to], b + s.topic_at, s.topic_len)
+            to += s.topic_len
+            topic_off[i + 1] = <int32_t>to
+            first = count
+            p = b + s.props_at
+            at = 0
+            while at < s.props_len:
+                hit = <const unsigned char*>memchr(p + at, 2, s.props_len - at)
+                pair_end = (hit - p) if hit != NULL else s.props_len
+                if pair_end > at:
+                    hit = <const unsigned char*>memchr(p + at, 1, pair_end - at)
+                    name_end = (hit - p) if hit != NULL else pair_end
+                    nlen = name_end - at
+                    vlen = pair_end - name_end - 1 if hit != NULL else 0
+                    # A name seen earlier in this record: its value is replaced in place.
+                    j = first
+                    while j < count:
+                        if (name_off[j + 1] - name_off[j] == nlen
+                                and memcmp(nb + name_off[j], p + at, nlen) == 0):
+                            break
+                        j += 1
+                    if j < count:
+                        repeats[i] = 1
+                        _replace_value(vb, value_off, j, count, p + name_end + 1, vlen)
+                        vo = value_off[count]
+                    else:
+                        if nlen:
+                            memcpy(nb + no, p + at, nlen)
+                        no += nlen
+                        name_off[count + 1] = <int32_t>no
+                        if vlen:
+                            memcpy(vb + vo, p + name_end + 1, vlen)
+                        vo += vlen
+                        value_off[count + 1] = <int32_t>vo
+                        count += 1
+                at = pair_end + 1
+            map_off[i + 1] = <int32_t>count
+    return count
+
+
+cdef void _replace_value(unsigned char* vb, int32_t[::1] value_off, Py_ssize_t j,
+                         Py_ssize_t count, const unsigned char* value,
+                         int64_t vlen) noexcept nogil:
+    """Replace entry ``j``'s value (entries ``j+1 .. count-1`` follow it) by ``value``: the
+    later entries' bytes move by the difference in length. Repeated names are rare."""
+    cdef int64_t old_start = value_off[j], old_end = value_off[j + 1]
+    cdef int64_t tail = value_off[count] - old_end
+    cdef int64_t delta = vlen - (old_end - old_start)
+    cdef Py_ssize_t k
+    if delta != 0 and tail:
+        memmove(vb + old_end + delta, vb + old_end, tail)
+    if vlen:
+        memcpy(vb + old_start, value, vlen)
+    for k in range(j + 1, count + 1):
+        value_off[k] = <int32_t>(value_off[k] + delta)

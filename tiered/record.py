@@ -578,6 +578,22 @@ def read_dispatch_run_py(
     out: EncodedBatch,
     stamps: list[int],
 ) -> int:
+    """The reference implementation of ``read_dispatch_run``. Bytes that are not records
+    (which validated data never holds) raise ``RecordError``."""
+    try:
+        return _read_dispatch_run(buf, pos, limit, base_offset, out, stamps)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise RecordError(f"record at {pos}: {e}") from None
+
+
+def _read_dispatch_run(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    out: EncodedBatch,
+    stamps: list[int],
+) -> int:
     """Append the dispatch fields of every record from ``pos`` up to ``limit`` (or a BLANK
     record) to ``out``; return the position after the last one. ``base_offset`` is the CommitLog
     offset of ``buf[0]``. The records have been validated already (append or recovery)."""
@@ -617,6 +633,8 @@ def read_dispatch_run_py(
         qoffs.append(queue_offset)
         queues.append((topic, queue_id))
         stamps.append(fields[2])
+        if total <= 0:
+            raise RecordError(f"record at {pos}: total size {total}")
         pos += total
     return pos
 
@@ -738,12 +756,25 @@ def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
     )
 
 
+def first_unchecked_py(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """The index of the first message from ``start`` on that the store must check one by one:
+    its topic is not in ``topics`` (names already found valid), its queue id is not in
+    ``[0, max_queue_id]``, or its body is longer than ``max_body``; ``len(messages)`` if none."""
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if m.topic not in topics or not 0 <= m.queue_id <= max_queue_id or len(m.body) > max_body:
+            return i
+    return len(messages)
+
+
 # -- choosing the engine ------------------------------------------------------------------------
 
 
 def crc32c_py(data: Buffer) -> int:
     """CRC32C (Castagnoli) of ``data``, unsigned (google-crc32c, hardware-assisted)."""
-    return int(crc32c(data))
+    return int(crc32c(data if isinstance(data, bytes) else bytes(data)))
 
 
 class _PythonEngine:
@@ -758,6 +789,7 @@ class _PythonEngine:
     tag_hashes = staticmethod(tag_hashes_py)
     index_keys = staticmethod(index_keys_py)
     segment_tables = staticmethod(segment_tables_py)
+    first_unchecked = staticmethod(first_unchecked_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -831,3 +863,10 @@ def segment_tables(records: Buffer, base_offset: int) -> SegmentTables:
     """See ``segment_tables_py`` (the offloader's segment build)."""
     result: SegmentTables = _engine.segment_tables(records, base_offset)
     return result
+
+
+def first_unchecked(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """See ``first_unchecked_py`` (the append path's checks, for a batch in one call)."""
+    return int(_engine.first_unchecked(messages, start, topics, max_queue_id, max_body))

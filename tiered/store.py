@@ -63,6 +63,7 @@ from tiered.record import (
     Message,
     RecordError,
     StoredMessage,
+    first_unchecked,
     read_store_timestamp,
     split_keys,
     tag_hash,
@@ -514,7 +515,10 @@ class MessageStore:
         if self._replica:
             raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size
-        for msg in messages:
+        # The record engine passes the messages that need no check of their own in one call.
+        i = first_unchecked(messages, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
+        while i < len(messages):
+            msg = messages[i]
             check_topic(msg.topic)
             if not 0 <= msg.queue_id <= MAX_QUEUE_ID:
                 raise InvalidMessageError(f"queue id {msg.queue_id} is out of range")
@@ -522,6 +526,7 @@ class MessageStore:
                 raise InvalidMessageError(
                     f"message body is {len(msg.body)} bytes; the limit is {limit}"
                 )
+            i = first_unchecked(messages, i + 1, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
         assert self.dispatcher is not None
         lag_limit = self.config.max_dispatch_lag_bytes
         if self.commitlog.max_offset - self.dispatcher.reput_offset > lag_limit:
