@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,20 @@ def launcher(name: str, overrides: dict[str, Any]) -> str:
     )
 
 
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the bench's process group (its servers too), SIGKILL 10 s later."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_one(name: str, full: bool, out: Path, run: int) -> dict[str, Any]:
     """One run of one bench: its last JSON line, or why there is none."""
     overrides, args = ({}, []) if full else SHORT.get(name, ({}, []))
@@ -101,17 +116,15 @@ def run_one(name: str, full: bool, out: Path, run: int) -> dict[str, Any]:
             stdout=so,
             stderr=se,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its brokers and proxies are stopped with it
         )
         try:
-            code = proc.wait(timeout=TIMEOUT_S["full" if full else "short"])
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            code: int | None = proc.wait(timeout=TIMEOUT_S["full" if full else "short"])
+        except BaseException:  # timed out, or this run was interrupted: stop the bench whole
+            stop_group(proc)
             code = None
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
     seconds = round(time.monotonic() - started, 1)
     missing: list[str] = []
     for line in stderr.read_text(errors="replace").splitlines():
