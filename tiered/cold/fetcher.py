@@ -55,6 +55,10 @@ T = TypeVar("T")
 # A read fetches about this many bytes of records with one ranged GET: big enough that request
 # latency is not the limit, small enough for a consumer's first message to come quickly.
 BATCH_BYTES = 1 << 20
+# A read decoding a batch hands the GIL over every this many messages (a fraction of a
+# millisecond), so an append waits that long for the interpreter at most, not the switch
+# interval (5 ms): decoding is the one per-message work a cold read still does in the broker.
+_YIELD_EVERY = 32
 # How many batches past the current one a sequential reader has in flight: GETs in parallel
 # are what brings a replay near the store's bandwidth.
 READ_AHEAD = 4
@@ -309,6 +313,8 @@ class ColdFetcher:
                     raise
                 return [], expired_to
             for i in range(next_offset - batch.base_offset, len(batch)):
+                if i % _YIELD_EVERY == 0:
+                    time.sleep(0)  # let a waiting append have the GIL (see _YIELD_EVERY)
                 m = batch.message(i)  # decode only what this read returns
                 next_offset = m.queue_offset + 1
                 if tag_filter is None or tag_filter(m):

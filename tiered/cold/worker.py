@@ -25,10 +25,13 @@ parent's work.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import pickle
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -58,6 +61,16 @@ class _RemoteError(Exception):
     """An exception of the child that could not be pickled, as its type name and message."""
 
 
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if the parent can unpickle it, else its type and message as ``_RemoteError``: a
+    reply the parent cannot read would leave its job waiting forever."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return _RemoteError(f"{type(e).__name__}: {e}")
+
+
 def _warm_up(tier: ObjectStore) -> None:
     try:
         tier.size(".tmq-cold-worker-warm-up")
@@ -73,6 +86,10 @@ def _child_main(
     threads: int,
 ) -> None:
     """The child: receive jobs, run them on ``threads`` threads, send back each outcome."""
+    # Ctrl-C and a SIGTERM to the broker's process group are the broker's to act on: it closes
+    # the pipe, and the child ends on that (also when the broker is killed outright).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tmq-cold-worker %(message)s")
     tier = open_store(tier_url, tier_options, retry)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-worker")
@@ -85,15 +102,9 @@ def _child_main(
         try:
             reply: tuple[int, bool, Any] = (job_id, True, fn(tier, *args))
         except BaseException as e:  # every failure goes back to the caller, named
-            reply = (job_id, False, e)
-        with send_lock:
-            try:
-                conn.send(reply)
-            except (TypeError, AttributeError, ValueError) as e:  # an unpicklable exception
-                error = _RemoteError(f"{type(reply[2]).__name__}: {reply[2]} ({e})")
-                conn.send((job_id, False, error))
-            except OSError:
-                pass  # the parent is gone
+            reply = (job_id, False, _portable(e))
+        with send_lock, contextlib.suppress(OSError):  # OSError: the parent is gone
+            conn.send(reply)
 
     while True:
         try:
@@ -201,8 +212,11 @@ class ColdWorker:
                 job_id, ok, value = conn.recv()
             except (EOFError, OSError):
                 break
-            except Exception:  # a reply that cannot be unpickled here: drop it, loudly
-                log.exception("cold worker: an unreadable reply")
+            except Exception:
+                # A reply that cannot be read leaves a job nobody can answer: treat it as a
+                # crash (every job of this child fails over to its successor).
+                log.exception("cold worker (pid %s): unreadable reply; restarting", process.pid)
+                process.kill()
                 continue
             with self._lock:
                 future = self._pending.pop(job_id, None)
