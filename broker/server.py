@@ -52,6 +52,7 @@ from tiered.cold.storage import (
     check_writable,
     open_store,
 )
+from tiered.cold.worker import ColdWorker
 from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
@@ -82,14 +83,24 @@ class Broker:
         self.tier: ObjectStore | None = None
         self.fetcher: ColdFetcher | None = None
         self.offloader: Offloader | None = None
+        # The child process that builds and uploads segments and reads them back for cold
+        # reads, off this process's GIL (tiered/cold/worker.py); started by start().
+        self.cold_worker: ColdWorker | None = None
         if config.tier_url:
             self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.cold_worker = ColdWorker(
+                config.tier_url,
+                config.tier_options,
+                config.retry,
+                max_inflight=max(16, 4 * config.offload.parallel_uploads),
+            )
             self.fetcher = ColdFetcher(
                 self.tier,
                 config.cluster,
                 config.name,
                 tiered_queues=self._tiered_queues,
                 observe=self.metrics.observe_cold_read,
+                runner=self.cold_worker,
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:
@@ -102,6 +113,7 @@ class Broker:
                 on_commit=self.fetcher.set_manifest,
                 leadership=self._tier_term,
                 upload_limit=self._upload_limit,
+                runner=self.cold_worker,
             )
         self._stop = threading.Event()
         self._register_now = threading.Event()
@@ -167,6 +179,8 @@ class Broker:
         self._check_tier()
         self.store.start()
         try:
+            if self.cold_worker is not None:
+                self.cold_worker.start()
             self.metadata.load()
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
@@ -245,6 +259,8 @@ class Broker:
             self.timers.stop()
             if self.replication is not None:
                 self.replication.stop()
+            if self.cold_worker is not None:
+                self.cold_worker.close()
             self.store.shutdown()
             raise
         self.register()
@@ -449,7 +465,7 @@ class Broker:
         self._report_fence()
         if self.offloader is not None and not slave and not self.offloader.fenced:
             now = time.time_ns() // 1_000_000
-            committed = False
+            due: list[tuple[str, int]] = []
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
                     if self._stop.is_set():
@@ -460,10 +476,20 @@ class Broker:
                         if reason is None:
                             continue
                         log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
-                        if self.offloader.offload_queue(topic.name, queue_id).segments:
-                            committed = True
+                        due.append((topic.name, queue_id))
                     except Exception as e:
                         self._queue_failed("offload", topic.name, queue_id, e)
+            committed = False
+            # Several queues at once: their uploads share the cold worker's bounded queue.
+            for (name, queue_id), outcome in zip(
+                due, self.offloader.offload_queues(due), strict=True
+            ):
+                if isinstance(outcome, Exception):
+                    self._queue_failed("offload", name, queue_id, outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif outcome.segments:
+                    committed = True
             for cfg, queue_id in self._retained_queues():
                 if self._stop.is_set():
                     return
@@ -576,6 +602,10 @@ class Broker:
         self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.offloader is not None:
+            self.offloader.close()
+        if self.cold_worker is not None:
+            self.cold_worker.close()
         self.store.shutdown()
         if self.namesrv is not None:
             self.namesrv.close()

@@ -374,6 +374,26 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     return i, used
 
 
+def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue_id,
+                    Py_ssize_t max_body):
+    """``record.first_unchecked_py``."""
+    cdef Py_ssize_t count = len(messages), i
+    cdef bint fast
+    for i in range(start, count):
+        m = messages[i]
+        fast = _slots_ok and type(m) is Message
+        topic = _field(m, fast, 0)
+        if not PyUnicode_Check(topic) or topic not in topics:
+            return i
+        queue_id = _field(m, fast, 2)
+        if type(queue_id) is not int or not 0 <= queue_id <= max_queue_id:
+            return i
+        body = _field(m, fast, 1)
+        if not PyBytes_CheckExact(body) or PyBytes_GET_SIZE(body) > max_body:
+            return i
+    return count
+
+
 # -- scans ----------------------------------------------------------------------------------------
 
 cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
@@ -820,8 +840,16 @@ def decode_run(buf, positions, bint check_crc):
         map_off_a = np.empty(n + 1, np.int32)
         name_off_a = np.empty(pairs + 1, np.int32)
         value_off_a = np.empty(pairs + 1, np.int32)
+        repeats = np.zeros(n, np.uint8)
         count = _fill(b, spans, n, body_values, body_off_a, topic_values, topic_off_a,
-                      name_values, name_off_a, value_values, value_off_a, map_off_a)
+                      name_values, name_off_a, value_values, value_off_a, map_off_a, repeats)
+        # A replaced value is not in the columns, whose UTF-8 check comes below: decode refuses
+        # a record whose properties are not UTF-8 as a whole, so check those records here.
+        for i in np.flatnonzero(repeats).tolist():
+            try:
+                PyUnicode_DecodeUTF8(<const char*>b + spans[i].props_at, spans[i].props_len, NULL)
+            except UnicodeDecodeError as e:
+                raise Anomaly(str(e)) from None
         born_names: dict = {}
         store_names: dict = {}
         born_hosts = [
@@ -868,7 +896,7 @@ cdef Py_ssize_t _fill(const unsigned char* b, Spans* spans, Py_ssize_t n,
                       unsigned char[::1] topic, int32_t[::1] topic_off,
                       unsigned char[::1] names, int32_t[::1] name_off,
                       unsigned char[::1] values, int32_t[::1] value_off,
-                      int32_t[::1] map_off):
+                      int32_t[::1] map_off, uint8_t[::1] repeats):
     """Copy bodies and topics into their columns, and split properties into map entries with
     ``record.decode_properties``'s rules: empty pairs are skipped, a pair without ``\\x01`` is a
     name with an empty value, a value runs to the pair's end, and a repeated name keeps its first
@@ -917,6 +945,7 @@ cdef Py_ssize_t _fill(const unsigned char* b, Spans* spans, Py_ssize_t n,
                             break
                         j += 1
                     if j < count:
+                        repeats[i] = 1
                         _replace_value(vb, value_off, j, count, p + name_end + 1, vlen)
                         vo = value_off[count]
                     else:

@@ -35,6 +35,7 @@ properties, as in RocketMQ.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -203,6 +204,7 @@ def _pack_host(host: Host) -> tuple[bytes, int, bool]:
         return socket.inet_pton(socket.AF_INET6, address), port, True
 
 
+@functools.lru_cache(maxsize=4096)  # a broker sees few hosts; decode meets each one per record
 def _unpack_host(raw: bytes, port: int) -> Host:
     family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
     return socket.inet_ntop(family, raw), port
@@ -754,6 +756,19 @@ def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
     )
 
 
+def first_unchecked_py(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """The index of the first message from ``start`` on that the store must check one by one:
+    its topic is not in ``topics`` (names already found valid), its queue id is not in
+    ``[0, max_queue_id]``, or its body is longer than ``max_body``; ``len(messages)`` if none."""
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if m.topic not in topics or not 0 <= m.queue_id <= max_queue_id or len(m.body) > max_body:
+            return i
+    return len(messages)
+
+
 # -- choosing the engine ------------------------------------------------------------------------
 
 
@@ -774,6 +789,7 @@ class _PythonEngine:
     tag_hashes = staticmethod(tag_hashes_py)
     index_keys = staticmethod(index_keys_py)
     segment_tables = staticmethod(segment_tables_py)
+    first_unchecked = staticmethod(first_unchecked_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -847,3 +863,10 @@ def segment_tables(records: Buffer, base_offset: int) -> SegmentTables:
     """See ``segment_tables_py`` (the offloader's segment build)."""
     result: SegmentTables = _engine.segment_tables(records, base_offset)
     return result
+
+
+def first_unchecked(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """See ``first_unchecked_py`` (the append path's checks, for a batch in one call)."""
+    return int(_engine.first_unchecked(messages, start, topics, max_queue_id, max_body))

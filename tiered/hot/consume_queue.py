@@ -182,6 +182,21 @@ class ConsumeQueue:
                 yield offset, entry
                 offset += 1
 
+    def entry_table(self, start: int, max_count: int) -> np.ndarray:
+        """Entries of ``[start, start + max_count)`` as one ``CQ_DTYPE`` array, contiguous from
+        ``start`` (empty when ``start`` is not held; shorter where the held entries end)."""
+        if start < self.min_offset:
+            return np.empty(0, CQ_DTYPE)
+        parts: list[bytes] = []
+        expected = start
+        for first, raw in self._runs(start, start + max_count):
+            if first != expected:
+                break
+            parts.append(raw)
+            expected += len(raw) // CQ_ENTRY_SIZE
+        # Joined as bytes: np.concatenate would turn the big-endian fields native.
+        return np.frombuffer(b"".join(parts), dtype=CQ_DTYPE)
+
     def bytes_between(self, start: int, end: int) -> int:
         """Total record size of the entries in [start, end) still held here (metrics: upload
         lag and hot bytes). Sums the size column a file at a time with numpy, so a million
