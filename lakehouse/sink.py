@@ -203,7 +203,8 @@ def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
 
 @dataclass(slots=True, frozen=True)
 class ParquetWriterTask:
-    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows), file metadata
+    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows or packs of
+    them), file metadata
     rows out. Each task reads its slices with the columnar decode and writes the Arrow batches
     as Parquet straight away; message bytes never pass through the JVM.
 
@@ -224,7 +225,7 @@ class ParquetWriterTask:
         files = _FileSet(self)
         damaged: list[dict[str, Any]] = []
         for batch in slices:
-            for row in batch.to_pylist():
+            for row in _slice_rows(batch):
                 part = SegmentSlice.from_row(row)
                 floor = self.floors.get(part.queue_key, part.first)
                 if part.queue_key in self.stopped or part.end <= floor:
@@ -315,6 +316,14 @@ class _FileSet:
         out = self.done + [f.close() for f in self.open.values()]
         self.open.clear()
         return out
+
+
+def _slice_rows(batch: pa.RecordBatch) -> list[dict[str, Any]]:
+    """The slice rows of a batch of ``tmq-slices`` rows, or of packs of them (``PACK_DDL``,
+    what ``export --once`` plans on the driver)."""
+    if "slices" not in batch.schema.names:
+        return batch.to_pylist()
+    return pc.list_flatten(batch.column("slices")).to_pylist()
 
 
 def _runs(batch: pa.RecordBatch) -> Iterator[tuple[tuple[str, str], pa.Table]]:

@@ -83,6 +83,8 @@ SLICE_SCHEMA = pa.schema(
         ("end", pa.int64()),
     ]
 )
+# ``export --once``'s input: one row per task's pack of slices (the driver plans them).
+PACK_DDL = "slices array<struct<queue_key: string, segment: string, `first`: bigint, `end`: bigint>>"
 DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
 DEFAULT_BYTES_PER_PARTITION = 32 << 20
 # Bytes of records fetched per ranged GET inside a task: bounds a task's memory.
