@@ -131,7 +131,12 @@ def parquet_write_seconds(table: Any, path: Path) -> float:
 
 
 def freshness(
-    spark: Any, archive: Archive, tier: Location, lake: Location, name: str, profile: dict[str, float]
+    spark: Any,
+    archive: Archive,
+    tier: Location,
+    lake: Location,
+    name: str,
+    profile: dict[str, float],
 ) -> list[float]:
     """Seconds from each produced batch's acknowledgement to its rows being queryable, for a
     topic produced at ``profile["rate"]`` for ``profile["produce_s"]`` and offloaded and
@@ -288,7 +293,9 @@ def main() -> None:
         plain_s = time.perf_counter() - t0
         progress(f"Spark plain Parquet: {plain_s:.2f} s; no-op --once {noop_s:.2f} s")
 
-        low = freshness(spark, archive, tier, Location.of(str(root / "fresh-low")), "low", LOW_LATENCY)
+        low = freshness(
+            spark, archive, tier, Location.of(str(root / "fresh-low")), "low", LOW_LATENCY
+        )
         progress(f"low-latency profile: {len(low)} samples")
         defaults = freshness(
             spark, archive, tier, Location.of(str(root / "fresh-defaults")), "defaults", DEFAULTS

@@ -44,8 +44,8 @@ from lakehouse.sink import (
     ParquetWriterTask,
     commit_files,
 )
+from lakehouse.source import Planner, SlicePack, SourceOptions, pack
 from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
-from lakehouse.source import Planner, SourceOptions, pack
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import open_store
 
@@ -69,6 +69,8 @@ class _SourceDidNotStart(Exception):
 # miss it while importing; the query is then started again, up to QUERY_START_ATTEMPTS times.
 WORKER_START_TIMEOUT = "Python worker failed to connect back"
 QUERY_START_ATTEMPTS = 3
+# ``--once`` spreads a small batch over every core, but not in packs smaller than this.
+MIN_PACK_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -182,26 +184,43 @@ class Export:
             options["maxBytesPerTrigger"] = str(self.config.max_bytes_per_trigger)
         if self.config.max_segments_per_trigger:
             options["maxSegmentsPerTrigger"] = str(self.config.max_segments_per_trigger)
-        return self.spark.readStream.format(tmq_source.SLICES_NAME).options(**options).load()
+        # delta-spark writes rows; the default sink reads each slice itself.
+        name = tmq_source.NAME if self.config.engine == "delta-spark" else tmq_source.SLICES_NAME
+        return self.spark.readStream.format(name).options(**options).load()
 
-    def _write_batch(self, df: DataFrame, batch_id: int) -> None:
+    def _batch_reader(self, start: dict[str, int], end: dict[str, int]) -> DataFrame:
+        """The messages ``[start, end)`` through the ``tmq`` source (Spark's own writers)."""
+        return (
+            self.spark.read.format(tmq_source.NAME)
+            .option("tier_url", self.tier.url)
+            .option("tier_options", json.dumps(self.tier.options))
+            .option("startingOffsets", json.dumps(start))
+            .option("endingOffsets", json.dumps(end))
+            .load()
+        )
+
+    def _write_batch(self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()) -> None:
         try:
             if self.config.engine == "delta-spark":
                 self._write_batch_delta_spark(df, batch_id)
             else:
-                self._write_batch_delta_rs(df, batch_id)
+                self._write_batch_delta_rs(df, batch_id, packs)
         except BaseException as e:
             self._error = e
             raise
 
-    def _write_batch_delta_rs(self, df: DataFrame, batch_id: int) -> None:
+    def _write_batch_delta_rs(
+        self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()
+    ) -> None:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
         log.info("batch %d: writing", batch_id)
         floors = self.exported(self.queues())
         with self._lock:
             stopped = frozenset(self.stopped)
-        task = ParquetWriterTask(self.lake, self.tier, floors, export_ts_us, batch_id, stopped)
+        task = ParquetWriterTask(
+            self.lake, self.tier, floors, export_ts_us, batch_id, stopped, packs=packs
+        )
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
@@ -443,12 +462,19 @@ class Export:
             end = planner.latest(position)
             if end == position:
                 break  # nothing left below the targets (the rest expired or is stopped)
-            packs = pack(planner.slices(position, end), self.config.bytes_per_partition)
-            frame = self.spark.createDataFrame(
-                [([s.to_row() for s in p.slices],) for p in packs], tmq_source.PACK_DDL
+            slices = planner.slices(position, end)
+            cores = self.spark.sparkContext.defaultParallelism
+            # Every core busy, but no task above bytesPerPartition.
+            share = -(-sum(s.bytes for s in slices) // max(1, cores))
+            packs = tuple(
+                pack(slices, max(MIN_PACK_BYTES, min(self.config.bytes_per_partition, share)))
             )
+            if self.config.engine == "delta-spark":
+                frame = self._batch_reader(position, end)
+            else:
+                frame = self.spark.range(0, len(packs), 1, max(1, min(len(packs), cores)))
             try:
-                self._write_batch(frame, batch_id)
+                self._write_batch(frame, batch_id, packs)
             except ExportError:
                 raise
             except Exception as e:  # a failed Spark job or commit: one line, no traceback

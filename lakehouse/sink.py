@@ -39,7 +39,7 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
-from lakehouse.source import SegmentSlice, read_slice
+from lakehouse.source import SegmentSlice, SlicePack, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import QueueRef
 from tiered.cold.segment import SegmentError
@@ -220,13 +220,16 @@ class ParquetWriterTask:
     batch_id: int
     stopped: frozenset[str] = frozenset()  # queues this export no longer reads
     target_file_bytes: int = TARGET_FILE_BYTES
+    # ``export --once`` plans on the driver: the batch's packs travel with the task, and its
+    # input is ``spark.range(len(packs))``, each id one pack. (A DataFrame made from Python
+    # rows costs a Python pass of its own in every task; a range is made in the JVM.)
+    packs: tuple[SlicePack, ...] = ()
 
     def __call__(self, slices: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         files = _FileSet(self)
         damaged: list[dict[str, Any]] = []
         for batch in slices:
-            for row in _slice_rows(batch):
-                part = SegmentSlice.from_row(row)
+            for part in self._slices(batch):
                 floor = self.floors.get(part.queue_key, part.first)
                 if part.queue_key in self.stopped or part.end <= floor:
                     continue  # stopped, or a replayed slice the table already has
@@ -243,6 +246,13 @@ class ParquetWriterTask:
         done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
+
+    def _slices(self, batch: pa.RecordBatch) -> list[SegmentSlice]:
+        """The slices of an input batch: ``tmq-slices`` rows, or (with ``packs``) the ids of
+        ``spark.range`` naming packs."""
+        if not self.packs:
+            return [SegmentSlice.from_row(row) for row in batch.to_pylist()]
+        return [s for i in batch.column("id").to_pylist() for s in self.packs[i].slices]
 
     def write_rows(self, batches: Iterable[pa.RecordBatch]) -> list[dict[str, Any]]:
         """Write source rows (``SOURCE_SCHEMA``) as files; their metadata rows."""
@@ -316,14 +326,6 @@ class _FileSet:
         out = self.done + [f.close() for f in self.open.values()]
         self.open.clear()
         return out
-
-
-def _slice_rows(batch: pa.RecordBatch) -> list[dict[str, Any]]:
-    """The slice rows of a batch of ``tmq-slices`` rows, or of packs of them (``PACK_DDL``,
-    what ``export --once`` plans on the driver)."""
-    if "slices" not in batch.schema.names:
-        return batch.to_pylist()
-    return pc.list_flatten(batch.column("slices")).to_pylist()
 
 
 def _runs(batch: pa.RecordBatch) -> Iterator[tuple[tuple[str, str], pa.Table]]:
