@@ -450,9 +450,9 @@ class Export:
                 max_bytes_per_trigger=self.config.max_bytes_per_trigger,
                 max_segments_per_trigger=self.config.max_segments_per_trigger,
                 bytes_per_partition=self.config.bytes_per_partition,
-            )
+            ),
+            self._manifests,  # already read for the targets
         )
-        planner._manifests = self._manifests  # already read for the targets
         deadline = None if timeout is None else time.monotonic() + timeout
         position = planner.initial()
         batch_id = 0

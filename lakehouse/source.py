@@ -312,9 +312,9 @@ class Planner:
     """Driver-side planning shared by the batch and the streaming reader: which queues exist,
     where each starts and ends, and how a range becomes slices of segments."""
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, manifests: ManifestCache | None = None) -> None:
         self.options = options
-        self._manifests: ManifestCache | None = None
+        self._manifests = manifests
 
     @property
     def manifests(self) -> ManifestCache:
