@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -48,7 +49,7 @@ from tiered.cold.storage import (
     open_store,
 )
 from tiered.epoch_file import EpochFile
-from tiered.store import MessageStore
+from tiered.store import CommitLogFileInfo, MessageStore
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +402,21 @@ class Broker:
         self.released_files += self.store.release_commitlog_files(
             lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
         )
+        self._roll_forward(can_release)
+
+    def _roll_forward(self, can_release: Callable[[CommitLogFileInfo], bool]) -> None:
+        """When the oldest CommitLog file could go but for a pending half message or timer in
+        it, re-put those forward (RocketMQ's roll), so that the next pass releases it: a
+        transaction left open for days, or a 3-day timer, no longer holds every file after it."""
+        pinned = self.pinned_offset()
+        files = self.store.commitlog_files()[:-1]  # never the file being written
+        if pinned is None or not files or files[0].end_offset <= pinned:
+            return
+        oldest = files[0]
+        if oldest.end_offset > self.store.dispatched_offset or not can_release(oldest):
+            return
+        self.transactions.roll_forward(oldest.end_offset)
+        self.timers.roll_forward(oldest.end_offset)
 
     def pinned_offset(self) -> int | None:
         """The lowest CommitLog offset still needed by an undecided half message or an
