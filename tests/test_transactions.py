@@ -345,7 +345,8 @@ def test_kill_9_of_the_producer_before_it_commits_is_resolved_by_a_new_producer(
         should_commit = {k for k in attempted if decide(k) == TransactionResolution.COMMIT}
         assert committed | {"open-0", "open-2"} <= set(visible), "a committed message was lost"
         assert set(visible) <= should_commit, "a rolled-back message became visible"
-        assert metric_sample(node, "tmq_transaction_rollbacks_total") >= len(rolled_back) + 2
+        rollbacks = metric_sample(node, "tmq_transaction_rollbacks_total")
+        assert rollbacks is not None and rollbacks >= len(rolled_back) + 2
     finally:
         child_log.close()
         node.stop()
