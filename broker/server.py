@@ -156,6 +156,10 @@ class Broker:
         0``: any free)."""
         self._check_tier()
         self.store.start()
+        if self.store.dispatcher is not None:
+            # Nobody looks these up by key (a committed copy or a delivered timer is found in
+            # its real topic): no IndexFile work per half message, decision or timer record.
+            self.store.dispatcher.unindexed_topics = frozenset((HALF_TOPIC, OP_TOPIC, TIMER_TOPIC))
         try:
             self.metadata.load()
             if self.fetcher is not None:

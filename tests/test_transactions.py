@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,10 @@ from rocketmq import (
     TransactionResolution,
 )
 from rocketmq.grpc_protocol import definition_pb2 as d
+
+from tiered.config import StoreConfig
+from tiered.record import Message as StoreMessage
+from tiered.store import MessageStore
 
 # Check-backs start 1 s after the half message and repeat every second, at most 4 times.
 FAST_CHECKS = {
@@ -350,3 +354,25 @@ def test_kill_9_of_the_producer_before_it_commits_is_resolved_by_a_new_producer(
     finally:
         child_log.close()
         node.stop()
+
+
+def test_bookkeeping_topics_get_no_index_entries(
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore]
+) -> None:
+    """Half messages, decisions and timer records are never looked up by key (the committed
+    copy and the delivered timer are, in their real topics), so the broker spares the
+    IndexFile work for them: two of a transaction's three records."""
+    store = start_store(small_config)
+    assert store.dispatcher is not None
+    store.dispatcher.unindexed_topics = frozenset({"RMQ_SYS_TRANS_HALF_TOPIC"})
+    props = {"UNIQ_KEY": "id-1", "KEYS": "order-1"}
+    store.put_messages(
+        [
+            StoreMessage("RMQ_SYS_TRANS_HALF_TOPIC", b"half", 0, dict(props)),
+            StoreMessage("orders", b"copy", 0, dict(props)),
+        ]
+    )
+    assert store.wait_dispatched(10)
+    for key in ("id-1", "order-1"):
+        assert store.query_by_key("RMQ_SYS_TRANS_HALF_TOPIC", key) == []
+        assert [m.body for m in store.query_by_key("orders", key)] == [b"copy"]

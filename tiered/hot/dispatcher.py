@@ -67,6 +67,9 @@ class Dispatcher:
         self.reput_offset = reput_offset
         self.index_from = index_from
         self.logics_timestamp = 0
+        # Topics whose records get no IndexFile entries: the broker's bookkeeping topics
+        # (half messages, transaction ops, timer records), which nobody looks up by key.
+        self.unindexed_topics: frozenset[str] = frozenset()
         self._pending: deque[EncodedBatch] = deque()
         self._pending_bytes = 0
         # submit (a producer, under the put lock) and _pop (this thread) both move the count.
@@ -242,11 +245,16 @@ class Dispatcher:
         if end <= index_from:
             return
         # Unique ids: nearly every record has one.
-        where = [i for i, u in enumerate(uniqs) if u and offsets[i] >= index_from]
+        skip = self.unindexed_topics
+        where = [
+            i
+            for i, u in enumerate(uniqs)
+            if u and offsets[i] >= index_from and queues[i][0] not in skip
+        ]
         hashes = [key_hash(queues[i][0], uniqs[i]) for i in where]  # type: ignore[arg-type]
         # KEYS: fewer records, possibly several keys each.
         for i, k in enumerate(batch.keys):
-            if k and offsets[i] >= index_from:
+            if k and offsets[i] >= index_from and queues[i][0] not in skip:
                 topic = queues[i][0]
                 for key in k.split(KEY_SEPARATOR):
                     if key:
