@@ -421,7 +421,9 @@ class TransactionService:
             if half.checks >= self.config.check_max:
                 self._give_up(half, txn)
                 continue
-            stored = self.store.read_message(half.commitlog_offset, half.size)
+            with self._lock:  # a roll moves the record: take its offset and size together
+                where = (half.commitlog_offset, half.size)
+            stored = self.store.read_message(*where)
             if stored is None:
                 continue
             half.checks += 1

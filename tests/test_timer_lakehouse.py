@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pyarrow as pa
-from broker_harness import Standalone, send_batches, tmq
+from broker_harness import Standalone, send_batches
 from deltalake import DeltaTable
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
@@ -51,11 +51,7 @@ def test_delivered_delay_messages_reach_delta_with_born_and_delivery_times(
     node = Standalone(data, extra=QUICK, env={"TMQ_BROKER_TIMER_MAX_DELAY_MS": "600000"}).start()
     try:
         for name, kind in (("lake-delay", "DELAY"), ("lake-plain", "NORMAL")):
-            done = tmq(
-                "topic", "create", name, "-n", node.namesrv, "--queues", "1", "--tiered",
-                "--message-type", kind,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr
+            node.create_topic(name, queues=1, message_type=kind, tiered=True)
         stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
         born = now_ms() - 5_000  # the producer's clock, well before the send and the delivery
         expected: dict[str, tuple[int, int]] = {}  # key -> (born ms, delivery ms)
