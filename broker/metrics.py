@@ -287,6 +287,12 @@ class BrokerCollector(Collector):
                 ),
             ):
                 yield _counter(name, doc, value)
+            yield _gauge(
+                "tmq_tier_fenced",
+                "1 when a master of a higher epoch took this broker's tier prefix over (a "
+                "deposed master: it uploads and releases nothing), else 0.",
+                int(offloader.fenced),
+            )
         fetcher = self.sources.fetcher()
         if fetcher is not None:
             yield _counter(

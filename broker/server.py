@@ -22,6 +22,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
+from broker.ha.gate import FencedGate, SendGate
 from broker.ha.master import ReplicationMaster
 from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
@@ -33,6 +34,7 @@ from broker.status import BrokerStatus, ExportFreshness, broker_status
 from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
+from offload.leadership import Term
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from remoting import namesrv_pb2 as nspb
@@ -93,6 +95,8 @@ class Broker:
                 config.name,
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
+                leadership=self._tier_term,
+                upload_limit=self._upload_limit,
             )
         self._stop = threading.Event()
         self._register_now = threading.Event()
@@ -141,6 +145,7 @@ class Broker:
         self.metrics_port = 0
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
+        self._fence_reported = False
         self._threads: list[threading.Thread] = []
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
@@ -192,7 +197,7 @@ class Broker:
                 transactions=self.transactions,
                 timers=self.timers,
                 max_delay_ms=self.config.timer_max_delay_ms,
-                replication=self.replication,
+                replication=self._send_gate(),
             )
             self.timers.start()
             self.transactions.start()
@@ -247,6 +252,37 @@ class Broker:
             self.config.advertise_host,
         )
         return self.port
+
+    def _tier_term(self) -> Term | None:
+        """Who writes the tier (offload/leadership.py): the master in its epoch, a single
+        broker in epoch 0, a slave never."""
+        if isinstance(self.replication, ReplicationSlave):
+            return None
+        epoch = self.replication.epoch if self.replication is not None else 0
+        return Term(epoch, f"{self.config.name}@{self.config.advertise_host}:{self.port}")
+
+    def _upload_limit(self) -> int | None:
+        """A master uploads only what every member of its SyncStateSet holds (Kafka's rule:
+        remote copies stop at the high watermark), so the tier never archives a message that
+        the next elected master lacks. A single broker: no limit."""
+        if isinstance(self.replication, ReplicationMaster):
+            return self.replication.in_sync_offset()
+        return None
+
+    def _fence_reason(self) -> str | None:
+        offloader = self.offloader
+        if offloader is None or not offloader.fenced or offloader.fenced_by is None:
+            return None
+        by = offloader.fenced_by
+        return (
+            f"this broker was deposed: {by.writer} leads epoch {by.epoch} of broker "
+            f"{self.config.name}; it takes no sends and writes nothing to the tier"
+        )
+
+    def _send_gate(self) -> SendGate | None:
+        if self.offloader is None:
+            return self.replication
+        return FencedGate(self.replication, self._fence_reason)
 
     def status(self, *, hot_bytes: bool = False) -> BrokerStatus:
         """A snapshot for metrics and ``tmq status`` (memory and local disk only)."""
@@ -366,11 +402,14 @@ class Broker:
         Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
         damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
         goes on with the other queues and with release, which keeps what it cannot prove safe
-        to delete. A slave does none of it: only the master uploads, and a slave keeps its
-        files until failover makes tier-aware release safe on it."""
-        if isinstance(self.replication, ReplicationSlave):
-            return
-        if self.offloader is not None:
+        to delete. Only the master uploads and applies retention: a slave reads the watermark
+        its master committed and releases below it; a fenced (deposed) master does neither
+        and keeps every tiered file (offload/release.py)."""
+        slave = isinstance(self.replication, ReplicationSlave)
+        if slave and self.offloader is not None:
+            self._refresh_watermarks(self.offloader)
+        self._report_fence()
+        if self.offloader is not None and not slave and not self.offloader.fenced:
             now = time.time_ns() // 1_000_000
             committed = False
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
@@ -378,6 +417,7 @@ class Broker:
                     if self._stop.is_set():
                         return  # shutting down: a pass against a dead tier would delay it
                     try:
+                        self.offloader.claim(topic.name, queue_id)  # fences a deposed master
                         reason = self.offloader.due(topic.name, queue_id, now)
                         if reason is None:
                             continue
@@ -421,6 +461,29 @@ class Broker:
             return
         self.transactions.roll_forward(oldest.end_offset)
         self.timers.roll_forward(oldest.end_offset)
+
+    def _refresh_watermarks(self, offloader: Offloader) -> None:
+        """A slave: reload each tiered queue's manifest (read only), so release trusts the
+        watermark its master committed last, never one of its own."""
+        for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
+            for queue_id in range(topic.queues):
+                try:
+                    offloader.manifest(topic.name, queue_id, refresh=True)
+                except OffloadError as e:  # keeps the last one: release stays below it
+                    log.warning(
+                        "tier watermark of %s/%d not refreshed: %s", topic.name, queue_id, e
+                    )
+
+    def _report_fence(self) -> None:
+        """Once fenced: NOT_SERVING on health, so that load balancers and operators see the
+        deposed master (the log line and ``tmq_tier_fenced`` say why)."""
+        reason = self._fence_reason()
+        if reason is None or self._fence_reported:
+            return
+        self._fence_reported = True
+        log.error("%s", reason)
+        for name in ("", MESSAGING_SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def pinned_offset(self) -> int | None:
         """The lowest CommitLog offset still needed by an undecided half message or an

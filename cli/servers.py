@@ -59,7 +59,12 @@ def _wait_for_signal(stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # Wake up now and then: Python runs a handler only in the main thread, between bytecodes,
+    # and a signal the kernel delivers to one of gRPC's threads does not interrupt a wait
+    # without timeout, so such a SIGTERM was never handled (a NameServer ignored it for 30 s
+    # in CI and the test's teardown failed).
+    while not stop.wait(0.5):
+        pass
 
 
 def standalone(

@@ -15,6 +15,15 @@ A crash between 2 and 4 leaves an orphaned object, never a gap or a duplicate: t
 starts again at the committed watermark and writes a new object under a new key, and the
 restarted process deletes the orphan before it uploads anything to that queue (``verify``
 reports it meanwhile; ``--repair`` deletes it too).
+
+In a replica group only the master writes the tier (``offload/leadership.py``). Its first write
+to a queue in a new epoch *claims* the queue: a manifest version stamped with its epoch, before
+the orphan sweep and any upload. From then on every commit of a deposed master of that prefix
+is refused by the manifest's conditional put and reported as ``FencedError``: the offloader
+stops writing the tier for good (until this broker leads a later epoch), and release keeps
+every tiered file, so nothing local goes because of an upload this broker could not commit.
+``upload_limit`` keeps a master's uploads below what every member of its SyncStateSet holds,
+so the tier never holds a message that the next elected master lacks.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from offload.leadership import Leadership, Term, single_broker
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
+    ManifestFencedError,
     ManifestLog,
     QueueManifest,
     queue_prefix,
@@ -97,6 +108,21 @@ class OffloadError(RuntimeError):
     pass
 
 
+class CommitRefusedError(OffloadError):
+    """A manifest commit was not made: another writer committed that version first, or this
+    broker must not write the tier. Nothing was committed (unlike a storage error, after which
+    the commit may have landed)."""
+
+
+class NotLeaderError(CommitRefusedError):
+    """This broker is a slave: only the master writes the tier."""
+
+
+class FencedError(CommitRefusedError):
+    """A master of a higher epoch owns this broker's tier prefix: this one was deposed and
+    writes nothing there any more."""
+
+
 @dataclass(slots=True)
 class OffloadStats:
     """What this process has moved into and out of the tier since it started (metrics read it;
@@ -124,6 +150,8 @@ class Offloader:
         broker: str,
         policy: OffloadPolicy | None = None,
         on_commit: Callable[[str, int, QueueManifest], None] | None = None,
+        leadership: Leadership | None = None,
+        upload_limit: Callable[[], int | None] | None = None,
     ) -> None:
         self.store = store
         self.tier = tier
@@ -133,6 +161,16 @@ class Offloader:
         # Told every committed manifest (the broker's cold fetcher), so no reader in this
         # process ever sees an older archive than the one local release relies on.
         self.on_commit = on_commit
+        # Whether, and in which epoch, this broker may write the tier (a single broker: always,
+        # epoch 0).
+        self.leadership = leadership or single_broker(broker)
+        # The CommitLog offset below which records may be uploaded (None: no limit): a
+        # master's high watermark (every member of its SyncStateSet holds what is below).
+        self.upload_limit = upload_limit or (lambda: None)
+        # Set when a commit was refused for a higher epoch's: who took the prefix over.
+        self.fenced_by: Term | None = None
+        # The epoch in which each queue's manifest was claimed (and its orphans swept).
+        self._claimed: dict[tuple[str, int], int] = {}
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
         self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
@@ -145,21 +183,101 @@ class Offloader:
         key = (topic, queue_id)
         if refresh or key not in self._manifests:
             with self._lock(topic, queue_id):
-                first = key not in self._manifests
                 manifest = self._step(
                     f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
                 )
-                if first:
-                    self._sweep_orphans(manifest)
                 self._manifests[key] = manifest
         return self._manifests[key]
 
+    def _leading(self) -> Term:
+        """This broker's term, if it may write the tier now; raises otherwise."""
+        term = self.leadership()
+        if term is None:
+            raise NotLeaderError("this broker is a slave: only the master writes the tier")
+        if self.fenced_by is not None and self.fenced_by.epoch >= term.epoch:
+            raise FencedError(
+                f"fenced: {self.fenced_by.writer} took this tier prefix over in epoch "
+                f"{self.fenced_by.epoch} (this broker's epoch is {term.epoch}); it writes "
+                "nothing to the tier any more"
+            )
+        return term
+
+    @property
+    def fenced(self) -> bool:
+        """Whether a commit was refused because a higher epoch owns the prefix (and this broker
+        has not led a later epoch since)."""
+        term = self.leadership()
+        return (
+            self.fenced_by is not None and term is not None and self.fenced_by.epoch >= term.epoch
+        )
+
+    def _fence(self, current: QueueManifest) -> FencedError:
+        if self.fenced_by is None or current.epoch > self.fenced_by.epoch:
+            self.fenced_by = Term(current.epoch, current.writer or "another master")
+            log.error(
+                "fenced: %s committed %smanifests/ v%d in epoch %d, above this broker's; "
+                "this broker stops uploading, retention and tier-based release",
+                self.fenced_by.writer,
+                current.prefix,
+                current.version,
+                current.epoch,
+            )
+        self._manifests.clear()  # none of them is current any more
+        return FencedError(
+            f"{current.prefix}: fenced by {self.fenced_by.writer} (epoch {self.fenced_by.epoch})"
+        )
+
+    def claim(self, topic: str, queue_id: int) -> None:
+        """Claim the queue for this broker's term now, rather than at its first upload (no I/O
+        once claimed in this term): a new master calls it for every tiered queue, so a deposed
+        master is fenced on every queue at once, busy or not."""
+        with self._lock(topic, queue_id):
+            self._claim(topic, queue_id)
+
+    def _claim(self, topic: str, queue_id: int) -> QueueManifest:
+        """The queue's manifest, claimed for this broker's term: on the first write of a term
+        (or of a process), reload it, refuse if a higher epoch owns it, commit a version
+        stamped with this epoch when it was written in a lower one (from then on a deposed
+        master's commits are refused), and only then sweep orphans. Under the queue's lock."""
+        term = self._leading()
+        key = (topic, queue_id)
+        if self._claimed.get(key) == term.epoch:
+            return self.manifest(topic, queue_id)
+        manifest = self.manifest(topic, queue_id, refresh=True)
+        if manifest.epoch > term.epoch:
+            raise self._fence(manifest)
+        if manifest.end_offset > self.store.max_offset(topic, queue_id):
+            # Only after an unclean failover (an ASYNC master died with messages it had
+            # archived but not replicated): this master will write other messages at those
+            # offsets, and the tier keeps the old ones.
+            log.error(
+                "%s: the tier holds offsets up to %d, this master's queue ends at %d: messages "
+                "archived by a previous master were never replicated here",
+                manifest.prefix,
+                manifest.end_offset,
+                self.store.max_offset(topic, queue_id),
+            )
+        if manifest.epoch < term.epoch:
+            manifest = manifest.next_version()
+            self._commit(topic, queue_id, manifest)
+            log.info(
+                "%s: claimed for epoch %d by %s (manifest v%d)",
+                manifest.prefix,
+                term.epoch,
+                term.writer,
+                manifest.version,
+            )
+        self._sweep_orphans(manifest)
+        self._claimed[key] = term.epoch
+        return manifest
+
     def _sweep_orphans(self, manifest: QueueManifest) -> None:
-        """Delete segment objects the manifest does not name: uploads a crash cut off before
-        their commit, and expired segments a crash left behind after theirs. Runs once per
-        queue per process, under the queue's lock, before this process uploads anything there;
-        a broker name owns its prefix (a second writer is fenced at commit), so nothing else can
-        be halfway through an upload here."""
+        """Delete segment objects the manifest does not name: uploads a crash (or a deposed
+        master) cut off before their commit, and expired segments a crash left behind after
+        theirs. Runs once per queue per term, under the queue's lock, after the claim and
+        before this process uploads anything there: a broker name owns its prefix and a
+        deposed master can commit nothing after the claim, so nothing an orphan-to-be could
+        still become part of the archive."""
         named = {s.key for s in manifest.segments}
         listed = self._step(
             f"list {manifest.prefix}segments/",
@@ -206,6 +324,14 @@ class Offloader:
         """Every queue offset below this is durable in the tier."""
         return self.manifest(topic, queue_id).end_offset
 
+    def release_watermark(self, topic: str, queue_id: int) -> int:
+        """The watermark local release may trust: ``FencedError`` on a fenced broker, whose
+        own uploads may never have been committed and whose log may differ from the new
+        master's at the offsets that master archived (it keeps everything)."""
+        if self.fenced:
+            raise FencedError(f"{topic}/{queue_id}: fenced; local files are kept")
+        return self.watermark(topic, queue_id)
+
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:
         """Why this queue should be uploaded now (a trigger of the policy), or None."""
         start = self.watermark(topic, queue_id)
@@ -236,7 +362,7 @@ class Offloader:
     def offload_queue(self, topic: str, queue_id: int, up_to: int | None = None) -> OffloadResult:
         """Upload dispatched messages of one queue below ``up_to`` (default: all dispatched)."""
         with self._lock(topic, queue_id):
-            manifest = self.manifest(topic, queue_id)
+            manifest = self._claim(topic, queue_id)
             target = (
                 self.store.max_offset(topic, queue_id)
                 if up_to is None
@@ -261,9 +387,15 @@ class Offloader:
                 self._commit(topic, queue_id, manifest)
             while manifest.end_offset < target:
                 info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
+                if info is None:
+                    break  # the rest is not on every in-sync replica yet
                 manifest = manifest.with_segment(info)
                 failpoints.hit("offload.before_commit")
-                self._commit(topic, queue_id, manifest)
+                try:
+                    self._commit(topic, queue_id, manifest)
+                except CommitRefusedError:
+                    self._discard(info.key)
+                    raise
                 result.segments += 1
                 result.messages += info.count
                 result.bytes += info.size
@@ -289,6 +421,7 @@ class Offloader:
         between the commit and the deletes leaves orphans, which the next start sweeps (and
         ``tmq verify`` reports meanwhile)."""
         with self._lock(topic, queue_id):
+            self._claim(topic, queue_id)
             manifest = self.manifest(topic, queue_id, refresh=True)
             expired = []
             remaining = sum(s.size for s in manifest.segments)
@@ -327,10 +460,15 @@ class Offloader:
             )
             return result
 
-    def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
+    def _upload_segment(
+        self, topic: str, queue_id: int, start: int, target: int
+    ) -> SegmentInfo | None:
+        """Build, write and verify the next segment from ``start``; None when the upload limit
+        holds back its first record."""
         records: list[bytes] = []
         size = 0
         limit = min(target - start, self.policy.segment_max_messages)
+        below = self.upload_limit()
         # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
         # segment builder checks every record once).
         for offset, (phys, length, _tag) in self.store.queue_entries(topic, queue_id, start, limit):
@@ -338,6 +476,8 @@ class Offloader:
                 raise OffloadError(
                     f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
                 )
+            if below is not None and phys + length > below:
+                break  # queue offsets grow with CommitLog offsets: nothing later is below
             raw = self.store.read_record_bytes(phys, length)
             if raw is None:
                 raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
@@ -345,6 +485,8 @@ class Offloader:
             size += length
             if size >= self.policy.segment_max_bytes:
                 break
+        if not records and below is not None:
+            return None
         if not records:
             raise OffloadError(
                 f"{topic}/{queue_id}: offset {start} could not be read from the hot store"
@@ -363,16 +505,36 @@ class Offloader:
 
         return self._step(f"upload {info.key}", write_and_verify)
 
+    def _discard(self, key: str) -> None:
+        """Delete a segment whose commit was refused: its key is unique to this upload and no
+        manifest can name it now, so it would only be an orphan (a fenced master leaves nothing
+        behind). Best effort: the next claim's sweep or ``verify --repair`` get what stays."""
+        try:
+            self.tier.delete(key)
+            self.stats.deleted_objects += 1
+        except StorageError as e:
+            log.warning("%s: not deleted after its refused commit: %s", key, e)
+
     def _commit(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
+        """Commit ``manifest`` stamped with this broker's term. Refused (``FencedError``) when a
+        higher epoch committed first; then this broker writes the tier no more."""
+        term = self._leading()
+        manifest.epoch, manifest.writer = term.epoch, term.writer
         store = self.manifests(topic, queue_id)
         try:
             self._step(
                 f"commit manifest {store.prefix} v{manifest.version}",
                 lambda: store.commit(manifest),
             )
+        except ManifestFencedError as e:
+            raise self._fence(e.current) from None
         except ManifestConflictError:
             self._manifests.pop((topic, queue_id), None)
-            raise OffloadError(
+            self._claimed.pop((topic, queue_id), None)
+            current = self.manifest(topic, queue_id)
+            if current.epoch > term.epoch:
+                raise self._fence(current) from None
+            raise CommitRefusedError(
                 f"{store.prefix}: another writer committed a manifest; is a second "
                 "broker offloading to the same prefix?"
             ) from None
