@@ -446,12 +446,15 @@ class Broker:
         self.released_files += self.store.release_commitlog_files(
             lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
         )
-        self._roll_forward(can_release)
+        if not slave and not (self.offloader is not None and self.offloader.fenced):
+            self._roll_forward(can_release)  # an append: the serving master's alone
 
     def _roll_forward(self, can_release: Callable[[CommitLogFileInfo], bool]) -> None:
         """When the oldest CommitLog file could go but for a pending half message or timer in
         it, re-put those forward (RocketMQ's roll), so that the next pass releases it: a
-        transaction left open for days, or a 3-day timer, no longer holds every file after it."""
+        transaction left open for days, or a 3-day timer, no longer holds every file after it.
+        Only a serving master rolls: a slave's records come from its master's CommitLog (the
+        master's roll reaches it as ordinary records), and a fenced master appends nothing."""
         pinned = self.pinned_offset()
         files = self.store.commitlog_files()[:-1]  # never the file being written
         if pinned is None or not files or files[0].end_offset <= pinned:
