@@ -2,19 +2,25 @@
 
 For one (topic, queue) the pipeline is:
 
-1. read the next run of records from the hot store, starting at the manifest's end (the tier
-   watermark), as whole CommitLog records;
-2. build a segment object (``tiered/cold/segment.py``) and write it with ``put_if_absent`` under
-   a fresh key (the tier's one retry policy retries transient failures; a retry never replaces
-   anything);
-3. verify it: the stored object has the expected size and its footer is the one we wrote;
-4. commit the next manifest version (atomic, fenced);
+1. plan the next segments from the ConsumeQueue, starting at the manifest's end (the tier
+   watermark): each a fresh key, a base offset and its entries (numpy, no Python per message);
+2. hand each plan to the cold worker (``offload/segment_upload.py``, run by
+   ``tiered/cold/worker.py`` in a child process, off the broker's GIL), several in flight: it
+   reads the records from the CommitLog files, builds the segment object
+   (``tiered/cold/segment.py``) and writes it with ``put_if_absent`` (the tier's one retry
+   policy retries transient failures; a retry never replaces anything);
+3. the worker verifies it: the stored object has the expected size and its footer is the one it
+   wrote;
+4. the broker commits the next manifest version (``_commit``: atomic, fenced, under the queue's
+   lock), one segment at a time in offset order, whatever order the uploads finish in;
 5. only now does the watermark move, and with it what local release may delete.
 
-A crash between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the next run
-starts again at the committed watermark and writes a new object under a new key, and the
-restarted process deletes the orphan before it uploads anything to that queue (``verify``
-reports it meanwhile; ``--repair`` deletes it too).
+A crash of the broker between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the
+next run starts again at the committed watermark and writes a new object under a new key, and
+the restarted process deletes the orphan before it uploads anything to that queue (``verify``
+reports it meanwhile; ``--repair`` deletes it too). A crash of the worker only loses the jobs it
+held: the worker is restarted and each job runs again under the same key (idempotent). A pass
+that fails deletes the objects it uploaded but did not commit.
 
 In a replica group only the master writes the tier (``offload/leadership.py``). Its first write
 to a queue in a new epoch *claims* the queue: a manifest version stamped with its epoch, before
@@ -28,14 +34,20 @@ so the tier never holds a message that the next elected master lacks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from offload.leadership import Leadership, Term, single_broker
+from offload.segment_upload import SegmentJob, upload_segment
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
@@ -45,8 +57,9 @@ from tiered.cold.manifest import (
     queue_prefix,
     segment_key,
 )
-from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
+from tiered.cold.segment import SegmentError, SegmentInfo
 from tiered.cold.storage import ObjectStore, StorageError
+from tiered.cold.worker import JobRunner, LocalRunner, WorkerCrashedError
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -70,6 +83,9 @@ class OffloadPolicy:
     upload_min_messages: int = 10_000
     segment_max_bytes: int = 64 * 1024 * 1024
     segment_max_messages: int = 100_000
+    # Segments being built and uploaded at once (the worker's queue is bounded by this too):
+    # one PUT at a time leaves the link idle while the next segment is built.
+    parallel_uploads: int = 4
 
 
 @dataclass(slots=True)
@@ -152,7 +168,10 @@ class Offloader:
         on_commit: Callable[[str, int, QueueManifest], None] | None = None,
         leadership: Leadership | None = None,
         upload_limit: Callable[[], int | None] | None = None,
+        runner: JobRunner | None = None,
     ) -> None:
+        """``runner`` runs the segment builds and uploads: the broker's cold worker (a child
+        process); by default threads of this process against ``tier``."""
         self.store = store
         self.tier = tier
         self.cluster = cluster
@@ -175,6 +194,10 @@ class Offloader:
         self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
+        parallel = max(1, self.policy.parallel_uploads)
+        self._own_runner = runner is None
+        self.runner = runner or LocalRunner(tier, threads=parallel, max_inflight=parallel)
+        self._queues_pool = ThreadPoolExecutor(parallel, thread_name_prefix="tmq-offload")
 
     def manifests(self, topic: str, queue_id: int) -> ManifestLog:
         return ManifestLog(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
@@ -385,25 +408,48 @@ class Offloader:
                 manifest = manifest.without_segments_before(hot_min)
                 manifest.log_start_offset = hot_min
                 self._commit(topic, queue_id, manifest)
-            while manifest.end_offset < target:
-                info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
-                if info is None:
-                    break  # the rest is not on every in-sync replica yet
-                manifest = manifest.with_segment(info)
-                failpoints.hit("offload.before_commit")
-                try:
-                    self._commit(topic, queue_id, manifest)
-                except CommitRefusedError:
-                    self._discard(info.key)
-                    raise
-                result.segments += 1
-                result.messages += info.count
-                result.bytes += info.size
-                self.stats.uploaded_segments += 1
-                self.stats.uploaded_messages += info.count
-                self.stats.uploaded_bytes += info.size
+            plans = self._plan_segments(topic, queue_id, manifest.end_offset, target)
+            uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]] = deque()
+            try:
+                while True:
+                    while len(uploads) < max(1, self.policy.parallel_uploads):
+                        job = next(plans, None)
+                        if job is None:
+                            break
+                        uploads.append((job, self.runner.submit(upload_segment, job)))
+                    if not uploads:
+                        break
+                    job, future = uploads.popleft()
+                    info = self._uploaded(job, future)
+                    manifest = manifest.with_segment(info)
+                    failpoints.hit("offload.before_commit")
+                    try:
+                        self._commit(topic, queue_id, manifest)
+                    except CommitRefusedError:
+                        self._discard(info.key)
+                        raise
+                    result.segments += 1
+                    result.messages += info.count
+                    result.bytes += info.size
+                    self.stats.uploaded_segments += 1
+                    self.stats.uploaded_messages += info.count
+                    self.stats.uploaded_bytes += info.size
+            finally:
+                self._abandon(uploads)
             result.watermark = manifest.end_offset
             return result
+
+    def offload_queues(
+        self, queues: Sequence[tuple[str, int]]
+    ) -> list[OffloadResult | BaseException]:
+        """``offload_queue`` for several queues at once (up to ``parallel_uploads``), each
+        isolated: the result or the exception of each, in the order given."""
+        futures = [self._queues_pool.submit(self.offload_queue, t, q) for t, q in queues]
+        out: list[OffloadResult | BaseException] = []
+        for f in futures:
+            error = f.exception()
+            out.append(error if error is not None else f.result())
+        return out
 
     def expire(
         self,
@@ -460,50 +506,65 @@ class Offloader:
             )
             return result
 
-    def _upload_segment(
+    def _plan_segments(
         self, topic: str, queue_id: int, start: int, target: int
-    ) -> SegmentInfo | None:
-        """Build, write and verify the next segment from ``start``; None when the upload limit
-        holds back its first record."""
-        records: list[bytes] = []
-        size = 0
-        limit = min(target - start, self.policy.segment_max_messages)
-        below = self.upload_limit()
-        # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
-        # segment builder checks every record once).
-        for offset, (phys, length, _tag) in self.store.queue_entries(topic, queue_id, start, limit):
-            if offset != start + len(records):
-                raise OffloadError(
-                    f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
-                )
-            if below is not None and phys + length > below:
-                break  # queue offsets grow with CommitLog offsets: nothing later is below
-            raw = self.store.read_record_bytes(phys, length)
-            if raw is None:
-                raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
-            records.append(raw)
-            size += length
-            if size >= self.policy.segment_max_bytes:
-                break
-        if not records and below is not None:
-            return None
-        if not records:
-            raise OffloadError(
-                f"{topic}/{queue_id}: offset {start} could not be read from the hot store"
-            )
+    ) -> Iterator[SegmentJob]:
+        """The segments that take the queue from ``start`` to ``target``, each planned when the
+        pipeline has room for it: a fresh key and the ConsumeQueue entries, cut at
+        ``segment_max_messages`` or the record that reaches ``segment_max_bytes``, and stopped
+        at ``upload_limit`` (the SyncStateSet's high watermark in a replica group)."""
         prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
-        data, info = build(records, start, segment_key(prefix, start))
+        config = self.store.config
+        while start < target:
+            limit = min(target - start, self.policy.segment_max_messages)
+            entries = self.store.queue_entry_table(topic, queue_id, start, limit)
+            if len(entries) == 0:
+                raise OffloadError(f"{topic}/{queue_id}: offset {start} is not in the hot store")
+            below = self.upload_limit()
+            if below is not None:
+                # Queue offsets grow with CommitLog offsets: only a prefix can be below the
+                # limit, and nothing later is; what is not on every in-sync replica waits.
+                ends = entries["offset"].astype(np.int64) + entries["size"]
+                entries = entries[: int(np.searchsorted(ends, below, side="right"))]
+                if len(entries) == 0:
+                    return
+            reach = np.cumsum(entries["size"], dtype=np.int64)
+            count = min(
+                len(entries), int(np.searchsorted(reach, self.policy.segment_max_bytes)) + 1
+            )
+            yield SegmentJob(
+                key=segment_key(prefix, start),
+                base_offset=start,
+                entries=entries[:count].tobytes(),
+                commitlog_dir=str(config.commitlog_dir),
+                commitlog_file_size=config.commitlog_file_size,
+            )
+            start += count
 
-        def write_and_verify() -> SegmentInfo:
-            if not self.tier.put_if_absent(info.key, data):
-                # Our own earlier attempt landed (the key is unique to this build).
-                log.info("%s already exists: a retried upload", info.key)
-            stored = read_footer(self.tier, info.key)
-            if stored != info:
-                raise SegmentError(f"{info.key}: stored object differs from what was written")
-            return stored
+    def _uploaded(self, job: SegmentJob, future: Future[SegmentInfo]) -> SegmentInfo:
+        """The verified footer of ``job``'s upload. A crash of the worker runs the job again
+        (same key: idempotent) on the restarted worker, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._step(f"upload {job.key}", future.result)
+            except OffloadError as e:
+                if not isinstance(e.__cause__, WorkerCrashedError) or attempt == 2:
+                    raise
+                log.warning("%s: the cold worker crashed during the upload; again", job.key)
+                future = self.runner.submit(upload_segment, job)
+        raise AssertionError("unreachable")
 
-        return self._step(f"upload {info.key}", write_and_verify)
+    def _abandon(self, uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]]) -> None:
+        """After a failed pass: wait for the uploads still under way and delete what they wrote
+        (never committed, under keys nobody else uses), so that a failed pass leaves no orphan
+        behind when the tier answers. Best effort: the start-up sweep and ``verify`` remain."""
+        for job, future in uploads:
+            with contextlib.suppress(Exception):  # the object may exist all the same
+                future.result()
+            try:
+                self.tier.delete(job.key)
+            except Exception as e:
+                log.warning("%s: an uncommitted upload could not be deleted: %s", job.key, e)
 
     def _discard(self, key: str) -> None:
         """Delete a segment whose commit was refused: its key is unique to this upload and no
@@ -550,3 +611,9 @@ class Offloader:
             return fn()
         except (StorageError, SegmentError) as e:
             raise OffloadError(f"{what}: {e}") from e
+
+    def close(self) -> None:
+        """Stop the threads this offloader started (not the runner it was given)."""
+        self._queues_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_runner:
+            self.runner.close()

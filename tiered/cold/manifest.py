@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from google_crc32c import value as crc32c
 
-from tiered.cold.segment import SegmentInfo
+from tiered.formats import SegmentInfo
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 from tiered.names import is_valid_name
 
