@@ -18,8 +18,8 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from rocketmq.grpc_protocol import definition_pb2 as d
 
 from broker.metadata import PERM_READ, PERM_WRITE, Limits, TopicConfig
-from broker.timer import PROPERTY_TIMER_OFFSET
-from broker.transaction import PROPERTY_CHECK_IMMUNITY_MS, PROPERTY_HALF_OFFSET
+from broker.timer import PROPERTY_ROLLED_FROM, PROPERTY_TIMER_OFFSET
+from broker.transaction import PROPERTY_CHECK_IMMUNITY_MS, PROPERTY_HALF_OFFSET, PROPERTY_TXN_ID
 from tiered.record import (
     PROPERTY_KEYS,
     PROPERTY_SHARDING_KEY,
@@ -58,6 +58,8 @@ _INTERNAL = frozenset(
         PROPERTY_HALF_OFFSET,
         PROPERTY_CHECK_IMMUNITY_MS,
         PROPERTY_TIMER_OFFSET,
+        PROPERTY_ROLLED_FROM,
+        PROPERTY_TXN_ID,
     )
 )
 _HIDDEN = ROCKETMQ_SYSTEM_PROPERTIES | _INTERNAL

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -54,7 +55,7 @@ from tiered.cold.storage import (
 )
 from tiered.cold.worker import ColdWorker
 from tiered.epoch_file import EpochFile
-from tiered.store import MessageStore
+from tiered.store import CommitLogFileInfo, MessageStore
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,10 @@ class Broker:
         0``: any free)."""
         self._check_tier()
         self.store.start()
+        if self.store.dispatcher is not None:
+            # Nobody looks these up by key (a committed copy or a delivered timer is found in
+            # its real topic): no IndexFile work per half message, decision or timer record.
+            self.store.dispatcher.unindexed_topics = frozenset((HALF_TOPIC, OP_TOPIC, TIMER_TOPIC))
         try:
             if self.cold_worker is not None:
                 self.cold_worker.start()
@@ -510,6 +515,24 @@ class Broker:
         self.released_files += self.store.release_commitlog_files(
             lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
         )
+        if not slave and not (self.offloader is not None and self.offloader.fenced):
+            self._roll_forward(can_release)  # an append: the serving master's alone
+
+    def _roll_forward(self, can_release: Callable[[CommitLogFileInfo], bool]) -> None:
+        """When the oldest CommitLog file could go but for a pending half message or timer in
+        it, re-put those forward (RocketMQ's roll), so that the next pass releases it: a
+        transaction left open for days, or a 3-day timer, no longer holds every file after it.
+        Only a serving master rolls: a slave's records come from its master's CommitLog (the
+        master's roll reaches it as ordinary records), and a fenced master appends nothing."""
+        pinned = self.pinned_offset()
+        files = self.store.commitlog_files()[:-1]  # never the file being written
+        if pinned is None or not files or files[0].end_offset <= pinned:
+            return
+        oldest = files[0]
+        if oldest.end_offset > self.store.dispatched_offset or not can_release(oldest):
+            return
+        self.transactions.roll_forward(oldest.end_offset)
+        self.timers.roll_forward(oldest.end_offset)
 
     def _refresh_watermarks(self, offloader: Offloader) -> None:
         """A slave: reload each tiered queue's manifest (read only), so release trusts the

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
 PROPERTY_TIMER_OFFSET = "__TIMER_OFFSET"
+# On a timer record rolled forward (re-put): the CommitLog offset of the record it replaces.
+PROPERTY_ROLLED_FROM = "__TIMER_ROLLED_FROM"
 BUCKET_MS = 60_000
 DEFAULT_MAX_DELAY_MS = 3 * 86_400_000  # RocketMQ's timerMaxDelaySec: 3 days
 ENTRY = np.dtype([("due", ">i8"), ("offset", ">i8"), ("size", ">i4"), ("topic", ">u4")])
@@ -171,6 +173,8 @@ class TimerService:
         self._heap: list[tuple[int, int, int, int]] = []  # (due, offset, size, topic crc)
         self._seen: set[int] = set()  # offsets in the current bucket, delivered or not
         self._verify = False  # check deliveries against the IndexFile (first bucket after start)
+        self._roll_below: int | None = None  # asked by release; done by the tmq-timer thread
+        self.rolled = 0
         self.lateness_ms: list[int] = []  # of recent deliveries, for the benchmark and metrics
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -182,12 +186,11 @@ class TimerService:
         for bucket in self.log.buckets():
             entries = self.log.entries(bucket)
             done = self.log.done(bucket)
-            offsets = np.unique(entries["offset"])
             keep = entries[~np.isin(entries["offset"], list(done))] if done else entries
             _, first = np.unique(keep["offset"], return_index=True)
             keep = keep[first]
             self._pending[bucket] = len(keep)
-            self._min_offset[bucket] = int(offsets.min()) if len(offsets) else 2**62
+            self._min_offset[bucket] = int(keep["offset"].min()) if len(keep) else 2**62
             for crc, n in zip(*np.unique(keep["topic"], return_counts=True), strict=True):
                 self._by_topic[int(crc)] = self._by_topic.get(int(crc), 0) + int(n)
         buckets = self.log.buckets()
@@ -247,6 +250,7 @@ class TimerService:
             try:
                 now = self._clock()
                 enqueued = self._enqueue(now)
+                self._roll()
                 delivered = self._deliver(now)
                 moved = self._advance(now)
                 if time.monotonic() - last_checkpoint >= _CHECKPOINT_EVERY_S:
@@ -271,16 +275,26 @@ class TimerService:
                 self.enqueue_offset = got.next_offset
             return 0
         rows: dict[int, list[tuple[int, int, int, int]]] = {}
+        replaced: dict[int, list[int]] = {}  # bucket -> offsets of records rolled forward
+        in_heap: set[int] | None = None  # offsets in the current bucket's heap, when needed
         for m in got.messages:
             due = int(m.properties.get(PROPERTY_DELIVER_TIME, "0"))
             bucket = max(bucket_of(due), self._current)
             crc = topic_crc(m.properties.get(PROPERTY_REAL_TOPIC, ""))
             row = (due, m.commitlog_offset, m.size, crc)
+            rolled_from = m.properties.get(PROPERTY_ROLLED_FROM)
             if bucket == self._current:
                 if m.commitlog_offset in self._seen:
                     continue  # re-read after a crash: already scheduled
+                if rolled_from is not None:
+                    if in_heap is None:
+                        in_heap = {r[1] for r in self._heap}
+                    if int(rolled_from) not in in_heap:
+                        continue  # the old record was delivered before this one was enqueued
                 self._seen.add(m.commitlog_offset)
                 heapq.heappush(self._heap, row)
+            if rolled_from is not None:
+                replaced.setdefault(bucket, []).append(int(rolled_from))
             rows.setdefault(bucket, []).append(row)
         with self._lock:
             for bucket, bucket_rows in rows.items():
@@ -290,6 +304,12 @@ class TimerService:
                 self._min_offset[bucket] = min(self._min_offset.get(bucket, low), low)
                 for r in bucket_rows:
                     self._by_topic[r[3]] = self._by_topic.get(r[3], 0) + 1
+        for bucket, offsets in replaced.items():
+            self._retire(bucket, offsets)
+            if bucket == self._current:  # the new entries replace the old ones in the heap
+                gone = set(offsets)
+                self._heap = [r for r in self._heap if r[1] not in gone]
+                heapq.heapify(self._heap)
         self.enqueue_offset = got.next_offset
         return len(got.messages)
 
@@ -326,12 +346,74 @@ class TimerService:
             del self.lateness_ms[:-100_000]
         return len(batch)
 
+    def roll_forward(self, below: int) -> None:
+        """Ask for every undelivered timer whose record lies below CommitLog offset ``below``
+        to be re-put (RocketMQ's timer "roll"), so that it no longer pins the files there. The
+        tmq-timer thread does it on its next pass; ``pinned_offset`` moves once it has."""
+        self._roll_below = below
+        self._wakeup.set()
+
+    def _roll(self) -> int:
+        """Re-put the undelivered timer records below ``_roll_below`` as new records of the
+        timer topic carrying ``__TIMER_ROLLED_FROM``; their enqueue marks the old entries done
+        (and takes them out of the current bucket's heap), so a crash anywhere in between
+        leaves either the old entry or the new one live, never both. The
+        delivered copy keeps naming the first record (``__TIMER_OFFSET``): the IndexFile check
+        after a restart finds it whichever record delivered it."""
+        below, self._roll_below = self._roll_below, None
+        if below is None:
+            return 0
+        with self._lock:
+            buckets = [
+                b
+                for b, n in self._pending.items()
+                if n > 0 and self._min_offset.get(b, 2**62) < below
+            ]
+        records: list[Message] = []
+        for bucket in sorted(buckets):
+            entries = self.log.entries(bucket)
+            done = self.log.done(bucket)
+            for offset, size in {
+                (o, z) for _, o, z, _ in entries.tolist() if o < below and o not in done
+            }:
+                stored = self.store.read_message(offset, size)
+                if stored is None:
+                    log.error("timer record at CommitLog offset %d is gone; not rolled", offset)
+                    continue
+                props = dict(stored.properties)
+                props.setdefault(PROPERTY_TIMER_OFFSET, str(offset))
+                props[PROPERTY_ROLLED_FROM] = str(offset)
+                records.append(copy_to(stored, TIMER_TOPIC, 0, props))
+        for i in range(0, len(records), _DELIVER_BATCH):
+            self.store.put_messages(records[i : i + _DELIVER_BATCH])
+        if records:
+            self.rolled += len(records)
+            log.info("timers: %d record(s) rolled forward past offset %d", len(records), below)
+        return len(records)
+
+    def _retire(self, bucket: int, offsets: list[int]) -> None:
+        """Mark entries of ``bucket`` done without delivering them (their records were rolled
+        forward and re-enqueued), and recount the bucket's pin from its file."""
+        entries = self.log.entries(bucket)
+        done = self.log.done(bucket)
+        live = set(entries["offset"].tolist()) - done
+        retired = [o for o in set(offsets) if o in live]
+        if retired:
+            self.log.mark_done(bucket, retired)
+        remaining = live - set(retired)
+        with self._lock:
+            self._pending[bucket] = self._pending.get(bucket, 0) - len(retired)
+            for crc in entries["topic"][np.isin(entries["offset"], retired)].tolist():
+                self._by_topic[crc] = self._by_topic.get(crc, 0) - 1
+            self._min_offset[bucket] = min(remaining, default=2**62)
+
     def _already_delivered(self, stored: StoredMessage) -> bool:
         topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
         for m in self.store.query_by_key(
             topic, stored.msg_id or "", begin_ms=stored.store_timestamp
         ):
-            if m.properties.get(PROPERTY_TIMER_OFFSET) == str(stored.commitlog_offset):
+            identity = stored.properties.get(PROPERTY_TIMER_OFFSET, str(stored.commitlog_offset))
+            if m.properties.get(PROPERTY_TIMER_OFFSET) == identity:
                 return True
         return False
 
@@ -369,9 +451,10 @@ def _delivered_copy(stored: StoredMessage) -> Message:
     props = {
         k: v
         for k, v in stored.properties.items()
-        if k not in (PROPERTY_REAL_TOPIC, PROPERTY_REAL_QUEUE_ID)
+        if k not in (PROPERTY_REAL_TOPIC, PROPERTY_REAL_QUEUE_ID, PROPERTY_ROLLED_FROM)
     }
-    props[PROPERTY_TIMER_OFFSET] = str(stored.commitlog_offset)
+    # A rolled record already names the first one: the identity the IndexFile check looks for.
+    props.setdefault(PROPERTY_TIMER_OFFSET, str(stored.commitlog_offset))
     topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
     return copy_to(stored, topic, int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")), props)
 

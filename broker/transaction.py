@@ -56,12 +56,15 @@ PROPERTY_CHECK_IMMUNITY_MS = "__TXN_CHECK_IMMUNITY_MS"
 PROPERTY_HALF_OFFSET = "__TXN_HALF_OFFSET"
 PROPERTY_OP = "__TXN_OP"
 PROPERTY_CHECKS = "__TXN_CHECKS"
+# On a half message rolled forward (re-put): the transaction id its producer holds.
+PROPERTY_TXN_ID = "__TXN_ID"
 # Half-message bookkeeping that the committed copy does not keep.
 _HALF_ONLY = (
     PROPERTY_REAL_TOPIC,
     PROPERTY_REAL_QUEUE_ID,
     PROPERTY_PRODUCER_GROUP,
     PROPERTY_CHECK_IMMUNITY_MS,
+    PROPERTY_TXN_ID,
 )
 
 COMMIT = "commit"
@@ -97,9 +100,13 @@ class TransactionConfig:
 
 @dataclass(slots=True)
 class Half:
-    """An undecided half message."""
+    """An undecided half message. Its identity (``offset``, ``txn_phys``: the transaction id)
+    is where it was first stored; rolled forward, its live record moves (``record_offset``,
+    ``commitlog_offset``, ``size``)."""
 
-    offset: int  # queue offset in HALF_TOPIC
+    offset: int  # queue offset in HALF_TOPIC of the first record: the transaction's identity
+    txn_phys: int  # CommitLog offset of the first record (the transaction id's second half)
+    record_offset: int  # queue offset in HALF_TOPIC of the live record
     commitlog_offset: int
     size: int
     topic: str
@@ -176,6 +183,7 @@ class TransactionService:
         self.commits = 0
         self.rollbacks = 0
         self.checks = 0
+        self.rolled = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -217,10 +225,13 @@ class TransactionService:
                 checks[target] = max(checks.get(target, 0), count)
         watermark = self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) or 0
         repaired = 0
+        halves: dict[int, StoredMessage] = {}  # by identity: the last (live) record wins
         for m in self._scan(HALF_TOPIC, watermark):
-            if m.queue_offset in self._decided:
+            halves[self._identity(m)[0]] = m
+        for identity, m in halves.items():
+            if identity in self._decided:
                 continue
-            half = self._half(m, checks.get(m.queue_offset, 0))
+            half = self._half(m, checks.get(identity, 0))
             if self._committed_copy_exists(half):
                 # The crash tore the commit batch after the real message: finish it.
                 self._append_op(half.offset, COMMIT)
@@ -236,11 +247,20 @@ class TransactionService:
                 repaired,
             )
 
+    @staticmethod
+    def _identity(m: StoredMessage) -> tuple[int, int]:
+        """(half offset, CommitLog offset) of the transaction a half record belongs to."""
+        rolled = m.properties.get(PROPERTY_TXN_ID)
+        return parse_transaction_id(rolled) if rolled else (m.queue_offset, m.commitlog_offset)
+
     def _half(self, m: StoredMessage, checks: int) -> Half:
         immunity = int(m.properties.get(PROPERTY_CHECK_IMMUNITY_MS) or self.config.timeout_ms)
         first = m.store_timestamp + immunity
+        offset, txn_phys = self._identity(m)
         return Half(
-            offset=m.queue_offset,
+            offset=offset,
+            txn_phys=txn_phys,
+            record_offset=m.queue_offset,
             commitlog_offset=m.commitlog_offset,
             size=m.size,
             topic=m.properties.get(PROPERTY_REAL_TOPIC, ""),
@@ -281,6 +301,8 @@ class TransactionService:
                 first = r.store_timestamp + (immunity or self.config.timeout_ms)
                 self._pending[r.queue_offset] = Half(
                     offset=r.queue_offset,
+                    txn_phys=r.commitlog_offset,
+                    record_offset=r.queue_offset,
                     commitlog_offset=r.commitlog_offset,
                     size=r.size,
                     topic=msg.topic,
@@ -315,7 +337,7 @@ class TransactionService:
                 if done is not None:
                     raise TransactionError(f"transaction {txn_id} was already {_PAST[done]}")
                 raise TransactionError(f"transaction {txn_id} is unknown or long decided")
-            if half.commitlog_offset != phys or half.message_id != message_id:
+            if half.txn_phys != phys or half.message_id != message_id:
                 raise TransactionError(
                     f"transaction {txn_id} does not belong to message {message_id}"
                 )
@@ -395,11 +417,13 @@ class TransactionService:
         for half in due:
             if self._stop.is_set():
                 break
-            txn = transaction_id(half.offset, half.commitlog_offset)
+            txn = transaction_id(half.offset, half.txn_phys)
             if half.checks >= self.config.check_max:
                 self._give_up(half, txn)
                 continue
-            stored = self.store.read_message(half.commitlog_offset, half.size)
+            with self._lock:  # a roll moves the record: take its offset and size together
+                where = (half.commitlog_offset, half.size)
+            stored = self.store.read_message(*where)
             if stored is None:
                 continue
             half.checks += 1
@@ -438,12 +462,52 @@ class TransactionService:
 
     def _save_watermark(self) -> None:
         with self._lock:
-            low = min(self._pending) if self._pending else self.store.max_offset(HALF_TOPIC, 0)
-            busy = min(self._busy) if self._busy else low
-            watermark = min(low, busy)
+            low = min(
+                (h.record_offset for h in self._pending.values()),
+                default=self.store.max_offset(HALF_TOPIC, 0),
+            )
+            # A half being decided right now is still in _pending: its record is counted.
+            watermark = low
             self._decided = {h: k for h, k in self._decided.items() if h >= watermark}
         if self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) != watermark:
             self.metadata.commit_offset(SYSTEM_GROUP, HALF_TOPIC, 0, watermark)
+
+    def roll_forward(self, below: int) -> int:
+        """Re-put every undecided half message whose live record lies below CommitLog offset
+        ``below`` (RocketMQ's ``putBackHalfMsgQueue``), so that it no longer pins the files
+        there; returns how many were re-put.
+
+        The new record carries the transaction id (``__TXN_ID``): the producer's EndTransaction
+        and the check-backs keep naming the transaction as before, and recovery takes the last
+        record of each transaction as the live one, so a crash after the re-put (before the
+        pin moves) only leaves a stale record the watermark soon passes. Holds the lock while
+        it appends: an EndTransaction of the same half waits, and never sees it half-moved."""
+        with self._lock:
+            moving = [
+                h
+                for h in self._pending.values()
+                if h.commitlog_offset < below and h.offset not in self._busy
+            ]
+            records: list[Message] = []
+            for half in moving:
+                stored = self.store.read_message(half.commitlog_offset, half.size)
+                if stored is None:
+                    raise TransactionError(f"half message {half.message_id} is no longer stored")
+                props = dict(stored.properties)
+                props[PROPERTY_TXN_ID] = transaction_id(half.offset, half.txn_phys)
+                records.append(copy_to(stored, HALF_TOPIC, 0, props))
+            if not records:
+                return 0
+            results = self.store.put_messages(records)
+            for half, r in zip(moving, results, strict=True):
+                half.record_offset = r.queue_offset
+                half.commitlog_offset = r.commitlog_offset
+                half.size = r.size
+            self.rolled += len(moving)
+        log.info(
+            "transactions: %d half message(s) rolled forward past offset %d", len(moving), below
+        )
+        return len(moving)
 
     def pinned_offset(self) -> int | None:
         """The lowest CommitLog offset an undecided half message needs kept."""

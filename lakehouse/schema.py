@@ -20,6 +20,7 @@
  store_host            string                 ``ip:port``
  reconsume_times       int                    delivery attempts before it was stored (retries)
  segment               string                 the segment object's key in the tier (lineage)
+ deliver_ts            timestamp (UTC)        a delay message's delivery time; null otherwise
  export_ts             timestamp (UTC)        when the export batch that wrote the row began
  store_date            date                   partition column: the UTC date of ``store_ts``
 ====================  =====================  ===================================================
@@ -28,6 +29,10 @@ Timestamps carry a time zone (``timestamp`` in Delta, not ``timestamp_ntz``): Sp
 delta-rs tables with the NTZ feature (delta-rs issue #2882), and every reader agrees on UTC.
 The row is built from the columnar decode of a run of records (``tiered/columnar.py``, checked
 against the reference codec), column by column: no Python object per row.
+
+``deliver_ts`` (issue 15, delay messages) was added to version 2 as a nullable column: a table
+created before it gains the column on the next export (``tables.LakeTable``), its older rows
+read it as null, and nothing else changes.
 
 Version 2 of the row (``keys`` as an array, null ``born_ts``) replaced version 1 (``keys`` one
 string, ``born_ts`` 1970-01-01 when unset); see ``tables.LakeTable`` for tables of version 1.
@@ -42,6 +47,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tiered.record import KEY_SEPARATOR, PROPERTY_KEYS, PROPERTY_TAGS, PROPERTY_UNIQ_KEY
+
+# RocketMQ's delivery time of a delay message (ms since the epoch), kept by the delivered copy.
+PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
+DELIVER_COLUMN = "deliver_ts"
 
 PARTITION_COLUMN = "store_date"
 _TS = pa.timestamp("us", tz="UTC")
@@ -68,6 +77,7 @@ SOURCE_SCHEMA = pa.schema(
         pa.field("store_host", pa.string(), nullable=False),
         pa.field("reconsume_times", pa.int32(), nullable=False),
         pa.field("segment", pa.string(), nullable=False),
+        pa.field(DELIVER_COLUMN, _TS),
         pa.field(PARTITION_COLUMN, pa.date32(), nullable=False),
     ]
 )
@@ -89,7 +99,7 @@ SOURCE_DDL = (
     "keys array<string> not null, tags string, properties map<string,string>, "
     "body binary not null, body_size int not null, born_ts timestamp, store_ts timestamp not null, "
     "born_host string not null, store_host string not null, reconsume_times int not null, "
-    "segment string not null, store_date date not null"
+    "segment string not null, deliver_ts timestamp, store_date date not null"
 )
 
 
@@ -143,6 +153,7 @@ def rows(records: pa.RecordBatch, broker: str, segment: str) -> pa.RecordBatch:
             records.column("store_host"),
             records.column("reconsume_times"),
             pa.repeat(pa.scalar(segment), n),
+            _micros(pc.map_lookup(props, PROPERTY_DELIVER_TIME, "first").cast(pa.int64())),
             pc.divide(store_ms, _MS_PER_DAY).cast(pa.int32()).cast(pa.date32()),
         ],
         schema=SOURCE_SCHEMA,

@@ -19,7 +19,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from lakehouse.locations import Location
-from lakehouse.schema import PARTITION_COLUMN, TABLE_SCHEMA
+from lakehouse.schema import DELIVER_COLUMN, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.tier import QueueRef
 
 APP_ID_PREFIX = "tmq-export:"
@@ -62,6 +62,7 @@ class LakeTable:
         table = self.open()
         if table is not None:
             self.check_row_version(table)
+            self.add_deliver_column(table)
             return table
         # mode="ignore": if a concurrent exporter created it first, this is a no-op.
         return DeltaTable.create(
@@ -88,6 +89,24 @@ class LakeTable:
                 f"{self.topic}_v1) and run the export again: it rebuilds the table from the "
                 "tier, from the oldest message the tier still retains"
             )
+
+    @staticmethod
+    def add_deliver_column(table: DeltaTable) -> None:
+        """A table created before ``deliver_ts`` existed gains it (nullable, so its older rows
+        read null): appending the same column twice is refused by Delta, so a concurrent
+        exporter that added it first is no error."""
+        if DELIVER_COLUMN in table.schema().to_arrow().names:
+            return
+        from deltalake.schema import Field, PrimitiveType
+
+        try:
+            table.alter.add_columns(
+                Field(DELIVER_COLUMN, PrimitiveType("timestamp"), nullable=True)
+            )
+        except Exception:
+            table.update_incremental()
+            if DELIVER_COLUMN not in table.schema().to_arrow().names:
+                raise
 
 
 def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:

@@ -153,13 +153,13 @@ class Standalone:
     def admin(self) -> apb_grpc.AdminStub:
         return apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
 
-    def create_topic(self, name: str, queues: int = 4, message_type: str = "NORMAL") -> None:
-        self.admin().PutTopic(
-            apb.PutTopicRequest(
-                topic=apb.Topic(name=name, queues=queues, perm=6, message_type=message_type)
-            ),
-            timeout=10,
+    def create_topic(
+        self, name: str, queues: int = 4, message_type: str = "NORMAL", tiered: bool = False
+    ) -> None:
+        topic = apb.Topic(
+            name=name, queues=queues, perm=6, message_type=message_type, tiered=tiered
         )
+        self.admin().PutTopic(apb.PutTopicRequest(topic=topic), timeout=10)
         self.wait_routed(name)
 
     def wait_routed(self, topic: str, seconds: float = 15) -> None:

@@ -18,7 +18,6 @@ from broker_harness import (
     metric_sample,
     pull_all,
     send_batches,
-    tmq,
 )
 from rocketmq import (
     FilterExpression,
@@ -198,11 +197,7 @@ def test_delivered_and_committed_messages_replay_from_the_tier_after_release(
             ("tier-txn", "TRANSACTION"),
             ("tier-filler", "NORMAL"),
         ):
-            done = tmq(
-                "topic", "create", name, "-n", node.namesrv, "--queues", "2", "--tiered",
-                "--message-type", kind,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr
+            node.create_topic(name, queues=2, message_type=kind, tiered=True)
         start = now_ms()
         send_raw(
             node, "tier-delay", [(f"d{i}", start + 2000 + 5 * i) for i in range(200)], pad=1000

@@ -67,6 +67,9 @@ class Dispatcher:
         self.reput_offset = reput_offset
         self.index_from = index_from
         self.logics_timestamp = 0
+        # Topics whose records get no IndexFile entries: the broker's bookkeeping topics
+        # (half messages, transaction ops, timer records), which nobody looks up by key.
+        self.unindexed_topics: frozenset[str] = frozenset()
         self._pending: deque[EncodedBatch] = deque()
         self._pending_bytes = 0
         # submit (a producer, under the put lock) and _pop (this thread) both move the count.
@@ -244,6 +247,9 @@ class Dispatcher:
         hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
         offsets = np.asarray(batch.offsets, np.int64)[numbers]
         keep = offsets >= index_from
+        if self.unindexed_topics:
+            skip = self.unindexed_topics
+            keep &= np.array([q[0] not in skip for q in batch.queues], bool)[numbers]
         if not keep.all():
             hashes, numbers, offsets = hashes[keep], numbers[keep], offsets[keep]
         stamps = batch.store_timestamps
