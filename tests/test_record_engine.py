@@ -70,7 +70,9 @@ MESSAGES = st.builds(
 def test_native_engine_is_built_and_used() -> None:
     """``pip install -e .`` compiles the native engine, and the store uses it by default."""
     assert NATIVE is not None, "tiered/_record_native was not built: run pip install -e ."
-    assert record.ENGINE_NAME == ("python" if os.environ.get("TMQ_PURE_PYTHON") else "native")
+    expected = "python" if os.environ.get("TMQ_PURE_PYTHON") else "native"
+    used = record.ENGINE_NAME
+    assert used == expected
 
 
 def test_pure_python_env_var_forces_the_reference() -> None:
@@ -134,7 +136,7 @@ def test_encode_batch_refuses_a_topic_too_long_for_the_format() -> None:
 
 
 def run_of(messages: list[Message], store: Any = ("10.0.0.9", 1)) -> bytes:
-    _, used, data, *_ = encode(PY, messages, 1 << 30, store)
+    _, _, data, *_ = encode(PY, messages, 1 << 30, store)
     return data
 
 
