@@ -257,6 +257,8 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef bint store_v6 = encoder._store_v6
     cdef dict topic_parts = encoder._topic_parts
     cdef dict born_cache = encoder._born_cache
+    cdef dict queue_keys = encoder._queue_keys
+    cdef dict by_id
     cdef int64_t store_ts = out.store_timestamp
     cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
     cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
@@ -325,7 +327,20 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             r.prepared = _field(m, fast, 8)
             queue_id = _field(m, fast, 2)
             r.queue_id = _i32(queue_id)
-            key = (topic, queue_id)
+            found = PyDict_GetItem(queue_keys, topic)
+            if found == NULL:
+                by_id = {}
+                if len(queue_keys) < 100_000:
+                    queue_keys[topic] = by_id
+            else:
+                by_id = <dict>found
+            found = PyDict_GetItem(by_id, queue_id)
+            if found == NULL:
+                key = (topic, queue_id)
+                if len(by_id) < 65_536:
+                    by_id[queue_id] = key
+            else:
+                key = <object>found
             found = PyDict_GetItem(next_offsets, key)
             if found == NULL:
                 qo = base_offsets.get(key, 0)

@@ -215,6 +215,9 @@ class RecordEncoder:
         self._store_ip, self._store_port, self._store_v6 = _pack_host(store_host)
         self._born_cache: dict[str, tuple[bytes, bool]] = {}
         self._topic_parts: dict[str, bytes] = {}
+        # (topic, queue id) keys by topic and queue id: the native encoder reuses them rather
+        # than allocate a tuple per message (which also wakes the cyclic GC).
+        self._queue_keys: dict[str, dict[int, tuple[str, int]]] = {}
 
     def encode(
         self,
