@@ -244,6 +244,25 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         o += r.size
 
 
+cdef object _queue_key(dict cache, object topic, object queue_id):
+    """The ``(topic, queue_id)`` tuple, allocated once per queue and kept in ``cache``."""
+    cdef PyObject* found = PyDict_GetItem(cache, topic)
+    cdef dict by_id
+    if found == NULL:
+        by_id = {}
+        if len(cache) < 100_000:
+            cache[topic] = by_id
+    else:
+        by_id = <dict>found
+    found = PyDict_GetItem(by_id, queue_id)
+    if found != NULL:
+        return <object>found
+    key = (topic, queue_id)
+    if len(by_id) < 65_536:
+        by_id[queue_id] = key
+    return key
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
                  dict next_offsets, dict base_offsets, out):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object."""
@@ -258,7 +277,6 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef dict topic_parts = encoder._topic_parts
     cdef dict born_cache = encoder._born_cache
     cdef dict queue_keys = encoder._queue_keys
-    cdef dict by_id
     cdef int64_t store_ts = out.store_timestamp
     cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
     cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
@@ -327,20 +345,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             r.prepared = _field(m, fast, 8)
             queue_id = _field(m, fast, 2)
             r.queue_id = _i32(queue_id)
-            found = PyDict_GetItem(queue_keys, topic)
-            if found == NULL:
-                by_id = {}
-                if len(queue_keys) < 100_000:
-                    queue_keys[topic] = by_id
-            else:
-                by_id = <dict>found
-            found = PyDict_GetItem(by_id, queue_id)
-            if found == NULL:
-                key = (topic, queue_id)
-                if len(by_id) < 65_536:
-                    by_id[queue_id] = key
-            else:
-                key = <object>found
+            key = _queue_key(queue_keys, topic, queue_id)
             found = PyDict_GetItem(next_offsets, key)
             if found == NULL:
                 qo = base_offsets.get(key, 0)
