@@ -462,6 +462,8 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
     cdef const unsigned char* b = &v[0] if n else NULL
     if limit > n:
         limit = n
+    if pos < 0:
+        raise ValueError(f"position {pos} is before the buffer")
     with nogil:
         while limit - pos >= BLANK:
             total = <int32_t>tmq_be32(b + pos)
