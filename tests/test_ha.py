@@ -70,6 +70,7 @@ class GroupMember:
         file_size: int = FILE_SIZE,
         namesrv: str = "",
         peers: list[GroupMember] | None = None,
+        env: dict[str, str] | None = None,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -105,6 +106,7 @@ sync_timeout_ms = {sync_timeout_ms}
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
+            env={**os.environ, **(env or {})},
         )
         wait_healthy(self.proc, self.endpoint, self.log_path, self.name)
         return self

@@ -35,6 +35,7 @@ properties, as in RocketMQ.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -203,6 +204,7 @@ def _pack_host(host: Host) -> tuple[bytes, int, bool]:
         return socket.inet_pton(socket.AF_INET6, address), port, True
 
 
+@functools.lru_cache(maxsize=4096)  # a broker sees few hosts; decode meets each one per record
 def _unpack_host(raw: bytes, port: int) -> Host:
     family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
     return socket.inet_ntop(family, raw), port

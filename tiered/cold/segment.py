@@ -10,6 +10,9 @@ imported here from there, for the callers that know them by this module.
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
+
 import numpy as np
 from google_crc32c import value as crc32c
 
@@ -25,9 +28,13 @@ from tiered.formats import (
     build,
     key_hash,
 )
-from tiered.record import StoredMessage, decode_many
+from tiered.record import RecordError, StoredMessage, decode, decode_many, validate
 
 __all__ = ["FOOTER_SIZE", "SegmentError", "SegmentInfo", "SegmentReader", "build"]
+
+_RECORD_FIELD = struct.Struct(">q")
+_PHYS_AT = 28  # PHYSICALOFFSET's position in a record (tiered/record.py)
+_QUEUE_OFFSET_AT = 20  # QUEUEOFFSET's position in a record
 
 
 def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
@@ -51,6 +58,54 @@ def verify(store: ObjectStore, info: SegmentInfo) -> None:
         raise SegmentError(f"{info.key}: {len(data)} bytes, the manifest says {info.size}")
     if crc32c(data[: info.size - FOOTER_SIZE]) != info.crc:
         raise SegmentError(f"{info.key}: content does not match its CRC")
+
+
+@dataclass(slots=True, frozen=True)
+class RecordSpan:
+    """Consecutive whole records of one segment, checked but not decoded: what the cold fetcher
+    caches, so a read decodes only the messages it returns."""
+
+    base_offset: int  # queue offset of the first record
+    data: bytes
+    positions: list[int]  # where each record starts in ``data``
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def message(self, i: int) -> StoredMessage:
+        """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
+        when the span was read."""
+        return decode(self.data, self.positions[i], check_crc=False)
+
+
+def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
+    """The segment's whole offset table (``CQ_DTYPE`` entries, one request): a cold job."""
+    return SegmentReader(store, info)._range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
+
+
+def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes) -> RecordSpan:
+    """The records ``first, first + 1, ...`` of the segment whose offset-table entries are
+    ``entries``, with one ranged GET, each checked (structure, body CRC, queue offset): a cold
+    job. Raises ``SegmentError`` for a record that is not what its entry says."""
+    table = np.frombuffer(entries, dtype=CQ_DTYPE)
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    begin = int(starts[0])
+    data = SegmentReader(store, info)._range(begin, int(ends[-1]) - begin)
+    positions = (starts - begin).tolist()
+    for i, (pos, size) in enumerate(zip(positions, table["size"].tolist(), strict=True)):
+        try:
+            (phys,) = _RECORD_FIELD.unpack_from(data, pos + _PHYS_AT)
+            if validate(data, pos, phys, check_crc=True) != size:
+                raise SegmentError(f"{info.key}: record at {begin + pos} is not its entry's size")
+            (queue_offset,) = _RECORD_FIELD.unpack_from(data, pos + _QUEUE_OFFSET_AT)
+        except (RecordError, struct.error) as e:
+            raise SegmentError(f"{info.key}: record at {begin + pos}: {e}") from e
+        if queue_offset != info.base_offset + first + i:
+            raise SegmentError(
+                f"{info.key}: record at {begin + pos} has queue offset {queue_offset}"
+            )
+    return RecordSpan(info.base_offset + first, data, positions)
 
 
 class SegmentReader:
@@ -103,6 +158,8 @@ class SegmentReader:
         return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
 
     def _range(self, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (one request); ``SegmentError`` when
+        the object is missing or short."""
         try:
             data = self.store.get_range(self.info.key, start, length)
         except ObjectNotFoundError:
