@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tiered.config import StoreConfig
-from tiered.record import Message
+from tiered.record import ENGINE_NAME, Message
 from tiered.store import MessageStore
 
 MSG = 1024
@@ -41,7 +41,7 @@ SINGLE_MESSAGES = 60_000
 SYNC_SECONDS = 4.0
 SYNC_THREADS = (8, 64)
 ROUNDS = 3
-TARGET = 300_000
+TARGET = 500_000  # issue 14: and at least half of dd buffered in the same run
 
 
 def messages(n: int, body: bytes) -> list[Message]:
@@ -229,7 +229,10 @@ def main() -> None:
         "ratio_async_batch_vs_dd": round(async_batch["mb_per_s"] / dd_mb_s, 3),
         "ratio_sync_batch_vs_dd_dsync": round(sync_batch["mb_per_s"] / dsync_mb_s, 3),
         "target_async_batch_msgs_per_s": TARGET,
-        "target_met": async_batch["msgs_per_s"] >= TARGET,
+        "target_met": async_batch["msgs_per_s"] >= TARGET
+        and async_batch["mb_per_s"] >= 0.5 * dd_mb_s,
+        # The record engine that ran (TMQ_PURE_PYTHON=1 forces the reference).
+        "engine": ENGINE_NAME,
         "cpus": os.cpu_count(),
     }
     print(json.dumps(result))

@@ -70,7 +70,9 @@ MESSAGES = st.builds(
 def test_native_engine_is_built_and_used() -> None:
     """``pip install -e .`` compiles the native engine, and the store uses it by default."""
     assert NATIVE is not None, "tiered/_record_native was not built: run pip install -e ."
-    assert record.ENGINE_NAME == ("python" if os.environ.get("TMQ_PURE_PYTHON") else "native")
+    expected = "python" if os.environ.get("TMQ_PURE_PYTHON") else "native"
+    used = record.ENGINE_NAME
+    assert used == expected
 
 
 def test_pure_python_env_var_forces_the_reference() -> None:
@@ -134,7 +136,7 @@ def test_encode_batch_refuses_a_topic_too_long_for_the_format() -> None:
 
 
 def run_of(messages: list[Message], store: Any = ("10.0.0.9", 1)) -> bytes:
-    _, used, data, *_ = encode(PY, messages, 1 << 30, store)
+    _, _, data, *_ = encode(PY, messages, 1 << 30, store)
     return data
 
 
@@ -151,9 +153,7 @@ def dispatch(engine: Any, buf: Any, pos: int, limit: int) -> Any:
 
 @SETTINGS
 @given(st.lists(MESSAGES, min_size=1, max_size=30), st.integers(0, 64))
-def test_dispatch_scan_is_identical_and_stops_at_padding(
-    messages: list[Message], pad: int
-) -> None:
+def test_dispatch_scan_is_identical_and_stops_at_padding(messages: list[Message], pad: int) -> None:
     data = run_of(messages)
     buf = data + blank_record(8 + pad)
     native = dispatch(NATIVE, buf, 0, len(buf))
@@ -161,7 +161,9 @@ def test_dispatch_scan_is_identical_and_stops_at_padding(
     assert native[0] == len(data) and len(native[1][0]) == len(messages)
     # Through a mapping-like buffer and from a record in the middle.
     second = native[1][0][1] - 1000 if len(messages) > 1 else 0
-    assert dispatch(NATIVE, memoryview(buf), second, len(buf)) == dispatch(PY, buf, second, len(buf))
+    assert dispatch(NATIVE, memoryview(buf), second, len(buf)) == dispatch(
+        PY, buf, second, len(buf)
+    )
 
 
 @SETTINGS
@@ -185,11 +187,15 @@ def test_recovery_scan_agrees_on_damaged_runs(
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.sampled_from(["a", "tøpic", "b#c"]), st.integers(0, 3)), max_size=20),
-       st.data())
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "tøpic", "b#c"]), st.integers(0, 3)), max_size=20),
+    st.data(),
+)
 def test_index_keys_and_tag_hashes_are_identical(queues: Any, data: Any) -> None:
     n = len(queues)
-    keys = data.draw(st.lists(st.one_of(st.none(), TEXT, st.just(" k1  k2 ")), min_size=n, max_size=n))
+    keys = data.draw(
+        st.lists(st.one_of(st.none(), TEXT, st.just(" k1  k2 ")), min_size=n, max_size=n)
+    )
     uniqs = data.draw(st.lists(st.one_of(st.none(), TEXT), min_size=n, max_size=n))
     h_native, r_native = NATIVE.index_keys(queues, keys, uniqs)
     h_py, r_py = PY.index_keys(queues, keys, uniqs)
@@ -293,3 +299,30 @@ def test_arrow_decode_refuses_what_decode_refuses(
             return type(e)
 
     assert outcome(columnar.decode_run) == outcome(columnar.decode_run_py)
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, min_size=1, max_size=12),
+    st.one_of(st.none(), st.tuples(st.integers(0, 10**9), st.integers(0, 255))),
+    st.booleans(),
+)
+def test_decoding_a_run_into_messages_is_identical(
+    messages: list[Message], damage: tuple[int, int] | None, check_crc: bool
+) -> None:
+    data = bytearray(run_of(messages, ("2001:db8::7", 8081)))
+    batch = EncodedBatch()
+    PY.read_dispatch_run(bytes(data), 0, len(data), 0, batch, [])
+    if damage is not None:
+        data[damage[0] % len(data)] = damage[1]
+
+    def outcome(engine: Any) -> Any:
+        try:
+            return engine.decode_many(bytes(data), batch.offsets[::-1], check_crc)
+        except RecordError as e:
+            return type(e)
+
+    native = outcome(NATIVE)
+    assert native == outcome(PY)
+    if damage is None:
+        assert [m.body for m in native] == [m.body for m in messages][::-1]

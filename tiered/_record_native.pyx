@@ -244,6 +244,25 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         o += r.size
 
 
+cdef object _queue_key(dict cache, object topic, object queue_id):
+    """The ``(topic, queue_id)`` tuple, allocated once per queue and kept in ``cache``."""
+    cdef PyObject* found = PyDict_GetItem(cache, topic)
+    cdef dict by_id
+    if found == NULL:
+        by_id = {}
+        if len(cache) < 100_000:
+            cache[topic] = by_id
+    else:
+        by_id = <dict>found
+    found = PyDict_GetItem(by_id, queue_id)
+    if found != NULL:
+        return <object>found
+    key = (topic, queue_id)
+    if len(by_id) < 65_536:
+        by_id[queue_id] = key
+    return key
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
                  dict next_offsets, dict base_offsets, out):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object."""
@@ -257,6 +276,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef bint store_v6 = encoder._store_v6
     cdef dict topic_parts = encoder._topic_parts
     cdef dict born_cache = encoder._born_cache
+    cdef dict queue_keys = encoder._queue_keys
     cdef int64_t store_ts = out.store_timestamp
     cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
     cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
@@ -325,7 +345,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             r.prepared = _field(m, fast, 8)
             queue_id = _field(m, fast, 2)
             r.queue_id = _i32(queue_id)
-            key = (topic, queue_id)
+            key = _queue_key(queue_keys, topic, queue_id)
             found = PyDict_GetItem(next_offsets, key)
             if found == NULL:
                 qo = base_offsets.get(key, 0)
@@ -442,6 +462,8 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
     cdef const unsigned char* b = &v[0] if n else NULL
     if limit > n:
         limit = n
+    if pos < 0:
+        raise ValueError(f"position {pos} is before the buffer")
     with nogil:
         while limit - pos >= BLANK:
             total = <int32_t>tmq_be32(b + pos)
@@ -978,3 +1000,77 @@ cdef void _replace_value(unsigned char* vb, int32_t[::1] value_off, Py_ssize_t j
         memcpy(vb + old_start, value, vlen)
     for k in range(j + 1, count + 1):
         value_off[k] = <int32_t>(value_off[k] + delta)
+
+
+# -- decode a run into StoredMessage objects ---------------------------------------------------
+
+cdef object StoredMessage = None
+cdef object decode_properties = None
+cdef object decode_one = None
+
+
+def bind_decode(record_module):
+    """Take the record module's decoder and message type (called once by ``tiered.record``)."""
+    global StoredMessage, decode_properties, decode_one
+    StoredMessage = record_module.StoredMessage
+    decode_properties = record_module.decode_properties
+    decode_one = record_module.decode
+
+
+cdef object _host_tuple(const unsigned char* p, bint v6, dict cache):
+    cdef int w = 16 if v6 else 4
+    key = PyBytes_FromStringAndSize(<const char*>p, w + 4)
+    host = cache.get(key)
+    if host is None:
+        import socket
+        address = socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, key[:w])
+        host = (address, <int32_t>tmq_be32(p + w))
+        cache[key] = host
+    return host
+
+
+def decode_many(buf, positions, bint check_crc):
+    """``record.decode_many_py``: ``decode`` of the record at each position. A record the
+    reference refuses is handed to ``record.decode``, which raises its error."""
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t length = v.shape[0], i, n = len(positions)
+    cdef const unsigned char* b = &v[0] if length else NULL
+    cdef Spans s
+    cdef int64_t pos, k
+    cdef int32_t sys_flag
+    cdef dict hosts = {}
+    cdef list out = []
+    for i in range(n):
+        pos = positions[i]
+        if _locate(b, length, pos, check_crc, &s) < 0:
+            out.append(decode_one(buf, pos, check_crc=check_crc))  # raises its own error
+            continue
+        try:
+            topic = PyUnicode_DecodeUTF8(<const char*>b + s.topic_at, s.topic_len, NULL)
+            properties = decode_properties(
+                PyBytes_FromStringAndSize(<const char*>b + s.props_at, s.props_len)
+            ) if s.props_len else {}
+        except UnicodeDecodeError:
+            out.append(decode_one(buf, pos, check_crc=check_crc))
+            continue
+        sys_flag = <int32_t>tmq_be32(b + pos + 36)
+        k = s.store_at + (20 if sys_flag & SYSFLAG_STORE_V6 else 8)
+        out.append(StoredMessage(
+            topic,
+            <int32_t>tmq_be32(b + pos + 12),
+            <int64_t>tmq_be64(b + pos + 20),
+            <int64_t>tmq_be64(b + pos + 28),
+            <int32_t>tmq_be32(b + pos),
+            PyBytes_FromStringAndSize(<const char*>b + s.body_at, s.body_len),
+            tmq_be32(b + pos + 8),
+            <int32_t>tmq_be32(b + pos + 16),
+            sys_flag,
+            <int64_t>tmq_be64(b + pos + 40),
+            _host_tuple(b + s.born_at, sys_flag & SYSFLAG_BORN_V6, hosts),
+            <int64_t>tmq_be64(b + s.store_at - 8),
+            _host_tuple(b + s.store_at, sys_flag & SYSFLAG_STORE_V6, hosts),
+            <int32_t>tmq_be32(b + k),
+            <int64_t>tmq_be64(b + k + 4),
+            properties,
+        ))
+    return out

@@ -217,6 +217,9 @@ class RecordEncoder:
         self._store_ip, self._store_port, self._store_v6 = _pack_host(store_host)
         self._born_cache: dict[str, tuple[bytes, bool]] = {}
         self._topic_parts: dict[str, bytes] = {}
+        # (topic, queue id) keys by topic and queue id: the native encoder reuses them rather
+        # than allocate a tuple per message (which also wakes the cyclic GC).
+        self._queue_keys: dict[str, dict[int, tuple[str, int]]] = {}
 
     def encode(
         self,
@@ -769,6 +772,12 @@ def first_unchecked_py(
     return len(messages)
 
 
+def decode_many_py(buf: Buffer, positions: Sequence[int], check_crc: bool) -> list[StoredMessage]:
+    """``decode`` of the record at each of ``positions``, in order; raises what ``decode``
+    raises for the first record it refuses."""
+    return [decode(buf, int(pos), check_crc=check_crc) for pos in positions]
+
+
 # -- choosing the engine ------------------------------------------------------------------------
 
 
@@ -790,6 +799,7 @@ class _PythonEngine:
     index_keys = staticmethod(index_keys_py)
     segment_tables = staticmethod(segment_tables_py)
     first_unchecked = staticmethod(first_unchecked_py)
+    decode_many = staticmethod(decode_many_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -801,6 +811,7 @@ def _native_engine() -> Any:
     except ImportError:
         return None
     _record_native.bind(sys.modules[__name__])
+    _record_native.bind_decode(sys.modules[__name__])
     return _record_native
 
 
@@ -870,3 +881,11 @@ def first_unchecked(
 ) -> int:
     """See ``first_unchecked_py`` (the append path's checks, for a batch in one call)."""
     return int(_engine.first_unchecked(messages, start, topics, max_queue_id, max_body))
+
+
+def decode_many(
+    buf: Buffer, positions: Sequence[int], *, check_crc: bool = True
+) -> list[StoredMessage]:
+    """See ``decode_many_py`` (the cold fetcher's and the CommitLog reader's decode of a run)."""
+    result: list[StoredMessage] = _engine.decode_many(buf, positions, check_crc)
+    return result

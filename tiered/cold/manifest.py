@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from google_crc32c import value as crc32c
 
-from tiered.formats import SegmentInfo
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
+from tiered.formats import SegmentInfo
 from tiered.names import is_valid_name
 
 FORMAT = "tmq-queue-manifest/1"

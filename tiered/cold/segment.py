@@ -28,7 +28,7 @@ from tiered.formats import (
     build,
     key_hash,
 )
-from tiered.record import RecordError, StoredMessage, decode, validate
+from tiered.record import RecordError, StoredMessage, decode, decode_many, validate
 
 __all__ = ["FOOTER_SIZE", "SegmentError", "SegmentInfo", "SegmentReader", "build"]
 
@@ -134,12 +134,11 @@ class SegmentReader:
         entries = entries[:keep]
         start = int(entries["offset"][0])
         span = self._range(start, int(ends[keep - 1]) - start)
-        out = []
-        for pos, size in zip(entries["offset"].tolist(), entries["size"].tolist(), strict=True):
-            msg = decode(span, pos - start, check_crc=True)
+        positions = entries["offset"].tolist()
+        out = decode_many(span, [pos - start for pos in positions], check_crc=True)
+        for pos, size, msg in zip(positions, entries["size"].tolist(), out, strict=True):
             if msg.size != size:
                 raise SegmentError(f"{self.info.key}: record at {pos} is not where its entry says")
-            out.append(msg)
         return out
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int:

@@ -211,11 +211,12 @@ class Dispatcher:
                     ids[key] = len(self._queue_keys)
                     self._queue_keys.append(key)
             queue_ids = list(map(ids.__getitem__, batch.queues))
-        offsets = np.asarray(batch.offsets, np.int64)
-        sizes = np.asarray(batch.sizes, np.int32)
-        qoffs = np.asarray(batch.queue_offsets, np.int64)
-        tags = np.asarray(tag_codes, np.int64)
-        qids = np.asarray(queue_ids, np.int64)
+        # fromiter: a list of ints into an array without numpy's type discovery per element.
+        offsets = np.fromiter(batch.offsets, np.int64, n)
+        sizes = np.fromiter(batch.sizes, np.int32, n)
+        qoffs = np.fromiter(batch.queue_offsets, np.int64, n)
+        tags = np.fromiter(tag_codes, np.int64, n)
+        qids = np.fromiter(queue_ids, np.int64, n)
         order = np.argsort(qids, kind="stable")
         sorted_ids = qids[order]
         bounds = np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1
@@ -236,16 +237,16 @@ class Dispatcher:
             block["tag"] = tags[idx]
             last = int(idx[-1])
             cq.put_block(first_q, block.tobytes(), batch.offsets[last] + batch.sizes[last])
-        self._index(batch)
+        self._index(batch, offsets)
 
-    def _index(self, batch: EncodedBatch) -> None:
+    def _index(self, batch: EncodedBatch, record_offsets: np.ndarray) -> None:
         index_from = self.index_from
         end = batch.end_offset
         if end <= index_from:
             return
         # Per record its unique id, then its keys, hashed by the record engine in one call.
         hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
-        offsets = np.asarray(batch.offsets, np.int64)[numbers]
+        offsets = record_offsets[numbers]
         keep = offsets >= index_from
         if self.unindexed_topics:
             skip = self.unindexed_topics
