@@ -70,6 +70,8 @@ class GroupMember:
         file_size: int = FILE_SIZE,
         namesrv: str = "",
         peers: list[GroupMember] | None = None,
+        etcd: list[str] | None = None,
+        lease_ttl_ms: int = 2000,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -98,6 +100,8 @@ mode = "{mode}"
 min_in_sync_replicas = {min_in_sync_replicas}
 max_lag_ms = 3000
 sync_timeout_ms = {sync_timeout_ms}
+etcd = {etcd or []}
+lease_ttl_ms = {lease_ttl_ms}
 """
         )
         self.proc = subprocess.Popen(
