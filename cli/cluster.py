@@ -24,8 +24,8 @@ def cluster_status(etcd: EtcdClient, cluster: str) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     for kv in etcd.get_prefix(prefix):
         name, _, rest = kv.key[len(prefix) :].decode().partition("/")
-        empty: dict[str, Any] = {"broker": name, "master": None, "epoch": None, "sync_state_set": []}
-        group = groups.setdefault(name, {**empty, "members": []})
+        empty: dict[str, Any] = {"broker": name, "master": None, "epoch": None}
+        group = groups.setdefault(name, {**empty, "sync_state_set": [], "members": []})
         doc = json.loads(kv.value)
         if rest == "state":
             group["epoch"] = doc["epoch"]
