@@ -8,6 +8,7 @@ read back to count losses and duplicates."""
 
 from __future__ import annotations
 
+import json
 import signal
 import statistics
 import subprocess
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.broker_harness import REPO, free_port, pull_all
+from tests.broker_harness import REPO, free_port, pull_all, tmq
 from tests.etcd_harness import EtcdCluster
 from tests.test_ha import QUEUES, TOPIC, GroupMember
 
@@ -33,6 +34,8 @@ class FailoverResult:
     groups_complete: dict[str, bool] = field(default_factory=dict)
     send_failures: int = 0
     epochs: list[int] = field(default_factory=list)
+    # `tmq cluster status --json` at the end.
+    cluster_status: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         times = sorted(self.failover_s)
@@ -254,6 +257,9 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
         for name in ("g-failover-1", "g-failover-2"):
             got = consume_all(group.access_points, name, acked, seconds=90)
             result.groups_complete[name] = acked <= got
+        status = tmq("cluster", "status", "--etcd", ",".join(etcd.endpoints), "--json")
+        assert status.returncode == 0, status.stderr
+        result.cluster_status = json.loads(status.stdout)
         return result
     finally:
         if producer is not None:

@@ -52,3 +52,12 @@ def test_sync_group_survives_repeated_kill_9_of_the_master(tmp_path: Path) -> No
     assert all(result.groups_complete.values()) and len(result.groups_complete) == 2, summary
     assert len(result.epochs) == 3 and result.epochs == sorted(set(result.epochs)), summary
     assert max(result.failover_s) < 60, summary
+    # `tmq cluster status --json`: the last elected master, its epoch, all three in sync.
+    (group,) = result.cluster_status
+    assert group["epoch"] == result.epochs[-1]
+    assert sorted(group["sync_state_set"]) == [1, 2, 3]
+    assert [m["role"] for m in group["members"]].count("master") == 1
+    master = next(m for m in group["members"] if m["role"] == "master")
+    assert group["master"] == master["id"]
+    assert master["lag_bytes"] == master["lag_messages"] == 0
+    assert all(m["lag_bytes"] >= 0 and m["lag_messages"] >= 0 for m in group["members"])
