@@ -23,6 +23,7 @@ from broker import admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.config import BrokerConfig
 from broker.ha.controller import HaController
+from broker.ha.forward import ForwardingHandler
 from broker.ha.gate import ReplicationStatus
 from broker.ha.master import ReplicationMaster
 from broker.ha.role import RoleSnapshot, RoleState
@@ -127,6 +128,7 @@ class Broker:
         # between replication master and slave (broker/ha/controller.py).
         self.controller: HaController | None = None
         self._registered_id: int | None = None
+        self._forwarder: ForwardingHandler | None = None
         if config.ha.enabled and config.ha.etcd:
             epochs = EpochFile(config.store.data_dir / "ha")
             self.controller = HaController(
@@ -219,7 +221,20 @@ class Broker:
             )
             self.timers.start()
             self.transactions.start()
-            add_safely(service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server)
+            if self.controller is not None:
+                # Any member answers; what needs the master is forwarded to it (decision 134).
+                controller = self.controller
+                self._forwarder = ForwardingHandler(
+                    lambda target: add_safely(
+                        service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, target
+                    ),
+                    controller.forward_target,
+                )
+                server.add_generic_rpc_handlers((self._forwarder,))
+            else:
+                add_safely(
+                    service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server
+                )
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(
@@ -284,7 +299,9 @@ class Broker:
     def registration(self) -> nspb.BrokerRegistration:
         """What the NameServers hear. A slave registers no topics: it is listed (``tmq
         status``) but routes lead clients to masters only, until slaves serve reads."""
-        serves = self.role.is_master()
+        # A controller-run group routes clients to every member (each forwards to the master,
+        # decision 134), so its slaves register their topics too.
+        serves = self.role.is_master() or self.controller is not None
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,

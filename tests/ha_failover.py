@@ -36,6 +36,7 @@ class FailoverResult:
     epochs: list[int] = field(default_factory=list)
     # `tmq cluster status --json` at the end.
     cluster_status: list[dict[str, Any]] = field(default_factory=list)
+    send_errors: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         times = sorted(self.failover_s)
@@ -48,6 +49,7 @@ class FailoverResult:
             "failover_max_s": round(max(times), 2) if times else None,
             "failover_s": [round(t, 2) for t in times],
             "send_failures": self.send_failures,
+            "send_errors": self.send_errors,
             "groups_complete": self.groups_complete,
             "epochs": self.epochs,
         }
@@ -88,8 +90,10 @@ class Producer:
 
         config = ClientConfiguration(access_points, Credentials(), request_timeout=5)
         self.producer = ApacheProducer(config, topics=[TOPIC])
-        self.acked: dict[int, float] = {}
+        # n -> when its (successful) send started and when it was acknowledged
+        self.acked: dict[int, tuple[float, float]] = {}
         self.failures = 0
+        self.errors: Counter[str] = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="failover-producer", daemon=True)
 
@@ -106,17 +110,20 @@ class Producer:
             m.topic = TOPIC
             m.body = f"body-{n}".encode()
             m.keys = f"key-{n}"
+            started = time.monotonic()
             try:
                 self.producer.send(m)
-            except Exception:
+            except Exception as e:
                 self.failures += 1
+                self.errors[str(e)[:160]] += 1
                 time.sleep(0.05)
             else:
-                self.acked[n] = time.monotonic()
+                self.acked[n] = (started, time.monotonic())
             n += 1
 
     def acked_since(self, t: float) -> int:
-        return sum(1 for at in list(self.acked.values()) if at > t)
+        """Sends started after ``t`` and acknowledged."""
+        return sum(1 for started, _ in list(self.acked.values()) if started > t)
 
     def stop(self) -> None:
         self._stop.set()
@@ -198,6 +205,25 @@ class Group:
         master = self.master()
         return master is not None and (master.metric("tmq_replication_sync_state_set_size") == size)
 
+    def routed(self) -> bool:
+        """Every live member is in the topic's route (clients can fail over without waiting
+        for their next route refresh)."""
+        import grpc
+        from rocketmq.grpc_protocol import definition_pb2 as d
+        from rocketmq.grpc_protocol import service_pb2 as s
+        from rocketmq.grpc_protocol import service_pb2_grpc
+
+        live = {m.grpc_port for m in self.members if m.proc is not None and m.proc.poll() is None}
+        master = self.master()
+        if master is None:
+            return False
+        with grpc.insecure_channel(master.endpoint) as channel:
+            reply = service_pb2_grpc.MessagingServiceStub(channel).QueryRoute(
+                s.QueryRouteRequest(topic=d.Resource(name=TOPIC)), timeout=5
+            )
+        ports = {a.port for q in reply.message_queues for a in q.broker.endpoints.addresses}
+        return ports == live
+
     def kill_all(self) -> None:
         for m in self.members:
             if m.proc is not None and m.proc.poll() is None:
@@ -219,6 +245,7 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
             group.start(m)
         first.create_topic()
         wait_for("all three are in sync", lambda: group.in_sync(3))
+        wait_for("all three are routed", group.routed)
         producer = Producer(group.access_points)
         producer.start()
         wait_for("the producer is acknowledged", lambda: len(producer.acked) >= 50)
@@ -229,13 +256,17 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
             wait_for("acks before the kill", lambda m=mark: producer.acked_since(m) >= 20)
             victim.kill9()
             killed_at = time.monotonic()
-            last_before = max(t for t in list(producer.acked.values()) if t <= killed_at)
-            wait_for(
-                "an acknowledgement after the kill",
-                lambda k=killed_at: producer.acked_since(k) > 0,
-                timeout=120,
-            )
-            first_after = min(t for t in list(producer.acked.values()) if t > killed_at)
+            last_before = max(at for _, at in list(producer.acked.values()) if at <= killed_at)
+            try:
+                wait_for(
+                    "an acknowledgement after the kill",
+                    lambda k=killed_at: producer.acked_since(k) > 0,
+                    timeout=120,
+                )
+            except AssertionError as e:
+                errors = producer.errors.most_common(5)
+                raise AssertionError(f"{e}; send errors: {errors}") from None
+            first_after = min(at for st, at in list(producer.acked.values()) if st > killed_at)
             result.failover_s.append(first_after - last_before)
             new_master = wait_for("a new master", group.master)
             epoch = new_master.metric("tmq_replication_epoch")
@@ -245,6 +276,7 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
         time.sleep(1)
         producer.stop()
         result.send_failures = producer.failures
+        result.send_errors = dict(producer.errors.most_common(5))
         acked = set(producer.acked)
         producer = None
         result.acked = len(acked)

@@ -114,6 +114,8 @@ class HaController:
         self._on_change = on_change
         self.current: ReplicationMaster | ReplicationSlave | None = None
         self.following: str | None = None
+        # The current master's gRPC endpoint as etcd names it (None: none, or this node).
+        self.master_endpoint: str | None = None
         self.metrics = ControllerMetrics()
         self.last_error: str | None = None
         self._lease = 0
@@ -238,6 +240,12 @@ class HaController:
         self._ensure_lease()
         self.etcd.put(self._key(f"members/{self.node_id}"), self._member_doc(), self._lease)
         view = self._read()
+        master = view.master
+        self.master_endpoint = (
+            str(master["endpoint"])
+            if master is not None and int(master["id"]) != self.node_id
+            else None
+        )
         snap = self.role.get()
         if snap.is_writable_master:
             self._as_master(view)
@@ -391,6 +399,13 @@ class HaController:
                 raise
             self.role.set("master", epoch)
             self._switch(master)
+
+    def forward_target(self) -> str | None:
+        """Where client requests that need the master go: None to answer them here (this node
+        is the writable master, or no other master is known)."""
+        if self.role.is_master():
+            return None
+        return self.master_endpoint
 
     def check_writable(self) -> None:
         if not self.role.is_master():
