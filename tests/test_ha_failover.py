@@ -6,12 +6,17 @@ runs it with ten kills)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
+from rocketmq.grpc_protocol import definition_pb2 as d
+
 from broker.ha.etcd import Compare, EtcdClient, put_op
 from tests.etcd_harness import EtcdCluster
-from tests.ha_failover import run_failover
+from tests.ha_failover import Group, is_master, run_failover, start_namesrv, wait_for
+from tests.test_ha import assert_same_replica, caught_up, send
 
 
 def test_etcd_compare_and_swap_and_leases(tmp_path: Path) -> None:
@@ -61,3 +66,50 @@ def test_sync_group_survives_repeated_kill_9_of_the_master(tmp_path: Path) -> No
     assert group["master"] == master["id"]
     assert master["lag_bytes"] == master["lag_messages"] == 0
     assert all(m["lag_bytes"] >= 0 and m["lag_messages"] >= 0 for m in group["members"])
+
+
+def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Path) -> None:
+    """ASYNC: the master acknowledges messages its stalled slave never gets, and dies; the slave
+    is elected (it is still in the SyncStateSet) and starts epoch 2 at its own end. The old
+    master comes back, cuts its epoch-1 tail (to quarantine/), and rejoins as a slave holding
+    exactly the new master's bytes. The acknowledged tail is lost: what ASYNC means."""
+    etcd = EtcdCluster(tmp_path).start()
+    namesrv, namesrv_address = start_namesrv(tmp_path)
+    group = Group(tmp_path, etcd, namesrv_address, "async")
+    a, b = group.members[0], group.members[1]
+    try:
+        group.start(a)
+        wait_for("a is elected", lambda: is_master(a))
+        group.start(b)
+        a.create_topic()
+        wait_for("b is in sync", lambda: group.in_sync(2))
+        assert {st.code for st in send(a.endpoint, 0, 100)} == {d.OK}
+        wait_for("b caught up", lambda: caught_up(a, b))
+        assert b.proc is not None
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            # Acknowledged by the ASYNC master alone: b is stopped.
+            assert {st.code for st in send(a.endpoint, 1000, 100)} == {d.OK}
+            diverged_end = a.metric("tmq_replication_max_offset")
+            a.kill9()
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        wait_for("b is elected", lambda: is_master(b), timeout=60)
+        assert b.metric("tmq_replication_epoch") == 2
+        b_end = b.metric("tmq_replication_max_offset")
+        assert b_end is not None and diverged_end is not None and b_end < diverged_end
+        assert {st.code for st in send(b.endpoint, 100, 50)} == {d.OK}
+        group.start(a)  # the old master returns
+        wait_for("a rejoined b's SyncStateSet", lambda: group.in_sync(2))
+        assert a.metric("tmq_replication_is_master") == 0
+        assert "diverged from the master's" in a.log_path.read_text()
+        assert list((a.data_dir / "quarantine").iterdir())
+        wait_for("a caught up", lambda: caught_up(b, a))
+        b.stop()
+        a.stop()
+        assert assert_same_replica(b.data_dir, a.data_dir) == 150
+    finally:
+        group.kill_all()
+        namesrv.kill()
+        namesrv.wait()
+        etcd.stop()
