@@ -128,3 +128,57 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
         namesrv.kill()
         namesrv.wait()
         etcd.stop()
+
+
+def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path: Path) -> None:
+    """With every etcd member frozen the master cannot renew its lease: within the TTL it stops
+    acknowledging (HA_NOT_AVAILABLE), its MessagingService health turns NOT_SERVING and
+    tmq_replication_fenced is 1. Once etcd is back the group elects a master again (a new
+    epoch) and sends succeed."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    etcd = EtcdCluster(tmp_path).start()
+    namesrv, namesrv_address = start_namesrv(tmp_path)
+    group = Group(tmp_path, etcd, namesrv_address, "sync")
+    a, b = group.members[0], group.members[1]
+    frozen = False
+    try:
+        group.start(a)
+        wait_for("a is elected", lambda: is_master(a))
+        group.start(b)
+        a.create_topic()
+        wait_for("b has the topic", b.has_topic)
+        wait_for("both in sync", lambda: group.in_sync(2))
+        assert {st.code for st in send(a.endpoint, 0, 20)} == {d.OK}
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(a.endpoint))
+
+        def messaging_health() -> int:
+            request = health_pb2.HealthCheckRequest(service="apache.rocketmq.v2.MessagingService")
+            return int(health.Check(request, timeout=5).status)
+
+        assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        frozen = True
+        wait_for("a is fenced", lambda: a.metric("tmq_replication_fenced") == 1, timeout=10)
+        assert messaging_health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        codes = {st.code for st in send(a.endpoint, 100, 20)}
+        assert codes == {d.HA_NOT_AVAILABLE}, codes
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        frozen = False
+        master = wait_for("a master again", group.master, timeout=60)
+        assert (master.metric("tmq_replication_epoch") or 0) >= 2
+        wait_for("both in sync", lambda: group.in_sync(2), timeout=60)
+        assert {st.code for st in send(master.endpoint, 200, 20)} == {d.OK}
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(master.endpoint))
+        assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        if frozen:
+            for p in etcd.procs:
+                os.kill(p.pid, signal.SIGCONT)
+        group.kill_all()
+        namesrv.kill()
+        namesrv.wait()
+        etcd.stop()
