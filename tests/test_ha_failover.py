@@ -11,12 +11,15 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
+import pytest
 from rocketmq.grpc_protocol import definition_pb2 as d
 
 from broker.ha.etcd import Compare, EtcdClient, put_op
+from tests.broker_harness import pull_all
 from tests.etcd_harness import EtcdCluster
 from tests.ha_failover import Group, is_master, run_failover, start_namesrv, wait_for
-from tests.test_ha import TOPIC, caught_up, commitlog_files, open_store, queue_entries, send
+from tests.test_ha import QUEUES, TOPIC, caught_up, commitlog_files, open_store, queue_entries, send
 
 
 def test_etcd_compare_and_swap_and_leases(tmp_path: Path) -> None:
@@ -135,7 +138,6 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
     acknowledging (HA_NOT_AVAILABLE), its MessagingService health turns NOT_SERVING and
     tmq_replication_fenced is 1. Once etcd is back the group elects a master again (a new
     epoch) and sends succeed."""
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     etcd = EtcdCluster(tmp_path).start()
@@ -174,6 +176,72 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
         assert {st.code for st in send(master.endpoint, 200, 20)} == {d.OK}
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(master.endpoint))
         assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        if frozen:
+            for p in etcd.procs:
+                os.kill(p.pid, signal.SIGCONT)
+        group.kill_all()
+        namesrv.kill()
+        namesrv.wait()
+        etcd.stop()
+
+
+def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
+    """The master is killed while etcd is frozen, so no election can happen: the slave forwards
+    nothing to the dead master but serves reads from its own copy (PullMessage, and Apache's
+    SimpleConsumer receiving and acknowledging), and refuses sends. Once etcd is back it is
+    elected and takes sends."""
+    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+
+    etcd = EtcdCluster(tmp_path).start()
+    namesrv, namesrv_address = start_namesrv(tmp_path)
+    group = Group(tmp_path, etcd, namesrv_address, "async")
+    a, b = group.members[0], group.members[1]
+    frozen = False
+    try:
+        group.start(a)
+        wait_for("a is elected", lambda: is_master(a))
+        group.start(b)
+        a.create_topic()
+        wait_for("b has the topic", b.has_topic)
+        assert {st.code for st in send(a.endpoint, 0, 60)} == {d.OK}
+        wait_for("b caught up", lambda: caught_up(a, b))
+        wait_for("b's queues are dispatched", lambda: len(pull_all(b, TOPIC, QUEUES)) == 60)
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        frozen = True
+        a.kill9()
+        assert sorted(m.system_properties.keys[0] for m in pull_all(b, TOPIC, QUEUES)) == sorted(
+            f"key-{n}" for n in range(60)
+        )
+        consumer = SimpleConsumer(
+            ClientConfiguration(b.endpoint, Credentials(), request_timeout=10),
+            "g-slave-read",
+            {TOPIC: FilterExpression()},
+            await_duration=2,
+        )
+        consumer.startup()
+        got: set[str] = set()
+        try:
+            deadline = time.monotonic() + 60
+            while len(got) < 60 and time.monotonic() < deadline:
+                for m in consumer.receive(32, 30):
+                    got.update(m.keys)
+                    consumer.ack(m)
+        finally:
+            consumer.shutdown()
+        assert got == {f"key-{n}" for n in range(60)}
+        # A send is still forwarded to the master etcd last named, which is dead: UNAVAILABLE,
+        # never acknowledged (the master may have stored it before dying, so the member does
+        # not claim HA_NOT_AVAILABLE, "nothing stored").
+        with pytest.raises(grpc.RpcError) as refused:
+            send(b.endpoint, 100, 20)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        frozen = False
+        wait_for("b is elected", lambda: is_master(b), timeout=60)
+        assert {st.code for st in send(b.endpoint, 100, 20)} == {d.OK}
     finally:
         if frozen:
             for p in etcd.procs:

@@ -5,9 +5,10 @@ Routes name every member of a group as the addresses of one broker (``Endpoints`
 addresses; Apache's clients open one channel that picks the first address that answers). A
 client whose member died reconnects to another member at once, without waiting for its next
 route refresh (every 30 s), and that member forwards sends, receives, acks and the like to the
-current master, byte for byte, with the client's metadata. While no master is up (an election),
-the member answers itself: a slave refuses sends (``HA_NOT_AVAILABLE``) but serves reads from
-its own copy (RocketMQ's slave-read). Routing, heartbeats and the telemetry stream are always
+current master, byte for byte, with the client's metadata. While no master is up (an election,
+or a master that died and etcd has not noticed yet, or etcd is down), the member answers
+itself: a slave refuses sends (``HA_NOT_AVAILABLE``) but serves reads from its own copy
+(RocketMQ's slave-read). Routing, heartbeats and the telemetry stream are always
 answered by the member the client is connected to.
 """
 
@@ -37,6 +38,19 @@ FORWARDED = frozenset(
         "UpdateOffset",
         "GetOffset",
         "QueryOffset",
+    }
+)
+# What a member serves from its own copy when the master it knows of does not answer (the
+# master died and etcd has not said so yet, or etcd itself is down): slave-read, and the
+# acknowledgements of what it delivered so (their receipt handles are its own).
+READS = frozenset(
+    {
+        "ReceiveMessage",
+        "PullMessage",
+        "GetOffset",
+        "QueryOffset",
+        "AckMessage",
+        "ChangeInvisibleDuration",
     }
 )
 _HOP = "x-tmq-forwarded"
@@ -123,6 +137,17 @@ class ForwardingHandler(grpc.GenericRpcHandler):
 
     def _wrap(self, method: str, handler: Any) -> Any:
         serialize = handler.response_serializer
+        read = method.rpartition("/")[2] in READS
+
+        def fall_back(e: grpc.RpcError) -> bool:
+            if read and e.code() == grpc.StatusCode.UNAVAILABLE:
+                log.warning(
+                    "the master does not answer (%s); serving %s from this copy",
+                    e.code().name,
+                    method,
+                )
+                return True
+            return False
 
         if handler.unary_unary is not None:
             local_unary = handler.unary_unary
@@ -140,6 +165,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
                     )
                     return answer
                 except grpc.RpcError as e:
+                    if fall_back(e):
+                        response = local_unary(raw, context)
+                        return bytes(response if serialize is None else serialize(response))
                     context.abort(e.code(), f"forwarded to the master {target}: {e.details()}")
                     raise  # unreachable: abort raises
 
@@ -156,11 +184,18 @@ class ForwardingHandler(grpc.GenericRpcHandler):
                     return
                 self.forwarded += 1
                 call = self._channel(target).unary_stream(method)
+                answered = False
                 try:
-                    yield from call(
+                    for answer in call(
                         raw, metadata=self._metadata(context), timeout=self._timeout(context)
-                    )
+                    ):
+                        answered = True
+                        yield answer
                 except grpc.RpcError as e:
+                    if not answered and fall_back(e):
+                        for response in local_stream(raw, context):
+                            yield response if serialize is None else serialize(response)
+                        return
                     context.abort(e.code(), f"forwarded to the master {target}: {e.details()}")
 
             return handler._replace(unary_stream=stream, response_serializer=None)
