@@ -5,10 +5,12 @@ runs it with ten kills)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -71,14 +73,14 @@ def test_sync_group_survives_repeated_kill_9_of_the_master(tmp_path: Path) -> No
     assert all(m["lag_bytes"] >= 0 and m["lag_messages"] >= 0 for m in group["members"])
 
 
-def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Path) -> None:
-    """ASYNC: the master acknowledges messages its stalled slave never gets, and dies; the slave
-    is elected (it is still in the SyncStateSet) and starts epoch 2 at its own end. The old
-    master comes back, cuts its epoch-1 tail (to quarantine/), and rejoins as a slave holding
-    exactly the new master's bytes. The acknowledged tail is lost: what ASYNC means."""
+@contextlib.contextmanager
+def two_members(tmp_path: Path, mode: str) -> Iterator[tuple[EtcdCluster, Group]]:
+    """A 3-node etcd, a NameServer and members 1 (elected master) and 2 (its slave, holding the
+    topic) of a controller-run group; everything is killed afterwards (etcd thawed first, in
+    case a test froze it)."""
     etcd = EtcdCluster(tmp_path).start()
     namesrv, namesrv_address = start_namesrv(tmp_path)
-    group = Group(tmp_path, etcd, namesrv_address, "async")
+    group = Group(tmp_path, etcd, namesrv_address, mode)
     a, b = group.members[0], group.members[1]
     try:
         group.start(a)
@@ -87,6 +89,24 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
         a.create_topic()
         # Metadata follows within a second of a change (docs/ha.md names the window).
         wait_for("b has the topic", b.has_topic)
+        yield etcd, group
+    finally:
+        for p in etcd.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+        group.kill_all()
+        namesrv.kill()
+        namesrv.wait()
+        etcd.stop()
+
+
+def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Path) -> None:
+    """ASYNC: the master acknowledges messages its stalled slave never gets, and dies; the slave
+    is elected (it is still in the SyncStateSet) and starts epoch 2 at its own end. The old
+    master comes back, cuts its epoch-1 tail (to quarantine/), and rejoins as a slave holding
+    exactly the new master's bytes. The acknowledged tail is lost: what ASYNC means."""
+    with two_members(tmp_path, "async") as (_etcd, group):
+        a, b = group.members[0], group.members[1]
         wait_for("b is in sync", lambda: group.in_sync(2))
         assert {st.code for st in send(a.endpoint, 0, 100)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
@@ -126,11 +146,6 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
             assert all(new.query_by_key(TOPIC, f"key-{n}") for n in range(150))
         assert sum(len(v) for v in entries.values()) == 150 + len(kept)
         assert len(kept) < 100
-    finally:
-        group.kill_all()
-        namesrv.kill()
-        namesrv.wait()
-        etcd.stop()
 
 
 def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path: Path) -> None:
@@ -140,17 +155,8 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
     epoch) and sends succeed."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    etcd = EtcdCluster(tmp_path).start()
-    namesrv, namesrv_address = start_namesrv(tmp_path)
-    group = Group(tmp_path, etcd, namesrv_address, "sync")
-    a, b = group.members[0], group.members[1]
-    frozen = False
-    try:
-        group.start(a)
-        wait_for("a is elected", lambda: is_master(a))
-        group.start(b)
-        a.create_topic()
-        wait_for("b has the topic", b.has_topic)
+    with two_members(tmp_path, "sync") as (etcd, group):
+        a = group.members[0]
         wait_for("both in sync", lambda: group.in_sync(2))
         assert {st.code for st in send(a.endpoint, 0, 20)} == {d.OK}
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(a.endpoint))
@@ -162,28 +168,18 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
         assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
         for p in etcd.procs:
             os.kill(p.pid, signal.SIGSTOP)
-        frozen = True
         wait_for("a is fenced", lambda: a.metric("tmq_replication_fenced") == 1, timeout=10)
         assert messaging_health() == health_pb2.HealthCheckResponse.NOT_SERVING
         codes = {st.code for st in send(a.endpoint, 100, 20)}
         assert codes == {d.HA_NOT_AVAILABLE}, codes
         for p in etcd.procs:
             os.kill(p.pid, signal.SIGCONT)
-        frozen = False
         master = wait_for("a master again", group.master, timeout=60)
         assert (master.metric("tmq_replication_epoch") or 0) >= 2
         wait_for("both in sync", lambda: group.in_sync(2), timeout=60)
         assert {st.code for st in send(master.endpoint, 200, 20)} == {d.OK}
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(master.endpoint))
         assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        if frozen:
-            for p in etcd.procs:
-                os.kill(p.pid, signal.SIGCONT)
-        group.kill_all()
-        namesrv.kill()
-        namesrv.wait()
-        etcd.stop()
 
 
 def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
@@ -193,23 +189,13 @@ def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
     elected and takes sends."""
     from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
 
-    etcd = EtcdCluster(tmp_path).start()
-    namesrv, namesrv_address = start_namesrv(tmp_path)
-    group = Group(tmp_path, etcd, namesrv_address, "async")
-    a, b = group.members[0], group.members[1]
-    frozen = False
-    try:
-        group.start(a)
-        wait_for("a is elected", lambda: is_master(a))
-        group.start(b)
-        a.create_topic()
-        wait_for("b has the topic", b.has_topic)
+    with two_members(tmp_path, "async") as (etcd, group):
+        a, b = group.members[0], group.members[1]
         assert {st.code for st in send(a.endpoint, 0, 60)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
         wait_for("b's queues are dispatched", lambda: len(pull_all(b, TOPIC, QUEUES)) == 60)
         for p in etcd.procs:
             os.kill(p.pid, signal.SIGSTOP)
-        frozen = True
         a.kill9()
         assert sorted(m.system_properties.keys[0] for m in pull_all(b, TOPIC, QUEUES)) == sorted(
             f"key-{n}" for n in range(60)
@@ -239,14 +225,5 @@ def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         for p in etcd.procs:
             os.kill(p.pid, signal.SIGCONT)
-        frozen = False
         wait_for("b is elected", lambda: is_master(b), timeout=60)
         assert {st.code for st in send(b.endpoint, 100, 20)} == {d.OK}
-    finally:
-        if frozen:
-            for p in etcd.procs:
-                os.kill(p.pid, signal.SIGCONT)
-        group.kill_all()
-        namesrv.kill()
-        namesrv.wait()
-        etcd.stop()
