@@ -169,7 +169,10 @@ def start_namesrv(root: Path) -> tuple[subprocess.Popen[bytes], str]:
 class Group:
     """Three members with controller-elected roles."""
 
-    def __init__(self, root: Path, etcd: EtcdCluster, namesrv: str, mode: str) -> None:
+    def __init__(
+        self, root: Path, etcd: EtcdCluster, namesrv: str, mode: str, max_lag_ms: int = 3000
+    ) -> None:
+        self.max_lag_ms = max_lag_ms
         self.members = [GroupMember(root, f"node{i}", free_port()) for i in (1, 2, 3)]
         self.etcd = etcd
         self.namesrv = namesrv
@@ -185,6 +188,7 @@ class Group:
             namesrv=self.namesrv,
             etcd=self.etcd.endpoints,
             lease_ttl_ms=2000,
+            max_lag_ms=self.max_lag_ms,
             file_size=4 << 20,
         )
 

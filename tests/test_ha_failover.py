@@ -74,13 +74,15 @@ def test_sync_group_survives_repeated_kill_9_of_the_master(tmp_path: Path) -> No
 
 
 @contextlib.contextmanager
-def two_members(tmp_path: Path, mode: str) -> Iterator[tuple[EtcdCluster, Group]]:
+def two_members(
+    tmp_path: Path, mode: str, max_lag_ms: int = 3000
+) -> Iterator[tuple[EtcdCluster, Group]]:
     """A 3-node etcd, a NameServer and members 1 (elected master) and 2 (its slave, holding the
     topic) of a controller-run group; everything is killed afterwards (etcd thawed first, in
     case a test froze it)."""
     etcd = EtcdCluster(tmp_path).start()
     namesrv, namesrv_address = start_namesrv(tmp_path)
-    group = Group(tmp_path, etcd, namesrv_address, mode)
+    group = Group(tmp_path, etcd, namesrv_address, mode, max_lag_ms)
     a, b = group.members[0], group.members[1]
     try:
         group.start(a)
@@ -100,12 +102,16 @@ def two_members(tmp_path: Path, mode: str) -> Iterator[tuple[EtcdCluster, Group]
         etcd.stop()
 
 
+STALLED = 40_000
+
+
 def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Path) -> None:
     """ASYNC: the master acknowledges messages its stalled slave never gets, and dies; the slave
     is elected (it is still in the SyncStateSet) and starts epoch 2 at its own end. The old
     master comes back, cuts its epoch-1 tail (to quarantine/), and rejoins as a slave holding
     exactly the new master's bytes. The acknowledged tail is lost: what ASYNC means."""
-    with two_members(tmp_path, "async") as (_etcd, group):
+    # b stays in the SyncStateSet while stopped (max_lag_ms 15 s): it remains electable.
+    with two_members(tmp_path, "async", max_lag_ms=15_000) as (_etcd, group):
         a, b = group.members[0], group.members[1]
         wait_for("b is in sync", lambda: group.in_sync(2))
         assert {st.code for st in send(a.endpoint, 0, 100)} == {d.OK}
@@ -113,8 +119,9 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
         assert b.proc is not None
         os.kill(b.proc.pid, signal.SIGSTOP)
         try:
-            # Acknowledged by the ASYNC master alone: b is stopped.
-            assert {st.code for st in send(a.endpoint, 1000, 100)} == {d.OK}
+            # Acknowledged by the ASYNC master alone: b is stopped. ~25 MB, more than the
+            # master's 16 MiB send window and the kernel's socket buffers hold for b.
+            assert {st.code for st in send(a.endpoint, 1000, STALLED, batch=1000)} == {d.OK}
             diverged_end = a.metric("tmq_replication_max_offset")
             a.kill9()
         finally:
@@ -138,14 +145,10 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
         with open_store(a.data_dir) as old, open_store(b.data_dir) as new:
             entries = queue_entries(new)
             assert queue_entries(old) == entries
-            kept = {
-                n
-                for n in range(1000, 1100)
-                if new.query_by_key(TOPIC, f"key-{n}") and old.query_by_key(TOPIC, f"key-{n}")
-            }
+            total = sum(len(v) for v in entries.values())
             assert all(new.query_by_key(TOPIC, f"key-{n}") for n in range(150))
-        assert sum(len(v) for v in entries.values()) == 150 + len(kept)
-        assert len(kept) < 100
+        # What the kernel had buffered for b survived; the rest of the stalled batch is gone.
+        assert 150 <= total < 150 + STALLED
 
 
 def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path: Path) -> None:
