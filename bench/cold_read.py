@@ -1,7 +1,7 @@
 """Cold reads from LocalStack S3: sequential replay, random-read cost, and the hot path's latency.
 
-- Sequential replay MB/s through the cold fetcher, against raw ``get_object`` of the same
-  segment objects in the same run.
+- Sequential replay MB/s through the cold fetcher, its segment reads in the cold worker process
+  as in the broker, against raw ``get_object`` of the same segment objects in the same run.
 - Requests per random read at 1x and 10x archive size (counted at the storage interface).
 - Produce p99 while another thread replays the archive, against produce p99 when idle.
 
@@ -32,6 +32,7 @@ from tiered.cold.counting import CountingObjectStore
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.segment import SegmentReader
 from tiered.cold.storage import open_store
+from tiered.cold.worker import ColdWorker
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
@@ -83,7 +84,10 @@ def main() -> None:
         store.start()
         fill(store, 0, BASE)
         fill(store, 1, BASE * 10)
-        tier = open_store(f"s3://{bucket}/tier", {"endpoint_url": manage.endpoint()})
+        options = {"endpoint_url": manage.endpoint()}
+        tier = open_store(f"s3://{bucket}/tier", options)
+        worker = ColdWorker(f"s3://{bucket}/tier", options)
+        worker.start()
         offloader = Offloader(
             store, tier, "bench", "broker-a", OffloadPolicy(segment_max_bytes=8 << 20)
         )
@@ -91,7 +95,7 @@ def main() -> None:
             offloader.offload_queue("cold", q)
 
         # Sequential replay of queue 1 against raw GETs of the same objects.
-        fetcher = ColdFetcher(tier, "bench", "broker-a", cache_bytes=32 << 20)
+        fetcher = ColdFetcher(tier, "bench", "broker-a", cache_bytes=32 << 20, runner=worker)
         end = fetcher.manifest("cold", 1).end_offset
         t0 = time.perf_counter()
         offset, replayed = 0, 0
@@ -125,7 +129,7 @@ def main() -> None:
         busy_stop = threading.Event()
 
         def replay_forever() -> None:
-            f = ColdFetcher(tier, "bench", "broker-a", cache_bytes=8 << 20)
+            f = ColdFetcher(tier, "bench", "broker-a", cache_bytes=8 << 20, runner=worker)
             while not busy_stop.is_set():
                 o = 0
                 while o < end and not busy_stop.is_set():
@@ -137,6 +141,7 @@ def main() -> None:
         busy = produce_latencies(store, 3)
         busy_stop.set()
         replayer.join()
+        worker.close()
         store.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)

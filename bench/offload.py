@@ -1,8 +1,10 @@
 """Offload throughput to LocalStack S3 against a raw boto3 upload of the same bytes.
 
-Fills a hot store with 1 KiB messages, offloads them (build segment, conditional PUT, verify
-footer, commit manifest), then uploads the very same segment bytes with plain ``put_object`` to
-the same endpoint in the same run. Prints one JSON object on its last line; under two minutes.
+Fills a hot store with 1 KiB messages, offloads them as the broker does (its queues at once,
+each segment built, PUT with a condition and its footer verified by the cold worker process,
+then its manifest committed here), then uploads the very same segment bytes with plain
+``put_object`` to the same endpoint in the same run. Prints one JSON object on its last line;
+under two minutes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import boto3
 
 from offload.offloader import Offloader, OffloadPolicy
 from tiered.cold.storage import open_store
+from tiered.cold.worker import ColdWorker
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
@@ -73,14 +76,24 @@ def main() -> None:
         store = MessageStore(StoreConfig(data_dir=root / "hot"))
         store.start()
         fill(store)
-        tier = open_store(f"s3://{bucket}/tier", {"endpoint_url": manage.endpoint()})
-        offloader = Offloader(
-            store, tier, "bench", "broker-a", OffloadPolicy(segment_max_bytes=SEGMENT_BYTES)
-        )
+        options = {"endpoint_url": manage.endpoint()}
+        tier = open_store(f"s3://{bucket}/tier", options)
+        worker = ColdWorker(f"s3://{bucket}/tier", options)
+        worker.start()
+        policy = OffloadPolicy(segment_max_bytes=SEGMENT_BYTES)
+        offloader = Offloader(store, tier, "bench", "broker-a", policy, runner=worker)
+        for q in range(QUEUES):
+            offloader.manifest("bench", q)  # loaded first, as the broker's first pass does
         t0 = time.perf_counter()
-        results = [offloader.offload_queue("bench", q) for q in range(QUEUES)]
+        results = offloader.offload_queues([("bench", q) for q in range(QUEUES)])
         offload_s = time.perf_counter() - t0
-        uploaded = sum(r.bytes for r in results)
+        uploaded = 0
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+            uploaded += r.bytes
+        offloader.close()
+        worker.close()
         store.shutdown()
 
         segments = [s for q in range(QUEUES) for s in offloader.manifest("bench", q).segments]

@@ -321,6 +321,13 @@ class AdminServicer(pb_grpc.AdminServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
             raise AssertionError("abort raises")
         o = self.offloader
+        if request.repair and (o.leadership() is None or o.fenced):
+            # Only the writer of the prefix may delete: to anyone else, the master's upload in
+            # flight looks like an orphan.
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "only the master of the replica group repairs the tier; run it there",
+            )
         # Answer before the caller's deadline, with what was checked by then (WARNING).
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + max(0.5, remaining * 0.9 - 0.5)

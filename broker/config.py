@@ -53,6 +53,7 @@ from broker.timer import DEFAULT_MAX_DELAY_MS
 from broker.transaction import TransactionConfig
 from lakehouse.runner import LakehouseConfig
 from offload.offloader import OffloadPolicy
+from remoting.security import AuthConfig, TlsConfig
 from tiered.cold.storage import RetryPolicy
 from tiered.config import StoreConfig, parse_duration_ms, parse_size
 
@@ -96,6 +97,10 @@ class BrokerConfig:
     limits: Limits = field(default_factory=Limits)
     # Replica group membership and replication (off by default: a single broker).
     ha: HaConfig = field(default_factory=HaConfig)
+    # Signed requests and ACLs (docs/security.md); off by default.
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    # TLS on every port (gRPC, metrics) when a certificate is named.
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         self.transactions  # noqa: B018  refuses a bad transaction_check_exhausted at load
@@ -123,6 +128,8 @@ SECTIONS: dict[str, type] = {
     "limits": Limits,
     "lakehouse": LakehouseConfig,
     "ha": HaConfig,
+    "auth": AuthConfig,
+    "tls": TlsConfig,
 }
 # Keys that take a size ("64MiB", "1GiB" or a byte count) rather than a plain integer.
 SIZE_KEYS = {

@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -59,7 +58,7 @@ from broker.protocol import (
     message_queue,
     status,
     to_proto_message,
-    to_store_message,
+    to_store_messages,
 )
 from broker.sql92 import SqlFilter
 from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
@@ -239,13 +238,13 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             raise ProtocolError(d.BAD_REQUEST, f"topic {topic.name} has no queue {queue_id}")
         return queue_id
 
-    def _next_queue(self, topic: TopicConfig, message_group: str | None) -> int:
-        if message_group:
-            return zlib.crc32(message_group.encode()) % topic.queues
+    def _reserve_queues(self, topic: TopicConfig, n: int) -> int:
+        """The round-robin position of the first of ``n`` messages; the next ``n - 1`` are
+        taken too (a message with a group does not use its turn)."""
         with self._rr_lock:
-            n = self._round_robin.get(topic.name, 0)
-            self._round_robin[topic.name] = n + 1
-        return n % topic.queues
+            first = self._round_robin.get(topic.name, 0)
+            self._round_robin[topic.name] = first + n
+        return first
 
     # -- routing, heartbeat, settings ----------------------------------------------------------
 
@@ -387,40 +386,34 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if len(names) != 1:
                 raise ProtocolError(d.MESSAGE_CORRUPTED, "topic in message is not same")
             topic = self._topic(names.pop(), need=PERM_WRITE)
-            peer = _peer_host(context)
-            batch = []
-            for pm in request.messages:
-                group = (
-                    pm.system_properties.message_group
-                    if pm.system_properties.HasField("message_group")
-                    else None
-                )
-                batch.append(
-                    to_store_message(pm, topic, self._next_queue(topic, group), self.limits, peer)
-                )
+            batch = to_store_messages(
+                request.messages,
+                topic,
+                self._reserve_queues(topic, len(request.messages)),
+                self.limits,
+                _peer_host(context),
+                request.ByteSize(),
+            )
             if topic.message_type == "TRANSACTION":
                 return self._send_half(request, topic, batch, context)
             if topic.message_type == "DELAY":
                 batch = [self._schedule(m) for m in batch]
 
             offsets = self._replicated(
-                lambda: [r.queue_offset for r in _appended(lambda: self.store.put_messages(batch))]
+                lambda: _appended(lambda: self.store.put_messages(batch)).queue_offsets
             )
-            self.traffic.produced(topic.name, len(batch), sum(len(m.body) for m in batch))
+            self.traffic.produced(topic.name, len(batch), sum(map(len, (m.body for m in batch))))
             if topic.message_type == "DELAY" and self.timers is not None:
                 self.timers.wakeup()
-            entries = [
-                s.SendResultEntry(
-                    status=status(),
-                    message_id=pm.system_properties.message_id,
-                    # The broker's SendResult carries the unique key as the transaction id
-                    # for every message, and the proxy passes it on.
-                    transaction_id=pm.system_properties.message_id,
-                    offset=offsets[i],
-                )
-                for i, pm in enumerate(request.messages)
-            ]
-            return s.SendMessageResponse(status=status(), entries=entries)
+            ok = status()
+            response = s.SendMessageResponse(status=ok)
+            add = response.entries.add
+            for pm, offset in zip(request.messages, offsets, strict=True):
+                message_id = pm.system_properties.message_id
+                # The broker's SendResult carries the unique key as the transaction id for
+                # every message, and the proxy passes it on.
+                add(status=ok, message_id=message_id, transaction_id=message_id, offset=offset)
+            return response
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
 

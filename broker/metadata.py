@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from broker.acl import AclStore
 from tiered.durable import fsync_dir, make_dirs, write_file
 
 # The name rule is the store's, defined once (tiered/names.py); the broker's modules import it
@@ -135,6 +136,8 @@ class BrokerMetadata:
         self._group_log: int | None = None  # descriptor of groups.log, opened on first append
         self._group_log_lines = 0
         self.auto_created_groups = 0
+        # Users and grants (broker/acl.py): saved on their own, replicated with the rest.
+        self.acl = AclStore(config_dir)
 
     @property
     def _group_log_path(self) -> Path:
@@ -151,6 +154,7 @@ class BrokerMetadata:
         self.auto_created_groups = sum(g.auto_created for g in self.groups.values())
         for row in _load(self.dir / "consumer_offsets.json") or []:
             self._offsets[(row["group"], row["topic"], row["queue"])] = row["offset"]
+        self.acl.load()
 
     # -- topics --------------------------------------------------------------------------------
 
@@ -269,6 +273,7 @@ class BrokerMetadata:
                     {"group": g, "topic": t, "queue": q, "offset": o}
                     for (g, t, q), o in sorted(self._offsets.items())
                 ],
+                "acl": self.acl.snapshot(),
             }
 
     def replace(self, snapshot: dict[str, Any]) -> None:
@@ -282,6 +287,8 @@ class BrokerMetadata:
             _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
             self._compact_groups()  # groups.json becomes the master's, and groups.log empty
         self.flush_offsets(force=True)
+        if "acl" in snapshot:  # a master from before users existed sends none
+            self.acl.replace(snapshot["acl"])
 
     # -- consumer offsets ----------------------------------------------------------------------
 

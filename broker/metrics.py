@@ -15,14 +15,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker.ha.gate import ReplicationStatus
 from broker.status import BrokerStatus
+from remoting.security import TlsConfig
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -312,6 +313,12 @@ class BrokerCollector(Collector):
                 ),
             ):
                 yield _counter(name, doc, value)
+            yield _gauge(
+                "tmq_tier_fenced",
+                "1 when a master of a higher epoch took this broker's tier prefix over (a "
+                "deposed master: it uploads and releases nothing), else 0.",
+                int(offloader.fenced),
+            )
         fetcher = self.sources.fetcher()
         if fetcher is not None:
             yield _counter(
@@ -353,8 +360,23 @@ class BrokerMetrics:
             buckets=_COLD_READ_BUCKETS,
             registry=self.registry,
         )
+        # Calls refused by authentication or authorization (remoting/auth.py), by kind; the
+        # method and the user are in the log line of each refusal.
+        self.auth_denied = Counter(
+            "tmq_auth_denied",
+            "Calls refused: kind unauthenticated (no, bad or stale signature) or forbidden (no "
+            "grant allows it).",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in ("unauthenticated", "forbidden"):
+            self.auth_denied.labels(kind)  # exposed at 0 from the start, for rate() and alerts
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def denied(self, method: str, kind: str) -> None:
+        """The auth interceptor's ``on_denied`` callback."""
+        self.auth_denied.labels(kind).inc()
 
     def observe_cold_read(self, seconds: float, nbytes: int) -> None:
         """The cold fetcher's ``observe`` callback."""
@@ -363,10 +385,17 @@ class BrokerMetrics:
     def attach(self, sources: MetricSources) -> None:
         self.registry.register(BrokerCollector(sources))
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
+    def serve(self, host: str, port: int, tls: TlsConfig | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` in a daemon thread, over HTTPS when ``tls`` has
+        a certificate (and requiring a client certificate when it names a client CA); returns
+        the bound port."""
+        https: dict[str, Any] = {}
+        if tls is not None and tls.enabled:
+            https = {"certfile": tls.cert_file, "keyfile": tls.key_file}
+            if tls.client_ca_file:
+                https |= {"client_cafile": tls.client_ca_file, "client_auth_required": True}
         try:
-            self._server, self._thread = start_http_server(port, host, self.registry)
+            self._server, self._thread = start_http_server(port, host, self.registry, **https)
         except OSError as e:
             raise OSError(
                 f"metrics: cannot listen on {host}:{port} ({e.strerror or e}); choose another "

@@ -12,6 +12,7 @@ import hashlib
 import ipaddress
 import re
 import zlib
+from collections.abc import Sequence
 
 from google.protobuf import duration_pb2, timestamp_pb2
 from rocketmq.grpc_protocol import definition_pb2 as d
@@ -244,6 +245,74 @@ def to_store_message(
         born_timestamp=born,
         born_host=(_ip_or(sp.born_host, peer_host), 0),
     )
+
+
+def to_store_messages(
+    pms: Sequence[d.Message],
+    topic: TopicConfig,
+    first_queue: int,
+    limits: Limits,
+    peer_host: str,
+    request_bytes: int,
+) -> list[Message]:
+    """Check a whole SendMessage batch and turn it into store Messages in one pass.
+
+    Message ``i`` without a message group goes to queue ``(first_queue + i) % topic.queues``
+    (round robin); one with a group to the group's queue. ``request_bytes`` is the request's
+    serialized size. What a plain message needs is checked for the whole batch at once (ids,
+    sizes, type); each message then costs its protobuf field reads and one ``Message``. Any
+    message off that plain path (user properties, tag, keys, group, GZIP, delivery time, a
+    suspicious id) goes through ``to_store_message``, which refuses exactly as the proxy does,
+    in message order.
+    """
+    sps = [pm.system_properties for pm in pms]
+    ids = [sp.message_id for sp in sps]
+    # Ids that are all non-blank, short and free of control characters; and a request small
+    # enough that every message, as delivered, fits the clients' receive limit.
+    plain_batch = (
+        all(map(str.strip, ids))
+        and max(map(len, ids)) <= 128
+        and _CONTROL.search("".join(ids)) is None
+        and request_bytes + DELIVERY_ENVELOPE_RESERVE <= CLIENT_RECEIVE_LIMIT
+    )
+    type_name = topic.message_type
+    type_code = MESSAGE_TYPE_VALUES.get(type_name, -1)
+    max_body = limits.max_body_bytes
+    queues = topic.queues
+    name = topic.name
+    gzip = d.GZIP
+    out: list[Message] = []
+    append = out.append
+    for i, (pm, sp, message_id) in enumerate(zip(pms, sps, ids, strict=True)):
+        body = pm.body
+        if (
+            not plain_batch
+            or not body
+            or len(body) > max_body
+            or sp.message_type != type_code
+            or sp.body_encoding == gzip
+            or len(pm.user_properties)
+            or len(sp.keys)
+            or sp.HasField("tag")
+            or sp.HasField("message_group")
+            or sp.HasField("delivery_timestamp")
+        ):
+            group = sp.message_group if sp.HasField("message_group") else ""
+            queue = zlib.crc32(group.encode()) % queues if group else (first_queue + i) % queues
+            append(to_store_message(pm, topic, queue, limits, peer_host))
+            continue
+        born = sp.born_timestamp  # unset reads as 0
+        append(
+            Message(
+                topic=name,
+                queue_id=(first_queue + i) % queues,
+                body=body,
+                properties={PROPERTY_UNIQ_KEY: message_id, PROPERTY_MESSAGE_TYPE: type_name},
+                born_timestamp=born.seconds * 1000 + born.nanos // 1_000_000,
+                born_host=(_ip_or(sp.born_host, peer_host), 0),
+            )
+        )
+    return out
 
 
 # Java's Character.isISOControl, which the proxy's GrpcValidator applies. It also keeps the

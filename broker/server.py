@@ -17,14 +17,15 @@ from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from rocketmq.grpc_protocol import service_pb2_grpc
+from rocketmq.grpc_protocol import service_pb2, service_pb2_grpc
 
-from broker import admin_pb2_grpc
+from broker import acl_pb2, acl_pb2_grpc, admin_pb2, admin_pb2_grpc
 from broker.admin import AdminServicer
+from broker.authorization import AclServicer, BrokerPolicy
 from broker.config import BrokerConfig
 from broker.ha.controller import HaController
 from broker.ha.forward import ForwardingHandler
-from broker.ha.gate import ReplicationStatus
+from broker.ha.gate import FencedGate, ReplicationStatus, SendGate
 from broker.ha.master import ReplicationMaster
 from broker.ha.role import RoleSnapshot, RoleState
 from broker.ha.slave import ReplicationSlave
@@ -37,11 +38,14 @@ from broker.status import BrokerStatus, ExportFreshness, broker_status
 from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
+from offload.leadership import Term
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from remoting import namesrv_pb2 as nspb
+from remoting.auth import Authenticator, AuthInterceptor
 from remoting.grpc_server import listen, new_server
 from remoting.namesrv_client import NameServerClient
+from remoting.security import ChannelSecurity, server_credentials
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
@@ -52,6 +56,7 @@ from tiered.cold.storage import (
     check_writable,
     open_store,
 )
+from tiered.cold.worker import ColdWorker
 from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
@@ -59,6 +64,7 @@ log = logging.getLogger(__name__)
 
 MESSAGING_SERVICE = "apache.rocketmq.v2.MessagingService"
 ADMIN_SERVICE = "tmq.admin.v1.Admin"
+ACL_SERVICE = "tmq.acl.v1.Acl"
 # Each client holds one worker for its Telemetry stream and one per long poll.
 _WORKERS = 128
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -69,24 +75,36 @@ class TierUnusableError(ValueError):
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, security: ChannelSecurity | None = None) -> None:
         """The composition root: every part of the broker is built here, in dependency order
         (metadata, tier -> cold fetcher -> store -> offloader, pop), and nothing rewires a
-        part afterwards."""
+        part afterwards. ``security``: the admin credentials (the first admin, with ``[auth]``
+        on) and TLS settings of the broker's own calls to the NameServers."""
         self.config = config
+        self.security = security or ChannelSecurity()
         self.metrics = BrokerMetrics()
         self.metadata = BrokerMetadata(config.config_dir)
         self.tier: ObjectStore | None = None
         self.fetcher: ColdFetcher | None = None
         self.offloader: Offloader | None = None
+        # The child process that builds and uploads segments and reads them back for cold
+        # reads, off this process's GIL (tiered/cold/worker.py); started by start().
+        self.cold_worker: ColdWorker | None = None
         if config.tier_url:
             self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.cold_worker = ColdWorker(
+                config.tier_url,
+                config.tier_options,
+                config.retry,
+                max_inflight=max(16, 4 * config.offload.parallel_uploads),
+            )
             self.fetcher = ColdFetcher(
                 self.tier,
                 config.cluster,
                 config.name,
                 tiered_queues=self._tiered_queues,
                 observe=self.metrics.observe_cold_read,
+                runner=self.cold_worker,
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:
@@ -97,11 +115,14 @@ class Broker:
                 config.name,
                 config.offload,
                 on_commit=self.fetcher.set_manifest,
+                leadership=self._tier_term,
+                upload_limit=self._upload_limit,
+                runner=self.cold_worker,
             )
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
-        self.namesrv = NameServerClient(config.namesrv) if config.namesrv else None
+        self.namesrv = NameServerClient(config.namesrv, self.security) if config.namesrv else None
         self.producers = ProducerRegistry()
         # Both read the store's recovered state when started (start()).
         self.transactions = TransactionService(
@@ -170,6 +191,7 @@ class Broker:
         self.metrics_port = 0
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
+        self._fence_reported = False
         self._threads: list[threading.Thread] = []
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
@@ -186,6 +208,8 @@ class Broker:
         self._check_tier()
         self.store.start()
         try:
+            if self.cold_worker is not None:
+                self.cold_worker.start()
             self.metadata.load()
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
@@ -199,8 +223,16 @@ class Broker:
                     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ],
+                self._interceptors(),
             )
-            self.port = listen(server, self.config.listen, self.config.port, "broker")
+            tls = self.config.tls
+            self.port = listen(
+                server,
+                self.config.listen,
+                self.config.port,
+                "broker",
+                server_credentials(tls) if tls.enabled else None,
+            )
             identity = BrokerIdentity(
                 self.config.cluster, self.config.name, self.config.advertise_host, self.port
             )
@@ -217,7 +249,7 @@ class Broker:
                 transactions=self.transactions,
                 timers=self.timers,
                 max_delay_ms=self.config.timer_max_delay_ms,
-                replication=self.controller if self.controller is not None else self.replication,
+                replication=self._send_gate(),
             )
             self.timers.start()
             self.transactions.start()
@@ -251,11 +283,16 @@ class Broker:
                 ),
                 server,
             )
+            add_safely(
+                acl_pb2_grpc.add_AclServicer_to_server, AclServicer(self.metadata.acl), server
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             if self.config.metrics_port:
-                self.metrics_port = self.metrics.serve(self.config.listen, self.config.metrics_port)
+                self.metrics_port = self.metrics.serve(
+                    self.config.listen, self.config.metrics_port, self.config.tls
+                )
             server.start()
-            for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE):
+            for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE, ACL_SERVICE):
                 self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._server = server
             if self.controller is not None:
@@ -268,6 +305,8 @@ class Broker:
                 self.controller.stop()
             elif self.replication is not None:
                 self.replication.stop()
+            if self.cold_worker is not None:
+                self.cold_worker.close()
             self.store.shutdown()
             raise
         self.register()
@@ -289,6 +328,65 @@ class Broker:
             self.config.advertise_host,
         )
         return self.port
+
+    def _tier_term(self) -> Term | None:
+        """Who writes the tier (offload/leadership.py): the master in its epoch, a single
+        broker in epoch 0, a slave never."""
+        if isinstance(self.replication, ReplicationSlave):
+            return None
+        if self.controller is not None and not self.role.is_master():
+            return None  # fenced by the controller, or not yet elected
+        epoch = self.replication.epoch if self.replication is not None else 0
+        return Term(epoch, f"{self.config.name}@{self.config.advertise_host}:{self.port}")
+
+    def _upload_limit(self) -> int | None:
+        """A master uploads only what every member of its SyncStateSet holds (Kafka's rule:
+        remote copies stop at the high watermark), so the tier never archives a message that
+        the next elected master lacks. A single broker: no limit."""
+        if isinstance(self.replication, ReplicationMaster):
+            return self.replication.in_sync_offset()
+        return None
+
+    def _fence_reason(self) -> str | None:
+        offloader = self.offloader
+        if offloader is None or not offloader.fenced or offloader.fenced_by is None:
+            return None
+        by = offloader.fenced_by
+        return (
+            f"this broker was deposed: {by.writer} leads epoch {by.epoch} of broker "
+            f"{self.config.name}; it takes no sends and writes nothing to the tier"
+        )
+
+    def _send_gate(self) -> SendGate | None:
+        # With a controller, it is the gate: it asks whichever replication role is current.
+        inner = self.controller if self.controller is not None else self.replication
+        if self.offloader is None:
+            return inner
+        return FencedGate(inner, self._fence_reason)
+
+    def _interceptors(self) -> list[grpc.ServerInterceptor]:
+        """With ``[auth]`` on: every call signed, and allowed by the ACLs (docs/security.md).
+        The environment's admin is created or updated first; with none there and none
+        stored, nobody could ever manage the broker, so it refuses to start."""
+        auth = self.config.auth
+        if not auth.enabled:
+            return []
+        acl = self.metadata.acl
+        if self.security.signs:
+            acl.ensure_admin(self.security.access_key, self.security.secret_key)
+        elif not any(admin for _, admin in acl.users()):
+            raise ValueError(
+                "[auth] is enabled but there is no admin user: set TMQ_ADMIN_ACCESS_KEY and "
+                "TMQ_ADMIN_SECRET_KEY for the first one"
+            )
+        return [
+            AuthInterceptor(
+                Authenticator(acl, auth.max_clock_skew_s),
+                BrokerPolicy(acl),
+                [service_pb2.DESCRIPTOR, admin_pb2.DESCRIPTOR, acl_pb2.DESCRIPTOR],
+                on_denied=self.metrics.denied,
+            )
+        ]
 
     def status(self, *, hot_bytes: bool = False) -> BrokerStatus:
         """A snapshot for metrics and ``tmq status`` (memory and local disk only)."""
@@ -451,26 +549,43 @@ class Broker:
         Each queue's upload and expiry is isolated: whatever one of them raises (an outage, a
         damaged manifest, a bug) is counted in ``offload_failures`` and logged, and the pass
         goes on with the other queues and with release, which keeps what it cannot prove safe
-        to delete. A slave does none of it: only the master uploads, and a slave keeps its
-        files until failover makes tier-aware release safe on it."""
-        if not self.role.is_master():
+        to delete. Only the master uploads and applies retention: a slave reads the watermark
+        its master committed and releases below it; a fenced (deposed) master does neither
+        and keeps every tiered file (offload/release.py). A master the controller fenced
+        (broker/ha/controller.py) does nothing until it is a slave."""
+        slave = isinstance(self.replication, ReplicationSlave)
+        if self.controller is not None and not slave and not self.role.is_master():
             return
-        if self.offloader is not None:
+        if slave and self.offloader is not None:
+            self._refresh_watermarks(self.offloader)
+        self._report_fence()
+        if self.offloader is not None and not slave and not self.offloader.fenced:
             now = time.time_ns() // 1_000_000
-            committed = False
+            due: list[tuple[str, int]] = []
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
                 for queue_id in range(topic.queues):
                     if self._stop.is_set():
                         return  # shutting down: a pass against a dead tier would delay it
                     try:
+                        self.offloader.claim(topic.name, queue_id)  # fences a deposed master
                         reason = self.offloader.due(topic.name, queue_id, now)
                         if reason is None:
                             continue
                         log.debug("offload %s/%d: %s", topic.name, queue_id, reason)
-                        if self.offloader.offload_queue(topic.name, queue_id).segments:
-                            committed = True
+                        due.append((topic.name, queue_id))
                     except Exception as e:
                         self._queue_failed("offload", topic.name, queue_id, e)
+            committed = False
+            # Several queues at once: their uploads share the cold worker's bounded queue.
+            for (name, queue_id), outcome in zip(
+                due, self.offloader.offload_queues(due), strict=True
+            ):
+                if isinstance(outcome, Exception):
+                    self._queue_failed("offload", name, queue_id, outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif outcome.segments:
+                    committed = True
             for cfg, queue_id in self._retained_queues():
                 if self._stop.is_set():
                     return
@@ -491,6 +606,29 @@ class Broker:
         self.released_files += self.store.release_commitlog_files(
             lambda f: (pinned is None or f.end_offset <= pinned) and can_release(f)
         )
+
+    def _refresh_watermarks(self, offloader: Offloader) -> None:
+        """A slave: reload each tiered queue's manifest (read only), so release trusts the
+        watermark its master committed last, never one of its own."""
+        for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:
+            for queue_id in range(topic.queues):
+                try:
+                    offloader.manifest(topic.name, queue_id, refresh=True)
+                except OffloadError as e:  # keeps the last one: release stays below it
+                    log.warning(
+                        "tier watermark of %s/%d not refreshed: %s", topic.name, queue_id, e
+                    )
+
+    def _report_fence(self) -> None:
+        """Once fenced: NOT_SERVING on health, so that load balancers and operators see the
+        deposed master (the log line and ``tmq_tier_fenced`` say why)."""
+        reason = self._fence_reason()
+        if reason is None or self._fence_reported:
+            return
+        self._fence_reported = True
+        log.error("%s", reason)
+        for name in ("", MESSAGING_SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def pinned_offset(self) -> int | None:
         """The lowest CommitLog offset still needed by an undecided half message or an
@@ -562,6 +700,10 @@ class Broker:
         self.metadata.close()
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.offloader is not None:
+            self.offloader.close()
+        if self.cold_worker is not None:
+            self.cold_worker.close()
         self.store.shutdown()
         if self.namesrv is not None:
             self.namesrv.close()

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.topic import NamesrvOption, ask_namesrv, fail, time_ms
+from cli.topic import NamesrvOption, ask_namesrv, fail, security, time_ms
 
 _TIMEOUT = 10
 # How often in a row a replay repeats a pull the broker answers PROXY_TIMEOUT (a slow cold tier).
@@ -31,13 +31,18 @@ def route(namesrv: str, topic: str) -> Any:
     return found
 
 
-def _client_config(namesrv: str, topic: str) -> Any:
+def _client_config(namesrv: str, topic: str) -> tuple[Any, bool]:
+    """Apache's client configuration for the broker serving ``topic``, signed with the
+    environment's admin key, and whether to use TLS."""
     from rocketmq import ClientConfiguration, Credentials  # imported late: it sets up logging
 
+    sec = security()  # with TLS, cli/__init__.py has made its CA gRPC's default roots
     b = route(namesrv, topic).brokers[0]
-    return ClientConfiguration(
-        f"{b.endpoint.host}:{b.endpoint.port}", Credentials(), request_timeout=_TIMEOUT
+    credentials = Credentials(sec.access_key, sec.secret_key) if sec.signs else Credentials()
+    config = ClientConfiguration(
+        f"{b.endpoint.host}:{b.endpoint.port}", credentials, request_timeout=_TIMEOUT
     )
+    return config, bool(sec.ca_file)
 
 
 def _body_text(body: bytes) -> str:
@@ -68,7 +73,8 @@ def produce(
     from rocketmq import Message, Producer
 
     bodies = [body] * count if body is not None else [line.rstrip("\n") for line in sys.stdin]
-    producer = Producer(_client_config(namesrv, topic), topics=[topic])
+    config, tls = _client_config(namesrv, topic)
+    producer = Producer(config, topics=[topic], tls_enable=tls)
     producer.startup()
     try:
         for text in bodies:
@@ -119,9 +125,8 @@ def consume(
         typer.echo("error: give --tags or --sql, not both", err=True)
         raise typer.Exit(2)
     expression = FilterExpression(sql, FilterType.SQL) if sql else FilterExpression(tags)
-    consumer = SimpleConsumer(
-        _client_config(namesrv, topic), group, {topic: expression}, await_duration=2
-    )
+    config, tls = _client_config(namesrv, topic)
+    consumer = SimpleConsumer(config, group, {topic: expression}, await_duration=2, tls_enable=tls)
     consumer.startup()
     got, idle_since = 0, time.monotonic()
     try:
@@ -204,7 +209,7 @@ def replay(
     ranges = []
     for b in route(namesrv, topic).brokers:
         stub = service_pb2_grpc.MessagingServiceStub(
-            grpc.insecure_channel(f"{b.endpoint.host}:{b.endpoint.port}")
+            security().channel(f"{b.endpoint.host}:{b.endpoint.port}")
         )
         for q in [queue] if queue is not None else list(range(b.queues)):
             mq = d.MessageQueue(topic=d.Resource(name=topic), id=q)

@@ -14,6 +14,8 @@ import typer
 
 from namesrv import server as namesrv_server
 from namesrv.registry import EXPIRY_MS, BrokerRegistry
+from remoting.auth import StaticUsers
+from remoting.security import ACCESS_KEY_ENV, SECRET_KEY_ENV, ChannelSecurity
 from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
 from tiered.config import parse_duration_ms, parse_size
 
@@ -54,12 +56,33 @@ def _keep_secrets_out_of_logs(config: BrokerConfig) -> None:
     scrub_logs(secret_values(config.tier_options, os.environ))
 
 
+def _namesrv_users(auth: bool) -> StaticUsers | None:
+    """With auth on, a NameServer admits the environment's admin only (brokers register with
+    it, the CLI signs with it; Apache's clients never call a NameServer)."""
+    if not auth:
+        return None
+    access_key, secret_key = os.environ.get(ACCESS_KEY_ENV), os.environ.get(SECRET_KEY_ENV)
+    if not access_key or not secret_key:
+        typer.echo(
+            f"error: auth is on but {ACCESS_KEY_ENV} and {SECRET_KEY_ENV} are not set: they "
+            "name the first admin (docs/security.md)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    return StaticUsers({access_key: (secret_key, True)})
+
+
 def _wait_for_signal(stop: threading.Event | None = None) -> None:
     """Block until SIGTERM or SIGINT (Ctrl-C), or until ``stop`` is set."""
     stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # Wake up now and then: Python runs a handler only in the main thread, between bytecodes,
+    # and a signal the kernel delivers to one of gRPC's threads does not interrupt a wait
+    # without timeout, so such a SIGTERM was never handled (a NameServer ignored it for 30 s
+    # in CI and the test's teardown failed).
+    while not stop.wait(0.5):
+        pass
 
 
 def standalone(
@@ -118,6 +141,14 @@ def standalone(
             "export to Delta, query; then keep serving (reads are served from the tier)."
         ),
     ] = False,
+    auth: Annotated[
+        bool,
+        typer.Option(
+            "--auth",
+            help="Require signed requests and ACLs ([auth] enabled); the first admin is "
+            "TMQ_ADMIN_ACCESS_KEY / TMQ_ADMIN_SECRET_KEY.",
+        ),
+    ] = False,
 ) -> None:
     """A NameServer and a broker in one process, on embedded defaults.
 
@@ -132,8 +163,19 @@ def standalone(
     except (OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    if auth:
+        base = replace(base, auth=replace(base.auth, enabled=True))
+    if quickstart and base.auth.enabled:
+        typer.echo("error: --quickstart runs without auth; drop --auth or [auth]", err=True)
+        raise typer.Exit(2)
     try:
-        ns_server, ns_port = namesrv_server.start(host, namesrv_port)
+        ns_server, ns_port = namesrv_server.start(
+            host,
+            namesrv_port,
+            tls=base.tls,
+            users=_namesrv_users(base.auth.enabled),
+            max_clock_skew_s=base.auth.max_clock_skew_s,
+        )
     except OSError as e:
         raise _start_failed(e) from None
     try:
@@ -172,7 +214,7 @@ def standalone(
         metrics_port=base.metrics_port if metrics_port is None else metrics_port,
     )
     _keep_secrets_out_of_logs(config)
-    broker = Broker(config)
+    broker = Broker(config, ChannelSecurity.for_server(config.tls, os.environ))
     try:
         port = _start(broker)
     except typer.Exit:
@@ -181,9 +223,15 @@ def standalone(
     metrics = (
         f", metrics http://{host}:{broker.metrics_port}/metrics" if broker.metrics_port else ""
     )
+    secured = "".join(
+        (
+            ", TLS" if config.tls.enabled else "",
+            ", signed requests only" if config.auth.enabled else "",
+        )
+    )
     typer.echo(
         f"tmq standalone: NameServer {host}:{ns_port}, broker {host}:{port}{metrics}, "
-        f"data in {data_dir} (flush {store.flush}); Ctrl-C or SIGTERM stops it",
+        f"data in {data_dir} (flush {store.flush}{secured}); Ctrl-C or SIGTERM stops it",
         err=True,
     )
     failed: list[str] = []
@@ -232,13 +280,31 @@ def namesrv_start(
     expiry_ms: Annotated[
         int, typer.Option(help="Forget a broker silent for this long (RocketMQ: 120 s).")
     ] = EXPIRY_MS,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="A tmq.toml: its [auth] and [tls] apply."),
+    ] = None,
 ) -> None:
     """Run a NameServer until SIGTERM.
 
     Example: tmq namesrv start --port 9876
     """
+    from broker.config import load_config
+
     try:
-        server, bound = namesrv_server.start(host, port, BrokerRegistry(expiry_ms=expiry_ms))
+        cfg = load_config(config)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        server, bound = namesrv_server.start(
+            host,
+            port,
+            BrokerRegistry(expiry_ms=expiry_ms),
+            tls=cfg.tls,
+            users=_namesrv_users(cfg.auth.enabled),
+            max_clock_skew_s=cfg.auth.max_clock_skew_s,
+        )
     except OSError as e:
         raise _start_failed(e) from None
     typer.echo(f"NameServer listening on {host}:{bound}", err=True)
@@ -265,7 +331,7 @@ def broker_start(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     _keep_secrets_out_of_logs(cfg)
-    broker = Broker(cfg)
+    broker = Broker(cfg, ChannelSecurity.for_server(cfg.tls, os.environ))
     port = _start(broker)
     typer.echo(f"broker {cfg.name} listening on {cfg.listen}:{port}", err=True)
     try:

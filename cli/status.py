@@ -15,7 +15,7 @@ import typer
 
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
-from cli.topic import JsonOption, NamesrvOption, ask_namesrv, fail
+from cli.topic import JsonOption, NamesrvOption, ask_namesrv, fail, security
 
 _TIMEOUT = 5.0
 
@@ -88,7 +88,7 @@ def cluster_status(namesrv: str) -> dict[str, Any]:
             "has_tier": None,
             "export_freshness_seconds": None,
         }
-        channel = grpc.insecure_channel(address)
+        channel = security().channel(address)
         try:
             reply = pb_grpc.AdminStub(channel).Status(pb.StatusRequest(), timeout=_TIMEOUT)
         except grpc.RpcError as e:

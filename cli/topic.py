@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, TypeVar
@@ -13,6 +14,7 @@ import typer
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
 from remoting.namesrv_client import NameServerClient, parse_addresses
+from remoting.security import ChannelSecurity
 from tiered.cold.credentials import scrub_known
 from tiered.config import format_duration, format_size, parse_duration_ms, parse_size
 
@@ -83,11 +85,17 @@ MaxBytesOption = Annotated[
 T = TypeVar("T")
 
 
+def security() -> ChannelSecurity:
+    """How the CLI reaches tmq's servers: ``TMQ_ADMIN_ACCESS_KEY``/``TMQ_ADMIN_SECRET_KEY``
+    sign every call, ``TMQ_TLS_CA_FILE`` turns TLS on (docs/security.md)."""
+    return ChannelSecurity.from_env(os.environ)
+
+
 def ask_namesrv(namesrv: str, question: Callable[[NameServerClient], T]) -> T:
     """``question`` put to the NameServers at ``namesrv``; exit with one line when the address
     is malformed (2) or none answers (1)."""
     try:
-        client = NameServerClient(parse_addresses(namesrv))
+        client = NameServerClient(parse_addresses(namesrv), security())
         try:
             return question(client)
         finally:
@@ -95,6 +103,11 @@ def ask_namesrv(namesrv: str, question: Callable[[NameServerClient], T]) -> T:
     except ValueError as e:
         raise fail(str(e), 2) from None
     except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise fail(
+                f"the NameServer at {namesrv} refused the call ({e.code().name}: {e.details()}); "
+                "set TMQ_ADMIN_ACCESS_KEY and TMQ_ADMIN_SECRET_KEY to an admin's keys"
+            ) from None
         raise fail(f"no NameServer at {namesrv} answered ({e.code().name})") from None
 
 
@@ -118,7 +131,7 @@ def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.Ad
         (
             b.broker.broker_name,
             pb_grpc.AdminStub(
-                grpc.insecure_channel(f"{b.broker.endpoint.host}:{b.broker.endpoint.port}")
+                security().channel(f"{b.broker.endpoint.host}:{b.broker.endpoint.port}")
             ),
         )
         for b in info.brokers

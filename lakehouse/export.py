@@ -1,14 +1,17 @@
 """The export job: archived topics -> one Delta table per topic, exactly once.
 
-A Structured Streaming query reads the ``tmq`` source and hands each micro-batch to
-``foreachBatch``, which writes Parquet on the executors and commits on the driver
-(``lakehouse/sink.py``). ``--once`` and ``--continuous`` run the same query:
+Every batch is the same Spark job: a DataFrame of segment slices, ``mapInArrow`` writing
+Parquet on the executors, and one Delta commit per topic on the driver (``lakehouse/sink.py``).
+What feeds it differs:
 
-* ``once``: the source is bounded by ``endingOffsets`` = every queue's tier watermark when the
-  job starts; the job stops when the table's exported offsets reach them (pyspark 4.0 has no
-  Trigger.AvailableNow for Python sources, and admission control splits the backfill into
-  bounded batches).
-* ``continuous``: a processing-time trigger (default 10 s) until ``stop()`` or a signal.
+* ``once``: batch jobs planned on the driver (``Planner``, the source's own admission
+  control), bounded by every queue's tier watermark when the job starts, until the tables'
+  exported offsets reach them. No streaming query: starting one costs Spark's Python source
+  processes (lookup, planning, the source runner) several seconds before the first byte, and
+  ``--once`` needs nothing a query gives, since progress lives in the tables (decision 21).
+* ``continuous``: a Structured Streaming query over the ``tmq-slices`` source, each
+  micro-batch handed to ``foreachBatch``, on a processing-time trigger (default 10 s) until
+  ``stop()`` or a signal.
 
 Where the query starts. A query with a checkpoint resumes from it. Without one (first run,
 checkpoint lost or deleted), the source's ``startingOffsets`` are the tables' app transactions,
@@ -41,6 +44,7 @@ from lakehouse.sink import (
     ParquetWriterTask,
     commit_files,
 )
+from lakehouse.source import Planner, SlicePack, SourceOptions, pack
 from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import open_store
@@ -65,6 +69,8 @@ class _SourceDidNotStart(Exception):
 # miss it while importing; the query is then started again, up to QUERY_START_ATTEMPTS times.
 WORKER_START_TIMEOUT = "Python worker failed to connect back"
 QUERY_START_ATTEMPTS = 3
+# ``--once`` spreads a small batch over every core, but not in packs smaller than this.
+MIN_PACK_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -178,26 +184,43 @@ class Export:
             options["maxBytesPerTrigger"] = str(self.config.max_bytes_per_trigger)
         if self.config.max_segments_per_trigger:
             options["maxSegmentsPerTrigger"] = str(self.config.max_segments_per_trigger)
-        return self.spark.readStream.format(tmq_source.SLICES_NAME).options(**options).load()
+        # delta-spark writes rows; the default sink reads each slice itself.
+        name = tmq_source.NAME if self.config.engine == "delta-spark" else tmq_source.SLICES_NAME
+        return self.spark.readStream.format(name).options(**options).load()
 
-    def _write_batch(self, df: DataFrame, batch_id: int) -> None:
+    def _batch_reader(self, start: dict[str, int], end: dict[str, int]) -> DataFrame:
+        """The messages ``[start, end)`` through the ``tmq`` source (Spark's own writers)."""
+        return (
+            self.spark.read.format(tmq_source.NAME)
+            .option("tier_url", self.tier.url)
+            .option("tier_options", json.dumps(self.tier.options))
+            .option("startingOffsets", json.dumps(start))
+            .option("endingOffsets", json.dumps(end))
+            .load()
+        )
+
+    def _write_batch(self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()) -> None:
         try:
             if self.config.engine == "delta-spark":
                 self._write_batch_delta_spark(df, batch_id)
             else:
-                self._write_batch_delta_rs(df, batch_id)
+                self._write_batch_delta_rs(df, batch_id, packs)
         except BaseException as e:
             self._error = e
             raise
 
-    def _write_batch_delta_rs(self, df: DataFrame, batch_id: int) -> None:
+    def _write_batch_delta_rs(
+        self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()
+    ) -> None:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
         log.info("batch %d: writing", batch_id)
         floors = self.exported(self.queues())
         with self._lock:
             stopped = frozenset(self.stopped)
-        task = ParquetWriterTask(self.lake, self.tier, floors, export_ts_us, batch_id, stopped)
+        task = ParquetWriterTask(
+            self.lake, self.tier, floors, export_ts_us, batch_id, stopped, packs=packs
+        )
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
@@ -395,7 +418,10 @@ class Export:
             if self._reached(targets, queues, manifests):
                 log.info("nothing new to export")
                 return ExportReport([], dict(self.offsets))
-        self._continuous = not once
+        if once:
+            assert targets is not None
+            return self._run_batches(starting, targets, queues, timeout=timeout)
+        self._continuous = True
         for attempt in range(1, QUERY_START_ATTEMPTS + 1):
             try:
                 return self._run_query(starting, targets, queues, once=once, timeout=timeout)
@@ -404,6 +430,57 @@ class Export:
                     raise ExportError(str(e)) from None
                 log.warning("%s; starting the query again (attempt %d)", e, attempt + 1)
         raise AssertionError("unreachable")
+
+    def _run_batches(
+        self,
+        starting: dict[str, int],
+        targets: dict[str, int],
+        queues: list[QueueRef],
+        *,
+        timeout: float | None,
+    ) -> ExportReport:
+        """``--once`` as a sequence of batch jobs planned here, on the driver: the same slices,
+        admission control and sink as the streaming query, without its start-up."""
+        planner = Planner(
+            SourceOptions(
+                tier=self.tier,
+                topics=self.topics,
+                starting=starting or None,
+                ending=targets,
+                max_bytes_per_trigger=self.config.max_bytes_per_trigger,
+                max_segments_per_trigger=self.config.max_segments_per_trigger,
+                bytes_per_partition=self.config.bytes_per_partition,
+            ),
+            self._manifests,  # already read for the targets
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        position = planner.initial()
+        batch_id = 0
+        while not self._stop.is_set() and not self._reached(targets, queues, self._manifests):
+            if deadline is not None and time.monotonic() > deadline:
+                raise ExportError(f"export did not finish within {timeout:.0f} s")
+            end = planner.latest(position)
+            if end == position:
+                break  # nothing left below the targets (the rest expired or is stopped)
+            slices = planner.slices(position, end)
+            cores = self.spark.sparkContext.defaultParallelism
+            # Every core busy, but no task above bytesPerPartition.
+            share = -(-sum(s.bytes for s in slices) // max(1, cores))
+            packs = tuple(
+                pack(slices, max(MIN_PACK_BYTES, min(self.config.bytes_per_partition, share)))
+            )
+            if self.config.engine == "delta-spark":
+                frame = self._batch_reader(position, end)
+            else:
+                frame = self.spark.range(0, len(packs), 1, max(1, min(len(packs), cores)))
+            try:
+                self._write_batch(frame, batch_id, packs)
+            except ExportError:
+                raise
+            except Exception as e:  # a failed Spark job or commit: one line, no traceback
+                raise ExportError(_one_line(e)) from None
+            position, batch_id = end, batch_id + 1
+        return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 
     def _run_query(
         self,

@@ -39,7 +39,7 @@ from deltalake.transaction import AddAction, RemoveAction
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
-from lakehouse.source import SegmentSlice, read_slice
+from lakehouse.source import SegmentSlice, SlicePack, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import QueueRef
 from tiered.cold.segment import SegmentError
@@ -203,7 +203,8 @@ def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
 
 @dataclass(slots=True, frozen=True)
 class ParquetWriterTask:
-    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows), file metadata
+    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows or packs of
+    them), file metadata
     rows out. Each task reads its slices with the columnar decode and writes the Arrow batches
     as Parquet straight away; message bytes never pass through the JVM.
 
@@ -219,13 +220,16 @@ class ParquetWriterTask:
     batch_id: int
     stopped: frozenset[str] = frozenset()  # queues this export no longer reads
     target_file_bytes: int = TARGET_FILE_BYTES
+    # ``export --once`` plans on the driver: the batch's packs travel with the task, and its
+    # input is ``spark.range(len(packs))``, each id one pack. (A DataFrame made from Python
+    # rows costs a Python pass of its own in every task; a range is made in the JVM.)
+    packs: tuple[SlicePack, ...] = ()
 
     def __call__(self, slices: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         files = _FileSet(self)
         damaged: list[dict[str, Any]] = []
         for batch in slices:
-            for row in batch.to_pylist():
-                part = SegmentSlice.from_row(row)
+            for part in self._slices(batch):
                 floor = self.floors.get(part.queue_key, part.first)
                 if part.queue_key in self.stopped or part.end <= floor:
                     continue  # stopped, or a replayed slice the table already has
@@ -242,6 +246,13 @@ class ParquetWriterTask:
         done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
+
+    def _slices(self, batch: pa.RecordBatch) -> list[SegmentSlice]:
+        """The slices of an input batch: ``tmq-slices`` rows, or (with ``packs``) the ids of
+        ``spark.range`` naming packs."""
+        if not self.packs:
+            return [SegmentSlice.from_row(row) for row in batch.to_pylist()]
+        return [s for i in batch.column("id").to_pylist() for s in self.packs[i].slices]
 
     def write_rows(self, batches: Iterable[pa.RecordBatch]) -> list[dict[str, Any]]:
         """Write source rows (``SOURCE_SCHEMA``) as files; their metadata rows."""

@@ -44,7 +44,9 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +87,10 @@ SLICE_SCHEMA = pa.schema(
 )
 DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
 DEFAULT_BYTES_PER_PARTITION = 32 << 20
-# Bytes of records fetched per ranged GET inside a task: bounds a task's memory.
-READ_SPAN_BYTES = 8 << 20
+# Bytes of records fetched per ranged GET inside a task, one span decoded while the next is
+# fetched: bounds a task's memory (two spans), and small enough that most of a segment's GETs
+# overlap its decoding.
+READ_SPAN_BYTES = 4 << 20
 
 
 class SourceOptionError(ValueError):
@@ -171,6 +175,12 @@ class SegmentSlice(InputPartition):
         self.first = first
         self.end = end
 
+    @property
+    def bytes(self) -> int:
+        """About how many bytes of the segment object the slice covers."""
+        info = self.segment
+        return int(info["size"]) * (self.end - self.first) // max(1, int(info["count"]))
+
     def to_row(self) -> dict[str, Any]:
         """The slice as a row of the ``tmq-slices`` source (``SLICE_DDL``)."""
         return {
@@ -200,8 +210,7 @@ def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
     current: list[SegmentSlice] = []
     size = 0
     for s in slices:
-        info = s.segment
-        estimate = int(info["size"]) * (s.end - s.first) // max(1, int(info["count"]))
+        estimate = s.bytes
         if current and size + estimate > target_bytes:
             packs.append(SlicePack(current))
             current, size = [], 0
@@ -225,9 +234,22 @@ def tier_store(tier: Location) -> ObjectStore:
     return store
 
 
+_FETCHER: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def fetcher() -> ThreadPoolExecutor:
+    """This process's thread for ranged GETs ahead of the decode. Made on first use, never in
+    the worker daemon before it forks (a forked child has none of its parent's threads)."""
+    global _FETCHER
+    if _FETCHER is None or _FETCHER[0] != os.getpid():
+        _FETCHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tmq-fetch"))
+    return _FETCHER[1]
+
+
 def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
     """Decode a slice's records into source rows (on an executor): one GET of its offset-table
-    entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run.
+    entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run
+    while the next span is fetched.
 
     Raises ``SegmentError`` naming the object for anything unreadable: missing, short, or a
     record that fails its checks (CRC, structure, offset table)."""
@@ -238,19 +260,29 @@ def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
     positions = entries["offset"].astype(np.int64)
     sizes = entries["size"].astype(np.int64)
     ends = positions + sizes
+    spans: list[tuple[int, int]] = []  # entry ranges [i, j), each one GET
     i = 0
     while i < len(entries):
-        start = int(positions[i])
-        j = max(i + 1, int(np.searchsorted(ends, start + READ_SPAN_BYTES, "right")))
-        span = reader._range(start, int(ends[j - 1]) - start)
+        j = max(i + 1, int(np.searchsorted(ends, int(positions[i]) + READ_SPAN_BYTES, "right")))
+        spans.append((i, j))
+        i = j
+
+    def fetch(span: tuple[int, int]) -> bytes:
+        start = int(positions[span[0]])
+        return reader._range(start, int(ends[span[1] - 1]) - start)
+
+    pending = fetcher().submit(fetch, spans[0]) if spans else None
+    for k, (i, j) in enumerate(spans):
+        assert pending is not None
+        data = pending.result()
+        pending = fetcher().submit(fetch, spans[k + 1]) if k + 1 < len(spans) else None
         try:
-            records = decode_run(span, positions[i:j] - start, check_crc=True)
+            records = decode_run(data, positions[i:j] - int(positions[i]), check_crc=True)
         except RecordError as e:
             raise SegmentError(f"{info.key}: {e}") from None
         if not np.array_equal(np.asarray(records.column("size")), sizes[i:j]):
             raise SegmentError(f"{info.key}: a record is not where its offset-table entry says")
         yield schema.rows(records, broker, info.key)
-        i = j
 
 
 def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -280,9 +312,9 @@ class Planner:
     """Driver-side planning shared by the batch and the streaming reader: which queues exist,
     where each starts and ends, and how a range becomes slices of segments."""
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, manifests: ManifestCache | None = None) -> None:
         self.options = options
-        self._manifests: ManifestCache | None = None
+        self._manifests = manifests
 
     @property
     def manifests(self) -> ManifestCache:

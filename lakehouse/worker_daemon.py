@@ -30,6 +30,10 @@ PRELOAD = (
     "pyarrow.parquet",
     "pyspark.sql.datasource",
     "pyspark.worker",
+    # The S3 client stack (fsspec loads it on a task's first s3:// URL): s3fs, aiobotocore,
+    # aiohttp and the TLS contexts aiohttp builds at import took more than a second per
+    # worker, as much as the batch's reads.
+    "s3fs",
     "lakehouse.sink",
     "lakehouse.source",
     "tiered.columnar",

@@ -10,7 +10,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from namesrv.registry import HEARTBEAT_INTERVAL_MS, BrokerRegistry
 from remoting import namesrv_pb2 as pb
 from remoting import namesrv_pb2_grpc as pb_grpc
+from remoting.auth import Authenticator, AuthInterceptor, Users, admin_only
 from remoting.grpc_server import listen, new_server
+from remoting.security import TlsConfig, server_credentials
 from remoting.servicers import add_safely
 
 log = logging.getLogger(__name__)
@@ -62,16 +64,35 @@ def add_to_server(server: grpc.Server, registry: BrokerRegistry) -> None:
 
 
 def start(
-    host: str = "0.0.0.0", port: int = DEFAULT_PORT, registry: BrokerRegistry | None = None
+    host: str = "0.0.0.0",
+    port: int = DEFAULT_PORT,
+    registry: BrokerRegistry | None = None,
+    tls: TlsConfig | None = None,
+    users: Users | None = None,
+    max_clock_skew_s: float = 900,
 ) -> tuple[grpc.Server, int]:
-    """Start a NameServer; returns the server and the port it bound (``port=0``: any free one)."""
-    server = new_server(8, "namesrv")
+    """Start a NameServer; returns the server and the port it bound (``port=0``: any free one).
+    With ``users``, every call must be signed by an admin among them (brokers registering and
+    the ``tmq`` CLI sign with the environment's admin key); with ``tls``, the port is TLS only.
+    """
+    interceptors = []
+    if users is not None:
+        authenticator = Authenticator(users, max_clock_skew_s)
+        interceptors.append(AuthInterceptor(authenticator, admin_only, [pb.DESCRIPTOR]))
+    server = new_server(8, "namesrv", interceptors=interceptors)
     add_to_server(server, registry or BrokerRegistry())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = listen(server, host, port, "NameServer")
+    credentials = server_credentials(tls) if tls is not None and tls.enabled else None
+    bound = listen(server, host, port, "NameServer", credentials)
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("NameServer listening on %s:%d", host, bound)
+    log.info(
+        "NameServer listening on %s:%d%s%s",
+        host,
+        bound,
+        " (TLS)" if credentials is not None else "",
+        " (signed requests only)" if users is not None else "",
+    )
     return server, bound

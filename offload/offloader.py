@@ -2,40 +2,64 @@
 
 For one (topic, queue) the pipeline is:
 
-1. read the next run of records from the hot store, starting at the manifest's end (the tier
-   watermark), as whole CommitLog records;
-2. build a segment object (``tiered/cold/segment.py``) and write it with ``put_if_absent`` under
-   a fresh key (the tier's one retry policy retries transient failures; a retry never replaces
-   anything);
-3. verify it: the stored object has the expected size and its footer is the one we wrote;
-4. commit the next manifest version (atomic, fenced);
+1. plan the next segments from the ConsumeQueue, starting at the manifest's end (the tier
+   watermark): each a fresh key, a base offset and its entries (numpy, no Python per message);
+2. hand each plan to the cold worker (``offload/segment_upload.py``, run by
+   ``tiered/cold/worker.py`` in a child process, off the broker's GIL), several in flight: it
+   reads the records from the CommitLog files, builds the segment object
+   (``tiered/cold/segment.py``) and writes it with ``put_if_absent`` (the tier's one retry
+   policy retries transient failures; a retry never replaces anything);
+3. the worker verifies it: the stored object has the expected size and its footer is the one it
+   wrote;
+4. the broker commits the next manifest version (``_commit``: atomic, fenced, under the queue's
+   lock), one segment at a time in offset order, whatever order the uploads finish in;
 5. only now does the watermark move, and with it what local release may delete.
 
-A crash between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the next run
-starts again at the committed watermark and writes a new object under a new key, and the
-restarted process deletes the orphan before it uploads anything to that queue (``verify``
-reports it meanwhile; ``--repair`` deletes it too).
+A crash of the broker between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the
+next run starts again at the committed watermark and writes a new object under a new key, and
+the restarted process deletes the orphan before it uploads anything to that queue (``verify``
+reports it meanwhile; ``--repair`` deletes it too). A crash of the worker only loses the jobs it
+held: the worker is restarted and each job runs again under the same key (idempotent). A pass
+that fails deletes the objects it uploaded but did not commit.
+
+In a replica group only the master writes the tier (``offload/leadership.py``). Its first write
+to a queue in a new epoch *claims* the queue: a manifest version stamped with its epoch, before
+the orphan sweep and any upload. From then on every commit of a deposed master of that prefix
+is refused by the manifest's conditional put and reported as ``FencedError``: the offloader
+stops writing the tier for good (until this broker leads a later epoch), and release keeps
+every tiered file, so nothing local goes because of an upload this broker could not commit.
+``upload_limit`` keeps a master's uploads below what every member of its SyncStateSet holds,
+so the tier never holds a message that the next elected master lacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
+from offload.leadership import Leadership, Term, single_broker
+from offload.segment_upload import SegmentJob, upload_segment
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
+    ManifestFencedError,
     ManifestLog,
     QueueManifest,
     queue_prefix,
     segment_key,
 )
-from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
+from tiered.cold.segment import SegmentError, SegmentInfo
 from tiered.cold.storage import ObjectStore, StorageError
+from tiered.cold.worker import JobRunner, LocalRunner, WorkerCrashedError
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -59,6 +83,9 @@ class OffloadPolicy:
     upload_min_messages: int = 10_000
     segment_max_bytes: int = 64 * 1024 * 1024
     segment_max_messages: int = 100_000
+    # Segments being built and uploaded at once (the worker's queue is bounded by this too):
+    # one PUT at a time leaves the link idle while the next segment is built.
+    parallel_uploads: int = 4
 
 
 @dataclass(slots=True)
@@ -97,6 +124,21 @@ class OffloadError(RuntimeError):
     pass
 
 
+class CommitRefusedError(OffloadError):
+    """A manifest commit was not made: another writer committed that version first, or this
+    broker must not write the tier. Nothing was committed (unlike a storage error, after which
+    the commit may have landed)."""
+
+
+class NotLeaderError(CommitRefusedError):
+    """This broker is a slave: only the master writes the tier."""
+
+
+class FencedError(CommitRefusedError):
+    """A master of a higher epoch owns this broker's tier prefix: this one was deposed and
+    writes nothing there any more."""
+
+
 @dataclass(slots=True)
 class OffloadStats:
     """What this process has moved into and out of the tier since it started (metrics read it;
@@ -124,7 +166,12 @@ class Offloader:
         broker: str,
         policy: OffloadPolicy | None = None,
         on_commit: Callable[[str, int, QueueManifest], None] | None = None,
+        leadership: Leadership | None = None,
+        upload_limit: Callable[[], int | None] | None = None,
+        runner: JobRunner | None = None,
     ) -> None:
+        """``runner`` runs the segment builds and uploads: the broker's cold worker (a child
+        process); by default threads of this process against ``tier``."""
         self.store = store
         self.tier = tier
         self.cluster = cluster
@@ -133,10 +180,24 @@ class Offloader:
         # Told every committed manifest (the broker's cold fetcher), so no reader in this
         # process ever sees an older archive than the one local release relies on.
         self.on_commit = on_commit
+        # Whether, and in which epoch, this broker may write the tier (a single broker: always,
+        # epoch 0).
+        self.leadership = leadership or single_broker(broker)
+        # The CommitLog offset below which records may be uploaded (None: no limit): a
+        # master's high watermark (every member of its SyncStateSet holds what is below).
+        self.upload_limit = upload_limit or (lambda: None)
+        # Set when a commit was refused for a higher epoch's: who took the prefix over.
+        self.fenced_by: Term | None = None
+        # The epoch in which each queue's manifest was claimed (and its orphans swept).
+        self._claimed: dict[tuple[str, int], int] = {}
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
         self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
+        parallel = max(1, self.policy.parallel_uploads)
+        self._own_runner = runner is None
+        self.runner = runner or LocalRunner(tier, threads=parallel, max_inflight=parallel)
+        self._queues_pool = ThreadPoolExecutor(parallel, thread_name_prefix="tmq-offload")
 
     def manifests(self, topic: str, queue_id: int) -> ManifestLog:
         return ManifestLog(self.tier, queue_prefix(self.cluster, self.broker, topic, queue_id))
@@ -145,21 +206,101 @@ class Offloader:
         key = (topic, queue_id)
         if refresh or key not in self._manifests:
             with self._lock(topic, queue_id):
-                first = key not in self._manifests
                 manifest = self._step(
                     f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
                 )
-                if first:
-                    self._sweep_orphans(manifest)
                 self._manifests[key] = manifest
         return self._manifests[key]
 
+    def _leading(self) -> Term:
+        """This broker's term, if it may write the tier now; raises otherwise."""
+        term = self.leadership()
+        if term is None:
+            raise NotLeaderError("this broker is a slave: only the master writes the tier")
+        if self.fenced_by is not None and self.fenced_by.epoch >= term.epoch:
+            raise FencedError(
+                f"fenced: {self.fenced_by.writer} took this tier prefix over in epoch "
+                f"{self.fenced_by.epoch} (this broker's epoch is {term.epoch}); it writes "
+                "nothing to the tier any more"
+            )
+        return term
+
+    @property
+    def fenced(self) -> bool:
+        """Whether a commit was refused because a higher epoch owns the prefix (and this broker
+        has not led a later epoch since)."""
+        term = self.leadership()
+        return (
+            self.fenced_by is not None and term is not None and self.fenced_by.epoch >= term.epoch
+        )
+
+    def _fence(self, current: QueueManifest) -> FencedError:
+        if self.fenced_by is None or current.epoch > self.fenced_by.epoch:
+            self.fenced_by = Term(current.epoch, current.writer or "another master")
+            log.error(
+                "fenced: %s committed %smanifests/ v%d in epoch %d, above this broker's; "
+                "this broker stops uploading, retention and tier-based release",
+                self.fenced_by.writer,
+                current.prefix,
+                current.version,
+                current.epoch,
+            )
+        self._manifests.clear()  # none of them is current any more
+        return FencedError(
+            f"{current.prefix}: fenced by {self.fenced_by.writer} (epoch {self.fenced_by.epoch})"
+        )
+
+    def claim(self, topic: str, queue_id: int) -> None:
+        """Claim the queue for this broker's term now, rather than at its first upload (no I/O
+        once claimed in this term): a new master calls it for every tiered queue, so a deposed
+        master is fenced on every queue at once, busy or not."""
+        with self._lock(topic, queue_id):
+            self._claim(topic, queue_id)
+
+    def _claim(self, topic: str, queue_id: int) -> QueueManifest:
+        """The queue's manifest, claimed for this broker's term: on the first write of a term
+        (or of a process), reload it, refuse if a higher epoch owns it, commit a version
+        stamped with this epoch when it was written in a lower one (from then on a deposed
+        master's commits are refused), and only then sweep orphans. Under the queue's lock."""
+        term = self._leading()
+        key = (topic, queue_id)
+        if self._claimed.get(key) == term.epoch:
+            return self.manifest(topic, queue_id)
+        manifest = self.manifest(topic, queue_id, refresh=True)
+        if manifest.epoch > term.epoch:
+            raise self._fence(manifest)
+        if manifest.end_offset > self.store.max_offset(topic, queue_id):
+            # Only after an unclean failover (an ASYNC master died with messages it had
+            # archived but not replicated): this master will write other messages at those
+            # offsets, and the tier keeps the old ones.
+            log.error(
+                "%s: the tier holds offsets up to %d, this master's queue ends at %d: messages "
+                "archived by a previous master were never replicated here",
+                manifest.prefix,
+                manifest.end_offset,
+                self.store.max_offset(topic, queue_id),
+            )
+        if manifest.epoch < term.epoch:
+            manifest = manifest.next_version()
+            self._commit(topic, queue_id, manifest)
+            log.info(
+                "%s: claimed for epoch %d by %s (manifest v%d)",
+                manifest.prefix,
+                term.epoch,
+                term.writer,
+                manifest.version,
+            )
+        self._sweep_orphans(manifest)
+        self._claimed[key] = term.epoch
+        return manifest
+
     def _sweep_orphans(self, manifest: QueueManifest) -> None:
-        """Delete segment objects the manifest does not name: uploads a crash cut off before
-        their commit, and expired segments a crash left behind after theirs. Runs once per
-        queue per process, under the queue's lock, before this process uploads anything there;
-        a broker name owns its prefix (a second writer is fenced at commit), so nothing else can
-        be halfway through an upload here."""
+        """Delete segment objects the manifest does not name: uploads a crash (or a deposed
+        master) cut off before their commit, and expired segments a crash left behind after
+        theirs. Runs once per queue per term, under the queue's lock, after the claim and
+        before this process uploads anything there: a broker name owns its prefix and a
+        deposed master can commit nothing after the claim, so nothing an orphan-to-be could
+        still become part of the archive."""
         named = {s.key for s in manifest.segments}
         listed = self._step(
             f"list {manifest.prefix}segments/",
@@ -206,6 +347,14 @@ class Offloader:
         """Every queue offset below this is durable in the tier."""
         return self.manifest(topic, queue_id).end_offset
 
+    def release_watermark(self, topic: str, queue_id: int) -> int:
+        """The watermark local release may trust: ``FencedError`` on a fenced broker, whose
+        own uploads may never have been committed and whose log may differ from the new
+        master's at the offsets that master archived (it keeps everything)."""
+        if self.fenced:
+            raise FencedError(f"{topic}/{queue_id}: fenced; local files are kept")
+        return self.watermark(topic, queue_id)
+
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:
         """Why this queue should be uploaded now (a trigger of the policy), or None."""
         start = self.watermark(topic, queue_id)
@@ -236,7 +385,7 @@ class Offloader:
     def offload_queue(self, topic: str, queue_id: int, up_to: int | None = None) -> OffloadResult:
         """Upload dispatched messages of one queue below ``up_to`` (default: all dispatched)."""
         with self._lock(topic, queue_id):
-            manifest = self.manifest(topic, queue_id)
+            manifest = self._claim(topic, queue_id)
             target = (
                 self.store.max_offset(topic, queue_id)
                 if up_to is None
@@ -259,19 +408,48 @@ class Offloader:
                 manifest = manifest.without_segments_before(hot_min)
                 manifest.log_start_offset = hot_min
                 self._commit(topic, queue_id, manifest)
-            while manifest.end_offset < target:
-                info = self._upload_segment(topic, queue_id, manifest.end_offset, target)
-                manifest = manifest.with_segment(info)
-                failpoints.hit("offload.before_commit")
-                self._commit(topic, queue_id, manifest)
-                result.segments += 1
-                result.messages += info.count
-                result.bytes += info.size
-                self.stats.uploaded_segments += 1
-                self.stats.uploaded_messages += info.count
-                self.stats.uploaded_bytes += info.size
+            plans = self._plan_segments(topic, queue_id, manifest.end_offset, target)
+            uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]] = deque()
+            try:
+                while True:
+                    while len(uploads) < max(1, self.policy.parallel_uploads):
+                        job = next(plans, None)
+                        if job is None:
+                            break
+                        uploads.append((job, self.runner.submit(upload_segment, job)))
+                    if not uploads:
+                        break
+                    job, future = uploads.popleft()
+                    info = self._uploaded(job, future)
+                    manifest = manifest.with_segment(info)
+                    failpoints.hit("offload.before_commit")
+                    try:
+                        self._commit(topic, queue_id, manifest)
+                    except CommitRefusedError:
+                        self._discard(info.key)
+                        raise
+                    result.segments += 1
+                    result.messages += info.count
+                    result.bytes += info.size
+                    self.stats.uploaded_segments += 1
+                    self.stats.uploaded_messages += info.count
+                    self.stats.uploaded_bytes += info.size
+            finally:
+                self._abandon(uploads)
             result.watermark = manifest.end_offset
             return result
+
+    def offload_queues(
+        self, queues: Sequence[tuple[str, int]]
+    ) -> list[OffloadResult | BaseException]:
+        """``offload_queue`` for several queues at once (up to ``parallel_uploads``), each
+        isolated: the result or the exception of each, in the order given."""
+        futures = [self._queues_pool.submit(self.offload_queue, t, q) for t, q in queues]
+        out: list[OffloadResult | BaseException] = []
+        for f in futures:
+            error = f.exception()
+            out.append(error if error is not None else f.result())
+        return out
 
     def expire(
         self,
@@ -289,6 +467,7 @@ class Offloader:
         between the commit and the deletes leaves orphans, which the next start sweeps (and
         ``tmq verify`` reports meanwhile)."""
         with self._lock(topic, queue_id):
+            self._claim(topic, queue_id)
             manifest = self.manifest(topic, queue_id, refresh=True)
             expired = []
             remaining = sum(s.size for s in manifest.segments)
@@ -327,52 +506,96 @@ class Offloader:
             )
             return result
 
-    def _upload_segment(self, topic: str, queue_id: int, start: int, target: int) -> SegmentInfo:
-        records: list[bytes] = []
-        size = 0
-        limit = min(target - start, self.policy.segment_max_messages)
-        # Raw records straight from the ConsumeQueue entries: nothing is decoded here (the
-        # segment builder checks every record once).
-        for offset, (phys, length, _tag) in self.store.queue_entries(topic, queue_id, start, limit):
-            if offset != start + len(records):
-                raise OffloadError(
-                    f"{topic}/{queue_id}: offset {start + len(records)} is not in the hot store"
-                )
-            raw = self.store.read_record_bytes(phys, length)
-            if raw is None:
-                raise OffloadError(f"{topic}/{queue_id}: record at {phys} is no longer local")
-            records.append(raw)
-            size += length
-            if size >= self.policy.segment_max_bytes:
-                break
-        if not records:
-            raise OffloadError(
-                f"{topic}/{queue_id}: offset {start} could not be read from the hot store"
-            )
+    def _plan_segments(
+        self, topic: str, queue_id: int, start: int, target: int
+    ) -> Iterator[SegmentJob]:
+        """The segments that take the queue from ``start`` to ``target``, each planned when the
+        pipeline has room for it: a fresh key and the ConsumeQueue entries, cut at
+        ``segment_max_messages`` or the record that reaches ``segment_max_bytes``, and stopped
+        at ``upload_limit`` (the SyncStateSet's high watermark in a replica group)."""
         prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
-        data, info = build(records, start, segment_key(prefix, start))
+        config = self.store.config
+        while start < target:
+            limit = min(target - start, self.policy.segment_max_messages)
+            entries = self.store.queue_entry_table(topic, queue_id, start, limit)
+            if len(entries) == 0:
+                raise OffloadError(f"{topic}/{queue_id}: offset {start} is not in the hot store")
+            below = self.upload_limit()
+            if below is not None:
+                # Queue offsets grow with CommitLog offsets: only a prefix can be below the
+                # limit, and nothing later is; what is not on every in-sync replica waits.
+                ends = entries["offset"].astype(np.int64) + entries["size"]
+                entries = entries[: int(np.searchsorted(ends, below, side="right"))]
+                if len(entries) == 0:
+                    return
+            reach = np.cumsum(entries["size"], dtype=np.int64)
+            count = min(
+                len(entries), int(np.searchsorted(reach, self.policy.segment_max_bytes)) + 1
+            )
+            yield SegmentJob(
+                key=segment_key(prefix, start),
+                base_offset=start,
+                entries=entries[:count].tobytes(),
+                commitlog_dir=str(config.commitlog_dir),
+                commitlog_file_size=config.commitlog_file_size,
+            )
+            start += count
 
-        def write_and_verify() -> SegmentInfo:
-            if not self.tier.put_if_absent(info.key, data):
-                # Our own earlier attempt landed (the key is unique to this build).
-                log.info("%s already exists: a retried upload", info.key)
-            stored = read_footer(self.tier, info.key)
-            if stored != info:
-                raise SegmentError(f"{info.key}: stored object differs from what was written")
-            return stored
+    def _uploaded(self, job: SegmentJob, future: Future[SegmentInfo]) -> SegmentInfo:
+        """The verified footer of ``job``'s upload. A crash of the worker runs the job again
+        (same key: idempotent) on the restarted worker, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._step(f"upload {job.key}", future.result)
+            except OffloadError as e:
+                if not isinstance(e.__cause__, WorkerCrashedError) or attempt == 2:
+                    raise
+                log.warning("%s: the cold worker crashed during the upload; again", job.key)
+                future = self.runner.submit(upload_segment, job)
+        raise AssertionError("unreachable")
 
-        return self._step(f"upload {info.key}", write_and_verify)
+    def _abandon(self, uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]]) -> None:
+        """After a failed pass: wait for the uploads still under way and delete what they wrote
+        (never committed, under keys nobody else uses), so that a failed pass leaves no orphan
+        behind when the tier answers. Best effort: the start-up sweep and ``verify`` remain."""
+        for job, future in uploads:
+            with contextlib.suppress(Exception):  # the object may exist all the same
+                future.result()
+            try:
+                self.tier.delete(job.key)
+            except Exception as e:
+                log.warning("%s: an uncommitted upload could not be deleted: %s", job.key, e)
+
+    def _discard(self, key: str) -> None:
+        """Delete a segment whose commit was refused: its key is unique to this upload and no
+        manifest can name it now, so it would only be an orphan (a fenced master leaves nothing
+        behind). Best effort: the next claim's sweep or ``verify --repair`` get what stays."""
+        try:
+            self.tier.delete(key)
+            self.stats.deleted_objects += 1
+        except StorageError as e:
+            log.warning("%s: not deleted after its refused commit: %s", key, e)
 
     def _commit(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
+        """Commit ``manifest`` stamped with this broker's term. Refused (``FencedError``) when a
+        higher epoch committed first; then this broker writes the tier no more."""
+        term = self._leading()
+        manifest.epoch, manifest.writer = term.epoch, term.writer
         store = self.manifests(topic, queue_id)
         try:
             self._step(
                 f"commit manifest {store.prefix} v{manifest.version}",
                 lambda: store.commit(manifest),
             )
+        except ManifestFencedError as e:
+            raise self._fence(e.current) from None
         except ManifestConflictError:
             self._manifests.pop((topic, queue_id), None)
-            raise OffloadError(
+            self._claimed.pop((topic, queue_id), None)
+            current = self.manifest(topic, queue_id)
+            if current.epoch > term.epoch:
+                raise self._fence(current) from None
+            raise CommitRefusedError(
                 f"{store.prefix}: another writer committed a manifest; is a second "
                 "broker offloading to the same prefix?"
             ) from None
@@ -388,3 +611,9 @@ class Offloader:
             return fn()
         except (StorageError, SegmentError) as e:
             raise OffloadError(f"{what}: {e}") from e
+
+    def close(self) -> None:
+        """Stop the threads this offloader started (not the runner it was given)."""
+        self._queues_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_runner:
+            self.runner.close()

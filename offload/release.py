@@ -14,7 +14,10 @@ is given a pin), and once delivered or decided they are copies of nothing anybod
 Never a record that is neither uploaded nor expired: this is the invariant RocketMQ's tieredstore
 broke (local data deleted before upload), checked here with the ConsumeQueues, not the clock.
 The rule fails closed: a ConsumeQueue entry that cannot be read, or a tier watermark that
-cannot be learnt (the tier is down and the manifest was never loaded), keeps the file.
+cannot be learnt (the tier is down and the manifest was never loaded, or this broker was fenced
+as a deposed master), keeps the file. On a slave the watermark is the one its master committed
+(the broker refreshes it from the tier each pass), so a slave promoted later still holds
+everything the tier does not.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ def release_predicate(
                 if offloader is None:
                     return False
                 try:
-                    watermark = offloader.watermark(span.topic, span.queue_id)
-                except Exception as e:  # the tier is down and the manifest was never loaded
+                    watermark = offloader.release_watermark(span.topic, span.queue_id)
+                except Exception as e:  # the tier is down and the manifest was never
+                    # loaded, or this broker is fenced (a deposed master)
                     log.warning(
                         "%s: kept: no tier watermark for %s/%d: %s",
                         info.path.name,

@@ -8,7 +8,11 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = [ROOT / "remoting" / "namesrv.proto", ROOT / "broker" / "admin.proto"]
+PROTOS = [
+    ROOT / "remoting" / "namesrv.proto",
+    ROOT / "broker" / "admin.proto",
+    ROOT / "broker" / "acl.proto",
+]
 
 if __name__ == "__main__":
     for proto in PROTOS:

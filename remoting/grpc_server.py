@@ -25,21 +25,38 @@ class PortInUseError(OSError):
 
 
 def new_server(
-    workers: int, thread_name_prefix: str, options: Sequence[tuple[str, Any]] = ()
+    workers: int,
+    thread_name_prefix: str,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> grpc.Server:
+    """A server; ``interceptors`` see every call (remoting/auth.py's, when auth is on)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
         options=[NO_REUSEPORT, *options],
+        interceptors=list(interceptors),
     )
 
 
-def listen(server: grpc.Server, host: str, port: int, what: str) -> int:
-    """Bind ``host:port`` (``port`` 0: any free one); returns the bound port. Raises
-    PortInUseError with one line naming ``what`` and the port when the bind is refused."""
+def listen(
+    server: grpc.Server,
+    host: str,
+    port: int,
+    what: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind ``host:port`` (``port`` 0: any free one), with TLS if ``credentials`` are given
+    (remoting/security.py); returns the bound port. Raises PortInUseError with one line naming
+    ``what`` and the port when the bind is refused."""
     if port:
         _check_free(host, port, what)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
     except RuntimeError:  # grpcio raises instead of returning 0 in some releases
         bound = 0
     if bound == 0:  # taken between the check and here

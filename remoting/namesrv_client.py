@@ -8,6 +8,7 @@ import grpc
 
 from remoting import namesrv_pb2 as pb
 from remoting import namesrv_pb2_grpc as pb_grpc
+from remoting.security import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,10 @@ def parse_addresses(text: str) -> list[str]:
 
 
 class NameServerClient:
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], security: ChannelSecurity | None = None) -> None:
         self.addresses = addresses
-        self._channels = {a: grpc.insecure_channel(a) for a in addresses}
+        security = security or ChannelSecurity()
+        self._channels = {a: security.channel(a) for a in addresses}
         self._stubs = {a: pb_grpc.NameServerStub(c) for a, c in self._channels.items()}
 
     def register(self, registration: pb.BrokerRegistration) -> int:

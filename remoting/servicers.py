@@ -23,6 +23,8 @@ Deserializer = Callable[[bytes], Any]
 
 
 def _decode(deserializer: Deserializer, raw: bytes, context: grpc.ServicerContext) -> Any:
+    if not isinstance(raw, bytes):  # decoded already, by an interceptor (remoting/auth.py)
+        return raw
     try:
         return deserializer(raw)
     except Exception as e:  # DecodeError, or anything a hostile payload provokes

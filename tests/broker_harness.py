@@ -41,11 +41,17 @@ def tmq(
 
 
 def wait_healthy(
-    proc: subprocess.Popen[Any], endpoint: str, log_path: Path, what: str, seconds: float = 60
+    proc: subprocess.Popen[Any],
+    endpoint: str,
+    log_path: Path,
+    what: str,
+    seconds: float = 60,
+    channel: grpc.Channel | None = None,
 ) -> None:
-    """Wait until the server ``proc`` runs says SERVING on ``endpoint``; raise with the end of
-    its log if it exits first or takes longer than ``seconds``."""
-    channel = grpc.insecure_channel(endpoint)
+    """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over ``channel``,
+    default a plaintext one); raise with the end of its log if it exits first or takes longer
+    than ``seconds``."""
+    channel = channel or grpc.insecure_channel(endpoint)
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + seconds
     try:
@@ -74,8 +80,11 @@ class Standalone:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
         metrics_port: int = 0,
+        ca_file: Path | None = None,
     ) -> None:
         self.data_dir = data_dir
+        # Set: the node serves TLS with a certificate from this CA (tests/test_tls.py).
+        self.ca_file = ca_file
         self.flush = flush
         self.extra = extra or []
         self.env = env or {}
@@ -130,8 +139,16 @@ class Standalone:
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone")
+        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone", channel=self.channel())
         return self
+
+    def channel(self, target: str | None = None) -> grpc.Channel:
+        """A channel to the broker (or ``target``), over TLS when the node serves it."""
+        target = target or self.endpoint
+        if self.ca_file is None:
+            return grpc.insecure_channel(target)
+        roots = grpc.ssl_channel_credentials(self.ca_file.read_bytes())
+        return grpc.secure_channel(target, roots)
 
     def admin(self) -> apb_grpc.AdminStub:
         return apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))

@@ -46,8 +46,9 @@ def ensure_node_client() -> None:
         _STAMP.write_text(digest)
 
 
-def node(command: dict[str, Any], timeout: float = 120) -> Any:
-    """Run one driver command; returns its JSON result (raises with the driver's stderr)."""
+def node(command: dict[str, Any], timeout: float = 120, env: dict[str, str] | None = None) -> Any:
+    """Run one driver command; returns its JSON result (raises with the driver's stderr).
+    ``env``: more environment (the CA a TLS test trusts)."""
     done = subprocess.run(
         ["node", str(NODE_DIR / "driver.js"), json.dumps(command)],
         cwd=NODE_DIR,
@@ -55,7 +56,7 @@ def node(command: dict[str, Any], timeout: float = 120) -> Any:
         text=True,
         timeout=timeout,
         # The client's default logger writes under $HOME/logs; keep it in the test's tree.
-        env={**os.environ, "HOME": str(NODE_DIR)},
+        env={**os.environ, **(env or {}), "HOME": str(NODE_DIR)},
     )
     lines = done.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if lines else None

@@ -10,10 +10,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from broker_harness import REPO, free_port, tmq
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from broker_harness import REPO, free_port, tmq, wait_healthy
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -26,45 +24,31 @@ from rocketmq import (
 from remoting.namesrv_client import NameServerClient
 
 
-def wait_healthy(address: str, proc: subprocess.Popen[str]) -> None:
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                return
-        except grpc.RpcError:
-            time.sleep(0.2)
-    raise TimeoutError(address)
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, object]]:
     procs: list[subprocess.Popen[str]] = []
-    namesrvs = []
-    for _ in range(2):
-        port = free_port()
+
+    def spawn(name: str, args: list[str]) -> tuple[subprocess.Popen[str], Path]:
+        # A log file, not a pipe: nobody drains a pipe, and a full one blocks the server
+        # (and its shutdown: a NameServer that filled its stderr pipe never exited).
+        log = tmp_path / f"{name}.log"
         p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cli.app",
-                "namesrv",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--expiry-ms",
-                "3000",
-            ],
+            [sys.executable, "-m", "cli.app", *args],
             cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
         )
         procs.append(p)
-        wait_healthy(f"127.0.0.1:{port}", p)
+        return p, log
+
+    namesrvs = []
+    for i in range(2):
+        port = free_port()
+        p, log = spawn(
+            f"namesrv-{i}",
+            ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port), "--expiry-ms", "3000"],
+        )
+        wait_healthy(p, f"127.0.0.1:{port}", log, "NameServer")
         namesrvs.append(f"127.0.0.1:{port}")
     brokers = {}
     for name in ("broker-a", "broker-b"):
@@ -84,20 +68,19 @@ metrics_port = 0
 data_dir = "{tmp_path / name}"
 commitlog_file_size = "64MiB"
 """)
-        p = subprocess.Popen(
-            [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(cfg)],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(p)
-        wait_healthy(f"127.0.0.1:{port}", p)
+        p, log = spawn(name, ["broker", "start", "--config", str(cfg)])
+        wait_healthy(p, f"127.0.0.1:{port}", log, name)
         brokers[name] = (p, f"127.0.0.1:{port}")
     yield {"namesrvs": namesrvs, "brokers": brokers}
     for p in procs:
         p.terminate()
     for p in procs:
-        p.wait(30)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+            raise AssertionError(f"{p.args} ignored SIGTERM for 30 s") from None
 
 
 def test_a_topic_spread_over_two_brokers_is_routed_and_consumed(cluster) -> None:

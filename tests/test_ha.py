@@ -73,6 +73,7 @@ class GroupMember:
         etcd: list[str] | None = None,
         lease_ttl_ms: int = 2000,
         max_lag_ms: int = 3000,
+        env: dict[str, str] | None = None,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -110,6 +111,7 @@ lease_ttl_ms = {lease_ttl_ms}
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
+            env={**os.environ, **(env or {})},
         )
         wait_healthy(self.proc, self.endpoint, self.log_path, self.name)
         return self

@@ -251,6 +251,31 @@ def test_a_replayed_batch_is_written_and_committed_as_nothing(
     assert DeltaTable(str(tmp_path / "lake" / "orders")).to_pyarrow_table().num_rows == 10
 
 
+def test_once_runs_plain_batch_jobs_not_a_streaming_query(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    """--once plans on the driver and runs Spark jobs: no query, so no Python source processes
+    to start and no Spark checkpoint; progress is the table's alone (decision 190)."""
+    small_archive.produce("orders", 1000)  # ten segments
+    small_archive.offload("orders")
+    checkpoint = tmp_path / "ckpt"
+    config = ExportConfig(
+        f"file://{tmp_path}/tier",
+        str(tmp_path / "lake"),
+        checkpoint_dir=str(checkpoint),
+        max_segments_per_trigger=4,
+    )
+    queries: list[Any] = []
+    job = Export(spark, config)
+    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    report = job.run(once=True, timeout=120)
+    assert report.rows == 1000 and len(report.batches) == 3, "admission control still applies"
+    assert queries == [] and not checkpoint.exists(), "no streaming query ran"
+    assert delta_rows(tmp_path / "lake", "orders") == expected_rows(
+        small_archive.messages("orders")
+    )
+
+
 def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
     small_archive: Archive, tmp_path: Path, spark: Any
 ) -> None:
@@ -353,7 +378,9 @@ def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None
             time.sleep(rng.uniform(0.0, 1.5))  # anywhere: write, commit or checkpoint
         child.kill()
         if lost_checkpoint:
-            shutil.rmtree(checkpoint)  # the table's app transactions must take over
+            # The table's app transactions must take over. (--once runs batch jobs and keeps no
+            # Spark checkpoint of its own; one left by a continuous export goes too.)
+            shutil.rmtree(checkpoint, ignore_errors=True)
             standby = ExportChild(tier, lake, checkpoint)
         child, standby = standby, ExportChild(tier, lake, checkpoint, "--standby")
         print(f"{time.monotonic() - t0:.1f} s: kill {kill + 1}")

@@ -9,6 +9,8 @@ widen a race window a test wants to hit. Unarmed (the default), ``hit`` costs on
 Points:
 - ``offload.before_commit``: a segment object is written and verified; its manifest is not
   committed.
+- ``offload.after_put``: in the cold worker, a segment object is written; it is not verified
+  yet (the worker reads ``TMQ_FAILPOINTS`` from the environment it was spawned with).
 - ``offload.before_release``: the manifest is committed; no local CommitLog file is released.
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
 - ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are

@@ -35,12 +35,17 @@ properties, as in RocketMQ.
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 from google_crc32c import value as crc32c
 
 MAGIC_CODE_V2 = -626843477
@@ -199,6 +204,7 @@ def _pack_host(host: Host) -> tuple[bytes, int, bool]:
         return socket.inet_pton(socket.AF_INET6, address), port, True
 
 
+@functools.lru_cache(maxsize=4096)  # a broker sees few hosts; decode meets each one per record
 def _unpack_host(raw: bytes, port: int) -> Host:
     family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
     return socket.inet_ntop(family, raw), port
@@ -284,9 +290,26 @@ class RecordEncoder:
 
         Queue offsets come from ``next_offsets`` (this batch's), else ``base_offsets`` (the
         CommitLog's), and ``next_offsets`` is advanced. Returns (index of the first message not
-        encoded, bytes used). This is the append hot path: one ``struct.pack`` and one CRC call
-        per record, everything else cached.
+        encoded, bytes used); the records are appended to ``out.parts`` (the native engine
+        appends them as one buffer). This is the append hot path.
         """
+        i, used = _engine.encode_batch(
+            self, messages, start, physical_offset, space, next_offsets, base_offsets, out
+        )
+        return int(i), int(used)
+
+    def encode_batch_py(
+        self,
+        messages: Sequence[Message],
+        start: int,
+        physical_offset: int,
+        space: int,
+        next_offsets: dict[tuple[str, int], int],
+        base_offsets: dict[tuple[str, int], int],
+        out: EncodedBatch,
+    ) -> tuple[int, int]:
+        """The reference implementation of ``encode_batch``: one ``struct.pack`` and one CRC
+        call per record, everything else cached."""
         pack = _V4_RECORD_HEAD.pack
         store_ts = out.store_timestamp
         store_ip, store_port = self._store_ip, self._store_port
@@ -547,7 +570,23 @@ _KEYS_NAME = (PROPERTY_KEYS + _NAME_VALUE_SEPARATOR).encode()
 _UNIQ_NAME = (PROPERTY_UNIQ_KEY + _NAME_VALUE_SEPARATOR).encode()
 
 
-def read_dispatch_run(
+def read_dispatch_run_py(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    out: EncodedBatch,
+    stamps: list[int],
+) -> int:
+    """The reference implementation of ``read_dispatch_run``. Bytes that are not records
+    (which validated data never holds) raise ``RecordError``."""
+    try:
+        return _read_dispatch_run(buf, pos, limit, base_offset, out, stamps)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise RecordError(f"record at {pos}: {e}") from None
+
+
+def _read_dispatch_run(
     buf: Buffer,
     pos: int,
     limit: int,
@@ -594,6 +633,8 @@ def read_dispatch_run(
         qoffs.append(queue_offset)
         queues.append((topic, queue_id))
         stamps.append(fields[2])
+        if total <= 0:
+            raise RecordError(f"record at {pos}: total size {total}")
         pos += total
     return pos
 
@@ -604,3 +645,228 @@ def read_store_timestamp(buf: Buffer, pos: int) -> int:
     host_size = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8
     (ts,) = _I64.unpack_from(buf, pos + _OFFSET_OF_BORNHOST + host_size)
     return int(ts)
+
+
+# -- the engine's other inner loops: reference implementations ---------------------------------
+
+
+def scan_records_py(
+    buf: Buffer, pos: int, limit: int, physical_offset: int, check_crc: bool
+) -> tuple[int, int]:
+    """Validate consecutive records from ``pos`` (CommitLog offset ``physical_offset``) while
+    each is a whole V2 record that leaves room for a BLANK record before ``limit``; return
+    (position after the last valid record, number of records). It stops at a BLANK record, at
+    ``limit``, or before the first record ``validate`` refuses: the caller runs ``validate``
+    there to learn why. This is the crash-recovery scan."""
+    count = 0
+    limit = min(limit, len(buf))
+    while limit - pos >= BLANK_RECORD_SIZE:
+        total, magic = _TOTAL_AND_MAGIC.unpack_from(buf, pos)
+        if magic != MAGIC_CODE_V2 or not 0 < total <= limit - pos - BLANK_RECORD_SIZE:
+            break
+        try:
+            validate(buf, pos, physical_offset, check_crc=check_crc)
+        except RecordError:
+            break
+        pos += total
+        physical_offset += total
+        count += 1
+    return pos, count
+
+
+def tag_hashes_py(tags: Sequence[str | None]) -> np.ndarray:
+    """``tag_hash`` of each entry, as int64."""
+    return np.fromiter((tag_hash(t) for t in tags), np.int64, len(tags))
+
+
+def index_keys_py(
+    queues: Sequence[tuple[str, int]],
+    keys: Sequence[str | None],
+    uniq_keys: Sequence[str | None],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The IndexFile entries of a run of records: (key hashes, record numbers), both int64, in
+    record order; per record the unique id first, then each key of ``KEYS`` in order. A hash
+    is ``formats.key_hash(topic, key)``: the 31-bit CRC32C of ``topic#key``."""
+    hashes: list[int] = []
+    numbers: list[int] = []
+    for i, (topic, _) in enumerate(queues):
+        uniq = uniq_keys[i]
+        if uniq:
+            hashes.append(int(crc32c(f"{topic}#{uniq}".encode())) & 0x7FFFFFFF)
+            numbers.append(i)
+        for key in split_keys(keys[i]):
+            hashes.append(int(crc32c(f"{topic}#{key}".encode())) & 0x7FFFFFFF)
+            numbers.append(i)
+    return np.asarray(hashes, np.int64), np.asarray(numbers, np.int64)
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentTables:
+    """The tables of a segment object built over a run of records (``tiered/cold/segment.py``
+    lays them out): one ConsumeQueue entry per record (position in the run, size, tag hash),
+    the store timestamps (int64 big-endian), and the sorted key index ((key hash u32, record
+    number u32) big-endian, per record its unique id and its keys)."""
+
+    count: int
+    offset_table: bytes
+    time_table: bytes
+    key_index: bytes
+    key_count: int
+    min_store_timestamp: int
+    max_store_timestamp: int
+
+
+def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
+    """Check a run of whole records of one queue (structure, body CRC, queue offsets
+    ``base_offset, base_offset + 1, …`` without gaps) and build its segment tables.
+
+    Raises ``CorruptRecordError`` for a body that fails its CRC and ``RecordError`` for anything
+    else (bytes that are not a record, an empty run, a queue offset out of sequence)."""
+    fields = EncodedBatch()
+    stamps: list[int] = []
+    end = read_dispatch_run_py(records, 0, len(records), 0, fields, stamps)
+    count = len(fields.offsets)
+    if count == 0:
+        raise RecordError("a segment needs at least one record")
+    if end != len(records):
+        raise RecordError(f"bytes at {end} are not a record")
+    for pos in fields.offsets:
+        (phys,) = _I64.unpack_from(records, pos + 28)
+        validate(records, pos, phys, check_crc=True)
+    for i, q in enumerate(fields.queue_offsets):
+        if q != base_offset + i:
+            raise RecordError(f"record has queue offset {q}, expected {base_offset + i}")
+    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+    table["offset"] = fields.offsets
+    table["size"] = fields.sizes
+    table["tag"] = tag_hashes_py(fields.tags)
+    hashes, numbers = index_keys_py(fields.queues, fields.keys, fields.uniq_keys)
+    index = np.empty(len(hashes), [("hash", ">u4"), ("record", ">u4")])
+    index["hash"] = hashes
+    index["record"] = numbers
+    index.sort(order=["hash", "record"])
+    return SegmentTables(
+        count=count,
+        offset_table=table.tobytes(),
+        time_table=np.asarray(stamps, ">i8").tobytes(),
+        key_index=index.tobytes(),
+        key_count=len(hashes),
+        min_store_timestamp=min(stamps),
+        max_store_timestamp=max(stamps),
+    )
+
+
+def first_unchecked_py(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """The index of the first message from ``start`` on that the store must check one by one:
+    its topic is not in ``topics`` (names already found valid), its queue id is not in
+    ``[0, max_queue_id]``, or its body is longer than ``max_body``; ``len(messages)`` if none."""
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if m.topic not in topics or not 0 <= m.queue_id <= max_queue_id or len(m.body) > max_body:
+            return i
+    return len(messages)
+
+
+# -- choosing the engine ------------------------------------------------------------------------
+
+
+def crc32c_py(data: Buffer) -> int:
+    """CRC32C (Castagnoli) of ``data``, unsigned (google-crc32c, hardware-assisted)."""
+    return int(crc32c(data if isinstance(data, bytes) else bytes(data)))
+
+
+class _PythonEngine:
+    """The reference implementation of every inner loop; ``tiered/_record_native.pyx`` is its
+    native twin, with the same functions and byte-identical results."""
+
+    name = "python"
+    crc32c = staticmethod(crc32c_py)
+    encode_batch = staticmethod(RecordEncoder.encode_batch_py)
+    read_dispatch_run = staticmethod(read_dispatch_run_py)
+    scan_records = staticmethod(scan_records_py)
+    tag_hashes = staticmethod(tag_hashes_py)
+    index_keys = staticmethod(index_keys_py)
+    segment_tables = staticmethod(segment_tables_py)
+    first_unchecked = staticmethod(first_unchecked_py)
+
+
+PYTHON_ENGINE: Any = _PythonEngine()
+
+
+def _native_engine() -> Any:
+    try:
+        from tiered import _record_native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    _record_native.bind(sys.modules[__name__])
+    return _record_native
+
+
+NATIVE_ENGINE: Any = _native_engine()
+# TMQ_PURE_PYTHON=1 forces the reference implementation (decision 150): for debugging, and to
+# compare the two engines on one workload. The native engine is otherwise used when it is built.
+_engine: Any = (
+    PYTHON_ENGINE
+    if NATIVE_ENGINE is None or os.environ.get("TMQ_PURE_PYTHON", "") not in ("", "0")
+    else NATIVE_ENGINE
+)
+ENGINE_NAME: str = _engine.name
+
+
+def crc32c_of(data: Buffer) -> int:
+    """CRC32C (Castagnoli) of ``data``, unsigned: BODYCRC, segment and footer checksums."""
+    return int(_engine.crc32c(data))
+
+
+def read_dispatch_run(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    out: EncodedBatch,
+    stamps: list[int],
+) -> int:
+    """Append the dispatch fields of every record from ``pos`` up to ``limit`` (or a BLANK
+    record) to ``out``, and each STORETIMESTAMP to ``stamps``; return the position after the
+    last one. ``base_offset`` is the CommitLog offset of ``buf[0]``. The records have been
+    validated already (append or recovery): this is the dispatch scan."""
+    return int(_engine.read_dispatch_run(buf, pos, limit, base_offset, out, stamps))
+
+
+def scan_records(
+    buf: Buffer, pos: int, limit: int, physical_offset: int, *, check_crc: bool
+) -> tuple[int, int]:
+    """See ``scan_records_py`` (the recovery scan)."""
+    end, count = _engine.scan_records(buf, pos, limit, physical_offset, check_crc)
+    return int(end), int(count)
+
+
+def tag_hashes(tags: Sequence[str | None]) -> np.ndarray:
+    """See ``tag_hashes_py``."""
+    result: np.ndarray = _engine.tag_hashes(tags)
+    return result
+
+
+def index_keys(
+    queues: Sequence[tuple[str, int]],
+    keys: Sequence[str | None],
+    uniq_keys: Sequence[str | None],
+) -> tuple[np.ndarray, np.ndarray]:
+    """See ``index_keys_py`` (the dispatch's IndexFile entries)."""
+    hashes, numbers = _engine.index_keys(queues, keys, uniq_keys)
+    return hashes, numbers
+
+
+def segment_tables(records: Buffer, base_offset: int) -> SegmentTables:
+    """See ``segment_tables_py`` (the offloader's segment build)."""
+    result: SegmentTables = _engine.segment_tables(records, base_offset)
+    return result
+
+
+def first_unchecked(
+    messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
+) -> int:
+    """See ``first_unchecked_py`` (the append path's checks, for a batch in one call)."""
+    return int(_engine.first_unchecked(messages, start, topics, max_queue_id, max_body))

@@ -31,10 +31,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.durable import write_file
-from tiered.formats import CQ_ENTRY_SIZE, Entry
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import (
     AppendBatch,
@@ -55,11 +57,13 @@ from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
 from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
+from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
     Message,
     RecordError,
     StoredMessage,
+    first_unchecked,
     read_store_timestamp,
     split_keys,
     tag_hash,
@@ -67,7 +71,7 @@ from tiered.record import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError"]
+__all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError", "commitlog_file_name"]
 
 MAX_QUEUE_ID = 65535
 _TOPIC_CHECK_CACHE: set[str] = set()
@@ -511,7 +515,10 @@ class MessageStore:
         if self._replica:
             raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size
-        for msg in messages:
+        # The record engine passes the messages that need no check of their own in one call.
+        i = first_unchecked(messages, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
+        while i < len(messages):
+            msg = messages[i]
             check_topic(msg.topic)
             if not 0 <= msg.queue_id <= MAX_QUEUE_ID:
                 raise InvalidMessageError(f"queue id {msg.queue_id} is out of range")
@@ -519,6 +526,7 @@ class MessageStore:
                 raise InvalidMessageError(
                     f"message body is {len(msg.body)} bytes; the limit is {limit}"
                 )
+            i = first_unchecked(messages, i + 1, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
         assert self.dispatcher is not None
         lag_limit = self.config.max_dispatch_lag_bytes
         if self.commitlog.max_offset - self.dispatcher.reput_offset > lag_limit:
@@ -753,6 +761,16 @@ class MessageStore:
         (from the hot minimum if ``start`` is below it); nothing for an unknown queue."""
         cq = self._cq(topic, queue_id)
         return cq.iter_entries(start, max_count) if cq is not None else iter(())
+
+    def queue_entry_table(
+        self, topic: str, queue_id: int, start: int, max_count: int
+    ) -> np.ndarray:
+        """The ConsumeQueue entries of ``[start, start + max_count)`` as one ``CQ_DTYPE`` array,
+        contiguous from ``start``: fewer where the queue (or what is still held) ends, none when
+        ``start`` itself is not held. A file at a time with numpy: what the offloader plans its
+        segments from, with no Python per entry."""
+        cq = self._cq(topic, queue_id)
+        return cq.entry_table(start, max_count) if cq is not None else np.empty(0, CQ_DTYPE)
 
     def read_record_bytes(self, commitlog_offset: int, size: int) -> bytes | None:
         """One whole CommitLog record, undecoded (what a segment object holds); None once its

@@ -3,6 +3,7 @@ send."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,3 +76,29 @@ class ReplicationStatus:
     elections_won: int = 0
     fencings: int = 0
     role_changes: int = 0
+
+
+class FencedError(NotMasterError):
+    """A master of a higher epoch took this broker's tier prefix over: this broker was deposed
+    and takes no sends (they would be acknowledged by a node no longer in the group)."""
+
+
+class FencedGate:
+    """``SendGate`` of a broker with a cold tier: refuses every send once the offloader was
+    fenced (``offload/offloader.py``), and otherwise asks replication (if any)."""
+
+    def __init__(self, inner: SendGate | None, fenced: Callable[[], str | None]) -> None:
+        self.inner = inner
+        # The fence's one-line reason, or None while not fenced.
+        self.fenced = fenced
+
+    def check_writable(self) -> None:
+        reason = self.fenced()
+        if reason is not None:
+            raise FencedError(reason)
+        if self.inner is not None:
+            self.inner.check_writable()
+
+    def wait_replicated(self, end_offset: int) -> None:
+        if self.inner is not None:
+            self.inner.wait_replicated(end_offset)

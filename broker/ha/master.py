@@ -213,6 +213,17 @@ class ReplicationMaster:
         need = self.config.min_in_sync_replicas
         return held[need - 1] if len(held) >= need else 0
 
+    def in_sync_offset(self) -> int:
+        """The offset below which every member of the SyncStateSet (the master included) holds
+        every byte: Kafka's high watermark. The tier archives only below it, so whichever
+        member is elected next (only from the set) holds everything the tier does."""
+        with self._cond:
+            in_sync = self._evaluate(now_ms())
+            return min(
+                [self.store.max_physical_offset]
+                + [s.acked_offset for s in self._slaves.values() if s.broker_id in in_sync]
+            )
+
     def status(self) -> ReplicationStatus:
         top = self.store.max_physical_offset
         with self._cond:

@@ -9,6 +9,14 @@ const {
 } = require('rocketmq-client-nodejs');
 
 const args = JSON.parse(process.argv[2]);
+// TLS (`ssl`: the CA comes from GRPC_DEFAULT_SSL_ROOTS_FILE_PATH) and signed requests
+// (`accessKey`, `secretKey`), passed to every client.
+const security = {
+  sslEnabled: args.ssl === true,
+  sessionCredentials: args.accessKey
+    ? { accessKey: args.accessKey, accessSecret: args.secretKey }
+    : undefined,
+};
 const started = Date.now();
 
 // The client's default logger writes files under ~/logs; keep its warnings on stderr instead,
@@ -45,7 +53,7 @@ function filterOf(a) {
 }
 
 async function produce() {
-  const producer = new Producer({ endpoints: args.endpoint, logger, requestTimeout: 10000 });
+  const producer = new Producer({ endpoints: args.endpoint, ...security, logger, requestTimeout: 10000 });
   await producer.startup();
   const out = [];
   try {
@@ -82,7 +90,7 @@ async function transact() {
   const RESOLUTION = { COMMIT: 1, ROLLBACK: 2 }; // apache.rocketmq.v2.TransactionResolution
   const asked = [];
   const producer = new Producer({
-    endpoints: args.endpoint,
+    endpoints: args.endpoint, ...security,
     topic: args.topic,
     logger,
     requestTimeout: 10000,
@@ -117,7 +125,7 @@ async function transact() {
 // first delivery, made visible again after `nackMs` with changeInvisibleDuration instead.
 async function simple() {
   const consumer = new SimpleConsumer({
-    endpoints: args.endpoint,
+    endpoints: args.endpoint, ...security,
     consumerGroup: args.group,
     subscriptions: new Map([ [ args.topic, filterOf(args) ] ]),
     awaitDuration: 2000,
@@ -158,7 +166,7 @@ async function push() {
   const deliveries = [];
   const succeeded = new Set();
   const consumer = new PushConsumer({
-    endpoints: args.endpoint,
+    endpoints: args.endpoint, ...security,
     consumerGroup: args.group,
     subscriptions: new Map([ [ args.topic, filterOf(args) ] ]),
     requestTimeout: 10000,

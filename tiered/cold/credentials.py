@@ -18,7 +18,13 @@ REDACTED = "***"
 # Option names that hold a secret: key, secret, token, password, credentials, alone or as a
 # word of a longer name (aws_secret_access_key, sse_customer_key, session_token).
 _SECRET_NAME = re.compile(r"(^|_)(key|secret|token|password|credentials?)(_|$)", re.IGNORECASE)
-SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+# tmq's own admin secret (docs/security.md) is scrubbed the same way.
+SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "TMQ_ADMIN_SECRET_KEY",
+)
 # Shorter values are not scrubbed from free text: they would match ordinary words (LocalStack's
 # "test"), and no real credential is that short (AWS key ids are 20 characters, secrets 40).
 _MIN_SCRUBBED = 8

@@ -8,11 +8,16 @@
 - A cold read has its own deadline (``read_timeout_s``, shorter than a client's request
   timeout): past it, or when the store fails, it raises ``ColdTierUnavailableError`` rather than
   hold the request thread for the SDK's own timeouts and retries.
-- A byte-bounded read-ahead cache holds decoded batches; a sequential reader's next batch is
-  fetched in the background while it consumes the current one.
-- The fetcher owns its thread pool (``workers``) and bounds the fetches queued on it
-  (``max_inflight``): replays from the archive queue there, and never run on the broker's
-  append path.
+- Segment reads run as jobs of the cold worker (``tiered/cold/worker.py``): in the broker, a
+  child process with its own interpreter lock, which does the ranged GETs and checks every
+  record (structure, body CRC, queue offset), so none of that per-record work stalls an append.
+  A batch is one ranged GET: each segment's offset table is fetched once and cached.
+- A byte-bounded read-ahead cache holds batches as raw, checked spans of records
+  (``RecordSpan``); a read decodes only the messages it returns. A sequential reader's next
+  batches are fetched in the background, in parallel, while it consumes the current one.
+- The fetcher owns its thread pool (``workers``), whose threads only wait on the worker, and
+  bounds the fetches queued on it (``max_inflight``): replays from the archive queue there, and
+  never run on the broker's append path.
 - A missing or damaged object raises ``SegmentError``: loud, never a silent gap.
 """
 
@@ -27,9 +32,20 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
+import numpy as np
+
 from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
-from tiered.cold.segment import SegmentError, SegmentInfo, SegmentReader
+from tiered.cold.segment import (
+    RecordSpan,
+    SegmentError,
+    SegmentInfo,
+    SegmentReader,
+    read_offset_table,
+    read_span,
+)
 from tiered.cold.storage import ObjectStore, StorageError
+from tiered.cold.worker import JobRunner, LocalRunner, run_job
+from tiered.formats import CQ_DTYPE
 from tiered.record import StoredMessage
 
 log = logging.getLogger(__name__)
@@ -39,8 +55,13 @@ T = TypeVar("T")
 # A read fetches about this many bytes of records with one ranged GET: big enough that request
 # latency is not the limit, small enough for a consumer's first message to come quickly.
 BATCH_BYTES = 1 << 20
-# How many batches past the current one a sequential reader has in flight.
-READ_AHEAD = 2
+# A read decoding a batch hands the GIL over every this many messages (a fraction of a
+# millisecond), so an append waits that long for the interpreter at most, not the switch
+# interval (5 ms): decoding is the one per-message work a cold read still does in the broker.
+_YIELD_EVERY = 32
+# How many batches past the current one a sequential reader has in flight: GETs in parallel
+# are what brings a replay near the store's bandwidth.
+READ_AHEAD = 4
 
 
 class ColdTierUnavailableError(StorageError):
@@ -61,10 +82,12 @@ class ColdFetcher:
         max_inflight: int = 64,
         tiered_queues: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
         observe: Callable[[float, int], None] | None = None,
+        runner: JobRunner | None = None,
     ) -> None:
         """``tiered_queues()`` names the queues whose manifests the background thread keeps
         fresh (the broker's tiered topics); ``observe(seconds, bytes)`` is told of every
-        segment read (metrics)."""
+        segment read (metrics); ``runner`` runs the segment reads (the broker's cold worker;
+        by default threads of this process)."""
         self.tier = tier
         self.cluster = cluster
         self.broker = broker
@@ -75,9 +98,14 @@ class ColdFetcher:
         self._tiered_queues = tiered_queues
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmq-cold-fetch")
         self._manifests: dict[tuple[str, int], tuple[float, QueueManifest]] = {}
-        self._cache: OrderedDict[tuple[str, int], list[StoredMessage]] = OrderedDict()
+        self._own_runner = runner is None
+        self.runner = runner or LocalRunner(tier, threads=workers, max_inflight=workers)
+        self._cache: OrderedDict[tuple[str, int], RecordSpan] = OrderedDict()
         self._cached_bytes = 0
-        self._inflight: dict[tuple[str, int], Future[list[StoredMessage]]] = {}
+        # Offset tables of the segments being read, most recent last (bytes bounded too).
+        self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._table_bytes = 0
+        self._inflight: dict[tuple[str, int], Future[RecordSpan]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -125,6 +153,8 @@ class ColdFetcher:
         self._stop.set()
         self._wake.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_runner:
+            self.runner.close()
         if self._refresher is not None:
             self._refresher.join(timeout=5)
 
@@ -282,7 +312,10 @@ class ColdFetcher:
                 if expired_to is None:
                     raise
                 return [], expired_to
-            for m in batch[next_offset - batch[0].queue_offset :]:
+            for i in range(next_offset - batch.base_offset, len(batch)):
+                if i % _YIELD_EVERY == 0:
+                    time.sleep(0)  # let a waiting append have the GIL (see _YIELD_EVERY)
+                m = batch.message(i)  # decode only what this read returns
                 next_offset = m.queue_offset + 1
                 if tag_filter is None or tag_filter(m):
                     out.append(m)
@@ -308,7 +341,7 @@ class ColdFetcher:
         average = max(1, info.size // max(1, info.count))
         return max(16, min(4096, BATCH_BYTES // average))
 
-    def _batch(self, info: SegmentInfo, offset: int, what: str) -> list[StoredMessage]:
+    def _batch(self, info: SegmentInfo, offset: int, what: str) -> RecordSpan:
         """The cached batch holding ``offset``, fetched within the read deadline."""
         n = self._batch_len(info)
         start = info.base_offset + (offset - info.base_offset) // n * n
@@ -337,7 +370,7 @@ class ColdFetcher:
                 self._submit(info, nxt)  # joins a fetch already in flight; skipped when full
         return batch
 
-    def _submit(self, info: SegmentInfo, start: int) -> Future[list[StoredMessage]] | None:
+    def _submit(self, info: SegmentInfo, start: int) -> Future[RecordSpan] | None:
         """The fetch of this batch, started or joined; None when ``max_inflight`` fetches are
         already queued (the pool's queue is bounded by this, not by the executor)."""
         key = (info.key, start)
@@ -351,26 +384,45 @@ class ColdFetcher:
             self._inflight[key] = future
         return future
 
-    def _fetch(self, info: SegmentInfo, start: int) -> list[StoredMessage]:
+    def _fetch(self, info: SegmentInfo, start: int) -> RecordSpan:
         key = (info.key, start)
         try:
             started = time.perf_counter()
-            n = self._batch_len(info)
-            batch = SegmentReader(self.tier, info).read(start, n, max_bytes=1 << 62)
-            size = sum(m.size for m in batch)
+            first = start - info.base_offset
+            entries = self._table(info)[first : first + self._batch_len(info)]
+            span = run_job(self.runner, read_span, info, first, entries.tobytes())
+            size = len(span.data)
             self.bytes_fetched += size
             if self._observe is not None:
                 self._observe(time.perf_counter() - started, size)
             with self._lock:
-                self._cache[key] = batch
+                self._cache[key] = span
                 self._cached_bytes += size
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, evicted = self._cache.popitem(last=False)
-                    self._cached_bytes -= sum(m.size for m in evicted)
-            return batch
+                    self._cached_bytes -= len(evicted.data)
+            return span
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
+
+    def _table(self, info: SegmentInfo) -> np.ndarray:
+        """The segment's offset table, from the cache or with one request (kept within a
+        quarter of ``cache_bytes``, least recently used out first)."""
+        with self._lock:
+            table = self._tables.get(info.key)
+            if table is not None:
+                self._tables.move_to_end(info.key)
+                return table
+        table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
+        with self._lock:
+            if info.key not in self._tables:
+                self._tables[info.key] = table
+                self._table_bytes += table.nbytes
+            while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
+                _, evicted = self._tables.popitem(last=False)
+                self._table_bytes -= evicted.nbytes
+        return table
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:
         def work() -> int:

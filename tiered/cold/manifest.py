@@ -12,6 +12,12 @@ crash at any point leaves the previous version current, or the new one; a segmen
 written but never committed is an orphan that ``verify`` reports. The current version is the
 highest one listed; old versions are pruned after a commit, newest kept.
 
+Fencing (replica groups, docs/ha.md): every version records the ``epoch`` and ``writer`` (the
+broker) that committed it. A commit that loses the race for its version to a writer of a higher
+epoch, or whose version is no longer the newest once written (it landed in a slot that pruning had
+freed), is refused with ``ManifestFencedError`` when the current manifest's epoch is higher: the
+writer was deposed and must stop writing this prefix.
+
 Anyone holding the bucket can rebuild the state: manifests name their segments, and every
 segment's footer describes it (``segment.read_footer``).
 """
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 
 from google_crc32c import value as crc32c
 
-from tiered.cold.segment import SegmentInfo
+from tiered.formats import SegmentInfo
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
 from tiered.names import is_valid_name
 
@@ -34,6 +40,15 @@ KEEP_VERSIONS = 10
 
 class ManifestConflictError(Exception):
     """Another writer committed this manifest version first."""
+
+
+class ManifestFencedError(ManifestConflictError):
+    """The current manifest was committed in a higher epoch than this commit's: its writer was
+    deposed (a newer master took the prefix over) and must not write here again."""
+
+    def __init__(self, message: str, current: QueueManifest) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 class ManifestError(Exception):
@@ -62,6 +77,10 @@ class QueueManifest:
     segments: list[SegmentInfo] = field(default_factory=list)
     # Queue offsets below this were removed by retention (the first segment starts here).
     log_start_offset: int = 0
+    # The replica-group epoch of the master that committed this version, and who it was (0 and
+    # the broker name for a single broker); the offloader stamps both at commit.
+    epoch: int = 0
+    writer: str = ""
 
     @property
     def end_offset(self) -> int:
@@ -92,14 +111,24 @@ class QueueManifest:
                 f"{info.key} starts at {info.base_offset}, the archive ends at {self.end_offset}"
             )
         return QueueManifest(
-            self.prefix, self.version + 1, [*self.segments, info], self.log_start_offset
+            self.prefix,
+            self.version + 1,
+            [*self.segments, info],
+            self.log_start_offset,
+            self.epoch,
+            self.writer,
         )
 
     def without_segments_before(self, queue_offset: int) -> QueueManifest:
         """The next version without the segments wholly below ``queue_offset`` (retention)."""
         kept = [s for s in self.segments if s.end_offset > queue_offset]
         start = kept[0].base_offset if kept else max(self.end_offset, self.log_start_offset)
-        return QueueManifest(self.prefix, self.version + 1, kept, start)
+        return QueueManifest(self.prefix, self.version + 1, kept, start, self.epoch, self.writer)
+
+    def next_version(self) -> QueueManifest:
+        """The next version with the same archive (a new master's first commit: it claims the
+        prefix for its epoch before it uploads anything)."""
+        return self.without_segments_before(self.start_offset)
 
     def encode(self) -> bytes:
         body = json.dumps(
@@ -108,6 +137,8 @@ class QueueManifest:
                 "prefix": self.prefix,
                 "version": self.version,
                 "log_start_offset": self.log_start_offset,
+                "epoch": self.epoch,
+                "writer": self.writer,
                 "segments": [s.to_dict() for s in self.segments],
             },
             sort_keys=True,
@@ -130,6 +161,8 @@ class QueueManifest:
                 inner["version"],
                 [SegmentInfo(**s) for s in inner["segments"]],
                 inner["log_start_offset"],
+                inner.get("epoch", 0),  # versions written before replica groups: epoch 0
+                inner.get("writer", ""),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {e}") from e
@@ -170,16 +203,41 @@ class ManifestLog:
 
     def commit(self, manifest: QueueManifest) -> None:
         """Make ``manifest`` current, atomically; ``ManifestConflictError`` if its version
-        was committed by someone else first. Safe to retry after a timeout: a retry that
+        was committed by someone else first, or is no longer the newest once written (its
+        slot had been pruned: a writer far behind); ``ManifestFencedError`` when that other
+        version was committed in a higher epoch. Safe to retry after a timeout: a retry that
         finds its own bytes already there counts as done."""
         key = self._key(manifest.version)
         data = manifest.encode()
         if not self.store.put_if_absent(key, data):
-            if self.store.get(key) == data:
+            existing = self.store.get(key)
+            if existing == data:
                 return  # our own earlier attempt landed
-            raise ManifestConflictError(f"{key} was committed by another writer")
-        self.prune(manifest.version)
+            raise self._refusal(key, manifest, QueueManifest.decode(existing))
+        versions = self.versions()
+        if max(versions) > manifest.version:
+            # A stale writer's put into a pruned slot: never current (the highest version is),
+            # and not to be mistaken for a commit. Take it back.
+            self.store.delete(key)
+            raise self._refusal(key, manifest, self.load())
+        self.prune(manifest.version, versions)
 
-    def prune(self, current: int) -> None:
-        for version in sorted(v for v in self.versions() if v <= current - KEEP_VERSIONS):
+    @staticmethod
+    def _refusal(key: str, ours: QueueManifest, current: QueueManifest) -> ManifestConflictError:
+        if current.epoch > ours.epoch:
+            return ManifestFencedError(
+                f"{key}: refused: {current.writer or 'another writer'} committed version "
+                f"{current.version} in epoch {current.epoch}; this writer's epoch {ours.epoch} "
+                "is deposed",
+                current,
+            )
+        return ManifestConflictError(
+            f"{key} was committed by another writer "
+            f"({current.writer or 'unknown'}, epoch {current.epoch}; current version "
+            f"{current.version})"
+        )
+
+    def prune(self, current: int, versions: list[int] | None = None) -> None:
+        listed = self.versions() if versions is None else versions
+        for version in sorted(v for v in listed if v <= current - KEEP_VERSIONS):
             self.store.delete(self._key(version))

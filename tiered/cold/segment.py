@@ -1,171 +1,40 @@
-"""Segment objects: one (topic, queue)'s messages for a range of queue offsets, in the cold tier.
+"""Segment objects in the cold tier: reading one with ranged GETs, verifying one, and rebuilding
+its manifest entry from its footer.
 
-An object is immutable. Layout (big-endian):
-
-======================= ===========================================================================
- section                 content
-======================= ===========================================================================
- records                 the messages, each a whole CommitLog record (``tiered/record.py``): the
-                         same bytes as in the hot tier, so one codec reads both
- offset table            one ConsumeQueue entry (20 bytes, ``tiered/formats.py``) per record:
-                         position of the record *in this object*, size, tag hash
- time table              the store timestamp of each record (8 bytes)
- key index               (key hash 4, record number 4) for every key and unique id, sorted: the
-                         segment's IndexFile, searched with one ranged read and a bisection
- footer (64 bytes)       magic ``TMQSEG01``, version, base queue offset, record count, where each
-                         section starts, min/max store timestamp, CRC32C of everything before
-                         the footer, CRC32C of the footer
-======================= ===========================================================================
-
-Record ``i`` has queue offset ``base + i``: a segment has no gaps. The manifest keeps a copy of
-the footer's fields, so reading record ``i`` costs two ranged GETs (its offset-table entry, then
-the record) however large the archive is.
+The object layout (records, offset table, time table, key index, footer) and its build are
+defined beside the record codec, in ``tiered/formats.py``: the offloader builds objects with the
+record engine's segment build, and every reader (this module, the lakehouse source) reads them
+with the same definitions. ``SegmentInfo``, ``SegmentError``, ``build`` and ``FOOTER_SIZE`` are
+imported here from there, for the callers that know them by this module.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from google_crc32c import value as crc32c
 
 from tiered.cold.storage import ObjectNotFoundError, ObjectStore
-from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, key_hash
-from tiered.record import (
-    EncodedBatch,
-    StoredMessage,
-    decode,
-    read_dispatch_run,
-    split_keys,
-    tag_hash,
-    validate,
+from tiered.formats import (
+    CQ_DTYPE,
+    CQ_ENTRY_SIZE,
+    FOOTER_SIZE,
+    KEY_DTYPE,
+    TIME_DTYPE,
+    SegmentError,
+    SegmentInfo,
+    build,
+    key_hash,
 )
+from tiered.record import RecordError, StoredMessage, decode, validate
 
-MAGIC = b"TMQSEG01"
-VERSION = 1
-_FOOTER_BODY = struct.Struct(">8siqiqqqiqqI")
-_FOOTER = struct.Struct(_FOOTER_BODY.format + "I")
-FOOTER_SIZE = _FOOTER.size
-_TIME = np.dtype(">i8")
-_KEY_DTYPE = np.dtype([("hash", ">u4"), ("record", ">u4")])
-_PHYS = struct.Struct(">q")
+__all__ = ["FOOTER_SIZE", "SegmentError", "SegmentInfo", "SegmentReader", "build"]
+
+_RECORD_FIELD = struct.Struct(">q")
 _PHYS_AT = 28  # PHYSICALOFFSET's position in a record (tiered/record.py)
-
-
-class SegmentError(Exception):
-    """A segment object that is not what its manifest says (missing, truncated, corrupt)."""
-
-
-@dataclass(slots=True, frozen=True)
-class SegmentInfo:
-    """What the manifest records about one segment object."""
-
-    key: str
-    base_offset: int
-    count: int
-    size: int
-    offsets_at: int
-    times_at: int
-    keys_at: int
-    key_count: int
-    min_store_timestamp: int
-    max_store_timestamp: int
-    crc: int  # CRC32C of everything before the footer
-
-    @property
-    def end_offset(self) -> int:
-        """The queue offset just past this segment."""
-        return self.base_offset + self.count
-
-    def to_dict(self) -> dict[str, int | str]:
-        return asdict(self)
-
-    def footer(self) -> bytes:
-        """The object's footer: magic, version, then the fields of ``FOOTER_FIELDS``, then the
-        footer's own CRC32C (everything but ``key`` and ``size``, which the object's name and
-        length give)."""
-        body = _FOOTER_BODY.pack(MAGIC, VERSION, *(getattr(self, f) for f in FOOTER_FIELDS))
-        return body + struct.pack(">I", int(crc32c(body)))
-
-    @classmethod
-    def from_footer(cls, key: str, size: int, raw: bytes) -> SegmentInfo:
-        """The manifest entry of the object ``key`` of ``size`` bytes whose footer is ``raw``."""
-        magic, version, *values, footer_crc = _FOOTER.unpack(raw)
-        if magic != MAGIC or crc32c(raw[:-4]) != footer_crc:
-            raise SegmentError(f"{key}: not a segment object, or its footer is damaged")
-        if version != VERSION:
-            raise SegmentError(f"{key}: segment format version {version} is not supported")
-        return cls(key=key, size=size, **dict(zip(FOOTER_FIELDS, values, strict=True)))
-
-
-# The footer holds these fields of SegmentInfo, in this order (``_FOOTER_BODY``'s after magic
-# and version): the manifest's entry and the object's footer are one record, written once.
-FOOTER_FIELDS = (
-    "base_offset",
-    "count",
-    "offsets_at",
-    "times_at",
-    "keys_at",
-    "key_count",
-    "min_store_timestamp",
-    "max_store_timestamp",
-    "crc",
-)
-
-
-def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
-    """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
-    at ``base_offset``) as a segment object. Every record is checked on the way in (structure,
-    body CRC, contiguous queue offsets): a damaged record is refused, never archived."""
-    body_records = b"".join(records)
-    fields = EncodedBatch()
-    stamps: list[int] = []
-    end = read_dispatch_run(body_records, 0, len(body_records), 0, fields, stamps)
-    count = len(fields.offsets)
-    if count == 0:
-        raise SegmentError(f"{key}: a segment needs at least one record")
-    if end != len(body_records):
-        raise SegmentError(f"{key}: bytes at {end} are not a record")
-    for pos in fields.offsets:
-        (phys,) = _PHYS.unpack_from(body_records, pos + _PHYS_AT)
-        validate(body_records, pos, phys, check_crc=True)  # raises CorruptRecordError
-    expected = list(range(base_offset, base_offset + count))
-    if fields.queue_offsets != expected:
-        bad = next(i for i, q in enumerate(fields.queue_offsets) if q != expected[i])
-        raise SegmentError(
-            f"{key}: record has queue offset {fields.queue_offsets[bad]}, expected {expected[bad]}"
-        )
-    table = np.empty(count, CQ_DTYPE)
-    table["offset"] = fields.offsets
-    table["size"] = fields.sizes
-    table["tag"] = [tag_hash(t) for t in fields.tags]
-    keys: list[tuple[int, int]] = []
-    for number, (topic, _) in enumerate(fields.queues):
-        for k in [*split_keys(fields.keys[number]), fields.uniq_keys[number]]:
-            if k:
-                keys.append((key_hash(topic, k), number))
-    keys.sort()
-    key_index = np.array(keys, dtype=_KEY_DTYPE).tobytes()
-    offsets_at = len(body_records)
-    times_at = offsets_at + count * CQ_ENTRY_SIZE
-    keys_at = times_at + 8 * count
-    body = b"".join([body_records, table.tobytes(), np.asarray(stamps, _TIME).tobytes(), key_index])
-    info = SegmentInfo(
-        key=key,
-        base_offset=base_offset,
-        count=count,
-        size=len(body) + FOOTER_SIZE,
-        offsets_at=offsets_at,
-        times_at=times_at,
-        keys_at=keys_at,
-        key_count=len(keys),
-        min_store_timestamp=min(stamps),
-        max_store_timestamp=max(stamps),
-        crc=int(crc32c(body)),
-    )
-    return body + info.footer(), info
+_QUEUE_OFFSET_AT = 20  # QUEUEOFFSET's position in a record
 
 
 def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
@@ -189,6 +58,54 @@ def verify(store: ObjectStore, info: SegmentInfo) -> None:
         raise SegmentError(f"{info.key}: {len(data)} bytes, the manifest says {info.size}")
     if crc32c(data[: info.size - FOOTER_SIZE]) != info.crc:
         raise SegmentError(f"{info.key}: content does not match its CRC")
+
+
+@dataclass(slots=True, frozen=True)
+class RecordSpan:
+    """Consecutive whole records of one segment, checked but not decoded: what the cold fetcher
+    caches, so a read decodes only the messages it returns."""
+
+    base_offset: int  # queue offset of the first record
+    data: bytes
+    positions: list[int]  # where each record starts in ``data``
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def message(self, i: int) -> StoredMessage:
+        """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
+        when the span was read."""
+        return decode(self.data, self.positions[i], check_crc=False)
+
+
+def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
+    """The segment's whole offset table (``CQ_DTYPE`` entries, one request): a cold job."""
+    return SegmentReader(store, info)._range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
+
+
+def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes) -> RecordSpan:
+    """The records ``first, first + 1, ...`` of the segment whose offset-table entries are
+    ``entries``, with one ranged GET, each checked (structure, body CRC, queue offset): a cold
+    job. Raises ``SegmentError`` for a record that is not what its entry says."""
+    table = np.frombuffer(entries, dtype=CQ_DTYPE)
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    begin = int(starts[0])
+    data = SegmentReader(store, info)._range(begin, int(ends[-1]) - begin)
+    positions = (starts - begin).tolist()
+    for i, (pos, size) in enumerate(zip(positions, table["size"].tolist(), strict=True)):
+        try:
+            (phys,) = _RECORD_FIELD.unpack_from(data, pos + _PHYS_AT)
+            if validate(data, pos, phys, check_crc=True) != size:
+                raise SegmentError(f"{info.key}: record at {begin + pos} is not its entry's size")
+            (queue_offset,) = _RECORD_FIELD.unpack_from(data, pos + _QUEUE_OFFSET_AT)
+        except (RecordError, struct.error) as e:
+            raise SegmentError(f"{info.key}: record at {begin + pos}: {e}") from e
+        if queue_offset != info.base_offset + first + i:
+            raise SegmentError(
+                f"{info.key}: record at {begin + pos} has queue offset {queue_offset}"
+            )
+    return RecordSpan(info.base_offset + first, data, positions)
 
 
 class SegmentReader:
@@ -228,7 +145,7 @@ class SegmentReader:
     def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """The first queue offset stored at or after ``timestamp_ms`` (one request)."""
         raw = self._range(self.info.times_at, 8 * self.info.count)
-        times = np.frombuffer(raw, dtype=_TIME)
+        times = np.frombuffer(raw, dtype=TIME_DTYPE)
         return self.info.base_offset + int(np.searchsorted(times, timestamp_ms, "left"))
 
     def offsets_for_key(self, topic: str, key: str) -> list[int]:
@@ -236,12 +153,14 @@ class SegmentReader:
         if self.info.key_count == 0:
             return []
         raw = self._range(self.info.keys_at, 8 * self.info.key_count)
-        index = np.frombuffer(raw, dtype=_KEY_DTYPE)
+        index = np.frombuffer(raw, dtype=KEY_DTYPE)
         h = key_hash(topic, key)
         lo, hi = np.searchsorted(index["hash"], [h, h + 1])
         return sorted({self.info.base_offset + int(r) for r in index["record"][lo:hi]})
 
     def _range(self, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (one request); ``SegmentError`` when
+        the object is missing or short."""
         try:
             data = self.store.get_range(self.info.key, start, length)
         except ObjectNotFoundError:

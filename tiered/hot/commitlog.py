@@ -4,8 +4,8 @@ Offsets: a record's *physical offset* is its byte position in this stream; its *
 its index within (topic, queue), assigned here under the put lock so it matches append order.
 
 Threads: any number of producers call ``append``; they are serialised by the put lock (RocketMQ's
-single writer). SYNC flush is a leader/follower group commit: the first waiter fsyncs everything
-appended so far, and every waiter whose bytes that covered returns without an fsync of its own.
+single writer). SYNC flush is a group commit (``tiered.hot.group_commit``): writers queue a
+request after their append, one thread fsyncs once for the whole queue and wakes them all.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered.config import StoreConfig
+from tiered.hot.group_commit import GroupCommitService
 from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError, all_zero
 from tiered.record import (
     BLANK_MAGIC_CODE,
@@ -38,6 +39,7 @@ from tiered.record import (
     blank_record,
     decode,
     read_total_and_magic,
+    scan_records,
     validate,
 )
 
@@ -100,6 +102,11 @@ class AppendBatch(Sequence[AppendResult]):
         return AppendResult(self._offsets[i], self._sizes[i], self._qoffs[i], self._ts)
 
     @property
+    def queue_offsets(self) -> list[int]:
+        """The queue offset of every message, in order."""
+        return self._qoffs
+
+    @property
     def end_offset(self) -> int:
         """Just past the last record appended."""
         return self._offsets[-1] + self._sizes[-1] if self._offsets else 0
@@ -145,13 +152,17 @@ class CommitLog:
         # Free bytes a roll must leave beside the new file, for the ConsumeQueue and IndexFile
         # files its messages will need (set by the store from its geometry).
         self.roll_reserve_bytes = 0
+        # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``.
+        self.group_commit = GroupCommitService(self.flush, lambda: self._flushed_offset)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def load(self) -> None:
         self.files.load()
+        self.group_commit.start()
 
     def close(self) -> None:
+        self.group_commit.stop()
         self.files.close()
 
     @property
@@ -353,13 +364,14 @@ class CommitLog:
             return self._flushed_offset
 
     def wait_flushed(self, offset: int) -> None:
-        """Group commit: return once bytes up to ``offset`` are on disk."""
+        """Group commit: return once bytes up to ``offset`` are on disk; one fsync serves every
+        writer waiting when it starts. Raises ``DurabilityLostError`` if that fsync failed."""
         if self._flushed_offset >= offset:
             return
-        with self._flush_lock:
-            if self._flushed_offset >= offset:
-                return  # another waiter's fsync covered these bytes
-            self._flushed_offset = max(self._flushed_offset, self._flush_files())
+        try:
+            self.group_commit.wait_flushed(offset)
+        except DurabilityLostError as e:
+            raise self.durability_lost() from e.__cause__
 
     def _flush_files(self) -> int:
         if self.failed is not None:
@@ -446,6 +458,12 @@ class CommitLog:
             pos = offset - f.from_offset
             mm = f.mm
             while True:
+                # The record engine validates the run of good records in one call (natively,
+                # without the GIL); what follows handles the record it stopped at.
+                pos, scanned = scan_records(
+                    mm, pos, f.size, f.from_offset + pos, check_crc=check_crc
+                )
+                report.records_scanned += scanned
                 if f.size - pos < BLANK_RECORD_SIZE:
                     return f.from_offset + pos
                 total, magic = read_total_and_magic(mm, pos)

@@ -182,6 +182,21 @@ class ConsumeQueue:
                 yield offset, entry
                 offset += 1
 
+    def entry_table(self, start: int, max_count: int) -> np.ndarray:
+        """Entries of ``[start, start + max_count)`` as one ``CQ_DTYPE`` array, contiguous from
+        ``start`` (empty when ``start`` is not held; shorter where the held entries end)."""
+        if start < self.min_offset:
+            return np.empty(0, CQ_DTYPE)
+        parts: list[bytes] = []
+        expected = start
+        for first, raw in self._runs(start, start + max_count):
+            if first != expected:
+                break
+            parts.append(raw)
+            expected += len(raw) // CQ_ENTRY_SIZE
+        # Joined as bytes: np.concatenate would turn the big-endian fields native.
+        return np.frombuffer(b"".join(parts), dtype=CQ_DTYPE)
+
     def bytes_between(self, start: int, end: int) -> int:
         """Total record size of the entries in [start, end) still held here (metrics: upload
         lag and hot bytes). Sums the size column a file at a time with numpy, so a million
@@ -260,9 +275,20 @@ class ConsumeQueue:
 
 
 def _sizes(f: MappedFile) -> np.ndarray:
-    """The size field of every entry slot in ``f`` (a copy, so the mapping can be closed)."""
-    raw = f.read(0, f.size - f.size % CQ_ENTRY_SIZE)
-    return np.frombuffer(raw, dtype=CQ_DTYPE)["size"].astype(np.int64)
+    """The size field of every entry slot in ``f``, as a copy (so the mapping can be closed).
+
+    Read in place from the mapping, and only where the extent map says data may be: a file is
+    preallocated, and recovery would otherwise fault in every never-written page of it."""
+    count = f.size // CQ_ENTRY_SIZE
+    sizes = np.zeros(count, np.int64)
+    view = np.frombuffer(f.mm, dtype=CQ_DTYPE, count=count)
+    try:
+        for start, end in f.data_regions(0):
+            lo, hi = start // CQ_ENTRY_SIZE, min(count, -(-end // CQ_ENTRY_SIZE))
+            sizes[lo:hi] = view["size"][lo:hi]
+    finally:
+        del view  # release the mapping's buffer at once
+    return sizes
 
 
 class ConsumeQueueTable:

@@ -27,13 +27,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiered.formats import CQ_DTYPE, key_hash
+from tiered.formats import CQ_DTYPE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
 from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
-    KEY_SEPARATOR,
     EncodedBatch,
+    index_keys,
     read_dispatch_run,
     tag_hash,
 )
@@ -236,39 +236,33 @@ class Dispatcher:
         self._index(batch)
 
     def _index(self, batch: EncodedBatch) -> None:
-        offsets, queues, uniqs = batch.offsets, batch.queues, batch.uniq_keys
         index_from = self.index_from
         end = batch.end_offset
         if end <= index_from:
             return
-        # Unique ids: nearly every record has one.
-        where = [i for i, u in enumerate(uniqs) if u and offsets[i] >= index_from]
-        hashes = [key_hash(queues[i][0], uniqs[i]) for i in where]  # type: ignore[arg-type]
-        # KEYS: fewer records, possibly several keys each.
-        for i, k in enumerate(batch.keys):
-            if k and offsets[i] >= index_from:
-                topic = queues[i][0]
-                for key in k.split(KEY_SEPARATOR):
-                    if key:
-                        hashes.append(key_hash(topic, key))
-                        where.append(i)
+        # Per record its unique id, then its keys, hashed by the record engine in one call.
+        hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
+        offsets = np.asarray(batch.offsets, np.int64)[numbers]
+        keep = offsets >= index_from
+        if not keep.all():
+            hashes, numbers, offsets = hashes[keep], numbers[keep], offsets[keep]
         stamps = batch.store_timestamps
         self._put_index_entries(
             self.index.writer_at,
             hashes,
-            [offsets[i] for i in where],
-            [stamps[i] for i in where] if stamps else None,
+            offsets,
+            np.asarray(stamps, np.int64)[numbers] if stamps else None,
             batch.store_timestamp,
-            max(offsets[0], index_from),
+            max(batch.offsets[0], index_from),
             end,
         )
 
     @staticmethod
     def _put_index_entries(
         writer_at: Callable[[int, int], IndexFile],
-        hashes: list[int],
-        offsets: list[int],
-        stamps: list[int] | None,
+        hashes: np.ndarray,
+        offsets: np.ndarray,
+        stamps: np.ndarray | None,
         store_ts: int,
         begin: int,
         end: int,
@@ -321,20 +315,14 @@ class Dispatcher:
             batch = self._parse(offset, end)
             if batch is None:
                 break
-            hashes: list[int] = []
-            where: list[int] = []
-            for i, (topic, _) in enumerate(batch.queues):
-                for key in [*(batch.keys[i] or "").split(KEY_SEPARATOR), batch.uniq_keys[i]]:
-                    if key:
-                        hashes.append(key_hash(topic, key))
-                        where.append(i)
+            hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
             batch_end = batch.end_offset
             stamps = batch.store_timestamps or []
             self._put_index_entries(
                 new_writer,
                 hashes,
-                [batch.offsets[i] for i in where],
-                [stamps[i] for i in where],
+                np.asarray(batch.offsets, np.int64)[numbers],
+                np.asarray(stamps, np.int64)[numbers],
                 batch.store_timestamp,
                 batch.offsets[0],
                 batch_end,

@@ -1,0 +1,50 @@
+"""Builds the record engine's native inner loops; everything else is in pyproject.toml.
+
+``pip install -e .`` (or a wheel build) compiles ``tiered/_record_native.pyx`` with Cython, which
+``[build-system] requires`` brings. If the compiler fails, the package still installs and
+``tiered.record`` falls back to its pure-Python reference (decision 150): set
+``TMQ_REQUIRE_NATIVE=1`` to make a failed build an error instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """A build failure leaves the reference implementation in charge, with a warning."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:
+            if os.environ.get("TMQ_REQUIRE_NATIVE"):
+                raise
+            print(f"WARNING: tmq's native record engine was not built ({e}); using pure Python")
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            if os.environ.get("TMQ_REQUIRE_NATIVE"):
+                raise
+            print(f"WARNING: {ext.name} was not built ({e}); using pure Python")
+
+
+extensions = [
+    Extension(
+        "tiered._record_native",
+        ["tiered/_record_native.pyx"],
+        depends=["tiered/_record_native.h"],
+        extra_compile_args=["-O3"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(extensions, language_level=3, quiet=True),
+    cmdclass={"build_ext": OptionalBuildExt},
+)

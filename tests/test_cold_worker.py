@@ -1,0 +1,145 @@
+"""The cold worker: segment uploads and cold reads in a child process, bounded, restarted after a
+crash, with every durability rule of the offloader kept (a kill -9 of the worker loses nothing)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offload.offloader import Offloader, OffloadPolicy
+from offload.verify import OK, verify_queue
+from tiered.cold.fetcher import ColdFetcher
+from tiered.cold.manifest import queue_prefix
+from tiered.cold.segment import SegmentError
+from tiered.cold.storage import ObjectStore, open_store
+from tiered.cold.worker import ColdWorker, WorkerBusyError
+from tiered.config import StoreConfig
+from tiered.record import Message
+from tiered.store import MessageStore
+
+
+def _sleep(tier: ObjectStore, seconds: float) -> float:
+    """A job that only waits (run in the child: a module-level function)."""
+    time.sleep(seconds)
+    return seconds
+
+
+def _fail(tier: ObjectStore, key: str) -> None:
+    raise SegmentError(f"{key}: damaged on purpose")
+
+
+@pytest.fixture
+def tier_url(s3: Any, bucket: str) -> str:
+    return f"s3://{bucket}/tier"
+
+
+@pytest.fixture
+def worker(s3: Any, tier_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[ColdWorker]:
+    # The child reads its failpoints from the environment it is spawned with: each upload
+    # pauses 1.5 s after its PUT landed and before it is verified, the window a kill hits.
+    monkeypatch.setenv("TMQ_FAILPOINTS", "offload.after_put=sleep:1.5")
+    w = ColdWorker(tier_url, s3.storage_options(), threads=2, max_inflight=3)
+    w.start()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def hot(tmp_path: Path) -> Iterator[MessageStore]:
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=256 << 10))
+    store.start()
+    yield store
+    store.shutdown()
+
+
+def fill(store: MessageStore, n: int) -> list[bytes]:
+    rng = random.Random(5)
+    bodies = [rng.randbytes(rng.randint(1, 600)) for _ in range(n)]
+    for i, body in enumerate(bodies):
+        store.put_message(Message(topic="t", queue_id=0, body=body, properties={"KEYS": f"k{i}"}))
+    assert store.wait_dispatched(10)
+    return bodies
+
+
+def test_jobs_are_bounded_and_their_errors_come_back_as_raised(worker: ColdWorker) -> None:
+    running = [worker.submit(_sleep, 1.0) for _ in range(3)]
+    with pytest.raises(WorkerBusyError):
+        worker.submit(_sleep, 0.0, block=False)
+    assert [f.result(timeout=20) for f in running] == [1.0, 1.0, 1.0]
+    with pytest.raises(SegmentError, match="damaged on purpose"):
+        worker.submit(_fail, "seg-1").result(timeout=20)
+    assert worker.submit(_sleep, 0.0, block=False).result(timeout=20) == 0.0
+
+
+def test_kill_9_of_the_worker_mid_upload_loses_nothing(
+    worker: ColdWorker, hot: MessageStore, tier_url: str, s3: Any
+) -> None:
+    bodies = fill(hot, 600)
+    tier = open_store(tier_url, s3.storage_options())
+    offloader = Offloader(
+        hot, tier, "c", "b", OffloadPolicy(segment_max_messages=250), runner=worker
+    )
+    prefix = queue_prefix("c", "b", "t", 0)
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: outcome.update(r=offloader.offload_queue("t", 0)))
+    thread.start()
+    # Wait until a segment object is in the bucket while its upload is not finished (the worker
+    # sleeps at the failpoint after its PUT), then kill the worker as the kernel would.
+    deadline = time.monotonic() + 30
+    while not tier.list(f"{prefix}segments/") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.list(f"{prefix}segments/"), "no upload started"
+    killed = worker.pid
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+    result = outcome["r"]
+    assert result.messages == 600 and result.watermark == 600
+    assert worker.restarts == 1 and worker.pid != killed
+    manifest = offloader.manifest("t", 0, refresh=True)
+    # Redone under the same key: every object in the bucket is one the manifest names.
+    assert sorted(o.key for o in tier.list(f"{prefix}segments/")) == sorted(
+        s.key for s in manifest.segments
+    )
+    verdict = verify_queue(tier, "c", "b", "t", 0, lock=offloader.queue_lock("t", 0), deep=True)
+    assert verdict.status == OK, verdict
+
+    # Read back through the (restarted) worker: every body, in order.
+    fetcher = ColdFetcher(tier, "c", "b", runner=worker)
+    read: list[bytes] = []
+    offset = 0
+    while offset < 600:
+        messages, offset = fetcher.get("t", 0, offset, 100)
+        read += [m.body for m in messages]
+    fetcher.close()
+    assert read == bodies
+
+
+def test_a_cold_read_cut_off_by_a_crash_is_served_by_the_next_worker(
+    worker: ColdWorker, hot: MessageStore, tier_url: str, s3: Any
+) -> None:
+    bodies = fill(hot, 300)
+    tier = open_store(tier_url, s3.storage_options())
+    Offloader(hot, tier, "c", "b").offload_queue("t", 0)  # in-process: no failpoint pause
+    before = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=30)
+    first, _ = before.get("t", 0, 0, 10)
+    before.close()
+    assert [m.body for m in first] == bodies[:10]
+    pid = worker.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    after = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=30)  # an empty cache
+    again, nxt = after.get("t", 0, 0, 300)
+    after.close()
+    assert [m.body for m in again] == bodies and nxt == 300
+    assert worker.restarts == 1

@@ -1,0 +1,153 @@
+"""Group commit: concurrent SYNC writers share fsyncs, and none is acknowledged before an fsync
+that covers its bytes has returned."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tiered.config import StoreConfig
+from tiered.hot.commitlog import DurabilityLostError
+from tiered.hot.group_commit import GroupCommitService
+from tiered.hot.mapped_file import MappedFile
+from tiered.record import Message
+from tiered.store import MessageStore
+
+
+class _Disk:
+    """A flush function over a counter of appended bytes: what an fsync started now covers."""
+
+    def __init__(self, fsync_seconds: float = 0.002) -> None:
+        self.lock = threading.Lock()
+        self.appended = 0
+        self.flushed = 0
+        self.fsyncs = 0
+        self.fail = False
+        self.fsync_seconds = fsync_seconds
+
+    def append(self) -> int:
+        with self.lock:
+            self.appended += 1
+            return self.appended
+
+    def flush(self) -> int:
+        covers = self.appended  # read before the "fsync", as MappedFile.flush reads ``wrote``
+        threading.Event().wait(self.fsync_seconds)
+        if self.fail:
+            raise DurabilityLostError("injected fsync failure")
+        self.fsyncs += 1
+        self.flushed = max(self.flushed, covers)
+        return self.flushed
+
+
+def test_a_writer_returns_only_after_an_fsync_covering_its_bytes() -> None:
+    disk = _Disk()
+    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service.start()
+    early: list[tuple[int, int]] = []
+
+    def writer() -> None:
+        for _ in range(40):
+            offset = disk.append()
+            service.wait_flushed(offset)
+            if disk.flushed < offset:
+                early.append((offset, disk.flushed))
+
+    threads = [threading.Thread(target=writer) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    service.stop()
+    assert not any(t.is_alive() for t in threads), "a writer was never woken"
+    assert not early, f"acknowledged before its fsync: {early[:5]}"
+    assert disk.flushed == 16 * 40
+    assert disk.fsyncs <= 16 * 40 / 4, f"{disk.fsyncs} fsyncs for 640 writes: not grouped"
+
+
+def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones() -> None:
+    disk = _Disk(fsync_seconds=0.05)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service.start()
+    disk.fail = True
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            service.wait_flushed(disk.append())
+        except DurabilityLostError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a writer of the failed batch hangs"
+    assert len(errors) == 8, "every writer of the failed fsync's batch must see the failure"
+    with pytest.raises(DurabilityLostError):
+        service.wait_flushed(disk.append())
+    service.stop()
+    assert disk.flushed == 0
+
+
+def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves() -> None:
+    disk = _Disk(fsync_seconds=0.05)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service.start()
+    threads = [threading.Thread(target=service.wait_flushed, args=(disk.append(),))]
+    threads[0].start()
+    service.stop()
+    threads[0].join(5)
+    assert not threads[0].is_alive()
+    offset = disk.append()
+    service.wait_flushed(offset)
+    assert disk.flushed >= offset
+
+
+def test_concurrent_sync_sends_share_commitlog_fsyncs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    start_store: Callable[[StoreConfig], MessageStore],
+) -> None:
+    """The real store: 8 producers sending one message per call, each acknowledged only after
+    an ``fdatasync`` of the CommitLog that covers its record; far fewer fsyncs than messages."""
+    config = StoreConfig(data_dir=tmp_path / "store", flush="sync")
+    commitlog_dir = config.commitlog_dir
+    fsynced: list[int] = []  # CommitLog offsets up to which an fdatasync has returned
+    real_flush = MappedFile.flush
+
+    def counted_flush(self: MappedFile) -> int:
+        covers = self.from_offset + self.wrote
+        unflushed = self.wrote > self.flushed
+        flushed = real_flush(self)
+        if unflushed and self.path.parent == commitlog_dir:
+            fsynced.append(covers)
+        return flushed
+
+    monkeypatch.setattr(MappedFile, "flush", counted_flush)
+    store = start_store(config)
+    early: list[int] = []
+    per_thread, threads = 60, 8
+
+    def producer(i: int) -> None:
+        for _ in range(per_thread):
+            r = store.put_message(Message(topic="gc", queue_id=i, body=os.urandom(512)))
+            end = r.commitlog_offset + r.size
+            if not fsynced or max(fsynced) < end:
+                early.append(end)
+
+    workers = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers)
+    assert not early, f"acknowledged before an fsync covered the record: {early[:5]}"
+    sent = per_thread * threads
+    # A leader/follower lock held across the fsync gave ~2 messages per fsync here.
+    assert len(fsynced) <= sent / 3, f"{len(fsynced)} CommitLog fsyncs for {sent} messages"

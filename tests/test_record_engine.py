@@ -1,0 +1,295 @@
+"""The record engine's two implementations agree byte for byte (decision 150).
+
+``tiered/record.py`` holds the pure-Python reference of every inner loop and
+``tiered/_record_native.pyx`` its native twin. Each test runs both on the same random or
+adversarial input and compares everything they produce: bytes, lists, arrays, and the class of
+the error when the input is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tiered import columnar, record
+from tiered.formats import key_hash
+from tiered.record import (
+    NATIVE_ENGINE,
+    PYTHON_ENGINE,
+    CorruptRecordError,
+    EncodedBatch,
+    Message,
+    RecordEncoder,
+    RecordError,
+    blank_record,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = PYTHON_ENGINE
+NATIVE: Any = NATIVE_ENGINE
+# No shrinking: on a loaded 2-core machine it can run for minutes; a failure prints its input.
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+
+# Property text never holds the format's separators; everything else goes, surrogates excepted.
+TEXT = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x01\x02"), max_size=12
+)
+HOSTS = st.sampled_from(
+    [("127.0.0.1", 0), ("10.1.2.3", 10911), ("::1", 5), ("fe80::1:2", 65535), ("0.0.0.0", -1)]
+)
+MESSAGES = st.builds(
+    Message,
+    topic=st.text(st.sampled_from("abcXYZ09_-%|"), min_size=1, max_size=20),
+    body=st.binary(max_size=3000),
+    queue_id=st.integers(0, 7),
+    properties=st.dictionaries(
+        st.one_of(st.sampled_from(["KEYS", "TAGS", "UNIQ_KEY", "x"]), TEXT), TEXT, max_size=5
+    ),
+    flag=st.integers(-(2**31), 2**31 - 1),
+    born_timestamp=st.integers(0, 2**62),
+    born_host=HOSTS,
+    reconsume_times=st.integers(0, 16),
+    prepared_transaction_offset=st.integers(0, 2**62),
+)
+
+
+def test_native_engine_is_built_and_used() -> None:
+    """``pip install -e .`` compiles the native engine, and the store uses it by default."""
+    assert NATIVE is not None, "tiered/_record_native was not built: run pip install -e ."
+    assert record.ENGINE_NAME == ("python" if os.environ.get("TMQ_PURE_PYTHON") else "native")
+
+
+def test_pure_python_env_var_forces_the_reference() -> None:
+    code = "from tiered import record; print(record.ENGINE_NAME)"
+    env = {**os.environ, "TMQ_PURE_PYTHON": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "python"
+
+
+def encode(engine: Any, messages: list[Message], space: int, store_host: Any) -> tuple[Any, ...]:
+    out = EncodedBatch(store_timestamp=1_700_000_000_123)
+    next_offsets: dict[tuple[str, int], int] = {}
+    base = {(m.topic, m.queue_id): 7 for m in messages[::3]}
+    i, used = engine.encode_batch(
+        RecordEncoder(store_host), messages, 0, 4096, space, next_offsets, base, out
+    )
+    lists = (out.offsets, out.sizes, out.queue_offsets, out.queues, out.tags, out.keys)
+    return i, used, b"".join(out.parts), next_offsets, lists, out.uniq_keys
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, max_size=40),
+    st.integers(8, 60_000),
+    st.sampled_from([("10.0.0.9", 10911), ("2001:db8::7", 8081)]),
+)
+def test_encode_batch_is_byte_identical(messages: list[Message], space: int, store: Any) -> None:
+    native = encode(NATIVE, messages, space, store)
+    assert native == encode(PY, messages, space, store)
+    i, used, data = native[0], native[1], native[2]
+    assert len(data) == used
+    # What fits is encoded; the first message that does not fit stops the batch.
+    for n, m in enumerate(messages[:i]):
+        assert record.decode(data, native[4][0][n] - 4096).body == m.body
+
+
+@pytest.mark.parametrize(
+    ("properties", "error"),
+    [
+        ({"a\x01": "b"}, RecordError),
+        ({"a": "b\x02"}, RecordError),
+        ({"a": "x" * 40_000}, RecordError),
+        ({"a": 5}, TypeError),
+        ({5: "a"}, TypeError),
+    ],
+)
+def test_encode_batch_refuses_the_same_properties(properties: Any, error: type) -> None:
+    bad = [Message(topic="t", body=b"x"), Message(topic="t", body=b"y", properties=properties)]
+    for engine in (PY, NATIVE):
+        with pytest.raises(error):
+            encode(engine, bad, 1 << 20, ("10.0.0.9", 1))
+
+
+def test_encode_batch_refuses_a_topic_too_long_for_the_format() -> None:
+    bad = [Message(topic="t" * 70_000, body=b"x")]
+    for engine in (PY, NATIVE):
+        with pytest.raises(RecordError):
+            encode(engine, bad, 1 << 20, ("10.0.0.9", 1))
+
+
+def run_of(messages: list[Message], store: Any = ("10.0.0.9", 1)) -> bytes:
+    _, used, data, *_ = encode(PY, messages, 1 << 30, store)
+    return data
+
+
+def dispatch(engine: Any, buf: Any, pos: int, limit: int) -> Any:
+    out = EncodedBatch()
+    stamps: list[int] = []
+    try:
+        end = engine.read_dispatch_run(buf, pos, limit, 1000, out, stamps)
+    except RecordError as e:
+        return type(e)
+    lists = (out.offsets, out.sizes, out.queue_offsets, out.queues, out.tags, out.keys)
+    return end, lists, out.uniq_keys, stamps
+
+
+@SETTINGS
+@given(st.lists(MESSAGES, min_size=1, max_size=30), st.integers(0, 64))
+def test_dispatch_scan_is_identical_and_stops_at_padding(
+    messages: list[Message], pad: int
+) -> None:
+    data = run_of(messages)
+    buf = data + blank_record(8 + pad)
+    native = dispatch(NATIVE, buf, 0, len(buf))
+    assert native == dispatch(PY, buf, 0, len(buf))
+    assert native[0] == len(data) and len(native[1][0]) == len(messages)
+    # Through a mapping-like buffer and from a record in the middle.
+    second = native[1][0][1] - 1000 if len(messages) > 1 else 0
+    assert dispatch(NATIVE, memoryview(buf), second, len(buf)) == dispatch(PY, buf, second, len(buf))
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, min_size=1, max_size=12),
+    st.integers(0, 10**9),
+    st.integers(0, 255),
+    st.booleans(),
+)
+def test_recovery_scan_agrees_on_damaged_runs(
+    messages: list[Message], where: int, value: int, check_crc: bool
+) -> None:
+    data = bytearray(run_of(messages) + blank_record(16))
+    data[where % len(data)] = value  # one byte changed anywhere, padding included
+    limit = len(data)
+    native = NATIVE.scan_records(data, 0, limit, 4096, check_crc)
+    assert native == PY.scan_records(data, 0, limit, 4096, check_crc)
+    # The scan stops exactly where validate first refuses a record.
+    end, count = native
+    assert end <= limit and count <= len(messages)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(["a", "tøpic", "b#c"]), st.integers(0, 3)), max_size=20),
+       st.data())
+def test_index_keys_and_tag_hashes_are_identical(queues: Any, data: Any) -> None:
+    n = len(queues)
+    keys = data.draw(st.lists(st.one_of(st.none(), TEXT, st.just(" k1  k2 ")), min_size=n, max_size=n))
+    uniqs = data.draw(st.lists(st.one_of(st.none(), TEXT), min_size=n, max_size=n))
+    h_native, r_native = NATIVE.index_keys(queues, keys, uniqs)
+    h_py, r_py = PY.index_keys(queues, keys, uniqs)
+    assert h_native.tolist() == h_py.tolist() and r_native.tolist() == r_py.tolist()
+    assert NATIVE.tag_hashes(keys).tolist() == PY.tag_hashes(keys).tolist()
+
+
+def test_index_keys_hash_topic_and_key_as_the_index_file_does() -> None:
+    hashes, numbers = NATIVE.index_keys(
+        [("orders", 0), ("orders", 1)], ["k1 k2", None], ["U1", "U2"]
+    )
+    assert hashes.tolist() == [
+        key_hash("orders", "U1"),
+        key_hash("orders", "k1"),
+        key_hash("orders", "k2"),
+        key_hash("orders", "U2"),
+    ]
+    assert numbers.tolist() == [0, 0, 0, 1]
+
+
+def segment(engine: Any, data: Any, base: int) -> Any:
+    try:
+        return engine.segment_tables(data, base)
+    except (RecordError, CorruptRecordError) as e:
+        return type(e)
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, min_size=1, max_size=10),
+    st.one_of(st.none(), st.tuples(st.integers(0, 10**9), st.integers(0, 255))),
+)
+def test_segment_build_agrees_on_good_and_damaged_runs(
+    messages: list[Message], damage: tuple[int, int] | None
+) -> None:
+    one_queue = [
+        Message(topic="seg", body=m.body, properties=m.properties, born_host=m.born_host)
+        for m in messages
+    ]
+    data = bytearray(run_of(one_queue))
+    if damage is not None:
+        data[damage[0] % len(data)] = damage[1]
+    native = segment(NATIVE, data, 7)
+    assert native == segment(PY, data, 7)
+    if damage is None:
+        assert native.count == len(messages)
+    assert segment(NATIVE, bytes(data), 8) == segment(PY, bytes(data), 8)  # wrong base offset
+
+
+def test_segment_build_refuses_an_empty_run_and_trailing_bytes() -> None:
+    for engine in (PY, NATIVE):
+        with pytest.raises(RecordError, match="at least one"):
+            engine.segment_tables(b"", 0)
+        with pytest.raises(RecordError, match="not a record"):
+            engine.segment_tables(run_of([Message(topic="s", body=b"x")]) + b"\0" * 9, 7)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 64, 1000, 1024, 4099, 100_000])
+def test_crc32c_matches_google_crc32c(size: int) -> None:
+    data = os.urandom(size + 3)
+    for start in (0, 1, 3):
+        view = memoryview(data)[start : start + size]
+        assert NATIVE.crc32c(view) == google_crc32c.value(bytes(view)) == PY.crc32c(view)
+
+
+def arrow_rows(batch: Any) -> Any:
+    return batch.to_pylist()
+
+
+@SETTINGS
+@given(st.lists(MESSAGES, max_size=20), st.booleans(), st.randoms(use_true_random=False))
+def test_arrow_decode_is_identical(messages: list[Message], v6: bool, rnd: Any) -> None:
+    store = ("2001:db8::7", 8081) if v6 else ("10.0.0.9", 1)
+    data = run_of(messages, store)
+    batch = EncodedBatch()
+    PY.read_dispatch_run(data, 0, len(data), 0, batch, [])
+    positions = np.asarray(batch.offsets, np.int64)
+    rnd.shuffle(order := list(range(len(positions))))
+    positions = positions[order] if len(positions) else positions
+    native = NATIVE.decode_run(data, positions, True)
+    reference = columnar.decode_run_py(data, positions, check_crc=True)
+    assert native.schema == reference.schema == columnar.RECORD_SCHEMA
+    assert arrow_rows(native) == arrow_rows(reference)
+    assert native.equals(reference)
+
+
+@SETTINGS
+@given(st.lists(MESSAGES, min_size=1, max_size=8), st.integers(0, 10**9), st.integers(0, 255))
+def test_arrow_decode_refuses_what_decode_refuses(
+    messages: list[Message], where: int, value: int
+) -> None:
+    data = bytearray(run_of(messages))
+    batch = EncodedBatch()
+    PY.read_dispatch_run(bytes(data), 0, len(data), 0, batch, [])
+    data[where % len(data)] = value
+
+    def outcome(decode: Any) -> Any:
+        try:
+            return arrow_rows(decode(bytes(data), batch.offsets, check_crc=True))
+        except RecordError as e:
+            return type(e)
+
+    assert outcome(columnar.decode_run) == outcome(columnar.decode_run_py)

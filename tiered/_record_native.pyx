@@ -1,0 +1,980 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The native twin of the record engine's inner loops (decision 150).
+
+``tiered/record.py`` holds the reference implementation of every function here, with the same
+name and a ``_py`` suffix, and ``tests/test_record_engine.py`` checks that both give the same
+bytes on random and adversarial records. Each function reads the Python objects it needs while
+it holds the GIL, then does the byte work (header packing, copies, CRC32C, scans) in C with the
+GIL released, so an append, a dispatch pass and a segment build on other threads run in parallel.
+
+Build: ``pip install -e .`` compiles this module (setup.py); without it ``tiered.record`` uses
+the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even when it is built.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem, PyDict_Next
+from cpython.list cimport PyList_Append
+from cpython.ref cimport PyObject
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memchr, memcmp, memcpy, memmove
+
+import struct
+
+import numpy as np
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
+    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
+    bint PyUnicode_Check(object o)
+    bint PyBytes_CheckExact(object o)
+    bint PyDict_CheckExact(object o)
+
+cdef extern from "_record_native.h" nogil:
+    void tmq_crc32c_init()
+    uint32_t tmq_crc32c_extend(uint32_t crc, const unsigned char* p, size_t n)
+    uint16_t tmq_be16(const unsigned char* p)
+    uint32_t tmq_be32(const unsigned char* p)
+    uint64_t tmq_be64(const unsigned char* p)
+    void tmq_put16(unsigned char* p, uint16_t v)
+    void tmq_put32(unsigned char* p, uint32_t v)
+    void tmq_put64(unsigned char* p, uint64_t v)
+
+cdef extern from "_record_native.h":
+    Py_ssize_t tmq_slot_offset(object descr) except? -2
+    object tmq_slot(object obj, Py_ssize_t offset, object name)
+
+tmq_crc32c_init()
+
+name = "native"
+
+DEF MAGIC_V2 = -626843477
+DEF BLANK = 8
+DEF V4_HEAD = 88
+DEF SYSFLAG_BORN_V6 = 16
+DEF SYSFLAG_STORE_V6 = 32
+DEF MAX_TOPIC = 0xFFFF
+DEF MAX_PROPS = 0x7FFF
+
+# Filled in by tiered.record when it loads this module (it imports us, not the reverse).
+cdef object RecordError = ValueError
+cdef object CorruptRecordError = ValueError
+cdef object SegmentTables = None
+cdef object EncodedBatch = None
+cdef object encode_properties = None
+cdef type Message = None
+# Where each field of a ``record.Message`` lives in its instances: the append path reads the
+# slots directly instead of through attribute lookups (the largest per-message cost).
+cdef Py_ssize_t[9] _OFF
+cdef tuple _FIELDS = ("topic", "body", "queue_id", "properties", "flag", "born_timestamp",
+                      "born_host", "reconsume_times", "prepared_transaction_offset")
+cdef bint _slots_ok = False
+
+cdef str _TAGS = "TAGS"
+cdef str _KEYS = "KEYS"
+cdef str _UNIQ = "UNIQ_KEY"
+
+
+def bind(record_module):
+    """Take the record module's error classes and types (called once by ``tiered.record``)."""
+    global RecordError, CorruptRecordError, SegmentTables, EncodedBatch, encode_properties
+    global Message, _slots_ok
+    RecordError = record_module.RecordError
+    CorruptRecordError = record_module.CorruptRecordError
+    SegmentTables = record_module.SegmentTables
+    EncodedBatch = record_module.EncodedBatch
+    encode_properties = record_module.encode_properties
+    Message = record_module.Message
+    _slots_ok = True
+    for i, field in enumerate(_FIELDS):
+        _OFF[i] = tmq_slot_offset(Message.__dict__[field])
+        _slots_ok = _slots_ok and _OFF[i] >= 0
+
+
+cdef inline object _field(object m, bint fast, int i):
+    return tmq_slot(m, _OFF[i], _FIELDS[i]) if fast else getattr(m, _FIELDS[i])
+
+
+def crc32c(data):
+    """CRC32C of ``data`` (anything with the buffer protocol), unsigned."""
+    cdef const unsigned char[::1] v = _view(data)
+    cdef uint32_t c
+    cdef size_t n = v.shape[0]
+    if n == 0:
+        return 0
+    with nogil:
+        c = tmq_crc32c_extend(0, &v[0], n)
+    return c
+
+
+cdef inline object _view(object data):
+    """A flat byte view of anything with the buffer protocol (bytes, mmap, memoryview...)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        view = memoryview(bytes(view))
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+# -- encode ---------------------------------------------------------------------------------------
+
+cdef struct Rec:
+    int32_t size
+    int32_t queue_id
+    int32_t flag
+    int64_t queue_offset
+    int64_t physical_offset
+    int64_t born_timestamp
+    const unsigned char* born_ip
+    int32_t born_v6
+    int32_t born_port
+    int32_t reconsume
+    int64_t prepared
+    const unsigned char* body
+    Py_ssize_t body_len
+    const unsigned char* topic_part
+    Py_ssize_t topic_part_len
+    Py_ssize_t props_at  # in the scratch buffer
+    Py_ssize_t props_len
+
+
+cdef struct Scratch:
+    unsigned char* data
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
+cdef int _reserve(Scratch* s, Py_ssize_t more) except -1:
+    cdef Py_ssize_t cap
+    cdef unsigned char* grown
+    if s.len + more <= s.cap:
+        return 0
+    cap = max(s.cap * 2, s.len + more, 4096)
+    grown = <unsigned char*>realloc(s.data, cap)
+    if grown == NULL:
+        raise MemoryError()
+    s.data = grown
+    s.cap = cap
+    return 0
+
+
+cdef int _append(Scratch* s, const char* p, Py_ssize_t n) except -1:
+    _reserve(s, n)
+    memcpy(s.data + s.len, p, n)
+    s.len += n
+    return 0
+
+
+cdef int32_t _i32(object v) except? -1:
+    cdef long long x = v
+    if x < -2147483648 or x > 2147483647:
+        raise struct.error("'i' format requires -2147483648 <= number <= 2147483647")
+    return <int32_t>x
+
+
+cdef Py_ssize_t _encode_properties(dict props, Scratch* s) except -1:
+    """``name\\x01value\\x02`` for each pair into ``s``; returns the length added."""
+    cdef Py_ssize_t pos = 0, start = s.len, kn, vn
+    cdef PyObject* k
+    cdef PyObject* v
+    cdef const char* kp
+    cdef const char* vp
+    cdef Py_ssize_t item = 0
+    while PyDict_Next(props, &pos, &k, &v):
+        if not PyUnicode_Check(<object>k) or not PyUnicode_Check(<object>v):
+            bad = <object>k if not PyUnicode_Check(<object>k) else <object>v
+            raise TypeError(
+                f"sequence item {item}: expected str instance, {type(bad).__name__} found"
+            )
+        kp = PyUnicode_AsUTF8AndSize(<object>k, &kn)
+        vp = PyUnicode_AsUTF8AndSize(<object>v, &vn)
+        if (memchr(kp, 1, kn) != NULL or memchr(kp, 2, kn) != NULL
+                or memchr(vp, 1, vn) != NULL or memchr(vp, 2, vn) != NULL):
+            raise RecordError("property names and values may not contain \\x01 or \\x02")
+        _reserve(s, kn + vn + 2)
+        memcpy(s.data + s.len, kp, kn)
+        s.data[s.len + kn] = 1
+        memcpy(s.data + s.len + kn + 1, vp, vn)
+        s.data[s.len + kn + 1 + vn] = 2
+        s.len += kn + vn + 2
+        item += 1
+    return s.len - start
+
+
+cdef inline unsigned char* _put_host(unsigned char* o, const unsigned char* ip, bint v6,
+                                     int32_t port) noexcept nogil:
+    cdef int w = 16 if v6 else 4
+    memcpy(o, ip, w)
+    tmq_put32(o + w, <uint32_t>port)
+    return o + w + 4
+
+
+cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsigned char* props,
+                         const unsigned char* store_ip, bint store_v6, int32_t store_port,
+                         int64_t store_ts) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef Rec* r
+    cdef unsigned char* o = out
+    cdef unsigned char* p
+    cdef uint32_t crc
+    for i in range(n):
+        r = &recs[i]
+        crc = tmq_crc32c_extend(0, r.body, r.body_len) if r.body_len else 0
+        tmq_put32(o, <uint32_t>r.size)
+        tmq_put32(o + 4, <uint32_t><int32_t>MAGIC_V2)
+        tmq_put32(o + 8, crc)
+        tmq_put32(o + 12, <uint32_t>r.queue_id)
+        tmq_put32(o + 16, <uint32_t>r.flag)
+        tmq_put64(o + 20, <uint64_t>r.queue_offset)
+        tmq_put64(o + 28, <uint64_t>r.physical_offset)
+        tmq_put32(o + 36, (SYSFLAG_BORN_V6 if r.born_v6 else 0) | (SYSFLAG_STORE_V6 if store_v6 else 0))
+        tmq_put64(o + 40, <uint64_t>r.born_timestamp)
+        p = _put_host(o + 48, r.born_ip, r.born_v6, r.born_port)
+        tmq_put64(p, <uint64_t>store_ts)
+        p = _put_host(p + 8, store_ip, store_v6, store_port)
+        tmq_put32(p, <uint32_t>r.reconsume)
+        tmq_put64(p + 4, <uint64_t>r.prepared)
+        tmq_put32(p + 12, <uint32_t>r.body_len)
+        p += 16
+        memcpy(p, r.body, r.body_len)
+        p += r.body_len
+        memcpy(p, r.topic_part, r.topic_part_len)
+        p += r.topic_part_len
+        tmq_put16(p, <uint16_t>r.props_len)
+        memcpy(p + 2, props + r.props_at, r.props_len)
+        o += r.size
+
+
+def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
+                 dict next_offsets, dict base_offsets, out):
+    """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object."""
+    cdef Py_ssize_t count = len(messages)
+    cdef Py_ssize_t i = start, n = 0, used = 0, size
+    cdef Rec* recs
+    cdef Rec* r
+    cdef Scratch scratch
+    cdef bytes store_ip = encoder._store_ip
+    cdef int32_t store_port = encoder._store_port
+    cdef bint store_v6 = encoder._store_v6
+    cdef dict topic_parts = encoder._topic_parts
+    cdef dict born_cache = encoder._born_cache
+    cdef int64_t store_ts = out.store_timestamp
+    cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
+    cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
+    cdef list hold = []
+    cdef PyObject* found
+    cdef bytes buf
+    cdef int64_t q
+    cdef bint fast
+    cdef unsigned char* dest
+    cdef const unsigned char* store_ip_p
+    if count <= start:
+        return start, 0
+    recs = <Rec*>malloc(sizeof(Rec) * (count - start))
+    if recs == NULL:
+        raise MemoryError()
+    scratch.data = NULL
+    scratch.len = 0
+    scratch.cap = 0
+    try:
+        while i < count:
+            m = messages[i]
+            fast = _slots_ok and type(m) is Message
+            r = &recs[n]
+            topic = _field(m, fast, 0)
+            found = PyDict_GetItem(topic_parts, topic)
+            tpart = <object>found if found != NULL else encoder._topic_part(topic)
+            props = _field(m, fast, 3)
+            r.props_at = scratch.len
+            if props:
+                if PyDict_CheckExact(props):
+                    r.props_len = _encode_properties(<dict>props, &scratch)
+                else:
+                    raw = encode_properties(props)
+                    _append(&scratch, raw, len(raw))
+                    r.props_len = len(raw)
+                if r.props_len > MAX_PROPS:
+                    raise RecordError(
+                        f"properties are {r.props_len} bytes; the format allows {MAX_PROPS}"
+                    )
+            else:
+                r.props_len = 0
+            body = _field(m, fast, 1)
+            if not PyBytes_CheckExact(body):
+                body = bytes(body)
+            host = _field(m, fast, 6)
+            address = host[0]
+            found = PyDict_GetItem(born_cache, address)
+            born = <object>found if found != NULL else encoder._born(address)
+            born_ip = born[0]
+            r.born_v6 = 1 if born[1] else 0
+            r.body = <const unsigned char*>PyBytes_AS_STRING(body)
+            r.body_len = PyBytes_GET_SIZE(body)
+            r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
+            r.topic_part_len = PyBytes_GET_SIZE(tpart)
+            size = (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
+                    + r.topic_part_len + 2 + r.props_len)
+            if used + size + BLANK > space:
+                scratch.len = r.props_at
+                break
+            r.size = <int32_t>size
+            r.born_ip = <const unsigned char*>PyBytes_AS_STRING(born_ip)
+            r.born_port = _i32(host[1])
+            r.flag = _i32(_field(m, fast, 4))
+            r.born_timestamp = _field(m, fast, 5)
+            r.reconsume = _i32(_field(m, fast, 7))
+            r.prepared = _field(m, fast, 8)
+            queue_id = _field(m, fast, 2)
+            r.queue_id = _i32(queue_id)
+            key = (topic, queue_id)
+            found = PyDict_GetItem(next_offsets, key)
+            if found == NULL:
+                qo = base_offsets.get(key, 0)
+            else:
+                qo = <object>found
+            q = qo
+            r.queue_offset = q
+            r.physical_offset = physical_offset + used
+            next_offsets[key] = q + 1
+            hold.append(body)
+            hold.append(born_ip)
+            hold.append(tpart)
+            PyList_Append(offsets, r.physical_offset)
+            PyList_Append(sizes, size)
+            PyList_Append(qoffs, q)
+            PyList_Append(queues, key)
+            if props and PyDict_CheckExact(props):
+                found = PyDict_GetItem(props, _TAGS)
+                PyList_Append(tags, <object>found if found != NULL else None)
+                found = PyDict_GetItem(props, _KEYS)
+                PyList_Append(keys, <object>found if found != NULL else None)
+                found = PyDict_GetItem(props, _UNIQ)
+                PyList_Append(uniqs, <object>found if found != NULL else None)
+            elif props:
+                tags.append(props.get(_TAGS))
+                keys.append(props.get(_KEYS))
+                uniqs.append(props.get(_UNIQ))
+            else:
+                PyList_Append(tags, None)
+                PyList_Append(keys, None)
+                PyList_Append(uniqs, None)
+            used += size
+            n += 1
+            i += 1
+        if n:
+            buf = PyBytes_FromStringAndSize(NULL, used)
+            dest = <unsigned char*>PyBytes_AS_STRING(buf)
+            store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
+            with nogil:
+                _write_records(dest, recs, n, scratch.data, store_ip_p, store_v6, store_port,
+                               store_ts)
+            out.parts.append(buf)
+    finally:
+        free(recs)
+        free(scratch.data)
+    return i, used
+
+
+def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue_id,
+                    Py_ssize_t max_body):
+    """``record.first_unchecked_py``."""
+    cdef Py_ssize_t count = len(messages), i
+    cdef bint fast
+    for i in range(start, count):
+        m = messages[i]
+        fast = _slots_ok and type(m) is Message
+        topic = _field(m, fast, 0)
+        if not PyUnicode_Check(topic) or topic not in topics:
+            return i
+        queue_id = _field(m, fast, 2)
+        if type(queue_id) is not int or not 0 <= queue_id <= max_queue_id:
+            return i
+        body = _field(m, fast, 1)
+        if not PyBytes_CheckExact(body) or PyBytes_GET_SIZE(body) > max_body:
+            return i
+    return count
+
+
+# -- scans ----------------------------------------------------------------------------------------
+
+cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
+                           bint check_phys, bint check_crc) noexcept nogil:
+    """``record.validate``: the record's total size, -1 if malformed, -2 if its body fails its
+    CRC."""
+    cdef int64_t total, body_len, p, topic_len, props_len, body_at
+    cdef int32_t sys_flag
+    if pos < 0 or pos + 48 > n:
+        return -1
+    if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
+        return -1
+    total = <int32_t>tmq_be32(b + pos)
+    if total < V4_HEAD + 4 or pos + total > n:
+        return -1
+    if check_phys and <int64_t>tmq_be64(b + pos + 28) != phys:
+        return -1
+    sys_flag = <int32_t>tmq_be32(b + pos + 36)
+    body_at = pos + 48 + (20 if sys_flag & SYSFLAG_BORN_V6 else 8) + 8 \
+        + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 16
+    if body_at > n:
+        return -1
+    body_len = <int32_t>tmq_be32(b + body_at - 4)
+    if body_len < 0:
+        return -1
+    p = body_at + body_len
+    if p + 2 > n:
+        return -1
+    topic_len = tmq_be16(b + p)
+    if p + 4 + topic_len > n:
+        return -1
+    props_len = tmq_be16(b + p + 2 + topic_len)
+    if p + 4 + topic_len + props_len - pos != total:
+        return -1
+    if check_crc and tmq_crc32c_extend(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
+        return -2
+    return total
+
+
+def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset, bint check_crc):
+    """``record.scan_records_py``: the crash-recovery scan, with the GIL released."""
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t n = v.shape[0], count = 0
+    cdef int64_t total
+    cdef int32_t magic
+    cdef const unsigned char* b = &v[0] if n else NULL
+    if limit > n:
+        limit = n
+    with nogil:
+        while limit - pos >= BLANK:
+            total = <int32_t>tmq_be32(b + pos)
+            magic = <int32_t>tmq_be32(b + pos + 4)
+            if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
+                break
+            if _check(b, n, pos, physical_offset, True, check_crc) < 0:
+                break
+            pos += total
+            physical_offset += total
+            count += 1
+    return pos, count
+
+
+cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const char* name,
+                                  Py_ssize_t name_len):
+    """``record._property``: the first pair named ``name`` (``name`` includes its \\x01)."""
+    cdef Py_ssize_t at = 0, end
+    cdef const unsigned char* hit
+    while at <= n:
+        hit = <const unsigned char*>memchr(p + at, 2, n - at) if at < n else NULL
+        end = (hit - p) if hit != NULL else n
+        if end - at >= name_len and memcmp(p + at, name, name_len) == 0:
+            hit = <const unsigned char*>memchr(p + at + name_len, 2, n - at - name_len)
+            return _utf8(p + at + name_len, ((hit - p) if hit != NULL else n) - at - name_len)
+        at = end + 1
+    return None
+
+
+cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+    except UnicodeDecodeError as e:
+        raise RecordError(f"not UTF-8: {e}") from None
+
+
+cdef dict _topics = {}
+
+
+def read_dispatch_run(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset, out,
+                      list stamps):
+    """``record.read_dispatch_run_py``: the dispatch scan."""
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t n = v.shape[0]
+    cdef const unsigned char* b = &v[0] if n else NULL
+    cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
+    cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
+    cdef int64_t total, body_len, p, topic_len, props_len, tail, store_ts
+    cdef int32_t sys_flag, queue_id
+    cdef const unsigned char* prev_raw = NULL
+    cdef Py_ssize_t prev_len = -1
+    cdef object topic = None
+    while pos < limit:
+        if pos < 0 or pos + 8 > n:
+            raise RecordError(f"record at {pos}: runs past the data")
+        if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
+            break
+        if pos + 48 > n:
+            raise RecordError(f"record at {pos}: runs past the data")
+        total = <int32_t>tmq_be32(b + pos)
+        queue_id = <int32_t>tmq_be32(b + pos + 12)
+        sys_flag = <int32_t>tmq_be32(b + pos + 36)
+        tail = pos + 48 + (20 if sys_flag & SYSFLAG_BORN_V6 else 8)
+        if tail + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 16 > n:
+            raise RecordError(f"record at {pos}: runs past the data")
+        store_ts = <int64_t>tmq_be64(b + tail)
+        tail += 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 16
+        body_len = <int32_t>tmq_be32(b + tail - 4)
+        p = tail + body_len
+        if total <= 0 or body_len < 0 or p + 2 > n:
+            raise RecordError(f"record at {pos}: fields run past the data")
+        topic_len = tmq_be16(b + p)
+        if p + 4 + topic_len > n:
+            raise RecordError(f"record at {pos}: runs past the data")
+        if prev_raw == NULL or topic_len != prev_len or memcmp(prev_raw, b + p + 2, topic_len):
+            raw_topic = PyBytes_FromStringAndSize(<const char*>b + p + 2, topic_len)
+            topic = _topics.get(raw_topic)
+            if topic is None:
+                topic = _utf8(b + p + 2, topic_len)
+                if len(_topics) < 100_000:
+                    _topics[raw_topic] = topic
+            prev_raw = b + p + 2
+            prev_len = topic_len
+        p += 2 + topic_len
+        props_len = tmq_be16(b + p)
+        if p + 2 + props_len > n:
+            raise RecordError(f"record at {pos}: runs past the data")
+        if props_len:
+            tags.append(_find_property(b + p + 2, props_len, b"TAGS\x01", 5))
+            keys.append(_find_property(b + p + 2, props_len, b"KEYS\x01", 5))
+            uniqs.append(_find_property(b + p + 2, props_len, b"UNIQ_KEY\x01", 9))
+        else:
+            PyList_Append(tags, None)
+            PyList_Append(keys, None)
+            PyList_Append(uniqs, None)
+        PyList_Append(offsets, base_offset + pos)
+        PyList_Append(sizes, total)
+        PyList_Append(qoffs, <int64_t>tmq_be64(b + pos + 20))
+        PyList_Append(queues, (topic, queue_id))
+        PyList_Append(stamps, store_ts)
+        pos += total
+    return pos
+
+
+# -- hashes -------------------------------------------------------------------------------------
+
+cdef inline uint32_t _str_crc(uint32_t crc, object s) except? 0xFFFFFFFF:
+    cdef Py_ssize_t n
+    cdef const char* p = PyUnicode_AsUTF8AndSize(s, &n)
+    return tmq_crc32c_extend(crc, <const unsigned char*>p, n) if n else crc
+
+
+def tag_hashes(tags):
+    """``record.tag_hashes_py``."""
+    cdef Py_ssize_t n = len(tags), i
+    result = np.zeros(n, np.int64)
+    cdef int64_t[::1] out = result
+    for i in range(n):
+        t = tags[i]
+        if t:
+            out[i] = _str_crc(0, t)
+    return result
+
+
+cdef struct Pairs:
+    int64_t* hashes
+    int64_t* numbers
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
+cdef int _pair(Pairs* s, int64_t h, int64_t number) except -1:
+    cdef Py_ssize_t cap
+    if s.len == s.cap:
+        cap = max(1024, s.cap * 2)
+        s.hashes = <int64_t*>realloc(s.hashes, cap * sizeof(int64_t))
+        s.numbers = <int64_t*>realloc(s.numbers, cap * sizeof(int64_t))
+        if s.hashes == NULL or s.numbers == NULL:
+            raise MemoryError()
+        s.cap = cap
+    s.hashes[s.len] = h
+    s.numbers[s.len] = number
+    s.len += 1
+    return 0
+
+
+cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out) except -1:
+    cdef Py_ssize_t n = len(queues), i, kn, at, end
+    cdef uint32_t base
+    cdef const char* kp
+    cdef const char* hit
+    for i in range(n):
+        uniq = uniq_keys[i]
+        k = keys[i]
+        if not uniq and not k:
+            continue
+        base = _str_crc(0, (<tuple>queues[i])[0])
+        base = tmq_crc32c_extend(base, <const unsigned char*>b"#", 1)
+        if uniq:
+            _pair(out, _str_crc(base, uniq) & 0x7FFFFFFF, i)
+        if k:
+            kp = PyUnicode_AsUTF8AndSize(k, &kn)
+            at = 0
+            while at < kn:
+                hit = <const char*>memchr(kp + at, 32, kn - at)
+                end = (hit - kp) if hit != NULL else kn
+                if end > at:
+                    _pair(out, tmq_crc32c_extend(
+                        base, <const unsigned char*>kp + at, end - at) & 0x7FFFFFFF, i)
+                at = end + 1
+    return 0
+
+
+def index_keys(queues, keys, uniq_keys):
+    """``record.index_keys_py``."""
+    cdef Pairs pairs
+    pairs.hashes = NULL
+    pairs.numbers = NULL
+    pairs.len = 0
+    pairs.cap = 0
+    try:
+        _index_pairs(list(queues), list(keys), list(uniq_keys), &pairs)
+        hashes = np.empty(pairs.len, np.int64)
+        numbers = np.empty(pairs.len, np.int64)
+        if pairs.len:
+            memcpy(<void*><size_t>hashes.ctypes.data, pairs.hashes, pairs.len * 8)
+            memcpy(<void*><size_t>numbers.ctypes.data, pairs.numbers, pairs.len * 8)
+    finally:
+        free(pairs.hashes)
+        free(pairs.numbers)
+    return hashes, numbers
+
+
+# -- segment build ------------------------------------------------------------------------------
+
+def segment_tables(records, int64_t base_offset):
+    """``record.segment_tables_py``: checks and tables of a segment object."""
+    cdef const unsigned char[::1] v = _view(records)
+    cdef Py_ssize_t n = v.shape[0], count, i, end
+    cdef const unsigned char* b = &v[0] if n else NULL
+    cdef int64_t r, bad = -1, bad_kind = 0, pos, size
+    fields = EncodedBatch()
+    cdef list stamps = []
+    end = read_dispatch_run(records, 0, n, 0, fields, stamps)
+    count = len(fields.offsets)
+    if count == 0:
+        raise RecordError("a segment needs at least one record")
+    if end != n:
+        raise RecordError(f"bytes at {end} are not a record")
+    positions = np.asarray(fields.offsets, np.int64)
+    sizes = np.asarray(fields.sizes, np.int64)
+    qoffs = np.asarray(fields.queue_offsets, np.int64)
+    cdef int64_t[::1] at = positions, sz = sizes, qo = qoffs
+    with nogil:
+        for i in range(count):
+            r = _check(b, n, at[i], <int64_t>tmq_be64(b + at[i] + 28), True, True)
+            if r < 0:
+                bad = i
+                bad_kind = r
+                break
+    if bad >= 0:
+        pos = at[bad]
+        if bad_kind == -2:
+            raise CorruptRecordError(
+                f"record at physical offset {<int64_t>tmq_be64(b + pos + 28)}: body CRC mismatch"
+            )
+        raise RecordError(f"record at {pos}: fields do not add up to its total size")
+    for i in range(count):
+        if qo[i] != base_offset + i:
+            raise RecordError(f"record has queue offset {qo[i]}, expected {base_offset + i}")
+    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+    table["offset"] = positions
+    table["size"] = sizes
+    table["tag"] = tag_hashes(fields.tags)
+    hashes, numbers = index_keys(fields.queues, fields.keys, fields.uniq_keys)
+    packed = np.sort((hashes.astype(np.uint64) << np.uint64(32)) | numbers.astype(np.uint64))
+    times = np.asarray(stamps, np.int64)
+    return SegmentTables(
+        count=count,
+        offset_table=table.tobytes(),
+        time_table=times.astype(">i8").tobytes(),
+        key_index=packed.astype(">u8").tobytes(),
+        key_count=len(packed),
+        min_store_timestamp=int(times.min()),
+        max_store_timestamp=int(times.max()),
+    )
+
+
+# -- decode a run into Arrow --------------------------------------------------------------------
+
+class Anomaly(ValueError):
+    """A record ``record.decode`` may refuse: the caller lets ``decode`` say what."""
+
+
+DEF MAX_COLUMN = 2147483647  # int32 offsets of binary/string columns
+
+cdef struct Spans:
+    int64_t body_at
+    int64_t body_len
+    int64_t topic_at
+    int64_t topic_len
+    int64_t props_at
+    int64_t props_len
+    int64_t born_at
+    int64_t store_at
+
+
+cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bint check_crc,
+                     Spans* s) noexcept nogil:
+    """Where each part of the record at ``pos`` is; 0, or -1 for an anomaly."""
+    cdef int64_t total, end, born_at, store_ts_at, reconsume_at, body_len_at, p
+    cdef int32_t sys_flag
+    if pos < 0 or pos + V4_HEAD > length:
+        return -1
+    total = <int32_t>tmq_be32(b + pos)
+    if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
+        return -1
+    if total < V4_HEAD + 4 or pos + total > length:
+        return -1
+    end = pos + total
+    sys_flag = <int32_t>tmq_be32(b + pos + 36)
+    born_at = pos + 48
+    store_ts_at = born_at + (20 if sys_flag & SYSFLAG_BORN_V6 else 8)
+    reconsume_at = store_ts_at + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8)
+    body_len_at = reconsume_at + 12
+    s.body_at = body_len_at + 4
+    if s.body_at > end:
+        return -1
+    s.body_len = <int32_t>tmq_be32(b + body_len_at)
+    p = s.body_at + s.body_len
+    if s.body_len < 0 or p + 2 > end:
+        return -1
+    s.topic_len = tmq_be16(b + p)
+    s.topic_at = p + 2
+    p = s.topic_at + s.topic_len
+    if p + 2 > end:
+        return -1
+    s.props_len = tmq_be16(b + p)
+    s.props_at = p + 2
+    if s.props_at + s.props_len != end:
+        return -1
+    s.born_at = born_at
+    s.store_at = store_ts_at + 8
+    if check_crc and tmq_crc32c_extend(0, b + s.body_at, s.body_len) != tmq_be32(b + pos + 8):
+        return -1
+    return 0
+
+
+cdef object _binary_array(object pa, Py_ssize_t n, object offsets, object values):
+    return pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(values)]
+    )
+
+
+cdef object _host(const unsigned char* p, bint v6, dict names, object host_string):
+    """``ip:port`` of the host at ``p``, formatted once per distinct host."""
+    cdef int w = 16 if v6 else 4
+    key = PyBytes_FromStringAndSize(<const char*>p, w + 4)
+    name = names.get(key)
+    if name is None:
+        import socket
+        address = socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, key[:w])
+        name = host_string(address, <int32_t>tmq_be32(p + w))
+        names[key] = name
+    return name
+
+
+def decode_run(buf, positions, bint check_crc):
+    """``columnar.decode_run``: the records at ``positions`` (a non-empty int64 array) as one
+    ``columnar.RECORD_SCHEMA`` batch. Raises ``Anomaly`` for a record ``record.decode`` would
+    refuse (the caller asks ``decode`` for the error)."""
+    import pyarrow as pa
+    from tiered.columnar import RECORD_SCHEMA, host_string
+
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t length = v.shape[0]
+    cdef const unsigned char* b = &v[0] if length else NULL
+    at_array = np.ascontiguousarray(positions, np.int64)
+    cdef const int64_t[::1] at = at_array
+    cdef Py_ssize_t n = at.shape[0], i, k
+    cdef Spans* spans = <Spans*>malloc(sizeof(Spans) * max(n, 1))
+    if spans == NULL:
+        raise MemoryError()
+    size_a = np.empty(n, np.int32)
+    crc_a = np.empty(n, np.int64)
+    qid_a = np.empty(n, np.int32)
+    flag_a = np.empty(n, np.int32)
+    qoff_a = np.empty(n, np.int64)
+    phys_a = np.empty(n, np.int64)
+    sys_a = np.empty(n, np.int32)
+    born_ts_a = np.empty(n, np.int64)
+    store_ts_a = np.empty(n, np.int64)
+    recon_a = np.empty(n, np.int32)
+    prep_a = np.empty(n, np.int64)
+    body_off_a = np.empty(n + 1, np.int32)
+    topic_off_a = np.empty(n + 1, np.int32)
+    cdef int32_t[::1] size_v = size_a, qid_v = qid_a, flag_v = flag_a, sys_v = sys_a
+    cdef int32_t[::1] recon_v = recon_a, body_off = body_off_a, topic_off = topic_off_a
+    cdef int64_t[::1] crc_v = crc_a, qoff_v = qoff_a, phys_v = phys_a, born_ts_v = born_ts_a
+    cdef int64_t[::1] store_ts_v = store_ts_a, prep_v = prep_a
+    cdef int64_t bad = -1, pos, body_total = 0, topic_total = 0, props_total = 0, pairs = 0
+    cdef Spans* s
+    try:
+        with nogil:
+            for i in range(n):
+                pos = at[i]
+                s = &spans[i]
+                if _locate(b, length, pos, check_crc, s) < 0:
+                    bad = i
+                    break
+                size_v[i] = <int32_t>tmq_be32(b + pos)
+                crc_v[i] = tmq_be32(b + pos + 8)
+                qid_v[i] = <int32_t>tmq_be32(b + pos + 12)
+                flag_v[i] = <int32_t>tmq_be32(b + pos + 16)
+                qoff_v[i] = <int64_t>tmq_be64(b + pos + 20)
+                phys_v[i] = <int64_t>tmq_be64(b + pos + 28)
+                sys_v[i] = <int32_t>tmq_be32(b + pos + 36)
+                born_ts_v[i] = <int64_t>tmq_be64(b + pos + 40)
+                store_ts_v[i] = <int64_t>tmq_be64(b + s.store_at - 8)
+                k = s.store_at + (20 if sys_v[i] & SYSFLAG_STORE_V6 else 8)
+                recon_v[i] = <int32_t>tmq_be32(b + k)
+                prep_v[i] = <int64_t>tmq_be64(b + k + 4)
+                body_total += s.body_len
+                topic_total += s.topic_len
+                props_total += s.props_len
+                # Upper bound of pairs: one per separator, plus an unterminated last one.
+                pairs += s.props_len // 2 + 1
+        if bad >= 0:
+            raise Anomaly(f"record at {at[bad]} is not one decode accepts")
+        if max(body_total, topic_total, props_total) > MAX_COLUMN:
+            raise ValueError("a run of more than 2 GiB of one column: decode it in smaller runs")
+        body_values = np.empty(body_total, np.uint8)
+        topic_values = np.empty(topic_total, np.uint8)
+        name_values = np.empty(props_total, np.uint8)
+        value_values = np.empty(props_total, np.uint8)
+        map_off_a = np.empty(n + 1, np.int32)
+        name_off_a = np.empty(pairs + 1, np.int32)
+        value_off_a = np.empty(pairs + 1, np.int32)
+        repeats = np.zeros(n, np.uint8)
+        count = _fill(b, spans, n, body_values, body_off_a, topic_values, topic_off_a,
+                      name_values, name_off_a, value_values, value_off_a, map_off_a, repeats)
+        # A replaced value is not in the columns, whose UTF-8 check comes below: decode refuses
+        # a record whose properties are not UTF-8 as a whole, so check those records here.
+        for i in np.flatnonzero(repeats).tolist():
+            try:
+                PyUnicode_DecodeUTF8(<const char*>b + spans[i].props_at, spans[i].props_len, NULL)
+            except UnicodeDecodeError as e:
+                raise Anomaly(str(e)) from None
+        born_names: dict = {}
+        store_names: dict = {}
+        born_hosts = [
+            _host(b + spans[i].born_at, sys_v[i] & SYSFLAG_BORN_V6, born_names, host_string)
+            for i in range(n)
+        ]
+        store_hosts = [
+            _host(b + spans[i].store_at, sys_v[i] & SYSFLAG_STORE_V6, store_names, host_string)
+            for i in range(n)
+        ]
+    finally:
+        free(spans)
+    try:
+        topic = _binary_array(pa, n, topic_off_a, topic_values).cast(pa.string())
+        names = _binary_array(pa, count, name_off_a[: count + 1], name_values).cast(pa.string())
+        values = _binary_array(pa, count, value_off_a[: count + 1], value_values).cast(pa.string())
+    except pa.ArrowInvalid as e:  # invalid UTF-8
+        raise Anomaly(str(e)) from None
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(size_a),
+            pa.array(crc_a),
+            pa.array(qid_a),
+            pa.array(flag_a),
+            pa.array(qoff_a),
+            pa.array(phys_a),
+            pa.array(sys_a),
+            pa.array(born_ts_a),
+            pa.array(born_hosts, pa.string()),
+            pa.array(store_ts_a),
+            pa.array(store_hosts, pa.string()),
+            pa.array(recon_a),
+            pa.array(prep_a),
+            _binary_array(pa, n, body_off_a, body_values),
+            topic,
+            pa.MapArray.from_arrays(pa.array(map_off_a), names, values),
+        ],
+        schema=RECORD_SCHEMA,
+    )
+
+
+cdef Py_ssize_t _fill(const unsigned char* b, Spans* spans, Py_ssize_t n,
+                      unsigned char[::1] body, int32_t[::1] body_off,
+                      unsigned char[::1] topic, int32_t[::1] topic_off,
+                      unsigned char[::1] names, int32_t[::1] name_off,
+                      unsigned char[::1] values, int32_t[::1] value_off,
+                      int32_t[::1] map_off, uint8_t[::1] repeats):
+    """Copy bodies and topics into their columns, and split properties into map entries with
+    ``record.decode_properties``'s rules: empty pairs are skipped, a pair without ``\\x01`` is a
+    name with an empty value, a value runs to the pair's end, and a repeated name keeps its first
+    position and its last value. Returns the number of map entries."""
+    cdef Py_ssize_t i, count = 0, first, j
+    cdef int64_t bo = 0, to = 0, no = 0, vo = 0, at, end, pair_end, name_end, nlen, vlen
+    cdef const unsigned char* p
+    cdef const unsigned char* hit
+    cdef unsigned char* nb = &names[0] if names.shape[0] else NULL
+    cdef unsigned char* vb = &values[0] if values.shape[0] else NULL
+    cdef int64_t* vstart = NULL
+    cdef int64_t* vend = NULL
+    cdef Spans* s
+    body_off[0] = 0
+    topic_off[0] = 0
+    name_off[0] = 0
+    value_off[0] = 0
+    map_off[0] = 0
+    with nogil:
+        for i in range(n):
+            s = &spans[i]
+            if s.body_len:
+                memcpy(&body[bo], b + s.body_at, s.body_len)
+            bo += s.body_len
+            body_off[i + 1] = <int32_t>bo
+            if s.topic_len:
+                memcpy(&topic[to], b + s.topic_at, s.topic_len)
+            to += s.topic_len
+            topic_off[i + 1] = <int32_t>to
+            first = count
+            p = b + s.props_at
+            at = 0
+            while at < s.props_len:
+                hit = <const unsigned char*>memchr(p + at, 2, s.props_len - at)
+                pair_end = (hit - p) if hit != NULL else s.props_len
+                if pair_end > at:
+                    hit = <const unsigned char*>memchr(p + at, 1, pair_end - at)
+                    name_end = (hit - p) if hit != NULL else pair_end
+                    nlen = name_end - at
+                    vlen = pair_end - name_end - 1 if hit != NULL else 0
+                    # A name seen earlier in this record: its value is replaced in place.
+                    j = first
+                    while j < count:
+                        if (name_off[j + 1] - name_off[j] == nlen
+                                and memcmp(nb + name_off[j], p + at, nlen) == 0):
+                            break
+                        j += 1
+                    if j < count:
+                        repeats[i] = 1
+                        _replace_value(vb, value_off, j, count, p + name_end + 1, vlen)
+                        vo = value_off[count]
+                    else:
+                        if nlen:
+                            memcpy(nb + no, p + at, nlen)
+                        no += nlen
+                        name_off[count + 1] = <int32_t>no
+                        if vlen:
+                            memcpy(vb + vo, p + name_end + 1, vlen)
+                        vo += vlen
+                        value_off[count + 1] = <int32_t>vo
+                        count += 1
+                at = pair_end + 1
+            map_off[i + 1] = <int32_t>count
+    return count
+
+
+cdef void _replace_value(unsigned char* vb, int32_t[::1] value_off, Py_ssize_t j,
+                         Py_ssize_t count, const unsigned char* value,
+                         int64_t vlen) noexcept nogil:
+    """Replace entry ``j``'s value (entries ``j+1 .. count-1`` follow it) by ``value``: the
+    later entries' bytes move by the difference in length. Repeated names are rare."""
+    cdef int64_t old_start = value_off[j], old_end = value_off[j + 1]
+    cdef int64_t tail = value_off[count] - old_end
+    cdef int64_t delta = vlen - (old_end - old_start)
+    cdef Py_ssize_t k
+    if delta != 0 and tail:
+        memmove(vb + old_end + delta, vb + old_end, tail)
+    if vlen:
+        memcpy(vb + old_start, value, vlen)
+    for k in range(j + 1, count + 1):
+        value_off[k] = <int32_t>(value_off[k] + delta)

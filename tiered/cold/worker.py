@@ -1,0 +1,324 @@
+"""The cold worker: a child process that does the cold tier's heavy work off the broker's GIL.
+
+Building and uploading segment objects, and fetching and checking the spans of records a cold
+read returns, are per-record Python loops and object-store I/O. In the broker's process they
+share one interpreter lock with every append; a heavy replay or a large upload made produce
+latency jump. ``ColdWorker`` runs them in one child process (``multiprocessing`` with the
+``spawn`` start method: no forked copy of the broker's threads and locks) with its own object
+store, fed through a pipe:
+
+- a job is a module-level function ``fn(tier, *args)`` and its arguments, pickled by reference;
+  the child runs up to ``threads`` of them at once and sends back the result or the exception;
+- at most ``max_inflight`` jobs are outstanding. ``submit(block=True)`` waits for room (the
+  offloader's back-pressure: its own thread waits, never an append); ``block=False`` refuses
+  with ``WorkerBusyError`` (a cold read answers "busy" rather than queue without bound);
+- a child that dies (kill -9, out of memory) fails every job it held with
+  ``WorkerCrashedError`` and is restarted at once. Its jobs are safe to run again: every job
+  is idempotent (a segment upload reuses its key and ``put_if_absent``; a read is a read), so
+  the caller resubmits them;
+- the broker's hot path never calls ``submit``; nothing here holds the interpreter lock while
+  it waits for the child.
+
+The child exits when the pipe closes (the broker stopped or died): it never outlives its
+parent's work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from tiered.cold.storage import ObjectStore, RetryPolicy, StorageError, open_store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A job: a module-level function of the child's object store and picklable arguments.
+Job = Callable[..., T]
+
+
+class WorkerCrashedError(StorageError):
+    """The cold worker died while it held the job; it has been restarted. The job is idempotent:
+    submit it again."""
+
+
+class WorkerBusyError(StorageError):
+    """``max_inflight`` jobs are already outstanding (``submit(block=False)``)."""
+
+
+class _RemoteError(Exception):
+    """An exception of the child that could not be pickled, as its type name and message."""
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if the parent can unpickle it, else its type and message as ``_RemoteError``: a
+    reply the parent cannot read would leave its job waiting forever."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return _RemoteError(f"{type(e).__name__}: {e}")
+
+
+def _warm_up(tier: ObjectStore) -> None:
+    try:
+        tier.size(".tmq-cold-worker-warm-up")
+    except Exception as e:  # an outage now is met again by the first real job
+        log.info("cold worker: the object store did not answer yet: %s", e)
+
+
+def _child_main(
+    conn: multiprocessing.connection.Connection,
+    tier_url: str,
+    tier_options: dict[str, Any],
+    retry: RetryPolicy,
+    threads: int,
+) -> None:
+    """The child: receive jobs, run them on ``threads`` threads, send back each outcome."""
+    # Ctrl-C and a SIGTERM to the broker's process group are the broker's to act on: it closes
+    # the pipe, and the child ends on that (also when the broker is killed outright).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tmq-cold-worker %(message)s")
+    tier = open_store(tier_url, tier_options, retry)
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-worker")
+    # The object store's first call sets up its session and connections (seconds with s3fs):
+    # made now, with a HEAD of a key nobody writes, rather than by the first upload.
+    pool.submit(_warm_up, tier)
+    send_lock = threading.Lock()
+
+    def run(job_id: int, fn: Job[Any], args: tuple[Any, ...]) -> None:
+        try:
+            reply: tuple[int, bool, Any] = (job_id, True, fn(tier, *args))
+        except BaseException as e:  # every failure goes back to the caller, named
+            reply = (job_id, False, _portable(e))
+        with send_lock, contextlib.suppress(OSError):  # OSError: the parent is gone
+            conn.send(reply)
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message is None:
+            break
+        pool.submit(run, *message)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ColdWorker:
+    """One supervised child process that runs the cold tier's jobs (see the module's text).
+
+    Lifecycle: ``start()`` spawns it (and its object store: ``tier_url``, ``tier_options`` and
+    ``retry`` are the broker's own, so it sees the same bucket with the same retry policy);
+    ``close()`` stops it. ``restarts`` counts the children restarted after a crash."""
+
+    def __init__(
+        self,
+        tier_url: str,
+        tier_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        *,
+        threads: int = 4,
+        max_inflight: int = 16,
+    ) -> None:
+        self.tier_url = tier_url
+        self.tier_options = dict(tier_options or {})
+        self.retry = retry or RetryPolicy()
+        self.threads = threads
+        self.max_inflight = max_inflight
+        self.restarts = 0
+        self._ctx = multiprocessing.get_context("spawn")
+        self._room = threading.BoundedSemaphore(max_inflight)
+        self._lock = threading.Lock()  # guards the process, the pipe and ``_pending``
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, Future[Any]] = {}
+        self._ids = itertools.count()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before ``start``)."""
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        with self._lock:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """A new child and its pipe, and the thread that reads its replies (under ``_lock``)."""
+        parent, child = self._ctx.Pipe(duplex=True)
+        for end in (parent, child):
+            _widen(end)
+        process = self._ctx.Process(
+            target=_child_main,
+            args=(child, self.tier_url, self.tier_options, self.retry, self.threads),
+            name="tmq-cold-worker",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        self._process, self._conn = process, parent
+        reader = threading.Thread(
+            target=self._read_replies,
+            args=(process, parent),
+            name=f"tmq-cold-worker-replies-{process.pid}",
+            daemon=True,
+        )
+        reader.start()
+
+    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]:
+        """Run ``fn(tier, *args)`` in the child. ``block``: wait for room when ``max_inflight``
+        jobs are outstanding; otherwise raise ``WorkerBusyError``."""
+        if not self._room.acquire(blocking=block):
+            raise WorkerBusyError(f"the cold worker has {self.max_inflight} jobs outstanding")
+        future: Future[T] = Future()
+        future.add_done_callback(lambda _: self._room.release())
+        with self._lock:
+            if self._closed or self._conn is None:
+                future.set_exception(StorageError("the cold worker is not running"))
+                return future
+            job_id = next(self._ids)
+            self._pending[job_id] = future
+            conn = self._conn
+        try:
+            with self._send_lock:
+                conn.send((job_id, fn, args))
+        except (OSError, ValueError):
+            # The child died under us: its reply thread fails the job and restarts it.
+            pass
+        return future
+
+    def _read_replies(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        conn: multiprocessing.connection.Connection,
+    ) -> None:
+        while True:
+            try:
+                job_id, ok, value = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:
+                # A reply that cannot be read leaves a job nobody can answer: treat it as a
+                # crash (every job of this child fails over to its successor).
+                log.exception("cold worker (pid %s): unreadable reply; restarting", process.pid)
+                process.kill()
+                continue
+            with self._lock:
+                future = self._pending.pop(job_id, None)
+            if future is None:
+                continue
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        process.join(timeout=5)
+        with self._lock:
+            if self._process is not process:
+                return  # closed, or already replaced
+            lost, self._pending = self._pending, {}
+            closing = self._closed
+            if not closing:
+                self.restarts += 1
+                log.error(
+                    "cold worker (pid %s) died (exit code %s) with %d job(s); restarting it",
+                    process.pid,
+                    process.exitcode,
+                    len(lost),
+                )
+                self._spawn()
+        for future in lost.values():
+            future.set_exception(
+                WorkerCrashedError(f"the cold worker (pid {process.pid}) died during the job")
+            )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the child: jobs not finished are failed. Idempotent."""
+        with self._lock:
+            self._closed = True
+            process, conn = self._process, self._conn
+            self._process = self._conn = None
+            lost, self._pending = self._pending, {}
+        if conn is not None:
+            try:
+                with self._send_lock:
+                    conn.send(None)
+            except (OSError, ValueError):
+                pass
+            conn.close()
+        if process is not None:
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout)
+        for future in lost.values():
+            future.set_exception(StorageError("the cold worker was stopped"))
+
+
+# Socket buffers of the pipe (a Unix socket pair): a reply of a 1 MiB span crosses in one or two
+# reads instead of sixteen. Each read is a wait for the GIL, up to the switch interval (5 ms)
+# while a thread decodes, so small buffers made a replay's fetches ten times slower.
+_PIPE_BUFFER = 4 << 20
+
+
+def _widen(conn: multiprocessing.connection.Connection) -> None:
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a dup
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, _PIPE_BUFFER)
+
+
+class LocalRunner:
+    """The same ``submit`` as ``ColdWorker``, on threads of this process against ``tier``: for
+    tools that run once (``tmq offload`` without a broker) and for stores that exist only in
+    this process (the fault-injecting wrapper of tests). Same bound, same back-pressure."""
+
+    def __init__(self, tier: ObjectStore, *, threads: int = 4, max_inflight: int = 16) -> None:
+        self.tier = tier
+        self.max_inflight = max_inflight
+        self._room = threading.BoundedSemaphore(max_inflight)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-local")
+
+    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]:
+        if not self._room.acquire(blocking=block):
+            raise WorkerBusyError(f"{self.max_inflight} cold jobs are outstanding")
+        future = self._pool.submit(fn, self.tier, *args)
+        future.add_done_callback(lambda _: self._room.release())
+        return future
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class JobRunner(Protocol):
+    """Where cold jobs run: ``ColdWorker`` (a child process) or ``LocalRunner`` (threads)."""
+
+    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]: ...
+
+    def close(self) -> None: ...
+
+
+def run_job(runner: JobRunner, fn: Job[T], *args: Any, attempts: int = 3) -> T:
+    """Run ``fn(tier, *args)`` and wait for it; a job cut off by a crash of the worker runs
+    again on its successor (at most ``attempts`` times in all)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return runner.submit(fn, *args).result()
+        except WorkerCrashedError:
+            if attempt == attempts:
+                raise
+            log.warning("the cold worker crashed under %s; running it again", fn.__name__)
+    raise AssertionError("unreachable")
