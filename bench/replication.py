@@ -5,8 +5,14 @@ Each setup runs real ``tmq broker start --config`` processes on loopback (tests/
 (min_in_sync_replicas 3), and ASYNC to 1 slave (whose replication lag is sampled under load).
 Two client threads send ``SendMessage`` batches of 32 messages of 1 KiB for ``SECONDS`` each.
 
-Failover is not built yet (docs/ha.md), so ``failover_p50_s``, ``failover_max_s`` and
-``acked_lost`` are reported as null. Prints one JSON object on its last line.
+Then failover (tests/ha_failover.py): a 3-node etcd, a group of three members electing their
+master, Apache's Python client producing one message per send, and ``KILLS`` (10) ``kill -9``s
+of whoever is master, each restarted to rejoin as a slave. SYNC with min_in_sync_replicas 2
+gives ``acked_lost`` (acknowledged messages missing from the queues afterwards: the goal is 0)
+and the failover times (last ack before a kill to the first ack after it): ``failover_p50_s``
+and ``failover_max_s``. ASYNC runs ``ASYNC_KILLS`` kills and reports acknowledged messages lost
+per kill. ``--failover-only`` skips the throughput part. Prints one JSON object on its last
+line.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from tests.broker_harness import free_port
+from tests.ha_failover import run_failover
 from tests.test_ha import TOPIC, GroupMember
 
 BODY = os.urandom(1024)
 BATCH = 32
 THREADS = 2
 SECONDS = 6.0
+KILLS = 10
+ASYNC_KILLS = 3
 
 
 def request() -> s.SendMessageRequest:
@@ -108,18 +117,32 @@ def run(root: Path, slaves: int, mode: str) -> dict[str, float]:
             m.stop()
 
 
+def failover(mode: str, kills: int) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix=f"tmq-bench-failover-{mode}-") as tmp:
+        summary = run_failover(Path(tmp), kills, mode).summary()
+    print(f"failover {mode}", summary, file=sys.stderr, flush=True)
+    return summary
+
+
 def main() -> None:
-    results = {}
+    failover_only = "--failover-only" in sys.argv[1:]
+    results: dict[str, dict[str, float]] = {}
     for name, slaves, mode in (
-        ("none", 0, "async"),
-        ("sync_1_slave", 1, "sync"),
-        ("sync_2_slaves", 2, "sync"),
-        ("async_1_slave", 1, "async"),
+        ()
+        if failover_only
+        else (
+            ("none", 0, "async"),
+            ("sync_1_slave", 1, "sync"),
+            ("sync_2_slaves", 2, "sync"),
+            ("async_1_slave", 1, "async"),
+        )
     ):
         with tempfile.TemporaryDirectory(prefix=f"tmq-bench-ha-{name}-") as tmp:
             results[name] = run(Path(tmp), slaves, mode)
         print(name, results[name], file=sys.stderr, flush=True)
-    none = results["none"]["msgs_per_s"]
+    sync = failover("sync", KILLS)
+    asynchronous = failover("async", ASYNC_KILLS)
+    none = results["none"]["msgs_per_s"] if results else None
     summary = {
         "bench": "replication",
         "message_bytes": len(BODY),
@@ -127,13 +150,26 @@ def main() -> None:
         "threads": THREADS,
         "seconds": SECONDS,
         "results": results,
-        "ratio_sync_vs_none": round(results["sync_1_slave"]["msgs_per_s"] / none, 3),
-        "ratio_sync_2_slaves_vs_none": round(results["sync_2_slaves"]["msgs_per_s"] / none, 3),
-        "async_lag_bytes_max": results["async_1_slave"].get("lag_bytes_max"),
-        "failover_p50_s": None,
-        "failover_max_s": None,
-        "acked_lost": None,
-        "note": "failover is not built yet; see docs/ha.md",
+        "ratio_sync_vs_none": round(results["sync_1_slave"]["msgs_per_s"] / none, 3)
+        if none
+        else None,
+        "ratio_sync_2_slaves_vs_none": round(results["sync_2_slaves"]["msgs_per_s"] / none, 3)
+        if none
+        else None,
+        "async_lag_bytes_max": results["async_1_slave"].get("lag_bytes_max") if none else None,
+        "kills": sync["kills"],
+        "acked_lost": sync["acked_lost"],
+        "duplicated_in_queues": sync["duplicated_in_queues"],
+        "failover_p50_s": sync["failover_p50_s"],
+        "failover_max_s": sync["failover_max_s"],
+        "failover_s": sync["failover_s"],
+        "groups_complete": all(sync["groups_complete"].values()),  # type: ignore[attr-defined]
+        "async_kills": asynchronous["kills"],
+        "async_acked_lost": asynchronous["acked_lost"],
+        "async_lost_per_kill": round(
+            asynchronous["acked_lost"] / max(1, asynchronous["kills"]),  # type: ignore[operator]
+            2,
+        ),
     }
     print(json.dumps(summary))
 

@@ -25,6 +25,7 @@ from broker.ha.gate import (
     ReplicationTimeoutError,
     SendGate,
 )
+from broker.ha.routes import group_queues
 from broker.metadata import (
     DEFAULT_MAX_DELIVERY_ATTEMPTS,
     PERM_READ,
@@ -213,21 +214,9 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 if route is None:
                     raise ProtocolError(d.TOPIC_NOT_FOUND, f"topic {topic} is not served")
         if route is not None:
-            return [
-                message_queue(
-                    topic,
-                    q,
-                    b.perm,
-                    b.message_type,
-                    b.broker_name,
-                    b.endpoint.host,
-                    b.endpoint.port,
-                    namespace,
-                )
-                for b in route.brokers
-                if b.broker_id == 0  # slaves take no sends; clients are routed to masters
-                for q in range(b.queues)
-            ]
+            # Slaves take no sends: a replica group is reached at its master, or at any member
+            # when members forward to it (broker/ha/routes.py).
+            return group_queues(route, topic, namespace)
         cfg = self._topic(topic, need=0)
         return [
             message_queue(

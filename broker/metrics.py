@@ -182,6 +182,31 @@ class BrokerCollector(Collector):
             )
             lag.add_metric([str(status.broker_id)], status.lag_bytes)
         yield lag
+        yield _gauge(
+            "tmq_replication_is_master",
+            "1 while this node is the group's master.",
+            int(status.role == "master"),
+        )
+        yield _gauge(
+            "tmq_replication_fenced",
+            "1 while this master is fenced (its controller lease lapsed or it was deposed).",
+            int(status.fenced),
+        )
+        yield CounterMetricFamily(
+            "tmq_replication_elections_won",
+            "Elections this node won (controller mode).",
+            value=status.elections_won,
+        )
+        yield CounterMetricFamily(
+            "tmq_replication_fencings",
+            "Times this node fenced itself as master (controller mode).",
+            value=status.fencings,
+        )
+        yield CounterMetricFamily(
+            "tmq_replication_role_changes",
+            "Replication role switches (follow, promote, demote) by the controller.",
+            value=status.role_changes,
+        )
 
     def _traffic(self) -> Iterator[Metric]:
         produced, consumed = self.sources.traffic.snapshot()

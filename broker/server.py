@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,8 +24,11 @@ from broker import acl_pb2, acl_pb2_grpc, admin_pb2, admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.authorization import AclServicer, BrokerPolicy
 from broker.config import BrokerConfig
-from broker.ha.gate import FencedGate, SendGate
+from broker.ha.controller import HaController
+from broker.ha.forward import ForwardingHandler
+from broker.ha.gate import FencedGate, ReplicationStatus, SendGate
 from broker.ha.master import ReplicationMaster
+from broker.ha.role import RoleSnapshot, RoleState
 from broker.ha.slave import ReplicationSlave
 from broker.messaging import BrokerIdentity, MessagingServicer
 from broker.metadata import BrokerMetadata, TopicConfig
@@ -138,7 +142,32 @@ class Broker:
         # A member of a replica group ([ha] enabled): streams its CommitLog to slaves, or
         # follows a master. None: a single broker.
         self.replication: ReplicationMaster | ReplicationSlave | None = None
-        if config.ha.enabled:
+        # This broker's role and epoch, for every part that must know (the send path, health,
+        # registration, offload): a single broker is a master of epoch 0.
+        self.role = RoleState("master" if not config.ha.enabled else config.ha.role, 0)
+        self.role.add_listener(self._role_changed)
+        # With [ha] etcd the group elects its master: the controller switches this broker
+        # between replication master and slave (broker/ha/controller.py).
+        self.controller: HaController | None = None
+        self._registered_id: int | None = None
+        self._forwarder: ForwardingHandler | None = None
+        if config.ha.enabled and config.ha.etcd:
+            epochs = EpochFile(config.store.data_dir / "ha")
+            self.controller = HaController(
+                self.store,
+                epochs,
+                config.ha,
+                config.cluster,
+                config.name,
+                lambda: f"{config.advertise_host}:{self.port}",
+                self.role,
+                make_master=lambda: ReplicationMaster(self.store, epochs, config.ha, self.metadata),
+                make_slave=lambda cfg: ReplicationSlave(
+                    self.store, epochs, cfg, self.metadata, self._register_now.set
+                ),
+                on_change=self._replication_changed,
+            )
+        elif config.ha.enabled:
             epochs = EpochFile(config.store.data_dir / "ha")
             if config.ha.role == "master":
                 self.replication = ReplicationMaster(self.store, epochs, config.ha, self.metadata)
@@ -156,7 +185,7 @@ class Broker:
                 offload_failures=lambda: self.offload_failures,
                 transactions=lambda: self.transactions,
                 timers=lambda: self.timers,
-                replication=lambda: self.replication.status() if self.replication else None,
+                replication=self._replication_status,
             )
         )
         self.port = 0
@@ -229,7 +258,20 @@ class Broker:
             )
             self.timers.start()
             self.transactions.start()
-            add_safely(service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server)
+            if self.controller is not None:
+                # Any member answers; what needs the master is forwarded to it (decision 134).
+                controller = self.controller
+                self._forwarder = ForwardingHandler(
+                    lambda target: add_safely(
+                        service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, target
+                    ),
+                    controller.forward_target,
+                )
+                server.add_generic_rpc_handlers((self._forwarder,))
+            else:
+                add_safely(
+                    service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server
+                )
             add_safely(
                 admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(
@@ -258,11 +300,15 @@ class Broker:
             for name in ("", MESSAGING_SERVICE, ADMIN_SERVICE, ACL_SERVICE):
                 self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._server = server
+            if self.controller is not None:
+                self.controller.start()  # after the port is known: members publish it
         except BaseException:
             self.metrics.close()
             self.transactions.stop()
             self.timers.stop()
-            if self.replication is not None:
+            if self.controller is not None:
+                self.controller.stop()
+            elif self.replication is not None:
                 self.replication.stop()
             if self.cold_worker is not None:
                 self.cold_worker.close()
@@ -293,6 +339,8 @@ class Broker:
         broker in epoch 0, a slave never."""
         if isinstance(self.replication, ReplicationSlave):
             return None
+        if self.controller is not None and not self.role.is_master():
+            return None  # fenced by the controller, or not yet elected
         epoch = self.replication.epoch if self.replication is not None else 0
         return Term(epoch, f"{self.config.name}@{self.config.advertise_host}:{self.port}")
 
@@ -315,9 +363,11 @@ class Broker:
         )
 
     def _send_gate(self) -> SendGate | None:
+        # With a controller, it is the gate: it asks whichever replication role is current.
+        inner = self.controller if self.controller is not None else self.replication
         if self.offloader is None:
-            return self.replication
-        return FencedGate(self.replication, self._fence_reason)
+            return inner
+        return FencedGate(inner, self._fence_reason)
 
     def _interceptors(self) -> list[grpc.ServerInterceptor]:
         """With ``[auth]`` on: every call signed, and allowed by the ACLs (docs/security.md).
@@ -352,7 +402,9 @@ class Broker:
     def registration(self) -> nspb.BrokerRegistration:
         """What the NameServers hear. A slave registers no topics: it is listed (``tmq
         status``) but routes lead clients to masters only, until slaves serve reads."""
-        serves = not isinstance(self.replication, ReplicationSlave)
+        # A controller-run group routes clients to every member (each forwards to the master,
+        # decision 134), so its slaves register their topics too.
+        serves = self.role.is_master() or self.controller is not None
         return nspb.BrokerRegistration(
             cluster=self.config.cluster,
             broker_name=self.config.name,
@@ -369,12 +421,53 @@ class Broker:
 
     @property
     def broker_id(self) -> int:
-        """0 for a master or a single broker, 1.. for slaves (RocketMQ's brokerId)."""
-        return self.config.ha.broker_id if self.config.ha.enabled else 0
+        """0 for a master or a single broker, 1.. for slaves (RocketMQ's brokerId). An elected
+        master is 0; it registers under its member id again once it is a slave."""
+        if not self.config.ha.enabled:
+            return 0
+        if self.controller is not None:
+            return 0 if self.role.is_master() else self.config.ha.broker_id
+        return self.config.ha.broker_id
 
     def register(self) -> None:
         if self.namesrv is not None:
-            self.namesrv.register(self.registration())
+            registration = self.registration()
+            previous, self._registered_id = self._registered_id, registration.broker_id
+            if previous is not None and previous != registration.broker_id:
+                # A promoted slave or a deposed master: its old entry must not route anyone.
+                self.namesrv.unregister(self.config.cluster, self.config.name, previous)
+            self.namesrv.register(registration)
+
+    def _replication_changed(self, current: ReplicationMaster | ReplicationSlave | None) -> None:
+        self.replication = current
+        self._register_now.set()
+
+    def _role_changed(self, snapshot: RoleSnapshot) -> None:
+        """A fenced master answers NOT_SERVING (load balancers and health checks move away);
+        every other role serves. Registration follows at once (brokerId 0 or the member id)."""
+        fenced = snapshot.role == "master" and snapshot.fenced
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if fenced
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        if self._server is not None:
+            for name in ("", MESSAGING_SERVICE):
+                self._health.set(name, status)
+        self._register_now.set()
+
+    def _replication_status(self) -> ReplicationStatus | None:
+        status = self.replication.status() if self.replication is not None else None
+        if status is None or self.controller is None:
+            return status
+        m = self.controller.metrics
+        return replace(
+            status,
+            fenced=self.role.fenced,
+            elections_won=m.elections_won,
+            fencings=m.fenced,
+            role_changes=m.role_changes,
+        )
 
     def _registration_loop(self) -> None:
         while not self._stop.is_set():
@@ -463,8 +556,11 @@ class Broker:
         goes on with the other queues and with release, which keeps what it cannot prove safe
         to delete. Only the master uploads and applies retention: a slave reads the watermark
         its master committed and releases below it; a fenced (deposed) master does neither
-        and keeps every tiered file (offload/release.py)."""
+        and keeps every tiered file (offload/release.py). A master the controller fenced
+        (broker/ha/controller.py) does nothing until it is a slave."""
         slave = isinstance(self.replication, ReplicationSlave)
+        if self.controller is not None and not slave and not self.role.is_master():
+            return
         if slave and self.offloader is not None:
             self._refresh_watermarks(self.offloader)
         self._report_fence()
@@ -620,7 +716,9 @@ class Broker:
         self.transactions.stop()
         self.timers.stop()
         self.metadata.flush_offsets(force=True)
-        if self.replication is not None:
+        if self.controller is not None:
+            self.controller.stop()
+        elif self.replication is not None:
             self.replication.stop()
         self.metadata.close()
         if self.fetcher is not None:

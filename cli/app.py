@@ -23,7 +23,7 @@ try:  # typer 0.2x parses with its own copy of click
 except ImportError:  # pragma: no cover (older typer: click itself)
     from click import exceptions as click_errors  # type: ignore[no-redef]
 
-from cli import acl, client, lakehouse, offload, retain, servers, status
+from cli import acl, client, cluster, lakehouse, offload, retain, servers, status
 from cli import store as store_commands
 from cli import topic as topic_commands
 from tiered.cold.credentials import scrub_known, scrub_logs, secret_values
@@ -90,6 +90,7 @@ app.command("verify")(offload.verify)
 app.command("status")(status.status)
 app.add_typer(store_commands.app, name="store")
 app.add_typer(lakehouse.app, name="lakehouse")
+app.add_typer(cluster.app, name="cluster")
 app.add_typer(acl.user_app, name="user")
 app.add_typer(acl.acl_app, name="acl")
 

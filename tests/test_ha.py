@@ -70,6 +70,9 @@ class GroupMember:
         file_size: int = FILE_SIZE,
         namesrv: str = "",
         peers: list[GroupMember] | None = None,
+        etcd: list[str] | None = None,
+        lease_ttl_ms: int = 2000,
+        max_lag_ms: int = 3000,
         env: dict[str, str] | None = None,
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
@@ -97,8 +100,10 @@ master = "{f"127.0.0.1:{master.ha_port}" if master else ""}"
 peers = {[f"127.0.0.1:{p.ha_port}" for p in peers or []]}
 mode = "{mode}"
 min_in_sync_replicas = {min_in_sync_replicas}
-max_lag_ms = 3000
+max_lag_ms = {max_lag_ms}
 sync_timeout_ms = {sync_timeout_ms}
+etcd = {etcd or []}
+lease_ttl_ms = {lease_ttl_ms}
 """
         )
         self.proc = subprocess.Popen(

@@ -43,3 +43,15 @@ def test_bad_ha_settings_are_refused_with_the_key(tmp_path: Path, body: str, mes
     path.write_text(f"[ha]\nenabled = true\n{body}\n")
     with pytest.raises(ValueError, match=message):
         load_config(path, env={})
+
+
+def test_with_etcd_the_member_id_is_one_or_more() -> None:
+    import pytest as _pytest
+
+    from broker.ha.config import HaConfig
+
+    HaConfig(enabled=True, role="slave", broker_id=2, etcd=["http://127.0.0.1:2379"])
+    with _pytest.raises(ValueError, match="stable id"):
+        HaConfig(enabled=True, broker_id=0, etcd=["http://127.0.0.1:2379"])
+    with _pytest.raises(ValueError, match="lease_ttl_ms"):
+        HaConfig(lease_ttl_ms=500)

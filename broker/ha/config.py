@@ -40,6 +40,13 @@ class HaConfig:
     max_lag_ms: int = 15_000
     # How long a SYNC send waits for its replicas before failing (RocketMQ's syncFlushTimeout).
     sync_timeout_ms: int = 5_000
+    # The controller: etcd endpoints ("http://host:2379"). Set, the group elects its master
+    # (role is then decided by election, and broker_id is this member's stable id, 1 and up);
+    # empty, roles are fixed by ``role`` (docs/ha.md).
+    etcd: list[str] = field(default_factory=list)
+    # The member's etcd lease: a master whose lease expires is replaced (RocketMQ's
+    # controller heartbeat timeout).
+    lease_ttl_ms: int = 2_000
 
     def __post_init__(self) -> None:
         if self.role not in ("master", "slave"):
@@ -50,16 +57,25 @@ class HaConfig:
             raise ValueError("[ha] min_in_sync_replicas must be at least 1")
         if self.max_lag_ms <= 0 or self.sync_timeout_ms <= 0:
             raise ValueError("[ha] max_lag_ms and sync_timeout_ms must be positive")
+        if self.lease_ttl_ms < 1000:
+            raise ValueError("[ha] lease_ttl_ms must be at least 1000 (etcd leases are in seconds)")
         if not self.enabled:
+            return
+        parse_address(self.listen, "listen")
+        for peer in self.peers:
+            parse_address(peer, "peers")
+        if self.etcd:
+            if self.broker_id < 1:
+                raise ValueError(
+                    "[ha] with etcd, broker_id is the member's stable id and must be 1 or more "
+                    "(the elected master is routed as broker id 0)"
+                )
             return
         if (self.role == "master") != (self.broker_id == 0):
             raise ValueError(
                 f"[ha] broker_id {self.broker_id} with role {self.role}: the master is 0, "
                 "slaves are 1 and up"
             )
-        parse_address(self.listen, "listen")
-        for peer in self.peers:
-            parse_address(peer, "peers")
         if self.role == "slave":
             if self.master:
                 parse_address(self.master, "master")

@@ -71,6 +71,11 @@ class ReplicationStatus:
     connected: bool = True  # a slave: whether it is following one now
     lag_bytes: int = 0  # a slave: how far behind the master's last reported end
     last_error: str | None = None
+    # With a controller ([ha] etcd): this node fenced itself, and its election counters.
+    fenced: bool = False
+    elections_won: int = 0
+    fencings: int = 0
+    role_changes: int = 0
 
 
 class FencedError(NotMasterError):

@@ -84,8 +84,10 @@ class ReplicationMaster:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> int:
-        """Begin a new epoch at the CommitLog's end, listen for slaves; returns the port."""
+    def start(self, epoch: int | None = None) -> int:
+        """Begin a new epoch at the CommitLog's end, listen for slaves; returns the port.
+        ``epoch``: the one the controller handed out (it must exceed every epoch on file);
+        None: this node's last epoch plus one (fixed roles, decision 113)."""
         host, port = parse_address(self.config.listen, "listen")
         try:
             listener = socket.create_server((host, port), reuse_port=False)
@@ -100,7 +102,10 @@ class ReplicationMaster:
         self.epochs.truncate_from(end + 1)  # entries past the log: a crash cut the tail
         if not self.epochs.entries and end > self.store.min_physical_offset:
             self.epochs.append(0, self.store.min_physical_offset)  # history from before HA
-        self.epoch = max(self.epochs.last_epoch + 1, 1)
+        self.epoch = max(self.epochs.last_epoch + 1, 1) if epoch is None else epoch
+        if self.epoch <= self.epochs.last_epoch:
+            listener.close()
+            raise ValueError(f"epoch {self.epoch} is not past {self.epochs.last_epoch} on file")
         self.epochs.append(self.epoch, end)
         self._listener = listener
         self.port = listener.getsockname()[1]

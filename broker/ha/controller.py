@@ -1,0 +1,428 @@
+"""The replica group's controller client: registration, election and failover through etcd
+(decisions 130-133).
+
+Keys, under ``/tmq/ha/{cluster}/{broker name}/``:
+
+- ``members/{id}`` (on the member's lease): ``{"id", "ha", "endpoint", "role", "epoch",
+  "last_epoch", "max_offset"}``, refreshed every tick; it vanishes when the member dies.
+- ``master`` (on the master's lease): ``{"id", "epoch", "ha", "endpoint"}``; it vanishes when
+  the master's lease expires, which is what starts an election.
+- ``state`` (no lease): ``{"epoch", "master", "sync_state_set"}``, the group's current epoch and
+  the members that hold everything acknowledged. Only the master changes the SyncStateSet, and
+  only by a compare-and-swap on its mod revision.
+
+Election (one thread per broker, ``tmq-ha-controller``, every ``_TICK_S``): when ``master`` is
+absent, the live members named in ``state.sync_state_set`` are the candidates (any live member
+when no state exists yet: a new group). Each waits a few ticks so that every candidate has
+published its final CommitLog end, then the one with the highest (last epoch, end, lowest id)
+tries one transaction: ``master`` absent and ``state`` unchanged -> put ``master`` on its lease
+and ``state`` with epoch + 1 and a SyncStateSet of itself. The winner stops following, becomes
+writable and starts its replication master in the new epoch; the others follow it.
+
+A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
+(no successful keepalive for 2/3 of the TTL), or it sees another master or a newer epoch; a
+fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from broker.ha.config import HaConfig
+from broker.ha.etcd import Compare, EtcdClient, EtcdUnavailableError, KeyValue, put_op
+from broker.ha.gate import NotMasterError, ReplicationStatus
+from broker.ha.master import ReplicationMaster
+from broker.ha.role import RoleState
+from broker.ha.slave import ReplicationSlave
+from tiered.epoch_file import EpochFile
+from tiered.store import MessageStore
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.2
+# Ticks an election waits after the master vanished, for every candidate's final end.
+_SETTLE_TICKS = 3
+
+
+@dataclass(slots=True, frozen=True)
+class Member:
+    id: int
+    ha: str
+    endpoint: str
+    role: str
+    epoch: int
+    last_epoch: int
+    max_offset: int
+    # Messages in this node's ConsumeQueues (their max offsets summed): lag in messages.
+    messages: int = 0
+
+
+@dataclass(slots=True)
+class GroupView:
+    """What etcd said at one tick."""
+
+    members: dict[int, Member]
+    master: dict[str, Any] | None
+    master_kv: KeyValue | None
+    state: dict[str, Any] | None
+    state_kv: KeyValue | None
+
+
+class ControllerMetrics:
+    """Counters for /metrics."""
+
+    def __init__(self) -> None:
+        self.elections_won = 0
+        self.elections_lost = 0
+        self.fenced = 0
+        self.role_changes = 0
+
+
+class HaController:
+    """Runs this broker's part of the group: which replication role it plays, and when."""
+
+    def __init__(
+        self,
+        store: MessageStore,
+        epochs: EpochFile,
+        config: HaConfig,
+        cluster: str,
+        name: str,
+        endpoint: Callable[[], str],
+        role: RoleState,
+        make_master: Callable[[], ReplicationMaster],
+        make_slave: Callable[[HaConfig], ReplicationSlave],
+        on_change: Callable[[ReplicationMaster | ReplicationSlave | None], None],
+    ) -> None:
+        self.store = store
+        self.epochs = epochs
+        self.config = config
+        self.node_id = config.broker_id
+        self.endpoint = endpoint
+        self.role = role
+        self.etcd = EtcdClient(config.etcd)
+        self.prefix = f"/tmq/ha/{cluster}/{name}/".encode()
+        self._make_master = make_master
+        self._make_slave = make_slave
+        self._on_change = on_change
+        self.current: ReplicationMaster | ReplicationSlave | None = None
+        self.following: str | None = None
+        # The current master's gRPC endpoint as etcd names it (None: none, or this node).
+        self.master_endpoint: str | None = None
+        self.metrics = ControllerMetrics()
+        self.last_error: str | None = None
+        self._lease = 0
+        self._lease_ok_at = 0.0
+        self._keepalive_at = 0.0
+        self._published_sss: list[int] | None = None
+        self._absent_ticks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start as a fenced member (no sends) until the first tick decides the role."""
+        self.epochs.load()
+        self.store.set_replica(True)
+        self.role.set("slave", self.epochs.last_epoch if self.epochs.entries else 0)
+        self._thread = threading.Thread(target=self._run, name="tmq-ha-controller", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            if self.current is not None:
+                self.current.stop()
+        if self._lease:
+            # Hand over at once rather than after the TTL: a clean stop is a fast failover.
+            with contextlib.suppress(EtcdUnavailableError):
+                self.etcd.revoke(self._lease)
+
+    def status(self) -> ReplicationStatus | None:
+        current = self.current
+        return current.status() if current is not None else None
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _key(self, suffix: str) -> bytes:
+        return self.prefix + suffix.encode()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+                self.last_error = None
+            except EtcdUnavailableError as e:
+                self.last_error = str(e)
+                log.warning("controller: %s", e)
+                self._check_lease_deadline()
+            except Exception as e:  # never die: log and try again next tick
+                self.last_error = str(e)
+                log.exception("controller tick failed")
+            self._stop.wait(_TICK_S)
+
+    def _ttl_s(self) -> int:
+        return max(1, round(self.config.lease_ttl_ms / 1000))
+
+    def _ensure_lease(self) -> None:
+        now = time.monotonic()
+        if self._lease and now - self._keepalive_at < self._ttl_s() / 3:
+            return
+        if self._lease:
+            if self.etcd.keepalive(self._lease) > 0:
+                self._lease_ok_at = self._keepalive_at = now
+                return
+            log.warning("controller: lease %x expired; taking a new one", self._lease)
+            self._lease = 0
+            self._lose_mastership("its etcd lease expired")
+        self._lease = self.etcd.grant(self._ttl_s())
+        self._lease_ok_at = self._keepalive_at = now
+
+    def _check_lease_deadline(self) -> None:
+        """No answer from etcd: a master that cannot prove its lease is alive fences itself
+        before the lease can expire in etcd (2/3 of the TTL since the last renewal)."""
+        if self.role.is_master() and time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
+            self._lose_mastership("etcd is unreachable; its lease may have expired")
+
+    def _lose_mastership(self, why: str) -> None:
+        if self.role.is_master():
+            log.error("controller: fencing this master (epoch %d): %s", self.role.epoch, why)
+            self.metrics.fenced += 1
+            self.role.fence()
+
+    def _member_doc(self) -> bytes:
+        snap = self.role.get()
+        return json.dumps(
+            {
+                "id": self.node_id,
+                "ha": self.config.listen,
+                "endpoint": self.endpoint(),
+                "role": "master" if snap.is_writable_master else "slave",
+                "epoch": snap.epoch,
+                "last_epoch": self.epochs.last_epoch,
+                "max_offset": self.store.max_physical_offset,
+                "messages": sum(
+                    self.store.max_offset(topic, q)
+                    for topic in self.store.topics()
+                    for q in self.store.queue_ids(topic)
+                ),
+            },
+            sort_keys=True,
+        ).encode()
+
+    def _read(self) -> GroupView:
+        members: dict[int, Member] = {}
+        master = state = None
+        master_kv = state_kv = None
+        for kv in self.etcd.get_prefix(self.prefix):
+            suffix = kv.key[len(self.prefix) :].decode()
+            doc = json.loads(kv.value)
+            if suffix.startswith("members/"):
+                members[int(doc["id"])] = Member(**doc)
+            elif suffix == "master":
+                master, master_kv = doc, kv
+            elif suffix == "state":
+                state, state_kv = doc, kv
+        return GroupView(members, master, master_kv, state, state_kv)
+
+    def _tick(self) -> None:
+        self._ensure_lease()
+        self.etcd.put(self._key(f"members/{self.node_id}"), self._member_doc(), self._lease)
+        view = self._read()
+        master = view.master
+        self.master_endpoint = (
+            str(master["endpoint"])
+            if master is not None and int(master["id"]) != self.node_id
+            else None
+        )
+        snap = self.role.get()
+        if snap.is_writable_master:
+            self._as_master(view)
+            return
+        if view.master is not None and int(view.master["id"]) != self.node_id:
+            self._absent_ticks = 0
+            self._follow(view.master)
+            return
+        if view.master is not None:
+            # etcd names this node master but it is not (a restart within the lease): let
+            # that lease lapse; a fresh election follows.
+            return
+        self._absent_ticks += 1
+        if self._absent_ticks > _SETTLE_TICKS:
+            self._elect(view)
+
+    # -- master --------------------------------------------------------------------------------
+
+    def _as_master(self, view: GroupView) -> None:
+        epoch = self.role.epoch
+        master, state = view.master, view.state
+        if (
+            master is None
+            or int(master["id"]) != self.node_id
+            or state is None
+            or int(state["epoch"]) != epoch
+        ):
+            self._lose_mastership(
+                f"etcd names master {master and master['id']} in epoch {state and state['epoch']}"
+            )
+            return
+        current = self.current
+        if not isinstance(current, ReplicationMaster):
+            return
+        sss = sorted({self.node_id, *(i for i in current.sync_state_set() if i != 0)})
+        if sss != state.get("sync_state_set") and view.state_kv is not None:
+            doc = dict(state, sync_state_set=sss)
+            ok = self.etcd.txn(
+                [
+                    Compare(self._key("state"), "MOD", view.state_kv.mod_revision),
+                    Compare(self._key("master"), "MOD", view.master_kv.mod_revision)
+                    if view.master_kv is not None
+                    else Compare(self._key("master"), "VERSION", 1),
+                ],
+                [put_op(self._key("state"), json.dumps(doc, sort_keys=True).encode())],
+            )
+            if ok:
+                log.info("controller: SyncStateSet of epoch %d is now %s", epoch, sss)
+
+    # -- slave ---------------------------------------------------------------------------------
+
+    def _follow(self, master: dict[str, Any]) -> None:
+        address = str(master["ha"])
+        epoch = int(master["epoch"])
+        if self.following == address and isinstance(self.current, ReplicationSlave):
+            if epoch > self.role.epoch:
+                self.role.set("slave", epoch)
+            return
+        log.warning(
+            "controller: following master %s at %s (epoch %d)", master["id"], address, epoch
+        )
+        with self._lock:
+            self._switch(None)
+            slave = self._make_slave(replace(self.config, master=address, peers=[]))
+            self.role.set("slave", epoch)
+            slave.start()
+            self.following = address
+            self._switch(slave)
+
+    def _switch(self, new: ReplicationMaster | ReplicationSlave | None) -> None:
+        old = self.current
+        if old is not None and new is None:
+            old.stop()
+        self.current = new
+        if new is not None or old is not None:
+            self.metrics.role_changes += 1
+            self._on_change(new)
+
+    # -- election ------------------------------------------------------------------------------
+
+    def _elect(self, view: GroupView) -> None:
+        state = view.state
+        live = view.members
+        if state is None:
+            candidates = list(live.values())
+        else:
+            sss = set(int(i) for i in state.get("sync_state_set", []))
+            candidates = [m for m in live.values() if m.id in sss]
+        if not any(m.id == self.node_id for m in candidates):
+            if self._absent_ticks % 25 == 0:
+                log.warning(
+                    "controller: no master, and this member (%d) is not in the SyncStateSet %s; "
+                    "waiting for one of them",
+                    self.node_id,
+                    state and state.get("sync_state_set"),
+                )
+            return
+        best = max(candidates, key=lambda m: (m.last_epoch, m.max_offset, -m.id))
+        if best.id != self.node_id:
+            return
+        # Stop following first: this node's end is final from here on.
+        with self._lock:
+            self._switch(None)
+            self.following = None
+        state_epoch = int(state["epoch"]) if state is not None else 0
+        epoch = max(state_epoch, self.epochs.last_epoch) + 1
+        master_doc = {
+            "id": self.node_id,
+            "epoch": epoch,
+            "ha": self.config.listen,
+            "endpoint": self.endpoint(),
+        }
+        state_doc = {"epoch": epoch, "master": self.node_id, "sync_state_set": [self.node_id]}
+        state_cmp = (
+            Compare(self._key("state"), "MOD", view.state_kv.mod_revision)
+            if view.state_kv is not None
+            else Compare(self._key("state"), "VERSION", 0)
+        )
+        won = self.etcd.txn(
+            [Compare(self._key("master"), "VERSION", 0), state_cmp],
+            [
+                put_op(self._key("master"), json.dumps(master_doc).encode(), self._lease),
+                put_op(self._key("state"), json.dumps(state_doc).encode()),
+            ],
+        )
+        if not won:
+            self.metrics.elections_lost += 1
+            log.info("controller: another member won the election")
+            return
+        self.metrics.elections_won += 1
+        log.warning(
+            "controller: elected master of epoch %d (CommitLog end %d, candidates %s)",
+            epoch,
+            self.store.max_physical_offset,
+            sorted(m.id for m in candidates),
+        )
+        self._promote(epoch)
+
+    def _promote(self, epoch: int) -> None:
+        with self._lock:
+            store = self.store
+            # Rebuild the next queue offsets from the ConsumeQueues (decision 111): wait for
+            # this node's dispatcher to cover every replicated byte, then become writable.
+            store.truncate_to(store.max_physical_offset)
+            store.set_replica(False)
+            master = self._make_master()
+            try:
+                master.start(epoch)
+            except Exception:
+                store.set_replica(True)
+                raise
+            self.role.set("master", epoch)
+            self._switch(master)
+
+    def forward_target(self) -> str | None:
+        """Where client requests that need the master go: None to answer them here (this node
+        is the writable master, or no other master is known)."""
+        if self.role.is_master():
+            return None
+        return self.master_endpoint
+
+    def check_writable(self) -> None:
+        if not self.role.is_master():
+            raise NotMasterError(
+                f"member {self.node_id} is not the group's master (role {self.role.role}, "
+                f"fenced {self.role.fenced})"
+            )
+        current = self.current
+        if not isinstance(current, ReplicationMaster):
+            raise NotMasterError(f"member {self.node_id} is still becoming master")
+        current.check_writable()
+
+    def wait_replicated(self, end_offset: int) -> None:
+        current = self.current
+        if not isinstance(current, ReplicationMaster):
+            raise NotMasterError(f"member {self.node_id} stopped being master")
+        current.wait_replicated(end_offset)
+        if not self.role.is_master():
+            # Deposed while the send waited: the new master may lack it; do not acknowledge.
+            raise NotMasterError(f"member {self.node_id} was fenced before acknowledging")

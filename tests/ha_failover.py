@@ -1,0 +1,310 @@
+"""The failover scenario, shared by tests/test_ha_failover.py (a few kills) and
+bench/replication.py (ten): a 3-node etcd, a NameServer, and one replica group of three
+``tmq broker start --config`` processes electing their master through etcd. Apache's Python
+client produces continuously (one message per send, each body unique); the master is killed
+with SIGKILL ``kills`` times (each new master is the next victim) and restarted, so that it
+rejoins as a slave. Afterwards every consumer group receives every message, and the queues are
+read back to count losses and duplicates."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.broker_harness import REPO, free_port, pull_all, tmq
+from tests.etcd_harness import EtcdCluster
+from tests.test_ha import QUEUES, TOPIC, GroupMember
+
+
+@dataclass
+class FailoverResult:
+    acked: int = 0
+    acked_lost: int = 0
+    duplicated_in_queues: int = 0
+    failover_s: list[float] = field(default_factory=list)
+    groups_complete: dict[str, bool] = field(default_factory=dict)
+    send_failures: int = 0
+    epochs: list[int] = field(default_factory=list)
+    # `tmq cluster status --json` at the end.
+    cluster_status: list[dict[str, Any]] = field(default_factory=list)
+    send_errors: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        times = sorted(self.failover_s)
+        return {
+            "kills": len(times),
+            "acked": self.acked,
+            "acked_lost": self.acked_lost,
+            "duplicated_in_queues": self.duplicated_in_queues,
+            "failover_p50_s": round(statistics.median(times), 2) if times else None,
+            "failover_max_s": round(max(times), 2) if times else None,
+            "failover_s": [round(t, 2) for t in times],
+            "send_failures": self.send_failures,
+            "send_errors": self.send_errors,
+            "groups_complete": self.groups_complete,
+            "epochs": self.epochs,
+        }
+
+
+def wait_for(what: str, condition: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except Exception:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.1)
+
+
+def is_master(member: GroupMember) -> bool:
+    return (
+        member.proc is not None
+        and member.proc.poll() is None
+        and (
+            member.metric("tmq_replication_is_master") == 1
+            and member.metric("tmq_replication_fenced") == 0
+        )
+    )
+
+
+class Producer:
+    """Apache's Producer, sending ``body-{n}`` for n = 0, 1, 2, ... until stopped; records which
+    were acknowledged and when."""
+
+    def __init__(self, access_points: str) -> None:
+        from rocketmq import ClientConfiguration, Credentials
+        from rocketmq import Producer as ApacheProducer
+
+        config = ClientConfiguration(access_points, Credentials(), request_timeout=5)
+        self.producer = ApacheProducer(config, topics=[TOPIC])
+        # n -> when its (successful) send started and when it was acknowledged
+        self.acked: dict[int, tuple[float, float]] = {}
+        self.failures = 0
+        self.errors: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="failover-producer", daemon=True)
+
+    def start(self) -> None:
+        self.producer.startup()
+        self._thread.start()
+
+    def _run(self) -> None:
+        from rocketmq import Message
+
+        n = 0
+        while not self._stop.is_set():
+            m = Message()
+            m.topic = TOPIC
+            m.body = f"body-{n}".encode()
+            m.keys = f"key-{n}"
+            started = time.monotonic()
+            try:
+                self.producer.send(m)
+            except Exception as e:
+                self.failures += 1
+                self.errors[str(e)[:160]] += 1
+                time.sleep(0.05)
+            else:
+                self.acked[n] = (started, time.monotonic())
+            n += 1
+
+    def acked_since(self, t: float) -> int:
+        """Sends started after ``t`` and acknowledged."""
+        return sum(1 for started, _ in list(self.acked.values()) if started > t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        self.producer.shutdown()
+
+
+def consume_all(access_points: str, group: str, want: set[int], seconds: float) -> set[int]:
+    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+
+    config = ClientConfiguration(access_points, Credentials(), request_timeout=10)
+    consumer = SimpleConsumer(config, group, {TOPIC: FilterExpression()}, await_duration=2)
+    consumer.startup()
+    got: set[int] = set()
+    deadline = time.monotonic() + seconds
+    try:
+        while not want <= got and time.monotonic() < deadline:
+            try:
+                messages = consumer.receive(32, 30)
+            except Exception:
+                time.sleep(0.2)
+                continue
+            for m in messages:
+                got.add(int(m.body.decode().split("-")[1]))
+                consumer.ack(m)
+    finally:
+        consumer.shutdown()
+    return got
+
+
+def start_namesrv(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.app", *command],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=(root / "namesrv.log").open("ab"),
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+class Group:
+    """Three members with controller-elected roles."""
+
+    def __init__(
+        self, root: Path, etcd: EtcdCluster, namesrv: str, mode: str, max_lag_ms: int = 3000
+    ) -> None:
+        self.max_lag_ms = max_lag_ms
+        self.members = [GroupMember(root, f"node{i}", free_port()) for i in (1, 2, 3)]
+        self.etcd = etcd
+        self.namesrv = namesrv
+        self.mode = mode
+
+    def start(self, member: GroupMember) -> None:
+        member.start(
+            "slave",
+            self.members.index(member) + 1,
+            mode=self.mode,
+            min_in_sync_replicas=2 if self.mode == "sync" else 1,
+            sync_timeout_ms=3000,
+            namesrv=self.namesrv,
+            etcd=self.etcd.endpoints,
+            lease_ttl_ms=2000,
+            max_lag_ms=self.max_lag_ms,
+            file_size=4 << 20,
+        )
+
+    @property
+    def access_points(self) -> str:
+        return ";".join(m.endpoint for m in self.members)
+
+    def master(self) -> GroupMember | None:
+        for m in self.members:
+            try:
+                if is_master(m):
+                    return m
+            except OSError:
+                continue
+        return None
+
+    def in_sync(self, size: int) -> bool:
+        master = self.master()
+        return master is not None and (master.metric("tmq_replication_sync_state_set_size") == size)
+
+    def routed(self) -> bool:
+        """Every live member is in the topic's route (clients can fail over without waiting
+        for their next route refresh)."""
+        import grpc
+        from rocketmq.grpc_protocol import definition_pb2 as d
+        from rocketmq.grpc_protocol import service_pb2 as s
+        from rocketmq.grpc_protocol import service_pb2_grpc
+
+        live = {m.grpc_port for m in self.members if m.proc is not None and m.proc.poll() is None}
+        master = self.master()
+        if master is None:
+            return False
+        with grpc.insecure_channel(master.endpoint) as channel:
+            reply = service_pb2_grpc.MessagingServiceStub(channel).QueryRoute(
+                s.QueryRouteRequest(topic=d.Resource(name=TOPIC)), timeout=5
+            )
+        ports = {a.port for q in reply.message_queues for a in q.broker.endpoints.addresses}
+        return ports == live
+
+    def kill_all(self) -> None:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.kill()
+                m.proc.wait()
+
+
+def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
+    result = FailoverResult()
+    etcd = EtcdCluster(root).start()
+    namesrv, namesrv_address = start_namesrv(root)
+    group = Group(root, etcd, namesrv_address, mode)
+    producer: Producer | None = None
+    try:
+        first = group.members[0]
+        group.start(first)
+        wait_for("node1 is elected master", lambda: is_master(first))
+        for m in group.members[1:]:
+            group.start(m)
+        first.create_topic()
+        wait_for("all three are in sync", lambda: group.in_sync(3))
+        wait_for("all three are routed", group.routed)
+        producer = Producer(group.access_points)
+        producer.start()
+        wait_for("the producer is acknowledged", lambda: len(producer.acked) >= 50)
+        for _ in range(kills):
+            victim = wait_for("a master", group.master)
+            wait_for("all three are in sync", lambda: group.in_sync(3), timeout=90)
+            mark = time.monotonic()
+            wait_for("acks before the kill", lambda m=mark: producer.acked_since(m) >= 20)
+            victim.kill9()
+            killed_at = time.monotonic()
+            last_before = max(at for _, at in list(producer.acked.values()) if at <= killed_at)
+            try:
+                wait_for(
+                    "an acknowledgement after the kill",
+                    lambda k=killed_at: producer.acked_since(k) > 0,
+                    timeout=120,
+                )
+            except AssertionError as e:
+                errors = producer.errors.most_common(5)
+                raise AssertionError(f"{e}; send errors: {errors}") from None
+            first_after = min(at for st, at in list(producer.acked.values()) if st > killed_at)
+            result.failover_s.append(first_after - last_before)
+            new_master = wait_for("a new master", group.master)
+            epoch = new_master.metric("tmq_replication_epoch")
+            result.epochs.append(int(epoch or 0))
+            group.start(victim)  # the old master returns: it truncates and rejoins as a slave
+        wait_for("all three are in sync", lambda: group.in_sync(3), timeout=90)
+        time.sleep(1)
+        producer.stop()
+        result.send_failures = producer.failures
+        result.send_errors = dict(producer.errors.most_common(5))
+        acked = set(producer.acked)
+        producer = None
+        result.acked = len(acked)
+        master = wait_for("a master", group.master)
+        bodies = Counter(
+            int(m.body.decode().split("-")[1]) for m in pull_all(master, TOPIC, QUEUES)
+        )
+        result.acked_lost = len(acked - set(bodies))
+        result.duplicated_in_queues = sum(c - 1 for c in bodies.values() if c > 1)
+        for name in ("g-failover-1", "g-failover-2"):
+            got = consume_all(group.access_points, name, acked, seconds=90)
+            result.groups_complete[name] = acked <= got
+        status = tmq("cluster", "status", "--etcd", ",".join(etcd.endpoints), "--json")
+        assert status.returncode == 0, status.stderr
+        result.cluster_status = json.loads(status.stdout)
+        return result
+    finally:
+        if producer is not None:
+            producer.stop()
+        group.kill_all()
+        namesrv.send_signal(signal.SIGTERM)
+        try:
+            namesrv.wait(10)
+        except subprocess.TimeoutExpired:
+            namesrv.kill()
+            namesrv.wait()
+        etcd.stop()

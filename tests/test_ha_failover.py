@@ -1,0 +1,232 @@
+"""Failover with a real 3-node etcd as the controller: a replica group of three broker processes
+elects its master, Apache's Python client produces through repeated ``kill -9`` of the master,
+and nothing acknowledged is lost (tests/ha_failover.py runs the scenario; bench/replication.py
+runs it with ten kills)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from rocketmq.grpc_protocol import definition_pb2 as d
+
+from broker.ha.etcd import Compare, EtcdClient, put_op
+from tests.broker_harness import pull_all
+from tests.etcd_harness import EtcdCluster
+from tests.ha_failover import Group, is_master, run_failover, start_namesrv, wait_for
+from tests.test_ha import QUEUES, TOPIC, caught_up, commitlog_files, open_store, queue_entries, send
+
+
+def test_etcd_compare_and_swap_and_leases(tmp_path: Path) -> None:
+    """The controller's primitives against a real 3-node etcd: only one of two racing
+    transactions wins, and a key on a lease vanishes when the lease is not kept alive."""
+    etcd = EtcdCluster(tmp_path).start()
+    try:
+        a, b = EtcdClient(etcd.endpoints), EtcdClient(list(reversed(etcd.endpoints)))
+        lease = a.grant(1)
+        key = b"/tmq/test/master"
+        won = [
+            c.txn([Compare(key, "VERSION", 0)], [put_op(key, json.dumps(i).encode(), lease)])
+            for i, c in enumerate((a, b))
+        ]
+        assert won == [True, False]
+        got = b.get(key)
+        assert got is not None and got.value == b"0" and got.lease == lease
+        deadline = 10.0
+        start = time.monotonic()
+        while b.get(key) is not None:
+            assert time.monotonic() - start < deadline, "the leased key outlived its lease"
+            time.sleep(0.2)
+        assert a.keepalive(lease) == 0
+    finally:
+        etcd.stop()
+
+
+def test_sync_group_survives_repeated_kill_9_of_the_master(tmp_path: Path) -> None:
+    """SYNC, min_in_sync_replicas = 2, three kills of whoever is master (each restarted to
+    rejoin as a slave, truncating its divergent tail): zero acknowledged messages lost, none
+    duplicated in the queues, every consumer group receives every message, and each failover
+    started a new epoch."""
+    result = run_failover(tmp_path, kills=3, mode="sync")
+    summary = result.summary()
+    assert result.acked > 100, summary
+    assert result.acked_lost == 0, summary
+    assert result.duplicated_in_queues == 0, summary
+    assert all(result.groups_complete.values()) and len(result.groups_complete) == 2, summary
+    assert len(result.epochs) == 3 and result.epochs == sorted(set(result.epochs)), summary
+    assert max(result.failover_s) < 60, summary
+    # `tmq cluster status --json`: the last elected master, its epoch, all three in sync.
+    (group,) = result.cluster_status
+    assert group["epoch"] == result.epochs[-1]
+    assert sorted(group["sync_state_set"]) == [1, 2, 3]
+    assert [m["role"] for m in group["members"]].count("master") == 1
+    master = next(m for m in group["members"] if m["role"] == "master")
+    assert group["master"] == master["id"]
+    assert master["lag_bytes"] == master["lag_messages"] == 0
+    assert all(m["lag_bytes"] >= 0 and m["lag_messages"] >= 0 for m in group["members"])
+
+
+@contextlib.contextmanager
+def two_members(
+    tmp_path: Path, mode: str, max_lag_ms: int = 3000
+) -> Iterator[tuple[EtcdCluster, Group]]:
+    """A 3-node etcd, a NameServer and members 1 (elected master) and 2 (its slave, holding the
+    topic) of a controller-run group; everything is killed afterwards (etcd thawed first, in
+    case a test froze it)."""
+    etcd = EtcdCluster(tmp_path).start()
+    namesrv, namesrv_address = start_namesrv(tmp_path)
+    group = Group(tmp_path, etcd, namesrv_address, mode, max_lag_ms)
+    a, b = group.members[0], group.members[1]
+    try:
+        group.start(a)
+        wait_for("a is elected", lambda: is_master(a))
+        group.start(b)
+        a.create_topic()
+        # Metadata follows within a second of a change (docs/ha.md names the window).
+        wait_for("b has the topic", b.has_topic)
+        yield etcd, group
+    finally:
+        for p in etcd.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+        group.kill_all()
+        namesrv.kill()
+        namesrv.wait()
+        etcd.stop()
+
+
+STALLED = 40_000
+
+
+def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Path) -> None:
+    """ASYNC: the master acknowledges messages its stalled slave never gets, and dies; the slave
+    is elected (it is still in the SyncStateSet) and starts epoch 2 at its own end. The old
+    master comes back, cuts its epoch-1 tail (to quarantine/), and rejoins as a slave holding
+    exactly the new master's bytes. The acknowledged tail is lost: what ASYNC means."""
+    # b stays in the SyncStateSet while stopped (max_lag_ms 15 s): it remains electable.
+    with two_members(tmp_path, "async", max_lag_ms=15_000) as (_etcd, group):
+        a, b = group.members[0], group.members[1]
+        wait_for("b is in sync", lambda: group.in_sync(2))
+        assert {st.code for st in send(a.endpoint, 0, 100)} == {d.OK}
+        wait_for("b caught up", lambda: caught_up(a, b))
+        assert b.proc is not None
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            # Acknowledged by the ASYNC master alone: b is stopped. ~25 MB, more than the
+            # master's 16 MiB send window and the kernel's socket buffers hold for b.
+            assert {st.code for st in send(a.endpoint, 1000, STALLED, batch=1000)} == {d.OK}
+            diverged_end = a.metric("tmq_replication_max_offset")
+            a.kill9()
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        wait_for("b is elected", lambda: is_master(b), timeout=60)
+        assert b.metric("tmq_replication_epoch") == 2
+        b_end = b.metric("tmq_replication_max_offset")
+        assert b_end is not None and diverged_end is not None and b_end < diverged_end
+        assert {st.code for st in send(b.endpoint, 100, 50)} == {d.OK}
+        group.start(a)  # the old master returns
+        wait_for("a rejoined b's SyncStateSet", lambda: group.in_sync(2))
+        assert a.metric("tmq_replication_is_master") == 0
+        assert "diverged from the master's" in a.log_path.read_text()
+        assert list((a.data_dir / "quarantine").iterdir())
+        wait_for("a caught up", lambda: caught_up(b, a))
+        b.stop()
+        a.stop()
+        # Byte-identical CommitLogs, the same ConsumeQueues; of the stalled batch only what the
+        # kernel had buffered for b survived (so some acknowledged messages are gone).
+        assert commitlog_files(a.data_dir) == commitlog_files(b.data_dir)
+        with open_store(a.data_dir) as old, open_store(b.data_dir) as new:
+            entries = queue_entries(new)
+            assert queue_entries(old) == entries
+            total = sum(len(v) for v in entries.values())
+            assert all(new.query_by_key(TOPIC, f"key-{n}") for n in range(150))
+        # What the kernel had buffered for b survived; the rest of the stalled batch is gone.
+        assert 150 <= total < 150 + STALLED
+
+
+def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path: Path) -> None:
+    """With every etcd member frozen the master cannot renew its lease: within the TTL it stops
+    acknowledging (HA_NOT_AVAILABLE), its MessagingService health turns NOT_SERVING and
+    tmq_replication_fenced is 1. Once etcd is back the group elects a master again (a new
+    epoch) and sends succeed."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with two_members(tmp_path, "sync") as (etcd, group):
+        a = group.members[0]
+        wait_for("both in sync", lambda: group.in_sync(2))
+        assert {st.code for st in send(a.endpoint, 0, 20)} == {d.OK}
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(a.endpoint))
+
+        def messaging_health() -> int:
+            request = health_pb2.HealthCheckRequest(service="apache.rocketmq.v2.MessagingService")
+            return int(health.Check(request, timeout=5).status)
+
+        assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        wait_for("a is fenced", lambda: a.metric("tmq_replication_fenced") == 1, timeout=10)
+        assert messaging_health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        codes = {st.code for st in send(a.endpoint, 100, 20)}
+        assert codes == {d.HA_NOT_AVAILABLE}, codes
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        master = wait_for("a master again", group.master, timeout=60)
+        assert (master.metric("tmq_replication_epoch") or 0) >= 2
+        wait_for("both in sync", lambda: group.in_sync(2), timeout=60)
+        assert {st.code for st in send(master.endpoint, 200, 20)} == {d.OK}
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(master.endpoint))
+        assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
+    """The master is killed while etcd is frozen, so no election can happen: the slave forwards
+    nothing to the dead master but serves reads from its own copy (PullMessage, and Apache's
+    SimpleConsumer receiving and acknowledging), and refuses sends. Once etcd is back it is
+    elected and takes sends."""
+    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+
+    with two_members(tmp_path, "async") as (etcd, group):
+        a, b = group.members[0], group.members[1]
+        assert {st.code for st in send(a.endpoint, 0, 60)} == {d.OK}
+        wait_for("b caught up", lambda: caught_up(a, b))
+        wait_for("b's queues are dispatched", lambda: len(pull_all(b, TOPIC, QUEUES)) == 60)
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        a.kill9()
+        assert sorted(m.system_properties.keys[0] for m in pull_all(b, TOPIC, QUEUES)) == sorted(
+            f"key-{n}" for n in range(60)
+        )
+        consumer = SimpleConsumer(
+            ClientConfiguration(b.endpoint, Credentials(), request_timeout=10),
+            "g-slave-read",
+            {TOPIC: FilterExpression()},
+            await_duration=2,
+        )
+        consumer.startup()
+        got: set[str] = set()
+        try:
+            deadline = time.monotonic() + 60
+            while len(got) < 60 and time.monotonic() < deadline:
+                for m in consumer.receive(32, 30):
+                    got.update(m.keys)
+                    consumer.ack(m)
+        finally:
+            consumer.shutdown()
+        assert got == {f"key-{n}" for n in range(60)}
+        # A send is still forwarded to the master etcd last named, which is dead: UNAVAILABLE,
+        # never acknowledged (the master may have stored it before dying, so the member does
+        # not claim HA_NOT_AVAILABLE, "nothing stored").
+        with pytest.raises(grpc.RpcError) as refused:
+            send(b.endpoint, 100, 20)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        for p in etcd.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        wait_for("b is elected", lambda: is_master(b), timeout=60)
+        assert {st.code for st in send(b.endpoint, 100, 20)} == {d.OK}
