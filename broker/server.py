@@ -126,11 +126,20 @@ class Broker:
         self.namesrv = NameServerClient(config.namesrv, self.security) if config.namesrv else None
         self.producers = ProducerRegistry()
         # Both read the store's recovered state when started (start()).
+        # Only a writable master checks back and delivers; a slave takes both over when it is
+        # elected (or restarted as master).
         self.transactions = TransactionService(
-            self.store, self.metadata, config.transactions, self.producers.check_back
+            self.store,
+            self.metadata,
+            config.transactions,
+            self.producers.check_back,
+            leading=self._writable_master,
         )
         self.timers = TimerService(
-            self.store, config.store.data_dir / "timer", lambda: list(self.metadata.topics)
+            self.store,
+            config.store.data_dir / "timer",
+            lambda: list(self.metadata.topics),
+            leading=self._writable_master,
         )
         # Whoever runs the lakehouse export may set this: topic -> seconds behind (metrics and
         # `tmq status` report it; None: not reported).
@@ -441,6 +450,9 @@ class Broker:
     def _replication_changed(self, current: ReplicationMaster | ReplicationSlave | None) -> None:
         self.replication = current
         self._register_now.set()
+
+    def _writable_master(self) -> bool:
+        return self.role.get().is_writable_master
 
     def _role_changed(self, snapshot: RoleSnapshot) -> None:
         """A fenced master answers NOT_SERVING (load balancers and health checks move away);

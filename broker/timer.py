@@ -152,9 +152,19 @@ class TimerService:
         directory: Path,
         topics: Callable[[], list[str]],
         clock: Callable[[], int] = now_ms,
+        leading: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
         self.log = TimerLog(directory)
+        # Only a writable master delivers and rolls; a slave keeps its wheel in step from the
+        # replicated timer topic (enqueue), so that it can take over when it is elected.
+        self._leading = leading
+        self._led = False
+        # Due times up to which a delivery is first looked up in the IndexFile: everything that
+        # came due before this broker began to lead may have been delivered already, by this
+        # broker before a crash or by the master it replaced (whose deliveries replication
+        # brought here, but not the marks of its own timer log).
+        self._verify_until = 0
         self._checkpoint_path = directory / "checkpoint.json"
         self._topics = topics
         self._clock = clock
@@ -250,9 +260,16 @@ class TimerService:
             try:
                 now = self._clock()
                 enqueued = self._enqueue(now)
-                self._roll()
-                delivered = self._deliver(now)
-                moved = self._advance(now)
+                delivered = moved = 0
+                if self._leading():
+                    if not self._led:  # started, or elected: see _verify_until
+                        self._verify_until = now
+                        self._led = True
+                    self._roll()
+                    delivered = self._deliver(now)
+                    moved = self._advance(now)
+                else:
+                    self._led = False
                 if time.monotonic() - last_checkpoint >= _CHECKPOINT_EVERY_S:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
@@ -320,12 +337,13 @@ class TimerService:
         if not batch:
             return 0
         copies: list[Message] = []
-        for _, offset, size, _ in batch:
+        for due, offset, size, _ in batch:
             stored = self.store.read_message(offset, size)
             if stored is None:
                 log.error("timer record at CommitLog offset %d is gone; not delivered", offset)
                 continue
-            if self._verify and self._already_delivered(stored):
+            verify = self._verify or due <= self._verify_until
+            if verify and self._already_delivered(stored):
                 continue
             copies.append(_delivered_copy(stored))
         if copies:

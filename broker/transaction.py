@@ -170,12 +170,17 @@ class TransactionService:
         config: TransactionConfig,
         send_check: CheckSender,
         clock: Callable[[], int] = now_ms,
+        leading: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
         self.metadata = metadata
         self.config = config
         self.send_check = send_check
         self._clock = clock
+        # Only a writable master checks back; a slave's state is what it recovered at start,
+        # and it recovers again from the replicated store when it is elected (_take_over).
+        self._leading = leading
+        self._led = True
         self._lock = threading.Lock()
         self._pending: dict[int, Half] = {}
         self._decided: dict[int, str] = {}  # half offset -> COMMIT/ROLLBACK, above the watermark
@@ -399,10 +404,28 @@ class TransactionService:
         tick = max(0.05, min(1.0, self.config.check_interval_ms / 4000))
         while not self._stop.wait(tick):
             try:
+                if not self._leading():
+                    self._led = False
+                    continue
+                if not self._led:
+                    self._take_over()
+                    self._led = True
                 self.check_due()
                 self._save_watermark()
             except Exception:
                 log.exception("transaction check-back failed; retrying")
+
+    def _take_over(self) -> None:
+        """Elected master: the half messages and decisions written while this broker was a
+        slave reached its store by replication, not its memory. Recover again from the store,
+        as a restart would, under the lock so that no prepare or end interleaves."""
+        with self._lock:
+            self._pending.clear()
+            self._decided.clear()
+            self._recover()
+        log.info(
+            "transactions: taken over as master, %d half message(s) undecided", len(self._pending)
+        )
 
     def check_due(self) -> int:
         """Send a check-back for every half message that is due; returns how many were sent."""
