@@ -15,6 +15,8 @@ Points:
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
 - ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are
   routed past them / the files are deleted).
+- ``commitlog.before_sizes``: a batch's bytes are in the CommitLog file with every record's
+  size field still zero (they are set next, record by record).
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).
 """

@@ -237,7 +237,8 @@ class CommitLog:
             self._create_files([c[0] for c in chunks])
             for chunk_from, batch, published in chunks:
                 f = self._file_for_append(chunk_from)
-                f.append(b"".join(batch.parts))
+                start = f.from_offset + f.wrote
+                f.append_records(bytearray().join(batch.parts), [o - start for o in batch.offsets])
                 batch.parts = []
                 self.queue_offsets.update(published)
                 if batch.offsets and self.on_append is not None:
