@@ -312,16 +312,20 @@ class ColdFetcher:
                 if expired_to is None:
                     raise
                 return [], expired_to
-            for i in range(next_offset - batch.base_offset, len(batch)):
-                if i % _YIELD_EVERY == 0:
-                    time.sleep(0)  # let a waiting append have the GIL (see _YIELD_EVERY)
-                m = batch.message(i)  # decode only what this read returns
-                next_offset = m.queue_offset + 1
-                if tag_filter is None or tag_filter(m):
-                    out.append(m)
-                    size += m.size
-                    if len(out) >= max_count or size >= max_bytes:
-                        break
+            i = next_offset - batch.base_offset
+            while i < len(batch) and len(out) < max_count and size < max_bytes:
+                # Decode only what this read returns, a run at a time in one call of the record
+                # engine, and let a waiting append have the GIL between runs (_YIELD_EVERY).
+                time.sleep(0)
+                wanted = _YIELD_EVERY if tag_filter is not None else max_count - len(out)
+                for m in batch.messages(i, i + min(wanted, _YIELD_EVERY)):
+                    i += 1
+                    next_offset = m.queue_offset + 1
+                    if tag_filter is None or tag_filter(m):
+                        out.append(m)
+                        size += m.size
+                        if len(out) >= max_count or size >= max_bytes:
+                            break
         return out, next_offset
 
     def _expired_to(self, topic: str, queue_id: int, info: SegmentInfo, what: str) -> int | None:
