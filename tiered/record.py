@@ -70,6 +70,8 @@ MAX_PROPERTIES_BYTES = 0x7FFF  # RocketMQ's Short.MAX_VALUE limit
 Host = tuple[str, int]
 # Anything records are read from: a file's mapping, bytes read from an object, a view.
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+# Positions and sizes of records: a list, or an int64 array straight from a table.
+Ints = Sequence[int] | np.ndarray
 LOCALHOST: Host = ("127.0.0.1", 0)
 
 # The fixed head up to and including SYSFLAG and BORNTIMESTAMP (48 bytes), then the hosts.
@@ -761,8 +763,8 @@ def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
 
 def gather_py(
     src: Buffer,
-    positions: Sequence[int] | np.ndarray,
-    sizes: Sequence[int] | np.ndarray,
+    positions: Ints,
+    sizes: Ints,
     out: bytearray,
     at: int,
 ) -> int:
@@ -781,8 +783,8 @@ def gather_py(
 
 def check_span_py(
     buf: Buffer,
-    positions: Sequence[int] | np.ndarray,
-    sizes: Sequence[int] | np.ndarray,
+    positions: Ints,
+    sizes: Ints,
     first_queue_offset: int,
 ) -> tuple[int, int]:
     """Check the records a cold read fetched: at each of ``positions`` a whole record (structure
@@ -944,8 +946,8 @@ def decode_many(
 
 def check_span(
     buf: Buffer,
-    positions: Sequence[int] | np.ndarray,
-    sizes: Sequence[int] | np.ndarray,
+    positions: Ints,
+    sizes: Ints,
     first_queue_offset: int,
 ) -> tuple[int, int]:
     """See ``check_span_py`` (the cold read's check of what it fetched)."""
@@ -955,8 +957,8 @@ def check_span(
 
 def gather(
     src: Buffer,
-    positions: Sequence[int] | np.ndarray,
-    sizes: Sequence[int] | np.ndarray,
+    positions: Ints,
+    sizes: Ints,
     out: bytearray,
     at: int,
 ) -> int:
