@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
 from broker.metadata import BrokerMetadata
+from remoting.security import ChannelSecurity
 from tests.broker_harness import REPO, free_port, send_all, wait_healthy
 from tiered.config import StoreConfig
 from tiered.epoch_file import EpochEntry, EpochFile
@@ -48,6 +50,12 @@ class GroupMember:
         self.grpc_port = free_port()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # Appended to the member's tmq.toml ([tls], [auth]), and how tests then reach it.
+        self.extra_toml = ""
+        self.security = ChannelSecurity()
+
+    def channel(self) -> grpc.Channel:
+        return self.security.channel(self.endpoint)
 
     @property
     def endpoint(self) -> str:
@@ -105,6 +113,7 @@ sync_timeout_ms = {sync_timeout_ms}
 etcd = {etcd or []}
 lease_ttl_ms = {lease_ttl_ms}
 """
+            + self.extra_toml
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(config)],
@@ -113,7 +122,7 @@ lease_ttl_ms = {lease_ttl_ms}
             stderr=self.log_path.open("ab"),
             env={**os.environ, **(env or {})},
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, self.name)
+        wait_healthy(self.proc, self.endpoint, self.log_path, self.name, channel=self.channel())
         return self
 
     def stop(self) -> None:
@@ -132,15 +141,18 @@ lease_ttl_ms = {lease_ttl_ms}
         self.proc.wait()
 
     def metric(self, name: str) -> float | None:
+        ca = self.security.ca_file
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+            f"{'https' if ca else 'http'}://127.0.0.1:{self.metrics_port}/metrics",
+            timeout=5,
+            context=ssl.create_default_context(cafile=ca) if ca else None,
         ) as r:
             text = r.read().decode()
         m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else None
 
     def create_topic(self, *, exist_ok: bool = False) -> None:
-        stub = apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
+        stub = apb_grpc.AdminStub(self.channel())
         try:
             stub.PutTopic(
                 apb.PutTopicRequest(
@@ -153,7 +165,7 @@ lease_ttl_ms = {lease_ttl_ms}
                 raise
 
     def has_topic(self) -> bool:
-        stub = apb_grpc.AdminStub(grpc.insecure_channel(self.endpoint))
+        stub = apb_grpc.AdminStub(self.channel())
         return TOPIC in [
             t.topic.name for t in stub.ListTopics(apb.ListTopicsRequest(), timeout=10).topics
         ]
@@ -166,9 +178,10 @@ def send(
     batch: int = 20,
     topic: str = TOPIC,
     message_type: int = d.NORMAL,
+    channel: grpc.Channel | None = None,
 ) -> list[d.Status]:
     """Send messages ``first .. first+count-1`` in batches; every batch's status, in order."""
-    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+    stub = service_pb2_grpc.MessagingServiceStub(channel or grpc.insecure_channel(endpoint))
     out = []
     for i in range(first, first + count, batch):
         request = s.SendMessageRequest()
