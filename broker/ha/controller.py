@@ -22,11 +22,13 @@ writable and starts its replication master in the new epoch; the others follow i
 A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
 (no successful keepalive for 2/3 of the TTL), or it sees another master or a newer epoch; a
 fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail. The
-lease deadline is watched by its own thread, ``tmq-ha-lease-watch`` (every ``_WATCH_S``), and
-checked by every send, so that an idle master whose tick hangs in an etcd call that will time
-out (etcd frozen or unreachable: each endpoint is tried for up to 2 s) is fenced before etcd
-can expire its lease and elect another (decision 222). A master fenced so gives its lease up at
-the next tick that reaches etcd, so the group elects again rather than keep a fenced master.
+lease is renewed by its own thread, ``tmq-ha-lease-renew`` (every quarter TTL, so a tick slowed
+by its other etcd calls never makes a live master miss its deadline); the deadline is watched by
+another, ``tmq-ha-lease-watch`` (every ``_WATCH_S``), and checked by every send, so that an idle
+master whose etcd calls hang until they time out (etcd frozen or unreachable: each endpoint is
+tried for up to 2 s) is fenced before etcd can expire its lease and elect another (decision
+222). A master fenced so gives its lease up at the next tick that reaches etcd, so the group
+elects again rather than keep a fenced master.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class HaController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: threading.Thread | None = None
+        self._renew: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -150,10 +153,14 @@ class HaController:
             target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
         )
         self._watch.start()
+        self._renew = threading.Thread(
+            target=self._renew_lease, name="tmq-ha-lease-renew", daemon=True
+        )
+        self._renew.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._watch):
+        for thread in (self._thread, self._watch, self._renew):
             if thread is not None:
                 thread.join(timeout=10)
         with self._lock:
@@ -193,6 +200,23 @@ class HaController:
     def _watch_lease(self) -> None:
         while not self._stop.wait(_WATCH_S):
             self._check_lease_deadline()
+
+    def _renew_lease(self) -> None:
+        """Renew the lease every quarter TTL on its own, so that a tick slowed by its other etcd
+        calls (a loaded machine) never makes a live master miss its deadline. An expired lease
+        is left to the tick (``_ensure_lease``), which takes a new one."""
+        while not self._stop.wait(self._ttl_s() / 4):
+            lease = self._lease
+            if not lease or self._abandon_lease:
+                continue
+            started = time.monotonic()
+            try:
+                alive = self.etcd.keepalive(lease) > 0
+            except EtcdUnavailableError:
+                continue  # the watchdog fences if this lasts
+            if alive and lease == self._lease:
+                self._lease_ok_at = max(self._lease_ok_at, started)
+                self._keepalive_at = max(self._keepalive_at, started)
 
     def _ensure_lease(self) -> None:
         if self._abandon_lease:
