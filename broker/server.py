@@ -162,11 +162,15 @@ class Broker:
         self._registered_id: int | None = None
         self._forwarder: ForwardingHandler | None = None
         # The replication link: TLS with [tls], both ends authenticated with [auth] (decision 220).
-        link = LinkSecurity(
-            config.tls,
-            self.metadata.acl if config.auth.enabled else None,
-            self.security.access_key,
-            self.security.secret_key,
+        link = (
+            LinkSecurity(
+                config.tls,
+                self.metadata.acl if config.auth.enabled else None,
+                self.security.access_key,
+                self.security.secret_key,
+            )
+            if config.ha.enabled
+            else None
         )
         if config.ha.enabled and config.ha.etcd:
             epochs = EpochFile(config.store.data_dir / "ha")
