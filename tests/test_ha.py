@@ -681,14 +681,22 @@ def test_metadata_reaches_the_slave_at_once_so_consumption_resumes_in_place_afte
     assert all(st.code == d.OK for st in send(master.endpoint, 0, 60))
     stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(master.endpoint))
     consumer_group = d.Resource(name="g-failover")
-    committed = {}
-    for q in range(QUEUES):
-        queue = d.MessageQueue(topic=d.Resource(name=TOPIC), id=q)
-        end = stub.QueryOffset(
-            s.QueryOffsetRequest(message_queue=queue, query_offset_policy=d.END), timeout=10
-        ).offset
-        committed[q] = (end + 1) // 2  # somewhere inside each queue
-    assert sum(committed.values()) > 0
+
+    def ends() -> list[int]:
+        return [
+            stub.QueryOffset(
+                s.QueryOffsetRequest(
+                    message_queue=d.MessageQueue(topic=d.Resource(name=TOPIC), id=q),
+                    query_offset_policy=d.END,
+                ),
+                timeout=10,
+            ).offset
+            for q in range(QUEUES)
+        ]
+
+    # The ConsumeQueues are dispatched just after the acknowledgement.
+    wait_until("every message is dispatched", lambda: sum(ends()) == 60, timeout=10)
+    committed = {q: (end + 1) // 2 for q, end in enumerate(ends())}  # inside each queue
     for q, offset in committed.items():
         queue = d.MessageQueue(topic=d.Resource(name=TOPIC), id=q)
         reply = stub.UpdateOffset(
