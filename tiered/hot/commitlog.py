@@ -319,7 +319,11 @@ class CommitLog:
         """Append bytes a master wrote at ``offset`` (whole records, within one file), at the
         same physical offset. The slave's dispatcher parses them into its own ConsumeQueues and
         IndexFiles. Queue offsets are not tracked here; ``reset_queue_offsets`` rebuilds them
-        from the ConsumeQueues before this log takes appends of its own."""
+        from the ConsumeQueues before this log takes appends of its own.
+
+        Every record is checked first (structure, its own offset, body and record CRC): bytes
+        damaged on their way are refused (``RecordError``), never stored and served."""
+        _check_replicated(offset, data)
         with self._put_lock:
             if self.failed is not None:
                 raise self.durability_lost()
@@ -580,3 +584,19 @@ class CommitLog:
     def delete_files_before(self, count: int) -> list[MappedFile]:
         """Delete the ``count`` oldest files (never the one being written)."""
         return self.files.delete_first_files(count)
+
+
+def _check_replicated(offset: int, data: bytes) -> None:
+    """Raise ``RecordError`` unless ``data`` is whole, valid records written at ``offset``,
+    optionally ending with the BLANK record that pads the end of a file."""
+    # The scan wants room for a BLANK record after each record; padding gives the last one it.
+    end, _ = scan_records(
+        data + bytes(BLANK_RECORD_SIZE), 0, len(data) + BLANK_RECORD_SIZE, offset, check_crc=True
+    )
+    if end == len(data):
+        return
+    total, magic = read_total_and_magic(data, end) if len(data) - end >= 8 else (0, 0)
+    if magic == BLANK_MAGIC_CODE and total == len(data) - end:
+        return
+    validate(data, end, offset + end, check_crc=True)  # raises what is wrong with it
+    raise RecordError(f"replicated bytes at {offset}: no whole record at offset {offset + end}")
