@@ -123,7 +123,7 @@ class RecordError(ValueError):
 
 
 class CorruptRecordError(RecordError):
-    """A record whose body does not match its CRC: stored bytes were damaged."""
+    """A record whose body or whole bytes do not match their CRC: stored bytes were damaged."""
 
 
 @dataclass(slots=True)
@@ -511,7 +511,7 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
     """Decode the record at ``pos``.
 
     Raises ``RecordError`` for anything that is not a whole, well-formed record (including a BLANK
-    record) and ``CorruptRecordError`` when the body fails its CRC.
+    record) and ``CorruptRecordError`` when the body fails BODYCRC or the record its record CRC.
     """
     end_of_buf = len(buf)
     if end_of_buf - pos < V4_HEAD_SIZE:
