@@ -340,3 +340,29 @@ def test_a_record_torn_by_a_power_loss_ends_the_log(
         assert [g.msg_id for g in store.query_by_key(acked[0].topic, first)] == ["acked-0"]
     finally:
         store.shutdown()
+
+
+def test_a_group_line_torn_by_a_power_loss_is_dropped_and_a_damaged_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """Each group is one fdatasynced line of ``groups.log``, so only the last line can be
+    unsynced; a power loss may land its newline but not a sector before it. That line was never
+    acknowledged and is dropped. A damaged line with lines after it is still refused."""
+    from broker.metadata import GroupConfig
+
+    meta = BrokerMetadata(tmp_path)
+    for name in ("g1", "g2", "g3"):
+        meta.put_group(GroupConfig(name))
+    meta.close()
+    log_path = tmp_path / "groups.log"
+    lines = log_path.read_bytes().split(b"\n")
+    torn_last = bytearray(lines[2])
+    torn_last[5:9] = bytes(4)  # a lost sector inside the line; its newline landed
+    log_path.write_bytes(b"\n".join([lines[0], lines[1], bytes(torn_last), b""]))
+    meta = BrokerMetadata(tmp_path)
+    meta.load()
+    assert sorted(meta.groups) == ["g1", "g2"]
+    meta.close()
+    log_path.write_bytes(b"\n".join([lines[0], bytes(torn_last), lines[2], b""]))
+    with pytest.raises(RuntimeError, match="line 2 is damaged"):
+        BrokerMetadata(tmp_path).load()
