@@ -47,7 +47,7 @@ ROCKETMQ_SYSTEM_PROPERTIES = frozenset((
     "REPLY_TO_CLIENT", "TTL", "ARRIVE_TIME", "PUSH_REPLY_TIME", "CLUSTER", "MSG_TYPE",
     "INNER_MULTI_QUEUE_OFFSET", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "TIMER_ENQUEUE_MS",
     "TIMER_DEQUEUE_MS", "TIMER_ROLL_TIMES", "TIMER_OUT_MS", "TIMER_DEL_UNIQKEY",
-    "TIMER_DELAY_LEVEL", "__BORNHOST", "BORN_TIMESTAMP",
+    "TIMER_DELAY_LEVEL", "__BORNHOST", "BORN_TIMESTAMP", "__CRC32#",
 ))
 # fmt: on
 # tmq's own record properties, hidden from consumers like the system properties above.

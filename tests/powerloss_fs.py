@@ -24,6 +24,10 @@ lines on stdin:
 - ``crash``: the power goes out. From now on every change fails with EIO (so nothing can be
   acknowledged after this instant); the durable state is written to DURABLE_DIR; prints
   ``crashed FILES DIRS``;
+- ``crash SEED``: the power goes out in the middle of writeback. Each page written since its
+  file's last fsync reaches the disk whole, not at all, or up to a 512-byte sector (chosen
+  with ``random.Random(SEED)``), in no particular order, as a disk's cache leaves them; then as
+  ``crash``, printing ``crashed FILES DIRS PAGES`` (PAGES: pages that landed whole or in part);
 - ``exit``: unmount and exit (after ``crash``; the processes using the mount are gone by then);
 - ``fail-fsync SIZE``: the next fsync of a file of SIZE bytes fails with EIO and its unwritten
   pages are dropped, as Linux does after a writeback error (a later fsync then succeeds
@@ -37,6 +41,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import random
 import shutil
 import stat
 import struct
@@ -114,6 +119,23 @@ class Node:
             lo = page * PAGE
             self.durable[lo : lo + PAGE] = self.data[lo : lo + PAGE]
         self.dirty.clear()
+
+    def land_some(self, rng: random.Random) -> int:
+        """Pages written since the last fsync reach the disk whole, not at all, or up to a
+        sector boundary (a torn page); returns how many landed whole or in part."""
+        landed = 0
+        for page in sorted(self.dirty):
+            new = self.data[page * PAGE : (page + 1) * PAGE]
+            fate = rng.randrange(3)
+            if not new or fate == 0:
+                continue
+            cut = len(new) if fate == 1 else min(len(new), rng.randrange(1, PAGE // 512) * 512)
+            end = page * PAGE + cut
+            if len(self.durable) < end:
+                self.durable.extend(bytes(end - len(self.durable)))
+            self.durable[page * PAGE : end] = new[:cut]
+            landed += 1
+        return landed
 
 
 class PowerLossFS:
@@ -405,11 +427,16 @@ def main() -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         command = line.strip()
-        if command == "crash":
+        if command == "crash" or command.startswith("crash "):
             with fs.lock:
                 fs.crashed = True
+                landed = ""
+                if command != "crash":
+                    rng = random.Random(command.split()[1])
+                    nodes = [fs.nodes[ino] for ino in sorted(fs.nodes)]
+                    landed = f" {sum(n.land_some(rng) for n in nodes if not n.is_dir)}"
                 files, dirs = fs.dump()
-            print(f"crashed {files} {dirs}", flush=True)
+            print(f"crashed {files} {dirs}{landed}", flush=True)
         elif command.startswith("fail-fsync "):
             with fs.lock:
                 fs.fail_next_fsync = int(command.split()[1])

@@ -17,7 +17,14 @@ from tiered.cold.manifest import (
     queue_prefix,
     segment_key,
 )
-from tiered.cold.segment import SegmentError, SegmentReader, build, read_footer, verify
+from tiered.cold.segment import (
+    SegmentError,
+    SegmentReader,
+    build,
+    read_footer,
+    read_span,
+    verify,
+)
 from tiered.cold.storage import ObjectStore, open_store
 from tiered.config import StoreConfig
 from tiered.record import CorruptRecordError, Message, RecordEncoder, StoredMessage
@@ -167,8 +174,30 @@ def test_damaged_records_are_refused_on_the_way_in(hot) -> None:
     flipped[88] ^= 0xFF  # the first body byte (both hosts IPv4)
     with pytest.raises(CorruptRecordError):
         build([*records[:3], bytes(flipped), *records[4:]], first[0].queue_offset, "k")
+    torn = bytearray(records[5])
+    torn[-25] ^= 0x01  # a property byte: the body and BODYCRC are intact, the record CRC is not
+    with pytest.raises(CorruptRecordError, match="record CRC"):
+        build([*records[:5], bytes(torn), *records[6:]], first[0].queue_offset, "k")
     with pytest.raises(SegmentError, match="expected"):
         build([records[0], records[2]], first[0].queue_offset, "k")
+
+
+def test_a_record_damaged_outside_its_body_in_the_tier_is_never_served(tier, hot) -> None:
+    store, messages = hot
+    manifest = archive(tier, store, messages[:40], per_segment=40)
+    [info] = manifest.segments
+    reader = SegmentReader(tier, info)
+    entry = reader.entries(info.base_offset + 3, 1)
+    at, size = int(entry["offset"][0]), int(entry["size"][0])
+    data = bytearray(tier.get(info.key))
+    data[at + size - 25] ^= 0x01  # a property byte of record 3; its body and BODYCRC are intact
+    tier.delete(info.key)
+    tier.put(info.key, bytes(data))
+    assert [m.queue_offset for m in reader.read(info.base_offset + 2, 1)] == [info.base_offset + 2]
+    with pytest.raises((SegmentError, CorruptRecordError), match="record CRC"):
+        reader.read(info.base_offset + 3, 1)
+    with pytest.raises(SegmentError, match="record CRC"):
+        read_span(tier, info, 0, reader.entries(info.base_offset, 5).tobytes())
 
 
 def test_a_missing_or_damaged_object_is_detected(tier, hot) -> None:

@@ -7,10 +7,19 @@ import random
 import struct
 from typing import Any
 
+import google_crc32c
 import pytest
 
 from tiered.columnar import decode_run, host_string
-from tiered.record import CorruptRecordError, Message, RecordEncoder, RecordError, decode
+from tiered.record import (
+    CRC_TRAILER_SIZE,
+    CorruptRecordError,
+    Message,
+    RecordEncoder,
+    RecordError,
+    crc_trailer,
+    decode,
+)
 
 HOSTS = [
     ("10.0.0.1", 4000),
@@ -53,10 +62,13 @@ def columnar(buf: bytes, positions: list[int]) -> list[dict[str, Any]]:
 
 
 def with_raw_properties(record: bytes, raw: bytes) -> bytes:
-    """``record`` (encoded with no properties) carrying ``raw`` as its property bytes."""
-    assert record.endswith(b"\0\0")
-    out = record[:-2] + struct.pack(">H", len(raw)) + raw
-    return struct.pack(">i", len(out)) + out[4:]
+    """``record`` (encoded with no properties) carrying ``raw`` as its property bytes, then a
+    record CRC pair that matches."""
+    head = record[:-CRC_TRAILER_SIZE]
+    assert head.endswith(struct.pack(">H", CRC_TRAILER_SIZE))
+    out = head[:-2] + struct.pack(">H", len(raw) + CRC_TRAILER_SIZE) + raw
+    out = struct.pack(">i", len(out) + CRC_TRAILER_SIZE) + out[4:]
+    return out + crc_trailer(google_crc32c.value(out))
 
 
 def random_run(rng: random.Random, n: int) -> tuple[bytes, list[int]]:

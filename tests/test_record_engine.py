@@ -9,6 +9,7 @@ the error when the input is refused.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,12 @@ from hypothesis import strategies as st
 from tiered import columnar, record
 from tiered.formats import key_hash
 from tiered.record import (
+    CRC_TRAILER_SIZE,
     NATIVE_ENGINE,
     PYTHON_ENGINE,
+    SYSFLAG_BORNHOST_V6,
+    SYSFLAG_RECORD_CRC,
+    SYSFLAG_STOREHOST_V6,
     CorruptRecordError,
     EncodedBatch,
     Message,
@@ -398,3 +403,173 @@ def test_gather_copies_the_same_bytes_and_refuses_the_same_ranges(
     if native is not ValueError:
         expected = b"".join(src[p : p + s] for p, s in ranges)
         assert native[1][3 : native[0]] == expected
+
+
+# -- the record CRC (decision 210) ----------------------------------------------------------------
+
+
+def parts_of(rec: bytes) -> tuple[int, int, int]:
+    """(SYSFLAG, position of the properties' length field, properties length) of a record."""
+    sys_flag = struct.unpack_from(">i", rec, 36)[0]
+    at = 48 + (20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8) + 8
+    at += (20 if sys_flag & SYSFLAG_STOREHOST_V6 else 8) + 16
+    at += struct.unpack_from(">i", rec, at - 4)[0]
+    at += 2 + struct.unpack_from(">H", rec, at)[0]
+    return sys_flag, at, struct.unpack_from(">H", rec, at)[0]
+
+
+def legacy(rec: bytes, physical_offset: int | None = None) -> bytes:
+    """``rec`` as tmq wrote it before the record CRC: no pair, SYSFLAG bit 16 clear."""
+    sys_flag, at, props_len = parts_of(rec)
+    assert sys_flag & SYSFLAG_RECORD_CRC
+    out = bytearray(rec[:-CRC_TRAILER_SIZE])
+    struct.pack_into(">i", out, 0, len(out))
+    struct.pack_into(">i", out, 36, sys_flag & ~SYSFLAG_RECORD_CRC)
+    struct.pack_into(">H", out, at, props_len - CRC_TRAILER_SIZE)
+    if physical_offset is not None:
+        struct.pack_into(">q", out, 28, physical_offset)
+    return bytes(out)
+
+
+def records_of(data: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(data):
+        size = struct.unpack_from(">i", data, pos)[0]
+        out.append(data[pos : pos + size])
+        pos += size
+    return out
+
+
+def scan(engine: Any, data: bytes, physical_offset: int = 4096) -> tuple[int, int]:
+    """The recovery scan over ``data`` (``run_of``'s, from CommitLog offset 4096) and padding."""
+    buf = bytes(data) + blank_record(8)
+    end, count = engine.scan_records(buf, 0, len(buf), physical_offset, True)
+    return end, count
+
+
+def pair_value(rec: bytes) -> int:
+    """The CRC a RocketMQ reader takes from the record's ``__CRC32#`` pair."""
+    pair = rec[-CRC_TRAILER_SIZE:]
+    assert pair[:9] == b"__CRC32#\x01" and pair[-1:] == b"\x02"
+    return sum((d - 48) * 10**i for i, d in enumerate(pair[9:19]))
+
+
+@SETTINGS
+@given(st.lists(MESSAGES, min_size=1, max_size=10), HOSTS)
+def test_every_record_ends_with_its_crc_as_rocketmq_writes_it(
+    messages: list[Message], store: Any
+) -> None:
+    for engine in (PY, NATIVE):
+        _, _, data, *_ = encode(engine, messages, 1 << 30, store)
+        recs = records_of(data)
+        assert len(recs) == len(messages)
+        for rec, m in zip(recs, messages, strict=True):
+            sys_flag, _, props_len = parts_of(rec)
+            assert sys_flag & SYSFLAG_RECORD_CRC and props_len >= CRC_TRAILER_SIZE
+            assert props_len <= 0x7FFF  # RocketMQ reads the length as a Java short
+            expected = google_crc32c.value(rec[:-CRC_TRAILER_SIZE]) & 0x7FFFFFFF
+            assert pair_value(rec) == expected
+            assert record.decode(rec).properties == m.properties  # the pair is not a property
+
+
+def test_a_producers_own_crc_property_is_an_ordinary_property() -> None:
+    forged = {"a": "1", record.PROPERTY_CRC32: "0000000000"}
+    data = run_of([Message("t", b"x", properties=forged), Message("t", b"y")])
+    for engine in (PY, NATIVE):
+        assert scan(engine, data) == (len(data), 2)
+        assert [m.properties for m in engine.decode_many(data, [0], True)] == [forged]
+    # In a record written before the record CRC, a trailing forged pair is a property too.
+    old = legacy(records_of(data)[0])
+    assert old.endswith(b"__CRC32#\x010000000000\x02")
+    for engine in (PY, NATIVE):
+        assert scan(engine, old) == (len(old), 1)
+        assert engine.decode_many(old, [0], True)[0].properties == forged
+
+
+@pytest.mark.parametrize(
+    "field", ["queue offset", "store timestamp", "topic", "a property", "the pair's digits"]
+)
+def test_a_damaged_record_whose_body_crc_passes_is_refused(field: str) -> None:
+    """Torn properties (a power loss lands a record's pages in any order), or any byte outside
+    the body: BODYCRC still matches, the record CRC does not."""
+    msgs = [Message("topic", b"b" * 50, properties={"UNIQ_KEY": "10ABCDEF"}) for _ in range(3)]
+    data = bytearray(run_of(msgs))
+    second = len(records_of(bytes(data))[0])
+    size = len(records_of(bytes(data))[1])
+    where = {
+        "queue offset": second + 27,
+        "store timestamp": second + 56 + 7,
+        "topic": second + 88 + 50 + 2,
+        "a property": second + size - CRC_TRAILER_SIZE - 3,
+        "the pair's digits": second + size - 5,
+    }[field]
+    data[where] ^= 0x01 if field != "the pair's digits" else 0x03
+    buf = bytes(data)
+    for engine in (PY, NATIVE):
+        assert scan(engine, buf) == (second, 1)
+        with pytest.raises(CorruptRecordError, match="record CRC"):
+            engine.decode_many(buf, [second], True)
+        with pytest.raises(CorruptRecordError, match="record CRC"):
+            engine.segment_tables(buf, 0)
+    with pytest.raises(CorruptRecordError, match="record CRC"):
+        columnar.decode_run(buf, [0, second])
+    with pytest.raises(CorruptRecordError, match="record CRC"):
+        columnar.decode_run_py(buf, [0, second])
+    # Without the CRC checks (a caller that trusts the bytes) the record still decodes.
+    assert len(NATIVE.decode_many(buf, [second], False)) == 1
+
+
+def test_a_record_flagged_with_a_crc_too_short_to_hold_it_is_malformed() -> None:
+    old = bytearray(legacy(run_of([Message("t", b"x")])))  # no properties at all
+    assert scan(PY, bytes(old)) == (len(old), 1)
+    struct.pack_into(">i", old, 36, SYSFLAG_RECORD_CRC)  # a flag no encoder would set here
+    buf = bytes(old)
+    for engine in (PY, NATIVE):
+        assert scan(engine, buf) == (0, 0)
+        with pytest.raises(RecordError, match="too short"):
+            engine.decode_many(buf, [0], False)
+        assert segment(engine, buf, 0) is RecordError
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(MESSAGES, st.booleans()), min_size=1, max_size=12),
+    st.one_of(st.none(), st.tuples(st.integers(0, 10**9), st.integers(0, 255))),
+)
+def test_runs_mixing_old_and_new_records_read_identically(
+    items: list[tuple[Message, bool]], damage: tuple[int, int] | None
+) -> None:
+    """Records written before the record CRC are still read, by both engines alike, in the
+    same runs as new ones (a CommitLog upgraded in place)."""
+    messages = [
+        Message("q", m.body, properties=m.properties, born_host=m.born_host) for m, _ in items
+    ]
+    recs, pos = [], 0
+    for rec, (_, old) in zip(records_of(run_of(messages)), items, strict=True):
+        rec = legacy(rec, pos) if old else rec[:28] + struct.pack(">q", pos) + rec[36:]
+        if not old:  # a new record moved to ``pos``: its pair follows its offset
+            rec = rec[:-CRC_TRAILER_SIZE] + record.crc_trailer(
+                google_crc32c.value(rec[:-CRC_TRAILER_SIZE])
+            )
+        recs.append(rec)
+        pos += len(rec)
+    data = bytearray(b"".join(recs))
+    if damage is not None:
+        data[damage[0] % len(data)] = damage[1]
+    buf = bytes(data) + blank_record(8)
+    scans = [engine.scan_records(buf, 0, len(buf), 0, True) for engine in (PY, NATIVE)]
+    assert scans[0] == scans[1]
+    if damage is None:
+        assert scans[0] == (len(buf) - 8, len(items))
+    assert segment(NATIVE, bytes(data), 0) == segment(PY, bytes(data), 0)
+    offsets = [sum(map(len, recs[:i])) for i in range(len(recs))]
+
+    def decoded(engine: Any) -> Any:
+        try:
+            return engine.decode_many(buf, offsets, True)
+        except RecordError as e:
+            return type(e)
+
+    assert decoded(NATIVE) == decoded(PY)
+    if damage is None:
+        assert [m.properties for m in decoded(NATIVE)] == [m.properties for m in messages]

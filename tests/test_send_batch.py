@@ -88,6 +88,7 @@ def test_messages_with_a_group_go_to_their_groups_queue() -> None:
         ({"message_id": "x" * 129}, d.ILLEGAL_MESSAGE_ID),
         ({"message_type": d.FIFO}, d.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
         ({"user": {"UNIQ_KEY": "x"}}, d.ILLEGAL_MESSAGE_PROPERTY_KEY),
+        ({"user": {"__CRC32#": "0000000000"}}, d.ILLEGAL_MESSAGE_PROPERTY_KEY),
         ({"keys": ["a b"]}, d.ILLEGAL_MESSAGE_KEY),
     ],
 )

@@ -53,8 +53,10 @@ DEF BLANK = 8
 DEF V4_HEAD = 88
 DEF SYSFLAG_BORN_V6 = 16
 DEF SYSFLAG_STORE_V6 = 32
+DEF SYSFLAG_RECORD_CRC = 65536
+DEF CRC_PAIR = 20  # record.CRC_TRAILER_SIZE: ``__CRC32#\x01``, ten digits, ``\x02``
 DEF MAX_TOPIC = 0xFFFF
-DEF MAX_PROPS = 0x7FFF
+DEF MAX_PROPS = 0x7FFF - CRC_PAIR
 
 # Filled in by tiered.record when it loads this module (it imports us, not the reverse).
 cdef object RecordError = ValueError
@@ -113,6 +115,25 @@ cdef inline object _view(object data):
     if not view.c_contiguous:
         view = memoryview(bytes(view))
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+cdef inline void _put_crc_pair(unsigned char* o, uint32_t crc) noexcept nogil:
+    """``record.crc_trailer``: the pair of ``crc``'s low 31 bits, least significant digit
+    first, at ``o`` (20 bytes)."""
+    cdef int i
+    crc &= 0x7FFFFFFF
+    memcpy(o, b"__CRC32#\x01", 9)
+    for i in range(10):
+        o[9 + i] = <unsigned char>(48 + crc % 10)
+        crc //= 10
+    o[19] = 2
+
+
+cdef inline bint _record_crc_ok(const unsigned char* rec, int64_t total) noexcept nogil:
+    """``record.record_crc_matches`` for the record of ``total`` bytes at ``rec``."""
+    cdef unsigned char pair[CRC_PAIR]
+    _put_crc_pair(pair, tmq_crc32c_extend(0, rec, total - CRC_PAIR))
+    return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
 
 
 # -- encode ---------------------------------------------------------------------------------------
@@ -226,7 +247,8 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         tmq_put32(o + 16, <uint32_t>r.flag)
         tmq_put64(o + 20, <uint64_t>r.queue_offset)
         tmq_put64(o + 28, <uint64_t>r.physical_offset)
-        tmq_put32(o + 36, (SYSFLAG_BORN_V6 if r.born_v6 else 0) | (SYSFLAG_STORE_V6 if store_v6 else 0))
+        tmq_put32(o + 36, (SYSFLAG_BORN_V6 if r.born_v6 else 0)
+                  | (SYSFLAG_STORE_V6 if store_v6 else 0) | SYSFLAG_RECORD_CRC)
         tmq_put64(o + 40, <uint64_t>r.born_timestamp)
         p = _put_host(o + 48, r.born_ip, r.born_v6, r.born_port)
         tmq_put64(p, <uint64_t>store_ts)
@@ -239,8 +261,10 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         p += r.body_len
         memcpy(p, r.topic_part, r.topic_part_len)
         p += r.topic_part_len
-        tmq_put16(p, <uint16_t>r.props_len)
+        tmq_put16(p, <uint16_t>(r.props_len + CRC_PAIR))
         memcpy(p + 2, props + r.props_at, r.props_len)
+        # Last: the record CRC covers every byte before its pair, offsets and times included.
+        _put_crc_pair(o + r.size - CRC_PAIR, tmq_crc32c_extend(0, o, r.size - CRC_PAIR))
         o += r.size
 
 
@@ -332,7 +356,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
             r.topic_part_len = PyBytes_GET_SIZE(tpart)
             size = (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
-                    + r.topic_part_len + 2 + r.props_len)
+                    + r.topic_part_len + 2 + r.props_len + CRC_PAIR)
             if used + size + BLANK > space:
                 scratch.len = r.props_at
                 break
@@ -419,7 +443,7 @@ def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue
 cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
                            bint check_phys, bint check_crc) noexcept nogil:
     """``record.validate``: the record's total size, -1 if malformed, -2 if its body fails its
-    CRC."""
+    CRC, -3 if the record fails its record CRC."""
     cdef int64_t total, body_len, p, topic_len, props_len, body_at
     cdef int32_t sys_flag
     if pos < 0 or pos + 48 > n:
@@ -450,6 +474,11 @@ cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
         return -1
     if check_crc and tmq_crc32c_extend(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
         return -2
+    if sys_flag & SYSFLAG_RECORD_CRC:
+        if props_len < CRC_PAIR:
+            return -1
+        if check_crc and not _record_crc_ok(b + pos, total):
+            return -3
     return total
 
 
@@ -741,6 +770,10 @@ def segment_tables(records, int64_t base_offset):
             raise CorruptRecordError(
                 f"record at physical offset {<int64_t>tmq_be64(b + pos + 28)}: body CRC mismatch"
             )
+        if bad_kind == -3:
+            raise CorruptRecordError(
+                f"record at physical offset {<int64_t>tmq_be64(b + pos + 28)}: record CRC mismatch"
+            )
         raise RecordError(f"record at {pos}: fields do not add up to its total size")
     for i in range(count):
         if qo[i] != base_offset + i:
@@ -820,6 +853,13 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
     s.store_at = store_ts_at + 8
     if check_crc and tmq_crc32c_extend(0, b + s.body_at, s.body_len) != tmq_be32(b + pos + 8):
         return -1
+    if sys_flag & SYSFLAG_RECORD_CRC:
+        # The record CRC pair ends the properties; no decoded field holds it.
+        if s.props_len < CRC_PAIR:
+            return -1
+        if check_crc and not _record_crc_ok(b + pos, total):
+            return -1
+        s.props_len -= CRC_PAIR
     return 0
 
 

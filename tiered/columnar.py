@@ -45,15 +45,18 @@ import pyarrow as pa
 from google_crc32c import value as crc32c
 
 from tiered.record import (
+    CRC_TRAILER_SIZE,
     ENGINE_NAME,
     MAGIC_CODE_V2,
     NATIVE_ENGINE,
     SYSFLAG_BORNHOST_V6,
+    SYSFLAG_RECORD_CRC,
     SYSFLAG_STOREHOST_V6,
     V4_HEAD_SIZE,
     Buffer,
     RecordError,
     decode,
+    record_crc_matches,
 )
 
 RECORD_SCHEMA = pa.schema(
@@ -98,7 +101,8 @@ def decode_run(
     (columns filled in C with the GIL released), else with ``decode_run_py``.
 
     Raises what ``record.decode`` raises for the first record it refuses: ``RecordError``
-    (truncated, malformed, not UTF-8) or ``CorruptRecordError`` (body CRC, with ``check_crc``).
+    (truncated, malformed, not UTF-8) or ``CorruptRecordError`` (body or record CRC, with
+    ``check_crc``).
     """
     at = np.asarray(positions, dtype=np.int64)
     if ENGINE_NAME != "native" or len(at) == 0:
@@ -173,6 +177,9 @@ def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch
     props_len = field(props_len_at, ">u2").astype(np.int64)
     if (props_len_at + 2 + props_len != end).any():
         raise _Anomaly("fields do not add up to the total size")
+    # The record CRC pair ends the properties of a record that has one; no column holds it.
+    with_crc = (sys_flag & SYSFLAG_RECORD_CRC) != 0
+    props_len = np.where(with_crc, props_len - CRC_TRAILER_SIZE, props_len)
 
     body = _binary(data, body_at, body_len)
     crc = field(at + 8, ">u4").astype(np.int64)
@@ -184,6 +191,12 @@ def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch
         computed = [crc32c(view[s:e]) for s, e in zip(starts, ends, strict=True)]
         if computed != crc.tolist():
             raise _Anomaly("body CRC mismatch")
+    if (props_len < 0).any():
+        raise _Anomaly("properties too short for the record CRC")
+    if check_crc:
+        for pos, size in zip(at[with_crc].tolist(), total[with_crc].tolist(), strict=True):
+            if not record_crc_matches(data.data, pos, size):
+                raise _Anomaly("record CRC mismatch")
     try:
         topic = _binary(data, topic_len_at + 2, topic_len).cast(pa.string())
         properties = _properties(data, props_len_at + 2, props_len)

@@ -14,7 +14,8 @@ hex dump sees the fields where they expect them.
  4      FLAG                  application flag, opaque to the store
  8      QUEUEOFFSET           logical offset within (topic, queue), assigned at append
  8      PHYSICALOFFSET        byte offset of this record in the CommitLog, assigned at append
- 4      SYSFLAG               bit 4: born host is IPv6; bit 5: store host is IPv6
+ 4      SYSFLAG               bit 4: born host is IPv6; bit 5: store host is IPv6;
+                              bit 16: the record ends with its record CRC (below)
  8      BORNTIMESTAMP         producer's clock, ms since the epoch
  8|20   BORNHOST              IPv4 (4) or IPv6 (16) address, then port (4)
  8      STORETIMESTAMP        broker's clock at append, ms since the epoch
@@ -23,8 +24,20 @@ hex dump sees the fields where they expect them.
  8      PREPAREDTXOFFSET      prepared-transaction offset (0: none)
  4+n    BODY                  length, then the body
  2+n    TOPIC                 length, then the UTF-8 topic
- 2+n    PROPERTIES            length, then ``name\\x01value\\x02`` pairs, UTF-8
+ 2+n    PROPERTIES            length, then ``name\\x01value\\x02`` pairs, UTF-8; with SYSFLAG
+                              bit 16 the last 20 bytes are the record CRC pair (below)
 ====== ===================== ===================================================================
+
+The record CRC (decision 210) is RocketMQ 5's ``enabledAppendPropCRC`` pair, ``__CRC32#``
+``\\x01`` ten decimal digits ``\\x02``, the last 20 bytes of the record (the end of PROPERTIES,
+counted in its length): the CRC32C of every byte of the record before the pair, TOTALSIZE and the
+offsets and STORETIMESTAMP assigned at append included, masked to 31 bits and written least
+significant digit first, as RocketMQ writes it. BODYCRC alone lets a record whose properties
+were torn (a power loss lands pages in any order) pass; the record CRC does not. SYSFLAG bit 16,
+set only by the store's encoder, says the pair is there: records written before it existed
+have the bit clear and are read as before, and a producer's own ``__CRC32#`` property is an
+ordinary property that no reader mistakes for the pair. Decoders drop the pair: a message's
+properties are what its producer sent.
 
 A file's unused end is padded by a BLANK record: TOTALSIZE (the bytes left in the file, at least
 8) followed by ``BLANK_MAGIC_CODE``. A reader that meets it moves to the next file.
@@ -46,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google_crc32c import extend as crc32c_extend
 from google_crc32c import value as crc32c
 
 MAGIC_CODE_V2 = -626843477
@@ -55,6 +69,8 @@ BLANK_RECORD_SIZE = 8
 
 SYSFLAG_BORNHOST_V6 = 1 << 4
 SYSFLAG_STOREHOST_V6 = 1 << 5
+# tmq's: the record ends with the record CRC pair. RocketMQ's own flags use bits 0-10.
+SYSFLAG_RECORD_CRC = 1 << 16
 
 PROPERTY_KEYS = "KEYS"
 PROPERTY_TAGS = "TAGS"
@@ -64,8 +80,14 @@ KEY_SEPARATOR = " "
 _NAME_VALUE_SEPARATOR = "\x01"
 _PROPERTY_SEPARATOR = "\x02"
 
+PROPERTY_CRC32 = "__CRC32#"  # RocketMQ's MessageConst.PROPERTY_CRC32
+# ``__CRC32#`` \x01, ten digits, \x02: RocketMQ's CommitLog.CRC32_RESERVED_LEN.
+CRC_TRAILER_SIZE = len(PROPERTY_CRC32) + 1 + 10 + 1
+_CRC_TRAILER_NAME = (PROPERTY_CRC32 + "\x01").encode()
+
 MAX_TOPIC_BYTES = 0xFFFF
-MAX_PROPERTIES_BYTES = 0x7FFF  # RocketMQ's Short.MAX_VALUE limit
+# RocketMQ's Short.MAX_VALUE limit on the stored properties, which include the record CRC pair.
+MAX_PROPERTIES_BYTES = 0x7FFF - CRC_TRAILER_SIZE
 
 Host = tuple[str, int]
 # Anything records are read from: a file's mapping, bytes read from an object, a view.
@@ -93,6 +115,7 @@ _TAILS = {(b, s): _tail_struct(b, s) for b in (False, True) for s in (False, Tru
 _V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
 V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
 _U16 = struct.Struct(">H")
+_EMPTY_PROPERTIES = struct.pack(">H", CRC_TRAILER_SIZE)  # the record CRC pair only
 _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
@@ -102,7 +125,7 @@ class RecordError(ValueError):
 
 
 class CorruptRecordError(RecordError):
-    """A record whose body does not match its CRC: stored bytes were damaged."""
+    """A record whose body or whole bytes do not match their CRC: stored bytes were damaged."""
 
 
 @dataclass(slots=True)
@@ -175,6 +198,20 @@ def tag_hash(tags: str | None) -> int:
     if not tags:
         return 0
     return int(crc32c(tags.encode()))
+
+
+def crc_trailer(crc: int) -> bytes:
+    """The record CRC pair for a CRC32C ``crc``: ``__CRC32#\\x01``, ten digits of its low 31
+    bits least significant first (RocketMQ's ``MessageDecoder.createCrc32``), ``\\x02``."""
+    return _CRC_TRAILER_NAME + str(crc & 0x7FFFFFFF).zfill(10)[::-1].encode() + b"\x02"
+
+
+def record_crc_matches(buf: Buffer, pos: int, total: int) -> bool:
+    """Whether the record of ``total`` bytes at ``pos`` ends with the pair of its own CRC."""
+    end = pos + total
+    return bytes(buf[end - CRC_TRAILER_SIZE : end]) == crc_trailer(
+        crc32c(bytes(buf[pos : end - CRC_TRAILER_SIZE]))
+    )
 
 
 def encode_properties(properties: dict[str, str]) -> bytes:
@@ -251,9 +288,12 @@ class RecordEncoder:
             + len(topic)
             + 2
             + len(props)
+            + CRC_TRAILER_SIZE
         )
-        sys_flag = (SYSFLAG_BORNHOST_V6 if born_v6 else 0) | (
-            SYSFLAG_STOREHOST_V6 if self._store_v6 else 0
+        sys_flag = (
+            (SYSFLAG_BORNHOST_V6 if born_v6 else 0)
+            | (SYSFLAG_STOREHOST_V6 if self._store_v6 else 0)
+            | SYSFLAG_RECORD_CRC
         )
         crc = crc32c(body)
         # The general layout; encode_batch has the IPv4 fast path of the append hot path.
@@ -277,8 +317,17 @@ class RecordEncoder:
             msg.prepared_transaction_offset,
             len(body),
         )
-        record = b"".join((head, body, _U16.pack(len(topic)), topic, _U16.pack(len(props)), props))
-        return record, topic, props
+        record = b"".join(
+            (
+                head,
+                body,
+                _U16.pack(len(topic)),
+                topic,
+                _U16.pack(len(props) + CRC_TRAILER_SIZE),
+                props,
+            )
+        )
+        return record + crc_trailer(crc32c(record)), topic, props
 
     def encode_batch(
         self,
@@ -339,9 +388,9 @@ class RecordEncoder:
                         f"properties are {len(pbytes)} bytes; the format allows "
                         f"{MAX_PROPERTIES_BYTES}"
                     )
-                ppart = _U16.pack(len(pbytes)) + pbytes
+                ppart = _U16.pack(len(pbytes) + CRC_TRAILER_SIZE) + pbytes
             else:
-                ppart = b"\0\0"
+                ppart = _EMPTY_PROPERTIES
             body = m.body
             born = born_cache.get(m.born_host[0])
             if born is None or born[1] or self._store_v6:
@@ -358,37 +407,36 @@ class RecordEncoder:
                     break
                 parts.append(record)
             else:
-                size = V4_HEAD_SIZE + len(body) + len(tpart) + len(ppart)
+                size = V4_HEAD_SIZE + len(body) + len(tpart) + len(ppart) + CRC_TRAILER_SIZE
                 if used + size + BLANK_RECORD_SIZE > space:
                     break
                 key = (topic, m.queue_id)
                 q = next_offsets.get(key)
                 if q is None:
                     q = base_offsets.get(key, 0)
-                parts += (
-                    pack(
-                        size,
-                        MAGIC_CODE_V2,
-                        crc32c(body),
-                        m.queue_id,
-                        m.flag,
-                        q,
-                        physical_offset + used,
-                        0,
-                        m.born_timestamp,
-                        born[0],
-                        m.born_host[1],
-                        store_ts,
-                        store_ip,
-                        store_port,
-                        m.reconsume_times,
-                        m.prepared_transaction_offset,
-                        len(body),
-                    ),
-                    body,
-                    tpart,
-                    ppart,
+                head = pack(
+                    size,
+                    MAGIC_CODE_V2,
+                    crc32c(body),
+                    m.queue_id,
+                    m.flag,
+                    q,
+                    physical_offset + used,
+                    SYSFLAG_RECORD_CRC,
+                    m.born_timestamp,
+                    born[0],
+                    m.born_host[1],
+                    store_ts,
+                    store_ip,
+                    store_port,
+                    m.reconsume_times,
+                    m.prepared_transaction_offset,
+                    len(body),
                 )
+                whole = crc32c_extend(
+                    crc32c_extend(crc32c_extend(crc32c(head), body), tpart), ppart
+                )
+                parts += (head, body, tpart, ppart, crc_trailer(whole))
             next_offsets[key] = q + 1
             offsets.append(physical_offset + used)
             sizes.append(size)
@@ -465,7 +513,7 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
     """Decode the record at ``pos``.
 
     Raises ``RecordError`` for anything that is not a whole, well-formed record (including a BLANK
-    record) and ``CorruptRecordError`` when the body fails its CRC.
+    record) and ``CorruptRecordError`` when the body fails BODYCRC or the record its record CRC.
     """
     end_of_buf = len(buf)
     if end_of_buf - pos < V4_HEAD_SIZE:
@@ -500,6 +548,15 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
             f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
             "body CRC mismatch"
         )
+    if sys_flag & SYSFLAG_RECORD_CRC:
+        if props_len < CRC_TRAILER_SIZE:
+            raise RecordError(f"record at {pos}: properties too short for the record CRC")
+        if check_crc and not record_crc_matches(buf, pos, total):
+            raise CorruptRecordError(
+                f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
+                "record CRC mismatch"
+            )
+        props_raw = props_raw[:-CRC_TRAILER_SIZE]
     try:
         properties = decode_properties(props_raw)
     except UnicodeDecodeError as e:
@@ -531,7 +588,8 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
     """Check the record at ``pos`` without decoding it; return its total size.
 
     It must be a whole V2 record whose fields add up to its TOTALSIZE, that names
-    ``physical_offset`` as its own offset, and (with ``check_crc``) whose body matches BODYCRC.
+    ``physical_offset`` as its own offset, and (with ``check_crc``) whose body matches BODYCRC
+    and, when SYSFLAG says it has one, whose bytes match its record CRC.
     Raises ``RecordError`` or ``CorruptRecordError``. This is the crash-recovery scan's check.
     """
     try:
@@ -554,6 +612,15 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
         raise RecordError(f"record at {physical_offset}: fields do not add up to {total} bytes")
     if check_crc and crc32c(bytes(buf[body_at:p])) != crc:
         raise CorruptRecordError(f"record at physical offset {physical_offset}: body CRC mismatch")
+    if sys_flag & SYSFLAG_RECORD_CRC:
+        if props_len < CRC_TRAILER_SIZE:
+            raise RecordError(
+                f"record at {physical_offset}: properties too short for the record CRC"
+            )
+        if check_crc and not record_crc_matches(buf, pos, total):
+            raise CorruptRecordError(
+                f"record at physical offset {physical_offset}: record CRC mismatch"
+            )
     return int(total)
 
 

@@ -322,7 +322,11 @@ class MessageStore:
             start = cp.flushed_offset
         else:
             start = min(cp.flushed_offset, cp.dispatched_offset)
-        cl_report = self.commitlog.recover(start, check_crc=self.config.check_crc_on_recover)
+        cl_report = self.commitlog.recover(
+            start,
+            check_crc=self.config.check_crc_on_recover,
+            durable_offset=None if cp is None else cp.flushed_offset,
+        )
         self.corrupt_records = list(cl_report.corrupt_records)
         end = cl_report.end_offset if self.commitlog.files.files else 0
         report = StartReport(clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report)

@@ -319,7 +319,11 @@ class CommitLog:
         """Append bytes a master wrote at ``offset`` (whole records, within one file), at the
         same physical offset. The slave's dispatcher parses them into its own ConsumeQueues and
         IndexFiles. Queue offsets are not tracked here; ``reset_queue_offsets`` rebuilds them
-        from the ConsumeQueues before this log takes appends of its own."""
+        from the ConsumeQueues before this log takes appends of its own.
+
+        Every record is checked first (structure, its own offset, body and record CRC): bytes
+        damaged on their way are refused (``RecordError``), never stored and served."""
+        _check_replicated(offset, data)
         with self._put_lock:
             if self.failed is not None:
                 raise self.durability_lost()
@@ -427,9 +431,17 @@ class CommitLog:
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def recover(self, start: int | None, *, check_crc: bool) -> RecoveryReport:
+    def recover(
+        self, start: int | None, *, check_crc: bool, durable_offset: int | None = None
+    ) -> RecoveryReport:
         """Find where valid data ends, scanning from ``start`` (a record boundary; None: the
         first file), and cut the log there.
+
+        - At or past ``durable_offset`` (the checkpoint's flushed offset: bytes known to have
+          been fsynced), the first record that is not whole (a missing size, a failed body or
+          record CRC) ends the log, whatever follows it. A power loss lands the pages written
+          after the last fsync in any order, so whole records can follow a torn one; none of
+          them was acknowledged under SYNC flush (decision 210).
 
         - A record that fails its checks with no valid record anywhere after it is a torn tail:
           the log ends before it. Its bytes are copied to the quarantine directory first.
@@ -444,13 +456,15 @@ class CommitLog:
             return report
         offset = files[0].from_offset if start is None else max(start, files[0].from_offset)
         report.scanned_from = offset
-        end = self._scan(offset, check_crc, report)
+        end = self._scan(offset, check_crc, report, durable_offset)
         report.end_offset = end
         self._cut(end, report)
         self._flushed_offset = end
         return report
 
-    def _scan(self, offset: int, check_crc: bool, report: RecoveryReport) -> int:
+    def _scan(
+        self, offset: int, check_crc: bool, report: RecoveryReport, durable_offset: int | None
+    ) -> int:
         """Return the end of valid data at or after ``offset``."""
         while True:
             f = self.files.find_file(offset)
@@ -471,6 +485,8 @@ class CommitLog:
                 if magic == BLANK_MAGIC_CODE and total == f.size - pos:
                     break
                 here = f.from_offset + pos
+                if durable_offset is not None and here >= durable_offset:
+                    return here  # past the last known fsync: the first torn record ends it
                 if magic == MAGIC_CODE_V2 and 0 < total <= f.size - pos - BLANK_RECORD_SIZE:
                     try:
                         validate(mm, pos, here, check_crc=check_crc)
@@ -478,7 +494,7 @@ class CommitLog:
                         if self._find_valid_record(here + total) is None:
                             return here  # a torn last record
                         log.error(
-                            "CommitLog %s: record at offset %d fails its body CRC; it is kept "
+                            "CommitLog %s: record at offset %d fails its CRC; it is kept "
                             "in place, reported, and refused to readers",
                             f.path,
                             here,
@@ -568,3 +584,19 @@ class CommitLog:
     def delete_files_before(self, count: int) -> list[MappedFile]:
         """Delete the ``count`` oldest files (never the one being written)."""
         return self.files.delete_first_files(count)
+
+
+def _check_replicated(offset: int, data: bytes) -> None:
+    """Raise ``RecordError`` unless ``data`` is whole, valid records written at ``offset``,
+    optionally ending with the BLANK record that pads the end of a file."""
+    # The scan wants room for a BLANK record after each record; padding gives the last one it.
+    end, _ = scan_records(
+        data + bytes(BLANK_RECORD_SIZE), 0, len(data) + BLANK_RECORD_SIZE, offset, check_crc=True
+    )
+    if end == len(data):
+        return
+    total, magic = read_total_and_magic(data, end) if len(data) - end >= 8 else (0, 0)
+    if magic == BLANK_MAGIC_CODE and total == len(data) - end:
+        return
+    validate(data, end, offset + end, check_crc=True)  # raises what is wrong with it
+    raise RecordError(f"replicated bytes at {offset}: no whole record at offset {offset + end}")

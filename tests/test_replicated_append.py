@@ -1,0 +1,57 @@
+"""A slave stores a master's CommitLog bytes only after checking every record in them."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import SMALL
+
+from tiered.config import StoreConfig
+from tiered.record import Message, RecordError
+from tiered.store import GetStatus, MessageStore
+
+
+def open_store(path: Path) -> MessageStore:
+    store = MessageStore(StoreConfig(data_dir=path, flush="sync", **SMALL))
+    store.start()
+    return store
+
+
+@pytest.mark.parametrize("where", ["queue offset", "property", "record crc pair", "cut short"])
+def test_a_slave_refuses_replicated_bytes_with_a_damaged_record(tmp_path: Path, where: str) -> None:
+    master = open_store(tmp_path / "master")
+    try:
+        sizes = [
+            r.size
+            for r in master.put_messages(
+                [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(5)]
+            )
+        ]
+        data = master.read_commitlog(0, 1 << 20)
+    finally:
+        master.shutdown()
+    assert data is not None and len(data) == sum(sizes)
+    third = sum(sizes[:2])
+    damaged = bytearray(data)
+    if where == "cut short":
+        damaged = damaged[:-1]
+    else:
+        at = {"queue offset": 27, "property": sizes[2] - 25, "record crc pair": sizes[2] - 3}
+        damaged[third + at[where]] ^= 0x01
+    slave = open_store(tmp_path / "slave")
+    try:
+        slave.set_replica(True)
+        with pytest.raises(RecordError):
+            slave.append_replicated(0, bytes(damaged))
+        assert slave.max_physical_offset == 0, "nothing of a refused payload is stored"
+        slave.append_replicated(0, data)
+        assert slave.max_physical_offset == len(data)
+        assert slave.wait_dispatched()
+        result = slave.get_messages("t", 0, 0, 10)
+        assert result.status is GetStatus.FOUND
+        assert [m.msg_id for m in result.messages] == [f"id-{i}" for i in range(5)]
+        assert struct.unpack_from(">q", data, third + 20)[0] == 2
+    finally:
+        slave.shutdown()
