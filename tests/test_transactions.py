@@ -208,6 +208,53 @@ def test_an_unanswered_transaction_is_rolled_back_after_the_last_check(
     assert receive_keys(broker, "txn-unknown", "g-unknown", 3) == []
 
 
+def test_an_unanswered_transaction_is_kept_after_the_last_check_when_so_configured(
+    tmp_path: Path,
+) -> None:
+    """``transaction_check_exhausted = "keep"``: after the last unanswered check the half
+    message stays undecided, invisible and never checked again, across kill -9 too; the
+    producer can still commit it, once."""
+    env = {
+        **FAST_CHECKS,
+        "TMQ_BROKER_TRANSACTION_CHECK_MAX": "2",
+        "TMQ_BROKER_TRANSACTION_CHECK_EXHAUSTED": "keep",
+    }
+    node = Standalone(tmp_path / "data", env=env, metrics_port=free_port()).start()
+    checker = Checker()  # answers UNKNOWN to everything
+    p: Producer | None = None
+    try:
+        node.create_topic("txn-keep", queues=1, message_type="TRANSACTION")
+        p = producer(node, "txn-keep", checker)
+        txn = p.begin_transaction()
+        receipt = p.send(message("txn-keep", "k-keep"), txn)
+        assert wait_for(lambda: checker.asked.count("k-keep") >= 2, 20), checker.asked
+        time.sleep(3)  # three more check intervals
+        assert checker.asked == ["k-keep", "k-keep"], "no check after the last one"
+        assert metric_sample(node, "tmq_transaction_half_pending") == 1, "kept, not rolled back"
+        assert metric_sample(node, "tmq_transaction_rollbacks_total") == 0
+        node.kill9()
+        node.start()  # the check count is recovered from the op records: still exhausted
+        time.sleep(3)
+        assert checker.asked == ["k-keep", "k-keep"], "not checked again after the restart"
+        assert metric_sample(node, "tmq_transaction_half_pending") == 1
+        assert receive_keys(node, "txn-keep", "g-keep", 2) == [], "a kept half stays invisible"
+        for _ in range(2):  # a late COMMIT, then its retry
+            ended = p.end_transaction(
+                receipt.message_queue.endpoints,
+                txn._Transaction__message,  # type: ignore[attr-defined]
+                receipt.transaction_id,
+                TransactionResolution.COMMIT,
+                d.SOURCE_CLIENT,
+            )
+            assert ended.status.code == d.OK, ended.status
+        assert receive_keys(node, "txn-keep", "g-keep", 4) == ["k-keep"]
+        assert metric_sample(node, "tmq_transaction_half_pending") == 0
+    finally:
+        if p is not None:
+            p.shutdown()
+        node.stop()
+
+
 def test_kill_9_between_half_and_commit_loses_nothing_and_shows_no_rollback(
     tmp_path: Path,
 ) -> None:
