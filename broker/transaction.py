@@ -31,6 +31,7 @@ half message back or keeps it, as configured.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -74,6 +75,9 @@ EXHAUSTED_POLICIES = ("rollback", "keep")
 _PAST = {COMMIT: "committed", ROLLBACK: "rolled back"}
 # Undecided halves whose committed copy is kept in memory (the common case: decided in ms).
 _CACHED_COPIES = 10_000
+# Decisions remembered below the watermark, newest first, so that a producer retrying its
+# EndTransaction (a lost answer, a client retry) is answered from the decision it took.
+_DECISIONS_KEPT = 100_000
 
 
 class TransactionError(Exception):
@@ -183,7 +187,9 @@ class TransactionService:
         self._led = True
         self._lock = threading.Lock()
         self._pending: dict[int, Half] = {}
-        self._decided: dict[int, str] = {}  # half offset -> COMMIT/ROLLBACK, above the watermark
+        # half offset -> COMMIT/ROLLBACK, in decision order: every one above the watermark, and
+        # the last _DECISIONS_KEPT below it (_forget_decisions)
+        self._decided: dict[int, str] = {}
         self._busy: dict[int, str] = {}  # half offset -> decision being written right now
         self.commits = 0
         self.rollbacks = 0
@@ -244,7 +250,7 @@ class TransactionService:
                 repaired += 1
                 continue
             self._pending[half.offset] = half
-        self._decided = {h: k for h, k in self._decided.items() if h >= watermark}
+        self._forget_decisions(watermark)
         if self._pending or repaired:
             log.info(
                 "transactions: %d half message(s) undecided, %d commit(s) completed after a crash",
@@ -491,9 +497,20 @@ class TransactionService:
             )
             # A half being decided right now is still in _pending: its record is counted.
             watermark = low
-            self._decided = {h: k for h, k in self._decided.items() if h >= watermark}
+            self._forget_decisions(watermark)
         if self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) != watermark:
             self.metadata.commit_offset(SYSTEM_GROUP, HALF_TOPIC, 0, watermark)
+
+    def _forget_decisions(self, watermark: int) -> None:
+        """Drop the oldest decisions below ``watermark`` beyond the last ``_DECISIONS_KEPT``.
+        Forgetting every one below it (as before) answered a repeated COMMIT with
+        INVALID_TRANSACTION_ID as soon as the check loop had moved the watermark past it: a
+        client retrying a lost answer a second later saw its committed transaction refused."""
+        excess = len(self._decided) - _DECISIONS_KEPT
+        if excess <= 0:
+            return
+        for offset in [h for h in itertools.islice(self._decided, excess) if h < watermark]:
+            del self._decided[offset]
 
     def roll_forward(self, below: int) -> int:
         """Re-put every undecided half message whose live record lies below CommitLog offset

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -30,6 +30,10 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
+from broker.timer import ENTRY, PROPERTY_DELIVER_TIME, TimerService, as_timer_message
+from tiered.config import StoreConfig
+from tiered.record import Message as StoreMessage
+from tiered.store import MessageStore
 
 MAX_DELAY = {"TMQ_BROKER_TIMER_MAX_DELAY_MS": "600000"}  # 10 minutes
 
@@ -256,3 +260,58 @@ def test_delivered_and_committed_messages_replay_from_the_tier_after_release(
         ]
     finally:
         node.stop()
+
+
+def test_pending_timers_wait_on_disk_and_an_overdue_one_shows_as_delivery_lag(
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore]
+) -> None:
+    """The wheel on a test clock, not leading (a slave's: it enqueues, delivers nothing).
+    Timers due in later minutes are in their bucket files on disk, not in memory; only the
+    current minute is loaded. Two overdue timers show as delivery lag (what
+    ``tmq_timer_delivery_lag_seconds`` and ``tmq topic describe`` report) until the wheel
+    leads and delivers them."""
+    store = start_store(small_config)
+    minute = 1_800_000_000_000 - 1_800_000_000_000 % 60_000
+    clock = [minute + 30_000]
+    leading = [False]
+    later = [minute + 60_000 * (1 + i % 10) + i for i in range(2000)]  # ten later minutes
+    overdue = [clock[0] - 5_000, clock[0] - 4_000]
+    store.put_messages(
+        [
+            as_timer_message(
+                StoreMessage("orders", f"body {i}".encode(), 0, {PROPERTY_DELIVER_TIME: str(due)})
+            )
+            for i, due in enumerate(overdue + later)
+        ]
+    )
+    assert store.wait_dispatched(10)
+    timer_dir = small_config.data_dir / "timer"
+    wheel = TimerService(
+        store, timer_dir, lambda: ["orders"], clock=lambda: clock[0], leading=lambda: leading[0]
+    )
+    wheel.start()
+    try:
+        deadline = time.monotonic() + 10
+        while wheel.stats().pending < 2002:
+            assert time.monotonic() < deadline, wheel.stats()
+            time.sleep(0.02)
+        assert len(wheel._heap) == 2, "only the current minute is in memory"
+        buckets = sorted(timer_dir.glob("*.bucket"))
+        assert len(buckets) == 11
+        assert sum(p.stat().st_size for p in buckets) == 2002 * ENTRY.itemsize
+        stats = wheel.stats()
+        assert stats.pending_by_topic == {"orders": 2002}
+        assert stats.lag_seconds == 5.0, "the oldest overdue timer is 5 s late"
+        assert store.max_offset("orders", 0) == 0, "a wheel that does not lead delivers nothing"
+        leading[0] = True
+        wheel.wakeup()
+        deadline = time.monotonic() + 10
+        while store.max_offset("orders", 0) < 2:
+            assert time.monotonic() < deadline, "the overdue timers were not delivered"
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert store.max_offset("orders", 0) == 2, "nothing before its time"
+        assert wheel.stats().lag_seconds == 0.0
+        assert wheel.stats().pending == 2000
+    finally:
+        wheel.stop()

@@ -17,12 +17,21 @@ from rocketmq import (
     FilterExpression,
     Message,
     Producer,
+    SendReceipt,
     SimpleConsumer,
     TransactionChecker,
     TransactionResolution,
 )
 from rocketmq.grpc_protocol import definition_pb2 as d
 
+from broker.metadata import BrokerMetadata
+from broker.transaction import (
+    HALF_TOPIC,
+    SYSTEM_GROUP,
+    TransactionConfig,
+    TransactionError,
+    TransactionService,
+)
 from tiered.config import StoreConfig
 from tiered.record import Message as StoreMessage
 from tiered.store import MessageStore
@@ -92,6 +101,21 @@ def receive_keys(node: Standalone, topic: str, group: str, seconds: float) -> li
     return got
 
 
+def end_transaction(
+    p: Producer, sent: Message, receipt: SendReceipt, resolution: TransactionResolution
+) -> int:
+    """EndTransaction again for a half message already sent (a producer's late or repeated
+    decision); the answer's status code."""
+    ended = p.end_transaction(
+        receipt.message_queue.endpoints,
+        sent,
+        receipt.transaction_id,
+        resolution,
+        d.SOURCE_CLIENT,
+    )
+    return int(ended.status.code)
+
+
 def wait_for(predicate: object, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -115,23 +139,10 @@ def test_a_half_message_is_invisible_until_commit_and_a_repeated_commit_does_not
         assert receive_keys(broker, "txn-commit", "g-commit", 2.5) == [], "half is invisible"
         txn.commit()
         # The same decision again (a producer retrying a lost answer) is accepted, and no-op.
-        again = p.end_transaction(
-            receipt.message_queue.endpoints,
-            sent,
-            receipt.transaction_id,
-            TransactionResolution.COMMIT,
-            d.SOURCE_CLIENT,
-        )
-        assert again.status.code == d.OK
+        assert end_transaction(p, sent, receipt, TransactionResolution.COMMIT) == d.OK
         # The opposite decision is refused.
-        late = p.end_transaction(
-            receipt.message_queue.endpoints,
-            sent,
-            receipt.transaction_id,
-            TransactionResolution.ROLLBACK,
-            d.SOURCE_CLIENT,
-        )
-        assert late.status.code == d.INVALID_TRANSACTION_ID
+        late = end_transaction(p, sent, receipt, TransactionResolution.ROLLBACK)
+        assert late == d.INVALID_TRANSACTION_ID
     finally:
         p.shutdown()
     assert receive_keys(broker, "txn-commit", "g-commit", 4) == ["k-commit"]
@@ -195,17 +206,53 @@ def test_an_unanswered_transaction_is_rolled_back_after_the_last_check(
         asked = len(checker.asked)
         time.sleep(2.5)
         assert len(checker.asked) == asked == 4, "no check after the last one"
-        late = p.end_transaction(
-            receipt.message_queue.endpoints,
-            txn._Transaction__message,  # type: ignore[attr-defined]
-            receipt.transaction_id,
-            TransactionResolution.COMMIT,
-            d.SOURCE_CLIENT,
-        )
-        assert late.status.code == d.INVALID_TRANSACTION_ID, "it was rolled back"
+        sent = txn._Transaction__message  # type: ignore[attr-defined]
+        late = end_transaction(p, sent, receipt, TransactionResolution.COMMIT)
+        assert late == d.INVALID_TRANSACTION_ID, "it was rolled back"
     finally:
         p.shutdown()
     assert receive_keys(broker, "txn-unknown", "g-unknown", 3) == []
+
+
+def test_an_unanswered_transaction_is_kept_after_the_last_check_when_so_configured(
+    tmp_path: Path,
+) -> None:
+    """``transaction_check_exhausted = "keep"``: after the last unanswered check the half
+    message stays undecided, invisible and never checked again, across kill -9 too; the
+    producer can still commit it, once."""
+    env = {
+        **FAST_CHECKS,
+        "TMQ_BROKER_TRANSACTION_CHECK_MAX": "2",
+        "TMQ_BROKER_TRANSACTION_CHECK_EXHAUSTED": "keep",
+    }
+    node = Standalone(tmp_path / "data", env=env, metrics_port=free_port()).start()
+    checker = Checker()  # answers UNKNOWN to everything
+    p: Producer | None = None
+    try:
+        node.create_topic("txn-keep", queues=1, message_type="TRANSACTION")
+        p = producer(node, "txn-keep", checker)
+        txn = p.begin_transaction()
+        receipt = p.send(message("txn-keep", "k-keep"), txn)
+        assert wait_for(lambda: checker.asked.count("k-keep") >= 2, 20), checker.asked
+        time.sleep(3)  # three more check intervals
+        assert checker.asked == ["k-keep", "k-keep"], "no check after the last one"
+        assert metric_sample(node, "tmq_transaction_half_pending") == 1, "kept, not rolled back"
+        assert metric_sample(node, "tmq_transaction_rollbacks_total") == 0
+        node.kill9()
+        node.start()  # the check count is recovered from the op records: still exhausted
+        time.sleep(3)
+        assert checker.asked == ["k-keep", "k-keep"], "not checked again after the restart"
+        assert metric_sample(node, "tmq_transaction_half_pending") == 1
+        assert receive_keys(node, "txn-keep", "g-keep", 2) == [], "a kept half stays invisible"
+        sent = txn._Transaction__message  # type: ignore[attr-defined]
+        for _ in range(2):  # a late COMMIT, then its retry
+            assert end_transaction(p, sent, receipt, TransactionResolution.COMMIT) == d.OK
+        assert receive_keys(node, "txn-keep", "g-keep", 4) == ["k-keep"]
+        assert metric_sample(node, "tmq_transaction_half_pending") == 0
+    finally:
+        if p is not None:
+            p.shutdown()
+        node.stop()
 
 
 def test_kill_9_between_half_and_commit_loses_nothing_and_shows_no_rollback(
@@ -379,3 +426,41 @@ def test_bookkeeping_topics_get_no_index_entries(
     for key in ("id-1", "order-1"):
         assert store.query_by_key("RMQ_SYS_TRANS_HALF_TOPIC", key) == []
         assert [m.body for m in store.query_by_key("orders", key)] == [b"copy"]
+
+
+def test_a_repeated_end_transaction_is_answered_after_the_watermark_moved_and_a_restart(
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore], tmp_path: Path
+) -> None:
+    """A producer retrying EndTransaction (its answer was lost) after the check loop has moved
+    the watermark past the half message, or after a restart, gets the decision it took, not
+    INVALID_TRANSACTION_ID; the opposite decision is still refused, and nothing is doubled."""
+    store = start_store(small_config)
+    metadata = BrokerMetadata(tmp_path / "config")
+
+    def service() -> TransactionService:
+        return TransactionService(store, metadata, TransactionConfig(), send_check=lambda *_: False)
+
+    first = service()
+    first.start()
+    sent = [
+        StoreMessage("orders", f"body {i}".encode(), 0, {"UNIQ_KEY": f"id-{i}"}) for i in (0, 1)
+    ]
+    prepared = first.prepare(sent, [None, None])
+    first.end("orders", "id-0", prepared[0].transaction_id, commit=True)
+    first.end("orders", "id-1", prepared[1].transaction_id, commit=False)
+    assert store.wait_dispatched(10)
+    first._save_watermark()  # what tmq-transaction-check does every tick: no half is pending
+    assert metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) == 2, "the watermark passed both"
+    first.end("orders", "id-0", prepared[0].transaction_id, commit=True)
+    first.end("orders", "id-1", prepared[1].transaction_id, commit=False)
+    first.stop()
+    second = service()
+    second.start()
+    try:
+        second.end("orders", "id-0", prepared[0].transaction_id, commit=True)
+        second.end("orders", "id-1", prepared[1].transaction_id, commit=False)
+        with pytest.raises(TransactionError, match="already committed"):
+            second.end("orders", "id-0", prepared[0].transaction_id, commit=False)
+    finally:
+        second.stop()
+    assert [m.body for m in store.get_messages("orders", 0, 0, 10).messages] == [b"body 0"]
