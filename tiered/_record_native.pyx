@@ -61,6 +61,7 @@ DEF MAX_PROPS = 0x7FFF - CRC_PAIR
 # Filled in by tiered.record when it loads this module (it imports us, not the reverse).
 cdef object RecordError = ValueError
 cdef object CorruptRecordError = ValueError
+cdef object RecordCrcError = ValueError
 cdef object SegmentTables = None
 cdef object EncodedBatch = None
 cdef object encode_properties = None
@@ -79,10 +80,11 @@ cdef str _UNIQ = "UNIQ_KEY"
 
 def bind(record_module):
     """Take the record module's error classes and types (called once by ``tiered.record``)."""
-    global RecordError, CorruptRecordError, SegmentTables, EncodedBatch, encode_properties
+    global RecordError, CorruptRecordError, RecordCrcError, SegmentTables, EncodedBatch, encode_properties
     global Message, _slots_ok
     RecordError = record_module.RecordError
     CorruptRecordError = record_module.CorruptRecordError
+    RecordCrcError = record_module.RecordCrcError
     SegmentTables = record_module.SegmentTables
     EncodedBatch = record_module.EncodedBatch
     encode_properties = record_module.encode_properties
@@ -555,7 +557,7 @@ def check_span(buf, positions, sizes, int64_t first_queue_offset):
                 break
     if bad < 0:
         return -1, 0
-    return bad, (-2 if r == -2 else -1)
+    return bad, (r if r == -2 or r == -3 else -1)
 
 
 cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const char* name,
@@ -771,7 +773,7 @@ def segment_tables(records, int64_t base_offset):
                 f"record at physical offset {<int64_t>tmq_be64(b + pos + 28)}: body CRC mismatch"
             )
         if bad_kind == -3:
-            raise CorruptRecordError(
+            raise RecordCrcError(
                 f"record at physical offset {<int64_t>tmq_be64(b + pos + 28)}: record CRC mismatch"
             )
         raise RecordError(f"record at {pos}: fields do not add up to its total size")

@@ -128,6 +128,11 @@ class CorruptRecordError(RecordError):
     """A record whose body or whole bytes do not match their CRC: stored bytes were damaged."""
 
 
+class RecordCrcError(CorruptRecordError):
+    """A record whose body is whole but whose record CRC (decision 210) fails: torn or damaged
+    outside the body."""
+
+
 @dataclass(slots=True)
 class Message:
     """A message as a producer hands it to the store (offsets are assigned at append)."""
@@ -552,7 +557,7 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
         if props_len < CRC_TRAILER_SIZE:
             raise RecordError(f"record at {pos}: properties too short for the record CRC")
         if check_crc and not record_crc_matches(buf, pos, total):
-            raise CorruptRecordError(
+            raise RecordCrcError(
                 f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
                 "record CRC mismatch"
             )
@@ -618,7 +623,7 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
                 f"record at {physical_offset}: properties too short for the record CRC"
             )
         if check_crc and not record_crc_matches(buf, pos, total):
-            raise CorruptRecordError(
+            raise RecordCrcError(
                 f"record at physical offset {physical_offset}: record CRC mismatch"
             )
     return int(total)
@@ -857,8 +862,8 @@ def check_span_py(
     """Check the records a cold read fetched: at each of ``positions`` a whole record (structure
     and body CRC, ``validate``) of the size in ``sizes``, with queue offsets
     ``first_queue_offset, first_queue_offset + 1, …``. Return ``(-1, 0)`` when every one is, else
-    the index of the first that is not and why: -2 for a body that fails its CRC, -1 for
-    anything else."""
+    the index of the first that is not and why: -2 for a body that fails its CRC, -3 for a
+    record that fails its record CRC (decision 210), -1 for anything else."""
     for i, (pos, size) in enumerate(zip(positions, sizes, strict=True)):
         pos, size = int(pos), int(size)
         if pos < 0:
@@ -868,6 +873,8 @@ def check_span_py(
             if validate(buf, pos, phys, check_crc=True) != size:
                 return i, -1
             (queue_offset,) = _I64.unpack_from(buf, pos + 20)
+        except RecordCrcError:
+            return i, -3
         except CorruptRecordError:
             return i, -2
         except (RecordError, struct.error):

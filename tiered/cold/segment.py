@@ -114,7 +114,9 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
     bad, why = check_span(data, relative, sizes, info.base_offset + first)
     if bad >= 0:
         at = begin + int(relative[bad])
-        problem = "body CRC mismatch" if why == -2 else "not the record its entry names"
+        problem = {-2: "body CRC mismatch", -3: "record CRC mismatch"}.get(
+            why, "not the record its entry names"
+        )
         raise SegmentError(f"{info.key}: record at {at}: {problem}")
     positions = relative.tolist()
     return RecordSpan(info.base_offset + first, data, positions)
