@@ -60,6 +60,7 @@ from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
+    DispatchColumns,
     Message,
     RecordError,
     StoredMessage,
@@ -322,7 +323,12 @@ class MessageStore:
             start = cp.flushed_offset
         else:
             start = min(cp.flushed_offset, cp.dispatched_offset)
-        cl_report = self.commitlog.recover(start, check_crc=self.config.check_crc_on_recover)
+        # The scan hands over the dispatch fields of what it validates: re-dispatch then reads
+        # no CommitLog byte a second time (decision 240).
+        scanned: list[DispatchColumns] = []
+        cl_report = self.commitlog.recover(
+            start, check_crc=self.config.check_crc_on_recover, columns=scanned
+        )
         self.corrupt_records = list(cl_report.corrupt_records)
         end = cl_report.end_offset if self.commitlog.files.files else 0
         report = StartReport(clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report)
@@ -353,7 +359,10 @@ class MessageStore:
             dispatcher.rebuild_index(*gap)
             report.index_gaps_rebuilt.append(gap)
         report.redispatched_bytes = end - dispatcher.reput_offset
+        dispatcher.preload(scanned)
+        del scanned
         dispatcher.dispatch(end)
+        dispatcher.preload([])
         self.commitlog.on_append = dispatcher.submit
         for (topic, queue_id), cq in self.queues.queues.items():
             self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset

@@ -31,6 +31,7 @@ from tiered.record import (
     BLANK_RECORD_SIZE,
     MAGIC_CODE_V2,
     CorruptRecordError,
+    DispatchColumns,
     EncodedBatch,
     Message,
     RecordEncoder,
@@ -38,6 +39,7 @@ from tiered.record import (
     StoredMessage,
     blank_record,
     decode,
+    dispatch_columns,
     read_total_and_magic,
     scan_records,
     validate,
@@ -50,6 +52,9 @@ _MAGIC_BYTES = struct.pack(">i", MAGIC_CODE_V2)
 _QUARANTINE_LIMIT = 8 << 20
 # The resync search checks this much of a file for non-zero bytes at a time.
 _ZERO_SKIP_CHUNK = 16 << 20
+# At most this many records' dispatch columns are kept by one recovery scan (about 80 bytes
+# each); past it the scan only validates, and dispatch reads the rest of the bytes again.
+_RECOVERY_COLUMNS_LIMIT = 2_000_000
 
 
 class MessageTooLargeError(ValueError):
@@ -427,9 +432,17 @@ class CommitLog:
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def recover(self, start: int | None, *, check_crc: bool) -> RecoveryReport:
+    def recover(
+        self,
+        start: int | None,
+        *,
+        check_crc: bool,
+        columns: list[DispatchColumns] | None = None,
+    ) -> RecoveryReport:
         """Find where valid data ends, scanning from ``start`` (a record boundary; None: the
-        first file), and cut the log there.
+        first file), and cut the log there. With ``columns``, the scan also collects the
+        dispatch fields of the records it validates there (runs, in CommitLog order; up to
+        ``_RECOVERY_COLUMNS_LIMIT`` records), so that re-dispatch need not read them again.
 
         - A record that fails its checks with no valid record anywhere after it is a torn tail:
           the log ends before it. Its bytes are copied to the quarantine directory first.
@@ -444,13 +457,19 @@ class CommitLog:
             return report
         offset = files[0].from_offset if start is None else max(start, files[0].from_offset)
         report.scanned_from = offset
-        end = self._scan(offset, check_crc, report)
+        end = self._scan(offset, check_crc, report, columns)
         report.end_offset = end
         self._cut(end, report)
         self._flushed_offset = end
         return report
 
-    def _scan(self, offset: int, check_crc: bool, report: RecoveryReport) -> int:
+    def _scan(
+        self,
+        offset: int,
+        check_crc: bool,
+        report: RecoveryReport,
+        columns: list[DispatchColumns] | None = None,
+    ) -> int:
         """Return the end of valid data at or after ``offset``."""
         while True:
             f = self.files.find_file(offset)
@@ -461,9 +480,7 @@ class CommitLog:
             while True:
                 # The record engine validates the run of good records in one call (natively,
                 # without the GIL); what follows handles the record it stopped at.
-                pos, scanned = scan_records(
-                    mm, pos, f.size, f.from_offset + pos, check_crc=check_crc
-                )
+                pos, scanned = self._scan_run(f, pos, check_crc, columns)
                 report.records_scanned += scanned
                 if f.size - pos < BLANK_RECORD_SIZE:
                     return f.from_offset + pos
@@ -503,6 +520,36 @@ class CommitLog:
                     "the file from a replica or backup, or move it aside to accept the loss."
                 )
             offset = f.tail_offset
+
+    @staticmethod
+    def _scan_run(
+        f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns] | None
+    ) -> tuple[int, int]:
+        """``scan_records`` over ``f`` from ``pos``, collecting dispatch columns into
+        ``columns`` while it may: one pass over the bytes validates and reads them."""
+        count = 0
+        while columns is not None:
+            room = _RECOVERY_COLUMNS_LIMIT - sum(len(c) for c in columns)
+            if room <= 0:
+                break
+            pos, status, run = dispatch_columns(
+                f.mm,
+                pos,
+                f.size,
+                f.from_offset,
+                validate=True,
+                check_crc=check_crc,
+                max_records=min(room, 1 << 20),
+            )
+            if len(run):
+                columns.append(run)
+                count += len(run)
+            if status != 1:
+                if status == 0:
+                    return pos, count
+                break  # a record the columns cannot take: validate the rest only
+        pos, scanned = scan_records(f.mm, pos, f.size, f.from_offset + pos, check_crc=check_crc)
+        return pos, count + scanned
 
     def _find_valid_record(self, offset: int) -> int | None:
         """The offset of the first whole, CRC-valid record at or after ``offset``, if any.
