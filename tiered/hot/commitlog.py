@@ -463,6 +463,19 @@ class CommitLog:
         self._flushed_offset = end
         return report
 
+    def sync_recovered(self, start: int) -> None:
+        """fdatasync every file from the one holding ``start``: what recovery kept (and cut)."""
+        for f in self.files.iter_from(start):
+            f.flushed = 0
+            f.flush()
+
+    def defer_recovered_sync(self, start: int) -> None:
+        """Leave what recovery kept from ``start`` on to the next flush, as freshly appended
+        bytes are under ASYNC flush: it counts as unflushed until then (decision 241)."""
+        for f in self.files.iter_from(start):
+            f.flushed = 0
+        self._flushed_offset = min(self._flushed_offset, start)
+
     def _scan(
         self,
         offset: int,
@@ -585,7 +598,10 @@ class CommitLog:
         f = self.files.find_file(end)
         if f is not None:
             pos = end - f.from_offset
-            tail = f.read(pos, min(f.size - pos, _QUARANTINE_LIMIT)).rstrip(b"\0")
+            length = min(f.size - pos, _QUARANTINE_LIMIT)
+            # Checked in place first: after kill -9 the tail is almost always zeros already.
+            torn = np.count_nonzero(np.frombuffer(f.mm, np.uint8, length, pos)) if length else 0
+            tail = f.read(pos, length).rstrip(b"\0") if torn else b""
             if tail:
                 quarantine.mkdir(parents=True, exist_ok=True)
                 path = quarantine / f"commitlog-{end:020d}-{now_ms()}.bin"
