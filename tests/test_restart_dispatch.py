@@ -28,6 +28,7 @@ from test_record_engine import MESSAGES, NATIVE, PY, SETTINGS, run_of
 
 from tiered import record
 from tiered.config import StoreConfig
+from tiered.hot import commitlog as commitlog_module
 from tiered.hot import dispatcher as dispatcher_module
 from tiered.hot.checkpoint import Checkpoint, save_checkpoint
 from tiered.hot.commitlog import CommitLog
@@ -168,14 +169,19 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def derived_files(data_dir: Path) -> dict[str, bytes]:
-    """ConsumeQueue files by path and IndexFiles in order (their names hold a wall time)."""
+    """ConsumeQueue files by path, and IndexFiles by the CommitLog offset their range begins at
+    (their names hold a wall time)."""
     files = {
         str(p.relative_to(data_dir)): p.read_bytes()
         for p in sorted((data_dir / "consumequeue").rglob("*"))
         if p.is_file()
     }
-    for n, p in enumerate(sorted((data_dir / "index").iterdir())):
-        files[f"index #{n}"] = p.read_bytes()
+    # In the order of their ranges (a name's second and millisecond are read apart, so two
+    # files made across a second's turn can sort the wrong way by name).
+    index = sorted(p.read_bytes() for p in (data_dir / "index").iterdir())
+    index.sort(key=lambda raw: int.from_bytes(raw[16:24], "big", signed=True))
+    for n, raw in enumerate(index):
+        files[f"index #{n}"] = raw
     return files
 
 
@@ -208,13 +214,16 @@ def restart(source: Path, target: Path, case: str) -> dict[str, bytes]:
     return derived_files(target)
 
 
-@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("engine", ["native", "python", "native, split scan"])
 @pytest.mark.parametrize("case", ["no checkpoint", "checkpoint", "torn consumequeues"])
 def test_fast_redispatch_builds_byte_identical_consume_queues_and_index(
     written: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, engine: str
 ) -> None:
     if engine == "python":
         monkeypatch.setattr(record, "_engine", PY)
+    if engine.endswith("split scan"):
+        # Every file is scanned in two halves on two threads (decision 242).
+        monkeypatch.setattr(commitlog_module, "_SPLIT_SCAN_BYTES", 1024)
     calls: list[int] = []
     applied = Dispatcher.apply_columns
 
@@ -224,7 +233,7 @@ def test_fast_redispatch_builds_byte_identical_consume_queues_and_index(
 
     monkeypatch.setattr(Dispatcher, "apply_columns", counting)
     reads: list[int] = []
-    read_columns = dispatcher_module.dispatch_columns
+    read_columns = record.dispatch_columns
 
     def counting_reads(*args: Any, **kwargs: Any) -> Any:
         reads.append(args[1])
@@ -241,7 +250,7 @@ def test_fast_redispatch_builds_byte_identical_consume_queues_and_index(
     monkeypatch.setattr(
         CommitLog,
         "_scan_run",
-        staticmethod(lambda f, pos, crc, cols: plain_scan(f, pos, crc, None)),
+        lambda self, f, pos, crc, cols: plain_scan(self, f, pos, crc, None),
     )
     calls.clear()
     normal = restart(written, tmp_path / "normal", case)
@@ -257,3 +266,47 @@ def test_fast_redispatch_builds_byte_identical_consume_queues_and_index(
     for name in cq:
         a = np.frombuffer(original[name], np.uint8)
         assert np.array_equal(a, np.frombuffer(fast[name], np.uint8)), name
+
+
+@pytest.mark.parametrize("where", [0.1, 0.45, 0.5, 0.55, 0.9])
+@pytest.mark.parametrize("kind", ["torn header", "bad body crc"])
+def test_a_scan_in_two_halves_finds_what_one_pass_finds(
+    written: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: float, kind: str
+) -> None:
+    """Damage anywhere in a file, the middle included: the split scan ends, keeps and
+    reports exactly what the sequential scan does."""
+    reports: list[Any] = []
+    halves: list[Any] = []
+    scan_halves = CommitLog._scan_halves
+
+    def recording(self: CommitLog, *args: Any) -> Any:
+        halves.append(scan_halves(self, *args))
+        return halves[-1]
+
+    monkeypatch.setattr(CommitLog, "_scan_halves", recording)
+    for split in (False, True):
+        monkeypatch.setattr(commitlog_module, "_SPLIT_SCAN_BYTES", 1024 if split else 1 << 40)
+        target = tmp_path / f"split-{split}"
+        shutil.copytree(written, target)
+        (target / "checkpoint").unlink()
+        (target / "abort").write_text("1")
+        first = sorted((target / "commitlog").iterdir())[2]
+        data = bytearray(first.read_bytes())
+        at = int(len(data.rstrip(b"\0")) * where)
+        if kind == "torn header":
+            data[at : at + 300] = bytes(300)  # records after it in later files: refused start
+        else:
+            body = data.index(b"\0\0", at)  # inside some record: flip bits in a body or header
+            data[body] ^= 0xFF
+        first.write_bytes(bytes(data))
+        store = MessageStore(config(target))
+        try:
+            report = store.start()
+        except Exception as e:  # refused to start: both must refuse alike
+            reports.append(type(e).__name__)
+            continue
+        c = report.commitlog
+        reports.append((c.end_offset, c.records_scanned, c.corrupt_records, c.truncated_bytes))
+        store.shutdown()
+    assert reports[0] == reports[1]
+    assert any(h is not None for h in halves), "the files should have been scanned in halves"

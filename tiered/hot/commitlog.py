@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,9 +53,11 @@ _MAGIC_BYTES = struct.pack(">i", MAGIC_CODE_V2)
 _QUARANTINE_LIMIT = 8 << 20
 # The resync search checks this much of a file for non-zero bytes at a time.
 _ZERO_SKIP_CHUNK = 16 << 20
-# At most this many records' dispatch columns are kept by one recovery scan (about 80 bytes
-# each); past it the scan only validates, and dispatch reads the rest of the bytes again.
+# At most this many records' dispatch columns are kept per recovery scan thread (about 80
+# bytes each); past it the scan only validates, and dispatch reads the rest of the bytes again.
 _RECOVERY_COLUMNS_LIMIT = 2_000_000
+# A full file with at least this much left to scan is checked by two threads.
+_SPLIT_SCAN_BYTES = 64 << 20
 
 
 class MessageTooLargeError(ValueError):
@@ -534,12 +537,59 @@ class CommitLog:
                 )
             offset = f.tail_offset
 
-    @staticmethod
     def _scan_run(
-        f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns] | None
+        self, f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns] | None
     ) -> tuple[int, int]:
-        """``scan_records`` over ``f`` from ``pos``, collecting dispatch columns into
-        ``columns`` while it may: one pass over the bytes validates and reads them."""
+        """``scan_records`` over ``f`` from ``pos`` (position after the last valid record, and
+        how many), collecting dispatch columns into ``columns`` while it may: one pass over
+        the bytes validates and reads them. A large stretch of a full file is checked by two
+        threads (``_scan_halves``)."""
+        if (
+            columns is not None
+            and f.size - pos >= _SPLIT_SCAN_BYTES
+            and f is not self.files.files[-1]
+        ):
+            halves = self._scan_halves(f, pos, check_crc, columns)
+            if halves is not None:
+                return halves
+        return self._scan_part(f, pos, f.size, check_crc, columns)
+
+    def _scan_halves(
+        self, f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns]
+    ) -> tuple[int, int] | None:
+        """The scan of ``f`` from ``pos``, with the second half checked speculatively on
+        another thread from the first valid record after the middle (a record names its own
+        offset, so a false start is practically impossible; decision 242). The result is the
+        sequential scan's: the second half counts only if the first one ends exactly where
+        it starts; otherwise the first continues on its own. None: no second start found."""
+        found = self._find_valid_record(f.from_offset + pos + (f.size - pos) // 2)
+        if found is None or found >= f.from_offset + f.size - BLANK_RECORD_SIZE:
+            return None
+        middle = found - f.from_offset
+        second: list[DispatchColumns] = []
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-scan")
+        later = pool.submit(self._scan_part, f, middle, f.size, check_crc, second)
+        pool.shutdown(wait=False)
+        try:
+            # A record ending exactly at ``middle`` fits this limit; one crossing it does not.
+            end, count = self._scan_part(f, pos, middle + BLANK_RECORD_SIZE, check_crc, columns)
+        finally:
+            later.exception()  # wait for it either way: the files may close next
+        if end != middle:
+            more_end, more = self._scan_part(f, end, f.size, check_crc, columns)
+            return more_end, count + more
+        end, more = later.result()
+        columns.extend(second)
+        return end, count + more
+
+    @staticmethod
+    def _scan_part(
+        f: MappedFile,
+        pos: int,
+        limit: int,
+        check_crc: bool,
+        columns: list[DispatchColumns] | None,
+    ) -> tuple[int, int]:
         count = 0
         while columns is not None:
             room = _RECOVERY_COLUMNS_LIMIT - sum(len(c) for c in columns)
@@ -548,7 +598,7 @@ class CommitLog:
             pos, status, run = dispatch_columns(
                 f.mm,
                 pos,
-                f.size,
+                limit,
                 f.from_offset,
                 validate=True,
                 check_crc=check_crc,
@@ -561,7 +611,7 @@ class CommitLog:
                 if status == 0:
                     return pos, count
                 break  # a record the columns cannot take: validate the rest only
-        pos, scanned = scan_records(f.mm, pos, f.size, f.from_offset + pos, check_crc=check_crc)
+        pos, scanned = scan_records(f.mm, pos, limit, f.from_offset + pos, check_crc=check_crc)
         return pos, count + scanned
 
     def _find_valid_record(self, offset: int) -> int | None:

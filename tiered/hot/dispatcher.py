@@ -55,6 +55,20 @@ _BLOCK_MIN = 4
 _COLUMNS_BYTES = 64 << 20
 
 
+def _by_queue(numbers: np.ndarray, queues: int) -> list[tuple[int, np.ndarray]]:
+    """(queue number, positions of its records in order) for every queue in ``numbers``."""
+    if queues <= 16:  # a few queues: one comparison pass each beats a sort
+        found = [(q, np.flatnonzero(numbers == q)) for q in range(queues)]
+        return [(q, idx) for q, idx in found if len(idx)]
+    order = np.argsort(numbers, kind="stable")
+    ordered = numbers[order]
+    bounds = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    return [
+        (int(ordered[lo]), order[lo:hi])
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(numbers)], strict=True)
+    ]
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -224,21 +238,18 @@ class Dispatcher:
     def apply_columns(self, run: DispatchColumns) -> None:
         """``apply`` for a run read as columns: the same ConsumeQueue and IndexFile bytes, with
         Python loops only over queues (and over runs of queue offsets with a gap)."""
-        n = len(run)
-        order = np.argsort(run.queue_numbers, kind="stable")
-        numbers = run.queue_numbers[order]
-        bounds = np.flatnonzero(numbers[1:] != numbers[:-1]) + 1
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n], strict=True):
-            idx = order[lo:hi]
-            topic, queue_id = run.queues[int(numbers[lo])]
+        for number, idx in _by_queue(run.queue_numbers, len(run.queues)):
+            topic, queue_id = run.queues[number]
             cq = self.queues.get_or_create(topic, queue_id)
             qoffs = run.queue_offsets[idx]
+            if int(qoffs.max()) < cq.max_offset:
+                continue  # every entry held already (a re-dispatch): nothing to build
             # Consecutive queue offsets go in one block (entry by entry is the same bytes).
             breaks = np.flatnonzero(qoffs[1:] != qoffs[:-1] + 1) + 1
-            for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), hi - lo], strict=True):
+            for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), len(idx)], strict=True):
                 first_q = int(qoffs[a])
                 if first_q + (b - a) <= cq.max_offset:
-                    continue  # held already (a re-dispatch): nothing to build
+                    continue
                 part = idx[a:b]
                 block = np.empty(b - a, CQ_DTYPE)
                 block["offset"] = run.offsets[part]
@@ -253,9 +264,14 @@ class Dispatcher:
         end = run.end_offset
         if end <= index_from:
             return
-        hashes, numbers = run.key_hashes, run.key_records
+        # Records are in CommitLog order and keys in record order: those at or past
+        # ``index_from`` are a suffix of both.
+        first_key = int(
+            np.searchsorted(run.key_records, np.searchsorted(run.offsets, index_from), "left")
+        )
+        hashes, numbers = run.key_hashes[first_key:], run.key_records[first_key:]
         offsets = run.offsets[numbers]
-        keep = offsets >= index_from
+        keep = np.ones(len(numbers), bool)
         if self.unindexed_topics:
             skip = self.unindexed_topics
             unindexed = np.array([q[0] in skip for q in run.queues], bool)
