@@ -1116,34 +1116,8 @@ cdef struct ColBuf:
     Py_ssize_t queues
 
 
-cdef inline bint _grow64(int64_t** p, Py_ssize_t cap) noexcept nogil:
-    cdef int64_t* q = <int64_t*>realloc(p[0], cap * sizeof(int64_t))
-    if q == NULL:
-        return False
-    p[0] = q
-    return True
-
-
-cdef bint _col_reserve(ColBuf* c) noexcept nogil:
-    cdef Py_ssize_t cap
-    if c.len < c.cap:
-        return True
-    cap = max(4096, c.cap * 2)
-    if not (_grow64(&c.offset, cap) and _grow64(&c.size, cap) and _grow64(&c.qoff, cap)
-            and _grow64(&c.qidx, cap) and _grow64(&c.tag, cap) and _grow64(&c.stamp, cap)):
-        return False
-    c.cap = cap
-    return True
-
-
 cdef inline bint _col_key(ColBuf* c, int64_t h, int64_t number) noexcept nogil:
-    cdef Py_ssize_t cap
-    if c.klen == c.kcap:
-        cap = max(4096, c.kcap * 2)
-        if not (_grow64(&c.khash, cap) and _grow64(&c.knum, cap)):
-            return False
-        c.kcap = cap
-    c.khash[c.klen] = h
+    c.khash[c.klen] = h  # room was checked for the whole record (``_col_record``)
     c.knum[c.klen] = number
     c.klen += 1
     return True
@@ -1247,6 +1221,7 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
     cdef const unsigned char* uniq = NULL
     cdef const unsigned char* keys = NULL
     cdef Py_ssize_t tags_n = 0, uniq_n = 0, keys_n = 0, at, end, topic_at = 0, queue_at = 0
+    cdef Py_ssize_t need
     cdef uint32_t h, base
     if pos + 48 > n:
         return 2
@@ -1290,8 +1265,16 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
                 or (uniq != NULL and not _utf8_ok(uniq, uniq_n))
                 or (keys != NULL and not _utf8_ok(keys, keys_n))):
             return 2
-    if not _col_reserve(c):
-        return 3
+    need = 1 if uniq_n else 0
+    at = 0
+    while at < keys_n:
+        end = at
+        while end < keys_n and keys[end] != 32:
+            end += 1
+        need += end > at
+        at = end + 1
+    if c.len == c.cap or c.klen + need > c.kcap:
+        return 1  # the arrays are full: the caller takes the rest in another call
     if topic < 0:
         topic = <int32_t>c.topics
         c.topics += 1
@@ -1329,13 +1312,6 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
     return 0
 
 
-cdef object _col_array(int64_t* p, Py_ssize_t n):
-    result = np.empty(n, np.int64)
-    if n:
-        memcpy(<void*><size_t>result.ctypes.data, p, n * sizeof(int64_t))
-    return result
-
-
 def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset, bint validate,
                      bint check_crc, Py_ssize_t max_records):
     """``record.dispatch_columns_py``."""
@@ -1354,6 +1330,24 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
     if c == NULL:
         raise MemoryError()
     memset(c, 0, sizeof(ColBuf))
+    # The columns are written straight into numpy arrays (untouched pages cost nothing); when
+    # they are full the call returns early (status 1). A record is at least 90 bytes, and its
+    # properties (at most 32 KiB) hold at most 16,384 keys.
+    c.cap = max(1, min(max_records, (limit - pos) // 90 + 1))
+    c.kcap = 2 * c.cap + 16_384
+    cdef list arrays = [np.empty(c.cap, np.int64) for i in range(6)]
+    cdef list key_arrays = [np.empty(c.kcap, np.int64) for i in range(2)]
+    cdef int64_t[::1] a_offset = arrays[0], a_size = arrays[1], a_qoff = arrays[2]
+    cdef int64_t[::1] a_qidx = arrays[3], a_tag = arrays[4], a_stamp = arrays[5]
+    cdef int64_t[::1] a_khash = key_arrays[0], a_knum = key_arrays[1]
+    c.offset = &a_offset[0]
+    c.size = &a_size[0]
+    c.qoff = &a_qoff[0]
+    c.qidx = &a_qidx[0]
+    c.tag = &a_tag[0]
+    c.stamp = &a_stamp[0]
+    c.khash = &a_khash[0]
+    c.knum = &a_knum[0]
     try:
         with nogil:
             if validate:
@@ -1383,31 +1377,11 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
                     if status:
                         break
                     pos += <int32_t>tmq_be32(b + pos)
-        if status == 3:
-            raise MemoryError()
         topics = [_utf8(c.topic_p[i], c.topic_n[i]) for i in range(c.topics)]
         queues = [(topics[c.queue_key[i] >> 32], <int32_t>(c.queue_key[i] & 0xFFFFFFFF))
                   for i in range(c.queues)]
         count = c.len
-        columns = (
-            _col_array(c.offset, count),
-            _col_array(c.size, count),
-            _col_array(c.qoff, count),
-            _col_array(c.qidx, count),
-            _col_array(c.tag, count),
-            _col_array(c.stamp, count),
-            _col_array(c.khash, c.klen),
-            _col_array(c.knum, c.klen),
-            queues,
-        )
+        columns = (*[a[:count] for a in arrays], *[a[:c.klen] for a in key_arrays], queues)
     finally:
-        free(c.offset)
-        free(c.size)
-        free(c.qoff)
-        free(c.qidx)
-        free(c.tag)
-        free(c.stamp)
-        free(c.khash)
-        free(c.knum)
         free(c)
     return pos, status, columns
