@@ -390,7 +390,7 @@ class MessageStore:
             # ASYNC: what recovery kept is flushed like fresh appends, by the flusher, which
             # starts at once; the checkpoint claims nothing past the scan's start until then.
             self.commitlog.defer_recovered_sync(scanned_from)
-            self._flush_at_start = True
+            self._flush_at_start = report.commitlog.end_offset > scanned_from
             self._save_checkpoint(scanned_from, scanned_from)
             return report
         # SYNC: what recovery kept is durable before anything is acknowledged on top of it.
