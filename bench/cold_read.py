@@ -1,7 +1,8 @@
 """Cold reads from LocalStack S3: sequential replay, random-read cost, and the hot path's latency.
 
 - Sequential replay MB/s through the cold fetcher, its segment reads in the cold worker process
-  as in the broker, against raw ``get_object`` of the same segment objects in the same run.
+  as in the broker, against raw ``get_object`` of the same segment objects in the same run (one
+  at a time and four at once; the faster is the limit).
 - Requests per random read at 1x and 10x archive size (counted at the storage interface).
 - Produce p99 while another thread replays the archive, against produce p99 when idle.
 
@@ -20,11 +21,14 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import boto3
+import botocore.config
 
 from bench.offload import localstack
 from offload.offloader import Offloader, OffloadPolicy
@@ -32,12 +36,15 @@ from tiered.cold.counting import CountingObjectStore
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.segment import SegmentReader
 from tiered.cold.storage import open_store
-from tiered.cold.worker import ColdWorker
+from tiered.cold.worker import ColdWorker, run_job, warm_up
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
 
 BASE = 20_000  # messages in the 1x archive; the 10x one has 200,000
+# The raw baseline: the same objects read whole one at a time and this many at once; the faster
+# is the limit the replay is measured against.
+RAW_GET_THREADS = (1, 4)
 
 
 def fill(store: MessageStore, queue_id: int, n: int) -> None:
@@ -69,13 +76,29 @@ def produce_latencies(store: MessageStore, seconds: float) -> list[float]:
     return out
 
 
+def raw_get_seconds(s3: Any, bucket: str, keys: list[str], threads: int) -> float:
+    """Seconds to ``get_object`` every key whole, ``threads`` at a time."""
+
+    def get(key: str) -> int:
+        return len(s3.get_object(Bucket=bucket, Key=f"tier/{key}")["Body"].read())
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(get, keys))
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     manage = localstack()
     started = manage.start()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    s3 = boto3.client("s3", endpoint_url=manage.endpoint())
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=manage.endpoint(),
+        config=botocore.config.Config(max_pool_connections=max(RAW_GET_THREADS)),
+    )
     bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
     s3.create_bucket(Bucket=bucket)
     root = Path(tempfile.mkdtemp(prefix="tmq-cold-"))
@@ -88,6 +111,7 @@ def main() -> None:
         tier = open_store(f"s3://{bucket}/tier", options)
         worker = ColdWorker(f"s3://{bucket}/tier", options)
         worker.start()
+        run_job(worker, warm_up)  # started and connected, as a broker's is long before
         offloader = Offloader(
             store, tier, "bench", "broker-a", OffloadPolicy(segment_max_bytes=8 << 20)
         )
@@ -104,9 +128,9 @@ def main() -> None:
             replayed += sum(m.size for m in messages)
         replay_s = time.perf_counter() - t0
         keys = [s.key for s in fetcher.manifest("cold", 1).segments]
-        t0 = time.perf_counter()
-        raw = sum(len(s3.get_object(Bucket=bucket, Key=f"tier/{k}")["Body"].read()) for k in keys)
-        raw_s = time.perf_counter() - t0
+        raw = sum(s.size for s in fetcher.manifest("cold", 1).segments)
+        raw_runs = {n: raw_get_seconds(s3, bucket, keys, n) for n in RAW_GET_THREADS}
+        raw_s = min(raw_runs.values())
         fetcher.close()
 
         # Requests per random read at 1x and 10x, counted at the storage interface: the segment
@@ -154,6 +178,9 @@ def main() -> None:
                 "endpoint": "localstack",
                 "replay_mb_per_s": round(replayed / replay_s / 1e6, 1),
                 "raw_get_mb_per_s": round(raw / raw_s / 1e6, 1),
+                "raw_get_mb_per_s_by_threads": {
+                    str(n): round(raw / t / 1e6, 1) for n, t in raw_runs.items()
+                },
                 "ratio_replay_vs_raw_get": round((replayed / replay_s) / (raw / raw_s), 3),
                 "requests_per_random_read": per_read,
                 "produce_p99_ms_idle": round(p99(idle), 3),
@@ -162,7 +189,7 @@ def main() -> None:
                 "targets": {
                     "ratio_replay_vs_raw_get": 0.7,
                     "requests_constant": True,
-                    "ratio_p99": 1.5,
+                    "ratio_p99": 1.2,
                 },
             }
         )

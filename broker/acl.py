@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,8 @@ class AclStore:
         self._users: dict[str, tuple[str, bool]] = {}  # name -> (secret, admin)
         self._grants: dict[str, list[Grant]] = {}  # user -> grants
         self._key: bytes | None = None
+        # Called after every saved change (BrokerMetadata: a master pushes it to its slaves).
+        self.on_change: Callable[[], None] | None = None
 
     def __repr__(self) -> str:  # never the secrets
         return f"AclStore({self.path}, {len(self._users)} users)"
@@ -180,6 +183,8 @@ class AclStore:
         }
         make_dirs(self.path.parent)
         write_file(self.path, json.dumps(document, indent=1, sort_keys=True).encode())
+        if self.on_change is not None:
+            self.on_change()
 
     # -- users ---------------------------------------------------------------------------------
 

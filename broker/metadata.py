@@ -16,10 +16,12 @@ line (a crash during its append, never acknowledged) is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,21 @@ class BrokerMetadata:
         self.auto_created_groups = 0
         # Users and grants (broker/acl.py): saved on their own, replicated with the rest.
         self.acl = AclStore(config_dir)
+        # Called after every change of what ``snapshot`` returns: a replication master pushes
+        # it to its slaves at once (decision 223).
+        self._listeners: list[Callable[[], None]] = []
+        self.acl.on_change = self._changed
+
+    def add_change_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_change_listener(self, listener: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     @property
     def _group_log_path(self) -> Path:
@@ -162,12 +179,15 @@ class BrokerMetadata:
         with self._lock:
             self.topics[cfg.name] = cfg
             _save(self.dir / "topics.json", [asdict(t) for t in self.topics.values()])
+        self._changed()
 
     def delete_topic(self, name: str) -> bool:
         with self._lock:
             gone = self.topics.pop(name, None)
             if gone is not None:
                 _save(self.dir / "topics.json", [asdict(t) for t in self.topics.values()])
+        if gone is not None:
+            self._changed()
         return gone is not None
 
     def topic(self, name: str) -> TopicConfig | None:
@@ -179,6 +199,7 @@ class BrokerMetadata:
         """Create or replace a group; durable when this returns."""
         with self._lock:
             self._put_group(cfg)
+        self._changed()
 
     def auto_create_group(self, name: str, limit: int) -> GroupConfig:
         """The group ``name``, created as a client's first request creates it, unless ``limit``
@@ -195,7 +216,8 @@ class BrokerMetadata:
                 )
             cfg = GroupConfig(name=name, auto_created=True)
             self._put_group(cfg)
-            return cfg
+        self._changed()
+        return cfg
 
     def _put_group(self, cfg: GroupConfig) -> None:
         old = self.groups.get(cfg.name)
@@ -297,8 +319,11 @@ class BrokerMetadata:
 
     def commit_offset(self, group: str, topic: str, queue: int, offset: int) -> None:
         with self._lock:
+            if self._offsets.get((group, topic, queue)) == offset:
+                return
             self._offsets[(group, topic, queue)] = offset
             self._offsets_dirty = True
+        self._changed()
 
     def offsets_of(self, group: str) -> dict[tuple[str, int], int]:
         return {(t, q): o for (g, t, q), o in list(self._offsets.items()) if g == group}

@@ -27,6 +27,7 @@ from broker.config import BrokerConfig
 from broker.ha.controller import HaController
 from broker.ha.forward import ForwardingHandler
 from broker.ha.gate import FencedGate, ReplicationStatus, SendGate
+from broker.ha.link import LinkSecurity
 from broker.ha.master import ReplicationMaster
 from broker.ha.role import RoleSnapshot, RoleState
 from broker.ha.slave import ReplicationSlave
@@ -160,6 +161,17 @@ class Broker:
         self.controller: HaController | None = None
         self._registered_id: int | None = None
         self._forwarder: ForwardingHandler | None = None
+        # The replication link: TLS with [tls], both ends authenticated with [auth] (decision 220).
+        link = (
+            LinkSecurity(
+                config.tls,
+                self.metadata.acl if config.auth.enabled else None,
+                self.security.access_key,
+                self.security.secret_key,
+            )
+            if config.ha.enabled
+            else None
+        )
         if config.ha.enabled and config.ha.etcd:
             epochs = EpochFile(config.store.data_dir / "ha")
             self.controller = HaController(
@@ -170,19 +182,23 @@ class Broker:
                 config.name,
                 lambda: f"{config.advertise_host}:{self.port}",
                 self.role,
-                make_master=lambda: ReplicationMaster(self.store, epochs, config.ha, self.metadata),
+                make_master=lambda: ReplicationMaster(
+                    self.store, epochs, config.ha, self.metadata, link
+                ),
                 make_slave=lambda cfg: ReplicationSlave(
-                    self.store, epochs, cfg, self.metadata, self._register_now.set
+                    self.store, epochs, cfg, self.metadata, self._register_now.set, link
                 ),
                 on_change=self._replication_changed,
             )
         elif config.ha.enabled:
             epochs = EpochFile(config.store.data_dir / "ha")
             if config.ha.role == "master":
-                self.replication = ReplicationMaster(self.store, epochs, config.ha, self.metadata)
+                self.replication = ReplicationMaster(
+                    self.store, epochs, config.ha, self.metadata, link
+                )
             else:
                 self.replication = ReplicationSlave(
-                    self.store, epochs, config.ha, self.metadata, self._register_now.set
+                    self.store, epochs, config.ha, self.metadata, self._register_now.set, link
                 )
         self.metrics.attach(
             MetricSources(

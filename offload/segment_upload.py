@@ -3,7 +3,8 @@
 The broker plans a segment (its key, its base queue offset and its ConsumeQueue entries, a few
 bytes per message) and hands it over; the job reads the records straight from the CommitLog
 files (the page cache the broker wrote them to, so nothing is copied through the pipe), builds
-the segment object, writes it with ``put_if_absent`` and checks the stored footer. It returns
+the segment object and writes it with ``put_if_absent`` (a key that already existed has its
+stored footer checked against the build). It returns
 the ``SegmentInfo`` to commit: the commit itself stays with the broker, under the queue's lock.
 
 Idempotent: the key is the broker's, chosen once per segment, so a job cut off by a crash of the
@@ -18,7 +19,7 @@ a job is above it until the broker commits the job's result.
 from __future__ import annotations
 
 import logging
-import os
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,10 @@ from tiered import failpoints
 from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
 from tiered.cold.storage import ObjectStore
 from tiered.formats import CQ_DTYPE
+from tiered.record import gather
 from tiered.store import commitlog_file_name
 
 log = logging.getLogger(__name__)
-
-# Records of one queue closer than this in the CommitLog are read with one pread.
-_COALESCE_GAP = 64 << 10
 
 
 class SegmentSourceError(SegmentError):
@@ -51,51 +50,33 @@ class SegmentJob:
     commitlog_file_size: int
 
 
-def read_records(job: SegmentJob) -> bytes:
-    """The job's whole records from the CommitLog files, one after the other (one copy): a run
-    of nearby records per read, the bytes between them (other queues' records) left out."""
+def read_records(job: SegmentJob) -> bytearray:
+    """The job's whole records from the CommitLog files, one after the other: each file mapped,
+    and its records copied straight into the result by the record engine (one copy, the bytes
+    between them, other queues' records, never read)."""
     table = np.frombuffer(job.entries, dtype=CQ_DTYPE)
     phys = table["offset"].astype(np.int64)
     sizes = table["size"].astype(np.int64)
-    parts: list[memoryview] = []
-    files: dict[int, int] = {}
-    try:
-        i, n = 0, len(table)
-        while i < n:
-            file_start = int(phys[i]) - int(phys[i]) % job.commitlog_file_size
-            file_end = file_start + job.commitlog_file_size
-            # One run: records in the same file, each within _COALESCE_GAP of the previous end.
-            j = i + 1
-            while (
-                j < n
-                and phys[j] < file_end
-                and phys[j] - (phys[j - 1] + sizes[j - 1]) < _COALESCE_GAP
-            ):
-                j += 1
-            fd = files.get(file_start)
-            if fd is None:
-                path = Path(job.commitlog_dir) / commitlog_file_name(file_start)
-                try:
-                    fd = files[file_start] = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise SegmentSourceError(
-                        f"{job.key}: CommitLog file {path.name} is no longer local"
-                    ) from None
-            run_start = int(phys[i])
-            run_len = int(phys[j - 1] + sizes[j - 1]) - run_start
-            data = os.pread(fd, run_len, run_start - file_start)
-            if len(data) != run_len:
-                raise SegmentSourceError(
-                    f"{job.key}: CommitLog offsets {run_start}..{run_start + run_len} are not local"
-                )
-            view = memoryview(data)
-            for p, size in zip(phys[i:j].tolist(), sizes[i:j].tolist(), strict=True):
-                parts.append(view[p - run_start : p - run_start + size])
-            i = j
-    finally:
-        for fd in files.values():
-            os.close(fd)
-    return b"".join(parts)
+    out = bytearray(int(sizes.sum()))
+    files = phys // job.commitlog_file_size
+    # Queue offsets grow with CommitLog offsets: the records of one file are one run of the table.
+    cuts = np.flatnonzero(files[1:] != files[:-1]) + 1
+    at = 0
+    for first, last in zip([0, *cuts.tolist()], [*cuts.tolist(), len(table)], strict=True):
+        file_start = int(files[first]) * job.commitlog_file_size
+        path = Path(job.commitlog_dir) / commitlog_file_name(file_start)
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                at = gather(mm, phys[first:last] - file_start, sizes[first:last], out, at)
+        except FileNotFoundError:
+            raise SegmentSourceError(
+                f"{job.key}: CommitLog file {path.name} is no longer local"
+            ) from None
+        except ValueError as e:  # a record past the file's end (an empty file maps as an error too)
+            raise SegmentSourceError(
+                f"{job.key}: records of CommitLog file {path.name} are not local: {e}"
+            ) from None
+    return out
 
 
 def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
@@ -103,10 +84,16 @@ def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
     Raises ``SegmentError`` (a damaged or missing record, a stored object that is not ours) or
     ``StorageError`` (after the tier's retries)."""
     data, info = build([read_records(job)], job.base_offset, job.key)
-    if not tier.put_if_absent(info.key, data):
-        # Our own earlier attempt landed (the key is unique to this segment's plan).
-        log.info("%s already exists: a retried upload", info.key)
+    written = tier.put_if_absent(info.key, data)
     failpoints.hit("offload.after_put")
+    if written:
+        # A PUT that succeeded created the object with exactly these bytes (an object write is
+        # atomic, and S3 answers success only for the whole body): reading its footer back
+        # would cost two more requests per segment and tell nothing new.
+        return info
+    # The key existed: our own earlier attempt landed (the key is unique to this segment's
+    # plan), or something else did. Only its stored footer tells which.
+    log.info("%s already exists: a retried upload", info.key)
     stored = read_footer(tier, info.key)
     if stored != info:
         raise SegmentError(f"{info.key}: stored object differs from what was written")

@@ -326,3 +326,75 @@ def test_decoding_a_run_into_messages_is_identical(
     assert native == outcome(PY)
     if damage is None:
         assert [m.body for m in native] == [m.body for m in messages][::-1]
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, min_size=1, max_size=10),
+    st.one_of(st.none(), st.tuples(st.integers(0, 10**9), st.integers(0, 255))),
+    st.integers(0, 9),
+    st.integers(-2, 2),
+)
+def test_span_check_agrees_on_good_and_damaged_spans(
+    messages: list[Message], damage: tuple[int, int] | None, first: int, shift: int
+) -> None:
+    """The cold read's check of a fetched span: records at their entries' positions and sizes,
+    body CRCs, consecutive queue offsets; damaged bytes, wrong sizes and wrong offsets alike."""
+    one_queue = [Message(topic="span", body=m.body, properties=m.properties) for m in messages]
+    data = bytearray(run_of(one_queue))
+    batch = EncodedBatch()
+    PY.read_dispatch_run(bytes(data), 0, len(data), 0, batch, [])
+    first = first % len(batch.offsets)
+    positions = np.asarray(batch.offsets[first:], np.int64)
+    sizes = np.asarray(batch.sizes[first:], np.int64)
+    assert PY.check_span(bytes(data), positions, sizes, 7 + first) == (-1, 0)
+    if damage is not None:
+        data[damage[0] % len(data)] = damage[1]
+    for args in (
+        (positions, sizes, 7 + first),
+        (positions, sizes, 7 + first + shift),
+        (positions, sizes + shift, 7 + first),
+        (positions + shift, sizes, 7 + first),
+    ):
+        native = NATIVE.check_span(bytes(data), *args)
+        assert native == PY.check_span(bytes(data), *args)
+    if damage is None and shift:
+        assert NATIVE.check_span(bytes(data), positions, sizes, 7 + first + shift)[0] == 0
+
+
+def test_span_check_names_a_body_crc_mismatch() -> None:
+    data = bytearray(run_of([Message(topic="span", body=b"y" * 300)] * 3))
+    batch = EncodedBatch()
+    PY.read_dispatch_run(bytes(data), 0, len(data), 0, batch, [])
+    data[data.index(b"y" * 300, batch.offsets[1]) + 150] ^= 0xFF  # the second record's body
+    for engine in (PY, NATIVE):
+        assert engine.check_span(bytes(data), batch.offsets, batch.sizes, 7) == (1, -2)
+        assert engine.check_span(bytes(data), batch.offsets[:1], batch.sizes[:1], 7) == (-1, 0)
+
+
+@SETTINGS
+@given(
+    st.binary(min_size=0, max_size=400),
+    st.lists(st.tuples(st.integers(-5, 420), st.integers(-2, 60)), max_size=12),
+    st.integers(0, 30),
+)
+def test_gather_copies_the_same_bytes_and_refuses_the_same_ranges(
+    src: bytes, ranges: list[tuple[int, int]], spare: int
+) -> None:
+    positions = np.asarray([p for p, _ in ranges], np.int64)
+    sizes = np.asarray([s for _, s in ranges], np.int64)
+    room = int(np.clip(sizes, 0, None).sum()) + spare - 10
+
+    def outcome(engine: Any) -> Any:
+        out = bytearray(max(0, room))
+        try:
+            end = engine.gather(src, positions, sizes, out, 3)
+        except ValueError:
+            return ValueError
+        return end, bytes(out)
+
+    native = outcome(NATIVE)
+    assert native == outcome(PY)
+    if native is not ValueError:
+        expected = b"".join(src[p : p + s] for p, s in ranges)
+        assert native[1][3 : native[0]] == expected

@@ -478,6 +478,57 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
     return pos, count
 
 
+def gather(src, positions, sizes, out, Py_ssize_t at):
+    """``record.gather_py``: copy records out of a CommitLog file, with the GIL released."""
+    cdef const unsigned char[::1] v = _view(src)
+    cdef unsigned char[::1] o = out
+    cdef Py_ssize_t n = v.shape[0], room = o.shape[0], i
+    at_array = np.ascontiguousarray(positions, np.int64)
+    size_array = np.ascontiguousarray(sizes, np.int64)
+    cdef const int64_t[::1] p = at_array, sz = size_array
+    cdef Py_ssize_t count = p.shape[0]
+    cdef int64_t bad = -1
+    if sz.shape[0] != count:
+        raise ValueError("one size per position")
+    with nogil:
+        for i in range(count):
+            if p[i] < 0 or sz[i] <= 0 or p[i] + sz[i] > n or at < 0 or at + sz[i] > room:
+                bad = i
+                break
+            memcpy(&o[0] + at, &v[0] + p[i], sz[i])
+            at += sz[i]
+    if bad >= 0:
+        raise ValueError(f"record {bad} ({p[bad]}+{sz[bad]}) is outside the source or the output")
+    return at
+
+
+def check_span(buf, positions, sizes, int64_t first_queue_offset):
+    """``record.check_span_py``: the cold read's check of a span, with the GIL released."""
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t n = v.shape[0], i
+    cdef const unsigned char* b = &v[0] if n else NULL
+    at_array = np.ascontiguousarray(positions, np.int64)
+    size_array = np.ascontiguousarray(sizes, np.int64)
+    cdef const int64_t[::1] at = at_array, sz = size_array
+    cdef Py_ssize_t count = at.shape[0]
+    cdef int64_t r = 0, bad = -1, pos
+    if sz.shape[0] != count:
+        raise ValueError("one size per position")
+    with nogil:
+        for i in range(count):
+            pos = at[i]
+            if pos < 0 or pos + 48 > n:
+                r = -1
+            else:
+                r = _check(b, n, pos, 0, False, True)
+            if r != sz[i] or (r > 0 and <int64_t>tmq_be64(b + pos + 20) != first_queue_offset + i):
+                bad = i
+                break
+    if bad < 0:
+        return -1, 0
+    return bad, (-2 if r == -2 else -1)
+
+
 cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const char* name,
                                   Py_ssize_t name_len):
     """``record._property``: the first pair named ``name`` (``name`` includes its \\x01)."""

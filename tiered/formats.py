@@ -45,9 +45,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from google_crc32c import extend as crc32c_extend
 from google_crc32c import value as crc32c
 
-from tiered.record import CorruptRecordError, RecordError, crc32c_of, segment_tables
+from tiered.record import Buffer, CorruptRecordError, RecordError, crc32c_of, segment_tables
 
 CQ_ENTRY = struct.Struct(">qiq")
 CQ_ENTRY_SIZE = CQ_ENTRY.size  # 20
@@ -133,12 +134,14 @@ FOOTER_FIELDS = (
 )
 
 
-def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
+def build(records: Iterable[Buffer], base_offset: int, key: str) -> tuple[bytes, SegmentInfo]:
     """Lay out ``records`` (whole CommitLog records of one queue, in queue-offset order starting
     at ``base_offset``) as a segment object. Every record is checked on the way in (structure,
     body CRC, contiguous queue offsets) by the record engine's segment build: a damaged record
-    is refused (``CorruptRecordError``), never archived."""
-    body_records = b"".join(records)
+    is refused (``CorruptRecordError``), never archived. The object is assembled with one copy
+    of the records (a single buffer of them is used as it is)."""
+    parts = list(records)
+    body_records = parts[0] if len(parts) == 1 else b"".join(parts)
     try:
         tables = segment_tables(body_records, base_offset)
     except CorruptRecordError:
@@ -149,18 +152,21 @@ def build(records: Iterable[bytes], base_offset: int, key: str) -> tuple[bytes, 
     offsets_at = len(body_records)
     times_at = offsets_at + count * CQ_ENTRY_SIZE
     keys_at = times_at + 8 * count
-    body = b"".join([body_records, tables.offset_table, tables.time_table, tables.key_index])
+    layout = [body_records, tables.offset_table, tables.time_table, tables.key_index]
+    crc = crc32c_of(body_records)
+    for table in layout[1:]:
+        crc = int(crc32c_extend(crc, table))
     info = SegmentInfo(
         key=key,
         base_offset=base_offset,
         count=count,
-        size=len(body) + FOOTER_SIZE,
+        size=keys_at + len(tables.key_index) + FOOTER_SIZE,
         offsets_at=offsets_at,
         times_at=times_at,
         keys_at=keys_at,
         key_count=tables.key_count,
         min_store_timestamp=tables.min_store_timestamp,
         max_store_timestamp=tables.max_store_timestamp,
-        crc=crc32c_of(body),
+        crc=crc,
     )
-    return body + info.footer(), info
+    return b"".join([*layout, info.footer()]), info

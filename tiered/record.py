@@ -70,6 +70,8 @@ MAX_PROPERTIES_BYTES = 0x7FFF  # RocketMQ's Short.MAX_VALUE limit
 Host = tuple[str, int]
 # Anything records are read from: a file's mapping, bytes read from an object, a view.
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+# Positions and sizes of records: a list, or an int64 array straight from a table.
+Ints = Sequence[int] | np.ndarray
 LOCALHOST: Host = ("127.0.0.1", 0)
 
 # The fixed head up to and including SYSFLAG and BORNTIMESTAMP (48 bytes), then the hosts.
@@ -890,6 +892,55 @@ def segment_tables_py(records: Buffer, base_offset: int) -> SegmentTables:
     )
 
 
+def gather_py(
+    src: Buffer,
+    positions: Ints,
+    sizes: Ints,
+    out: bytearray,
+    at: int,
+) -> int:
+    """Copy ``src[positions[i] : positions[i] + sizes[i]]`` one after the other into ``out`` from
+    ``at``, and return the position after the last (the offloader's gather of a queue's records
+    from a CommitLog file). ``ValueError`` for a range outside ``src`` or ``out``."""
+    view, target = memoryview(src), memoryview(out)
+    for i, (pos, size) in enumerate(zip(positions, sizes, strict=True)):
+        pos, size = int(pos), int(size)
+        if pos < 0 or size <= 0 or pos + size > len(view) or at < 0 or at + size > len(target):
+            raise ValueError(f"record {i} ({pos}+{size}) is outside the source or the output")
+        target[at : at + size] = view[pos : pos + size]
+        at += size
+    return at
+
+
+def check_span_py(
+    buf: Buffer,
+    positions: Ints,
+    sizes: Ints,
+    first_queue_offset: int,
+) -> tuple[int, int]:
+    """Check the records a cold read fetched: at each of ``positions`` a whole record (structure
+    and body CRC, ``validate``) of the size in ``sizes``, with queue offsets
+    ``first_queue_offset, first_queue_offset + 1, …``. Return ``(-1, 0)`` when every one is, else
+    the index of the first that is not and why: -2 for a body that fails its CRC, -1 for
+    anything else."""
+    for i, (pos, size) in enumerate(zip(positions, sizes, strict=True)):
+        pos, size = int(pos), int(size)
+        if pos < 0:
+            return i, -1
+        try:
+            (phys,) = _I64.unpack_from(buf, pos + 28)
+            if validate(buf, pos, phys, check_crc=True) != size:
+                return i, -1
+            (queue_offset,) = _I64.unpack_from(buf, pos + 20)
+        except CorruptRecordError:
+            return i, -2
+        except (RecordError, struct.error):
+            return i, -1
+        if queue_offset != first_queue_offset + i:
+            return i, -1
+    return -1, 0
+
+
 def first_unchecked_py(
     messages: Sequence[Message], start: int, topics: set[str], max_queue_id: int, max_body: int
 ) -> int:
@@ -931,6 +982,8 @@ class _PythonEngine:
     segment_tables = staticmethod(segment_tables_py)
     first_unchecked = staticmethod(first_unchecked_py)
     decode_many = staticmethod(decode_many_py)
+    check_span = staticmethod(check_span_py)
+    gather = staticmethod(gather_py)
     dispatch_columns = staticmethod(dispatch_columns_py)
 
 
@@ -1021,6 +1074,28 @@ def decode_many(
     """See ``decode_many_py`` (the cold fetcher's and the CommitLog reader's decode of a run)."""
     result: list[StoredMessage] = _engine.decode_many(buf, positions, check_crc)
     return result
+
+
+def check_span(
+    buf: Buffer,
+    positions: Ints,
+    sizes: Ints,
+    first_queue_offset: int,
+) -> tuple[int, int]:
+    """See ``check_span_py`` (the cold read's check of what it fetched)."""
+    bad, kind = _engine.check_span(buf, positions, sizes, first_queue_offset)
+    return int(bad), int(kind)
+
+
+def gather(
+    src: Buffer,
+    positions: Ints,
+    sizes: Ints,
+    out: bytearray,
+    at: int,
+) -> int:
+    """See ``gather_py`` (the offloader's gather of a segment's records)."""
+    return int(_engine.gather(src, positions, sizes, out, at))
 
 
 def dispatch_columns(

@@ -21,7 +21,14 @@ writable and starts its replication master in the new epoch; the others follow i
 
 A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
 (no successful keepalive for 2/3 of the TTL), or it sees another master or a newer epoch; a
-fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail.
+fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail. The
+lease is renewed by its own thread, ``tmq-ha-lease-renew`` (every quarter TTL, so a tick slowed
+by its other etcd calls never makes a live master miss its deadline); the deadline is watched by
+another, ``tmq-ha-lease-watch`` (every ``_WATCH_S``), and checked by every send, so that an idle
+master whose etcd calls hang until they time out (etcd frozen or unreachable: each endpoint is
+tried for up to 2 s) is fenced before etcd can expire its lease and elect another (decision
+222). A master fenced so gives its lease up at the next tick that reaches etcd, so the group
+elects again rather than keep a fenced master.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from tiered.store import MessageStore
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.2
+_WATCH_S = 0.05
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
 
@@ -119,12 +127,17 @@ class HaController:
         self.metrics = ControllerMetrics()
         self.last_error: str | None = None
         self._lease = 0
+        # Set when this master fenced itself without etcd's word: revoke the lease at the next
+        # tick (etcd still names this node master under it).
+        self._abandon_lease = False
         self._lease_ok_at = 0.0
         self._keepalive_at = 0.0
         self._published_sss: list[int] | None = None
         self._absent_ticks = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
+        self._renew: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -136,11 +149,20 @@ class HaController:
         self.role.set("slave", self.epochs.last_epoch if self.epochs.entries else 0)
         self._thread = threading.Thread(target=self._run, name="tmq-ha-controller", daemon=True)
         self._thread.start()
+        self._watch = threading.Thread(
+            target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
+        )
+        self._watch.start()
+        self._renew = threading.Thread(
+            target=self._renew_lease, name="tmq-ha-lease-renew", daemon=True
+        )
+        self._renew.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._watch, self._renew):
+            if thread is not None:
+                thread.join(timeout=10)
         with self._lock:
             if self.current is not None:
                 self.current.stop()
@@ -175,7 +197,37 @@ class HaController:
     def _ttl_s(self) -> int:
         return max(1, round(self.config.lease_ttl_ms / 1000))
 
+    def _watch_lease(self) -> None:
+        while not self._stop.wait(_WATCH_S):
+            self._check_lease_deadline()
+
+    def _renew_lease(self) -> None:
+        """Renew the lease every quarter TTL on its own, so that a tick slowed by its other etcd
+        calls (a loaded machine) never makes a live master miss its deadline. An expired lease
+        is left to the tick (``_ensure_lease``), which takes a new one."""
+        while not self._stop.wait(self._ttl_s() / 4):
+            lease = self._lease
+            if not lease or self._abandon_lease:
+                continue
+            started = time.monotonic()
+            try:
+                alive = self.etcd.keepalive(lease) > 0
+            except EtcdUnavailableError:
+                continue  # the watchdog fences if this lasts
+            if alive and lease == self._lease:
+                self._lease_ok_at = max(self._lease_ok_at, started)
+                self._keepalive_at = max(self._keepalive_at, started)
+
     def _ensure_lease(self) -> None:
+        if self._abandon_lease:
+            self._abandon_lease = False
+            if self._lease:
+                with contextlib.suppress(EtcdUnavailableError):
+                    self.etcd.revoke(self._lease)
+                log.warning(
+                    "controller: gave up lease %x after fencing; the group elects", self._lease
+                )
+                self._lease = 0
         now = time.monotonic()
         if self._lease and now - self._keepalive_at < self._ttl_s() / 3:
             return
@@ -193,7 +245,11 @@ class HaController:
         """No answer from etcd: a master that cannot prove its lease is alive fences itself
         before the lease can expire in etcd (2/3 of the TTL since the last renewal)."""
         if self.role.is_master() and time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
-            self._lose_mastership("etcd is unreachable; its lease may have expired")
+            self._abandon_lease = True
+            self._lose_mastership(
+                f"its etcd lease was not renewed for {time.monotonic() - self._lease_ok_at:.1f} s "
+                "(etcd unreachable or slow); the lease may have expired"
+            )
 
     def _lose_mastership(self, why: str) -> None:
         if self.role.is_master():
@@ -408,6 +464,7 @@ class HaController:
         return self.master_endpoint
 
     def check_writable(self) -> None:
+        self._check_lease_deadline()
         if not self.role.is_master():
             raise NotMasterError(
                 f"member {self.node_id} is not the group's master (role {self.role.role}, "
@@ -423,6 +480,7 @@ class HaController:
         if not isinstance(current, ReplicationMaster):
             raise NotMasterError(f"member {self.node_id} stopped being master")
         current.wait_replicated(end_offset)
+        self._check_lease_deadline()
         if not self.role.is_master():
             # Deposed while the send waited: the new master may lack it; do not acknowledge.
             raise NotMasterError(f"member {self.node_id} was fenced before acknowledging")

@@ -43,6 +43,11 @@ class ReplicatedMetadata(Protocol):
 
     def replace(self, snapshot: dict[str, Any]) -> None: ...
 
+    def add_change_listener(self, listener: Callable[[], None]) -> None:
+        """``listener`` is called after every change of what ``snapshot`` returns."""
+
+    def remove_change_listener(self, listener: Callable[[], None]) -> None: ...
+
 
 @dataclass(slots=True, frozen=True)
 class ReplicaLag:

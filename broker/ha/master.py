@@ -5,8 +5,9 @@ Threads it owns:
 - ``tmq-ha-accept``: accepts slave connections; every 200 ms it also re-evaluates the
   SyncStateSet (logging each change) and records the group's confirmed offset in the epoch file;
 - per slave, ``tmq-ha-conn-{port}`` (handshake, then reads ACKs) and ``tmq-ha-push-{id}``
-  (sends DATA frames: new bytes as soon as they are appended, a heartbeat each second otherwise;
-  and the metadata snapshot whenever it changed, checked each second).
+  (sends DATA frames: new bytes as soon as they are appended, a heartbeat each second otherwise
+  and as soon as the confirmed offset moved while no bytes are due; and the metadata snapshot
+  as soon as it changed, at most every ``_METADATA_MIN_S``).
 Producers calling ``wait_replicated`` wait on one condition that ACKs notify.
 """
 
@@ -16,6 +17,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -30,6 +32,7 @@ from broker.ha.gate import (
     ReplicationStatus,
     ReplicationTimeoutError,
 )
+from broker.ha.link import LinkRefusedError, LinkSecurity
 from tiered.epoch_file import EpochFile
 from tiered.store import MessageStore
 
@@ -39,6 +42,11 @@ log = logging.getLogger(__name__)
 _CHUNK_BYTES = 1 << 20
 _WINDOW_BYTES = 16 << 20
 _HEARTBEAT_S = 1.0
+# An idle master sends a moved confirmed offset this long after its last frame at the latest
+# (under load the next DATA frame carries it sooner, and no heartbeat is added).
+_CONFIRM_DELAY_S = 0.01
+# Metadata changes (every consumer offset commit is one) are coalesced to one snapshot per this.
+_METADATA_MIN_S = 0.05
 _HOUSEKEEPING_S = 0.2
 
 
@@ -67,20 +75,26 @@ class ReplicationMaster:
         epochs: EpochFile,
         config: HaConfig,
         metadata: ReplicatedMetadata | None = None,
+        link: LinkSecurity | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
+        # TLS and authentication of slave connections (broker/ha/link.py).
+        self.link = link or LinkSecurity()
+        self._tls: ssl.SSLContext | None = None
         self.epochs = epochs
         self.config = config
         self.epoch = 0
         self.port = 0
         self._cond = threading.Condition()
         self._slaves: dict[int, SlaveState] = {}
-        self._sockets: dict[int, socket.socket] = {}
+        self._sockets: dict[int, wire.Connection] = {}
         self._in_sync: frozenset[int] = frozenset()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        # Bumped by every metadata change; each push thread sends a snapshot when it moved.
+        self._metadata_version = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -97,6 +111,11 @@ class ReplicationMaster:
                 f"{e.strerror or e}"
             ) from None
         listener.settimeout(_HOUSEKEEPING_S)
+        try:
+            self._tls = self.link.server_context()
+        except (OSError, ssl.SSLError) as e:
+            listener.close()
+            raise OSError(f"replication TLS ([tls]): {e}") from None
         self.epochs.load()
         end = self.store.max_physical_offset
         self.epochs.truncate_from(end + 1)  # entries past the log: a crash cut the tail
@@ -110,6 +129,8 @@ class ReplicationMaster:
         self._listener = listener
         self.port = listener.getsockname()[1]
         self.store.add_append_listener(self._appended)
+        if self.metadata is not None:
+            self.metadata.add_change_listener(self._metadata_changed)
         self._spawn(self._accept_loop, "tmq-ha-accept")
         log.info(
             "replication master: epoch %d from offset %d, %s mode (min_in_sync_replicas %d), "
@@ -125,6 +146,8 @@ class ReplicationMaster:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.metadata is not None:
+            self.metadata.remove_change_listener(self._metadata_changed)
         if self._listener is not None:
             self._listener.close()
         with self._cond:
@@ -181,6 +204,23 @@ class ReplicationMaster:
     def _appended(self, end_offset: int) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def _metadata_changed(self) -> None:
+        with self._cond:
+            self._metadata_version += 1
+            self._cond.notify_all()
+
+    def _idle_wait(
+        self, last_send: float, sent_confirmed: int, metadata_version: int, metadata_at: float
+    ) -> float:
+        """How long a push thread with no bytes to send may sleep: until its heartbeat, or
+        sooner when the confirmed offset or the metadata moved since it last sent them."""
+        due = last_send + _HEARTBEAT_S
+        if self.confirmed_offset() != sent_confirmed:
+            due = min(due, last_send + _CONFIRM_DELAY_S)
+        if self.metadata is not None and self._metadata_version != metadata_version:
+            due = min(due, metadata_at + _METADATA_MIN_S)
+        return max(0.0, due - time.monotonic())
 
     # -- the SyncStateSet ----------------------------------------------------------------------
 
@@ -288,10 +328,12 @@ class ReplicationMaster:
             except Exception:
                 log.exception("replication housekeeping failed")
 
-    def _serve(self, sock: socket.socket, address: str) -> None:
+    def _serve(self, raw: socket.socket, address: str) -> None:
         """Handshake with one slave, then read its ACKs while a second thread pushes bytes."""
         state: SlaveState | None = None
+        sock: wire.Connection = raw
         try:
+            sock = self.link.accept(raw, address, self._tls)
             hello = wire.decode_hello(wire.expect(sock, wire.FrameType.HELLO))
             file_size = self.store.config.commitlog_file_size
             if hello.broker_id <= 0:
@@ -335,6 +377,8 @@ class ReplicationMaster:
             while not self._stop.is_set():
                 acked = wire.decode_ack(wire.expect(sock, wire.FrameType.ACK))
                 self._on_ack(state, acked)
+        except LinkRefusedError:
+            pass  # logged and answered by the link
         except (OSError, wire.ProtocolError) as e:
             if not self._stop.is_set():
                 log.warning("replication: connection from %s ended: %s", address, e)
@@ -357,13 +401,20 @@ class ReplicationMaster:
                 state.caught_up_ms = state.sent.popleft()[0]
             self._cond.notify_all()
 
-    def _push(self, sock: socket.socket, state: SlaveState, offset: int) -> None:
+    def _push(self, sock: wire.Connection, state: SlaveState, offset: int) -> None:
         last_send = 0.0
         sent_metadata = b""
         metadata_at = 0.0
+        metadata_version = -1  # of the last snapshot sent
+        sent_confirmed = -1
         try:
             while not self._stop.is_set() and state.connected:
-                if self.metadata is not None and time.monotonic() - metadata_at >= _HEARTBEAT_S:
+                if (
+                    self.metadata is not None
+                    and metadata_version != self._metadata_version
+                    and time.monotonic() - metadata_at >= _METADATA_MIN_S
+                ):
+                    metadata_version = self._metadata_version
                     document = json.dumps(self.metadata.snapshot(), sort_keys=True).encode()
                     if document != sent_metadata:
                         sock.sendall(wire.encode_metadata(document))
@@ -387,11 +438,19 @@ class ReplicationMaster:
                     epoch = self.epoch
                     with self._cond:
                         if self.store.max_physical_offset == top and not self._stop.is_set():
-                            self._cond.wait(_HEARTBEAT_S)
-                    if time.monotonic() - last_send < _HEARTBEAT_S:
+                            self._cond.wait(
+                                self._idle_wait(
+                                    last_send, sent_confirmed, metadata_version, metadata_at
+                                )
+                            )
+                    since = time.monotonic() - last_send
+                    if since < _HEARTBEAT_S and (
+                        since < _CONFIRM_DELAY_S or self.confirmed_offset() == sent_confirmed
+                    ):
                         continue
                 sent_at = now_ms()
-                frame = wire.Data(epoch, offset, top, self.confirmed_offset(), payload)
+                sent_confirmed = self.confirmed_offset()
+                frame = wire.Data(epoch, offset, top, sent_confirmed, payload)
                 with self._cond:
                     state.sent.append((sent_at, top))
                     if len(state.sent) > 4096:
@@ -410,7 +469,7 @@ class ReplicationMaster:
             _close(sock)
 
 
-def _close(sock: socket.socket) -> None:
+def _close(sock: wire.Connection) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from broker.ha import wire
 from broker.ha.config import HaConfig, parse_address
 from broker.ha.gate import NotMasterError, ReplicatedMetadata, ReplicationStatus
+from broker.ha.link import LinkSecurity
 from tiered.epoch_file import EpochFile, TruncationRefusedError, consistent_point
 from tiered.store import MessageStore
 
@@ -35,8 +36,11 @@ class ReplicationSlave:
         config: HaConfig,
         metadata: ReplicatedMetadata | None = None,
         on_metadata: Callable[[], None] | None = None,
+        link: LinkSecurity | None = None,
     ) -> None:
         self.store = store
+        # TLS and authentication towards the master (broker/ha/link.py).
+        self.link = link or LinkSecurity()
         # Replaced by the master's topics, groups and offsets whenever it sends them; then
         # ``on_metadata`` (the broker re-registers its topics).
         self.metadata = metadata
@@ -128,8 +132,9 @@ class ReplicationSlave:
                     sock.close()
             self._stop.wait(_RETRY_S)
 
-    def _session(self, sock: socket.socket, address: str) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _session(self, raw: socket.socket, address: str) -> None:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self.link.connect(raw, parse_address(address, "master")[0])
         store = self.store
         sock.sendall(
             wire.encode_hello(
@@ -144,7 +149,7 @@ class ReplicationSlave:
         )
         welcome = wire.decode_welcome(wire.expect(sock, wire.FrameType.WELCOME))
         self._master_epochs = {e.epoch: e.start_offset for e in welcome.epochs}
-        sock.settimeout(None)
+        raw.settimeout(None)
         start = self._align(welcome)
         sock.sendall(wire.encode_ack(start))
         self.master_address = address
@@ -181,7 +186,8 @@ class ReplicationSlave:
                 store.append_replicated(data.offset, data.payload)
             top = store.max_physical_offset
             sock.sendall(wire.encode_ack(top))
-            if time.monotonic() - saved_at >= _CONFIRM_SAVE_S:
+            # A heartbeat (no bytes) is rare, and carries a confirmed offset that just moved.
+            if not data.payload or time.monotonic() - saved_at >= _CONFIRM_SAVE_S:
                 # What the group acknowledged and this slave holds: never to be truncated.
                 self.epochs.set_confirmed(min(data.confirmed_offset, top))
                 saved_at = time.monotonic()

@@ -23,15 +23,20 @@ Bodies:
   bytes: whole CommitLog records within one file and one epoch. No bytes: a heartbeat.
 - ``ERROR`` (either way): a UTF-8 reason; the sender closes the connection after it.
 - ``METADATA`` (master -> slave): the master's topics, groups and consumer offsets as UTF-8 JSON
-  (``BrokerMetadata.snapshot``); sent after WELCOME and whenever it changed, checked every second.
+  (``BrokerMetadata.snapshot``); sent after WELCOME and as soon as they change.
+- ``AUTH`` (both ways, before HELLO, only with ``[auth]`` on; broker/ha/link.py): access key
+  (u16 length + UTF-8), nonce (u8 length + bytes), proof (u8 length + bytes). The slave sends
+  its key and nonce; the master answers with its key, its nonce and its proof; the slave sends
+  its proof (key and nonce empty). A DATA frame's confirmed offset moves with every ACK that
+  moves it: an idle master sends a heartbeat with the new value at once.
 """
 
 from __future__ import annotations
 
-import socket
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 from tiered.epoch_file import EpochEntry
 
@@ -47,6 +52,22 @@ _ACK = struct.Struct(">q")
 _DATA = struct.Struct(">Iqqq")
 
 
+_U16 = struct.Struct(">H")
+
+
+class Connection(Protocol):
+    """What frames travel over: a connected TCP socket, or a TLS session on one
+    (``link.TlsConnection``)."""
+
+    def sendall(self, data: bytes, /) -> None: ...
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class FrameType(IntEnum):
     HELLO = 1
     WELCOME = 2
@@ -54,6 +75,7 @@ class FrameType(IntEnum):
     DATA = 4
     ERROR = 5
     METADATA = 6
+    AUTH = 7
 
 
 class ProtocolError(ConnectionError):
@@ -87,6 +109,13 @@ class Data:
     master_max_offset: int
     confirmed_offset: int
     payload: bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Auth:
+    access_key: str = ""
+    nonce: bytes = b""
+    proof: bytes = b""
 
 
 def _entries(entries: list[EpochEntry]) -> bytes:
@@ -131,11 +160,35 @@ def encode_metadata(document: bytes) -> bytes:
     return _frame(FrameType.METADATA, document)
 
 
+def encode_auth(a: Auth) -> bytes:
+    key = a.access_key.encode()
+    nonce = bytes([len(a.nonce)]) + a.nonce
+    return _frame(
+        FrameType.AUTH, _U16.pack(len(key)) + key + nonce + bytes([len(a.proof)]) + a.proof
+    )
+
+
+def decode_auth(body: bytes) -> Auth:
+    try:
+        (n,) = _U16.unpack_from(body)
+        key = body[2 : 2 + n].decode()
+        pos = 2 + n
+        nonce = body[pos + 1 : pos + 1 + body[pos]]
+        pos += 1 + body[pos]
+        proof = body[pos + 1 : pos + 1 + body[pos]]
+        pos += 1 + body[pos]
+    except (struct.error, IndexError, UnicodeDecodeError):
+        raise ProtocolError("bad AUTH") from None
+    if pos != len(body):
+        raise ProtocolError("bad AUTH")
+    return Auth(key, nonce, proof)
+
+
 def encode_error(reason: str) -> bytes:
     return _frame(FrameType.ERROR, reason.encode()[:4096])
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: Connection, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -147,7 +200,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket) -> tuple[FrameType, bytes]:
+def read_frame(sock: Connection) -> tuple[FrameType, bytes]:
     length, kind = _LEN_TYPE.unpack(_recv_exactly(sock, _LEN_TYPE.size))
     if not 1 <= length <= MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes")
@@ -161,7 +214,7 @@ def read_frame(sock: socket.socket) -> tuple[FrameType, bytes]:
     return frame_type, body
 
 
-def expect(sock: socket.socket, wanted: FrameType) -> bytes:
+def expect(sock: Connection, wanted: FrameType) -> bytes:
     kind, body = read_frame(sock)
     if kind is not wanted:
         raise ProtocolError(f"expected {wanted.name}, got {kind.name}")

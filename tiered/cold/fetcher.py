@@ -55,10 +55,12 @@ T = TypeVar("T")
 # A read fetches about this many bytes of records with one ranged GET: big enough that request
 # latency is not the limit, small enough for a consumer's first message to come quickly.
 BATCH_BYTES = 1 << 20
-# A read decoding a batch hands the GIL over every this many messages (a fraction of a
-# millisecond), so an append waits that long for the interpreter at most, not the switch
-# interval (5 ms): decoding is the one per-message work a cold read still does in the broker.
-_YIELD_EVERY = 32
+# A read decoding a batch hands the GIL over every this many messages (the record engine decodes
+# them in about a quarter of a millisecond), so an append waits that long for the interpreter at
+# most, not the switch interval (5 ms): decoding is the one per-message work a cold read still
+# does in the broker. Not fewer: each hand-over is a system call that, on a loaded machine,
+# gives the CPU away (0.1 ms or more).
+_YIELD_EVERY = 128
 # How many batches past the current one a sequential reader has in flight: GETs in parallel
 # are what brings a replay near the store's bandwidth.
 READ_AHEAD = 4
@@ -105,6 +107,7 @@ class ColdFetcher:
         # Offset tables of the segments being read, most recent last (bytes bounded too).
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
+        self._table_loads: dict[str, threading.Lock] = {}
         self._inflight: dict[tuple[str, int], Future[RecordSpan]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -304,7 +307,7 @@ class ColdFetcher:
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
             try:
-                batch = self._batch(info, next_offset, what)
+                batch = self._batch(info, next_offset, what, manifest.find(info.end_offset))
             except SegmentError:
                 if out:
                     break  # what was read stands; the next read meets the error afresh
@@ -312,16 +315,20 @@ class ColdFetcher:
                 if expired_to is None:
                     raise
                 return [], expired_to
-            for i in range(next_offset - batch.base_offset, len(batch)):
-                if i % _YIELD_EVERY == 0:
-                    time.sleep(0)  # let a waiting append have the GIL (see _YIELD_EVERY)
-                m = batch.message(i)  # decode only what this read returns
-                next_offset = m.queue_offset + 1
-                if tag_filter is None or tag_filter(m):
-                    out.append(m)
-                    size += m.size
-                    if len(out) >= max_count or size >= max_bytes:
-                        break
+            i = next_offset - batch.base_offset
+            while i < len(batch) and len(out) < max_count and size < max_bytes:
+                # Decode only what this read returns, a run at a time in one call of the record
+                # engine, and let a waiting append have the GIL between runs (_YIELD_EVERY).
+                time.sleep(0)
+                wanted = _YIELD_EVERY if tag_filter is not None else max_count - len(out)
+                for m in batch.messages(i, i + min(wanted, _YIELD_EVERY)):
+                    i += 1
+                    next_offset = m.queue_offset + 1
+                    if tag_filter is None or tag_filter(m):
+                        out.append(m)
+                        size += m.size
+                        if len(out) >= max_count or size >= max_bytes:
+                            break
         return out, next_offset
 
     def _expired_to(self, topic: str, queue_id: int, info: SegmentInfo, what: str) -> int | None:
@@ -341,8 +348,12 @@ class ColdFetcher:
         average = max(1, info.size // max(1, info.count))
         return max(16, min(4096, BATCH_BYTES // average))
 
-    def _batch(self, info: SegmentInfo, offset: int, what: str) -> RecordSpan:
-        """The cached batch holding ``offset``, fetched within the read deadline."""
+    def _batch(
+        self, info: SegmentInfo, offset: int, what: str, following: SegmentInfo | None = None
+    ) -> RecordSpan:
+        """The cached batch holding ``offset``, fetched within the read deadline. The read-ahead
+        runs on into ``following`` (the next segment), so a replay does not stall at each
+        segment's end for its successor's offset table and first batch."""
         n = self._batch_len(info)
         start = info.base_offset + (offset - info.base_offset) // n * n
         key = (info.key, start)
@@ -360,14 +371,18 @@ class ColdFetcher:
                     self.unavailable += 1
                     raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
             batch = self._wait(what, future)
-        for ahead in range(1, READ_AHEAD + 1):  # read-ahead for a sequential reader
-            nxt = start + ahead * n
-            if nxt >= info.end_offset:
-                break
+        ahead_of = info
+        nxt = start
+        for _ in range(READ_AHEAD):  # read-ahead for a sequential reader
+            nxt += n
+            if nxt >= ahead_of.end_offset:
+                if ahead_of is not info or following is None:
+                    break
+                ahead_of, nxt, n = following, following.base_offset, self._batch_len(following)
             with self._lock:
-                wanted = (info.key, nxt) not in self._cache
+                wanted = (ahead_of.key, nxt) not in self._cache
             if wanted:
-                self._submit(info, nxt)  # joins a fetch already in flight; skipped when full
+                self._submit(ahead_of, nxt)  # joins a fetch already in flight; skipped when full
         return batch
 
     def _submit(self, info: SegmentInfo, start: int) -> Future[RecordSpan] | None:
@@ -414,14 +429,21 @@ class ColdFetcher:
             if table is not None:
                 self._tables.move_to_end(info.key)
                 return table
-        table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
         with self._lock:
-            if info.key not in self._tables:
-                self._tables[info.key] = table
-                self._table_bytes += table.nbytes
-            while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
-                _, evicted = self._tables.popitem(last=False)
-                self._table_bytes -= evicted.nbytes
+            loading = self._table_loads.setdefault(info.key, threading.Lock())
+        with loading:  # one request per table, however many fetches of the segment start at once
+            with self._lock:
+                table = self._tables.get(info.key)
+            if table is None:
+                table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
+                with self._lock:
+                    self._tables[info.key] = table
+                    self._table_bytes += table.nbytes
+                    while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
+                        _, evicted = self._tables.popitem(last=False)
+                        self._table_bytes -= evicted.nbytes
+        with self._lock:
+            self._table_loads.pop(info.key, None)
         return table
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:

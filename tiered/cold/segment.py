@@ -10,8 +10,9 @@ imported here from there, for the callers that know them by this module.
 
 from __future__ import annotations
 
-import struct
+import pickle
 from dataclasses import dataclass
+from typing import Any, SupportsIndex
 
 import numpy as np
 from google_crc32c import value as crc32c
@@ -28,13 +29,9 @@ from tiered.formats import (
     build,
     key_hash,
 )
-from tiered.record import RecordError, StoredMessage, decode, decode_many, validate
+from tiered.record import Buffer, StoredMessage, check_span, decode, decode_many
 
 __all__ = ["FOOTER_SIZE", "SegmentError", "SegmentInfo", "SegmentReader", "build"]
-
-_RECORD_FIELD = struct.Struct(">q")
-_PHYS_AT = 28  # PHYSICALOFFSET's position in a record (tiered/record.py)
-_QUEUE_OFFSET_AT = 20  # QUEUEOFFSET's position in a record
 
 
 def read_footer(store: ObjectStore, key: str) -> SegmentInfo:
@@ -72,10 +69,31 @@ class RecordSpan:
     def __len__(self) -> int:
         return len(self.positions)
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        # Protocol 5 (the cold worker's replies) carries the records out of band, uncopied.
+        data = pickle.PickleBuffer(self.data) if int(protocol) >= 5 else self.data
+        return (_record_span, (self.base_offset, data, self.positions))
+
     def message(self, i: int) -> StoredMessage:
         """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
         when the span was read."""
         return decode(self.data, self.positions[i], check_crc=False)
+
+    def messages(self, start: int, stop: int) -> list[StoredMessage]:
+        """Records ``start`` up to ``stop``, decoded in one call of the record engine."""
+        return decode_many(self.data, self.positions[start:stop], check_crc=False)
+
+
+def _record_span(base_offset: int, data: Buffer, positions: list[int]) -> RecordSpan:
+    """A ``RecordSpan`` unpickled: an out-of-band buffer arrives as a view of the bytes object
+    the reader received, which becomes ``data`` as it is."""
+    if isinstance(data, memoryview):
+        data = (
+            data.obj
+            if isinstance(data.obj, bytes) and data.nbytes == len(data.obj)
+            else data.tobytes()
+        )
+    return RecordSpan(base_offset, bytes(data) if not isinstance(data, bytes) else data, positions)
 
 
 def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
@@ -89,22 +107,16 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
     job. Raises ``SegmentError`` for a record that is not what its entry says."""
     table = np.frombuffer(entries, dtype=CQ_DTYPE)
     starts = table["offset"].astype(np.int64)
-    ends = starts + table["size"]
+    sizes = table["size"].astype(np.int64)
     begin = int(starts[0])
-    data = SegmentReader(store, info)._range(begin, int(ends[-1]) - begin)
-    positions = (starts - begin).tolist()
-    for i, (pos, size) in enumerate(zip(positions, table["size"].tolist(), strict=True)):
-        try:
-            (phys,) = _RECORD_FIELD.unpack_from(data, pos + _PHYS_AT)
-            if validate(data, pos, phys, check_crc=True) != size:
-                raise SegmentError(f"{info.key}: record at {begin + pos} is not its entry's size")
-            (queue_offset,) = _RECORD_FIELD.unpack_from(data, pos + _QUEUE_OFFSET_AT)
-        except (RecordError, struct.error) as e:
-            raise SegmentError(f"{info.key}: record at {begin + pos}: {e}") from e
-        if queue_offset != info.base_offset + first + i:
-            raise SegmentError(
-                f"{info.key}: record at {begin + pos} has queue offset {queue_offset}"
-            )
+    data = SegmentReader(store, info)._range(begin, int(starts[-1] + sizes[-1]) - begin)
+    relative = starts - begin
+    bad, why = check_span(data, relative, sizes, info.base_offset + first)
+    if bad >= 0:
+        at = begin + int(relative[bad])
+        problem = "body CRC mismatch" if why == -2 else "not the record its entry names"
+        raise SegmentError(f"{info.key}: record at {at}: {problem}")
+    positions = relative.tolist()
     return RecordSpan(info.base_offset + first, data, positions)
 
 

@@ -30,9 +30,11 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import signal
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,7 +73,9 @@ def _portable(e: BaseException) -> BaseException:
         return _RemoteError(f"{type(e).__name__}: {e}")
 
 
-def _warm_up(tier: ObjectStore) -> None:
+def warm_up(tier: ObjectStore) -> None:
+    """A HEAD of a key nobody writes: sets up the object store's session and connections. The
+    child runs it first; a bench submits it too, to time the worker's jobs and not its start."""
     try:
         tier.size(".tmq-cold-worker-warm-up")
     except Exception as e:  # an outage now is met again by the first real job
@@ -95,7 +99,7 @@ def _child_main(
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-worker")
     # The object store's first call sets up its session and connections (seconds with s3fs):
     # made now, with a HEAD of a key nobody writes, rather than by the first upload.
-    pool.submit(_warm_up, tier)
+    pool.submit(warm_up, tier)
     send_lock = threading.Lock()
 
     def run(job_id: int, fn: Job[Any], args: tuple[Any, ...]) -> None:
@@ -103,8 +107,16 @@ def _child_main(
             reply: tuple[int, bool, Any] = (job_id, True, fn(tier, *args))
         except BaseException as e:  # every failure goes back to the caller, named
             reply = (job_id, False, _portable(e))
+        buffers: list[pickle.PickleBuffer] = []
+        try:
+            payload = pickle.dumps(reply, protocol=5, buffer_callback=buffers.append)
+        except Exception as e:  # a result that cannot travel fails its job, named
+            buffers = []
+            payload = pickle.dumps((job_id, False, _portable(e)), protocol=5)
         with send_lock, contextlib.suppress(OSError):  # OSError: the parent is gone
-            conn.send(reply)
+            conn.send_bytes(_COUNT.pack(len(buffers)) + payload)
+            for buffer in buffers:
+                conn.send_bytes(buffer.raw())
 
     while True:
         try:
@@ -207,11 +219,24 @@ class ColdWorker:
         process: multiprocessing.process.BaseProcess,
         conn: multiprocessing.connection.Connection,
     ) -> None:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            self._read_replies_from(process, sock)
+        finally:
+            sock.close()
+
+    def _read_replies_from(
+        self, process: multiprocessing.process.BaseProcess, sock: socket.socket
+    ) -> None:
         while True:
             try:
-                job_id, ok, value = conn.recv()
+                header = _frame(sock)
+                (count,) = _COUNT.unpack_from(header)
+                buffers = [_frame(sock) for _ in range(count)]
             except (EOFError, OSError):
                 break
+            try:
+                job_id, ok, value = pickle.loads(memoryview(header)[_COUNT.size :], buffers=buffers)
             except Exception:
                 # A reply that cannot be read leaves a job nobody can answer: treat it as a
                 # crash (every job of this child fails over to its successor).
@@ -273,6 +298,39 @@ class ColdWorker:
 # reads instead of sixteen. Each read is a wait for the GIL, up to the switch interval (5 ms)
 # while a thread decodes, so small buffers made a replay's fetches ten times slower.
 _PIPE_BUFFER = 4 << 20
+
+
+# A reply is a frame of ``_COUNT`` (how many buffer frames follow) and the pickled reply, then
+# its out-of-band buffers (pickle protocol 5: a span's records), each a frame of its own, framed
+# as ``Connection.send_bytes`` frames them. The parent reads every frame with one blocking
+# ``recv`` that fills a new bytes object with the GIL released, and the span's records become
+# that object, uncopied: ``Connection.recv`` would copy a 1 MiB reply twice holding the GIL.
+_COUNT = struct.Struct("!I")
+_SIZE = struct.Struct("!i")
+_LONG_SIZE = struct.Struct("!Q")
+
+
+def _frame(sock: socket.socket) -> bytes:
+    """One ``send_bytes`` frame's payload; ``EOFError`` when the child closed the pipe."""
+    (size,) = _SIZE.unpack(_exactly(sock, _SIZE.size))
+    if size == -1:
+        (size,) = _LONG_SIZE.unpack(_exactly(sock, _LONG_SIZE.size))
+    return _exactly(sock, size)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    if n == 0:
+        return b""
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) == n:
+        return data
+    parts, got = [data], len(data)
+    while got < n:  # a signal cut the wait short, or the pipe closed
+        if not parts[-1]:
+            raise EOFError("the cold worker closed its pipe")
+        parts.append(sock.recv(n - got, socket.MSG_WAITALL))
+        got += len(parts[-1])
+    return b"".join(parts)
 
 
 def _widen(conn: multiprocessing.connection.Connection) -> None:
