@@ -1167,3 +1167,314 @@ def decode_many(buf, positions, bint check_crc):
             properties,
         ))
     return out
+
+
+# -- dispatch columns (restart) -------------------------------------------------------------------
+#
+# ``record.dispatch_columns_py``: one pass over a run of records that emits what dispatch needs
+# as flat columns (offset, size, queue offset, queue number, tag hash, store timestamp, and the
+# IndexFile key hashes with their record numbers), with the GIL released for the whole run. With
+# ``validate`` it is also the recovery scan (``scan_records``), so a restart reads each byte once.
+
+from libc.string cimport memset
+
+DEF COL_MAX_TOPICS = 256
+DEF COL_TOPIC_SLOTS = 512
+DEF COL_MAX_QUEUES = 4096
+DEF COL_QUEUE_SLOTS = 8192
+
+cdef struct ColBuf:
+    int64_t* offset
+    int64_t* size
+    int64_t* qoff
+    int64_t* qidx
+    int64_t* tag
+    int64_t* stamp
+    Py_ssize_t len
+    Py_ssize_t cap
+    int64_t* khash
+    int64_t* knum
+    Py_ssize_t klen
+    Py_ssize_t kcap
+    # distinct topics of the run: where their bytes are in the buffer
+    const unsigned char* topic_p[COL_MAX_TOPICS]
+    Py_ssize_t topic_n[COL_MAX_TOPICS]
+    uint32_t topic_crc[COL_MAX_TOPICS]  # CRC32C of ``topic#``, the start of every key hash
+    int32_t topic_slot[COL_TOPIC_SLOTS]  # open addressing: topic number + 1, 0 empty
+    Py_ssize_t topics
+    # distinct (topic number, queue id) pairs
+    int64_t queue_key[COL_MAX_QUEUES]
+    int64_t queue_slot_key[COL_QUEUE_SLOTS]
+    int32_t queue_slot[COL_QUEUE_SLOTS]  # queue number + 1, 0 empty
+    Py_ssize_t queues
+
+
+cdef inline bint _col_key(ColBuf* c, int64_t h, int64_t number) noexcept nogil:
+    c.khash[c.klen] = h  # room was checked for the whole record (``_col_record``)
+    c.knum[c.klen] = number
+    c.klen += 1
+    return True
+
+
+cdef bint _utf8_ok(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Whether ``s`` is what Python's strict UTF-8 decoder accepts (no overlong forms, no
+    surrogates, nothing past U+10FFFF)."""
+    cdef Py_ssize_t i = 0
+    cdef unsigned int c, c1
+    while i < n:
+        c = s[i]
+        if c < 0x80:
+            i += 1
+            continue
+        if c < 0xC2 or c > 0xF4:
+            return False
+        if c < 0xE0:
+            if i + 1 >= n or (s[i + 1] & 0xC0) != 0x80:
+                return False
+            i += 2
+            continue
+        if c < 0xF0:
+            if i + 2 >= n:
+                return False
+            c1 = s[i + 1]
+            if (c1 & 0xC0) != 0x80 or (s[i + 2] & 0xC0) != 0x80:
+                return False
+            if (c == 0xE0 and c1 < 0xA0) or (c == 0xED and c1 >= 0xA0):
+                return False
+            i += 3
+            continue
+        if i + 3 >= n:
+            return False
+        c1 = s[i + 1]
+        if (c1 & 0xC0) != 0x80 or (s[i + 2] & 0xC0) != 0x80 or (s[i + 3] & 0xC0) != 0x80:
+            return False
+        if (c == 0xF0 and c1 < 0x90) or (c == 0xF4 and c1 >= 0x90):
+            return False
+        i += 4
+    return True
+
+
+cdef inline const unsigned char* _prop_value(const unsigned char* p, Py_ssize_t n,
+                                             const char* name, Py_ssize_t name_len,
+                                             Py_ssize_t* value_len) noexcept nogil:
+    """``_find_property`` without objects: the value's bytes, or NULL when absent."""
+    cdef Py_ssize_t at = 0, end
+    cdef const unsigned char* hit
+    while at <= n:
+        hit = <const unsigned char*>memchr(p + at, 2, n - at) if at < n else NULL
+        end = (hit - p) if hit != NULL else n
+        if end - at >= name_len and memcmp(p + at, name, name_len) == 0:
+            hit = <const unsigned char*>memchr(p + at + name_len, 2, n - at - name_len)
+            value_len[0] = ((hit - p) if hit != NULL else n) - at - name_len
+            return p + at + name_len
+        at = end + 1
+    return NULL
+
+
+cdef int _col_topic(ColBuf* c, const unsigned char* p, Py_ssize_t n, uint32_t h,
+                    Py_ssize_t* slot_out) noexcept nogil:
+    """The topic's number in this run, or -1 with ``slot_out`` where it would go."""
+    cdef Py_ssize_t slot = h & (COL_TOPIC_SLOTS - 1)
+    cdef int32_t t
+    while True:
+        t = c.topic_slot[slot]
+        if t == 0:
+            slot_out[0] = slot
+            return -1
+        t -= 1
+        if c.topic_n[t] == n and memcmp(c.topic_p[t], p, n) == 0:
+            return t
+        slot = (slot + 1) & (COL_TOPIC_SLOTS - 1)
+
+
+cdef int64_t _col_queue(ColBuf* c, int64_t key, Py_ssize_t* slot_out) noexcept nogil:
+    """The (topic number, queue id) pair's number in this run, or -1 with ``slot_out``."""
+    cdef uint64_t mixed = <uint64_t>key * <uint64_t>0x9E3779B97F4A7C15
+    cdef Py_ssize_t slot = <Py_ssize_t>(mixed >> 51) & (COL_QUEUE_SLOTS - 1)
+    cdef int32_t q
+    while True:
+        q = c.queue_slot[slot]
+        if q == 0:
+            slot_out[0] = slot
+            return -1
+        if c.queue_slot_key[slot] == key:
+            return q - 1
+        slot = (slot + 1) & (COL_QUEUE_SLOTS - 1)
+
+
+cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
+                     int64_t base_offset) noexcept nogil:
+    """Append the record at ``pos`` to the columns: 0 done, 1 a table is full (nothing
+    taken), 2 the record cannot be taken (fields past the data, or text that is not UTF-8;
+    nothing taken), 3 out of memory."""
+    cdef int64_t total, body_len, p, topic_len, props_len, tail, number, queue, key
+    cdef int32_t sys_flag, topic
+    cdef const unsigned char* tp
+    cdef const unsigned char* tags = NULL
+    cdef const unsigned char* uniq = NULL
+    cdef const unsigned char* keys = NULL
+    cdef Py_ssize_t tags_n = 0, uniq_n = 0, keys_n = 0, at, end, topic_at = 0, queue_at = 0
+    cdef Py_ssize_t need
+    cdef uint32_t h, base
+    if pos + 48 > n:
+        return 2
+    total = <int32_t>tmq_be32(b + pos)
+    sys_flag = <int32_t>tmq_be32(b + pos + 36)
+    tail = pos + 48 + (20 if sys_flag & SYSFLAG_BORN_V6 else 8)
+    if tail + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 16 > n:
+        return 2
+    body_len = <int32_t>tmq_be32(b + tail + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 12)
+    p = tail + 8 + (20 if sys_flag & SYSFLAG_STORE_V6 else 8) + 16 + body_len
+    if total <= 0 or body_len < 0 or p + 2 > n:
+        return 2
+    topic_len = tmq_be16(b + p)
+    if p + 4 + topic_len > n:
+        return 2
+    tp = b + p + 2
+    props_len = tmq_be16(b + p + 2 + topic_len)
+    if p + 4 + topic_len + props_len > n:
+        return 2
+    # Everything that can refuse the record is checked before anything is taken.
+    h = tmq_crc32c_extend(0, tp, topic_len) if topic_len else 0
+    topic = _col_topic(c, tp, topic_len, h, &topic_at)
+    if topic < 0:
+        if c.topics == COL_MAX_TOPICS:
+            return 1
+        if not _utf8_ok(tp, topic_len):
+            return 2
+        key = (<int64_t>c.topics << 32) | <uint32_t>tmq_be32(b + pos + 12)
+        queue = -1
+    else:
+        key = (<int64_t>topic << 32) | <uint32_t>tmq_be32(b + pos + 12)
+        queue = _col_queue(c, key, &queue_at)
+    if queue < 0 and c.queues == COL_MAX_QUEUES:
+        return 1
+    if props_len:
+        p += 4 + topic_len
+        tags = _prop_value(b + p, props_len, b"TAGS\x01", 5, &tags_n)
+        uniq = _prop_value(b + p, props_len, b"UNIQ_KEY\x01", 9, &uniq_n)
+        keys = _prop_value(b + p, props_len, b"KEYS\x01", 5, &keys_n)
+        if ((tags != NULL and not _utf8_ok(tags, tags_n))
+                or (uniq != NULL and not _utf8_ok(uniq, uniq_n))
+                or (keys != NULL and not _utf8_ok(keys, keys_n))):
+            return 2
+    need = 1 if uniq_n else 0
+    at = 0
+    while at < keys_n:
+        end = at
+        while end < keys_n and keys[end] != 32:
+            end += 1
+        need += end > at
+        at = end + 1
+    if c.len == c.cap or c.klen + need > c.kcap:
+        return 1  # the arrays are full: the caller takes the rest in another call
+    if topic < 0:
+        topic = <int32_t>c.topics
+        c.topics += 1
+        c.topic_p[topic] = tp
+        c.topic_n[topic] = topic_len
+        c.topic_crc[topic] = tmq_crc32c_extend(h, <const unsigned char*>b"#", 1)
+        c.topic_slot[topic_at] = topic + 1
+        queue = _col_queue(c, key, &queue_at)
+    if queue < 0:
+        queue = c.queues
+        c.queues += 1
+        c.queue_key[queue] = key
+        c.queue_slot_key[queue_at] = key
+        c.queue_slot[queue_at] = <int32_t>queue + 1
+    number = c.len
+    c.offset[number] = base_offset + pos
+    c.size[number] = total
+    c.qoff[number] = <int64_t>tmq_be64(b + pos + 20)
+    c.qidx[number] = queue
+    c.stamp[number] = <int64_t>tmq_be64(b + tail)
+    c.tag[number] = tmq_crc32c_extend(0, tags, tags_n) if tags_n else 0
+    base = c.topic_crc[topic]
+    if uniq_n and not _col_key(c, tmq_crc32c_extend(base, uniq, uniq_n) & 0x7FFFFFFF, number):
+        return 3
+    at = 0
+    while at < keys_n:
+        end = at
+        while end < keys_n and keys[end] != 32:
+            end += 1
+        if end > at and not _col_key(
+                c, tmq_crc32c_extend(base, keys + at, end - at) & 0x7FFFFFFF, number):
+            return 3
+        at = end + 1
+    c.len += 1
+    return 0
+
+
+def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset, bint validate,
+                     bint check_crc, Py_ssize_t max_records):
+    """``record.dispatch_columns_py``."""
+    cdef const unsigned char[::1] v = _view(buf)
+    cdef Py_ssize_t n = v.shape[0], count = 0, i
+    cdef const unsigned char* b = &v[0] if n else NULL
+    cdef int64_t total
+    cdef int32_t magic
+    cdef int status = 0
+    cdef ColBuf* c
+    if limit > n:
+        limit = n
+    if pos < 0:
+        raise ValueError(f"position {pos} is before the buffer")
+    c = <ColBuf*>malloc(sizeof(ColBuf))
+    if c == NULL:
+        raise MemoryError()
+    memset(c, 0, sizeof(ColBuf))
+    # The columns are written straight into numpy arrays (untouched pages cost nothing); when
+    # they are full the call returns early (status 1). A record is at least 90 bytes, and its
+    # properties (at most 32 KiB) hold at most 16,384 keys.
+    c.cap = max(1, min(max_records, (limit - pos) // 90 + 1))
+    c.kcap = 2 * c.cap + 16_384
+    cdef list arrays = [np.empty(c.cap, np.int64) for i in range(6)]
+    cdef list key_arrays = [np.empty(c.kcap, np.int64) for i in range(2)]
+    cdef int64_t[::1] a_offset = arrays[0], a_size = arrays[1], a_qoff = arrays[2]
+    cdef int64_t[::1] a_qidx = arrays[3], a_tag = arrays[4], a_stamp = arrays[5]
+    cdef int64_t[::1] a_khash = key_arrays[0], a_knum = key_arrays[1]
+    c.offset = &a_offset[0]
+    c.size = &a_size[0]
+    c.qoff = &a_qoff[0]
+    c.qidx = &a_qidx[0]
+    c.tag = &a_tag[0]
+    c.stamp = &a_stamp[0]
+    c.khash = &a_khash[0]
+    c.knum = &a_knum[0]
+    try:
+        with nogil:
+            if validate:
+                while limit - pos >= BLANK:
+                    total = <int32_t>tmq_be32(b + pos)
+                    magic = <int32_t>tmq_be32(b + pos + 4)
+                    if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
+                        break
+                    if _check(b, n, pos, base_offset + pos, True, check_crc) < 0:
+                        break
+                    if c.len == max_records:
+                        status = 1
+                        break
+                    status = _col_record(c, b, n, pos, base_offset)
+                    if status:
+                        break
+                    pos += total
+            else:
+                while pos < limit:
+                    if pos + 8 > n or <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
+                        status = 2 if pos + 8 > n else 0
+                        break
+                    if c.len == max_records:
+                        status = 1
+                        break
+                    status = _col_record(c, b, n, pos, base_offset)
+                    if status:
+                        break
+                    pos += <int32_t>tmq_be32(b + pos)
+        topics = [_utf8(c.topic_p[i], c.topic_n[i]) for i in range(c.topics)]
+        queues = [(topics[c.queue_key[i] >> 32], <int32_t>(c.queue_key[i] & 0xFFFFFFFF))
+                  for i in range(c.queues)]
+        count = c.len
+        columns = (*[a[:count] for a in arrays], *[a[:c.klen] for a in key_arrays], queues)
+    finally:
+        free(c)
+    return pos, status, columns

@@ -777,6 +777,137 @@ def index_keys_py(
     return np.asarray(hashes, np.int64), np.asarray(numbers, np.int64)
 
 
+@dataclass(slots=True)
+class DispatchColumns:
+    """The dispatch fields of a run of records as flat int64 columns (``dispatch_columns``):
+    what ``EncodedBatch`` carries as lists, without a Python object per record."""
+
+    offsets: np.ndarray  # physical offset of each record
+    sizes: np.ndarray
+    queue_offsets: np.ndarray
+    queue_numbers: np.ndarray  # each record's (topic, queue id), as an index into ``queues``
+    tags: np.ndarray  # ``tag_hash`` of each record's TAGS
+    store_timestamps: np.ndarray
+    key_hashes: np.ndarray  # the IndexFile entries, as ``index_keys`` gives them
+    key_records: np.ndarray
+    queues: list[tuple[str, int]]
+
+    @staticmethod
+    def join(parts: Sequence[DispatchColumns]) -> DispatchColumns:
+        """One run from consecutive runs (queue numbers renumbered into one table)."""
+        if len(parts) == 1:
+            return parts[0]
+        numbers: dict[tuple[str, int], int] = {}
+        renumbered = []
+        records = 0
+        key_records = []
+        for part in parts:
+            table = np.asarray([numbers.setdefault(q, len(numbers)) for q in part.queues], np.int64)
+            renumbered.append(table[part.queue_numbers] if len(part.queues) else part.queue_numbers)
+            key_records.append(part.key_records + records)
+            records += len(part.offsets)
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts])
+
+        return DispatchColumns(
+            cat("offsets"),
+            cat("sizes"),
+            cat("queue_offsets"),
+            np.concatenate(renumbered),
+            cat("tags"),
+            cat("store_timestamps"),
+            cat("key_hashes"),
+            np.concatenate(key_records),
+            list(numbers),
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def end_offset(self) -> int:
+        """Just past the last record."""
+        return int(self.offsets[-1] + self.sizes[-1])
+
+    def take(self, start: int, stop: int) -> DispatchColumns:
+        """Records ``[start, stop)`` of the run (their keys renumbered from 0)."""
+        keep = (self.key_records >= start) & (self.key_records < stop)
+        return DispatchColumns(
+            self.offsets[start:stop],
+            self.sizes[start:stop],
+            self.queue_offsets[start:stop],
+            self.queue_numbers[start:stop],
+            self.tags[start:stop],
+            self.store_timestamps[start:stop],
+            self.key_hashes[keep],
+            self.key_records[keep] - start,
+            self.queues,
+        )
+
+
+# What ``dispatch_columns`` returns: where it stopped, why, and the columns of what it took.
+# Why: 0 the end of the run (validated: where ``scan_records`` stops; else a BLANK or ``limit``),
+# 1 ``max_records`` taken, or a table of the native engine is full (call again from there), 2 the
+# record there cannot be taken as columns (``read_dispatch_run`` says why).
+ColumnsRun = tuple[int, int, DispatchColumns]
+
+
+def dispatch_columns_py(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    validate: bool,
+    check_crc: bool,
+    max_records: int,
+) -> ColumnsRun:
+    """The dispatch fields of the records from ``pos`` (``buf[0]`` is CommitLog offset
+    ``base_offset``) as columns. With ``validate`` this is also the recovery scan: it takes
+    exactly the records ``scan_records`` accepts and stops where it stops. Without, it takes the
+    records that start before ``limit``, up to a BLANK record, as ``read_dispatch_run`` does."""
+    stop = scan_records_py(buf, pos, limit, base_offset + pos, check_crc)[0] if validate else limit
+    out = EncodedBatch()
+    stamps: list[int] = []
+    status = 0
+    while pos < stop:
+        if len(out.offsets) == max_records:
+            status = 1
+            break
+        one = EncodedBatch()
+        one_stamps: list[int] = []
+        try:
+            after = read_dispatch_run_py(buf, pos, pos + 1, base_offset, one, one_stamps)
+        except RecordError:
+            status = 2
+            break
+        if after == pos:
+            break  # a BLANK record
+        for name in ("offsets", "sizes", "queue_offsets", "queues", "tags", "keys", "uniq_keys"):
+            getattr(out, name).extend(getattr(one, name))
+        stamps += one_stamps
+        pos = after
+    numbers: dict[tuple[str, int], int] = {}
+    queue_numbers = [numbers.setdefault(q, len(numbers)) for q in out.queues]
+    key_hashes, key_records = index_keys_py(out.queues, out.keys, out.uniq_keys)
+    n = len(out.offsets)
+    return (
+        pos,
+        status,
+        DispatchColumns(
+            np.asarray(out.offsets, np.int64).reshape(n),
+            np.asarray(out.sizes, np.int64).reshape(n),
+            np.asarray(out.queue_offsets, np.int64).reshape(n),
+            np.asarray(queue_numbers, np.int64).reshape(n),
+            tag_hashes_py(out.tags),
+            np.asarray(stamps, np.int64).reshape(n),
+            key_hashes.reshape(-1),
+            key_records.reshape(-1),
+            list(numbers),
+        ),
+    )
+
+
 @dataclass(slots=True, frozen=True)
 class SegmentTables:
     """The tables of a segment object built over a run of records (``tiered/cold/segment.py``
@@ -927,6 +1058,7 @@ class _PythonEngine:
     decode_many = staticmethod(decode_many_py)
     check_span = staticmethod(check_span_py)
     gather = staticmethod(gather_py)
+    dispatch_columns = staticmethod(dispatch_columns_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -1038,3 +1170,23 @@ def gather(
 ) -> int:
     """See ``gather_py`` (the offloader's gather of a segment's records)."""
     return int(_engine.gather(src, positions, sizes, out, at))
+
+
+def dispatch_columns(
+    buf: Buffer,
+    pos: int,
+    limit: int,
+    base_offset: int,
+    *,
+    validate: bool,
+    check_crc: bool = True,
+    max_records: int = 1 << 20,
+) -> ColumnsRun:
+    """See ``dispatch_columns_py`` (the dispatch scan as columns; with ``validate`` also the
+    recovery scan). The native engine's columns are arrays built without the GIL."""
+    end, status, cols = _engine.dispatch_columns(
+        buf, pos, limit, base_offset, validate, check_crc, max_records
+    )
+    if not isinstance(cols, DispatchColumns):
+        cols = DispatchColumns(*cols)
+    return int(end), int(status), cols

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -60,6 +61,7 @@ from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
+    DispatchColumns,
     Message,
     RecordError,
     StoredMessage,
@@ -260,6 +262,8 @@ class MessageStore:
         self._running = False
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
+        # Recovery left bytes for the flusher (ASYNC): its first flush runs at once.
+        self._flush_at_start = False
         self._maintenance_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
@@ -307,8 +311,25 @@ class MessageStore:
             )
         self.commitlog.load()
         cq_dir_present = self.config.consumequeue_dir.exists()
-        self.queues.load_and_recover()
-        self.index.load()
+        # The ConsumeQueues load beside the CommitLog scan (which runs without the GIL): the
+        # two touch different files, and only the cut below needs both.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-cq")
+        queues_loaded = pool.submit(self.queues.load_and_recover)
+        pool.shutdown(wait=False)
+        try:
+            self.index.load()
+            # The scan hands over the dispatch fields of what it validates: re-dispatch then
+            # reads no CommitLog byte a second time (decision 240).
+            scanned: list[DispatchColumns] = []
+            start = self._recovery_start(clean, cp)
+            cl_report = self.commitlog.recover(
+                start,
+                check_crc=self.config.check_crc_on_recover,
+                durable_offset=None if cp is None else cp.flushed_offset,
+                columns=scanned,
+            )
+        finally:
+            queues_loaded.result()
         if not self.commitlog.files.files:
             # No CommitLog: nothing the ConsumeQueues or IndexFiles point at exists any more.
             if self.queues.queues or self.index.files:
@@ -316,59 +337,81 @@ class MessageStore:
             self.queues.destroy()
             self.index.destroy_all()
 
-        if cp is None:
-            start = None
-        elif clean:
-            start = cp.flushed_offset
-        else:
-            start = min(cp.flushed_offset, cp.dispatched_offset)
-        cl_report = self.commitlog.recover(
-            start,
-            check_crc=self.config.check_crc_on_recover,
-            durable_offset=None if cp is None else cp.flushed_offset,
-        )
         self.corrupt_records = list(cl_report.corrupt_records)
+        syncing: Future[None] | None = None
+        if self.config.flush == "sync":
+            # The fdatasync of what recovery kept (1 GiB after a crash may all be dirty) runs
+            # beside the ConsumeQueue repair and re-dispatch, which touch other files.
+            pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-sync")
+            syncing = pool.submit(self.commitlog.sync_recovered, cl_report.scanned_from)
+            pool.shutdown(wait=False)
         end = cl_report.end_offset if self.commitlog.files.files else 0
-        report = StartReport(clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report)
-        report.cq_entries_dropped = self.queues.truncate_from_physical(end)
-        self._clamp_index(end)
+        try:
+            report = StartReport(
+                clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report
+            )
+            report.cq_entries_dropped = self.queues.truncate_from_physical(end)
+            self._clamp_index(end)
 
-        cl_min = self.commitlog.min_offset
-        # Entries pointing below the CommitLog's first file were released (retention).
-        self.queues.correct_min_offsets(cl_min)
-        self.index.delete_before(cl_min)
-        if self.queues.queues:
-            reput = self.queues.max_physical_end
-            if not clean and cp is not None:
-                reput = min(reput, cp.dispatched_offset)
-        else:
-            reput = cl_min
-            report.consumequeue_rebuilt = end > cl_min
-            if report.consumequeue_rebuilt:
-                log.warning(
-                    "%s: %s; rebuilding every ConsumeQueue from the CommitLog",
-                    self.config.consumequeue_dir,
-                    "is empty" if cq_dir_present else "is missing",
-                )
-        reput = min(max(reput, cl_min), end)
-        dispatcher = self._new_dispatcher(reput, end)
-        index_from = dispatcher.index_from
-        for gap in self.index.gaps(cl_min, min(index_from, end)):
-            dispatcher.rebuild_index(*gap)
-            report.index_gaps_rebuilt.append(gap)
-        report.redispatched_bytes = end - dispatcher.reput_offset
-        dispatcher.dispatch(end)
-        self.commitlog.on_append = dispatcher.submit
-        for (topic, queue_id), cq in self.queues.queues.items():
-            self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
-        # Make what recovery kept durable before anything new is acknowledged on top of it.
-        for f in self.commitlog.files.iter_from(report.commitlog.scanned_from):
-            f.flushed = 0
-            f.flush()
+            cl_min = self.commitlog.min_offset
+            # Entries pointing below the CommitLog's first file were released (retention).
+            self.queues.correct_min_offsets(cl_min)
+            self.index.delete_before(cl_min)
+            if self.queues.queues:
+                reput = self.queues.max_physical_end
+                if not clean and cp is not None:
+                    reput = min(reput, cp.dispatched_offset)
+            else:
+                reput = cl_min
+                report.consumequeue_rebuilt = end > cl_min
+                if report.consumequeue_rebuilt:
+                    log.warning(
+                        "%s: %s; rebuilding every ConsumeQueue from the CommitLog",
+                        self.config.consumequeue_dir,
+                        "is empty" if cq_dir_present else "is missing",
+                    )
+            reput = min(max(reput, cl_min), end)
+            dispatcher = self._new_dispatcher(reput, end)
+            index_from = dispatcher.index_from
+            for gap in self.index.gaps(cl_min, min(index_from, end)):
+                dispatcher.rebuild_index(*gap)
+                report.index_gaps_rebuilt.append(gap)
+            report.redispatched_bytes = end - dispatcher.reput_offset
+            dispatcher.preload(scanned)
+            del scanned
+            dispatcher.dispatch(end)
+            dispatcher.preload([])
+            self.commitlog.on_append = dispatcher.submit
+            for (topic, queue_id), cq in self.queues.queues.items():
+                self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
+        except BaseException:
+            if syncing is not None:
+                syncing.exception()  # the files close next: let the fdatasync finish first
+            raise
+        scanned_from = report.commitlog.scanned_from
+        if syncing is None:
+            # ASYNC: what recovery kept is flushed like fresh appends, by the flusher, which
+            # starts at once; the checkpoint claims nothing past the scan's start until then.
+            self.commitlog.defer_recovered_sync(scanned_from)
+            self._flush_at_start = report.commitlog.end_offset > scanned_from
+            self._save_checkpoint(scanned_from, scanned_from)
+            return report
+        # SYNC: what recovery kept is durable before anything is acknowledged on top of it.
+        syncing.result()
         self.queues.flush()
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    @staticmethod
+    def _recovery_start(clean: bool, cp: Checkpoint | None) -> int | None:
+        """Where the CommitLog scan starts: after a clean exit the flushed offset, after a
+        crash the older of the flushed and dispatched offsets (None: the first file)."""
+        if cp is None:
+            return None
+        if clean:
+            return cp.flushed_offset
+        return min(cp.flushed_offset, cp.dispatched_offset)
 
     def _new_dispatcher(self, reput: int, end: int) -> Dispatcher:
         """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
@@ -455,7 +498,9 @@ class MessageStore:
 
     def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000
-        while not self._stop_flusher.wait(interval):
+        wait = 0.0 if self._flush_at_start else interval
+        while not self._stop_flusher.wait(wait):
+            wait = interval
             try:
                 self.flush()
             except DurabilityLostError:

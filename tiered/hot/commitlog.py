@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from tiered.record import (
     BLANK_RECORD_SIZE,
     MAGIC_CODE_V2,
     CorruptRecordError,
+    DispatchColumns,
     EncodedBatch,
     Message,
     RecordEncoder,
@@ -38,6 +40,7 @@ from tiered.record import (
     StoredMessage,
     blank_record,
     decode,
+    dispatch_columns,
     read_total_and_magic,
     scan_records,
     validate,
@@ -50,6 +53,11 @@ _MAGIC_BYTES = struct.pack(">i", MAGIC_CODE_V2)
 _QUARANTINE_LIMIT = 8 << 20
 # The resync search checks this much of a file for non-zero bytes at a time.
 _ZERO_SKIP_CHUNK = 16 << 20
+# At most this many records' dispatch columns are kept per recovery scan thread (about 80
+# bytes each); past it the scan only validates, and dispatch reads the rest of the bytes again.
+_RECOVERY_COLUMNS_LIMIT = 2_000_000
+# A full file with at least this much left to scan is checked by two threads.
+_SPLIT_SCAN_BYTES = 64 << 20
 
 
 class MessageTooLargeError(ValueError):
@@ -432,10 +440,17 @@ class CommitLog:
     # -- recovery ------------------------------------------------------------------------------
 
     def recover(
-        self, start: int | None, *, check_crc: bool, durable_offset: int | None = None
+        self,
+        start: int | None,
+        *,
+        check_crc: bool,
+        durable_offset: int | None = None,
+        columns: list[DispatchColumns] | None = None,
     ) -> RecoveryReport:
         """Find where valid data ends, scanning from ``start`` (a record boundary; None: the
-        first file), and cut the log there.
+        first file), and cut the log there. With ``columns``, the scan also collects the
+        dispatch fields of the records it validates there (runs, in CommitLog order; up to
+        ``_RECOVERY_COLUMNS_LIMIT`` records), so that re-dispatch need not read them again.
 
         - At or past ``durable_offset`` (the checkpoint's flushed offset: bytes known to have
           been fsynced), the first record that is not whole (a missing size, a failed body or
@@ -456,14 +471,32 @@ class CommitLog:
             return report
         offset = files[0].from_offset if start is None else max(start, files[0].from_offset)
         report.scanned_from = offset
-        end = self._scan(offset, check_crc, report, durable_offset)
+        end = self._scan(offset, check_crc, report, durable_offset, columns)
         report.end_offset = end
         self._cut(end, report)
         self._flushed_offset = end
         return report
 
+    def sync_recovered(self, start: int) -> None:
+        """fdatasync every file from the one holding ``start``: what recovery kept (and cut)."""
+        for f in self.files.iter_from(start):
+            f.flushed = 0
+            f.flush()
+
+    def defer_recovered_sync(self, start: int) -> None:
+        """Leave what recovery kept from ``start`` on to the next flush, as freshly appended
+        bytes are under ASYNC flush: it counts as unflushed until then (decision 241)."""
+        for f in self.files.iter_from(start):
+            f.flushed = 0
+        self._flushed_offset = min(self._flushed_offset, start)
+
     def _scan(
-        self, offset: int, check_crc: bool, report: RecoveryReport, durable_offset: int | None
+        self,
+        offset: int,
+        check_crc: bool,
+        report: RecoveryReport,
+        durable_offset: int | None = None,
+        columns: list[DispatchColumns] | None = None,
     ) -> int:
         """Return the end of valid data at or after ``offset``."""
         while True:
@@ -475,9 +508,7 @@ class CommitLog:
             while True:
                 # The record engine validates the run of good records in one call (natively,
                 # without the GIL); what follows handles the record it stopped at.
-                pos, scanned = scan_records(
-                    mm, pos, f.size, f.from_offset + pos, check_crc=check_crc
-                )
+                pos, scanned = self._scan_run(f, pos, check_crc, columns)
                 report.records_scanned += scanned
                 if f.size - pos < BLANK_RECORD_SIZE:
                     return f.from_offset + pos
@@ -520,6 +551,83 @@ class CommitLog:
                 )
             offset = f.tail_offset
 
+    def _scan_run(
+        self, f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns] | None
+    ) -> tuple[int, int]:
+        """``scan_records`` over ``f`` from ``pos`` (position after the last valid record, and
+        how many), collecting dispatch columns into ``columns`` while it may: one pass over
+        the bytes validates and reads them. A large stretch of a full file is checked by two
+        threads (``_scan_halves``)."""
+        if (
+            columns is not None
+            and f.size - pos >= _SPLIT_SCAN_BYTES
+            and f is not self.files.files[-1]
+        ):
+            halves = self._scan_halves(f, pos, check_crc, columns)
+            if halves is not None:
+                return halves
+        return self._scan_part(f, pos, f.size, check_crc, columns)
+
+    def _scan_halves(
+        self, f: MappedFile, pos: int, check_crc: bool, columns: list[DispatchColumns]
+    ) -> tuple[int, int] | None:
+        """The scan of ``f`` from ``pos``, with the second half checked speculatively on
+        another thread from the first valid record after the middle (a record names its own
+        offset, so a false start is practically impossible; decision 242). The result is the
+        sequential scan's: the second half counts only if the first one ends exactly where
+        it starts; otherwise the first continues on its own. None: no second start found."""
+        found = self._find_valid_record(f.from_offset + pos + (f.size - pos) // 2)
+        if found is None or found >= f.from_offset + f.size - BLANK_RECORD_SIZE:
+            return None
+        middle = found - f.from_offset
+        second: list[DispatchColumns] = []
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-scan")
+        later = pool.submit(self._scan_part, f, middle, f.size, check_crc, second)
+        pool.shutdown(wait=False)
+        try:
+            # A record ending exactly at ``middle`` fits this limit; one crossing it does not.
+            end, count = self._scan_part(f, pos, middle + BLANK_RECORD_SIZE, check_crc, columns)
+        finally:
+            later.exception()  # wait for it either way: the files may close next
+        if end != middle:
+            more_end, more = self._scan_part(f, end, f.size, check_crc, columns)
+            return more_end, count + more
+        end, more = later.result()
+        columns.extend(second)
+        return end, count + more
+
+    @staticmethod
+    def _scan_part(
+        f: MappedFile,
+        pos: int,
+        limit: int,
+        check_crc: bool,
+        columns: list[DispatchColumns] | None,
+    ) -> tuple[int, int]:
+        count = 0
+        while columns is not None:
+            room = _RECOVERY_COLUMNS_LIMIT - sum(len(c) for c in columns)
+            if room <= 0:
+                break
+            pos, status, run = dispatch_columns(
+                f.mm,
+                pos,
+                limit,
+                f.from_offset,
+                validate=True,
+                check_crc=check_crc,
+                max_records=min(room, 1 << 20),
+            )
+            if len(run):
+                columns.append(run)
+                count += len(run)
+            if status != 1:
+                if status == 0:
+                    return pos, count
+                break  # a record the columns cannot take: validate the rest only
+        pos, scanned = scan_records(f.mm, pos, limit, f.from_offset + pos, check_crc=check_crc)
+        return pos, count + scanned
+
     def _find_valid_record(self, offset: int) -> int | None:
         """The offset of the first whole, CRC-valid record at or after ``offset``, if any.
 
@@ -554,7 +662,10 @@ class CommitLog:
         f = self.files.find_file(end)
         if f is not None:
             pos = end - f.from_offset
-            tail = f.read(pos, min(f.size - pos, _QUARANTINE_LIMIT)).rstrip(b"\0")
+            length = min(f.size - pos, _QUARANTINE_LIMIT)
+            # Checked in place first: after kill -9 the tail is almost always zeros already.
+            torn = np.count_nonzero(np.frombuffer(f.mm, np.uint8, length, pos)) if length else 0
+            tail = f.read(pos, length).rstrip(b"\0") if torn else b""
             if tail:
                 quarantine.mkdir(parents=True, exist_ok=True)
                 path = quarantine / f"commitlog-{end:020d}-{now_ms()}.bin"

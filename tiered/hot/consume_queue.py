@@ -51,21 +51,26 @@ class ConsumeQueue:
         file, up to the first empty entry after it (a crash may leave a torn tail)."""
         self.files.load()
         files = self.files.files
+        sizes_of: dict[int, np.ndarray] = {}  # a one-file queue reads its sizes once
         while files:
             last = files[-1]
-            sizes = _sizes(last)
-            valid = np.flatnonzero(sizes > 0)
-            if len(valid) == 0:  # an empty last file: a roll that a crash cut short
+            valid = sizes_of.setdefault(last.from_offset, _sizes(last)) > 0
+            if not valid.any():  # an empty last file: a roll that a crash cut short
                 if len(files) == 1:
                     self.files.destroy()
                 else:
                     self._drop_files_from(last.from_offset)
                 files = self.files.files
                 continue
-            first = int(valid[0]) if len(files) == 1 else 0
-            holes = np.flatnonzero(sizes[first : int(valid[-1]) + 1] <= 0)
-            count = first + int(holes[0]) if len(holes) else int(valid[-1]) + 1
-            if len(holes):
+            # First and last valid entry, and the first hole between them, without index arrays.
+            first = int(valid.argmax()) if len(files) == 1 else 0
+            last_valid = len(valid) - 1 - int(valid[::-1].argmax())
+            between = valid[first : last_valid + 1]
+            hole = int(between.argmin())
+            if between[hole]:
+                count = last_valid + 1
+            else:
+                count = first + hole
                 log.warning(
                     "ConsumeQueue %s-%d: torn entries after offset %d are dropped",
                     self.topic,
@@ -77,10 +82,11 @@ class ConsumeQueue:
         files = self.files.files
         if not files:
             return
-        first_sizes = _sizes(files[0])
-        first_valid = np.flatnonzero(first_sizes > 0)
-        first_index = int(first_valid[0]) if len(first_valid) else 0
-        self.min_offset = files[0].from_offset // CQ_ENTRY_SIZE + first_index
+        head = files[0]
+        first_valid = sizes_of.get(head.from_offset)
+        first_valid = (first_valid if first_valid is not None else _sizes(head)) > 0
+        first_index = int(first_valid.argmax()) if first_valid.any() else 0
+        self.min_offset = head.from_offset // CQ_ENTRY_SIZE + first_index
         self.max_offset = files[-1].end_offset // CQ_ENTRY_SIZE
         last_entry = self.get_entry(self.max_offset - 1)
         if last_entry is not None:

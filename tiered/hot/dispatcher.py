@@ -32,7 +32,9 @@ from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
 from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
+    DispatchColumns,
     EncodedBatch,
+    dispatch_columns,
     index_keys,
     read_dispatch_run,
     tag_hash,
@@ -49,6 +51,22 @@ _PENDING_LIMIT_BYTES = 64 << 20
 _COALESCE_BYTES = 256 << 10
 # A queue's run of entries in one chunk shorter than this is written entry by entry.
 _BLOCK_MIN = 4
+# CommitLog bytes read per step as columns (dispatch from the file: restart, catch-up).
+_COLUMNS_BYTES = 64 << 20
+
+
+def _by_queue(numbers: np.ndarray, queues: int) -> list[tuple[int, np.ndarray]]:
+    """(queue number, positions of its records in order) for every queue in ``numbers``."""
+    if queues <= 16:  # a few queues: one comparison pass each beats a sort
+        found = [(q, np.flatnonzero(numbers == q)) for q in range(queues)]
+        return [(q, idx) for q, idx in found if len(idx)]
+    order = np.argsort(numbers, kind="stable")
+    ordered = numbers[order]
+    bounds = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    return [
+        (int(ordered[lo]), order[lo:hi])
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(numbers)], strict=True)
+    ]
 
 
 class Dispatcher:
@@ -77,6 +95,9 @@ class Dispatcher:
         self._tag_codes: dict[str | None, int] = {None: 0}
         self._queue_id_map: dict[tuple[str, int], int] = {}
         self._queue_keys: list[tuple[str, int]] = []
+        # Runs of records the recovery scan read as columns, by CommitLog offset of their first
+        # record: dispatch takes them instead of reading those bytes again (``preload``).
+        self._preloaded: dict[int, DispatchColumns] = {}
         self._wakeup = threading.Event()
         self._progress = threading.Condition()
         self._stop = threading.Event()
@@ -118,6 +139,11 @@ class Dispatcher:
                 end_here = min(end, start)
             else:
                 end_here = end
+            columns = self._read_columns(reput, end_here)
+            if columns is not None:
+                self.apply_columns(columns)
+                self._publish(columns.end_offset, int(columns.store_timestamps.max()))
+                continue
             parsed = self._parse(reput, end_here)
             if parsed is None:
                 return self.reput_offset
@@ -184,6 +210,83 @@ class Dispatcher:
         out.store_timestamp = max(stamps)
         out.store_timestamps = stamps
         return out
+
+    def preload(self, runs: list[DispatchColumns]) -> None:
+        """Take runs the recovery scan already read as columns (``CommitLog.recover``), so that
+        dispatch does not read those bytes again; ``preload([])`` drops what is left."""
+        self._preloaded = {int(r.offsets[0]): r for r in runs if len(r)}
+
+    def _read_columns(self, start: int, end: int) -> DispatchColumns | None:
+        """The records in CommitLog ``[start, end)`` from ``start`` up to a step's worth (within
+        one file) as columns: a preloaded run, else read from the file. None where a record
+        cannot be taken as columns (``_parse`` then reads it, or says why it cannot)."""
+        run = self._preloaded.pop(start, None)
+        if run is not None:
+            stop = int(np.searchsorted(run.offsets, end, "left"))
+            if stop < len(run):
+                self._preloaded[int(run.offsets[stop])] = run.take(stop, len(run))
+                run = run.take(0, stop)
+            return run if len(run) else None
+        f = self.commitlog.files.find_file(start)
+        if f is None:
+            return None
+        pos = start - f.from_offset
+        limit = min(f.wrote, end - f.from_offset, pos + _COLUMNS_BYTES)
+        _, _, run = dispatch_columns(f.mm, pos, limit, f.from_offset, validate=False)
+        return run if len(run) else None
+
+    def apply_columns(self, run: DispatchColumns) -> None:
+        """``apply`` for a run read as columns: the same ConsumeQueue and IndexFile bytes, with
+        Python loops only over queues (and over runs of queue offsets with a gap)."""
+        for number, idx in _by_queue(run.queue_numbers, len(run.queues)):
+            topic, queue_id = run.queues[number]
+            cq = self.queues.get_or_create(topic, queue_id)
+            qoffs = run.queue_offsets[idx]
+            if int(qoffs.max()) < cq.max_offset:
+                continue  # every entry held already (a re-dispatch): nothing to build
+            # Consecutive queue offsets go in one block (entry by entry is the same bytes).
+            breaks = np.flatnonzero(qoffs[1:] != qoffs[:-1] + 1) + 1
+            for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), len(idx)], strict=True):
+                first_q = int(qoffs[a])
+                if first_q + (b - a) <= cq.max_offset:
+                    continue
+                part = idx[a:b]
+                block = np.empty(b - a, CQ_DTYPE)
+                block["offset"] = run.offsets[part]
+                block["size"] = run.sizes[part]
+                block["tag"] = run.tags[part]
+                last = int(part[-1])
+                cq.put_block(first_q, block.tobytes(), int(run.offsets[last] + run.sizes[last]))
+        self._index_columns(run)
+
+    def _index_columns(self, run: DispatchColumns) -> None:
+        index_from = self.index_from
+        end = run.end_offset
+        if end <= index_from:
+            return
+        # Records are in CommitLog order and keys in record order: those at or past
+        # ``index_from`` are a suffix of both.
+        first_key = int(
+            np.searchsorted(run.key_records, np.searchsorted(run.offsets, index_from), "left")
+        )
+        hashes, numbers = run.key_hashes[first_key:], run.key_records[first_key:]
+        offsets = run.offsets[numbers]
+        keep = np.ones(len(numbers), bool)
+        if self.unindexed_topics:
+            skip = self.unindexed_topics
+            unindexed = np.array([q[0] in skip for q in run.queues], bool)
+            keep &= ~unindexed[run.queue_numbers[numbers]]
+        if not keep.all():
+            hashes, numbers, offsets = hashes[keep], numbers[keep], offsets[keep]
+        self._put_index_entries(
+            self.index.writer_at,
+            hashes,
+            offsets,
+            run.store_timestamps[numbers],
+            int(run.store_timestamps.max()),
+            max(int(run.offsets[0]), index_from),
+            end,
+        )
 
     # -- applying a chunk ----------------------------------------------------------------------
 
