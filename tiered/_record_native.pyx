@@ -1074,3 +1074,105 @@ def decode_many(buf, positions, bint check_crc):
             properties,
         ))
     return out
+
+
+# -- writing a batch into a CommitLog file ------------------------------------------------------
+
+cdef extern from "sys/uio.h" nogil:
+    cdef struct iovec:
+        void* iov_base
+        size_t iov_len
+    ssize_t pwritev(int fd, const iovec* iov, int iovcnt, int64_t offset)
+
+cdef extern from "errno.h" nogil:
+    int errno
+    int EINTR
+
+cdef extern from "Python.h":
+    object PyErr_SetFromErrno(object exc)
+
+DEF IOV_BATCH = 1024  # Linux's IOV_MAX
+cdef unsigned char _ZERO_SIZE[4]  # static: zero
+
+
+cdef int _pwrite_all(int fd, iovec* iov, int count, int64_t at) noexcept nogil:
+    """Write every byte of ``iov`` at ``at`` (short writes resumed); -1 with errno on failure."""
+    cdef ssize_t done
+    cdef int first = 0, step
+    while first < count:
+        step = count - first if count - first < IOV_BATCH else IOV_BATCH
+        done = pwritev(fd, iov + first, step, at)
+        if done < 0:
+            if errno == EINTR:
+                continue
+            return -1
+        at += done
+        while first < count and <size_t>done >= iov[first].iov_len:
+            done -= iov[first].iov_len
+            first += 1
+        if done > 0:
+            iov[first].iov_base = <unsigned char*>iov[first].iov_base + done
+            iov[first].iov_len -= done
+    return 0
+
+
+def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
+                   Py_ssize_t pwrite_min, between):
+    """``MappedFile.append_records_py`` without the copies: ``data`` (whole records; record ``i``
+    starts at ``offsets[i] - base``) goes to the file at ``pos`` with every record's 4-byte size
+    field written as zero, by one ``pwritev`` that skips the fields (a store through the mapping
+    below ``pwrite_min`` bytes); ``between()`` is called (the failpoint), then the size fields
+    are stored through the mapping ``mm`` record by record, front to back. ``data`` is not
+    modified, so it may be ``bytes``."""
+    cdef const unsigned char[::1] d = _view(data)
+    cdef unsigned char[::1] m = mm
+    cdef Py_ssize_t n = d.shape[0], k = len(offsets), i, s, e, prev = -1
+    cdef Py_ssize_t* starts
+    cdef iovec* iov
+    cdef int used = 0, failed = 0
+    if n == 0:
+        return
+    if pos < 0 or pos + n > m.shape[0]:
+        raise ValueError(f"{n} bytes at {pos} do not fit in a {m.shape[0]}-byte file")
+    starts = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * (k + 1))
+    iov = <iovec*>malloc(sizeof(iovec) * (2 * k + 1))
+    if starts == NULL or iov == NULL:
+        free(starts)
+        free(iov)
+        raise MemoryError()
+    try:
+        for i in range(k):
+            s = <Py_ssize_t>(<int64_t>offsets[i] - base)
+            if s <= prev or s + 4 > n:
+                raise ValueError(f"record {i} starts at {s}: outside the data or out of order")
+            starts[i] = prev = s
+        starts[k] = n
+        with nogil:
+            if k == 0 or starts[0] > 0:
+                iov[0].iov_base = <void*>&d[0]
+                iov[0].iov_len = starts[0] if k else n
+                used = 1
+            for i in range(k):
+                s, e = starts[i], starts[i + 1]
+                iov[used].iov_base = <void*>_ZERO_SIZE
+                iov[used].iov_len = 4
+                iov[used + 1].iov_base = <void*>&d[s + 4]
+                iov[used + 1].iov_len = e - s - 4
+                used += 2
+            if n < pwrite_min:
+                s = pos
+                for i in range(used):
+                    memcpy(&m[s], iov[i].iov_base, iov[i].iov_len)
+                    s += iov[i].iov_len
+            elif _pwrite_all(fd, iov, used, pos) < 0:
+                failed = 1
+        if failed:
+            PyErr_SetFromErrno(OSError)
+        if between is not None:
+            between()
+        with nogil:
+            for i in range(k):
+                memcpy(&m[pos + starts[i]], &d[starts[i]], 4)
+    finally:
+        free(starts)
+        free(iov)
