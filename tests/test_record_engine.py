@@ -367,7 +367,7 @@ def test_append_records_writes_what_the_reference_writes(
         assert seen == [bytes(4)] * len(batch.offsets)
         with pytest.raises(ValueError):  # offsets out of order are refused, nothing written
             NATIVE.append_records(
-                files[1]._fd, files[1].mm, 0, data, batch.offsets[::-1] + [4096], 4096, 1, None
+                files[1]._fd, files[1].mm, 0, data, [*batch.offsets[::-1], 4096], 4096, 1, None
             )
     finally:
         for f in files:

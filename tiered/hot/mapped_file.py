@@ -117,8 +117,8 @@ class MappedFile:
 
     def append_records_py(self, data: Buffer, offsets: Sequence[int], base: int) -> None:
         pos = self.wrote
+        data = bytearray(data)
         if offsets:
-            data = bytearray(data)
             view = np.frombuffer(data, np.uint8)
             fields = (np.asarray(offsets, np.int64)[:, None] - base + _SIZE_FIELD).ravel()
             sizes = view[fields].copy()
