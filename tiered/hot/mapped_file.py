@@ -42,7 +42,6 @@ def _before_sizes() -> None:
     failpoints.hit("commitlog.before_sizes")
 
 
-
 class StoreLoadError(RuntimeError):
     """The files on disk are not what the configuration says: the store refuses to start."""
 
