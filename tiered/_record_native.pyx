@@ -1076,6 +1076,75 @@ def decode_many(buf, positions, bint check_crc):
     return out
 
 
+# -- the gRPC SendMessage answer ---------------------------------------------------------------
+
+cdef inline unsigned char* _varint(unsigned char* o, uint64_t v) noexcept nogil:
+    while v >= 0x80:
+        o[0] = <unsigned char>(v | 0x80)
+        v >>= 7
+        o += 1
+    o[0] = <unsigned char>v
+    return o + 1
+
+
+cdef inline Py_ssize_t _varint_len(uint64_t v) noexcept nogil:
+    cdef Py_ssize_t n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+def send_results(bytes status, list message_ids, list offsets):
+    """``broker.protocol.send_results_py``: a serialized ``SendMessageResponse`` whose status
+    and every entry's status is ``status`` (a serialized ``Status``), entry ``i`` carrying
+    ``message_ids[i]`` as message and transaction id and ``offsets[i]``; one call per batch
+    instead of a protobuf ``add`` per message."""
+    cdef Py_ssize_t k = len(message_ids), i, total, st_len = len(status), id_len, entry
+    cdef const char* idp
+    cdef const char* stp = status
+    cdef unsigned char* o
+    cdef uint64_t off
+    cdef bytes out
+    if len(offsets) != k:
+        raise ValueError(f"{k} message ids but {len(offsets)} offsets")
+    total = 1 + _varint_len(st_len) + st_len
+    for i in range(k):
+        PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
+        off = <uint64_t><int64_t>offsets[i]
+        entry = (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
+                 + 1 + _varint_len(off))
+        total += 1 + _varint_len(entry) + entry
+    out = PyBytes_FromStringAndSize(NULL, total)
+    o = <unsigned char*>PyBytes_AS_STRING(out)
+    o[0] = 0x0A
+    o = _varint(o + 1, st_len)
+    memcpy(o, stp, st_len)
+    o += st_len
+    for i in range(k):
+        idp = PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
+        off = <uint64_t><int64_t>offsets[i]
+        entry = (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
+                 + 1 + _varint_len(off))
+        o[0] = 0x12
+        o = _varint(o + 1, entry)
+        o[0] = 0x0A
+        o = _varint(o + 1, st_len)
+        memcpy(o, stp, st_len)
+        o += st_len
+        o[0] = 0x12
+        o = _varint(o + 1, id_len)
+        memcpy(o, idp, id_len)
+        o += id_len
+        o[0] = 0x1A
+        o = _varint(o + 1, id_len)
+        memcpy(o, idp, id_len)
+        o += id_len
+        o[0] = 0x20
+        o = _varint(o + 1, off)
+    return out
+
+
 # -- writing a batch into a CommitLog file ------------------------------------------------------
 
 cdef extern from "sys/uio.h" nogil:
