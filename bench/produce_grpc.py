@@ -299,6 +299,18 @@ def bench_security(root: Path, processes: int) -> dict[str, Any]:
         },
         "single_real_client_4_threads": client,
         "ratio_batch_vs_off": ratios(batch, batch["off"]),
+        # Per round, each broker's rate over the plain one's taken minutes apart at most, then
+        # the median: steadier than a ratio of medians when the load moves between rounds.
+        "ratio_batch_vs_off_paired": {
+            name: round(
+                statistics.median(
+                    r["msgs_per_s"] / off["msgs_per_s"]
+                    for r, off in zip(runs, batches["off"], strict=True)
+                ),
+                3,
+            )
+            for name, runs in batches.items()
+        },
         "ratio_client_4_threads_vs_off": ratios(client, client["off"]),
     }
 
