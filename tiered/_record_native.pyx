@@ -1095,6 +1095,20 @@ cdef inline Py_ssize_t _varint_len(uint64_t v) noexcept nogil:
     return n
 
 
+cdef inline unsigned char* _bytes_field(unsigned char* o, unsigned char tag, const char* p,
+                                        Py_ssize_t n) noexcept nogil:
+    """A length-delimited protobuf field: tag, varint length, bytes."""
+    o[0] = tag
+    o = _varint(o + 1, n)
+    memcpy(o, p, n)
+    return o + n
+
+
+cdef inline Py_ssize_t _entry_len(Py_ssize_t st_len, Py_ssize_t id_len, uint64_t off) noexcept nogil:
+    return (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
+            + 1 + _varint_len(off))
+
+
 def send_results(bytes status, list message_ids, list offsets):
     """``broker.protocol.send_results_py``: a serialized ``SendMessageResponse`` whose status
     and every entry's status is ``status`` (a serialized ``Status``), entry ``i`` carrying
@@ -1111,35 +1125,18 @@ def send_results(bytes status, list message_ids, list offsets):
     total = 1 + _varint_len(st_len) + st_len
     for i in range(k):
         PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
-        off = <uint64_t><int64_t>offsets[i]
-        entry = (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
-                 + 1 + _varint_len(off))
+        entry = _entry_len(st_len, id_len, <uint64_t><int64_t>offsets[i])
         total += 1 + _varint_len(entry) + entry
     out = PyBytes_FromStringAndSize(NULL, total)
-    o = <unsigned char*>PyBytes_AS_STRING(out)
-    o[0] = 0x0A
-    o = _varint(o + 1, st_len)
-    memcpy(o, stp, st_len)
-    o += st_len
+    o = _bytes_field(<unsigned char*>PyBytes_AS_STRING(out), 0x0A, stp, st_len)
     for i in range(k):
         idp = PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
         off = <uint64_t><int64_t>offsets[i]
-        entry = (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
-                 + 1 + _varint_len(off))
         o[0] = 0x12
-        o = _varint(o + 1, entry)
-        o[0] = 0x0A
-        o = _varint(o + 1, st_len)
-        memcpy(o, stp, st_len)
-        o += st_len
-        o[0] = 0x12
-        o = _varint(o + 1, id_len)
-        memcpy(o, idp, id_len)
-        o += id_len
-        o[0] = 0x1A
-        o = _varint(o + 1, id_len)
-        memcpy(o, idp, id_len)
-        o += id_len
+        o = _varint(o + 1, _entry_len(st_len, id_len, off))
+        o = _bytes_field(o, 0x0A, stp, st_len)
+        o = _bytes_field(o, 0x12, idp, id_len)
+        o = _bytes_field(o, 0x1A, idp, id_len)
         o[0] = 0x20
         o = _varint(o + 1, off)
     return out
