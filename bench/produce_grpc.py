@@ -1,22 +1,26 @@
 """Produce throughput over gRPC against ``tmq standalone`` in its own process, 1 KiB messages.
 
-- Batch sends: ``SendMessage`` requests of 128 messages from 2 client threads, msgs/s and the
-  p50/p99 latency of a call.
+- Batch sends: ``SendMessage`` requests of 128 messages from 2 client threads in this process,
+  then from 2 threads in each of ``--clients N`` (default 2) client processes (one Python
+  client process cannot send faster than its own GIL allows), msgs/s, the p50/p99 latency of
+  a call, and the CPU the client processes and the broker spent per message.
 - Single sends with Apache's client (``Producer.send``), msgs/s and p50/p99, from 1 and 4 threads.
 - The same batches appended straight to a ``MessageStore`` in this process: the store's ceiling
   for this machine, so the gRPC figures can be read as a ratio to it.
-- The batch and 4-thread client runs again against a broker with ``[auth]`` on (every call
-  signed, the ACL consulted), and with auth and TLS on, as ratios to the plain runs of the same
-  invocation (docs/security.md; the goal is >= 0.8).
+- Auth and TLS: four brokers side by side (plain, ``[auth]`` on, TLS on, both); each round runs
+  the batch sends (``--clients`` processes) and Apache's client (4 threads) against each in
+  turn, so the ratios to the plain broker compare runs taken under the same load
+  (docs/security.md; the goal is >= 0.8).
 
-The batch sends and the ceiling run three rounds each, alternating; medians are reported (the
-machines are shared). Runs with no arguments in about a minute and a half; prints one JSON
-object on its last line.
+The batch sends and the ceiling run three rounds each; medians are reported (the machines are
+shared, and the JSON carries the load average before and after). Runs with no arguments in
+about three minutes; prints one JSON object on its last line.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -26,6 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -90,10 +95,51 @@ def batch_request() -> s.SendMessageRequest:
     return request
 
 
-def bench_batches(endpoint: str, threads: int = 2, sec: Security = PLAIN) -> dict[str, float]:
+def bench_batches(
+    endpoint: str,
+    threads: int = 2,
+    sec: Security = PLAIN,
+    processes: int = 1,
+    seconds: float | None = None,
+) -> dict[str, float]:
+    """``threads`` threads in each of ``processes`` client processes send batches for
+    ``seconds``; with one process they run in this one. Client CPU (every client process) is
+    reported per message: on a 2-core machine the client takes CPU the broker could use.
+    ``seconds``: ``SECONDS`` when None (read at the call: bench/all.py shortens it)."""
+    seconds = SECONDS if seconds is None else seconds
+    if processes == 1:
+        cpu = time.process_time()
+        counts, latencies, elapsed = _send_batches(endpoint, threads, sec, time.time(), seconds)
+        client_cpu = time.process_time() - cpu
+    else:
+        context = multiprocessing.get_context("spawn")  # no fork of a process using gRPC
+        begin = time.time() + 2.0  # every process starts sending at the same moment
+        with context.Pool(processes) as pool:
+            runs = pool.starmap(
+                _send_batches_cpu, [(endpoint, threads, sec, begin, seconds)] * processes
+            )
+        counts = [c for run in runs for c in run[0]]
+        latencies = [x for run in runs for x in run[1]]
+        elapsed = max(run[2] for run in runs)
+        client_cpu = sum(run[3] for run in runs)
+    sent = sum(counts)
+    return {
+        "processes": processes,
+        "threads": threads,
+        "batch": BATCH,
+        "msgs_per_s": round(sent / elapsed),
+        **percentiles(latencies),
+        "client_cpu_us_per_msg": round(client_cpu / max(1, sent) * 1e6, 2),
+    }
+
+
+def _send_batches(
+    endpoint: str, threads: int, sec: Security, begin: float, seconds: float
+) -> tuple[list[int], list[float], float]:
     latencies: list[float] = []
     counts = [0] * threads
-    stop = time.perf_counter() + SECONDS
+    time.sleep(max(0.0, begin - time.time()))
+    stop = time.perf_counter() + seconds
 
     def worker(i: int) -> None:
         stub = service_pb2_grpc.MessagingServiceStub(sec.channel(endpoint))
@@ -111,13 +157,23 @@ def bench_batches(endpoint: str, threads: int = 2, sec: Security = PLAIN) -> dic
         w.start()
     for w in workers:
         w.join()
-    elapsed = time.perf_counter() - started
-    return {
-        "threads": threads,
-        "batch": BATCH,
-        "msgs_per_s": round(sum(counts) / elapsed),
-        **percentiles(latencies),
-    }
+    return counts, latencies, time.perf_counter() - started
+
+
+def _send_batches_cpu(
+    endpoint: str, threads: int, sec: Security, begin: float, seconds: float
+) -> tuple[list[int], list[float], float, float]:
+    if sec.ca_file is not None:
+        os.environ["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = str(sec.ca_file)
+    cpu = time.process_time()
+    counts, latencies, elapsed = _send_batches(endpoint, threads, sec, begin, seconds)
+    return counts, latencies, elapsed, time.process_time() - cpu
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of process ``pid`` so far (every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_client(endpoint: str, threads: int, sec: Security = PLAIN) -> dict[str, float]:
@@ -175,85 +231,148 @@ def bench_store_ceiling(root: Path) -> float:
     return sent / elapsed
 
 
-def bench_secured(root: Path, tls: bool) -> dict[str, dict[str, float]]:
-    """The batch and 4-thread client runs against a node with auth on (and TLS if ``tls``)."""
+def start_node(root: Path, name: str, auth: bool, ca: tuple[Path, Path, Path] | None) -> Any:
+    """A ``tmq standalone`` with topic ``bench``: plain, with ``--auth``, with TLS, or both."""
     admin = {"TMQ_ADMIN_ACCESS_KEY": ADMIN_KEY, "TMQ_ADMIN_SECRET_KEY": ADMIN_SECRET}
-    name = "tls" if tls else "auth"
-    extra = ["--auth"]
-    ca_file = None
-    if tls:
-        from tls_harness import make_ca
-
-        (root / name).mkdir()
-        ca_file, cert, key = make_ca(root / name)
-        # Apache's client trusts gRPC's default roots only, which gRPC reads from here on first
-        # use (no TLS channel was opened before).
-        os.environ["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = str(ca_file)
-        config = root / name / "tmq.toml"
+    extra = ["--auth"] if auth else []
+    if ca is not None:
+        ca_file, cert, key = ca
+        config = root / f"{name}.toml"
         config.write_text(
             f'[tls]\ncert_file = "{cert}"\nkey_file = "{key}"\nca_file = "{ca_file}"\n'
         )
         extra += ["--config", str(config)]
-    node = Standalone(root / f"data-{name}", extra=extra, env=admin, ca_file=ca_file).start()
-    sec = Security(sign=True, ca_file=ca_file)
+    node = Standalone(
+        root / f"data-{name}", extra=extra, env=admin, ca_file=ca[0] if ca else None
+    ).start()
+    env = {**admin, **({"TMQ_TLS_CA_FILE": str(ca[0])} if ca else {})}
+    done = tmq("topic", "create", "bench", "--queues", "8", "--namesrv", node.namesrv, env=env)
+    assert done.returncode == 0, done.stderr
+    return node
+
+
+def ratios(runs: dict[str, dict[str, float]], plain: dict[str, float]) -> dict[str, float]:
+    return {name: round(r["msgs_per_s"] / plain["msgs_per_s"], 3) for name, r in runs.items()}
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(runs, key=lambda r: r["msgs_per_s"])[len(runs) // 2]
+
+
+def bench_security(root: Path, processes: int) -> dict[str, Any]:
+    """Batch sends and Apache's client (4 threads) against four brokers running side by side:
+    plain, auth on, TLS on, auth and TLS on. Every round runs each of the four in turn, so
+    the ratios compare runs taken under the same load; medians of the rounds."""
+    from tls_harness import make_ca
+
+    (root / "ca").mkdir()
+    ca = make_ca(root / "ca")
+    # Apache's client trusts gRPC's default roots only, which gRPC reads from here on first
+    # use (no TLS channel was opened before).
+    os.environ["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = str(ca[0])
+    setups = {
+        "off": (False, None),
+        "auth": (True, None),
+        "tls": (False, ca),
+        "auth_and_tls": (True, ca),
+    }
+    nodes = {name: start_node(root, name, auth, tls) for name, (auth, tls) in setups.items()}
+    batches: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
+    clients: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
     try:
-        env = {**admin, **({"TMQ_TLS_CA_FILE": str(ca_file)} if ca_file else {})}
-        done = tmq("topic", "create", "bench", "--queues", "8", "--namesrv", node.namesrv, env=env)
-        assert done.returncode == 0, done.stderr
         time.sleep(1)  # registration with the NameServer, which Apache's client does not need
-        return {
-            "batch_grpc": bench_batches(node.endpoint, sec=sec),
-            "single_real_client_4_threads": bench_client(node.endpoint, 4, sec),
-        }
+        for _ in range(ROUNDS):
+            for name, (auth, tls) in setups.items():
+                sec = Security(sign=auth, ca_file=tls[0] if tls else None)
+                endpoint = nodes[name].endpoint
+                batches[name].append(
+                    bench_batches(endpoint, sec=sec, processes=processes, seconds=SECONDS / 2)
+                )
+                clients[name].append(bench_client(endpoint, 4, sec))
     finally:
-        node.stop()
-
-
-def ratios(
-    secured: dict[str, dict[str, float]], plain: dict[str, dict[str, float]]
-) -> dict[str, float]:
-    return {run: round(secured[run]["msgs_per_s"] / plain[run]["msgs_per_s"], 3) for run in secured}
+        for node in nodes.values():
+            node.stop()
+    batch = {name: median_run(runs) for name, runs in batches.items()}
+    client = {name: median_run(runs) for name, runs in clients.items()}
+    return {
+        "batch_grpc": batch,
+        "batch_grpc_msgs_per_s_rounds": {
+            name: [r["msgs_per_s"] for r in runs] for name, runs in batches.items()
+        },
+        "single_real_client_4_threads": client,
+        "ratio_batch_vs_off": ratios(batch, batch["off"]),
+        # Per round, each broker's rate over the plain one's taken minutes apart at most, then
+        # the median: steadier than a ratio of medians when the load moves between rounds.
+        "ratio_batch_vs_off_paired": {
+            name: round(
+                statistics.median(
+                    r["msgs_per_s"] / off["msgs_per_s"]
+                    for r, off in zip(runs, batches["off"], strict=True)
+                ),
+                3,
+            )
+            for name, runs in batches.items()
+        },
+        "ratio_client_4_threads_vs_off": ratios(client, client["off"]),
+    }
 
 
 def main() -> None:
+    processes = int(sys.argv[sys.argv.index("--clients") + 1]) if "--clients" in sys.argv else 2
+    load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="tmq-produce-"))
     node = Standalone(root / "data").start()
-    rounds: list[tuple[dict[str, float], float]] = []
+    rounds: list[tuple[dict[str, float], dict[str, float], float]] = []
     try:
         node.create_topic("bench", queues=8)
+        assert node.proc is not None
         for i in range(ROUNDS):
-            batches = bench_batches(node.endpoint)
-            rounds.append((batches, bench_store_ceiling(root / f"round-{i}")))
+            runs = []
+            for n in (1, processes):
+                cpu = cpu_seconds(node.proc.pid)
+                run = bench_batches(node.endpoint, processes=n)
+                sent = run["msgs_per_s"] * SECONDS
+                run["broker_cpu_us_per_msg"] = round(
+                    (cpu_seconds(node.proc.pid) - cpu) / sent * 1e6, 2
+                )
+                runs.append(run)
+            rounds.append((runs[0], runs[1], bench_store_ceiling(root / f"round-{i}")))
             shutil.rmtree(root / f"round-{i}", ignore_errors=True)
         single_1 = bench_client(node.endpoint, 1)
         single_4 = bench_client(node.endpoint, 4)
     finally:
         node.stop()
-    batch_rate = statistics.median(b["msgs_per_s"] for b, _ in rounds)
-    ceiling = statistics.median(c for _, c in rounds)
-    median_batches = sorted((b for b, _ in rounds), key=lambda b: b["msgs_per_s"])[ROUNDS // 2]
-    plain = {"batch_grpc": median_batches, "single_real_client_4_threads": single_4}
-    auth_on = bench_secured(root, tls=False)
-    tls_on = bench_secured(root, tls=True)
+    in_process = median_run([r[0] for r in rounds])
+    spread = median_run([r[1] for r in rounds])
+    ceiling = statistics.median(c for _, _, c in rounds)
+    best = max(in_process["msgs_per_s"], spread["msgs_per_s"])
+    security = bench_security(root, processes)
     shutil.rmtree(root, ignore_errors=True)
     print(
         json.dumps(
             {
                 "bench": "produce_grpc",
                 "message_bytes": len(BODY),
-                "batch_grpc": median_batches,
-                "batch_grpc_msgs_per_s_rounds": [b["msgs_per_s"] for b, _ in rounds],
+                # 2 client threads in this process (the bench's figure before decision 261)
+                "batch_grpc": in_process,
+                "batch_grpc_msgs_per_s_rounds": [r[0]["msgs_per_s"] for r in rounds],
+                # the same 2 threads in each of ``processes`` client processes
+                f"batch_grpc_{processes}_client_processes": spread,
+                "batch_grpc_client_processes_msgs_per_s_rounds": [
+                    r[1]["msgs_per_s"] for r in rounds
+                ],
                 "single_real_client_1_thread": single_1,
                 "single_real_client_4_threads": single_4,
                 "store_in_process_msgs_per_s": round(ceiling),
-                "store_in_process_msgs_per_s_rounds": [round(c) for _, c in rounds],
-                "ratio_batch_grpc_vs_store_in_process": round(batch_rate / ceiling, 3),
+                "store_in_process_msgs_per_s_rounds": [round(c) for _, _, c in rounds],
+                "ratio_batch_grpc_vs_store_in_process": round(best / ceiling, 3),
                 "target_msgs_per_s": TARGET,
-                "target_met": batch_rate >= TARGET,
-                "auth_on": auth_on,
-                "auth_and_tls_on": tls_on,
-                "ratio_auth_on_vs_off": ratios(auth_on, plain),
-                "ratio_auth_and_tls_on_vs_off": ratios(tls_on, plain),
+                "target_met": best >= TARGET,
+                "security": security,
+                "ratio_auth_on_vs_off": security["ratio_batch_vs_off"]["auth"],
+                "ratio_tls_on_vs_off": security["ratio_batch_vs_off"]["tls"],
+                "ratio_auth_and_tls_on_vs_off": security["ratio_batch_vs_off"]["auth_and_tls"],
+                "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
                 "cpus": os.cpu_count(),
             }
         )

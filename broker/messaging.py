@@ -56,6 +56,7 @@ from broker.protocol import (
     duration,
     duration_ms,
     message_queue,
+    send_response,
     status,
     to_proto_message,
     to_store_messages,
@@ -386,6 +387,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if len(names) != 1:
                 raise ProtocolError(d.MESSAGE_CORRUPTED, "topic in message is not same")
             topic = self._topic(names.pop(), need=PERM_WRITE)
+            ids = [pm.system_properties.message_id for pm in request.messages]
             batch = to_store_messages(
                 request.messages,
                 topic,
@@ -393,6 +395,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 self.limits,
                 _peer_host(context),
                 request.ByteSize(),
+                ids,
             )
             if topic.message_type == "TRANSACTION":
                 return self._send_half(request, topic, batch, context)
@@ -405,15 +408,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             self.traffic.produced(topic.name, len(batch), sum(map(len, (m.body for m in batch))))
             if topic.message_type == "DELAY" and self.timers is not None:
                 self.timers.wakeup()
-            ok = status()
-            response = s.SendMessageResponse(status=ok)
-            add = response.entries.add
-            for pm, offset in zip(request.messages, offsets, strict=True):
-                message_id = pm.system_properties.message_id
-                # The broker's SendResult carries the unique key as the transaction id for
-                # every message, and the proxy passes it on.
-                add(status=ok, message_id=message_id, transaction_id=message_id, offset=offset)
-            return response
+            return send_response(ids, offsets)
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
 

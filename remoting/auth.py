@@ -257,6 +257,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.authorize = authorize
         self.on_denied = on_denied
         self._methods = _methods(files)
+        # method name -> (handler as served, its wrapper); a GIL-atomic dict, racing fills agree
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     def intercept_service(
         self,
@@ -267,10 +269,17 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method_name: str = handler_call_details.method
         if handler is None or method_name.startswith(_EXEMPT_SERVICES):
             return handler
+        cached = self._wrapped.get(method_name)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         method = self._methods.get(method_name)
         if method is None:
             return _refuse_unknown(handler, method_name)
-        return self._wrap(handler, method_name, method)
+        wrapped = self._wrap(handler, method_name, method)
+        # Registered handlers are the same object on every call: wrap each once, not per call
+        # (the closures and the handler's _replace were most of an allowed call's own cost).
+        self._wrapped[method_name] = (handler, wrapped)
+        return wrapped
 
     def _check(self, method_name: str, context: grpc.ServicerContext, request: Any) -> None:
         try:

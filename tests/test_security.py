@@ -160,6 +160,37 @@ def test_the_signature_apache_python_client_sends_is_accepted_and_a_wrong_one_is
     assert sign("alice-secret", headers["x-mq-date-time"]) in good
 
 
+def test_the_interceptor_wraps_each_served_handler_once() -> None:
+    """A call reuses the wrapper built for its method's handler (building one per call was
+    most of an allowed call's own cost); a handler served anew gets a wrapper of its own, and
+    the reused wrapper still refuses an unsigned call."""
+    from remoting.auth import AuthInterceptor, admin_only
+
+    interceptor = AuthInterceptor(Authenticator(StaticUsers({})), admin_only, [s.DESCRIPTOR])
+    served = grpc.unary_unary_rpc_method_handler(lambda request, context: s.SendMessageResponse())
+
+    class Call:  # what gRPC hands an interceptor: the method's full name
+        method = "/apache.rocketmq.v2.MessagingService/SendMessage"
+
+    call: Any = Call()
+    first = interceptor.intercept_service(lambda _: served, call)
+    assert first is not served
+    assert interceptor.intercept_service(lambda _: served, call) is first
+    other = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+    assert interceptor.intercept_service(lambda _: other, call) not in (first, other)
+
+    class Context:
+        def invocation_metadata(self) -> list[tuple[str, str]]:
+            return []
+
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:1"
+
+    assert first is not None
+    answer = first.unary_unary(s.SendMessageRequest().SerializeToString(), Context())
+    assert answer.status.code == 40100
+
+
 def test_every_hostile_header_is_an_authentication_error_and_nothing_else() -> None:
     """20,000 random and near-valid headers through the parser in process: each is refused
     with AuthenticationError (which the interceptor turns into 40100), never another exception

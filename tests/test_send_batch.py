@@ -107,3 +107,36 @@ def test_a_message_too_large_to_deliver_is_refused() -> None:
     with pytest.raises(ProtocolError) as refused:
         to_store_messages([pm], NORMAL, 0, limits, "127.0.0.1", pm.ByteSize())
     assert refused.value.code == d.MESSAGE_BODY_TOO_LARGE
+
+
+@pytest.mark.parametrize(
+    ("ids", "offsets"),
+    [
+        ([], []),
+        (["0A0000010000000000000000000000FF"], [0]),
+        (["a", "é€𝄞", "x" * 200, ""], [1, 127, 128, (1 << 62) + 5]),
+        ([f"{i:032X}" for i in range(1000)], list(range(0, 3_000_000, 3000))),
+    ],
+)
+def test_the_send_answer_built_in_one_call_is_what_protobuf_builds(
+    ids: list[str], offsets: list[int]
+) -> None:
+    """SendMessage's answer is built as bytes in one call (decision 261): the native engine's
+    and the reference's parse to exactly the response protobuf's own ``add`` builds."""
+    from rocketmq.grpc_protocol import service_pb2 as s
+
+    from broker.protocol import send_response, send_results_py, status
+    from tiered.record import NATIVE_ENGINE
+
+    ok = status()
+    expected = s.SendMessageResponse(status=ok)
+    for i, o in zip(ids, offsets, strict=True):
+        expected.entries.add(status=ok, message_id=i, transaction_id=i, offset=o)
+    raw = ok.SerializeToString()
+    assert s.SendMessageResponse.FromString(send_results_py(raw, ids, offsets)) == expected
+    assert s.SendMessageResponse.FromString(NATIVE_ENGINE.send_results(raw, ids, offsets)) == (
+        expected
+    )
+    assert send_response(ids, offsets) == expected
+    with pytest.raises(ValueError):
+        NATIVE_ENGINE.send_results(raw, ids, [*offsets, 1])

@@ -853,6 +853,38 @@ class DispatchColumns:
 ColumnsRun = tuple[int, int, DispatchColumns]
 
 
+def _fields_within(buf: Buffer, pos: int) -> bool:
+    """Whether the record at ``pos`` (not a BLANK one) has a positive size and its body, topic
+    and properties lie within ``buf``: what the native column reader checks before it reads
+    them (a slice past the end would quietly be shorter)."""
+    n = len(buf)
+    if pos + 8 <= n and _I32.unpack_from(buf, pos + 4)[0] == BLANK_MAGIC_CODE:
+        return True
+    if pos + 48 > n:
+        return False
+    (total,) = _I32.unpack_from(buf, pos)
+    (sys_flag,) = _I32.unpack_from(buf, pos + 36)
+    body_at = (
+        pos
+        + 48
+        + (20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8)
+        + 8
+        + (20 if sys_flag & SYSFLAG_STOREHOST_V6 else 8)
+        + 16
+    )
+    if body_at > n:
+        return False
+    (body_len,) = _I32.unpack_from(buf, body_at - 4)
+    p = body_at + body_len
+    if total <= 0 or body_len < 0 or p + 2 > n:
+        return False
+    (topic_len,) = _U16.unpack_from(buf, p)
+    if p + 4 + topic_len > n:
+        return False
+    (props_len,) = _U16.unpack_from(buf, p + 2 + topic_len)
+    return p + 4 + topic_len + props_len <= n
+
+
 def dispatch_columns_py(
     buf: Buffer,
     pos: int,
@@ -876,6 +908,9 @@ def dispatch_columns_py(
             break
         one = EncodedBatch()
         one_stamps: list[int] = []
+        if not _fields_within(buf, pos):
+            status = 2  # a field runs past the bytes at hand: the record-by-record path says why
+            break
         try:
             after = read_dispatch_run_py(buf, pos, pos + 1, base_offset, one, one_stamps)
         except RecordError:

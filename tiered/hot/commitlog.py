@@ -245,8 +245,9 @@ class CommitLog:
             self._create_files([c[0] for c in chunks])
             for chunk_from, batch, published in chunks:
                 f = self._file_for_append(chunk_from)
-                start = f.from_offset + f.wrote
-                f.append_records(bytearray().join(batch.parts), [o - start for o in batch.offsets])
+                parts = batch.parts
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+                f.append_records(data, batch.offsets, f.from_offset + f.wrote)
                 batch.parts = []
                 self.queue_offsets.update(published)
                 if batch.offsets and self.on_append is not None:

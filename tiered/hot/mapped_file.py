@@ -20,11 +20,13 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tiered import failpoints
 from tiered.durable import fsync_dir, make_dirs
+from tiered.record import ENGINE_NAME, NATIVE_ENGINE, Buffer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,12 @@ OFFSET_NAME_DIGITS = 20
 _ZERO_CHUNK = bytes(1 << 20)
 _SIZE_FIELD = np.arange(4, dtype=np.int64)  # a record's first bytes: its total size
 _PWRITE_MIN = 4096  # writes this large or larger use pwrite (see MappedFile.write_at)
+# The record engine's append_records, when the native one runs (TMQ_PURE_PYTHON unset).
+_NATIVE: Any = NATIVE_ENGINE if ENGINE_NAME == "native" else None
+
+
+def _before_sizes() -> None:
+    failpoints.hit("commitlog.before_sizes")
 
 
 class StoreLoadError(RuntimeError):
@@ -84,26 +92,39 @@ class MappedFile:
         self.write_at(self.wrote, data)
         self.wrote += len(data)
 
-    def append_records(self, data: bytearray, starts: Sequence[int]) -> None:
+    def append_records(self, data: Buffer, offsets: list[int], base: int) -> None:
         """Append whole records so that a crash in the middle never leaves one that looks whole.
 
-        A write cut short by ``kill -9`` (pwrite stops at a page boundary on a fatal signal; a
-        store through the mapping at any byte) leaves the front of a record and zeros after it.
-        The record format checks the body alone (its CRC), so a record torn in its properties
-        passed recovery with a damaged message id. Here every record's 4-byte size field is
-        stored zero with the bulk copy, and set afterwards, in record order: a record has its
-        size only once all its bytes are in the page cache, and recovery ends the log at the
-        first record without one (RocketMQ closes the same hole with a CRC over the whole
-        record, ``enabledAppendPropCRC``)."""
+        Record ``i`` of ``data`` starts at ``offsets[i] - base``. A write cut short by
+        ``kill -9`` (pwrite stops at a page boundary on a fatal signal; a store through the
+        mapping at any byte) leaves the front of a record and zeros after it. The record format
+        checks the body alone (its CRC), so a record torn in its properties passed recovery with
+        a damaged message id. Here every record's 4-byte size field is stored zero with the bulk
+        copy, and set afterwards, in record order: a record has its size only once all its bytes
+        are in the page cache, and recovery ends the log at the first record without one
+        (RocketMQ closes the same hole with a CRC over the whole record,
+        ``enabledAppendPropCRC``). The native record engine does it with one ``pwritev`` that
+        skips the size fields, copying nothing (decision 260); ``append_records_py`` is the
+        reference."""
+        if _NATIVE is None:
+            self.append_records_py(data, offsets, base)
+            return
+        _NATIVE.append_records(
+            self._fd, self.mm, self.wrote, data, offsets, base, _PWRITE_MIN, _before_sizes
+        )
+        self.wrote += len(data)
+
+    def append_records_py(self, data: Buffer, offsets: Sequence[int], base: int) -> None:
         pos = self.wrote
-        if starts:
+        data = bytearray(data)
+        if offsets:
             view = np.frombuffer(data, np.uint8)
-            fields = (np.asarray(starts, np.int64)[:, None] + _SIZE_FIELD).ravel()
+            fields = (np.asarray(offsets, np.int64)[:, None] - base + _SIZE_FIELD).ravel()
             sizes = view[fields].copy()
             view[fields] = 0
             del view
             self.write_at(pos, data)
-            failpoints.hit("commitlog.before_sizes")
+            _before_sizes()
             mapped = np.frombuffer(self.mm, np.uint8)
             try:
                 mapped[fields + pos] = sizes  # in index order: record by record, front to back
