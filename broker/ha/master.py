@@ -197,8 +197,8 @@ class ReplicationMaster:
         with self._cond:
             if self._replicated >= end_offset and not self._stop.is_set():
                 return  # released just as the wait timed out
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(next(w for w in self._waiters if w[2] is waiter))
+            if any(w[2] is waiter for w in self._waiters):  # not released: stop waiting
+                self._waiters = [w for w in self._waiters if w[2] is not waiter]
                 heapq.heapify(self._waiters)
             holders = self._holders(end_offset)
         raise ReplicationTimeoutError(
