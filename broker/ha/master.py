@@ -441,7 +441,7 @@ class ReplicationMaster:
                     # The first heartbeat goes at once: a slave that connects caught up joins the
                     # SyncStateSet with its ACK, not a second later (a failover waits for that).
                     due = state.sent_at + _HEARTBEAT_S - time.monotonic()
-                    idle = not self._sendable(state, _WINDOW_BYTES)
+                    idle = not state.pending and not self._sendable(state, _WINDOW_BYTES)
                     if due > 0 and idle and not self._stop.is_set():
                         self._cond.wait(due)
                 if time.monotonic() - state.sent_at < _HEARTBEAT_S:
