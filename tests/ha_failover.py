@@ -4,10 +4,17 @@ bench/replication.py (ten): a 3-node etcd, a NameServer, and one replica group o
 client produces continuously (one message per send, each body unique); the master is killed
 with SIGKILL ``kills`` times (each new master is the next victim) and restarted, so that it
 rejoins as a slave. Afterwards every consumer group receives every message, and the queues are
-read back to count losses and duplicates."""
+read back to count losses and duplicates.
+
+``producers`` > 1 sends from that many threads at once (each message still unique), so that
+several acknowledged messages are in flight on the replication stream when the master dies:
+ASYNC mode loses them, SYNC must not (a single sender has at most one message in flight, and
+ASYNC's loss per kill is then mostly zero, which says nothing)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import signal
 import statistics
@@ -33,6 +40,9 @@ class FailoverResult:
     failover_s: list[float] = field(default_factory=list)
     groups_complete: dict[str, bool] = field(default_factory=dict)
     send_failures: int = 0
+    # Acknowledged messages lost, attributed to the kill that followed their acknowledgement.
+    acked_lost_per_kill: list[int] = field(default_factory=list)
+    producers: int = 1
     epochs: list[int] = field(default_factory=list)
     # `tmq cluster status --json` at the end.
     cluster_status: list[dict[str, Any]] = field(default_factory=list)
@@ -44,6 +54,8 @@ class FailoverResult:
             "kills": len(times),
             "acked": self.acked,
             "acked_lost": self.acked_lost,
+            "acked_lost_per_kill": self.acked_lost_per_kill,
+            "producers": self.producers,
             "duplicated_in_queues": self.duplicated_in_queues,
             "failover_p50_s": round(statistics.median(times), 2) if times else None,
             "failover_max_s": round(max(times), 2) if times else None,
@@ -81,10 +93,10 @@ def is_master(member: GroupMember) -> bool:
 
 
 class Producer:
-    """Apache's Producer, sending ``body-{n}`` for n = 0, 1, 2, ... until stopped; records which
-    were acknowledged and when."""
+    """Apache's Producer, sending ``body-{n}`` for n = 0, 1, 2, ... from ``threads`` threads
+    until stopped; records which were acknowledged and when."""
 
-    def __init__(self, access_points: str) -> None:
+    def __init__(self, access_points: str, threads: int = 1) -> None:
         from rocketmq import ClientConfiguration, Credentials
         from rocketmq import Producer as ApacheProducer
 
@@ -95,17 +107,22 @@ class Producer:
         self.failures = 0
         self.errors: Counter[str] = Counter()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="failover-producer", daemon=True)
+        self._numbers = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"failover-producer-{i}", daemon=True)
+            for i in range(threads)
+        ]
 
     def start(self) -> None:
         self.producer.startup()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def _run(self) -> None:
         from rocketmq import Message
 
-        n = 0
         while not self._stop.is_set():
+            n = next(self._numbers)
             m = Message()
             m.topic = TOPIC
             m.body = f"body-{n}".encode()
@@ -119,7 +136,6 @@ class Producer:
                 time.sleep(0.05)
             else:
                 self.acked[n] = (started, time.monotonic())
-            n += 1
 
     def acked_since(self, t: float) -> int:
         """Sends started after ``t`` and acknowledged."""
@@ -127,7 +143,8 @@ class Producer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(60)
+        for thread in self._threads:
+            thread.join(60)
         self.producer.shutdown()
 
 
@@ -152,6 +169,17 @@ def consume_all(access_points: str, group: str, want: set[int], seconds: float) 
     finally:
         consumer.shutdown()
     return got
+
+
+def lost_per_kill(acked_at: list[float], kill_times: list[float]) -> list[int]:
+    """How many of the lost messages (by acknowledgement time) each kill took: a message is
+    charged to the first kill after it was acknowledged (one acknowledged after the last kill
+    would be a loss with no kill to blame: charged to the last, so that none goes uncounted)."""
+    counts = [0] * len(kill_times)
+    for at in acked_at if kill_times else []:
+        i = bisect.bisect_left(kill_times, at)
+        counts[min(i, len(kill_times) - 1)] += 1
+    return counts
 
 
 def start_namesrv(root: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -235,8 +263,9 @@ class Group:
                 m.proc.wait()
 
 
-def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
-    result = FailoverResult()
+def run_failover(root: Path, kills: int, mode: str = "sync", producers: int = 1) -> FailoverResult:
+    result = FailoverResult(producers=producers)
+    kill_times: list[float] = []
     etcd = EtcdCluster(root).start()
     namesrv, namesrv_address = start_namesrv(root)
     group = Group(root, etcd, namesrv_address, mode)
@@ -250,7 +279,7 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
         first.create_topic()
         wait_for("all three are in sync", lambda: group.in_sync(3))
         wait_for("all three are routed", group.routed)
-        producer = Producer(group.access_points)
+        producer = Producer(group.access_points, producers)
         producer.start()
         wait_for("the producer is acknowledged", lambda: len(producer.acked) >= 50)
         for _ in range(kills):
@@ -260,6 +289,7 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
             wait_for("acks before the kill", lambda m=mark: producer.acked_since(m) >= 20)
             victim.kill9()
             killed_at = time.monotonic()
+            kill_times.append(killed_at)
             last_before = max(at for _, at in list(producer.acked.values()) if at <= killed_at)
             try:
                 wait_for(
@@ -281,14 +311,17 @@ def run_failover(root: Path, kills: int, mode: str = "sync") -> FailoverResult:
         producer.stop()
         result.send_failures = producer.failures
         result.send_errors = dict(producer.errors.most_common(5))
-        acked = set(producer.acked)
+        producer_acked = dict(producer.acked)
+        acked = set(producer_acked)
         producer = None
         result.acked = len(acked)
         master = wait_for("a master", group.master)
         bodies = Counter(
             int(m.body.decode().split("-")[1]) for m in pull_all(master, TOPIC, QUEUES)
         )
-        result.acked_lost = len(acked - set(bodies))
+        lost = acked - set(bodies)
+        result.acked_lost = len(lost)
+        result.acked_lost_per_kill = lost_per_kill([producer_acked[n][1] for n in lost], kill_times)
         result.duplicated_in_queues = sum(c - 1 for c in bodies.values() if c > 1)
         for name in ("g-failover-1", "g-failover-2"):
             got = consume_all(group.access_points, name, acked, seconds=90)

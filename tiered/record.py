@@ -882,7 +882,7 @@ def _fields_within(buf: Buffer, pos: int) -> bool:
     if p + 4 + topic_len > n:
         return False
     (props_len,) = _U16.unpack_from(buf, p + 2 + topic_len)
-    return p + 4 + topic_len + props_len <= n
+    return bool(p + 4 + topic_len + props_len <= n)
 
 
 def dispatch_columns_py(

@@ -265,6 +265,8 @@ class MessageStore:
         # Recovery left bytes for the flusher (ASYNC): its first flush runs at once.
         self._flush_at_start = False
         self._maintenance_lock = threading.Lock()
+        # The flusher and a promotion's or truncation's checkpoint share one ``.tmp`` file.
+        self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
 
@@ -536,17 +538,18 @@ class MessageStore:
             dispatched = d.reput_offset if d else 0
         if indexed is None:
             indexed = self.index.end_offset
-        save_checkpoint(
-            self.checkpoint_path,
-            Checkpoint(
-                physic_timestamp=self.commitlog.last_store_timestamp,
-                logics_timestamp=d.logics_timestamp if d else 0,
-                index_timestamp=d.logics_timestamp if d else 0,
-                flushed_offset=self.commitlog.flushed_offset,
-                dispatched_offset=min(dispatched, self.commitlog.flushed_offset),
-                index_offset=min(indexed, dispatched),
-            ),
-        )
+        with self._checkpoint_lock:
+            save_checkpoint(
+                self.checkpoint_path,
+                Checkpoint(
+                    physic_timestamp=self.commitlog.last_store_timestamp,
+                    logics_timestamp=d.logics_timestamp if d else 0,
+                    index_timestamp=d.logics_timestamp if d else 0,
+                    flushed_offset=self.commitlog.flushed_offset,
+                    dispatched_offset=min(dispatched, self.commitlog.flushed_offset),
+                    index_offset=min(indexed, dispatched),
+                ),
+            )
 
     # -- write ---------------------------------------------------------------------------------
 

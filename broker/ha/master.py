@@ -8,12 +8,17 @@ Threads it owns:
   (sends DATA frames: new bytes as soon as they are appended, a heartbeat each second otherwise
   and as soon as the confirmed offset moved while no bytes are due; and the metadata snapshot
   as soon as it changed, at most every ``_METADATA_MIN_S``).
-Producers calling ``wait_replicated`` wait on one condition that ACKs notify.
+Producers calling ``wait_replicated`` wait each on its own lock, in a heap by offset; an ACK
+computes the offset the group holds once and releases every waiter below it in one pass
+(RocketMQ's GroupTransferService), instead of waking every waiter to count holders itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import heapq
+import itertools
 import json
 import logging
 import socket
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 # Bytes per DATA frame, and how far the stream may run ahead of a slave's ACKs.
 _CHUNK_BYTES = 1 << 20
 _WINDOW_BYTES = 16 << 20
+# A SYNC producer ships new bytes itself only to a slave this close to the stream's end.
+_INLINE_WINDOW_BYTES = 1 << 20
 _HEARTBEAT_S = 1.0
 # An idle master sends a moved confirmed offset this long after its last frame at the latest
 # (under load the next DATA frame carries it sooner, and no heartbeat is added).
@@ -60,12 +67,22 @@ class SlaveState:
 
     broker_id: int
     address: str
+    sock: wire.Connection
     acked_offset: int = 0
     # When the slave last held everything the master had (None: never, since it connected).
     caught_up_ms: int | None = None
     connected: bool = True
     # (send time, master max offset then) of DATA frames not yet covered by an ACK.
     sent: deque[tuple[int, int]] = field(default_factory=deque)
+    # The stream: every byte below ``next_offset`` was sent, but for ``pending`` (the tail of
+    # a frame a producer could not send without waiting). Whoever writes to the socket (the
+    # push thread, or a SYNC producer shipping its bytes at once) holds ``send_lock``.
+    next_offset: int = 0
+    pending: bytes = b""
+    sent_at: float = 0.0  # monotonic time of the last DATA frame
+    sent_confirmed: int = -1  # the confirmed offset the last DATA frame carried
+    inline: bool = True
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ReplicationMaster:
@@ -90,6 +107,12 @@ class ReplicationMaster:
         self._slaves: dict[int, SlaveState] = {}
         self._sockets: dict[int, wire.Connection] = {}
         self._in_sync: frozenset[int] = frozenset()
+        # SYNC sends waiting for replicas: (end offset, sequence, a lock held until released);
+        # and the offset below which min_in_sync_replicas members of the SyncStateSet held
+        # every byte when last computed (it only grows within a term).
+        self._waiters: list[tuple[int, int, threading.Lock]] = []
+        self._waiter_seq = itertools.count()
+        self._replicated = 0
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -153,6 +176,9 @@ class ReplicationMaster:
         with self._cond:
             for sock in self._sockets.values():
                 _close(sock)
+            for _, _, waiter in self._waiters:
+                waiter.release()  # they see the stop and fail
+            self._waiters.clear()
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
@@ -179,19 +205,47 @@ class ReplicationMaster:
     def wait_replicated(self, end_offset: int) -> None:
         """After a message is stored: under SYNC, return once min_in_sync_replicas members of the
         SyncStateSet hold every byte below ``end_offset``; raise on timeout."""
-        if self.config.mode != "sync":
+        if self.config.mode != "sync" or self.config.min_in_sync_replicas <= 1:
             return
-        deadline = time.monotonic() + self.config.sync_timeout_ms / 1000
+        if self._replicated >= end_offset:  # only grows: no lock needed to see it is enough
+            return
+        self._ship_now()
+        waiter = threading.Lock()
+        waiter.acquire()
         with self._cond:
-            while self._holders(end_offset) < self.config.min_in_sync_replicas:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    raise ReplicationTimeoutError(
-                        f"only {self._holders(end_offset)} of min_in_sync_replicas="
-                        f"{self.config.min_in_sync_replicas} replicas hold the message after "
-                        f"{self.config.sync_timeout_ms} ms; it is not acknowledged"
-                    )
-                self._cond.wait(left)
+            if self._replicated >= end_offset:
+                return
+            heapq.heappush(self._waiters, (end_offset, next(self._waiter_seq), waiter))
+        if waiter.acquire(timeout=self.config.sync_timeout_ms / 1000) and not self._stop.is_set():
+            return
+        with self._cond:
+            if self._replicated >= end_offset and not self._stop.is_set():
+                return  # released just as the wait timed out
+            if any(w[2] is waiter for w in self._waiters):  # not released: stop waiting
+                self._waiters = [w for w in self._waiters if w[2] is not waiter]
+                heapq.heapify(self._waiters)
+            holders = self._holders(end_offset)
+        raise ReplicationTimeoutError(
+            f"only {holders} of min_in_sync_replicas={self.config.min_in_sync_replicas} "
+            f"replicas hold the message after {self.config.sync_timeout_ms} ms; it is not "
+            "acknowledged"
+        )
+
+    def _release(self) -> None:
+        """Recompute the offset min_in_sync_replicas members hold and release every waiter
+        below it (call with the condition held)."""
+        in_sync = self._evaluate(now_ms())
+        held = sorted(
+            (s.acked_offset for s in self._slaves.values() if s.broker_id in in_sync),
+            reverse=True,
+        )
+        need = self.config.min_in_sync_replicas - 1  # slaves besides the master
+        if need < 1 or len(held) < need or held[need - 1] <= self._replicated:
+            return
+        self._replicated = offset = held[need - 1]
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= offset:
+            heapq.heappop(waiters)[2].release()
 
     def _holders(self, end_offset: int) -> int:
         in_sync = self._evaluate(now_ms())
@@ -302,6 +356,7 @@ class ReplicationMaster:
                     )
                 self._in_sync = now_set
                 self._cond.notify_all()
+            self._release()
         if self.config.mode == "sync":
             self.epochs.set_confirmed(self.confirmed_offset())
 
@@ -360,7 +415,15 @@ class ReplicationMaster:
                     f"the slave asks for offset {start}; this master holds "
                     f"[{self.store.min_physical_offset}, {self.store.max_physical_offset})"
                 )
-            state = SlaveState(hello.broker_id, address, acked_offset=start)
+            state = SlaveState(
+                hello.broker_id,
+                address,
+                sock,
+                acked_offset=start,
+                next_offset=start,
+                # Sends without waiting need a plain socket (MSG_DONTWAIT).
+                inline=type(sock) is socket.socket,
+            )
             with self._cond:
                 old = self._sockets.pop(hello.broker_id, None)
                 if old is not None:
@@ -373,7 +436,7 @@ class ReplicationMaster:
                 address,
                 start,
             )
-            self._spawn(self._push, f"tmq-ha-push-{hello.broker_id}", sock, state, start)
+            self._spawn(self._push, f"tmq-ha-push-{hello.broker_id}", sock, state)
             while not self._stop.is_set():
                 acked = wire.decode_ack(wire.expect(sock, wire.FrameType.ACK))
                 self._on_ack(state, acked)
@@ -399,14 +462,13 @@ class ReplicationMaster:
             state.acked_offset = max(state.acked_offset, acked)
             while state.sent and state.sent[0][1] <= state.acked_offset:
                 state.caught_up_ms = state.sent.popleft()[0]
+            self._release()
             self._cond.notify_all()
 
-    def _push(self, sock: wire.Connection, state: SlaveState, offset: int) -> None:
-        last_send = 0.0
+    def _push(self, sock: wire.Connection, state: SlaveState) -> None:
         sent_metadata = b""
         metadata_at = 0.0
         metadata_version = -1  # of the last snapshot sent
-        sent_confirmed = -1
         try:
             while not self._stop.is_set() and state.connected:
                 if (
@@ -417,49 +479,36 @@ class ReplicationMaster:
                     metadata_version = self._metadata_version
                     document = json.dumps(self.metadata.snapshot(), sort_keys=True).encode()
                     if document != sent_metadata:
-                        sock.sendall(wire.encode_metadata(document))
+                        with state.send_lock:
+                            self._send_pending(state)
+                            sock.sendall(wire.encode_metadata(document))
                         sent_metadata = document
                     metadata_at = time.monotonic()
-                top = self.store.max_physical_offset
-                payload = b""
-                if offset < top and offset - state.acked_offset < _WINDOW_BYTES:
-                    epoch, boundary = self.epochs.epoch_at(offset)
-                    limit = (
-                        _CHUNK_BYTES if boundary is None else min(_CHUNK_BYTES, boundary - offset)
-                    )
-                    chunk = self.store.read_commitlog(offset, limit)
-                    if chunk is None:
-                        raise wire.ProtocolError(
-                            f"offset {offset} is no longer on the master (released); "
-                            "rebuild this slave from a copy of the master's data"
-                        )
-                    payload = chunk
-                else:
-                    epoch = self.epoch
-                    with self._cond:
-                        if self.store.max_physical_offset == top and not self._stop.is_set():
-                            self._cond.wait(
-                                self._idle_wait(
-                                    last_send, sent_confirmed, metadata_version, metadata_at
-                                )
-                            )
-                    since = time.monotonic() - last_send
-                    if since < _HEARTBEAT_S and (
-                        since < _CONFIRM_DELAY_S or self.confirmed_offset() == sent_confirmed
-                    ):
-                        continue
-                sent_at = now_ms()
-                sent_confirmed = self.confirmed_offset()
-                frame = wire.Data(epoch, offset, top, sent_confirmed, payload)
+                with state.send_lock:
+                    shipped = self._ship(state, block=True)
+                if shipped:
+                    continue
                 with self._cond:
-                    state.sent.append((sent_at, top))
-                    if len(state.sent) > 4096:
-                        state.sent.popleft()
-                sock.sendall(wire.encode_data_header(frame))
-                if payload:
-                    sock.sendall(payload)
-                offset += len(payload)
-                last_send = time.monotonic()
+                    # The first heartbeat goes at once: a slave that connects caught up joins the
+                    # SyncStateSet with its ACK, not a second later (a failover waits for that).
+                    idle = not state.pending and not self._sendable(state, _WINDOW_BYTES)
+                    if idle and not self._stop.is_set():
+                        wait = self._idle_wait(
+                            state.sent_at, state.sent_confirmed, metadata_version, metadata_at
+                        )
+                        if wait > 0:
+                            self._cond.wait(wait)
+                since = time.monotonic() - state.sent_at
+                if since < _HEARTBEAT_S and (
+                    since < _CONFIRM_DELAY_S or self.confirmed_offset() == state.sent_confirmed
+                ):
+                    continue
+                with state.send_lock:
+                    self._send_pending(state)
+                    top = self.store.max_physical_offset
+                    self._send_frame(
+                        state, wire.Data(self.epoch, state.next_offset, top, 0, b""), top, True
+                    )
         except Exception as e:  # whatever stops the stream closes the connection; it reconnects
             if not self._stop.is_set():
                 log.warning("replication: stream to slave %d stopped: %s", state.broker_id, e)
@@ -467,6 +516,85 @@ class ReplicationMaster:
                     with contextlib.suppress(OSError):
                         sock.sendall(wire.encode_error(str(e)))
             _close(sock)
+
+    def _sendable(self, state: SlaveState, window: int) -> bool:
+        offset = state.next_offset
+        return offset < self.store.max_physical_offset and offset - state.acked_offset < window
+
+    def _ship(self, state: SlaveState, *, block: bool) -> bool:
+        """Send the slave one DATA frame of the bytes it has not been sent, if any and if the
+        window allows; False when there was nothing to send. With ``block`` False (a producer
+        shipping at once) the frame goes out only as far as the socket takes it without
+        waiting; the push thread sends the rest. Call with ``state.send_lock`` held."""
+        if state.pending:
+            if not block:
+                return False
+            self._send_pending(state)
+        if not self._sendable(state, _WINDOW_BYTES if block else _INLINE_WINDOW_BYTES):
+            return False
+        offset = state.next_offset
+        top = self.store.max_physical_offset
+        epoch, boundary = self.epochs.epoch_at(offset)
+        limit = _CHUNK_BYTES if boundary is None else min(_CHUNK_BYTES, boundary - offset)
+        chunk = self.store.read_commitlog(offset, limit)
+        if chunk is None:
+            raise wire.ProtocolError(
+                f"offset {offset} is no longer on the master (released); "
+                "rebuild this slave from a copy of the master's data"
+            )
+        if not chunk:
+            return False
+        self._send_frame(state, wire.Data(epoch, offset, top, 0, chunk), top, block)
+        return True
+
+    def _send_frame(self, state: SlaveState, frame: wire.Data, top: int, block: bool) -> None:
+        """Send one DATA frame (its confirmed offset filled in here) and advance the stream."""
+        frame = dataclasses.replace(frame, confirmed_offset=self.confirmed_offset())
+        state.sent_confirmed = frame.confirmed_offset
+        with self._cond:
+            state.sent.append((now_ms(), top))
+            if len(state.sent) > 4096:
+                state.sent.popleft()
+        header = wire.encode_data_header(frame)
+        sock = state.sock
+        if block:
+            sock.sendall(header)
+            if frame.payload:
+                sock.sendall(frame.payload)
+        else:
+            assert isinstance(sock, socket.socket)  # ``inline`` is set for plain sockets only
+            data = header + frame.payload
+            try:
+                done = sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                done = 0
+            if done < len(data):
+                state.pending = data[done:]
+                with self._cond:
+                    self._cond.notify_all()  # the push thread sends the rest
+        state.next_offset = frame.offset + len(frame.payload)
+        state.sent_at = time.monotonic()
+
+    def _send_pending(self, state: SlaveState) -> None:
+        if state.pending:
+            state.sock.sendall(state.pending)
+            state.pending = b""
+
+    def _ship_now(self) -> None:
+        """SYNC, in the producer's thread right after its append: send the new bytes to every
+        slave whose stream is idle and close to caught up, instead of waking its push thread
+        (one thread hand-off less on the path every SYNC send waits for). A slave whose push
+        thread is sending, or that lags, is left to that thread."""
+        for state in list(self._slaves.values()):
+            if not state.connected or not state.inline or not state.send_lock.acquire(False):
+                continue
+            try:
+                while self._ship(state, block=False):
+                    pass
+            except (OSError, wire.ProtocolError) as e:  # the push thread meets it and ends
+                log.debug("replication: shipping to slave %d failed: %s", state.broker_id, e)
+            finally:
+                state.send_lock.release()
 
 
 def _close(sock: wire.Connection) -> None:
