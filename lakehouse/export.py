@@ -455,11 +455,10 @@ class Export:
                 break
             started = time.monotonic()
             end = planner.latest(position)
-            if end != position:
+            while end != position and not self._stop.is_set():  # a backlog: back to back
                 self._batch(planner, position, end)
                 position = end
-                if planner.latest(position) != position:
-                    continue  # a backlog: the next batch at once
+                end = planner.latest(position)
             self._stop.wait(max(0.0, trigger - (time.monotonic() - started)))
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 

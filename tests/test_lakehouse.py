@@ -276,6 +276,62 @@ def test_once_runs_plain_batch_jobs_not_a_streaming_query(
     )
 
 
+def test_continuous_runs_the_same_batch_jobs_in_a_loop_and_picks_up_new_topics(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    """Continuous mode is --once's batches in a loop in this one session: no streaming query
+    and no Spark checkpoint, a backlog in bounded batches back to back, then one batch per
+    trigger for what the tier gains (a topic that appears later included), each writing at
+    most one file per queue (decision 270)."""
+    small_archive.produce("orders", 600)  # three segments per queue
+    small_archive.offload("orders")
+    checkpoint = tmp_path / "ckpt"
+    config = ExportConfig(
+        f"file://{tmp_path}/tier",
+        str(tmp_path / "lake"),
+        checkpoint_dir=str(checkpoint),
+        trigger_seconds=0.5,
+        max_segments_per_trigger=2,
+        compact_every_seconds=None,
+    )
+    queries: list[Any] = []
+    job = Export(spark, config)
+    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run(once=False)
+        except BaseException as e:
+            errors.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        lake = tmp_path / "lake"
+        deadline = time.monotonic() + 120
+        while exported_rows(lake, "orders") < 600:
+            assert not errors and time.monotonic() < deadline, errors or "backlog not exported"
+            time.sleep(0.1)
+        backlog = len(job.batches)
+        small_archive.produce("orders", 50)
+        small_archive.produce("payments", 40)  # a topic the export has not seen yet
+        small_archive.offload("orders")
+        small_archive.offload("payments")
+        while exported_rows(lake, "orders") < 650 or exported_rows(lake, "payments") < 40:
+            assert not errors and time.monotonic() < deadline, errors or "new rows not exported"
+            time.sleep(0.1)
+    finally:
+        job.stop()
+        runner.join(60)
+    assert not runner.is_alive() and not errors, errors
+    assert backlog == 3, "six segments, two per batch"
+    assert queries == [] and not checkpoint.exists(), "no streaming query ran"
+    assert all(b.files <= 2 for b in job.batches if b.rows), "one file per queue and batch"
+    for topic in ("orders", "payments"):
+        assert delta_rows(lake, topic) == expected_rows(small_archive.messages(topic))
+
+
 def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
     small_archive: Archive, tmp_path: Path, spark: Any
 ) -> None:
