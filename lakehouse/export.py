@@ -467,7 +467,7 @@ class Export:
         committed."""
         slices = planner.slices(position, end)
         cores = self.spark.sparkContext.defaultParallelism
-        packs = tuple(balanced_packs(slices, cores, self.config.bytes_per_partition))
+        packs = tuple(balanced_packs(slices, cores))
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         if self.config.engine == "delta-spark":

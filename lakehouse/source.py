@@ -201,15 +201,16 @@ def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
     return packs
 
 
-def balanced_packs(slices: list[SegmentSlice], cores: int, max_bytes: int) -> list[SlicePack]:
-    """The packs of one export batch, one Spark task each: a multiple of ``cores`` packs of
-    about equal size, none above ``max_bytes`` (nor, unless the batch is smaller, below
-    ``MIN_PACK_BYTES``), so that every core works until the batch ends. A slice is cut at the
-    offset where its pack is full (slices are offset ranges, so any cut is exact)."""
+def balanced_packs(slices: list[SegmentSlice], cores: int) -> list[SlicePack]:
+    """The packs of one export batch, one Spark task each: one pack per core, of equal bytes
+    (fewer when the batch is below ``MIN_PACK_BYTES`` a core), so that every core works until
+    the batch ends and no core waits for Spark to hand it a second task (on this machine the
+    hand-over between two tasks of one worker took seconds, as long as a task's own work). A
+    slice is cut at the offset where its pack is full (slices are offset ranges, so any cut is
+    exact)."""
     cores = max(1, cores)
     total = sum(s.bytes for s in slices)
-    count = cores * -(-total // (cores * max_bytes))
-    count = max(1, min(count, total // MIN_PACK_BYTES))
+    count = max(1, min(cores, total // MIN_PACK_BYTES))
     target = -(-total // count)
     packs: list[SlicePack] = []
     current: list[SegmentSlice] = []
