@@ -36,7 +36,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import boto3
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
-from lakehouse_harness import Archive, LiveTopic, exported_to
+from lakehouse_harness import Archive, LiveTopic, exported_to, run_in_thread
 
 from bench.offload import localstack  # the same LocalStack the other benchmarks use
 from lakehouse.export import Export, ExportConfig
@@ -165,16 +164,7 @@ def freshness(
         tier_options=tier.options,
     )
     job = Export(spark, config)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run(once=False)
-        except BaseException as e:
-            errors.append(e)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
+    runner, errors = run_in_thread(job)
     table = LakeTable(lake, topic)
     deadline = time.monotonic() + 180
     while not exported_to(table.open(), topic, {q: 1 for q in range(QUEUES)}):

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from broker_harness import REPO, tmq
 from deltalake import DeltaTable
-from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to
+from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to, run_in_thread
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
@@ -251,6 +251,21 @@ def test_a_replayed_batch_is_written_and_committed_as_nothing(
     assert DeltaTable(str(tmp_path / "lake" / "orders")).to_pyarrow_table().num_rows == 10
 
 
+def watched(spark: Any, tmp_path: Path, **settings: Any) -> tuple[Export, list[Any]]:
+    """An export of ``{tmp_path}/tier`` to ``{tmp_path}/lake`` with its lock named
+    ``{tmp_path}/ckpt``, whose batches note the streaming queries active while they run."""
+    queries: list[Any] = []
+    config = ExportConfig(
+        f"file://{tmp_path}/tier",
+        str(tmp_path / "lake"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **settings,
+    )
+    job = Export(spark, config)
+    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    return job, queries
+
+
 def test_once_runs_plain_batch_jobs_not_a_streaming_query(
     small_archive: Archive, tmp_path: Path, spark: Any
 ) -> None:
@@ -259,15 +274,7 @@ def test_once_runs_plain_batch_jobs_not_a_streaming_query(
     small_archive.produce("orders", 1000)  # ten segments
     small_archive.offload("orders")
     checkpoint = tmp_path / "ckpt"
-    config = ExportConfig(
-        f"file://{tmp_path}/tier",
-        str(tmp_path / "lake"),
-        checkpoint_dir=str(checkpoint),
-        max_segments_per_trigger=4,
-    )
-    queries: list[Any] = []
-    job = Export(spark, config)
-    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    job, queries = watched(spark, tmp_path, max_segments_per_trigger=4)
     report = job.run(once=True, timeout=120)
     assert report.rows == 1000 and len(report.batches) == 3, "admission control still applies"
     assert queries == [] and not checkpoint.exists(), "no streaming query ran"
@@ -286,27 +293,10 @@ def test_continuous_runs_the_same_batch_jobs_in_a_loop_and_picks_up_new_topics(
     small_archive.produce("orders", 600)  # three segments per queue
     small_archive.offload("orders")
     checkpoint = tmp_path / "ckpt"
-    config = ExportConfig(
-        f"file://{tmp_path}/tier",
-        str(tmp_path / "lake"),
-        checkpoint_dir=str(checkpoint),
-        trigger_seconds=0.5,
-        max_segments_per_trigger=2,
-        compact_every_seconds=None,
+    job, queries = watched(
+        spark, tmp_path, trigger_seconds=0.5, max_segments_per_trigger=2, compact_every_seconds=None
     )
-    queries: list[Any] = []
-    job = Export(spark, config)
-    job.on_batch = lambda _: queries.extend(spark.streams.active)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run(once=False)
-        except BaseException as e:
-            errors.append(e)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
+    runner, errors = run_in_thread(job)
     try:
         lake = tmp_path / "lake"
         deadline = time.monotonic() + 120
