@@ -63,7 +63,7 @@ def export(
     continuous: Annotated[
         bool, typer.Option("--continuous", help="Keep exporting newly committed segments.")
     ] = False,
-    trigger: Annotated[str, typer.Option(help="Continuous: micro-batch interval.")] = "10s",
+    trigger: Annotated[str, typer.Option(help="Continuous: batch interval.")] = "10s",
     compact_every: Annotated[
         str,
         typer.Option(help="Continuous: compact each partition's small files this often (0: off)."),
@@ -82,10 +82,10 @@ def export(
         str, typer.Option(help="Parquet codec: lz4 (LZ4_RAW), snappy or zstd.")
     ] = "lz4",
     max_bytes_per_trigger: Annotated[
-        str, typer.Option(help="Admission cap: segment bytes per micro-batch.")
+        str, typer.Option(help="Admission cap: segment bytes per batch.")
     ] = "256MiB",
     max_segments_per_trigger: Annotated[
-        int | None, typer.Option(help="Admission cap: segments per micro-batch.")
+        int | None, typer.Option(help="Admission cap: segments per batch.")
     ] = None,
     standby: Annotated[
         bool,

@@ -111,8 +111,9 @@ class ExportReport:
 
 
 def default_checkpoint(lake: Location, topics: list[str] | None) -> str:
-    """Spark checkpoints need a Hadoop filesystem: beside a local lake, else under ./tmq-data.
-    Named by the topic set, so exports of different topic sets never share one."""
+    """Where the export's lock lives (``{checkpoint}.lock``; the name is from the days of a
+    Spark checkpoint): beside a local lake, else under ./tmq-data. Named by the topic set, so
+    exports of different topic sets never share one."""
     name = "all" if not topics else ",".join(sorted(topics))
     digest = hashlib.sha1(f"{lake.url}|{name}".encode()).hexdigest()[:10]
     label = name if len(name) <= 40 else name[:40]

@@ -1,6 +1,6 @@
 """The Delta sink: executors write Parquet files, the driver commits them in one transaction.
 
-Two phases per micro-batch and per topic table:
+Two phases per batch and per topic table:
 
 1. **Write (executors).** ``ParquetWriterTask`` runs inside ``mapInArrow``: it writes the rows
    of its slices as Parquet under ``{lake_root}/{topic}/store_date=…/`` through fsspec and
@@ -15,8 +15,8 @@ Two phases per micro-batch and per topic table:
 Crash cases: a task killed mid-file leaves a partial file; a driver killed between phases
 leaves complete files. Neither is referenced by the log, readers never see them, and
 ``tmq lakehouse maintain`` (vacuum) deletes them. A replay of the batch writes new files and
-commits those. A batch whose commit landed but whose Spark checkpoint entry did not is replayed
-by Spark and written as nothing, because the floors already cover it.
+commits those; a batch planned again after its commit landed (a restart) writes nothing,
+because the floors already cover it.
 """
 
 from __future__ import annotations
