@@ -63,7 +63,7 @@ def export(
     continuous: Annotated[
         bool, typer.Option("--continuous", help="Keep exporting newly committed segments.")
     ] = False,
-    trigger: Annotated[str, typer.Option(help="Continuous: micro-batch interval.")] = "10s",
+    trigger: Annotated[str, typer.Option(help="Continuous: batch interval.")] = "10s",
     compact_every: Annotated[
         str,
         typer.Option(help="Continuous: compact each partition's small files this often (0: off)."),
@@ -75,13 +75,17 @@ def export(
         str, typer.Option(help="delta-rs (default) or delta-spark (needs the Delta jars).")
     ] = "delta-rs",
     checkpoint: Annotated[
-        str | None, typer.Option(help="Spark checkpoint dir (default: {lake}/_checkpoints/…).")
+        str | None,
+        typer.Option(help="The export's lock is {checkpoint}.lock (default: by topics)."),
     ] = None,
+    compression: Annotated[
+        str, typer.Option(help="Parquet codec: lz4 (LZ4_RAW), snappy or zstd.")
+    ] = "lz4",
     max_bytes_per_trigger: Annotated[
-        str, typer.Option(help="Admission cap: segment bytes per micro-batch.")
+        str, typer.Option(help="Admission cap: segment bytes per batch.")
     ] = "256MiB",
     max_segments_per_trigger: Annotated[
-        int | None, typer.Option(help="Admission cap: segments per micro-batch.")
+        int | None, typer.Option(help="Admission cap: segments per batch.")
     ] = None,
     standby: Annotated[
         bool,
@@ -100,6 +104,8 @@ def export(
         raise fail("give exactly one of --once and --continuous", 2)
     if engine not in ("delta-rs", "delta-spark"):
         raise fail(f"--engine: {engine!r} is not delta-rs or delta-spark", 2)
+    if compression not in ("lz4", "snappy", "zstd"):
+        raise fail(f"--compression: {compression!r} is not lz4, snappy or zstd", 2)
     try:
         trigger_s = parse_duration_ms(trigger) / 1000
         compact_s = parse_duration_ms(compact_every) / 1000
@@ -132,6 +138,7 @@ def export(
         max_segments_per_trigger=max_segments_per_trigger,
         engine="delta-spark" if engine == "delta-spark" else "delta-rs",
         standby=standby,
+        compression=compression,
     )
     logging.getLogger("lakehouse").setLevel(logging.INFO)
     logging.getLogger("py4j").setLevel(logging.WARNING)

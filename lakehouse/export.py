@@ -1,21 +1,21 @@
 """The export job: archived topics -> one Delta table per topic, exactly once.
 
-Every batch is the same Spark job: a DataFrame of segment slices, ``mapInArrow`` writing
-Parquet on the executors, and one Delta commit per topic on the driver (``lakehouse/sink.py``).
-What feeds it differs:
+Every batch is the same Spark job: ``spark.range`` over packs of segment slices planned on the
+driver (``Planner``: the source's own admission control), ``mapInArrow`` reading the slices and
+writing Parquet on the executors, and one Delta commit per topic on the driver
+(``lakehouse/sink.py``). The two modes differ only in when they stop:
 
-* ``once``: batch jobs planned on the driver (``Planner``, the source's own admission
-  control), bounded by every queue's tier watermark when the job starts, until the tables'
-  exported offsets reach them. No streaming query: starting one costs Spark's Python source
-  processes (lookup, planning, the source runner) several seconds before the first byte, and
-  ``--once`` needs nothing a query gives, since progress lives in the tables (decision 21).
-* ``continuous``: a Structured Streaming query over the ``tmq-slices`` source, each
-  micro-batch handed to ``foreachBatch``, on a processing-time trigger (default 10 s) until
-  ``stop()`` or a signal.
+* ``once``: bounded by every queue's tier watermark when the job starts, until the tables'
+  exported offsets reach them.
+* ``continuous``: the same batches in a loop in one Spark session, every trigger interval
+  (default 10 s) reading the manifests again, until ``stop()`` or a signal.
 
-Where the query starts. A query with a checkpoint resumes from it. Without one (first run,
-checkpoint lost or deleted), the source's ``startingOffsets`` are the tables' app transactions,
-so nothing is exported twice. Either way the sink drops rows the table already has.
+No Structured Streaming query: starting one costs Spark's Python source processes (lookup,
+planning, the source runner) seconds before the first byte, its checkpoint is a second record
+of progress that can disagree with the table, and its micro-batches are planned by the same
+planner anyway. Progress lives in the tables' app transactions alone (decisions 190, 270), so a
+restarted or replacing export starts exactly where the tables say, and the sink drops rows a
+table already has.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ from lakehouse.compaction import compact_small_files
 from lakehouse.locations import Location, is_local, local_path
 from lakehouse.lock import CheckpointLock, ExportLockedError
 from lakehouse.sink import (
+    DEFAULT_COMPRESSION,
     FILE_META_DDL,
     TARGET_FILE_BYTES,
     CommitResult,
     ParquetWriterTask,
     commit_files,
 )
-from lakehouse.source import Planner, SlicePack, SourceOptions, pack
+from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs
 from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import open_store
@@ -58,19 +59,6 @@ DEFAULT_COMPACT_EVERY_SECONDS = 300.0
 
 class ExportError(RuntimeError):
     """The export cannot run or failed; the message is for an operator."""
-
-
-class _SourceDidNotStart(Exception):
-    """The query's Python source process missed Spark's hard-coded 10 s to connect back."""
-
-
-# Spark's message when a Python process it started did not connect back within 10 s (a
-# constant in PythonWorkerFactory): on a loaded machine the streaming source's process can
-# miss it while importing; the query is then started again, up to QUERY_START_ATTEMPTS times.
-WORKER_START_TIMEOUT = "Python worker failed to connect back"
-QUERY_START_ATTEMPTS = 3
-# ``--once`` spreads a small batch over every core, but not in packs smaller than this.
-MIN_PACK_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -90,6 +78,9 @@ class ExportConfig:
     # per-trigger files do not pile up (lakehouse/compaction.py).
     compact_every_seconds: float | None = DEFAULT_COMPACT_EVERY_SECONDS
     target_file_bytes: int = TARGET_FILE_BYTES
+    # The data files' codec: LZ4_RAW by default (decision 271); snappy for readers older than
+    # Spark 3.4 / parquet-mr 1.13.
+    compression: str = DEFAULT_COMPRESSION
     tier_options: dict[str, Any] = field(default_factory=dict)
     lake_options: dict[str, Any] = field(default_factory=dict)
 
@@ -120,8 +111,9 @@ class ExportReport:
 
 
 def default_checkpoint(lake: Location, topics: list[str] | None) -> str:
-    """Spark checkpoints need a Hadoop filesystem: beside a local lake, else under ./tmq-data.
-    Named by the topic set, so exports of different topic sets never share one."""
+    """Where the export's lock lives (``{checkpoint}.lock``; the name is from the days of a
+    Spark checkpoint): beside a local lake, else under ./tmq-data. Named by the topic set, so
+    exports of different topic sets never share one."""
     name = "all" if not topics else ",".join(sorted(topics))
     digest = hashlib.sha1(f"{lake.url}|{name}".encode()).hexdigest()[:10]
     label = name if len(name) <= 40 else name[:40]
@@ -153,6 +145,8 @@ class Export:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._next_batch_id = 0
+        self._txn_base = int(time.time() * 1000)  # delta-spark's txnVersion, growing across runs
         self.on_batch: Callable[[BatchReport], None] | None = None
 
     # -- what is where -------------------------------------------------------------------
@@ -169,24 +163,6 @@ class Export:
         return out
 
     # -- the query ------------------------------------------------------------------------
-
-    def _reader(self, starting: dict[str, int], ending: dict[str, int] | None) -> DataFrame:
-        options = {
-            "tier_url": self.tier.url,
-            "tier_options": json.dumps(self.tier.options),
-            "startingOffsets": json.dumps(starting) if starting else "earliest",
-            "endingOffsets": json.dumps(ending) if ending is not None else "latest",
-            "bytesPerPartition": str(self.config.bytes_per_partition),
-        }
-        if self.topics:
-            options["topics"] = ",".join(sorted(self.topics))
-        if self.config.max_bytes_per_trigger:
-            options["maxBytesPerTrigger"] = str(self.config.max_bytes_per_trigger)
-        if self.config.max_segments_per_trigger:
-            options["maxSegmentsPerTrigger"] = str(self.config.max_segments_per_trigger)
-        # delta-spark writes rows; the default sink reads each slice itself.
-        name = tmq_source.NAME if self.config.engine == "delta-spark" else tmq_source.SLICES_NAME
-        return self.spark.readStream.format(name).options(**options).load()
 
     def _batch_reader(self, start: dict[str, int], end: dict[str, int]) -> DataFrame:
         """The messages ``[start, end)`` through the ``tmq`` source (Spark's own writers)."""
@@ -219,7 +195,14 @@ class Export:
         with self._lock:
             stopped = frozenset(self.stopped)
         task = ParquetWriterTask(
-            self.lake, self.tier, floors, export_ts_us, batch_id, stopped, packs=packs
+            self.lake,
+            self.tier,
+            floors,
+            export_ts_us,
+            batch_id,
+            stopped,
+            packs=packs,
+            compression=self.config.compression,
         )
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
@@ -333,8 +316,10 @@ class Export:
         return out
 
     def _write_batch_delta_spark(self, df: DataFrame, batch_id: int) -> None:
-        """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair (the
-        query's id and batch id), so it is exactly-once only while the checkpoint lives."""
+        """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair; the
+        version grows across runs (the run's start in ms plus the batch id), so no later run's
+        batch is mistaken for one already written. Without app transactions per queue it is
+        at-least-once across a crash, not exactly-once."""
         started = time.monotonic()
         stamped = df.withColumn("export_ts", F.current_timestamp())
         topics = [r.topic for r in stamped.select("topic").distinct().collect()]
@@ -344,7 +329,7 @@ class Export:
                 .write.format("delta")
                 .mode("append")
                 .option("txnAppId", f"tmq-export:{self.checkpoint}")
-                .option("txnVersion", batch_id)
+                .option("txnVersion", self._txn_base + batch_id)
                 .partitionBy("store_date")
                 .save(LakeTable(self.lake, topic).location.url)
             )
@@ -409,27 +394,29 @@ class Export:
         self._check_tables(queues)
         starting = self.exported(queues)
         self.offsets = dict(starting)
-        targets: dict[str, int] | None = None
-        manifests = self._manifests
-        self._discard_checkpoint_ahead_of(starting, queues)
         if once:
             # Bounded by the tier watermarks as they are now: what "archived so far" means.
-            targets = {q.key: manifests.get(q).end_offset for q in queues}
-            if self._reached(targets, queues, manifests):
+            targets = {q.key: self._manifests.get(q).end_offset for q in queues}
+            if self._reached(targets, queues, self._manifests):
                 log.info("nothing new to export")
                 return ExportReport([], dict(self.offsets))
-        if once:
-            assert targets is not None
             return self._run_batches(starting, targets, queues, timeout=timeout)
         self._continuous = True
-        for attempt in range(1, QUERY_START_ATTEMPTS + 1):
-            try:
-                return self._run_query(starting, targets, queues, once=once, timeout=timeout)
-            except _SourceDidNotStart as e:
-                if attempt == QUERY_START_ATTEMPTS:
-                    raise ExportError(str(e)) from None
-                log.warning("%s; starting the query again (attempt %d)", e, attempt + 1)
-        raise AssertionError("unreachable")
+        return self._run_continuous(starting, timeout=timeout)
+
+    def _planner(self, starting: dict[str, int], ending: dict[str, int] | None) -> Planner:
+        return Planner(
+            SourceOptions(
+                tier=self.tier,
+                topics=self.topics,
+                starting=starting or None,
+                ending=ending,
+                max_bytes_per_trigger=self.config.max_bytes_per_trigger,
+                max_segments_per_trigger=self.config.max_segments_per_trigger,
+                bytes_per_partition=self.config.bytes_per_partition,
+            ),
+            self._manifests,  # already read for the targets
+        )
 
     def _run_batches(
         self,
@@ -439,121 +426,62 @@ class Export:
         *,
         timeout: float | None,
     ) -> ExportReport:
-        """``--once`` as a sequence of batch jobs planned here, on the driver: the same slices,
-        admission control and sink as the streaming query, without its start-up."""
-        planner = Planner(
-            SourceOptions(
-                tier=self.tier,
-                topics=self.topics,
-                starting=starting or None,
-                ending=targets,
-                max_bytes_per_trigger=self.config.max_bytes_per_trigger,
-                max_segments_per_trigger=self.config.max_segments_per_trigger,
-                bytes_per_partition=self.config.bytes_per_partition,
-            ),
-            self._manifests,  # already read for the targets
-        )
+        """``--once`` as a sequence of batch jobs planned here, on the driver: the source's
+        slices and admission control, bounded by ``targets``."""
+        planner = self._planner(starting, targets)
         deadline = None if timeout is None else time.monotonic() + timeout
         position = planner.initial()
-        batch_id = 0
         while not self._stop.is_set() and not self._reached(targets, queues, self._manifests):
             if deadline is not None and time.monotonic() > deadline:
                 raise ExportError(f"export did not finish within {timeout:.0f} s")
             end = planner.latest(position)
             if end == position:
                 break  # nothing left below the targets (the rest expired or is stopped)
-            slices = planner.slices(position, end)
-            cores = self.spark.sparkContext.defaultParallelism
-            # Every core busy, but no task above bytesPerPartition.
-            share = -(-sum(s.bytes for s in slices) // max(1, cores))
-            packs = tuple(
-                pack(slices, max(MIN_PACK_BYTES, min(self.config.bytes_per_partition, share)))
-            )
-            if self.config.engine == "delta-spark":
-                frame = self._batch_reader(position, end)
-            else:
-                frame = self.spark.range(0, len(packs), 1, max(1, min(len(packs), cores)))
-            try:
-                self._write_batch(frame, batch_id, packs)
-            except ExportError:
-                raise
-            except Exception as e:  # a failed Spark job or commit: one line, no traceback
-                raise ExportError(_one_line(e)) from None
-            position, batch_id = end, batch_id + 1
+            self._batch(planner, position, end)
+            position = end
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 
-    def _run_query(
-        self,
-        starting: dict[str, int],
-        targets: dict[str, int] | None,
-        queues: list[QueueRef],
-        *,
-        once: bool,
-        timeout: float | None,
-    ) -> ExportReport:
-        writer = (
-            self._reader(starting, targets)
-            .writeStream.foreachBatch(self._write_batch)
-            .option("checkpointLocation", self.checkpoint)
-            .queryName(f"tmq-export-{hashlib.sha1(self.checkpoint.encode()).hexdigest()[:8]}")
-        )
-        trigger = "0 seconds" if once else f"{self.config.trigger_seconds} seconds"
-        batches_before = len(self.batches)
-        query = writer.trigger(processingTime=trigger).start()
+    def _run_continuous(self, starting: dict[str, int], *, timeout: float | None) -> ExportReport:
+        """Continuous mode: the batch jobs of ``--once`` in a loop, in this one Spark session,
+        until ``stop()``. Every trigger interval the planner reads the manifests (new topics
+        and queues included) and runs batches until it has nothing more to admit, then waits
+        for the next interval. No streaming query and no Spark checkpoint: progress is the
+        tables' app transactions, as for ``--once`` (decision 270)."""
+        planner = self._planner(starting, None)
         deadline = None if timeout is None else time.monotonic() + timeout
-        failure: BaseException | None = None
+        position = planner.initial()
+        trigger = self.config.trigger_seconds
+        while not self._stop.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            started = time.monotonic()
+            end = planner.latest(position)
+            while end != position and not self._stop.is_set():  # a backlog: back to back
+                self._batch(planner, position, end)
+                position = end
+                end = planner.latest(position)
+            self._stop.wait(max(0.0, trigger - (time.monotonic() - started)))
+        return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
+
+    def _batch(self, planner: Planner, position: dict[str, int], end: dict[str, int]) -> None:
+        """One batch job: the slices ``[position, end)`` spread over the cores, written and
+        committed."""
+        slices = planner.slices(position, end)
+        cores = self.spark.sparkContext.defaultParallelism
+        packs = tuple(balanced_packs(slices, cores))
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        if self.config.engine == "delta-spark":
+            frame = self._batch_reader(position, end)
+        else:
+            # One Spark task per pack.
+            frame = self.spark.range(0, len(packs), 1, max(1, len(packs)))
         try:
-            while query.isActive:
-                if targets is not None and self._reached(targets, queues, self._manifests):
-                    break
-                if self._stop.is_set():
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    raise ExportError(f"export did not finish within {timeout:.0f} s")
-                query.awaitTermination(1)
+            self._write_batch(frame, batch_id, packs)
         except ExportError:
             raise
-        except Exception as e:  # the query failed: StreamingQueryException
-            failure = e
-        finally:
-            if query.isActive:
-                query.stop()
-        failure = failure or query.exception()
-        if failure is not None or self._error is not None:
-            message = _one_line(self._error or failure)
-            if WORKER_START_TIMEOUT in message and len(self.batches) == batches_before:
-                raise _SourceDidNotStart(
-                    "Spark's Python source process did not connect back within Spark's fixed "
-                    "10 s (an overloaded machine)"
-                )
-            raise ExportError(message) from None
-        return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
-
-    def _discard_checkpoint_ahead_of(
-        self, exported: dict[str, int], queues: list[QueueRef]
-    ) -> None:
-        """A checkpoint whose last committed batch ends past a table's exported offset (a queue
-        stopped by a damaged segment in an earlier run) would skip the messages between them:
-        set it aside, so the query starts from the tables' app transactions instead."""
-        committed = _committed_offsets(Path(self.checkpoint))
-        if not committed:
-            return
-        starts = {q.key: self._manifests.get(q).start_offset for q in queues}
-        behind = [
-            key
-            for key, offset in committed.items()
-            if key in starts and max(exported.get(key, starts[key]), starts[key]) < offset
-        ]
-        if not behind:
-            return
-        aside = f"{self.checkpoint}.ahead-{int(time.time())}"
-        Path(self.checkpoint).rename(aside)
-        log.warning(
-            "the checkpoint is ahead of the table for %s; set it aside as %s and resuming "
-            "from the tables",
-            ", ".join(sorted(behind)),
-            aside,
-        )
+        except Exception as e:  # a failed Spark job or commit: one line, no traceback
+            raise ExportError(_one_line(e)) from None
 
     def _reached(
         self,
@@ -579,25 +507,6 @@ class Export:
     def stop(self) -> None:
         """Ask a running ``run()`` to stop after the current batch (thread- and signal-safe)."""
         self._stop.set()
-
-
-def _committed_offsets(checkpoint: Path) -> dict[str, int]:
-    """The source offsets at the end of the checkpoint's last committed batch (Spark's
-    ``offsets/N`` of the highest ``commits/N``), or {} without one."""
-    commits = checkpoint / "commits"
-    if not commits.is_dir():
-        return {}
-    done = sorted((int(p.name) for p in commits.iterdir() if p.name.isdigit()), reverse=True)
-    for batch in done:
-        offsets = checkpoint / "offsets" / str(batch)
-        try:
-            last = offsets.read_text().strip().splitlines()[-1]
-            parsed = json.loads(last)
-        except (OSError, ValueError, IndexError):
-            continue
-        if isinstance(parsed, dict):
-            return {str(k): int(v) for k, v in parsed.items() if isinstance(v, int)}
-    return {}
 
 
 def _passthrough(batches: Iterable[Any]) -> Iterator[Any]:

@@ -1,6 +1,6 @@
 """The Delta sink: executors write Parquet files, the driver commits them in one transaction.
 
-Two phases per micro-batch and per topic table:
+Two phases per batch and per topic table:
 
 1. **Write (executors).** ``ParquetWriterTask`` runs inside ``mapInArrow``: it writes the rows
    of its slices as Parquet under ``{lake_root}/{topic}/store_date=…/`` through fsspec and
@@ -15,8 +15,8 @@ Two phases per micro-batch and per topic table:
 Crash cases: a task killed mid-file leaves a partial file; a driver killed between phases
 leaves complete files. Neither is referenced by the log, readers never see them, and
 ``tmq lakehouse maintain`` (vacuum) deletes them. A replay of the batch writes new files and
-commits those. A batch whose commit landed but whose Spark checkpoint entry did not is replayed
-by Spark and written as nothing, because the floors already cover it.
+commits those; a batch planned again after its commit landed (a restart) writes nothing,
+because the floors already cover it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from tiered.cold.storage import ObjectNotFoundError
 
 log = logging.getLogger(__name__)
 
+# LZ4_RAW: as fast as writing uncompressed on incompressible bodies, where snappy costs more
+# than the rest of the write (decision 271); every reader the docs name reads it.
+DEFAULT_COMPRESSION = "lz4"
 # Roll a data file at about this many bytes of Arrow data (Parquet compresses below it).
 TARGET_FILE_BYTES = 128 << 20
 # Columns whose min/max go into the Delta log, for data skipping: what analysts filter on.
@@ -203,10 +206,9 @@ def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
 
 @dataclass(slots=True, frozen=True)
 class ParquetWriterTask:
-    """The ``mapInArrow`` function of one batch: slices in (``tmq-slices`` rows or packs of
-    them), file metadata
-    rows out. Each task reads its slices with the columnar decode and writes the Arrow batches
-    as Parquet straight away; message bytes never pass through the JVM.
+    """The ``mapInArrow`` function of one batch: pack ids in, file metadata rows out. Each
+    task reads its slices with the columnar decode and writes the Arrow batches as Parquet
+    straight away; message bytes never pass through the JVM.
 
     Each file holds rows of one queue and one ``store_date``, contiguous in queue offset, so the
     driver can tell exactly which queue progress it carries. A slice that cannot be read
@@ -220,10 +222,11 @@ class ParquetWriterTask:
     batch_id: int
     stopped: frozenset[str] = frozenset()  # queues this export no longer reads
     target_file_bytes: int = TARGET_FILE_BYTES
-    # ``export --once`` plans on the driver: the batch's packs travel with the task, and its
-    # input is ``spark.range(len(packs))``, each id one pack. (A DataFrame made from Python
+    # The export plans on the driver: the batch's packs travel with the task, and its input
+    # is ``spark.range(len(packs))``, each id one pack. (A DataFrame made from Python
     # rows costs a Python pass of its own in every task; a range is made in the JVM.)
     packs: tuple[SlicePack, ...] = ()
+    compression: str = DEFAULT_COMPRESSION
 
     def __call__(self, slices: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         files = _FileSet(self)
@@ -248,10 +251,7 @@ class ParquetWriterTask:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
 
     def _slices(self, batch: pa.RecordBatch) -> list[SegmentSlice]:
-        """The slices of an input batch: ``tmq-slices`` rows, or (with ``packs``) the ids of
-        ``spark.range`` naming packs."""
-        if not self.packs:
-            return [SegmentSlice.from_row(row) for row in batch.to_pylist()]
+        """The slices of an input batch: the ids of ``spark.range`` naming packs."""
         return [s for i in batch.column("id").to_pylist() for s in self.packs[i].slices]
 
     def write_rows(self, batches: Iterable[pa.RecordBatch]) -> list[dict[str, Any]]:
@@ -276,7 +276,7 @@ class ParquetWriterTask:
         writer = pq.ParquetWriter(
             stream,
             FILE_SCHEMA,
-            compression="snappy",
+            compression=self.compression,
             use_dictionary=_DICTIONARY_COLUMNS,
             write_statistics=_PARQUET_STATS_COLUMNS,
         )
@@ -296,8 +296,9 @@ class _FileSet:
         for (segment, day), part in _runs(batch):
             queue_key = queue_key_of_segment(segment)
             floor = self.task.floors.get(queue_key)
-            if floor is not None:
-                part = part.filter(pc.greater_equal(part.column("queue_offset"), floor))
+            offsets = part.column("queue_offset")
+            if floor is not None and offsets[0].as_py() < floor:  # ascending within a run
+                part = part.filter(pc.greater_equal(offsets, floor))
             if part.num_rows == 0:
                 continue
             current = self.open.get(queue_key)
@@ -357,6 +358,7 @@ class CommitResult:
     rows: int
     offsets: dict[str, int]  # queue key -> exported offset after the commit
     bytes: int = 0  # Parquet bytes committed
+    file_sizes: list[int] = field(default_factory=list)  # bytes of each file committed
 
 
 def commit_files(
@@ -426,4 +428,5 @@ def commit_files(
         sum(f["num_rows"] for f in keep),
         offsets,
         sum(f["size"] for f in keep),
+        [f["size"] for f in keep],
     )

@@ -45,6 +45,7 @@ import heapq
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,25 +73,17 @@ from tiered.record import RecordError
 log = logging.getLogger(__name__)
 
 NAME = "tmq"
-# The export's source: the same planning, but one row per slice instead of one per message,
-# so that the export's executors read and write in one Python function and message bytes
-# never cross into the JVM (lakehouse/sink.py).
-SLICES_NAME = "tmq-slices"
-SLICE_DDL = "queue_key string, segment string, first bigint, end bigint"
-SLICE_SCHEMA = pa.schema(
-    [
-        ("queue_key", pa.string()),
-        ("segment", pa.string()),
-        ("first", pa.int64()),
-        ("end", pa.int64()),
-    ]
-)
 DEFAULT_MAX_BYTES_PER_TRIGGER = 256 << 20
 DEFAULT_BYTES_PER_PARTITION = 32 << 20
+# An export batch spreads over every core, but not in packs smaller than this.
+MIN_PACK_BYTES = 4 << 20
 # Bytes of records fetched per ranged GET inside a task, one span decoded while the next is
 # fetched: bounds a task's memory (two spans), and small enough that most of a segment's GETs
 # overlap its decoding.
 READ_SPAN_BYTES = 4 << 20
+# Spans fetched ahead of the decode, each GET on a thread of its own: one GET in flight left
+# a task waiting on S3 for about a third of its time (LocalStack, 2 cores).
+FETCH_AHEAD = 2
 
 
 class SourceOptionError(ValueError):
@@ -181,19 +174,6 @@ class SegmentSlice(InputPartition):
         info = self.segment
         return int(info["size"]) * (self.end - self.first) // max(1, int(info["count"]))
 
-    def to_row(self) -> dict[str, Any]:
-        """The slice as a row of the ``tmq-slices`` source (``SLICE_DDL``)."""
-        return {
-            "queue_key": self.queue_key,
-            "segment": json.dumps(self.segment),
-            "first": self.first,
-            "end": self.end,
-        }
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> SegmentSlice:
-        return cls(row["queue_key"], json.loads(row["segment"]), row["first"], row["end"])
-
 
 class SlicePack(InputPartition):
     """One Spark task: consecutive slices, together about ``bytesPerPartition``. Packing keeps
@@ -221,6 +201,42 @@ def pack(slices: list[SegmentSlice], target_bytes: int) -> list[SlicePack]:
     return packs
 
 
+def balanced_packs(slices: list[SegmentSlice], cores: int) -> list[SlicePack]:
+    """The packs of one export batch, one Spark task each: one pack per core, of equal bytes
+    (fewer when the batch is below ``MIN_PACK_BYTES`` a core), so that every core works until
+    the batch ends and no core waits for Spark to hand it a second task (on this machine the
+    hand-over between two tasks of one worker took seconds, as long as a task's own work). A
+    slice is cut at the offset where its pack is full (slices are offset ranges, so any cut is
+    exact)."""
+    cores = max(1, cores)
+    total = sum(s.bytes for s in slices)
+    count = max(1, min(cores, total // MIN_PACK_BYTES))
+    target = -(-total // count)
+    packs: list[SlicePack] = []
+    current: list[SegmentSlice] = []
+    room = target
+    for part in slices:
+        rest: SegmentSlice | None = part
+        while rest is not None:
+            per_offset = max(1, int(rest.segment["size"])) / max(1, int(rest.segment["count"]))
+            fit = int(room // per_offset)
+            if fit >= rest.end - rest.first or len(packs) == count - 1:
+                current.append(rest)
+                room -= rest.bytes
+                rest = None
+                continue
+            take = max(fit, 0 if current else 1)
+            if take:
+                cut = rest.first + take
+                current.append(SegmentSlice(rest.queue_key, rest.segment, rest.first, cut))
+                rest = SegmentSlice(rest.queue_key, rest.segment, cut, rest.end)
+            packs.append(SlicePack(current))
+            current, room = [], target
+    if current:
+        packs.append(SlicePack(current))
+    return packs
+
+
 _STORES: dict[str, ObjectStore] = {}
 
 
@@ -242,7 +258,10 @@ def fetcher() -> ThreadPoolExecutor:
     the worker daemon before it forks (a forked child has none of its parent's threads)."""
     global _FETCHER
     if _FETCHER is None or _FETCHER[0] != os.getpid():
-        _FETCHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tmq-fetch"))
+        _FETCHER = (
+            os.getpid(),
+            ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="tmq-fetch"),
+        )
     return _FETCHER[1]
 
 
@@ -271,11 +290,11 @@ def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
         start = int(positions[span[0]])
         return reader._range(start, int(ends[span[1] - 1]) - start)
 
-    pending = fetcher().submit(fetch, spans[0]) if spans else None
+    pending = deque(fetcher().submit(fetch, span) for span in spans[:FETCH_AHEAD])
     for k, (i, j) in enumerate(spans):
-        assert pending is not None
-        data = pending.result()
-        pending = fetcher().submit(fetch, spans[k + 1]) if k + 1 < len(spans) else None
+        data = pending.popleft().result()
+        if k + FETCH_AHEAD < len(spans):
+            pending.append(fetcher().submit(fetch, spans[k + FETCH_AHEAD]))
         try:
             records = decode_run(data, positions[i:j] - int(positions[i]), check_crc=True)
         except RecordError as e:
@@ -480,25 +499,3 @@ class TmqDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return TmqStreamReader(SourceOptions.parse(self.options))
-
-
-class TmqSliceStreamReader(TmqStreamReader):
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, SlicePack):
-            rows = [s.to_row() for s in partition.slices]
-            yield pa.RecordBatch.from_pylist(rows, schema=SLICE_SCHEMA)
-
-
-class TmqSliceDataSource(TmqDataSource):
-    """``format("tmq-slices")``: the ``tmq`` stream's slices, one row each (the export job's
-    input: its executors read each slice themselves)."""
-
-    @classmethod
-    def name(cls) -> str:
-        return SLICES_NAME
-
-    def schema(self) -> str:
-        return SLICE_DDL
-
-    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return TmqSliceStreamReader(SourceOptions.parse(self.options))

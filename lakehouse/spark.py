@@ -8,7 +8,7 @@ import sys
 from pyspark.sql import SparkSession
 
 from lakehouse import PROJECT_ROOT
-from lakehouse.source import TmqDataSource, TmqSliceDataSource
+from lakehouse.source import TmqDataSource
 
 
 def spark_session(
@@ -54,4 +54,3 @@ def spark_session(
 
 def register(session: SparkSession) -> None:
     session.dataSource.register(TmqDataSource)
-    session.dataSource.register(TmqSliceDataSource)

@@ -201,3 +201,19 @@ def exported_to(table: Any, topic: str, ends: dict[int, int]) -> bool:
         if done is None or done < end:
             return False
     return True
+
+
+def run_in_thread(job: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """Start ``job.run(once=False)`` (a continuous ``Export``) on a daemon thread; what it
+    raises lands in the returned list. Stop it with ``job.stop()`` and join the thread."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run(once=False)
+        except BaseException as e:
+            errors.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    return runner, errors

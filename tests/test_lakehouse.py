@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from broker_harness import REPO, tmq
 from deltalake import DeltaTable
-from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to
+from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to, run_in_thread
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
@@ -251,6 +251,21 @@ def test_a_replayed_batch_is_written_and_committed_as_nothing(
     assert DeltaTable(str(tmp_path / "lake" / "orders")).to_pyarrow_table().num_rows == 10
 
 
+def watched(spark: Any, tmp_path: Path, **settings: Any) -> tuple[Export, list[Any]]:
+    """An export of ``{tmp_path}/tier`` to ``{tmp_path}/lake`` with its lock named
+    ``{tmp_path}/ckpt``, whose batches note the streaming queries active while they run."""
+    queries: list[Any] = []
+    config = ExportConfig(
+        f"file://{tmp_path}/tier",
+        str(tmp_path / "lake"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **settings,
+    )
+    job = Export(spark, config)
+    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    return job, queries
+
+
 def test_once_runs_plain_batch_jobs_not_a_streaming_query(
     small_archive: Archive, tmp_path: Path, spark: Any
 ) -> None:
@@ -259,21 +274,52 @@ def test_once_runs_plain_batch_jobs_not_a_streaming_query(
     small_archive.produce("orders", 1000)  # ten segments
     small_archive.offload("orders")
     checkpoint = tmp_path / "ckpt"
-    config = ExportConfig(
-        f"file://{tmp_path}/tier",
-        str(tmp_path / "lake"),
-        checkpoint_dir=str(checkpoint),
-        max_segments_per_trigger=4,
-    )
-    queries: list[Any] = []
-    job = Export(spark, config)
-    job.on_batch = lambda _: queries.extend(spark.streams.active)
+    job, queries = watched(spark, tmp_path, max_segments_per_trigger=4)
     report = job.run(once=True, timeout=120)
     assert report.rows == 1000 and len(report.batches) == 3, "admission control still applies"
     assert queries == [] and not checkpoint.exists(), "no streaming query ran"
     assert delta_rows(tmp_path / "lake", "orders") == expected_rows(
         small_archive.messages("orders")
     )
+
+
+def test_continuous_runs_the_same_batch_jobs_in_a_loop_and_picks_up_new_topics(
+    small_archive: Archive, tmp_path: Path, spark: Any
+) -> None:
+    """Continuous mode is --once's batches in a loop in this one session: no streaming query
+    and no Spark checkpoint, a backlog in bounded batches back to back, then one batch per
+    trigger for what the tier gains (a topic that appears later included), each writing at
+    most one file per queue (decision 270)."""
+    small_archive.produce("orders", 600)  # three segments per queue
+    small_archive.offload("orders")
+    checkpoint = tmp_path / "ckpt"
+    job, queries = watched(
+        spark, tmp_path, trigger_seconds=0.5, max_segments_per_trigger=2, compact_every_seconds=None
+    )
+    runner, errors = run_in_thread(job)
+    try:
+        lake = tmp_path / "lake"
+        deadline = time.monotonic() + 120
+        while exported_rows(lake, "orders") < 600:
+            assert not errors and time.monotonic() < deadline, errors or "backlog not exported"
+            time.sleep(0.1)
+        backlog = len(job.batches)
+        small_archive.produce("orders", 50)
+        small_archive.produce("payments", 40)  # a topic the export has not seen yet
+        small_archive.offload("orders")
+        small_archive.offload("payments")
+        while exported_rows(lake, "orders") < 650 or exported_rows(lake, "payments") < 40:
+            assert not errors and time.monotonic() < deadline, errors or "new rows not exported"
+            time.sleep(0.1)
+    finally:
+        job.stop()
+        runner.join(60)
+    assert not runner.is_alive() and not errors, errors
+    assert backlog == 3, "six segments, two per batch"
+    assert queries == [] and not checkpoint.exists(), "no streaming query ran"
+    assert all(b.files <= 2 for b in job.batches if b.rows), "one file per queue and batch"
+    for topic in ("orders", "payments"):
+        assert delta_rows(lake, topic) == expected_rows(small_archive.messages(topic))
 
 
 def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
