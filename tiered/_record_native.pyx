@@ -80,7 +80,8 @@ cdef str _UNIQ = "UNIQ_KEY"
 
 def bind(record_module):
     """Take the record module's error classes and types (called once by ``tiered.record``)."""
-    global RecordError, CorruptRecordError, RecordCrcError, SegmentTables, EncodedBatch, encode_properties
+    global RecordError, CorruptRecordError, RecordCrcError
+    global SegmentTables, EncodedBatch, encode_properties
     global Message, _slots_ok
     RecordError = record_module.RecordError
     CorruptRecordError = record_module.CorruptRecordError
@@ -560,9 +561,11 @@ def check_span(buf, positions, sizes, int64_t first_queue_offset):
     return bad, (r if r == -2 or r == -3 else -1)
 
 
-cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const char* name,
-                                  Py_ssize_t name_len):
-    """``record._property``: the first pair named ``name`` (``name`` includes its \\x01)."""
+cdef inline const unsigned char* _prop_value(const unsigned char* p, Py_ssize_t n,
+                                             const char* name, Py_ssize_t name_len,
+                                             Py_ssize_t* value_len) noexcept nogil:
+    """``record._property`` without objects: the value of the first pair named ``name`` (``name``
+    includes its \\x01), its length in ``value_len``; NULL when absent."""
     cdef Py_ssize_t at = 0, end
     cdef const unsigned char* hit
     while at <= n:
@@ -570,9 +573,18 @@ cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const ch
         end = (hit - p) if hit != NULL else n
         if end - at >= name_len and memcmp(p + at, name, name_len) == 0:
             hit = <const unsigned char*>memchr(p + at + name_len, 2, n - at - name_len)
-            return _utf8(p + at + name_len, ((hit - p) if hit != NULL else n) - at - name_len)
+            value_len[0] = ((hit - p) if hit != NULL else n) - at - name_len
+            return p + at + name_len
         at = end + 1
-    return None
+    return NULL
+
+
+cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const char* name,
+                                  Py_ssize_t name_len):
+    """``record._property``: the first pair named ``name`` (``name`` includes its \\x01)."""
+    cdef Py_ssize_t value_len = 0
+    cdef const unsigned char* value = _prop_value(p, n, name, name_len, &value_len)
+    return None if value == NULL else _utf8(value, value_len)
 
 
 cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
@@ -1252,23 +1264,6 @@ cdef bint _utf8_ok(const unsigned char* s, Py_ssize_t n) noexcept nogil:
             return False
         i += 4
     return True
-
-
-cdef inline const unsigned char* _prop_value(const unsigned char* p, Py_ssize_t n,
-                                             const char* name, Py_ssize_t name_len,
-                                             Py_ssize_t* value_len) noexcept nogil:
-    """``_find_property`` without objects: the value's bytes, or NULL when absent."""
-    cdef Py_ssize_t at = 0, end
-    cdef const unsigned char* hit
-    while at <= n:
-        hit = <const unsigned char*>memchr(p + at, 2, n - at) if at < n else NULL
-        end = (hit - p) if hit != NULL else n
-        if end - at >= name_len and memcmp(p + at, name, name_len) == 0:
-            hit = <const unsigned char*>memchr(p + at + name_len, 2, n - at - name_len)
-            value_len[0] = ((hit - p) if hit != NULL else n) - at - name_len
-            return p + at + name_len
-        at = end + 1
-    return NULL
 
 
 cdef int _col_topic(ColBuf* c, const unsigned char* p, Py_ssize_t n, uint32_t h,
