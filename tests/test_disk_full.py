@@ -6,8 +6,10 @@ says the disk is full, and a broker whose disk cannot hold one CommitLog file do
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from tiered.config import StoreConfig
+from tiered.record import PROPERTY_UNIQ_KEY, Message
 from tiered.store import GetStatus, MessageStore
 
 GEOMETRY = {
@@ -112,3 +115,85 @@ def test_a_broker_without_room_for_one_commitlog_file_does_not_start(small_disk:
         node.stop()  # it should not have started
     assert "commitlog_file_size" in str(e.value)
     assert not (small_disk / "data" / "commitlog").exists()
+
+
+def _fill(directory: Path) -> Path:
+    """Take every free byte of ``directory``'s filesystem, as another writer on a shared disk
+    does; returns the file to delete to give the space back."""
+    filler = directory / "filler"
+    with filler.open("wb") as fh:
+        try:
+            while True:
+                fh.write(bytes(1 << 16))
+                fh.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def _stored_ids(store: MessageStore, topic: str) -> list[str]:
+    got = store.get_messages(topic, 0, 0, 1000)
+    assert got.status is GetStatus.FOUND, got.status
+    return [m.msg_id for m in got.messages]
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_disk_filled_by_another_writer_stops_no_append_the_commitlog_has_room_for(
+    small_disk: Path, flush: str
+) -> None:
+    """The CommitLog file is preallocated, so a disk that another writer fills leaves appends
+    into it possible and durable. Only the checkpoint cannot be written then, which costs a
+    longer recovery scan and nothing else: it is no failed fsync, and must not turn the store
+    read-only until a restart (it did: every send was refused as "an fsync failed", even after
+    the space came back)."""
+    config = StoreConfig(
+        data_dir=small_disk / "data",
+        flush=flush,  # type: ignore[arg-type]
+        flush_interval_ms=20,
+        **GEOMETRY,  # type: ignore[arg-type]
+    )
+
+    def put(n: int) -> str:
+        msg_id = f"m{n:03d}"
+        store.put_messages(
+            [
+                Message(
+                    topic="full",
+                    queue_id=0,
+                    body=b"x" * 100,
+                    properties={PROPERTY_UNIQ_KEY: msg_id},
+                )
+            ]
+        )
+        return msg_id
+
+    store = MessageStore(config)
+    store.start()
+    acked = [put(n) for n in range(5)]
+    filler = _fill(small_disk)
+    try:
+        time.sleep(0.2)  # several flushes, each of which fails to write the checkpoint
+        acked += [put(n) for n in range(5, 10)]
+        time.sleep(0.2)
+        store.flush()
+        acked += [put(n) for n in range(10, 15)]
+    finally:
+        filler.unlink()
+    time.sleep(0.1)
+    acked += [put(n) for n in range(15, 20)]
+    assert store.wait_dispatched()
+    assert _stored_ids(store, "full") == acked
+    # A shutdown while the disk is full again ends as a crash would (its checkpoint is stale),
+    # and the next start finds every acknowledged message.
+    filler = _fill(small_disk)
+    try:
+        store.shutdown()
+    finally:
+        filler.unlink()
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert not report.clean_exit
+        assert _stored_ids(store, "full") == acked
+    finally:
+        store.shutdown()

@@ -20,6 +20,7 @@ IndexFile flush, checkpoint). Readers never block writers.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -265,6 +266,8 @@ class MessageStore:
         # Recovery left bytes for the flusher (ASYNC): its first flush runs at once.
         self._flush_at_start = False
         self._maintenance_lock = threading.Lock()
+        # The last checkpoint save found the disk full (logged once until one succeeds).
+        self._checkpoint_skipped = False
         # The flusher and a promotion's or truncation's checkpoint share one ``.tmp`` file.
         self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
@@ -477,12 +480,15 @@ class MessageStore:
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
         self.queues.flush()
         self.index.flush()
-        self._save_checkpoint()
+        # A checkpoint the full disk refused leaves the exit unclean: the next start recovers.
+        saved = self._save_checkpoint_if_room()
         self.commitlog.close()
         self.queues.close()
         self.index.close()
-        if clean:
+        if clean and saved:
             self.data_dir.mark_clean_exit()
+        elif clean:
+            log.error("no checkpoint could be saved at shutdown; the next start will recover")
         else:
             log.error(
                 "dispatch is behind at shutdown; the next start will recover as after a crash"
@@ -525,10 +531,36 @@ class MessageStore:
         try:
             self.queues.flush()
             self.index.flush()
-            self._save_checkpoint(dispatched, indexed)
+            self._save_checkpoint_if_room(dispatched, indexed)
         except OSError as e:
             self.commitlog.fail(e)
             raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
+
+    def _save_checkpoint_if_room(
+        self, dispatched: int | None = None, indexed: int | None = None
+    ) -> bool:
+        """``_save_checkpoint``, skipped (False) when the disk has no room for it. Nothing
+        durable is at stake: the checkpoint is replaced whole (write, fsync, rename), so the
+        previous one stays, and it claims less than the new one would (its offsets only grow),
+        which costs the next recovery a longer scan. A disk filled by another writer must not
+        turn the store read-only as a failed fsync does: appends into the preallocated CommitLog
+        file are still durable, and the next flush after space is freed saves it again."""
+        try:
+            self._save_checkpoint(dispatched, indexed)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not self._checkpoint_skipped:
+                log.warning(
+                    "%s: the disk is full (%s); the checkpoint is not updated until space is "
+                    "freed (a restart meanwhile recovers from the previous one)",
+                    self.checkpoint_path,
+                    e.strerror,
+                )
+            self._checkpoint_skipped = True
+            return False
+        self._checkpoint_skipped = False
+        return True
 
     def _save_checkpoint(self, dispatched: int | None = None, indexed: int | None = None) -> None:
         """Record what is on disk. ``dispatched`` and ``indexed`` must have been read before
