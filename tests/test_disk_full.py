@@ -134,7 +134,7 @@ def _fill(directory: Path) -> Path:
 def _stored_ids(store: MessageStore, topic: str) -> list[str]:
     got = store.get_messages(topic, 0, 0, 1000)
     assert got.status is GetStatus.FOUND, got.status
-    return [m.msg_id for m in got.messages]
+    return [str(m.msg_id) for m in got.messages]
 
 
 @pytest.mark.parametrize("flush", ["sync", "async"])
