@@ -356,6 +356,9 @@ class MessageStore:
                 clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report
             )
             report.cq_entries_dropped = self.queues.truncate_from_physical(end)
+            # Entries for records past the scan's start may be in the page cache only (kill -9):
+            # they are fsynced before any checkpoint counts them as dispatched.
+            self.queues.mark_unflushed_from(start)
             self._clamp_index(end)
 
             cl_min = self.commitlog.min_offset
