@@ -456,7 +456,7 @@ def _verify_whole(data_dir: Path, acked: dict[str, Ack]) -> set[str]:
     """The store starts; every message it serves is whole and where its queue offset says;
     every acknowledged one is there. (``verify``'s, except that a queue whose every message
     was lost, unacknowledged, may stay empty.)"""
-    store = MessageStore(StoreConfig(data_dir=data_dir, flush="sync", **SMALL))  # type: ignore[arg-type]
+    store = MessageStore(StoreConfig(data_dir=data_dir, flush="sync", **SMALL))
     store.start()
     try:
         seen: set[str] = set()
