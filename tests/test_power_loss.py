@@ -28,11 +28,13 @@ from store_child import body_for, message_for
 from test_crash import Ack, collect, verify
 
 from broker.metadata import BrokerMetadata
+from broker.timer import TimerService
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import GetStatus, MessageStore
 
 FS = Path(__file__).with_name("powerloss_fs.py")
+TIMER_CHILD = Path(__file__).with_name("timer_child.py")
 
 
 class PowerLossMount:
@@ -474,4 +476,62 @@ def _verify_whole(data_dir: Path, acked: dict[str, Ack]) -> set[str]:
         assert not missing, f"{len(missing)} acknowledged messages lost, e.g. {missing[:3]}"
         return seen
     finally:
+        store.shutdown()
+
+
+def _run_timer_child(data_dir: Path, mode: str, clock: int, count: int, log: Path) -> str:
+    """Start ``timer_child.py`` and return its first line (its stderr goes to ``log``)."""
+    with log.open("ab") as err:
+        child = subprocess.Popen(
+            [sys.executable, str(TIMER_CHILD), str(data_dir), mode, str(clock), str(count)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()  # then it exits, or waits to be killed
+    child.kill()
+    child.wait(30)
+    child.stdout.close()
+    return line
+
+
+def test_timers_a_restart_found_are_fsynced_before_its_checkpoint_claims_them(
+    tmp_path: Path,
+) -> None:
+    """A broker killed right after its wheel enqueued 20 delay messages (acknowledged under
+    SYNC: the timer records are fsynced in the CommitLog) leaves their bucket entries in the
+    page cache only. The restarted wheel finds them in its current bucket and writes nothing
+    again (a re-read entry is a duplicate), then saves a checkpoint past their timer records.
+    A power loss then loses the entries, and the checkpoint says never to read the records
+    again: the 20 messages are never delivered."""
+    _need_fuse()
+    durable = tmp_path / "durable"
+    store_dir = tmp_path / "mnt" / "store"
+    clock = (time.time_ns() // 1_000_000) // 60_000 * 60_000 + 1_000  # early in its minute
+    log = tmp_path / "timer-child.log"
+    fs = PowerLossMount(tmp_path / "mnt", durable)
+    try:
+        line = _run_timer_child(store_dir, "put-and-die", clock, 20, log)
+        assert line == "enqueued", log.read_text()[-2000:]
+        line = _run_timer_child(store_dir, "hold", clock, 20, log)
+        assert line == "checkpointed", log.read_text()[-2000:]
+        fs.crash()
+    finally:
+        fs.close()
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
+    store.start()
+    timers = TimerService(
+        store, durable / "store" / "timer", lambda: ["later"], clock=lambda: clock + 120_000
+    )
+    timers.start()
+    try:
+        deadline = time.monotonic() + 20
+        while timers.delivered < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.wait_dispatched()
+        got = store.get_messages("later", 0, 0, 100)
+        assert len(got.messages) == 20, f"{20 - len(got.messages)} of 20 delay messages lost"
+    finally:
+        timers.stop()
         store.shutdown()
