@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
+from tiered.durable import fsync_dir, make_dirs, write_file
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
@@ -130,6 +131,20 @@ class TimerLog:
     def sync(self) -> None:
         for fd in self._files.values():
             os.fsync(fd)
+        fsync_dir(self.dir)  # the names of bucket files created since the last sync
+
+    def sync_found(self) -> None:
+        """fsync every bucket and done file on disk, whoever wrote it. After ``kill -9`` what
+        the dead process appended is in the page cache only, and this process writes none of
+        it again (a re-read entry of the current bucket is a duplicate, skipped), so its own
+        ``sync`` would never reach it before a checkpoint claims it."""
+        for path in sorted(self.dir.glob("*.bucket")) + sorted(self.dir.glob("*.done")):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(self.dir)
 
     def delete(self, bucket: int) -> None:
         for kind in ("bucket", "done"):
@@ -190,7 +205,7 @@ class TimerService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.log.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.log.dir)
         if self._checkpoint_path.exists():
             self.enqueue_offset = int(json.loads(self._checkpoint_path.read_text())["enqueue"])
         for bucket in self.log.buckets():
@@ -203,6 +218,7 @@ class TimerService:
             self._min_offset[bucket] = int(keep["offset"].min()) if len(keep) else 2**62
             for crc, n in zip(*np.unique(keep["topic"], return_counts=True), strict=True):
                 self._by_topic[int(crc)] = self._by_topic.get(int(crc), 0) + int(n)
+        self.log.sync_found()  # before the first checkpoint counts what a killed run wrote
         buckets = self.log.buckets()
         self._load(
             min(buckets[0], bucket_of(self._clock())) if buckets else bucket_of(self._clock())
@@ -437,11 +453,7 @@ class TimerService:
 
     def _checkpoint(self) -> None:
         self.log.sync()
-        tmp = self._checkpoint_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"enqueue": self.enqueue_offset}))
-        with tmp.open("rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self._checkpoint_path)
+        write_file(self._checkpoint_path, json.dumps({"enqueue": self.enqueue_offset}).encode())
 
     # -- what others read ----------------------------------------------------------------------
 

@@ -504,7 +504,9 @@ def test_timers_a_restart_found_are_fsynced_before_its_checkpoint_claims_them(
     page cache only. The restarted wheel finds them in its current bucket and writes nothing
     again (a re-read entry is a duplicate), then saves a checkpoint past their timer records.
     A power loss then loses the entries, and the checkpoint says never to read the records
-    again: the 20 messages are never delivered."""
+    again: the 20 messages are never delivered (decision 297). Until the wheel's checkpoint
+    was made durable (its directory fsynced) this passed here by accident: on this filesystem
+    the checkpoint's rename never survived a power loss, so the wheel re-read every record."""
     _need_fuse()
     durable = tmp_path / "durable"
     store_dir = tmp_path / "mnt" / "store"
