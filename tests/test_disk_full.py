@@ -16,13 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 from broker_harness import Standalone
+from conftest import SMALL, crash_after_writing
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from tiered.config import StoreConfig
 from tiered.record import PROPERTY_UNIQ_KEY, Message
-from tiered.store import GetStatus, MessageStore
+from tiered.store import GetStatus, MessageStore, StoreLoadError
 
 GEOMETRY = {
     "commitlog_file_size": 1 << 20,
@@ -195,5 +196,35 @@ def test_a_disk_filled_by_another_writer_stops_no_append_the_commitlog_has_room_
     try:
         assert not report.clean_exit
         assert _stored_ids(store, "full") == acked
+    finally:
+        store.shutdown()
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_restart_on_a_full_disk_is_refused_clearly_and_loses_nothing(
+    small_disk: Path, flush: str
+) -> None:
+    """Recovery after ``kill -9`` writes (IndexFile entries, the checkpoint): on a disk that
+    another writer filled meanwhile it cannot. The start is refused with one line that says the
+    disk is full (it raised ``BufferError: cannot close exported pointers exist``, the cleanup's
+    error hiding the cause), and once space is freed the store starts with every message."""
+    data_dir = small_disk / "store"
+    crash_after_writing(data_dir, 200, flush)
+    config = StoreConfig(data_dir=data_dir, flush=flush, **SMALL)  # type: ignore[arg-type]
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(StoreLoadError) as e:
+            MessageStore(config).start()
+        assert "the disk is full" in str(e.value), e.value
+    finally:
+        filler.unlink()
+    store = MessageStore(config)
+    store.start()
+    try:
+        total = 0
+        for topic in ("crash-a", "crash-b", "crash-c"):
+            for queue in range(4):
+                total += len(store.get_messages(topic, queue, 0, 1000).messages)
+        assert total == 200
     finally:
         store.shutdown()

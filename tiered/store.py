@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -280,11 +281,20 @@ class MessageStore:
         self.data_dir.lock()
         try:
             report = self._load_and_recover()
-        except BaseException:
+        except BaseException as e:
+            # The failed frames' locals may hold views of the mappings closed next, and a
+            # mapping with a view cannot close: its BufferError would hide this error.
+            traceback.clear_frames(e.__traceback__)
             self.commitlog.close()
             self.queues.close()
             self.index.close()
             self.data_dir.unlock()
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreLoadError(
+                    f"{self.config.data_dir}: the disk is full ({e.strerror}); recovery "
+                    "cannot write its IndexFile entries and checkpoint. Free space and start "
+                    "again: recovery resumes from the last checkpoint"
+                ) from e
             raise
         self.data_dir.mark_running()
         self._running = True
