@@ -375,10 +375,16 @@ class MessageStore:
             # Entries pointing below the CommitLog's first file were released (retention).
             self.queues.correct_min_offsets(cl_min)
             self.index.delete_before(cl_min)
-            if self.queues.queues:
+            if self.queues.queues and cp is not None:
                 reput = self.queues.max_physical_end
-                if not clean and cp is not None:
+                if not clean:
                     reput = min(reput, cp.dispatched_offset)
+            elif self.queues.queues:
+                # No checkpoint says how far every ConsumeQueue was flushed, and queues flush
+                # apart: the furthest one proves nothing of the others. Re-dispatch is
+                # idempotent, so all of it runs again (RocketMQ's recovery from the first
+                # file); the scan has already read it as columns.
+                reput = cl_min
             else:
                 reput = cl_min
                 report.consumequeue_rebuilt = end > cl_min
