@@ -236,8 +236,16 @@ class BrokerMetadata:
             )
             if fresh:
                 fsync_dir(self.dir)
-        line = (json.dumps(asdict(cfg), sort_keys=True) + "\n").encode()
-        os.write(self._group_log, line)
+        line = memoryview((json.dumps(asdict(cfg), sort_keys=True) + "\n").encode())
+        size = os.fstat(self._group_log).st_size
+        try:
+            while line:  # a full disk can take the part of a line that fits in the last page
+                line = line[os.write(self._group_log, line) :]
+        except OSError:
+            # Leave no fragment: the next line would be appended to it, and the two read back
+            # as one torn line.
+            os.ftruncate(self._group_log, size)
+            raise
         os.fdatasync(self._group_log)
         self._group_log_lines += 1
 

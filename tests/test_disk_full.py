@@ -21,6 +21,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.metadata import BrokerMetadata, GroupConfig
 from tiered.config import StoreConfig
 from tiered.record import PROPERTY_UNIQ_KEY, Message
 from tiered.store import GetStatus, MessageStore, StoreLoadError
@@ -122,13 +123,14 @@ def _fill(directory: Path) -> Path:
     """Take every free byte of ``directory``'s filesystem, as another writer on a shared disk
     does; returns the file to delete to give the space back."""
     filler = directory / "filler"
-    with filler.open("wb") as fh:
-        try:
-            while True:
-                fh.write(bytes(1 << 16))
-                fh.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(4096))  # page by page: not one page is left
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
     return filler
 
 
@@ -228,3 +230,34 @@ def test_a_restart_on_a_full_disk_is_refused_clearly_and_loses_nothing(
         assert total == 200
     finally:
         store.shutdown()
+
+
+def test_a_group_line_a_full_disk_cuts_short_is_refused_and_the_log_stays_whole(
+    small_disk: Path,
+) -> None:
+    """``groups.log`` takes one fdatasynced line per group. On a full disk the write can take
+    only the part of a line that fits in the file's last page: that short write was ignored,
+    so the group was reported saved, and the next line (written once space came back) was
+    appended to the fragment: the reload dropped both as one torn line. The write must fail,
+    leave no fragment, and every group saved before and after must come back."""
+    meta = BrokerMetadata(small_disk / "config")
+    meta.load()
+    log = small_disk / "config" / "groups.log"
+    saved: list[str] = []
+    while not saved or log.stat().st_size % 4096 <= 4096 - 60:  # the next line crosses a page
+        saved.append(f"group-{len(saved):05d}")
+        meta.put_group(GroupConfig(name=saved[-1]))
+    size = log.stat().st_size
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(OSError) as e:
+            meta.put_group(GroupConfig(name="refused-" + "x" * 60))
+        assert e.value.errno == errno.ENOSPC
+        assert log.stat().st_size == size, "a fragment of the refused line was left"
+    finally:
+        filler.unlink()
+    meta.put_group(GroupConfig(name="after"))
+    saved.append("after")
+    reloaded = BrokerMetadata(small_disk / "config")
+    reloaded.load()
+    assert sorted(reloaded.groups) == sorted(saved)
