@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
-from tiered.durable import fsync_dir, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
@@ -112,10 +112,10 @@ class TimerLog:
         return fd
 
     def append(self, bucket: int, entries: np.ndarray) -> None:
-        os.write(self._fd(bucket, "bucket"), entries.astype(ENTRY).tobytes())
+        append_whole(self._fd(bucket, "bucket"), entries.astype(ENTRY).tobytes())
 
     def mark_done(self, bucket: int, offsets: list[int]) -> None:
-        os.write(self._fd(bucket, "done"), np.asarray(offsets, dtype=_DONE).tobytes())
+        append_whole(self._fd(bucket, "done"), np.asarray(offsets, dtype=_DONE).tobytes())
 
     def entries(self, bucket: int) -> np.ndarray:
         path = self._path(bucket, "bucket")

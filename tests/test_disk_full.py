@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from broker_harness import Standalone
 from conftest import SMALL, crash_after_writing
@@ -22,6 +23,8 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker.metadata import BrokerMetadata, GroupConfig
+from broker.timer import ENTRY as TIMER_ENTRY
+from broker.timer import TimerLog
 from tiered.config import StoreConfig
 from tiered.record import PROPERTY_UNIQ_KEY, Message
 from tiered.store import GetStatus, MessageStore, StoreLoadError
@@ -261,3 +264,36 @@ def test_a_group_line_a_full_disk_cuts_short_is_refused_and_the_log_stays_whole(
     reloaded = BrokerMetadata(small_disk / "config")
     reloaded.load()
     assert sorted(reloaded.groups) == sorted(saved)
+
+
+def test_timer_entries_a_full_disk_cuts_short_are_refused_and_later_ones_stay_aligned(
+    small_disk: Path,
+) -> None:
+    """A timer bucket file holds 24-byte entries back to back. A write that a full disk cut
+    short left part of an entry, and every entry appended after it was read at the wrong
+    place: due times and CommitLog offsets of garbage. The write must fail and leave none of
+    it, so the entries appended once space is back read as written."""
+    timer_log = TimerLog(small_disk / "timer")
+    timer_log.dir.mkdir()
+    bucket = 60_000
+    path = small_disk / "timer" / f"{bucket:013d}.bucket"
+
+    def entries(first: int, count: int) -> np.ndarray:
+        rows = [(10**12 + i, 1000 * i, 100, 7) for i in range(first, first + count)]
+        return np.array(rows, dtype=TIMER_ENTRY)
+
+    written = 0
+    while written == 0 or path.stat().st_size % 4096 <= 4096 - 100:
+        timer_log.append(bucket, entries(written, 1))
+        written += 1
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(OSError) as e:
+            timer_log.append(bucket, entries(written, 10))  # 240 bytes: across the page
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        filler.unlink()
+    timer_log.append(bucket, entries(written, 10))
+    timer_log.close()
+    got = TimerLog(small_disk / "timer").entries(bucket)
+    assert got["offset"].tolist() == [1000 * i for i in range(written + 10)]
