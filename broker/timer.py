@@ -310,6 +310,9 @@ class TimerService:
         rows: dict[int, list[tuple[int, int, int, int]]] = {}
         replaced: dict[int, list[int]] = {}  # bucket -> offsets of records rolled forward
         in_heap: set[int] | None = None  # offsets in the current bucket's heap, when needed
+        # Scheduled in memory only once their entries are in the bucket file: a failed append
+        # (a full disk) is retried from the same offset, and must not find them "seen".
+        now_due: list[tuple[int, int, int, int]] = []
         for m in got.messages:
             due = int(m.properties.get(PROPERTY_DELIVER_TIME, "0"))
             bucket = max(bucket_of(due), self._current)
@@ -321,11 +324,10 @@ class TimerService:
                     continue  # re-read after a crash: already scheduled
                 if rolled_from is not None:
                     if in_heap is None:
-                        in_heap = {r[1] for r in self._heap}
+                        in_heap = {r[1] for r in self._heap} | {r[1] for r in now_due}
                     if int(rolled_from) not in in_heap:
                         continue  # the old record was delivered before this one was enqueued
-                self._seen.add(m.commitlog_offset)
-                heapq.heappush(self._heap, row)
+                now_due.append(row)
             if rolled_from is not None:
                 replaced.setdefault(bucket, []).append(int(rolled_from))
             rows.setdefault(bucket, []).append(row)
@@ -337,6 +339,9 @@ class TimerService:
                 self._min_offset[bucket] = min(self._min_offset.get(bucket, low), low)
                 for r in bucket_rows:
                     self._by_topic[r[3]] = self._by_topic.get(r[3], 0) + 1
+        for row in now_due:
+            self._seen.add(row[1])
+            heapq.heappush(self._heap, row)
         for bucket, offsets in replaced.items():
             self._retire(bucket, offsets)
             if bucket == self._current:  # the new entries replace the old ones in the heap

@@ -24,7 +24,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker.metadata import BrokerMetadata, GroupConfig
 from broker.timer import ENTRY as TIMER_ENTRY
-from broker.timer import TimerLog
+from broker.timer import PROPERTY_DELIVER_TIME, TimerLog, TimerService, as_timer_message
 from tiered.config import StoreConfig
 from tiered.record import PROPERTY_UNIQ_KEY, Message
 from tiered.store import GetStatus, MessageStore, StoreLoadError
@@ -297,3 +297,65 @@ def test_timer_entries_a_full_disk_cuts_short_are_refused_and_later_ones_stay_al
     timer_log.close()
     got = TimerLog(small_disk / "timer").entries(bucket)
     assert got["offset"].tolist() == [1000 * i for i in range(written + 10)]
+
+
+def test_delay_messages_the_wheel_could_not_write_on_a_full_disk_are_delivered_after_a_restart(
+    small_disk: Path,
+) -> None:
+    """The wheel enqueues delay messages into a bucket file; on a full disk that write fails
+    and the wheel retries a second later. The retry must write them: it skipped the ones due
+    in the current bucket as already scheduled (they were in memory only), then moved its
+    checkpoint past them, so after a restart they were never delivered."""
+    config = StoreConfig(data_dir=small_disk / "store", flush="sync", **SMALL)
+    clock = (time.time_ns() // 1_000_000) // 60_000 * 60_000 + 1_000
+    due = str(clock + 30_000)  # in the clock's bucket: the current one
+
+    def put(first: int, count: int) -> None:
+        store.put_messages(
+            [
+                as_timer_message(
+                    Message(
+                        topic="later",
+                        queue_id=0,
+                        body=b"due",
+                        properties={PROPERTY_DELIVER_TIME: due, PROPERTY_UNIQ_KEY: f"t{i}"},
+                    )
+                )
+                for i in range(first, first + count)
+            ]
+        )
+
+    store = MessageStore(config)
+    store.start()
+    try:
+        timers = TimerService(store, small_disk / "timer", lambda: ["later"], clock=lambda: clock)
+        timers.start()
+        put(0, 165)  # 165 entries of 24 bytes: the bucket file's page has 136 bytes left
+        deadline = time.monotonic() + 10
+        while timers.enqueue_offset < 165 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        filler = _fill(small_disk)
+        try:
+            put(165, 10)  # 240 bytes of entries: more than the page holds
+            timers.wakeup()
+            time.sleep(0.3)  # the wheel tries, and fails
+            assert timers.enqueue_offset == 165
+        finally:
+            filler.unlink()
+        deadline = time.monotonic() + 10
+        while timers.enqueue_offset < 175 and time.monotonic() < deadline:
+            time.sleep(0.05)  # its retry, a second later
+        timers.stop()
+        timers = TimerService(
+            store, small_disk / "timer", lambda: ["later"], clock=lambda: clock + 120_000
+        )
+        timers.start()
+        deadline = time.monotonic() + 10
+        while timers.delivered < 175 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timers.stop()
+        assert store.wait_dispatched()
+        got = store.get_messages("later", 0, 0, 1000)
+        assert len(got.messages) == 175, f"{175 - len(got.messages)} of 175 delay messages lost"
+    finally:
+        store.shutdown()
