@@ -754,7 +754,47 @@ def index_keys(queues, keys, uniq_keys):
 # -- segment build ------------------------------------------------------------------------------
 
 def segment_tables(records, int64_t base_offset):
-    """``record.segment_tables_py``: checks and tables of a segment object."""
+    """``record.segment_tables_py``: checks and tables of a segment object. The columns (tag
+    hash, key hashes, store time) come from ``dispatch_columns``, in C from the bytes; a run it
+    does not take whole (text that is not UTF-8, bytes that are not a record) goes the way
+    that names the problem, ``_segment_tables_checked``."""
+    cdef const unsigned char[::1] v = _view(records)
+    cdef Py_ssize_t n = v.shape[0], count, i
+    cdef const unsigned char* b = &v[0] if n else NULL
+    cdef int64_t r = 0
+    end, status, columns = dispatch_columns(records, 0, n, 0, False, False, n // 90 + 1)
+    count = len(columns[0])
+    if status != 0 or end != n or count == 0:
+        return _segment_tables_checked(records, base_offset)
+    positions, sizes, qoffs, _, tags, times, hashes, numbers, _ = columns
+    cdef int64_t[::1] at = positions
+    with nogil:
+        for i in range(count):
+            r = _check(b, n, at[i], <int64_t>tmq_be64(b + at[i] + 28), True, True)
+            if r < 0:
+                break
+    expected = np.arange(base_offset, base_offset + count, dtype=np.int64)
+    if r < 0 or not np.array_equal(qoffs, expected):
+        return _segment_tables_checked(records, base_offset)  # raises, naming the record
+    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+    table["offset"] = positions
+    table["size"] = sizes
+    table["tag"] = tags
+    packed = np.sort((hashes.astype(np.uint64) << np.uint64(32)) | numbers.astype(np.uint64))
+    return SegmentTables(
+        count=count,
+        offset_table=table.tobytes(),
+        time_table=times.astype(">i8").tobytes(),
+        key_index=packed.astype(">u8").tobytes(),
+        key_count=len(packed),
+        min_store_timestamp=int(times.min()),
+        max_store_timestamp=int(times.max()),
+    )
+
+
+def _segment_tables_checked(records, int64_t base_offset):
+    """``segment_tables`` record by record through ``read_dispatch_run``: the same tables, and
+    for a run that is not whole and clean, the error that names the record."""
     cdef const unsigned char[::1] v = _view(records)
     cdef Py_ssize_t n = v.shape[0], count, i, end
     cdef const unsigned char* b = &v[0] if n else NULL
