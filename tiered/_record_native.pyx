@@ -1174,6 +1174,31 @@ cdef object _host_tuple(const unsigned char* p, bint v6, dict cache):
     return host
 
 
+cdef dict _properties(const unsigned char* p, Py_ssize_t n):
+    """``record.decode_properties`` of ``n`` bytes at ``p``: ``name\\x01value`` pairs separated
+    by ``\\x02``, empty pairs skipped, a pair without ``\\x01`` a name with an empty value, a
+    later name replacing an earlier one. Both separators are ASCII, so decoding each part on its
+    own accepts exactly the UTF-8 the reference's decode of the whole accepts (and raises
+    ``UnicodeDecodeError`` where it does)."""
+    cdef dict props = {}
+    cdef Py_ssize_t at = 0, end, eq
+    while at < n:
+        end = at
+        while end < n and p[end] != 2:
+            end += 1
+        if end > at:
+            eq = at
+            while eq < end and p[eq] != 1:
+                eq += 1
+            name = PyUnicode_DecodeUTF8(<const char*>p + at, eq - at, NULL)
+            if eq < end:
+                props[name] = PyUnicode_DecodeUTF8(<const char*>p + eq + 1, end - eq - 1, NULL)
+            else:
+                props[name] = ""
+        at = end + 1
+    return props
+
+
 def decode_many(buf, positions, bint check_crc):
     """``record.decode_many_py``: ``decode`` of the record at each position. A record the
     reference refuses is handed to ``record.decode``, which raises its error."""
@@ -1192,9 +1217,7 @@ def decode_many(buf, positions, bint check_crc):
             continue
         try:
             topic = PyUnicode_DecodeUTF8(<const char*>b + s.topic_at, s.topic_len, NULL)
-            properties = decode_properties(
-                PyBytes_FromStringAndSize(<const char*>b + s.props_at, s.props_len)
-            ) if s.props_len else {}
+            properties = _properties(b + s.props_at, s.props_len) if s.props_len else {}
         except UnicodeDecodeError:
             out.append(decode_one(buf, pos, check_crc=check_crc))
             continue
