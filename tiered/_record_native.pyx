@@ -776,6 +776,12 @@ def segment_tables(records, int64_t base_offset):
     expected = np.arange(base_offset, base_offset + count, dtype=np.int64)
     if r < 0 or not np.array_equal(qoffs, expected):
         return _segment_tables_checked(records, base_offset)  # raises, naming the record
+    return _tables(count, positions, sizes, tags, hashes, numbers, times)
+
+
+def _tables(Py_ssize_t count, positions, sizes, tags, hashes, numbers, times):
+    """The segment's offset table, time table and key index (sorted by hash, then record) from
+    its columns."""
     table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
     table["offset"] = positions
     table["size"] = sizes
@@ -832,21 +838,10 @@ def _segment_tables_checked(records, int64_t base_offset):
     for i in range(count):
         if qo[i] != base_offset + i:
             raise RecordError(f"record has queue offset {qo[i]}, expected {base_offset + i}")
-    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
-    table["offset"] = positions
-    table["size"] = sizes
-    table["tag"] = tag_hashes(fields.tags)
     hashes, numbers = index_keys(fields.queues, fields.keys, fields.uniq_keys)
-    packed = np.sort((hashes.astype(np.uint64) << np.uint64(32)) | numbers.astype(np.uint64))
-    times = np.asarray(stamps, np.int64)
-    return SegmentTables(
-        count=count,
-        offset_table=table.tobytes(),
-        time_table=times.astype(">i8").tobytes(),
-        key_index=packed.astype(">u8").tobytes(),
-        key_count=len(packed),
-        min_store_timestamp=int(times.min()),
-        max_store_timestamp=int(times.max()),
+    return _tables(
+        count, positions, sizes, tag_hashes(fields.tags), hashes, numbers,
+        np.asarray(stamps, np.int64),
     )
 
 

@@ -32,6 +32,7 @@ from tiered.cold.storage import (
     ObjectNotFoundError,
     check_key,
     error_code,
+    exists_refusal,
     translate,
 )
 
@@ -92,9 +93,8 @@ class S3ObjectStore:
             )
             return True
         except Exception as e:
-            code, status = error_code(e)
-            if code == "PreconditionFailed" or status == 412:
-                return False  # If-None-Match failed: the key exists
+            if exists_refusal(e):
+                return False
             raise self._translate(key, e) from e
 
     def put(self, key: str, data: bytes) -> None:

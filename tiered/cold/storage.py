@@ -179,9 +179,8 @@ class FsspecObjectStore:
         except FileExistsError:
             return False
         except Exception as e:
-            code, status = error_code(e)
-            if code == "PreconditionFailed" or status == 412:
-                return False  # If-None-Match failed: the key exists
+            if exists_refusal(e):
+                return False
             raise self._translate(key, e) from e
 
     def put(self, key: str, data: bytes) -> None:
@@ -375,6 +374,13 @@ def translate(url: str, bucket: str, key: str, e: Exception) -> Exception:
         )
     # 5xx, throttling, timeouts, refused connections: worth another attempt.
     return StorageError(f"{url}: {key}: {code or type(e).__name__}: {e}")
+
+
+def exists_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is a conditional PUT's refusal because the key exists (If-None-Match:
+    412 Precondition Failed)."""
+    code, status = error_code(e)
+    return code == "PreconditionFailed" or status == 412
 
 
 def error_code(e: BaseException) -> tuple[str | None, int | None]:
