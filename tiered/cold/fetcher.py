@@ -62,9 +62,9 @@ BATCH_BYTES = 1 << 20
 # does in the broker. Not fewer: each hand-over is a system call that, on a loaded machine,
 # gives the CPU away (0.1 ms or more).
 _YIELD_EVERY = 128
-# How many batches past the current one a sequential reader has in flight: GETs in parallel
-# are what brings a replay near the store's bandwidth.
-READ_AHEAD = 8
+# How many batches past the current one a sequential reader has in flight (at most half the
+# cache's bytes): GETs in parallel are what brings a replay near the store's bandwidth.
+READ_AHEAD = 16
 # How many consecutive batches a read-ahead fetches with one GET: LocalStack (like any object
 # store) spends a fixed cost per request, so four 1 MiB ranges cost it more than one of 4 MiB.
 GET_BATCHES = 4
