@@ -142,6 +142,7 @@ class Export:
         self._manifests = ManifestCache(self._store)
         self._continuous = False
         self._last_compaction: dict[str, float] = {}
+        self._rewind: dict[str, int] = {}  # queue key -> next batch starts here, not at its end
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -287,33 +288,63 @@ class Export:
     def _contiguous(
         self, files: list[dict[str, Any]], floors: dict[str, int]
     ) -> list[dict[str, Any]]:
-        """The files that continue each queue's exported range without a gap. A gap (a slice
-        that failed, or a checkpoint ahead of the table) stops the queue rather than letting its
-        exported offset jump over messages; a range that expired from the tier is no gap."""
-        out: list[dict[str, Any]] = []
+        """The file rows that continue each queue's exported range without a gap. A gap (a
+        slice that failed in another task, or a checkpoint ahead of the table) stops the queue
+        rather than letting its exported offset jump over messages; a range that expired from
+        the tier is no gap.
+
+        A file holds several queues' rows and is committed whole or not at all, so a file
+        dropped for one queue's gap cuts every other queue in it at that file: those queues
+        are not stopped, their rest is left out of this batch and planned again by the next
+        one (``_rewind``)."""
         by_queue: dict[str, list[dict[str, Any]]] = {}
         for f in files:
             by_queue.setdefault(f["queue_key"], []).append(f)
-        for key, mine in sorted(by_queue.items()):
-            # Files after a damaged slice are dropped; the ones before it are committed.
-            queue = QueueRef.parse(key)
-            expected = floors.get(key)
-            if expected is None:
-                expected = self._manifests.get(queue, refresh=False).start_offset
-            for f in sorted(mine, key=lambda f: f["first_offset"]):
-                if f["last_offset"] < expected:
-                    continue  # already exported (a replay): commit_files skips it too
-                gap = f["first_offset"] > expected
-                if gap and self._manifests.get(queue).start_offset < f["first_offset"]:
-                    self._stop_queue(
-                        key,
-                        expected,
-                        f"offsets {expected}..{f['first_offset'] - 1} were not read in this batch",
-                    )
-                    break
-                out.append(f)
-                expected = f["last_offset"] + 1
-        return out
+        dropped: set[str] = set()  # paths this batch does not commit
+        cut_at: dict[str, int] = {}  # queue key -> where a dropped file cut it
+        changed = True
+        while changed:  # until no dropped file cuts another queue
+            changed = False
+            for key, mine in sorted(by_queue.items()):
+                queue = QueueRef.parse(key)
+                expected = floors.get(key)
+                if expected is None:
+                    expected = self._manifests.get(queue, refresh=False).start_offset
+                cut = False
+                for f in sorted(mine, key=lambda f: f["first_offset"]):
+                    if not cut:
+                        if f["last_offset"] < expected:
+                            continue  # already exported (a replay): commit_files skips it too
+                        gap = f["first_offset"] > expected
+                        if f["path"] in dropped:
+                            cut_at[key] = min(cut_at.get(key, expected), expected)
+                            cut = True
+                        elif gap and self._manifests.get(queue).start_offset < f["first_offset"]:
+                            self._stop_queue(
+                                key,
+                                expected,
+                                f"offsets {expected}..{f['first_offset'] - 1} were not read in "
+                                "this batch",
+                            )
+                            cut = True
+                        else:
+                            expected = f["last_offset"] + 1
+                            continue
+                    if f["path"] not in dropped:  # the rest of a cut queue: left out
+                        dropped.add(f["path"])
+                        changed = True
+        with self._lock:
+            for key, offset in cut_at.items():
+                if key not in self.stopped:
+                    self._rewind[key] = offset
+        return [f for f in files if f["path"] not in dropped]
+
+    def _next_position(self, end: dict[str, int]) -> dict[str, int]:
+        """Where the batch after one that planned up to ``end`` starts: ``end``, except for the
+        queues whose last batch was cut short (``_contiguous``)."""
+        with self._lock:
+            rewind, self._rewind = self._rewind, {}
+        return {**end, **rewind}
 
     def _write_batch_delta_spark(self, df: DataFrame, batch_id: int) -> None:
         """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair; the
@@ -438,7 +469,7 @@ class Export:
             if end == position:
                 break  # nothing left below the targets (the rest expired or is stopped)
             self._batch(planner, position, end)
-            position = end
+            position = self._next_position(end)
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 
     def _run_continuous(self, starting: dict[str, int], *, timeout: float | None) -> ExportReport:
@@ -458,7 +489,7 @@ class Export:
             end = planner.latest(position)
             while end != position and not self._stop.is_set():  # a backlog: back to back
                 self._batch(planner, position, end)
-                position = end
+                position = self._next_position(end)
                 end = planner.latest(position)
             self._stop.wait(max(0.0, trigger - (time.monotonic() - started)))
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
