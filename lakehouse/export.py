@@ -34,7 +34,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lakehouse import source as tmq_source
-from lakehouse.compaction import compact_small_files
+from lakehouse.compaction import (
+    SMALL_FILE_BYTES,
+    SMALL_FILES,
+    compact_partition,
+    compact_small_files,
+)
 from lakehouse.locations import Location, is_local, local_path
 from lakehouse.lock import CheckpointLock, ExportLockedError
 from lakehouse.sink import (
@@ -78,6 +83,9 @@ class ExportConfig:
     # per-trigger files do not pile up (lakehouse/compaction.py).
     compact_every_seconds: float | None = DEFAULT_COMPACT_EVERY_SECONDS
     target_file_bytes: int = TARGET_FILE_BYTES
+    # Continuous mode, with compaction on: merge a partition's small files once it has this
+    # many new ones (the first level, lakehouse/compaction.py).
+    compact_after_files: int = SMALL_FILES
     # The data files' codec: LZ4_RAW by default (decision 271); snappy for readers older than
     # Spark 3.4 / parquet-mr 1.13.
     compression: str = DEFAULT_COMPRESSION
@@ -142,6 +150,8 @@ class Export:
         self._manifests = ManifestCache(self._store)
         self._continuous = False
         self._last_compaction: dict[str, float] = {}
+        # (topic, store_date) -> files committed since the partition was last compacted
+        self._new_files: dict[tuple[str, str], int] = {}
         self._rewind: dict[str, int] = {}  # queue key -> next batch starts here, not at its end
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -234,27 +244,37 @@ class Export:
             report.seconds,
         )
         if self._continuous:
-            self._compact([c.topic for c in commits if c.table_version is not None])
+            self._compact([c for c in commits if c.table_version is not None])
         if self.on_batch is not None:
             self.on_batch(report)
 
-    def _compact(self, topics: list[str]) -> None:
-        """Compact the partitions of ``topics`` once every ``compact_every_seconds`` (on the
-        driver, between batches: never concurrent with the export's own commits)."""
+    def _compact(self, commits: list[CommitResult]) -> None:
+        """Compact on the driver, between batches (never concurrent with the export's own
+        commits): a partition that received ``SMALL_FILES`` files since its last compaction
+        has its small files merged (the first level), and every ``compact_every_seconds``
+        each partition's files below the target are rewritten into one (lakehouse/compaction.py)."""
         every = self.config.compact_every_seconds
         if every is None:
             return
         now = time.monotonic()
-        for topic in topics:
-            last = self._last_compaction.setdefault(topic, now)
+        for commit in commits:
+            table = LakeTable(self.lake, commit.topic)
+            for day, count in commit.partitions.items():
+                key = (commit.topic, day)
+                self._new_files[key] = self._new_files.get(key, 0) + count
+                if self._new_files[key] >= self.config.compact_after_files:
+                    self._new_files[key] = 0
+                    merged = compact_partition(table, day, SMALL_FILE_BYTES)
+                    log.info("%s/%s: merged %d small files", commit.topic, day, merged)
+            last = self._last_compaction.setdefault(commit.topic, now)
             if now - last < every:
                 continue
-            self._last_compaction[topic] = now
-            compacted = compact_small_files(
-                LakeTable(self.lake, topic), self.config.target_file_bytes
-            )
+            self._last_compaction[commit.topic] = now
+            for key in [k for k in self._new_files if k[0] == commit.topic]:
+                self._new_files[key] = 0
+            compacted = compact_small_files(table, self.config.target_file_bytes)
             if compacted:
-                log.info("%s: compacted %d small files", topic, compacted)
+                log.info("%s: compacted %d small files", commit.topic, compacted)
 
     def _check_tables(self, queues: list[QueueRef]) -> None:
         """Stop the queues of a table this export cannot append to (an older row format)."""

@@ -25,6 +25,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -388,6 +389,7 @@ class CommitResult:
     offsets: dict[str, int]  # queue key -> exported offset after the commit
     bytes: int = 0  # Parquet bytes committed
     file_sizes: list[int] = field(default_factory=list)  # bytes of each file committed
+    partitions: dict[str, int] = field(default_factory=dict)  # store_date -> files committed
 
 
 def commit_files(
@@ -468,4 +470,5 @@ def commit_files(
         offsets,
         sum(f["size"] for f in keep),
         [f["size"] for f in keep],
+        dict(Counter(f["store_date"] for f in keep)),
     )
