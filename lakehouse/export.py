@@ -100,6 +100,9 @@ class BatchReport:
     files: int
     seconds: float
     commits: list[CommitResult]
+    # Wall seconds of its stages: "floors" (reading the tables' offsets), "job" (the Spark job:
+    # GETs, decode, Parquet writes), "commit" (the Delta commits)
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -202,7 +205,12 @@ class Export:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
         log.info("batch %d: writing", batch_id)
-        floors = self.exported(self.queues())
+        # The floors of the batch's own queues (no listing of the tier: the plan names them).
+        planned_queues = {QueueRef.parse(s.queue_key) for p in packs for s in p.slices}
+        floors = self.exported(
+            sorted(planned_queues, key=lambda q: q.key) if packs else self.queues()
+        )
+        planned = time.monotonic()
         with self._lock:
             stopped = frozenset(self.stopped)
         task = ParquetWriterTask(
@@ -217,6 +225,7 @@ class Export:
         )
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
+        written = time.monotonic()
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
             self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
         files = self._contiguous([r for r in rows if not r["error"]], floors)
@@ -224,12 +233,14 @@ class Export:
         for topic in sorted({f["topic"] for f in files}):
             mine = [f for f in files if f["topic"] == topic]
             commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us))
+        done = time.monotonic()
         report = BatchReport(
             batch_id,
             sum(c.rows for c in commits),
             sum(c.files for c in commits),
-            time.monotonic() - started,
+            done - started,
             commits,
+            {"floors": planned - started, "job": written - planned, "commit": done - written},
         )
         with self._lock:
             self.offsets.update(floors)
