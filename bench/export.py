@@ -24,7 +24,8 @@
    acknowledgement to the rows being queryable in Delta (the queue's exported offset in the
    table's log covers them).
 
-Prints one JSON object on its last line; about eight minutes on an idle 2-core machine.
+Prints one JSON object on its last line (with `stage_s`: where the export's wall time went);
+about eight minutes on an idle 2-core machine, thirteen at load 10-18.
 """
 
 from __future__ import annotations
