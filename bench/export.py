@@ -24,7 +24,8 @@
    acknowledgement to the rows being queryable in Delta (the queue's exported offset in the
    table's log covers them).
 
-Prints one JSON object on its last line; about eight minutes on an idle 2-core machine.
+Prints one JSON object on its last line (with `stage_s`: where the export's wall time went);
+about eight minutes on an idle 2-core machine, thirteen at load 10-18.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ MESSAGES = 48_000  # about 200 MB of segments: a few batches, so no one fixed co
 QUEUES = 4
 SEGMENT_MESSAGES = 2_000  # about 8 MiB at the mean body size
 RUNS = 3
+STAGES = ("floors", "job", "commit")  # BatchReport.stages
 # The continuous-export profiles measured after the throughput runs ("low", "defaults").
 FRESHNESS_PROFILES = ("low", "defaults")
 # The two documented profiles (docs/lakehouse.md), each produced at 20 msgs/s: the low-latency
@@ -288,12 +290,17 @@ def main() -> None:
                     "limit_s": limit_s,
                     "codec_s": codec_s,
                     "codec_limit_s": max(get_s, codec_s),
+                    **{
+                        f"stage_{name}_s": sum(b.stages.get(name, 0.0) for b in report.batches)
+                        for name in STAGES
+                    },
                 }
             )
             progress(
                 f"run {run + 1}: export {export_s:.2f} s ({len(report.batches)} batches, "
                 f"{batch_s:.2f} s in them), raw GET {get_s:.2f} s, "
-                f"Parquet write {write_s:.2f} s"
+                f"Parquet write {write_s:.2f} s; stages "
+                + ", ".join(f"{n} {runs[-1][f'stage_{n}_s']:.2f} s" for n in STAGES)
             )
             shutil.rmtree(root / f"lake-{run}", ignore_errors=True)
 
@@ -372,6 +379,14 @@ def main() -> None:
                     statistics.median(codec_ratios), 3
                 ),
                 "batches_per_run": int(median("batches")),
+                # Where an export's wall time went (medians): outside its batches (the tables'
+                # offsets at start, planning), and per batch stage (lakehouse.export.BatchReport).
+                "stage_s": {
+                    "outside_batches": round(
+                        statistics.median(r["export_s"] - r["batch_s"] for r in runs), 2
+                    ),
+                    **{name: round(median(f"stage_{name}_s"), 2) for name in STAGES},
+                },
                 "ratio_export_vs_spark_plain_parquet": round(plain_s / median("export_s"), 3),
                 "spark_session_start_s": round(session_s, 1),
                 "noop_once_s": round(noop_s, 2),

@@ -11,6 +11,13 @@ files reach the target; a quiet one rewrites its one growing file each time (at 
 
 The replaced files stay on storage until ``tmq lakehouse maintain`` vacuums them; until then a
 reader of the table *directory* (not the Delta log) sees both copies (docs/lakehouse.md).
+
+Between two of those, a 1 s trigger still adds up to 300 files to a partition. So the export
+also counts the files it commits to each partition and, once one holds ``SMALL_FILES`` new
+files, merges that partition's files below ``SMALL_FILE_BYTES`` (``compact_partition``), a
+cheap first level: it never rewrites more than ``SMALL_FILE_BYTES`` at once, never touches
+the large files, and keeps a partition to at most ``SMALL_FILES`` small files plus the few
+first-level files since the last full compaction.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from lakehouse.tables import LakeTable
 
 # Compact a partition once it holds this many files below the target size.
 MIN_SMALL_FILES = 2
+# The first level (decided per batch): a partition with this many new files since its last
+# compaction has its files below SMALL_FILE_BYTES merged into files of about that size.
+SMALL_FILES = 16
+SMALL_FILE_BYTES = 8 << 20
 
 
 def compact_small_files(table: LakeTable, target_file_bytes: int) -> int:
@@ -48,3 +59,15 @@ def compact_small_files(table: LakeTable, target_file_bytes: int) -> int:
         )
         replaced += int(metrics["numFilesRemoved"])
     return replaced
+
+
+def compact_partition(table: LakeTable, day: str, target_file_bytes: int) -> int:
+    """Merge one partition's files below ``target_file_bytes`` into files of about that size;
+    return how many files were replaced."""
+    delta = table.open()
+    if delta is None:
+        return 0
+    metrics = delta.optimize.compact(
+        partition_filters=[(PARTITION_COLUMN, "=", day)], target_size=target_file_bytes
+    )
+    return int(metrics["numFilesRemoved"])

@@ -34,7 +34,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lakehouse import source as tmq_source
-from lakehouse.compaction import compact_small_files
+from lakehouse.compaction import (
+    SMALL_FILE_BYTES,
+    SMALL_FILES,
+    compact_partition,
+    compact_small_files,
+)
 from lakehouse.locations import Location, is_local, local_path
 from lakehouse.lock import CheckpointLock, ExportLockedError
 from lakehouse.sink import (
@@ -78,6 +83,9 @@ class ExportConfig:
     # per-trigger files do not pile up (lakehouse/compaction.py).
     compact_every_seconds: float | None = DEFAULT_COMPACT_EVERY_SECONDS
     target_file_bytes: int = TARGET_FILE_BYTES
+    # Continuous mode, with compaction on: merge a partition's small files once it has this
+    # many new ones (the first level, lakehouse/compaction.py).
+    compact_after_files: int = SMALL_FILES
     # The data files' codec: LZ4_RAW by default (decision 271); snappy for readers older than
     # Spark 3.4 / parquet-mr 1.13.
     compression: str = DEFAULT_COMPRESSION
@@ -92,6 +100,9 @@ class BatchReport:
     files: int
     seconds: float
     commits: list[CommitResult]
+    # Wall seconds of its stages: "floors" (reading the tables' offsets), "job" (the Spark job:
+    # GETs, decode, Parquet writes), "commit" (the Delta commits)
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -142,6 +153,9 @@ class Export:
         self._manifests = ManifestCache(self._store)
         self._continuous = False
         self._last_compaction: dict[str, float] = {}
+        # (topic, store_date) -> files committed since the partition was last compacted
+        self._new_files: dict[tuple[str, str], int] = {}
+        self._rewind: dict[str, int] = {}  # queue key -> next batch starts here, not at its end
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -191,7 +205,12 @@ class Export:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
         log.info("batch %d: writing", batch_id)
-        floors = self.exported(self.queues())
+        # The floors of the batch's own queues (no listing of the tier: the plan names them).
+        planned_queues = {QueueRef.parse(s.queue_key) for p in packs for s in p.slices}
+        floors = self.exported(
+            sorted(planned_queues, key=lambda q: q.key) if packs else self.queues()
+        )
+        planned = time.monotonic()
         with self._lock:
             stopped = frozenset(self.stopped)
         task = ParquetWriterTask(
@@ -206,6 +225,7 @@ class Export:
         )
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
+        written = time.monotonic()
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
             self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
         files = self._contiguous([r for r in rows if not r["error"]], floors)
@@ -213,12 +233,14 @@ class Export:
         for topic in sorted({f["topic"] for f in files}):
             mine = [f for f in files if f["topic"] == topic]
             commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us))
+        done = time.monotonic()
         report = BatchReport(
             batch_id,
             sum(c.rows for c in commits),
             sum(c.files for c in commits),
-            time.monotonic() - started,
+            done - started,
             commits,
+            {"floors": planned - started, "job": written - planned, "commit": done - written},
         )
         with self._lock:
             self.offsets.update(floors)
@@ -233,27 +255,37 @@ class Export:
             report.seconds,
         )
         if self._continuous:
-            self._compact([c.topic for c in commits if c.table_version is not None])
+            self._compact([c for c in commits if c.table_version is not None])
         if self.on_batch is not None:
             self.on_batch(report)
 
-    def _compact(self, topics: list[str]) -> None:
-        """Compact the partitions of ``topics`` once every ``compact_every_seconds`` (on the
-        driver, between batches: never concurrent with the export's own commits)."""
+    def _compact(self, commits: list[CommitResult]) -> None:
+        """Compact on the driver, between batches (never concurrent with the export's own
+        commits): a partition that received ``SMALL_FILES`` files since its last compaction
+        has its small files merged (the first level), and every ``compact_every_seconds``
+        each partition's files below the target are rewritten into one (lakehouse/compaction.py)."""
         every = self.config.compact_every_seconds
         if every is None:
             return
         now = time.monotonic()
-        for topic in topics:
-            last = self._last_compaction.setdefault(topic, now)
+        for commit in commits:
+            table = LakeTable(self.lake, commit.topic)
+            for day, count in commit.partitions.items():
+                key = (commit.topic, day)
+                self._new_files[key] = self._new_files.get(key, 0) + count
+                if self._new_files[key] >= self.config.compact_after_files:
+                    self._new_files[key] = 0
+                    merged = compact_partition(table, day, SMALL_FILE_BYTES)
+                    log.info("%s/%s: merged %d small files", commit.topic, day, merged)
+            last = self._last_compaction.setdefault(commit.topic, now)
             if now - last < every:
                 continue
-            self._last_compaction[topic] = now
-            compacted = compact_small_files(
-                LakeTable(self.lake, topic), self.config.target_file_bytes
-            )
+            self._last_compaction[commit.topic] = now
+            for key in [k for k in self._new_files if k[0] == commit.topic]:
+                self._new_files[key] = 0
+            compacted = compact_small_files(table, self.config.target_file_bytes)
             if compacted:
-                log.info("%s: compacted %d small files", topic, compacted)
+                log.info("%s: compacted %d small files", commit.topic, compacted)
 
     def _check_tables(self, queues: list[QueueRef]) -> None:
         """Stop the queues of a table this export cannot append to (an older row format)."""
@@ -287,33 +319,63 @@ class Export:
     def _contiguous(
         self, files: list[dict[str, Any]], floors: dict[str, int]
     ) -> list[dict[str, Any]]:
-        """The files that continue each queue's exported range without a gap. A gap (a slice
-        that failed, or a checkpoint ahead of the table) stops the queue rather than letting its
-        exported offset jump over messages; a range that expired from the tier is no gap."""
-        out: list[dict[str, Any]] = []
+        """The file rows that continue each queue's exported range without a gap. A gap (a
+        slice that failed in another task, or a checkpoint ahead of the table) stops the queue
+        rather than letting its exported offset jump over messages; a range that expired from
+        the tier is no gap.
+
+        A file holds several queues' rows and is committed whole or not at all, so a file
+        dropped for one queue's gap cuts every other queue in it at that file: those queues
+        are not stopped, their rest is left out of this batch and planned again by the next
+        one (``_rewind``)."""
         by_queue: dict[str, list[dict[str, Any]]] = {}
         for f in files:
             by_queue.setdefault(f["queue_key"], []).append(f)
-        for key, mine in sorted(by_queue.items()):
-            # Files after a damaged slice are dropped; the ones before it are committed.
-            queue = QueueRef.parse(key)
-            expected = floors.get(key)
-            if expected is None:
-                expected = self._manifests.get(queue, refresh=False).start_offset
-            for f in sorted(mine, key=lambda f: f["first_offset"]):
-                if f["last_offset"] < expected:
-                    continue  # already exported (a replay): commit_files skips it too
-                gap = f["first_offset"] > expected
-                if gap and self._manifests.get(queue).start_offset < f["first_offset"]:
-                    self._stop_queue(
-                        key,
-                        expected,
-                        f"offsets {expected}..{f['first_offset'] - 1} were not read in this batch",
-                    )
-                    break
-                out.append(f)
-                expected = f["last_offset"] + 1
-        return out
+        dropped: set[str] = set()  # paths this batch does not commit
+        cut_at: dict[str, int] = {}  # queue key -> where a dropped file cut it
+        changed = True
+        while changed:  # until no dropped file cuts another queue
+            changed = False
+            for key, mine in sorted(by_queue.items()):
+                queue = QueueRef.parse(key)
+                expected = floors.get(key)
+                if expected is None:
+                    expected = self._manifests.get(queue, refresh=False).start_offset
+                cut = False
+                for f in sorted(mine, key=lambda f: f["first_offset"]):
+                    if not cut:
+                        if f["last_offset"] < expected:
+                            continue  # already exported (a replay): commit_files skips it too
+                        gap = f["first_offset"] > expected
+                        if f["path"] in dropped:
+                            cut_at[key] = min(cut_at.get(key, expected), expected)
+                            cut = True
+                        elif gap and self._manifests.get(queue).start_offset < f["first_offset"]:
+                            self._stop_queue(
+                                key,
+                                expected,
+                                f"offsets {expected}..{f['first_offset'] - 1} were not read in "
+                                "this batch",
+                            )
+                            cut = True
+                        else:
+                            expected = f["last_offset"] + 1
+                            continue
+                    if f["path"] not in dropped:  # the rest of a cut queue: left out
+                        dropped.add(f["path"])
+                        changed = True
+        with self._lock:
+            for key, offset in cut_at.items():
+                if key not in self.stopped:
+                    self._rewind[key] = offset
+        return [f for f in files if f["path"] not in dropped]
+
+    def _next_position(self, end: dict[str, int]) -> dict[str, int]:
+        """Where the batch after one that planned up to ``end`` starts: ``end``, except for the
+        queues whose last batch was cut short (``_contiguous``)."""
+        with self._lock:
+            rewind, self._rewind = self._rewind, {}
+        return {**end, **rewind}
 
     def _write_batch_delta_spark(self, df: DataFrame, batch_id: int) -> None:
         """Spark's own Delta writer. Its idempotence is Delta's txnAppId/txnVersion pair; the
@@ -438,7 +500,7 @@ class Export:
             if end == position:
                 break  # nothing left below the targets (the rest expired or is stopped)
             self._batch(planner, position, end)
-            position = end
+            position = self._next_position(end)
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 
     def _run_continuous(self, starting: dict[str, int], *, timeout: float | None) -> ExportReport:
@@ -458,7 +520,7 @@ class Export:
             end = planner.latest(position)
             while end != position and not self._stop.is_set():  # a backlog: back to back
                 self._batch(planner, position, end)
-                position = end
+                position = self._next_position(end)
                 end = planner.latest(position)
             self._stop.wait(max(0.0, trigger - (time.monotonic() - started)))
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))

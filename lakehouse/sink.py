@@ -25,6 +25,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -36,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, Transaction
 from deltalake.transaction import AddAction, RemoveAction
+from fsspec.implementations.local import LocalFileSystem
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
@@ -77,7 +79,9 @@ STRING_STATS_PREFIX = 32
 _DICTIONARY_COLUMNS = ["topic", "broker", "tags", "born_host", "store_host", "segment"]
 _PARQUET_STATS_COLUMNS = [*STATS_COLUMNS]
 
-# One row per data file (or per damaged slice: empty path, ``error`` set), executors -> driver.
+# One row per data file and queue in it (a file holds the rows of every queue of its topic and
+# ``store_date`` that one task wrote; the file's fields repeat on each of its rows), or per
+# damaged slice (empty path, ``error`` set): executors -> driver.
 FILE_META_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -128,41 +132,58 @@ def _stat_value(value: Any, high: bool) -> Any:
 
 
 @dataclass(slots=True)
+class _QueueRange:
+    """The rows of one queue in one data file: contiguous offsets ``[first, last]``."""
+
+    first: int
+    last: int
+    rows: int
+
+
+@dataclass(slots=True)
 class _OpenFile:
     topic: str
-    queue_key: str
     day: str
     relative: str
     stream: Any
     writer: pq.ParquetWriter
     rows: int = 0
     arrow_bytes: int = 0
-    first_offset: int = 0
-    last_offset: int = 0
+    queues: dict[str, _QueueRange] = field(default_factory=dict)
     mins: dict[str, Any] = field(default_factory=dict)
     maxs: dict[str, Any] = field(default_factory=dict)
     nulls: dict[str, int] = field(default_factory=dict)
 
-    def write(self, table: pa.Table) -> None:
+    def continues(self, queue_key: str, first: int) -> bool:
+        """Whether rows of ``queue_key`` from ``first`` on keep its range in this file
+        contiguous (a queue without rows here always does)."""
+        current = self.queues.get(queue_key)
+        return current is None or current.last + 1 == first
+
+    def write(self, queue_key: str, table: pa.Table) -> None:
         self.writer.write_table(table)
-        offsets = table.column("queue_offset")
-        if self.rows == 0:
-            self.first_offset = pc.min(offsets).as_py()
-        self.last_offset = max(self.last_offset, pc.max(offsets).as_py())
+        lo, hi = (v.as_py() for v in pc.min_max(table.column("queue_offset")).values())
+        current = self.queues.get(queue_key)
+        if current is None:
+            self.queues[queue_key] = _QueueRange(lo, hi, table.num_rows)
+        else:
+            current.last = max(current.last, hi)
+            current.rows += table.num_rows
         self.rows += table.num_rows
         self.arrow_bytes += table.nbytes
         for name in STATS_COLUMNS:
             column = table.column(name)
             self.nulls[name] = self.nulls.get(name, 0) + column.null_count
-            lo, hi = (v.as_py() for v in pc.min_max(column).values())
-            if lo is None:
+            low, high = (v.as_py() for v in pc.min_max(column).values())
+            if low is None:
                 continue  # all null
-            self.mins[name] = lo if name not in self.mins else min(self.mins[name], lo)
-            self.maxs[name] = hi if name not in self.maxs else max(self.maxs[name], hi)
+            self.mins[name] = low if name not in self.mins else min(self.mins[name], low)
+            self.maxs[name] = high if name not in self.maxs else max(self.maxs[name], high)
         for name in NULL_COUNT_COLUMNS:
             self.nulls[name] = self.nulls.get(name, 0) + table.column(name).null_count
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> list[dict[str, Any]]:
+        """Close the file; its metadata rows, one per queue it holds (file fields repeated)."""
         self.writer.close()
         size = self.stream.tell()
         self.stream.close()
@@ -172,19 +193,24 @@ class _OpenFile:
             "maxValues": {k: _stat_value(v, True) for k, v in self.maxs.items()},
             "nullCount": self.nulls,
         }
-        return {
-            "topic": self.topic,
-            "queue_key": self.queue_key,
-            "path": self.relative,
-            "size": size,
-            "store_date": self.day,
-            "num_rows": self.rows,
-            "first_offset": self.first_offset,
-            "last_offset": self.last_offset,
-            "stats": json.dumps(stats, separators=(",", ":")),
-            "modification_time": int(time.time() * 1000),
-            "error": None,
-        }
+        encoded = json.dumps(stats, separators=(",", ":"))
+        modified = int(time.time() * 1000)
+        return [
+            {
+                "topic": self.topic,
+                "queue_key": key,
+                "path": self.relative,
+                "size": size,
+                "store_date": self.day,
+                "num_rows": part.rows,
+                "first_offset": part.first,
+                "last_offset": part.last,
+                "stats": encoded,
+                "modification_time": modified,
+                "error": None,
+            }
+            for key, part in sorted(self.queues.items())
+        ]
 
 
 def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
@@ -210,10 +236,12 @@ class ParquetWriterTask:
     task reads its slices with the columnar decode and writes the Arrow batches as Parquet
     straight away; message bytes never pass through the JVM.
 
-    Each file holds rows of one queue and one ``store_date``, contiguous in queue offset, so the
-    driver can tell exactly which queue progress it carries. A slice that cannot be read
-    (missing or damaged object) yields a damage row instead of failing the task: the driver
-    stops that queue alone."""
+    A task writes one file per topic and ``store_date`` (rolled at the target size): a small
+    batch of many queues is one file per partition, not one per queue. Within a file each
+    queue's rows are contiguous in queue offset, and the file's metadata rows (one per queue)
+    say exactly which queue progress it carries. A slice that cannot be read (missing or
+    damaged object) yields a damage row instead of failing the task, and the task reads no
+    later slice of that queue: the driver stops that queue alone."""
 
     lake: Location
     tier: Location
@@ -231,11 +259,14 @@ class ParquetWriterTask:
     def __call__(self, slices: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         files = _FileSet(self)
         damaged: list[dict[str, Any]] = []
+        failed: set[str] = set()  # queues whose slice failed in this task: read no further
         for batch in slices:
             for part in self._slices(batch):
                 floor = self.floors.get(part.queue_key, part.first)
-                if part.queue_key in self.stopped or part.end <= floor:
-                    continue  # stopped, or a replayed slice the table already has
+                if part.queue_key in self.stopped or part.queue_key in failed:
+                    continue
+                if part.end <= floor:
+                    continue  # a replayed slice the table already has
                 if floor > part.first:
                     part = SegmentSlice(part.queue_key, part.segment, floor, part.end)
                 try:
@@ -243,9 +274,10 @@ class ParquetWriterTask:
                         files.add(rows)
                 except (SegmentError, ObjectNotFoundError) as e:
                     # Rows decoded before the damage are whole and checked: keep them.
-                    written = files.close_queue(part.queue_key)
+                    written = files.last_offset(part.queue_key)
                     at = part.first if written is None else max(part.first, written + 1)
                     damaged.append(damage_row(part.queue_key, at, _first_line(e)))
+                    failed.add(part.queue_key)
         done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
@@ -268,11 +300,15 @@ class ParquetWriterTask:
         columns["export_ts"] = stamp
         return pa.Table.from_arrays([columns[f.name] for f in FILE_SCHEMA], schema=FILE_SCHEMA)
 
-    def open(self, fs: Any, root: str, topic: str, queue_key: str, day: str) -> _OpenFile:
+    def open(self, fs: Any, root: str, topic: str, day: str) -> _OpenFile:
         relative = f"{PARTITION_COLUMN}={day}/part-{self.batch_id:06d}-{uuid.uuid4().hex}.parquet"
         directory = f"{root}/{topic}/{PARTITION_COLUMN}={day}"
         fs.makedirs(directory, exist_ok=True)
-        stream = fs.open(f"{root}/{topic}/{relative}", "wb")
+        path = f"{root}/{topic}/{relative}"
+        # A local lake is written through Arrow's own file (C++, no GIL per write); fsspec's
+        # Python file cost a Python call per column chunk, which the task's fetch threads
+        # waited on.
+        stream = pa.OSFile(path, "wb") if isinstance(fs, LocalFileSystem) else fs.open(path, "wb")
         writer = pq.ParquetWriter(
             stream,
             FILE_SCHEMA,
@@ -280,17 +316,20 @@ class ParquetWriterTask:
             use_dictionary=_DICTIONARY_COLUMNS,
             write_statistics=_PARQUET_STATS_COLUMNS,
         )
-        return _OpenFile(topic, queue_key, day, relative, stream, writer)
+        return _OpenFile(topic, day, relative, stream, writer)
 
 
 class _FileSet:
-    """The open files of one task: one per queue, rolled at the target size or a new day."""
+    """The open files of one task: one per topic and ``store_date``, holding every queue's rows
+    of that partition, rolled at the target size (or when a queue's rows would not continue
+    its range in the file)."""
 
     def __init__(self, task: ParquetWriterTask) -> None:
         self.task = task
         self.fs, self.root = task.lake.filesystem()
-        self.open: dict[str, _OpenFile] = {}
+        self.open: dict[tuple[str, str], _OpenFile] = {}
         self.done: list[dict[str, Any]] = []
+        self.written: dict[str, int] = {}  # queue key -> last offset written in this task
 
     def add(self, batch: pa.RecordBatch) -> None:
         for (segment, day), part in _runs(batch):
@@ -301,30 +340,26 @@ class _FileSet:
                 part = part.filter(pc.greater_equal(offsets, floor))
             if part.num_rows == 0:
                 continue
-            current = self.open.get(queue_key)
-            if current is not None and current.day != day:
-                self.done.append(self.open.pop(queue_key).close())
+            topic = QueueRef.parse(queue_key).topic
+            where = (topic, day)
+            current = self.open.get(where)
+            first = part.column("queue_offset")[0].as_py()
+            if current is not None and not current.continues(queue_key, first):
+                self.done.extend(self.open.pop(where).close())
                 current = None
             if current is None:
-                topic = QueueRef.parse(queue_key).topic
-                current = self.open[queue_key] = self.task.open(
-                    self.fs, self.root, topic, queue_key, day
-                )
-            current.write(self.task.file_rows(part))
+                current = self.open[where] = self.task.open(self.fs, self.root, topic, day)
+            current.write(queue_key, self.task.file_rows(part))
+            self.written[queue_key] = current.queues[queue_key].last
             if current.arrow_bytes >= self.task.target_file_bytes:
-                self.done.append(self.open.pop(queue_key).close())
+                self.done.extend(self.open.pop(where).close())
 
-    def close_queue(self, queue_key: str) -> int | None:
-        """Close a queue's open file (its next slice failed); the file's last offset, or None
-        when it had none open."""
-        current = self.open.pop(queue_key, None)
-        if current is None:
-            return None
-        self.done.append(current.close())
-        return current.last_offset
+    def last_offset(self, queue_key: str) -> int | None:
+        """The last offset of ``queue_key`` this task wrote, or None."""
+        return self.written.get(queue_key)
 
     def close(self) -> list[dict[str, Any]]:
-        out = self.done + [f.close() for f in self.open.values()]
+        out = self.done + [row for f in self.open.values() for row in f.close()]
         self.open.clear()
         return out
 
@@ -359,33 +394,44 @@ class CommitResult:
     offsets: dict[str, int]  # queue key -> exported offset after the commit
     bytes: int = 0  # Parquet bytes committed
     file_sizes: list[int] = field(default_factory=list)  # bytes of each file committed
+    partitions: dict[str, int] = field(default_factory=dict)  # store_date -> files committed
 
 
 def commit_files(
     lake: Location, topic: str, files: list[dict[str, Any]], batch_id: int, export_ts_us: int
 ) -> CommitResult:
     """Commit one topic's files of a batch in one Delta transaction with the queues' new
-    exported offsets. Idempotent: files whose rows the table already has are left out."""
+    exported offsets. ``files`` are metadata rows, one per file and queue. Idempotent: files
+    whose rows the table already has are left out (a file is committed whole or not at all)."""
     table = LakeTable(lake, topic)
     delta = table.open_or_create()
     queues = {QueueRef.parse(f["queue_key"]) for f in files}
     current = {q.key: delta.transaction_version(app_id(q)) for q in queues}
-    keep = []
+    by_path: dict[str, list[dict[str, Any]]] = {}
     for f in files:
-        exported = current[f["queue_key"]]
-        if exported is None or f["first_offset"] >= exported:
-            keep.append(f)
-        elif f["last_offset"] >= exported:
+        by_path.setdefault(f["path"], []).append(f)
+    keep: list[dict[str, Any]] = []  # one row per file kept
+    offsets: dict[str, int] = {}
+    rows = 0
+    for path, parts in by_path.items():
+        # Each queue's rows in the file: all new to the table, or all already in it (a replay).
+        fresh = [f for f in parts if (current[f["queue_key"]] or 0) <= f["first_offset"]]
+        stale = [f for f in parts if (current[f["queue_key"]] or 0) > f["last_offset"]]
+        if len(stale) == len(parts):
+            continue  # the whole file is a replay
+        if len(fresh) != len(parts):
+            f = next(f for f in parts if f not in fresh)
             raise ExportConflictError(
-                f"table {topic}: queue {f['queue_key']} was exported up to {exported} by another "
-                f"writer while this batch wrote {f['first_offset']}..{f['last_offset']}; run one "
-                "export per topic"
+                f"table {topic}: queue {f['queue_key']} was exported up to "
+                f"{current[f['queue_key']]} by another writer while this batch wrote "
+                f"{f['first_offset']}..{f['last_offset']} (file {path}); run one export per topic"
             )
+        keep.append(parts[0])
+        for f in fresh:
+            offsets[f["queue_key"]] = max(offsets.get(f["queue_key"], 0), f["last_offset"] + 1)
+            rows += f["num_rows"]
     if not keep:
         return CommitResult(topic, None, 0, 0, {k: v for k, v in current.items() if v is not None})
-    offsets: dict[str, int] = {}
-    for f in keep:
-        offsets[f["queue_key"]] = max(offsets.get(f["queue_key"], 0), f["last_offset"] + 1)
     actions: list[AddAction | RemoveAction] = [
         AddAction(
             path=f["path"],
@@ -425,8 +471,9 @@ def commit_files(
         topic,
         delta.version(),
         len(keep),
-        sum(f["num_rows"] for f in keep),
+        rows,
         offsets,
         sum(f["size"] for f in keep),
         [f["size"] for f in keep],
+        dict(Counter(f["store_date"] for f in keep)),
     )

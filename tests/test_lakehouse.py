@@ -289,7 +289,7 @@ def test_continuous_runs_the_same_batch_jobs_in_a_loop_and_picks_up_new_topics(
     """Continuous mode is --once's batches in a loop in this one session: no streaming query
     and no Spark checkpoint, a backlog in bounded batches back to back, then one batch per
     trigger for what the tier gains (a topic that appears later included), each writing at
-    most one file per queue (decision 270)."""
+    most one file per partition, whatever the number of queues (decisions 270, 340)."""
     small_archive.produce("orders", 600)  # three segments per queue
     small_archive.offload("orders")
     checkpoint = tmp_path / "ckpt"
@@ -317,9 +317,58 @@ def test_continuous_runs_the_same_batch_jobs_in_a_loop_and_picks_up_new_topics(
     assert not runner.is_alive() and not errors, errors
     assert backlog == 3, "six segments, two per batch"
     assert queries == [] and not checkpoint.exists(), "no streaming query ran"
-    assert all(b.files <= 2 for b in job.batches if b.rows), "one file per queue and batch"
+    assert all(b.files <= 1 for b in job.batches if b.rows), "one file per partition and batch"
     for topic in ("orders", "payments"):
         assert delta_rows(lake, topic) == expected_rows(small_archive.messages(topic))
+
+
+def export_commits(table: Path) -> list[Counter[str]]:
+    """Per export commit in the Delta log (read as JSON, no tmq code): files added per
+    partition."""
+    commits = []
+    for entry in sorted((table / "_delta_log").glob("*.json")):
+        actions = [json.loads(line) for line in entry.read_text().splitlines() if line]
+        info = next(a["commitInfo"] for a in actions if "commitInfo" in a)
+        if "tmq.exportBatchId" in json.dumps(info):
+            adds = [a["add"] for a in actions if "add" in a]
+            commits.append(Counter(a["partitionValues"]["store_date"] for a in adds))
+    return commits
+
+
+def test_continuous_writes_one_file_per_partition_and_merges_small_files(
+    tmp_path: Path, spark: Any
+) -> None:
+    """Four queues, a batch per offload: every export commit adds at most one file per
+    partition, and the first compaction level keeps the partition to a few files (the count is
+    measured from the Delta log; decision 340)."""
+    archive = Archive.open(
+        tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=4, segment_messages=1000
+    )
+    job, _ = watched(
+        spark, tmp_path, trigger_seconds=0.2, compact_every_seconds=3600, compact_after_files=4
+    )
+    lake = tmp_path / "lake"
+    runner, errors = run_in_thread(job)
+    try:
+        deadline = time.monotonic() + 150
+        for round_ in range(1, 10):
+            archive.produce("orders", 40)  # ten messages for each of the four queues
+            archive.offload("orders")
+            while exported_rows(lake, "orders") < 40 * round_:
+                assert not errors and time.monotonic() < deadline, errors or "not exported"
+                time.sleep(0.05)
+        expected = expected_rows(archive.messages("orders"))
+    finally:
+        job.stop()
+        runner.join(60)
+        archive.close()
+    assert not runner.is_alive() and not errors, errors
+    commits = export_commits(lake / "orders")
+    assert len(commits) >= 5 and all(c and max(c.values()) == 1 for c in commits), commits
+    files = DeltaTable(str(lake / "orders")).get_add_actions(flatten=True).num_rows
+    print(f"{len(commits)} export commits of one file each, {files} files in the table")
+    assert files <= 4, "merged every four new files"
+    assert delta_rows(lake, "orders") == expected, "exactly once, through the merges too"
 
 
 def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
