@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-import boto3
+import botocore.session
 import numpy as np
 import pyarrow as pa
 from botocore.config import Config
@@ -273,7 +273,8 @@ def fetcher() -> ThreadPoolExecutor:
 
 
 class RangeReader:
-    """Ranged GETs of segment objects with boto3, for the export's span reads. s3fs serves
+    """Ranged GETs of segment objects with botocore, for the export's span reads (botocore is
+    what boto3 wraps; s3fs brings it, boto3 itself is not a dependency). s3fs serves
     each GET through its event loop thread (a hand-over per request, and aiohttp's chunked
     reads): on LocalStack it fetched at a third of what the same GETs got from boto3 on the
     same threads (decision 341). Any failure is left to the store's own read (its retry policy
@@ -292,7 +293,7 @@ class RangeReader:
             kwargs["aws_secret_access_key"] = options.get("secret")
             kwargs["aws_session_token"] = options.get("token")
         config = Config(max_pool_connections=2 * FETCH_AHEAD, retries={"max_attempts": 1})
-        self.client = boto3.session.Session().client("s3", config=config, **kwargs)
+        self.client = botocore.session.get_session().create_client("s3", config=config, **kwargs)
 
     @staticmethod
     def usable(tier: Location) -> bool:
@@ -312,7 +313,7 @@ _RANGE_READERS: dict[str, tuple[int, RangeReader | None]] = {}
 
 def range_reader(tier: Location) -> RangeReader | None:
     """This process's direct S3 reader of ``tier`` (None where the store reads alone). Made
-    on first use in each process: a boto3 client does not survive the worker daemon's fork."""
+    on first use in each process: a botocore client does not survive the worker daemon's fork."""
     if not RangeReader.usable(tier):
         return None
     key = json.dumps([tier.url, tier.options], sort_keys=True, default=str)

@@ -34,7 +34,7 @@ PRELOAD = (
     # aiohttp and the TLS contexts aiohttp builds at import took more than a second per
     # worker, as much as the batch's reads.
     "s3fs",
-    "boto3",  # the export's ranged GETs (lakehouse.source.RangeReader)
+    "botocore.session",  # the export's ranged GETs (lakehouse.source.RangeReader)
     "lakehouse.sink",
     "lakehouse.source",
     "tiered.columnar",

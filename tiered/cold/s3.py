@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-import boto3
 import botocore.config
+import botocore.session
 from botocore.exceptions import ClientError
 
 from tiered.cold.storage import (
@@ -73,7 +73,7 @@ class S3ObjectStore:
         ):
             if options.get(ours) is not None:
                 client_kwargs.setdefault(boto_name, options[ours])
-        self.client = boto3.session.Session().client(
+        self.client = botocore.session.get_session().create_client(
             "s3", config=botocore.config.Config(**config), **client_kwargs
         )
 
