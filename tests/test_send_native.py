@@ -63,7 +63,7 @@ def native(raw: bytes, topic: TopicConfig, first_queue: int) -> Any:
     return scanned, scanned_store_messages(scanned, topic, first_queue, LIMITS, PEER, len(raw))
 
 
-def records(batch: list[Message]) -> list[bytes]:
+def records(batch: list[Message]) -> list[tuple[bytes, ...]]:
     encoder = RecordEncoder(("10.1.1.1", 10911))
     return [encoder.encode(m, 0, 0, 1_700_000_000_000) for m in batch]
 
@@ -125,7 +125,8 @@ def plain(i: int, topic: str = "orders", **system: Any) -> d.Message:
 
 
 def request(*pms: d.Message) -> bytes:
-    return s.SendMessageRequest(messages=list(pms)).SerializeToString()
+    raw: bytes = s.SendMessageRequest(messages=list(pms)).SerializeToString()
+    return raw
 
 
 def test_a_plain_batch_is_built_natively_as_the_reference_builds_it() -> None:
@@ -242,7 +243,7 @@ def requests(draw: st.DrawFn) -> bytes:
             sp.message_group = draw(_text)
         if draw(st.integers(0, 6)) == 0:
             sp.delivery_timestamp.seconds = draw(st.integers(0, 2**40))
-    raw = out.SerializeToString()
+    raw: bytes = out.SerializeToString()
     # hostile bytes: a few flipped, cut short, or pasted in
     for _ in range(draw(st.integers(0, 2))):
         if not raw:
