@@ -15,10 +15,12 @@ from typing import Any
 
 import grpc
 from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol.service_pb2 import SendMessageRequest
 
 from broker import acl_pb2 as pb
 from broker import acl_pb2_grpc as pb_grpc
 from broker.acl import PUB, SUB, AclError, AclStore, Grant
+from broker.protocol import scan_send_request
 from remoting.auth import Principal
 
 MESSAGING = "/apache.rocketmq.v2.MessagingService/"
@@ -38,6 +40,8 @@ def resources(method: str, r: Any) -> list[Need] | None:
     if method == "Heartbeat":
         return [("group", r.group.name, (SUB,))] if r.client_type in _CONSUMERS else []
     if method == "SendMessage":
+        if isinstance(r, bytes):  # SendMessage takes its request's bytes (decision 310)
+            return _send_resources(r)
         return [("topic", t, (PUB,)) for t in sorted({m.topic.name for m in r.messages})]
     if method in ("EndTransaction", "RecallMessage"):
         return [("topic", r.topic.name, (PUB,))]
@@ -64,6 +68,20 @@ def resources(method: str, r: Any) -> list[Need] | None:
             needs += [("topic", e.topic.name, (SUB,)) for e in s.subscription.subscriptions]
         return needs
     return None
+
+
+def _send_resources(raw: bytes) -> list[Need]:
+    """The topics of a SendMessage request's bytes: read by the native walker when it takes
+    the request, else by protobuf; none when it does not decode (the servicer then answers
+    INVALID_ARGUMENT and stores nothing)."""
+    scanned = scan_send_request(raw)
+    if scanned is not None:
+        return [("topic", scanned.topic, (PUB,))]
+    try:
+        request = SendMessageRequest.FromString(raw)
+    except Exception:  # DecodeError, or anything a hostile payload provokes
+        return []
+    return resources("SendMessage", request) or []
 
 
 class BrokerPolicy:

@@ -277,3 +277,17 @@ def test_random_bytes_are_never_taken_when_protobuf_refuses_them() -> None:
             raw[rng.randrange(len(raw))] = rng.randrange(256)
         taken += check(bytes(raw), TOPICS["NORMAL"], rng.randrange(8))
     assert taken > 0  # some mutations (of a body, say) keep the batch plain
+
+
+def test_a_send_is_authorized_on_its_bytes_for_every_topic_it_names() -> None:
+    from broker.acl import PUB
+    from broker.authorization import resources
+
+    assert resources("SendMessage", request(plain(0), plain(1))) == [("topic", "orders", (PUB,))]
+    # off the walker's path: protobuf reads the topics, every one of them
+    two = request(plain(0, topic="zeta", tag="t"), plain(1, topic="alpha"))
+    assert resources("SendMessage", two) == [
+        ("topic", "alpha", (PUB,)),
+        ("topic", "zeta", (PUB,)),
+    ]
+    assert resources("SendMessage", b"\x0a\x05garbage") == []
