@@ -40,8 +40,6 @@ def resources(method: str, r: Any) -> list[Need] | None:
     if method == "Heartbeat":
         return [("group", r.group.name, (SUB,))] if r.client_type in _CONSUMERS else []
     if method == "SendMessage":
-        if isinstance(r, bytes):  # SendMessage takes its request's bytes (decision 310)
-            return _send_resources(r)
         return [("topic", t, (PUB,)) for t in sorted({m.topic.name for m in r.messages})]
     if method in ("EndTransaction", "RecallMessage"):
         return [("topic", r.topic.name, (PUB,))]
@@ -70,18 +68,18 @@ def resources(method: str, r: Any) -> list[Need] | None:
     return None
 
 
-def _send_resources(raw: bytes) -> list[Need]:
-    """The topics of a SendMessage request's bytes: read by the native walker when it takes
-    the request, else by protobuf; none when it does not decode (the servicer then answers
-    INVALID_ARGUMENT and stores nothing)."""
+def send_resources(raw: bytes) -> list[Need] | None:
+    """What a SendMessage request touches, from its bytes (SendMessage takes them, decision
+    310): the topic read by the native walker when it takes the request, else by protobuf;
+    None when they do not decode."""
     scanned = scan_send_request(raw)
     if scanned is not None:
         return [("topic", scanned.topic, (PUB,))]
     try:
         request = SendMessageRequest.FromString(raw)
     except Exception:  # DecodeError, or anything a hostile payload provokes
-        return []
-    return resources("SendMessage", request) or []
+        return None
+    return resources("SendMessage", request)
 
 
 class BrokerPolicy:
@@ -97,8 +95,11 @@ class BrokerPolicy:
             return f"{method} needs an admin user"
         name = method[len(MESSAGING) :]
         if isinstance(request, bytes):
-            return "malformed request"
-        needs = resources(name, request)
+            needs = send_resources(request) if name == "SendMessage" else None
+            if needs is None:
+                return "malformed request"
+        else:
+            needs = resources(name, request)
         if needs is None:
             return f"{name} needs an admin user"
         for kind, resource, actions in needs:
