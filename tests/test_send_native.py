@@ -6,6 +6,7 @@ and it never takes bytes protobuf refuses or a batch the reference refuses."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -291,3 +292,54 @@ def test_a_send_is_authorized_on_its_bytes_for_every_topic_it_names() -> None:
         ("topic", "zeta", (PUB,)),
     ]
     assert resources(b"\x0a\x05garbage") is None  # the policy answers "malformed request"
+
+
+def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> None:
+    """Through a real broker: a batch the walker takes and the same batch sent down the
+    reference path (a ``queue_offset`` the walker does not take and the broker ignores) are
+    stored alike, answered alike, and pulled back alike."""
+    import grpc
+    from broker_harness import Standalone, pull_all
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("orders", queues=2)
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        sent: dict[str, list[d.Message]] = {"native": [], "reference": []}
+        paths: list[tuple[str, dict[str, Any]]] = [
+            ("native", {}),
+            ("reference", {"queue_offset": 1}),
+        ]
+        for path, extra in paths:
+            pms = [plain(i, message_id=f"{path}-{i}", **extra) for i in range(6)]
+            pms[2].body = bytes(range(256)) * 3
+            pms[3].system_properties.born_host = "not-an-ip"  # the peer's address is stored
+            raw = request(*pms)
+            assert (scan_send_request(raw) is None) == (path == "reference")
+            reply = stub.SendMessage(s.SendMessageRequest.FromString(raw), timeout=30)
+            assert reply.status.code == d.OK, reply.status
+            assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(6)]
+            assert [e.status.code for e in reply.entries] == [d.OK] * 6
+            sent[path] = pms
+        pulled: dict[str, d.Message] = {}
+        deadline = time.monotonic() + 30
+        while len(pulled) < 12 and time.monotonic() < deadline:  # until dispatched
+            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
+            time.sleep(0.2)
+    finally:
+        node.stop()
+    assert len(pulled) == 12
+    for i in range(6):
+        native_m, reference_m = pulled[f"native-{i}"], pulled[f"reference-{i}"]
+        assert native_m.body == reference_m.body == sent["native"][i].body
+        assert native_m.user_properties == reference_m.user_properties
+        a, b = native_m.system_properties, reference_m.system_properties
+        assert (a.born_timestamp, a.born_host, a.message_type, a.queue_id) == (
+            b.born_timestamp,
+            b.born_host,
+            b.message_type,
+            b.queue_id,
+        )
+        assert a.born_timestamp.ToMilliseconds() == (1_700_000_000 + i) * 1000 + 123
+    assert pulled["native-3"].system_properties.born_host == "127.0.0.1"
