@@ -4,9 +4,9 @@
 ``scan(raw)`` walks the protobuf wire format of a whole ``apache.rocketmq.v2.SendMessageRequest``
 once and keeps, per message, where its topic, body, message id, type, encoding, born time and
 born host lie in ``raw``. It takes only the requests whose every message is on the broker's
-plain path (``broker.protocol.to_store_messages``): fields it knows, each at most once, with the
-wire type protobuf expects, strings that are valid UTF-8, one topic. Anything else (user
-properties, tag, keys, a message group, a delivery time, GZIP, an unknown or repeated field, a
+plain path (``broker.protocol.to_store_messages``, and a plain tag): fields it knows, each at
+most once, with the wire type protobuf expects, strings that are valid UTF-8, one topic.
+Anything else (user properties, keys, a message group, a delivery time, GZIP, an unknown or repeated field, a
 malformed length) makes it answer None, and the broker parses the request with protobuf and
 takes the reference path, which refuses exactly as the proxy does. ``SendBatch.messages`` then
 checks what depends on the topic (type, body limit) and builds the ``Message`` objects in C,
@@ -40,6 +40,7 @@ cdef Py_ssize_t[9] _OFF
 cdef tuple _FIELDS = ("topic", "body", "queue_id", "properties", "flag", "born_timestamp",
                       "born_host", "reconsume_times", "prepared_transaction_offset")
 cdef str _UNIQ = "UNIQ_KEY"
+cdef str _TAGS = "TAGS"
 cdef str _TYPE = "__MESSAGE_TYPE"
 cdef object _ZERO = 0
 
@@ -64,6 +65,8 @@ cdef struct Msg:
     Py_ssize_t mid_n
     const unsigned char* host
     Py_ssize_t host_n
+    const unsigned char* tag
+    Py_ssize_t tag_n  # -1: no tag
     int32_t encoding
     int32_t mtype
     int64_t born_s
@@ -189,14 +192,18 @@ cdef int _system(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m)
         if _tag(p, end, &pos, &field, &wire) < 0 or field >= 32 or seen & (1 << field):
             return -1
         seen |= 1 << field
-        if field == 3 or field == 4 or field == 7 or field == 8:
+        if field == 1 or field == 3 or field == 4 or field == 7 or field == 8:
             if wire != LEN or _span(p, end, &pos, &start, &n) < 0:
                 return -1
-            if field == 3:  # message_id: the plain path takes printable ASCII only
+            if field == 1 or field == 3:  # tag, message_id: checked in ``messages``
                 if not _utf8(p + start, n):
                     return -1
-                m.mid = p + start
-                m.mid_n = n
+                if field == 1:
+                    m.tag = p + start
+                    m.tag_n = n
+                else:
+                    m.mid = p + start
+                    m.mid_n = n
             elif field == 4:  # body_digest
                 if _digest(p, start, start + n) < 0:
                     return -1
@@ -259,6 +266,18 @@ cdef inline bint _plain_id(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     return not blank
 
 
+cdef inline bint _plain_tag(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Non-blank printable ASCII without '|': a tag ``to_store_message`` takes as it is."""
+    cdef Py_ssize_t i
+    cdef bint blank = True
+    for i in range(n):
+        if s[i] < 0x20 or s[i] > 0x7E or s[i] == 0x7C:
+            return False
+        if s[i] != 0x20:
+            blank = False
+    return not blank
+
+
 cdef inline void _put(object o, Py_ssize_t offset, object v):
     cdef PyObject** slot = <PyObject**>((<char*><PyObject*>o) + offset)
     Py_INCREF(v)
@@ -278,11 +297,13 @@ cdef class SendBatch:
         PyMem_Free(self.msgs)
 
     def messages(self, int32_t type_code, str type_name, Py_ssize_t max_body,
-                 Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or):
+                 Py_ssize_t max_properties_bytes, Py_ssize_t first_queue, Py_ssize_t queues,
+                 str peer_host, ip_or):
         """``(messages, message_ids, body_bytes)`` for a topic taking ``type_code`` messages
-        of at most ``max_body`` bytes, message ``i`` to queue ``(first_queue + i) % queues``
-        and born hosts through ``ip_or(host, peer_host)``; None when a message is off the
-        plain path (the caller takes the reference path for the whole batch)."""
+        of at most ``max_body`` bytes (and tags of at most ``max_properties_bytes``), message
+        ``i`` to queue ``(first_queue + i) % queues`` and born hosts through
+        ``ip_or(host, peer_host)``; None when a message is off the plain path (the caller
+        takes the reference path for the whole batch)."""
         cdef Py_ssize_t i, total = 0
         cdef Msg* m
         cdef list out = []
@@ -290,7 +311,10 @@ cdef class SendBatch:
         cdef const unsigned char* last_host = NULL
         cdef Py_ssize_t last_host_n = -1
         cdef object host = None
-        cdef object message, message_id
+        cdef object message, message_id, props
+        cdef const unsigned char* last_tag = NULL
+        cdef Py_ssize_t last_tag_n = -1
+        cdef object tag = None
         cdef int64_t ns, ms
         if queues <= 0:
             return None
@@ -299,6 +323,9 @@ cdef class SendBatch:
             if (m.body_n == 0 or m.body_n > max_body or m.mtype != type_code
                     or m.encoding == GZIP or not _plain_id(m.mid, m.mid_n)
                     or m.born_s >= MAX_SECONDS or m.born_s <= -MAX_SECONDS):
+                return None
+            if m.tag_n >= 0 and (m.tag_n > max_properties_bytes
+                                 or not _plain_tag(m.tag, m.tag_n)):
                 return None
         for i in range(self.count):
             m = &self.msgs[i]
@@ -319,7 +346,15 @@ cdef class SendBatch:
             _put(message, _OFF[0], self.topic)
             _put(message, _OFF[1], PyBytes_FromStringAndSize(<const char*>m.body, m.body_n))
             _put(message, _OFF[2], PyLong_FromSsize_t((first_queue + i) % queues))
-            _put(message, _OFF[3], {_UNIQ: message_id, _TYPE: type_name})
+            if m.tag_n < 0:
+                props = {_UNIQ: message_id, _TYPE: type_name}
+            else:  # to_store_message's order: the tag before the id
+                if tag is None or m.tag_n != last_tag_n or memcmp(m.tag, last_tag, m.tag_n):
+                    tag = PyUnicode_DecodeASCII(<const char*>m.tag, m.tag_n, NULL)
+                    last_tag = m.tag
+                    last_tag_n = m.tag_n
+                props = {_TAGS: tag, _UNIQ: message_id, _TYPE: type_name}
+            _put(message, _OFF[3], props)
             _put(message, _OFF[4], _ZERO)
             _put(message, _OFF[5], PyLong_FromLongLong(m.born_s * 1000 + ms))
             _put(message, _OFF[6], host)
@@ -357,7 +392,7 @@ def scan(bytes raw):
                     grown[i] = msgs[i]
                 PyMem_Free(msgs)
                 msgs = grown
-            msgs[count] = Msg(NULL, 0, NULL, 0, NULL, 0, NULL, 0, 0, 0, 0, 0)
+            msgs[count] = Msg(NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, -1, 0, 0, 0, 0)
             if _message(p, start, start + n, &msgs[count]) < 0:
                 return None
             if count and (msgs[count].topic_n != msgs[0].topic_n or memcmp(

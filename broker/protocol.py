@@ -356,7 +356,8 @@ def scanned_store_messages(
 ) -> tuple[list[Message], list[str], int] | None:
     """What ``to_store_messages`` makes of a scanned request, built natively, with the message
     ids and the total body bytes; None when a message is off the plain path for ``topic``
-    (its type, the body limit, its id), and the reference path must convert the batch."""
+    (its type, the body limit, its id, a tag the reference would refuse or a tag that is not
+    printable ASCII), and the reference path must convert the batch."""
     if request_bytes + DELIVERY_ENVELOPE_RESERVE > CLIENT_RECEIVE_LIMIT:
         return None
     type_code = MESSAGE_TYPE_VALUES.get(topic.message_type, -1)
@@ -364,6 +365,7 @@ def scanned_store_messages(
         type_code,
         topic.message_type,
         limits.max_body_bytes,
+        limits.max_properties_bytes,
         first_queue,
         topic.queues,
         peer_host,

@@ -211,6 +211,17 @@ def test_fields_in_another_order_decode_the_same() -> None:
     assert check(raw, TOPICS["NORMAL"])
 
 
+def test_a_tagged_batch_is_built_natively_and_a_bad_tag_gets_the_references_answer() -> None:
+    assert check(
+        request(*(plain(i, tag="TagA" if i % 2 else "Tag B") for i in range(8))), TOPICS["NORMAL"]
+    )
+    too_long = "t" * (LIMITS.max_properties_bytes + 1)
+    for tag in ("", " ", "a|b", "a\x7fb", "\u00e9t\u00e9", "a\tb", too_long):
+        raw = request(plain(0, tag="ok"), plain(1, tag=tag))
+        assert not check(raw, TOPICS["NORMAL"]), tag
+        assert isinstance(reference(raw, TOPICS["NORMAL"], 0), int | tuple)
+
+
 _text = st.one_of(
     st.sampled_from(["", " ", "orders", "01ABC", "10.0.0.1", "::1", "a|b", "a b", "\x7f", "é"]),
     st.text(max_size=12),
