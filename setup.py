@@ -41,7 +41,16 @@ extensions = [
         ["tiered/_record_native.pyx"],
         depends=["tiered/_record_native.h"],
         extra_compile_args=["-O3"],
-    )
+    ),
+    # SendMessageRequest bytes to store Messages (decision 310); sets the slots as the engine
+    # reads them, with the engine's header.
+    Extension(
+        "broker._send_native",
+        ["broker/_send_native.pyx"],
+        depends=["tiered/_record_native.h"],
+        include_dirs=["tiered"],
+        extra_compile_args=["-O3"],
+    ),
 ]
 
 setup(

@@ -56,6 +56,8 @@ from broker.protocol import (
     duration,
     duration_ms,
     message_queue,
+    scan_send_request,
+    scanned_store_messages,
     send_response,
     status,
     to_proto_message,
@@ -65,6 +67,7 @@ from broker.sql92 import SqlFilter
 from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
 from broker.transaction import TransactionError, TransactionService
 from remoting.namesrv_client import NameServerClient
+from remoting.servicers import decode_request, takes_bytes
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
@@ -373,44 +376,95 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     # -- produce -------------------------------------------------------------------------------
 
-    def SendMessage(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
-        def work() -> s.SendMessageResponse:
-            if not request.messages:
-                raise ProtocolError(d.MESSAGE_CORRUPTED, "no message to send")
-            if len(request.messages) > self.limits.max_batch:
-                raise ProtocolError(
-                    d.BAD_REQUEST,
-                    f"{len(request.messages)} messages in one "
-                    f"request; the limit is {self.limits.max_batch}",
-                )
-            names = {m.topic.name for m in request.messages}
-            if len(names) != 1:
-                raise ProtocolError(d.MESSAGE_CORRUPTED, "topic in message is not same")
-            topic = self._topic(names.pop(), need=PERM_WRITE)
-            ids = [pm.system_properties.message_id for pm in request.messages]
-            batch = to_store_messages(
-                request.messages,
-                topic,
-                self._reserve_queues(topic, len(request.messages)),
-                self.limits,
-                _peer_host(context),
-                request.ByteSize(),
-                ids,
-            )
-            if topic.message_type == "TRANSACTION":
-                return self._send_half(request, topic, batch, context)
-            if topic.message_type == "DELAY":
-                batch = [self._schedule(m) for m in batch]
+    @takes_bytes
+    def SendMessage(
+        self, request: s.SendMessageRequest | bytes, context: grpc.ServicerContext
+    ) -> Any:
+        # The request arrives as its bytes (remoting/servicers.py) unless an interceptor
+        # decoded it already: a plain batch is walked natively (decision 310), anything else
+        # parsed by protobuf and converted by the reference path.
+        scanned = None
+        if isinstance(request, bytes):
+            scanned = scan_send_request(request)
+            if scanned is None:
+                request = decode_request(s.SendMessageRequest.FromString, request, context)
 
-            offsets = self._replicated(
-                lambda: _appended(lambda: self.store.put_messages(batch)).queue_offsets
-            )
-            self.traffic.produced(topic.name, len(batch), sum(map(len, (m.body for m in batch))))
-            if topic.message_type == "DELAY" and self.timers is not None:
-                self.timers.wakeup()
-            return send_response(ids, offsets)
+        def work() -> s.SendMessageResponse:
+            if scanned is not None and isinstance(request, bytes):
+                return self._send_scanned(request, scanned, context)
+            assert isinstance(request, s.SendMessageRequest)
+            return self._send(request, context)
 
         return self._guard(lambda st: s.SendMessageResponse(status=st), work)
+
+    def _send_scanned(
+        self, raw: bytes, scanned: Any, context: grpc.ServicerContext
+    ) -> s.SendMessageResponse:
+        """A batch the native walker took: the reference path's checks, in its order, and the
+        reference conversion for a batch the walker hands back (decision 310)."""
+        if scanned.count > self.limits.max_batch:
+            return self._send(s.SendMessageRequest.FromString(raw), context)
+        topic = self._topic(scanned.topic, need=PERM_WRITE)
+        first_queue = self._reserve_queues(topic, scanned.count)
+        made = None
+        if topic.message_type == "NORMAL":
+            made = scanned_store_messages(
+                scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
+            )
+        if made is None:
+            return self._convert(s.SendMessageRequest.FromString(raw), topic, first_queue, context)
+        batch, ids, body_bytes = made
+        return self._store_plain(topic, batch, ids, body_bytes)
+
+    def _send(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
+        if not request.messages:
+            raise ProtocolError(d.MESSAGE_CORRUPTED, "no message to send")
+        if len(request.messages) > self.limits.max_batch:
+            raise ProtocolError(
+                d.BAD_REQUEST,
+                f"{len(request.messages)} messages in one "
+                f"request; the limit is {self.limits.max_batch}",
+            )
+        names = {m.topic.name for m in request.messages}
+        if len(names) != 1:
+            raise ProtocolError(d.MESSAGE_CORRUPTED, "topic in message is not same")
+        topic = self._topic(names.pop(), need=PERM_WRITE)
+        first_queue = self._reserve_queues(topic, len(request.messages))
+        return self._convert(request, topic, first_queue, context)
+
+    def _convert(
+        self,
+        request: s.SendMessageRequest,
+        topic: TopicConfig,
+        first_queue: int,
+        context: grpc.ServicerContext,
+    ) -> s.SendMessageResponse:
+        ids = [pm.system_properties.message_id for pm in request.messages]
+        batch = to_store_messages(
+            request.messages,
+            topic,
+            first_queue,
+            self.limits,
+            _peer_host(context),
+            request.ByteSize(),
+            ids,
+        )
+        if topic.message_type == "TRANSACTION":
+            return self._send_half(request, topic, batch, context)
+        if topic.message_type == "DELAY":
+            batch = [self._schedule(m) for m in batch]
+        return self._store_plain(topic, batch, ids, sum(map(len, (m.body for m in batch))))
+
+    def _store_plain(
+        self, topic: TopicConfig, batch: list[Message], ids: list[str], body_bytes: int
+    ) -> s.SendMessageResponse:
+        offsets = self._replicated(
+            lambda: _appended(lambda: self.store.put_messages(batch)).queue_offsets
+        )
+        self.traffic.produced(topic.name, len(batch), body_bytes)
+        if topic.message_type == "DELAY" and self.timers is not None:
+            self.timers.wakeup()
+        return send_response(ids, offsets)
 
     def _replicated(self, store: Callable[[], R]) -> R:
         """Run ``store`` (an append) as the replica group allows: refused before anything is

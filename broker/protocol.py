@@ -13,11 +13,13 @@ import ipaddress
 import re
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 
+import tiered.record
 from broker.metadata import PERM_READ, PERM_WRITE, Limits, TopicConfig
 from broker.timer import PROPERTY_ROLLED_FROM, PROPERTY_TIMER_OFFSET
 from broker.transaction import PROPERTY_CHECK_IMMUNITY_MS, PROPERTY_HALF_OFFSET, PROPERTY_TXN_ID
@@ -320,6 +322,56 @@ def to_store_messages(
             )
         )
     return out
+
+
+def _send_engine() -> Any:
+    """The native SendMessageRequest walker (broker/_send_native.pyx), when the record engine
+    is native and the walker is built; None: every request is parsed by protobuf."""
+    if ENGINE_NAME != "native":
+        return None
+    try:
+        from broker import _send_native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _send_native if _send_native.bind(tiered.record) else None
+
+
+SEND_ENGINE: Any = _send_engine()
+
+
+def scan_send_request(raw: bytes) -> Any:
+    """A serialized SendMessageRequest walked once natively (``.topic``, ``.count``), or None
+    when the native walker is not built or the request is off its plain path: then protobuf
+    parses it and ``to_store_messages`` converts it (decision 310)."""
+    return None if SEND_ENGINE is None else SEND_ENGINE.scan(raw)
+
+
+def scanned_store_messages(
+    scanned: Any,
+    topic: TopicConfig,
+    first_queue: int,
+    limits: Limits,
+    peer_host: str,
+    request_bytes: int,
+) -> tuple[list[Message], list[str], int] | None:
+    """What ``to_store_messages`` makes of a scanned request, built natively, with the message
+    ids and the total body bytes; None when a message is off the plain path for ``topic``
+    (its type, the body limit, its id, a tag the reference would refuse or a tag that is not
+    printable ASCII), and the reference path must convert the batch."""
+    if request_bytes + DELIVERY_ENVELOPE_RESERVE > CLIENT_RECEIVE_LIMIT:
+        return None
+    type_code = MESSAGE_TYPE_VALUES.get(topic.message_type, -1)
+    made: tuple[list[Message], list[str], int] | None = scanned.messages(
+        type_code,
+        topic.message_type,
+        limits.max_body_bytes,
+        limits.max_properties_bytes,
+        first_queue,
+        topic.queues,
+        peer_host,
+        _ip_or,
+    )
+    return made
 
 
 def send_results_py(status_bytes: bytes, message_ids: list[str], offsets: list[int]) -> bytes:

@@ -7,13 +7,17 @@ malformed request pins one worker, and a few hundred hang the server for good. E
 servicer raw bytes, and the wrapper decodes them with the generated deserializer itself,
 answering INVALID_ARGUMENT when they do not decode. The protocol is not re-typed: the generated
 handlers are captured and only their deserializer is moved.
+
+A servicer method marked ``@takes_bytes`` gets the request's bytes as they came (it decodes
+them itself, with ``decode_request`` where it needs protobuf's parse): the broker's SendMessage
+walks a plain batch natively (decision 310).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,7 +26,18 @@ log = logging.getLogger(__name__)
 Deserializer = Callable[[bytes], Any]
 
 
-def _decode(deserializer: Deserializer, raw: bytes, context: grpc.ServicerContext) -> Any:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes_bytes(method: F) -> F:
+    """Mark a servicer method that takes its request as bytes (or decoded, when an
+    interceptor decoded it) and decodes it itself."""
+    method.takes_bytes = True  # type: ignore[attr-defined]
+    return method
+
+
+def decode_request(deserializer: Deserializer, raw: Any, context: grpc.ServicerContext) -> Any:
+    """``raw`` decoded, or the call aborted with INVALID_ARGUMENT when it does not decode."""
     if not isinstance(raw, bytes):  # decoded already, by an interceptor (remoting/auth.py)
         return raw
     try:
@@ -37,20 +52,22 @@ def _wrap(handler: Any) -> Any:
         return handler
     if handler.unary_unary is not None:
         fn = handler.unary_unary
+        if getattr(fn, "takes_bytes", False):
+            return handler._replace(request_deserializer=None)
         return handler._replace(
             request_deserializer=None,
-            unary_unary=lambda raw, ctx: fn(_decode(deserializer, raw, ctx), ctx),
+            unary_unary=lambda raw, ctx: fn(decode_request(deserializer, raw, ctx), ctx),
         )
     if handler.unary_stream is not None:
         fn = handler.unary_stream
         return handler._replace(
             request_deserializer=None,
-            unary_stream=lambda raw, ctx: fn(_decode(deserializer, raw, ctx), ctx),
+            unary_stream=lambda raw, ctx: fn(decode_request(deserializer, raw, ctx), ctx),
         )
 
     def requests(raws: Iterator[bytes], ctx: grpc.ServicerContext) -> Iterator[Any]:
         for raw in raws:
-            yield _decode(deserializer, raw, ctx)
+            yield decode_request(deserializer, raw, ctx)
 
     if handler.stream_unary is not None:
         fn = handler.stream_unary

@@ -1,0 +1,412 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True
+"""A SendMessageRequest's bytes walked natively into store ``Message`` objects (decision 310).
+
+``scan(raw)`` walks the protobuf wire format of a whole ``apache.rocketmq.v2.SendMessageRequest``
+once and keeps, per message, where its topic, body, message id, type, encoding, born time and
+born host lie in ``raw``. It takes only the requests whose every message is on the broker's
+plain path (``broker.protocol.to_store_messages``, and a plain tag): fields it knows, each at
+most once, with the wire type protobuf expects, strings that are valid UTF-8, one topic.
+Anything else (user properties, keys, a message group, a delivery time, GZIP, an unknown or repeated field, a
+malformed length) makes it answer None, and the broker parses the request with protobuf and
+takes the reference path, which refuses exactly as the proxy does. ``SendBatch.messages`` then
+checks what depends on the topic (type, body limit) and builds the ``Message`` objects in C,
+with the slots set directly: no protobuf object and no Python bytecode per message.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_FromLongLong, PyLong_FromSsize_t
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.string cimport memcmp
+
+cdef extern from "Python.h":
+    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
+    object PyUnicode_DecodeASCII(const char* s, Py_ssize_t size, const char* errors)
+    void PyErr_Clear()
+
+cdef extern from "_record_native.h":
+    Py_ssize_t tmq_slot_offset(object descr) except? -2
+
+DEF MAX_ID = 128  # broker.protocol.to_store_messages: a plain message id is at most 128 chars
+DEF GZIP = 2  # apache.rocketmq.v2.Encoding.GZIP
+DEF LEN = 2
+DEF VARINT = 0
+# |seconds| below this cannot overflow int64 as milliseconds.
+DEF MAX_SECONDS = 9007199254740992
+
+cdef type Message = None
+cdef Py_ssize_t[9] _OFF
+cdef tuple _FIELDS = ("topic", "body", "queue_id", "properties", "flag", "born_timestamp",
+                      "born_host", "reconsume_times", "prepared_transaction_offset")
+cdef str _UNIQ = "UNIQ_KEY"
+cdef str _TAGS = "TAGS"
+cdef str _TYPE = "__MESSAGE_TYPE"
+cdef object _ZERO = 0
+
+
+def bind(record_module):
+    """Take ``tiered.record.Message`` and where its slots lie; False if they cannot be set."""
+    global Message
+    Message = record_module.Message
+    for i, field in enumerate(_FIELDS):
+        _OFF[i] = tmq_slot_offset(Message.__dict__[field])
+        if _OFF[i] < 0:
+            return False
+    return True
+
+
+cdef struct Msg:
+    const unsigned char* topic
+    Py_ssize_t topic_n
+    const unsigned char* body
+    Py_ssize_t body_n
+    const unsigned char* mid
+    Py_ssize_t mid_n
+    const unsigned char* host
+    Py_ssize_t host_n
+    const unsigned char* tag
+    Py_ssize_t tag_n  # -1: no tag
+    int32_t encoding
+    int32_t mtype
+    int64_t born_s
+    int32_t born_ns
+
+
+cdef inline int _varint(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos,
+                        uint64_t* out) noexcept nogil:
+    """A base-128 varint at ``pos`` (-1: truncated, or longer than protobuf allows)."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef unsigned char b
+    while True:
+        if pos[0] >= end or shift > 63:
+            return -1
+        b = p[pos[0]]
+        pos[0] += 1
+        if shift == 63 and b > 1:
+            return -1
+        v |= (<uint64_t>(b & 0x7F)) << shift
+        if b < 0x80:
+            out[0] = v
+            return 0
+        shift += 7
+
+
+cdef inline int _tag(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos, int* field,
+                     int* wire) noexcept nogil:
+    cdef uint64_t t
+    if _varint(p, end, pos, &t) < 0 or t >> 3 == 0 or t >> 3 > 536870911:
+        return -1
+    field[0] = <int>(t >> 3)
+    wire[0] = <int>(t & 7)
+    return 0
+
+
+cdef inline int _span(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos,
+                      Py_ssize_t* start, Py_ssize_t* n) noexcept nogil:
+    """A length-delimited field's payload: ``start`` and ``n`` (-1 past ``end``)."""
+    cdef uint64_t length
+    if _varint(p, end, pos, &length) < 0 or length > <uint64_t>(end - pos[0]):
+        return -1
+    start[0] = pos[0]
+    n[0] = <Py_ssize_t>length
+    pos[0] += <Py_ssize_t>length
+    return 0
+
+
+cdef inline bint _ascii(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if s[i] >= 0x80:
+            return False
+    return True
+
+
+cdef bint _utf8(const unsigned char* s, Py_ssize_t n):
+    """Valid UTF-8, as protobuf requires of a proto3 string (Python's strict decoder)."""
+    if _ascii(s, n):
+        return True
+    try:
+        PyUnicode_DecodeUTF8(<const char*>s, n, NULL)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+cdef int _resource(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    cdef int field, wire, seen = 0
+    cdef Py_ssize_t start, n
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN or field > 2:
+            return -1
+        if seen & (1 << field) or _span(p, end, &pos, &start, &n) < 0:
+            return -1
+        seen |= 1 << field
+        if not _utf8(p + start, n):
+            return -1
+        if field == 2:
+            m.topic = p + start
+            m.topic_n = n
+    return 0
+
+
+cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    cdef int field, wire, seen = 0
+    cdef uint64_t v
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or wire != VARINT or field > 2:
+            return -1
+        if seen & (1 << field) or _varint(p, end, &pos, &v) < 0:
+            return -1
+        seen |= 1 << field
+        if field == 1:
+            m.born_s = <int64_t>v
+        else:
+            m.born_ns = <int32_t>v
+    return 0
+
+
+cdef int _digest(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end):
+    cdef int field, wire, seen = 0
+    cdef uint64_t v
+    cdef Py_ssize_t start, n
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or field > 2 or seen & (1 << field):
+            return -1
+        seen |= 1 << field
+        if field == 1:
+            if wire != VARINT or _varint(p, end, &pos, &v) < 0:
+                return -1
+        elif wire != LEN or _span(p, end, &pos, &start, &n) < 0 or not _utf8(p + start, n):
+            return -1
+    return 0
+
+
+cdef int _system(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    cdef int field, wire
+    cdef int seen = 0
+    cdef uint64_t v
+    cdef Py_ssize_t start, n
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or field >= 32 or seen & (1 << field):
+            return -1
+        seen |= 1 << field
+        if field == 1 or field == 3 or field == 4 or field == 7 or field == 8:
+            if wire != LEN or _span(p, end, &pos, &start, &n) < 0:
+                return -1
+            if field == 1 or field == 3:  # tag, message_id: checked in ``messages``
+                if not _utf8(p + start, n):
+                    return -1
+                if field == 1:
+                    m.tag = p + start
+                    m.tag_n = n
+                else:
+                    m.mid = p + start
+                    m.mid_n = n
+            elif field == 4:  # body_digest
+                if _digest(p, start, start + n) < 0:
+                    return -1
+            elif field == 7:  # born_timestamp
+                if _timestamp(p, start, start + n, m) < 0:
+                    return -1
+            else:  # born_host
+                if not _utf8(p + start, n):
+                    return -1
+                m.host = p + start
+                m.host_n = n
+        elif field == 5 or field == 6 or field == 13:
+            if wire != VARINT or _varint(p, end, &pos, &v) < 0:
+                return -1
+            if field == 5:
+                m.encoding = <int32_t>v
+            elif field == 6:
+                m.mtype = <int32_t>v
+            # 13, queue_id: the broker chooses the queue
+        else:
+            return -1
+    return 0
+
+
+cdef int _message(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    cdef int field, wire, seen = 0
+    cdef Py_ssize_t start, n
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN:
+            return -1
+        # 2, user_properties: the reference path checks names and sizes
+        if field == 2 or field > 4 or seen & (1 << field):
+            return -1
+        seen |= 1 << field
+        if _span(p, end, &pos, &start, &n) < 0:
+            return -1
+        if field == 1:
+            if _resource(p, start, start + n, m) < 0:
+                return -1
+        elif field == 3:
+            if _system(p, start, start + n, m) < 0:
+                return -1
+        else:
+            m.body = p + start
+            m.body_n = n
+    return 0
+
+
+cdef inline bint _plain_id(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Non-blank printable ASCII of at most 128 characters: what the plain path takes."""
+    cdef Py_ssize_t i
+    cdef bint blank = True
+    if n == 0 or n > MAX_ID:
+        return False
+    for i in range(n):
+        if s[i] < 0x20 or s[i] > 0x7E:
+            return False
+        if s[i] != 0x20:
+            blank = False
+    return not blank
+
+
+cdef inline bint _plain_tag(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Non-blank printable ASCII without '|': a tag ``to_store_message`` takes as it is."""
+    cdef Py_ssize_t i
+    cdef bint blank = True
+    for i in range(n):
+        if s[i] < 0x20 or s[i] > 0x7E or s[i] == 0x7C:
+            return False
+        if s[i] != 0x20:
+            blank = False
+    return not blank
+
+
+cdef inline void _put(object o, Py_ssize_t offset, object v):
+    cdef PyObject** slot = <PyObject**>((<char*><PyObject*>o) + offset)
+    Py_INCREF(v)
+    Py_XDECREF(slot[0])
+    slot[0] = <PyObject*>v
+
+
+cdef class SendBatch:
+    """A scanned request: ``topic`` and ``count``, and where each message's fields lie."""
+
+    cdef readonly str topic
+    cdef readonly Py_ssize_t count
+    cdef bytes raw
+    cdef Msg* msgs
+
+    def __dealloc__(self):
+        PyMem_Free(self.msgs)
+
+    def messages(self, int32_t type_code, str type_name, Py_ssize_t max_body,
+                 Py_ssize_t max_properties_bytes, Py_ssize_t first_queue, Py_ssize_t queues,
+                 str peer_host, ip_or):
+        """``(messages, message_ids, body_bytes)`` for a topic taking ``type_code`` messages
+        of at most ``max_body`` bytes (and tags of at most ``max_properties_bytes``), message
+        ``i`` to queue ``(first_queue + i) % queues`` and born hosts through
+        ``ip_or(host, peer_host)``; None when a message is off the plain path (the caller
+        takes the reference path for the whole batch)."""
+        cdef Py_ssize_t i, total = 0
+        cdef Msg* m
+        cdef list out = []
+        cdef list ids = []
+        cdef const unsigned char* last_host = NULL
+        cdef Py_ssize_t last_host_n = -1
+        cdef object host = None
+        cdef object message, message_id, props
+        cdef const unsigned char* last_tag = NULL
+        cdef Py_ssize_t last_tag_n = -1
+        cdef object tag = None
+        cdef int64_t ns, ms
+        if queues <= 0:
+            return None
+        for i in range(self.count):
+            m = &self.msgs[i]
+            if (m.body_n == 0 or m.body_n > max_body or m.mtype != type_code
+                    or m.encoding == GZIP or not _plain_id(m.mid, m.mid_n)
+                    or m.born_s >= MAX_SECONDS or m.born_s <= -MAX_SECONDS):
+                return None
+            if m.tag_n >= 0 and (m.tag_n > max_properties_bytes
+                                 or not _plain_tag(m.tag, m.tag_n)):
+                return None
+        for i in range(self.count):
+            m = &self.msgs[i]
+            if host is None or m.host_n != last_host_n or (
+                    m.host_n and memcmp(m.host, last_host, m.host_n) != 0):
+                host = (ip_or(PyUnicode_DecodeUTF8(<const char*>m.host, m.host_n, NULL),
+                              peer_host), _ZERO)
+                last_host = m.host
+                last_host_n = m.host_n
+            message_id = PyUnicode_DecodeASCII(<const char*>m.mid, m.mid_n, NULL)
+            ids.append(message_id)
+            # Python's floor division, as the reference's ``nanos // 1_000_000``
+            ns = m.born_ns
+            ms = ns // 1000000
+            if ns % 1000000 != 0 and ns < 0:
+                ms -= 1
+            message = Message.__new__(Message)
+            _put(message, _OFF[0], self.topic)
+            _put(message, _OFF[1], PyBytes_FromStringAndSize(<const char*>m.body, m.body_n))
+            _put(message, _OFF[2], PyLong_FromSsize_t((first_queue + i) % queues))
+            if m.tag_n < 0:
+                props = {_UNIQ: message_id, _TYPE: type_name}
+            else:  # to_store_message's order: the tag before the id
+                if tag is None or m.tag_n != last_tag_n or memcmp(m.tag, last_tag, m.tag_n):
+                    tag = PyUnicode_DecodeASCII(<const char*>m.tag, m.tag_n, NULL)
+                    last_tag = m.tag
+                    last_tag_n = m.tag_n
+                props = {_TAGS: tag, _UNIQ: message_id, _TYPE: type_name}
+            _put(message, _OFF[3], props)
+            _put(message, _OFF[4], _ZERO)
+            _put(message, _OFF[5], PyLong_FromLongLong(m.born_s * 1000 + ms))
+            _put(message, _OFF[6], host)
+            _put(message, _OFF[7], _ZERO)
+            _put(message, _OFF[8], _ZERO)
+            out.append(message)
+            total += m.body_n
+        return out, ids, total
+
+
+def scan(bytes raw):
+    """A ``SendBatch`` for ``raw``, a serialized SendMessageRequest, or None when some part of
+    it is not on the plain path or not well-formed (the caller parses it with protobuf)."""
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t end = PyBytes_GET_SIZE(raw), pos = 0, start, n, count = 0, cap = 0
+    cdef int field, wire
+    cdef Msg* msgs = NULL
+    cdef Msg* grown
+    cdef Py_ssize_t i
+    cdef SendBatch batch
+    if Message is None:
+        return None
+    try:
+        while pos < end:
+            if _tag(p, end, &pos, &field, &wire) < 0 or field != 1 or wire != LEN:
+                return None
+            if _span(p, end, &pos, &start, &n) < 0:
+                return None
+            if count == cap:
+                cap = cap * 2 if cap else 128
+                grown = <Msg*>PyMem_Malloc(cap * sizeof(Msg))
+                if grown == NULL:
+                    raise MemoryError()
+                for i in range(count):
+                    grown[i] = msgs[i]
+                PyMem_Free(msgs)
+                msgs = grown
+            msgs[count] = Msg(NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, -1, 0, 0, 0, 0)
+            if _message(p, start, start + n, &msgs[count]) < 0:
+                return None
+            if count and (msgs[count].topic_n != msgs[0].topic_n or memcmp(
+                    msgs[count].topic, msgs[0].topic, msgs[0].topic_n) != 0):
+                return None  # the reference answers a batch of several topics
+            count += 1
+        if count == 0 or msgs[0].topic_n == 0:
+            return None
+        batch = SendBatch.__new__(SendBatch)
+        batch.raw = raw
+        batch.count = count
+        batch.topic = PyUnicode_DecodeUTF8(<const char*>msgs[0].topic, msgs[0].topic_n, NULL)
+        batch.msgs = msgs
+        msgs = NULL
+        return batch
+    finally:
+        PyMem_Free(msgs)

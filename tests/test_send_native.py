@@ -1,0 +1,356 @@
+"""The native SendMessageRequest walker (decision 310) against the reference path (protobuf's
+parse, then ``to_store_messages``): on random and hostile requests it either hands the batch
+back to the reference path or builds exactly the reference's Messages (so the same records),
+and it never takes bytes protobuf refuses or a batch the reference refuses."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2 as s
+
+from broker.metadata import Limits, TopicConfig
+from broker.protocol import (
+    SEND_ENGINE,
+    ProtocolError,
+    scan_send_request,
+    scanned_store_messages,
+    to_store_messages,
+)
+from tiered.record import Message, RecordEncoder
+
+pytestmark = pytest.mark.skipif(SEND_ENGINE is None, reason="the native walker is not built")
+
+LIMITS = Limits(max_body_bytes=4096)
+TOPICS = {
+    "NORMAL": TopicConfig(name="orders", queues=4),
+    "FIFO": TopicConfig(name="orders", queues=4, message_type="FIFO"),
+    "DELAY": TopicConfig(name="orders", queues=3, message_type="DELAY"),
+}
+PEER = "127.0.0.9"
+
+
+def reference(raw: bytes, topic: TopicConfig, first_queue: int) -> Any:
+    """What the reference path makes of ``raw``: "undecodable", a ProtocolError's code, or
+    (messages, ids, body bytes)."""
+    try:
+        request = s.SendMessageRequest.FromString(raw)
+    except DecodeError:
+        return "undecodable"
+    names = {m.topic.name for m in request.messages}
+    if not request.messages or len(names) != 1 or names.pop() != topic.name:
+        return "not one topic"
+    ids = [pm.system_properties.message_id for pm in request.messages]
+    try:
+        batch = to_store_messages(
+            request.messages, topic, first_queue, LIMITS, PEER, request.ByteSize(), ids
+        )
+    except ProtocolError as e:
+        return e.code
+    return batch, ids, sum(len(m.body) for m in batch)
+
+
+def native(raw: bytes, topic: TopicConfig, first_queue: int) -> Any:
+    scanned = scan_send_request(raw)
+    if scanned is None:
+        return None
+    return scanned, scanned_store_messages(scanned, topic, first_queue, LIMITS, PEER, len(raw))
+
+
+def records(batch: list[Message]) -> list[tuple[bytes, ...]]:
+    encoder = RecordEncoder(("10.1.1.1", 10911))
+    return [encoder.encode(m, 0, 0, 1_700_000_000_000) for m in batch]
+
+
+def check(raw: bytes, topic: TopicConfig, first_queue: int = 6) -> bool:
+    """Native and reference agree on ``raw``; True when the native path took the batch."""
+    ref = reference(raw, topic, first_queue)
+    got = native(raw, topic, first_queue)
+    if got is None:
+        return False
+    scanned, made = got
+    # Whatever the walker accepts, protobuf decodes, to one topic and this many messages.
+    assert ref != "undecodable", raw
+    request = s.SendMessageRequest.FromString(raw)
+    assert scanned.count == len(request.messages)
+    assert {m.topic.name for m in request.messages} == {scanned.topic}
+    if scanned.topic != topic.name:
+        # the broker looks up (and checks) the topic the walker read, as the reference does
+        assert ref == "not one topic"
+        return False
+    if made is None:
+        return False
+    assert isinstance(ref, tuple), f"native built a batch the reference refuses ({ref})"
+    batch, ids, body_bytes = made
+    ref_batch, ref_ids, ref_bytes = ref
+    assert batch == ref_batch
+    # property order too: it is the stored record's byte order
+    assert [list(m.properties.items()) for m in batch] == [
+        list(m.properties.items()) for m in ref_batch
+    ]
+    assert [type(m.queue_id) for m in batch] == [int] * len(batch)
+    assert records(batch) == records(ref_batch)
+    assert (ids, body_bytes) == (ref_ids, ref_bytes)
+    return True
+
+
+def plain(i: int, topic: str = "orders", **system: Any) -> d.Message:
+    pm = d.Message(topic=d.Resource(name=topic), body=b"body-%d" % i)
+    sp = pm.system_properties
+    sp.message_id = f"01{i:030X}"
+    sp.message_type = d.NORMAL
+    sp.body_encoding = d.IDENTITY
+    sp.born_timestamp.seconds, sp.born_timestamp.nanos = 1_700_000_000 + i, 123_456_789
+    sp.born_host = "10.0.0.7"
+    sp.body_digest.type = d.MD5
+    sp.body_digest.checksum = "0123456789abcdef"
+    for name, value in system.items():
+        if name == "body":
+            pm.body = value
+        elif name == "user":
+            pm.user_properties.update(value)
+        elif name == "keys":
+            sp.keys.extend(value)
+        elif isinstance(value, tuple):
+            getattr(sp, name).seconds, getattr(sp, name).nanos = value
+        else:
+            setattr(sp, name, value)
+    return pm
+
+
+def request(*pms: d.Message) -> bytes:
+    raw: bytes = s.SendMessageRequest(messages=list(pms)).SerializeToString()
+    return raw
+
+
+def test_a_plain_batch_is_built_natively_as_the_reference_builds_it() -> None:
+    raw = request(*(plain(i) for i in range(128)))
+    assert check(raw, TOPICS["NORMAL"])
+    # what Apache's client leaves out: no digest, no born time, no host (the peer is used)
+    bare = s.SendMessageRequest()
+    for i in range(3):
+        m = bare.messages.add(topic=d.Resource(name="orders"), body=b"x")
+        m.system_properties.message_id = f"id-{i}"
+        m.system_properties.message_type = d.NORMAL
+    assert check(bare.SerializeToString(), TOPICS["NORMAL"])
+
+
+@pytest.mark.parametrize(
+    "system",
+    [
+        {"tag": "TagA"},
+        {"keys": ["k1"]},
+        {"user": {"a": "b"}},
+        {"message_group": "g"},
+        {"delivery_timestamp": (1_900_000_000, 0)},
+        {"body_encoding": d.GZIP},
+        {"message_type": d.FIFO},
+        {"message_type": d.TRANSACTION},
+        {"message_id": ""},
+        {"message_id": "   "},
+        {"message_id": "a\x00b"},
+        {"message_id": "x" * 129},
+        {"message_id": "ünïcode"},
+        {"body": b""},
+        {"body": b"x" * 4097},
+        {"born_host": "not-an-ip"},
+        {"born_host": "::1"},
+        {"born_timestamp": (-5, -1)},
+        {"born_timestamp": (2**62, 999_999_999)},
+        {"queue_id": 3},
+        {"trace_context": "t"},
+        {"store_host": "h"},
+    ],
+)
+def test_each_message_off_the_plain_path_gets_the_references_answer(
+    system: dict[str, Any],
+) -> None:
+    raw = request(plain(0), plain(1, **system), plain(2))
+    for topic in TOPICS.values():
+        check(raw, topic)
+
+
+def test_hostile_and_foreign_shapes_go_to_the_reference_path() -> None:
+    one = plain(0).SerializeToString()
+    cases = [
+        b"",  # no message
+        request(plain(0), plain(1, topic="other")),  # two topics
+        request(plain(0, topic="")),
+        request(plain(0, topic="bad/topic")),
+        b"\x0a" + bytes([len(one) + 1]) + one,  # length past the end
+        b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # varint too long
+        b"\x12\x00",  # field 2 of the request
+        request(plain(0)) + b"\x0a\x02\x0a\x00",  # a message without body or id
+        # the topic twice (protobuf merges them), a body twice (the last one wins)
+        request(plain(0)) + b"\x0a\x06\x0a\x04\x12\x02ab",
+        b"\x0a" + bytes([len(one) + 3]) + one + b"\x22\x01z",
+        # a string that is not UTF-8, where protobuf refuses the request
+        b"\x0a\x05\x0a\x03\x12\x01\xff",
+        # a wire type protobuf does not expect for the field
+        b"\x0a" + bytes([len(one) + 2]) + one + b"\x20\x01",
+    ]
+    for raw in cases:
+        assert not check(raw, TOPICS["NORMAL"]), raw
+
+
+def test_fields_in_another_order_decode_the_same() -> None:
+    # fields in another order than protobuf writes them
+    pm = plain(7)
+    sp = pm.system_properties.SerializeToString()
+    topic = pm.topic.SerializeToString()
+    body = b"\x22\x03abc"
+    msg = body + b"\x1a" + bytes([len(sp)]) + sp + b"\x0a" + bytes([len(topic)]) + topic
+    raw = b"\x0a" + bytes([len(msg)]) + msg
+    assert check(raw, TOPICS["NORMAL"])
+
+
+def test_a_tagged_batch_is_built_natively_and_a_bad_tag_gets_the_references_answer() -> None:
+    assert check(
+        request(*(plain(i, tag="TagA" if i % 2 else "Tag B") for i in range(8))), TOPICS["NORMAL"]
+    )
+    too_long = "t" * (LIMITS.max_properties_bytes + 1)
+    for tag in ("", " ", "a|b", "a\x7fb", "\u00e9t\u00e9", "a\tb", too_long):
+        raw = request(plain(0, tag="ok"), plain(1, tag=tag))
+        assert not check(raw, TOPICS["NORMAL"]), tag
+        assert isinstance(reference(raw, TOPICS["NORMAL"], 0), int | tuple)
+
+
+_text = st.one_of(
+    st.sampled_from(["", " ", "orders", "01ABC", "10.0.0.1", "::1", "a|b", "a b", "\x7f", "é"]),
+    st.text(max_size=12),
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> bytes:
+    out = s.SendMessageRequest()
+    for i in range(draw(st.integers(0, 5))):
+        pm = out.messages.add()
+        if draw(st.booleans()) or i == 0:
+            pm.topic.name = draw(st.sampled_from(["orders", "orders", "other", "", "a b"]))
+        pm.body = draw(st.one_of(st.binary(max_size=40), st.just(b"y" * 4097)))
+        sp = pm.system_properties
+        sp.message_id = draw(st.one_of(st.just(f"id-{i}"), _text))
+        sp.message_type = draw(st.sampled_from([d.NORMAL, d.NORMAL, d.FIFO, d.DELAY, 0, 9, -1]))
+        sp.body_encoding = draw(st.sampled_from([d.IDENTITY, d.GZIP, 0, 7]))
+        if draw(st.booleans()):
+            sp.born_timestamp.seconds = draw(st.integers(-(2**63), 2**63 - 1))
+            sp.born_timestamp.nanos = draw(st.integers(-(2**31), 2**31 - 1))
+        if draw(st.booleans()):
+            sp.born_host = draw(_text)
+        if draw(st.integers(0, 5)) == 0:
+            sp.tag = draw(_text)
+        if draw(st.integers(0, 5)) == 0:
+            sp.keys.append(draw(_text))
+        if draw(st.integers(0, 5)) == 0:
+            pm.user_properties[draw(_text)] = draw(_text)
+        if draw(st.integers(0, 5)) == 0:
+            sp.message_group = draw(_text)
+        if draw(st.integers(0, 6)) == 0:
+            sp.delivery_timestamp.seconds = draw(st.integers(0, 2**40))
+    raw: bytes = out.SerializeToString()
+    # hostile bytes: a few flipped, cut short, or pasted in
+    for _ in range(draw(st.integers(0, 2))):
+        if not raw:
+            break
+        at = draw(st.integers(0, len(raw) - 1))
+        how = draw(st.sampled_from(["flip", "cut", "insert"]))
+        if how == "flip":
+            raw = raw[:at] + bytes([draw(st.integers(0, 255))]) + raw[at + 1 :]
+        elif how == "cut":
+            raw = raw[:at]
+        else:
+            raw = raw[:at] + draw(st.binary(min_size=1, max_size=4)) + raw[at:]
+    return raw
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=requests(), kind=st.sampled_from(sorted(TOPICS)), first=st.integers(0, 10))
+def test_random_and_hostile_requests_agree_with_the_reference(
+    raw: bytes, kind: str, first: int
+) -> None:
+    check(raw, TOPICS[kind], first)
+
+
+def test_random_bytes_are_never_taken_when_protobuf_refuses_them() -> None:
+    rng = random.Random(310)
+    base = request(*(plain(i) for i in range(4)))
+    taken = 0
+    for _ in range(6_000):
+        raw = bytearray(base)
+        for _ in range(rng.randint(1, 3)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        taken += check(bytes(raw), TOPICS["NORMAL"], rng.randrange(8))
+    assert taken > 0  # some mutations (of a body, say) keep the batch plain
+
+
+def test_a_send_is_authorized_on_its_bytes_for_every_topic_it_names() -> None:
+    from broker.acl import PUB
+    from broker.authorization import send_resources as resources
+
+    assert resources(request(plain(0), plain(1))) == [("topic", "orders", (PUB,))]
+    # off the walker's path: protobuf reads the topics, every one of them
+    two = request(plain(0, topic="zeta", tag="t"), plain(1, topic="alpha"))
+    assert resources(two) == [
+        ("topic", "alpha", (PUB,)),
+        ("topic", "zeta", (PUB,)),
+    ]
+    assert resources(b"\x0a\x05garbage") is None  # the policy answers "malformed request"
+
+
+def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> None:
+    """Through a real broker: a batch the walker takes and the same batch sent down the
+    reference path (a ``queue_offset`` the walker does not take and the broker ignores) are
+    stored alike, answered alike, and pulled back alike."""
+    import grpc
+    from broker_harness import Standalone, pull_all
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("orders", queues=2)
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        sent: dict[str, list[d.Message]] = {"native": [], "reference": []}
+        paths: list[tuple[str, dict[str, Any]]] = [
+            ("native", {}),
+            ("reference", {"queue_offset": 1}),
+        ]
+        for path, extra in paths:
+            pms = [plain(i, message_id=f"{path}-{i}", **extra) for i in range(6)]
+            pms[2].body = bytes(range(256)) * 3
+            pms[3].system_properties.born_host = "not-an-ip"  # the peer's address is stored
+            raw = request(*pms)
+            assert (scan_send_request(raw) is None) == (path == "reference")
+            reply = stub.SendMessage(s.SendMessageRequest.FromString(raw), timeout=30)
+            assert reply.status.code == d.OK, reply.status
+            assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(6)]
+            assert [e.status.code for e in reply.entries] == [d.OK] * 6
+            sent[path] = pms
+        pulled: dict[str, d.Message] = {}
+        deadline = time.monotonic() + 30
+        while len(pulled) < 12 and time.monotonic() < deadline:  # until dispatched
+            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
+            time.sleep(0.2)
+    finally:
+        node.stop()
+    assert len(pulled) == 12
+    for i in range(6):
+        native_m, reference_m = pulled[f"native-{i}"], pulled[f"reference-{i}"]
+        assert native_m.body == reference_m.body == sent["native"][i].body
+        assert native_m.user_properties == reference_m.user_properties
+        a, b = native_m.system_properties, reference_m.system_properties
+        assert (a.born_timestamp, a.born_host, a.message_type, a.queue_id) == (
+            b.born_timestamp,
+            b.born_host,
+            b.message_type,
+            b.queue_id,
+        )
+        assert a.born_timestamp.ToMilliseconds() == (1_700_000_000 + i) * 1000 + 123
+    assert pulled["native-3"].system_properties.born_host == "127.0.0.1"
