@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 __all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError", "commitlog_file_name"]
 
 MAX_QUEUE_ID = 65535
+# A replica wakes its dispatcher early once this much replicated data is not yet dispatched.
+_REPLICA_WAKE_BYTES = 1 << 20
 _TOPIC_CHECK_CACHE: set[str] = set()
 
 
@@ -636,7 +638,12 @@ class MessageStore:
         if self.config.flush == "sync":
             self.commitlog.wait_flushed(offset + len(data))
         assert self.dispatcher is not None
-        self.dispatcher.wakeup()
+        # The dispatcher polls every 50 ms: a replica's queues (read only while no master is
+        # up) may trail by that much, and one pass over many frames costs far less CPU than a
+        # pass per frame, CPU the group's master needs on a shared machine. Wake it early only
+        # for a backlog worth a pass of its own.
+        if offset + len(data) - self.dispatcher.reput_offset >= _REPLICA_WAKE_BYTES:
+            self.dispatcher.wakeup()
 
     def truncate_to(self, offset: int) -> None:
         """Cut the CommitLog at ``offset`` (a record boundary) with the ConsumeQueue and

@@ -312,6 +312,10 @@ class CommitLog:
         wrote = f.wrote  # appends publish ``wrote`` only after their bytes are in place
         end = pos
         mm = f.mm
+        if 0 < wrote - pos <= max_bytes:
+            # Appends are whole records (and so is ``wrote`` after each): everything from a
+            # record boundary to ``wrote`` is whole records; no need to walk them one by one.
+            end = wrote
         while end < wrote:
             total = read_total_and_magic(mm, end)[0]
             if total <= 0 or end + total > wrote:
