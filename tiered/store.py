@@ -629,7 +629,7 @@ class MessageStore:
         ``CommitLog.read_records``): what a master streams to its slaves."""
         return self.commitlog.read_records(offset, max_bytes)
 
-    def append_replicated(self, offset: int, data: bytes) -> None:
+    def append_replicated(self, offset: int, data: bytes | memoryview) -> None:
         """Append a master's CommitLog bytes at the same physical offset; they become readable
         once this store's dispatcher has built their ConsumeQueue and IndexFile entries."""
         if not self._running:

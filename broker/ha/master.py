@@ -458,9 +458,12 @@ class ReplicationMaster:
                 start,
             )
             self._spawn(self._push, f"tmq-ha-push-{hello.broker_id}", sock, state)
+            frames = wire.FrameReader(sock)
             while not self._stop.is_set():
-                acked = wire.decode_ack(wire.expect(sock, wire.FrameType.ACK))
-                self._on_ack(state, acked)
+                kind, body = frames.read()
+                if kind is not wire.FrameType.ACK:
+                    raise wire.ProtocolError(f"expected ACK, got {kind.name}")
+                self._on_ack(state, wire.decode_ack(body))
         except LinkRefusedError:
             pass  # logged and answered by the link
         except (OSError, wire.ProtocolError) as e:

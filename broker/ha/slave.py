@@ -194,11 +194,12 @@ class ReplicationSlave:
             start,
         )
         saved_at = 0.0
+        frames = wire.FrameReader(sock)
         while not self._stop.is_set():
-            kind, body = wire.read_frame(sock)
+            kind, body = frames.read()
             if kind is wire.FrameType.METADATA:
                 if self.metadata is not None:
-                    self.metadata.replace(json.loads(body))
+                    self.metadata.replace(json.loads(bytes(body)))
                     if self.on_metadata is not None:
                         self.on_metadata()
                 continue
