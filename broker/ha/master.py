@@ -592,13 +592,13 @@ class ReplicationMaster:
                 sock.sendall(frame.payload)
         else:
             assert isinstance(sock, socket.socket)  # ``inline`` is set for plain sockets only
-            data = header + frame.payload
-            try:
-                done = sock.send(data, socket.MSG_DONTWAIT)
+            size = len(header) + len(frame.payload)
+            try:  # header and records in one call, without joining them
+                done = sock.sendmsg([header, frame.payload], [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 done = 0
-            if done < len(data):
-                state.pending = data[done:]
+            if done < size:
+                state.pending = (header + frame.payload)[done:]
                 with self._cond:
                     self._cond.notify_all()  # the push thread sends the rest
         state.next_offset = frame.offset + len(frame.payload)
