@@ -189,18 +189,6 @@ def encode_error(reason: str) -> bytes:
     return _frame(FrameType.ERROR, reason.encode()[:4096])
 
 
-def _recv_exactly(sock: Connection, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("the peer closed the replication connection")
-        got += k
-    return bytes(buf)
-
-
 def _recv_into(sock: Connection, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:
@@ -213,12 +201,12 @@ def _recv_into(sock: Connection, view: memoryview) -> None:
 class FrameReader:
     """Reads frames into one buffer it reuses: the body it returns is a view of that buffer,
     valid until the next ``read``. A slave's DATA payload goes from there to its CommitLog
-    without a copy of its own (``read_frame`` copies each body into new ``bytes`` twice)."""
+    without a copy of its own."""
 
-    def __init__(self, sock: Connection) -> None:
+    def __init__(self, sock: Connection, buffer_bytes: int = 64 << 10) -> None:
         self.sock = sock
         self._head = memoryview(bytearray(_LEN_TYPE.size))
-        self._buf = bytearray(64 << 10)
+        self._buf = bytearray(buffer_bytes)
 
     def read(self) -> tuple[FrameType, memoryview]:
         _recv_into(self.sock, self._head)
@@ -239,17 +227,9 @@ class FrameReader:
 
 
 def read_frame(sock: Connection) -> tuple[FrameType, bytes]:
-    length, kind = _LEN_TYPE.unpack(_recv_exactly(sock, _LEN_TYPE.size))
-    if not 1 <= length <= MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes")
-    try:
-        frame_type = FrameType(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {kind}") from None
-    body = _recv_exactly(sock, length - 1)
-    if frame_type is FrameType.ERROR:
-        raise ProtocolError(f"peer: {body.decode(errors='replace')}")
-    return frame_type, body
+    """One frame, its body as new ``bytes`` (the handshake, tests)."""
+    kind, body = FrameReader(sock, 0).read()
+    return kind, bytes(body)
 
 
 def expect(sock: Connection, wanted: FrameType) -> bytes:
