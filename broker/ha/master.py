@@ -219,9 +219,11 @@ class ReplicationMaster:
             end_offset = own
         if self.config.mode != "sync" or self.config.min_in_sync_replicas <= 1:
             return
+        # Ship first, even when enough replicas already hold the bytes: the append woke no push
+        # thread (``_appended``), and a slave beyond min_in_sync_replicas may still lack them.
+        self._ship_now()
         if self._replicated >= end_offset:  # only grows: no lock needed to see it is enough
             return
-        self._ship_now()
         waiter = threading.Lock()
         waiter.acquire()
         with self._cond:
