@@ -3,7 +3,11 @@
 Each setup runs real ``tmq broker start --config`` processes on loopback (tests/test_ha.py's
 ``GroupMember``): no replication, SYNC to 1 slave (min_in_sync_replicas 2), SYNC to 2 slaves
 (min_in_sync_replicas 3), and ASYNC to 1 slave (whose replication lag is sampled under load).
-Two client threads send ``SendMessage`` batches of 32 messages of 1 KiB for ``SECONDS`` each.
+Two client threads send ``SendMessage`` batches of 32 messages of 1 KiB. Every setup's brokers
+are up at once; each setup then gets ``ROUNDS`` phases of ``PHASE_S`` seconds, the setups taken
+in forward and reverse order by turns (ABBA), so that the load other work puts on the machine
+falls on every setup alike. The same client threads, batches and pipelining (none: each thread
+waits for its reply) in every setup; the baseline is the same broker with replication off.
 
 Then failover (tests/ha_failover.py): a 3-node etcd, a group of three members electing their
 master, Apache's Python client producing one message per send, and ``KILLS`` (10) ``kill -9``s
@@ -43,7 +47,11 @@ from tests.test_ha import TOPIC, GroupMember
 BODY = os.urandom(1024)
 BATCH = 32
 THREADS = 2
-SECONDS = 6.0
+# Each setup sends for ROUNDS phases of PHASE_S seconds (6 s in all), after a warm-up.
+PHASE_S = 1.5
+ROUNDS = 4
+WARMUP_S = 1.0
+FILE_SIZE = 64 << 20
 KILLS = 10
 ASYNC_KILLS = 3
 ASYNC_PRODUCERS = 8
@@ -59,67 +67,120 @@ def request() -> s.SendMessageRequest:
     return r
 
 
-def produce(endpoint: str, seconds: float, sample: GroupMember | None) -> dict[str, float]:
-    sent = [0] * THREADS
-    failed = [0] * THREADS
-    lags: list[float] = []
-    stop = time.monotonic() + seconds
+class Setup:
+    """One setup of the throughput comparison, its brokers up for the whole run, and the
+    client threads' stubs (one channel each, reused by every phase)."""
 
-    def worker(i: int) -> None:
-        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
-        while time.monotonic() < stop:
-            reply = stub.SendMessage(request(), timeout=30)
-            if reply.status.code == d.OK:
-                sent[i] += BATCH
-            else:
-                failed[i] += BATCH
+    def __init__(self, root: Path, name: str, slaves: int, mode: str) -> None:
+        self.name = name
+        self.slaves = slaves
+        self.mode = mode
+        self.master = GroupMember(root / name, "master", free_port())
+        self.members = [self.master]
+        self.stubs: list[service_pb2_grpc.MessagingServiceStub] = []
+        self.sent = 0
+        self.failed = 0
+        self.elapsed = 0.0
+        self.lags: list[float] = []
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    while sample is not None and time.monotonic() < stop:
-        lag = sample.metric("tmq_replication_lag_bytes")
-        if lag is not None:
-            lags.append(lag)
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
-    out = {"msgs_per_s": round(sum(sent) / elapsed), "failed": sum(failed)}
-    if lags:
-        out["lag_bytes_max"] = max(lags)
-        out["lag_bytes_mean"] = round(sum(lags) / len(lags))
-    return out
-
-
-def run(root: Path, slaves: int, mode: str) -> dict[str, float]:
-    master = GroupMember(root, "master", free_port())
-    members = [master]
-    try:
-        master.start(
+    def start(self) -> None:
+        (self.master.root).mkdir(parents=True, exist_ok=True)
+        self.master.start(
             "master",
             0,
-            mode=mode,
-            min_in_sync_replicas=slaves + 1 if mode == "sync" else 1,
+            mode=self.mode,
+            min_in_sync_replicas=self.slaves + 1 if self.mode == "sync" else 1,
             sync_timeout_ms=10_000,
-            ha=slaves > 0,
-            file_size=64 << 20,
+            ha=self.slaves > 0,
+            file_size=FILE_SIZE,
         )
-        for i in range(1, slaves + 1):
-            slave = GroupMember(root, f"slave{i}", free_port())
-            members.append(slave)
-            slave.start("slave", i, master=master, file_size=64 << 20)
-        master.create_topic()
+        for i in range(1, self.slaves + 1):
+            slave = GroupMember(self.master.root, f"slave{i}", free_port())
+            self.members.append(slave)
+            slave.start("slave", i, master=self.master, file_size=FILE_SIZE)
+        self.master.create_topic()
         deadline = time.monotonic() + 30
-        while slaves and master.metric("tmq_replication_sync_state_set_size") != slaves + 1:
+        while self.slaves and (
+            self.master.metric("tmq_replication_sync_state_set_size") != self.slaves + 1
+        ):
             assert time.monotonic() < deadline, "slaves did not join the SyncStateSet"
             time.sleep(0.2)
-        produce(master.endpoint, 1.0, None)  # warm-up
-        return produce(master.endpoint, SECONDS, master if mode == "async" and slaves else None)
-    finally:
-        for m in members:
+        self.stubs = [
+            service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(self.master.endpoint))
+            for _ in range(THREADS)
+        ]
+
+    def stop(self) -> None:
+        for m in self.members:
             m.stop()
+
+    def produce(self, seconds: float, *, count: bool = True) -> None:
+        """One phase: ``THREADS`` threads send batches for ``seconds``."""
+        sent = [0] * THREADS
+        failed = [0] * THREADS
+        stop = time.monotonic() + seconds
+
+        def worker(i: int) -> None:
+            while time.monotonic() < stop:
+                reply = self.stubs[i].SendMessage(request(), timeout=30)
+                if reply.status.code == d.OK:
+                    sent[i] += BATCH
+                else:
+                    failed[i] += BATCH
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        sample = self.mode == "async" and self.slaves and count
+        while sample and time.monotonic() < stop:
+            lag = self.master.metric("tmq_replication_lag_bytes")
+            if lag is not None:
+                self.lags.append(lag)
+            time.sleep(0.2)
+        for t in threads:
+            t.join()
+        if count:
+            self.elapsed += time.monotonic() - started
+            self.sent += sum(sent)
+            self.failed += sum(failed)
+
+    def result(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "msgs_per_s": round(self.sent / self.elapsed),
+            "failed": self.failed,
+        }
+        if self.lags:
+            out["lag_bytes_max"] = max(self.lags)
+            out["lag_bytes_mean"] = round(sum(self.lags) / len(self.lags))
+        return out
+
+
+def throughput(root: Path) -> dict[str, dict[str, float]]:
+    """Every setup is started first and stays up; then ``ROUNDS`` rounds of one ``PHASE_S``
+    phase per setup, in forward and reverse order by turns (ABBA), so that a change in the
+    machine's other load falls on every setup alike instead of on whichever ran at that time."""
+    setups = [
+        Setup(root, "none", 0, "async"),
+        Setup(root, "sync_1_slave", 1, "sync"),
+        Setup(root, "sync_2_slaves", 2, "sync"),
+        Setup(root, "async_1_slave", 1, "async"),
+    ]
+    try:
+        for setup in setups:
+            setup.start()
+        for setup in setups:
+            setup.produce(WARMUP_S, count=False)
+        for n in range(ROUNDS):
+            for setup in setups if n % 2 == 0 else reversed(setups):
+                setup.produce(PHASE_S)
+        results = {setup.name: setup.result() for setup in setups}
+    finally:
+        for setup in setups:
+            setup.stop()
+    for name, result in results.items():
+        print(name, result, file=sys.stderr, flush=True)
+    return results
 
 
 def failover(mode: str, kills: int, producers: int = 1) -> dict[str, Any]:
@@ -133,26 +194,17 @@ def main() -> None:
     failover_only = "--failover-only" in sys.argv[1:]
     throughput_only = "--throughput-only" in sys.argv[1:]
     results: dict[str, dict[str, float]] = {}
-    for name, slaves, mode in (
-        ()
-        if failover_only
-        else (
-            ("none", 0, "async"),
-            ("sync_1_slave", 1, "sync"),
-            ("sync_2_slaves", 2, "sync"),
-            ("async_1_slave", 1, "async"),
-        )
-    ):
-        with tempfile.TemporaryDirectory(prefix=f"tmq-bench-ha-{name}-") as tmp:
-            results[name] = run(Path(tmp), slaves, mode)
-        print(name, results[name], file=sys.stderr, flush=True)
+    if not failover_only:
+        with tempfile.TemporaryDirectory(prefix="tmq-bench-ha-") as tmp:
+            results = throughput(Path(tmp))
     none = results["none"]["msgs_per_s"] if results else None
     summary: dict[str, Any] = {
         "bench": "replication",
         "message_bytes": len(BODY),
         "batch": BATCH,
         "threads": THREADS,
-        "seconds": SECONDS,
+        "seconds": PHASE_S * ROUNDS,
+        "phases": f"{ROUNDS} x {PHASE_S} s per setup, interleaved (ABBA)",
         "results": results,
         "ratio_sync_vs_none": round(results["sync_1_slave"]["msgs_per_s"] / none, 3)
         if none

@@ -55,3 +55,42 @@ def test_consistent_point_is_the_end_of_the_newest_shared_epoch() -> None:
     # Nothing shared.
     assert consistent_point([E(5, 0)], 100, new_master, 9000) is None
     assert consistent_point([], 0, new_master, 9000) is None
+
+
+def test_a_confirmed_offset_being_written_does_not_hold_up_epoch_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The confirmed file's write (two fsyncs) ran under the lock every replicated frame's
+    ``epoch_at`` takes: each write stalled every SYNC send for as long as the disk took."""
+    import threading
+
+    import tiered.epoch_file as epoch_file
+
+    epochs = EpochFile(tmp_path)
+    epochs.load()
+    epochs.append(1, 0)
+    writing, release = threading.Event(), threading.Event()
+    real_write = epoch_file.write_file
+
+    def slow_write(path: Path, data: bytes) -> None:
+        writing.set()
+        release.wait(10)
+        real_write(path, data)
+
+    monkeypatch.setattr(epoch_file, "write_file", slow_write)
+    writer = threading.Thread(target=epochs.set_confirmed, args=(4096,))
+    writer.start()
+    try:
+        assert writing.wait(5)
+        answered: list[tuple[int, int | None]] = []
+        reader = threading.Thread(target=lambda: answered.append(epochs.epoch_at(100)))
+        reader.start()
+        reader.join(2)
+        assert answered == [(1, None)], "epoch_at waited for the confirmed offset's fsyncs"
+        assert epochs.confirmed_offset == 4096  # the truncation guard sees it at once
+    finally:
+        release.set()
+        writer.join(10)
+    again = EpochFile(tmp_path)
+    again.load()
+    assert again.confirmed_offset == 4096

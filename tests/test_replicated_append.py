@@ -55,3 +55,54 @@ def test_a_slave_refuses_replicated_bytes_with_a_damaged_record(tmp_path: Path, 
         assert struct.unpack_from(">q", data, third + 20)[0] == 2
     finally:
         slave.shutdown()
+
+
+def test_a_slave_appends_data_frames_read_into_one_reused_buffer(tmp_path: Path) -> None:
+    """``wire.FrameReader`` hands a DATA payload over as a view of its buffer (no copies): the
+    slave stores it as is, a frame larger than the buffer grows it, and the master's read of
+    whole records (``read_commitlog``, which takes a tail of appends without walking it) cuts
+    at record boundaries only."""
+    import socket
+
+    from broker.ha import wire
+
+    master = open_store(tmp_path / "master")
+    try:
+        sizes = [
+            r.size
+            for r in master.put_messages(
+                [Message("t", b"x" * 300, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(8)]
+            )
+        ]
+        everything = master.read_commitlog(0, 1 << 20)
+        first = master.read_commitlog(0, sizes[0] + 1)  # room for one record and a byte
+        rest = master.read_commitlog(sizes[0], 1 << 20)
+    finally:
+        master.shutdown()
+    assert everything is not None and len(everything) == sum(sizes)
+    assert first == everything[: sizes[0]] and rest == everything[sizes[0] :]
+    a, b = socket.socketpair()
+    slave = open_store(tmp_path / "slave")
+    try:
+        slave.set_replica(True)
+        reader = wire.FrameReader(b, buffer_bytes=sizes[0] + 64)
+        for offset, chunk in ((0, first), (sizes[0], rest)):
+            frame = wire.Data(1, offset, len(everything), 0, chunk)
+            a.sendall(wire.encode_data_header(frame) + chunk)
+            kind, body = reader.read()
+            assert kind is wire.FrameType.DATA and isinstance(body, memoryview)
+            data = wire.decode_data(body)
+            assert isinstance(data.payload, memoryview) and bytes(data.payload) == chunk
+            slave.append_replicated(data.offset, data.payload)
+        assert slave.max_physical_offset == len(everything)
+        assert slave.read_commitlog(0, 1 << 20) == everything
+        assert slave.wait_dispatched()
+        result = slave.get_messages("t", 0, 0, 10)
+        assert [m.msg_id for m in result.messages] == [f"id-{i}" for i in range(8)]
+        a.sendall(wire.encode_error("bye"))
+        with pytest.raises(wire.ProtocolError, match="bye"):
+            reader.read()
+    finally:
+        slave.shutdown()
+        a.close()
+        b.close()

@@ -46,6 +46,9 @@ class EpochFile:
         self.path = directory / "epochs"
         self.confirmed_path = directory / "confirmed"
         self._lock = threading.Lock()
+        # Serialises writes of the confirmed file; apart from ``_lock``, so that the two fsyncs
+        # of a write never hold up ``epoch_at`` (every replicated frame asks it).
+        self._confirmed_lock = threading.Lock()
         self._entries: list[EpochEntry] = []
         self._confirmed = 0
 
@@ -125,7 +128,7 @@ class EpochFile:
 
     def set_confirmed(self, offset: int) -> None:
         """Record that the group acknowledged everything below ``offset`` (only grows)."""
-        with self._lock:
+        with self._confirmed_lock:
             if offset <= self._confirmed:
                 return
             self._confirmed = offset

@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 __all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError", "commitlog_file_name"]
 
 MAX_QUEUE_ID = 65535
+# A replica wakes its dispatcher early once this much replicated data is not yet dispatched.
+_REPLICA_WAKE_BYTES = 1 << 20
 _TOPIC_CHECK_CACHE: set[str] = set()
 
 
@@ -678,7 +680,7 @@ class MessageStore:
         ``CommitLog.read_records``): what a master streams to its slaves."""
         return self.commitlog.read_records(offset, max_bytes)
 
-    def append_replicated(self, offset: int, data: bytes) -> None:
+    def append_replicated(self, offset: int, data: bytes | memoryview) -> None:
         """Append a master's CommitLog bytes at the same physical offset; they become readable
         once this store's dispatcher has built their ConsumeQueue and IndexFile entries."""
         if not self._running:
@@ -687,7 +689,12 @@ class MessageStore:
         if self.config.flush == "sync":
             self.commitlog.wait_flushed(offset + len(data))
         assert self.dispatcher is not None
-        self.dispatcher.wakeup()
+        # The dispatcher polls every 50 ms: a replica's queues (read only while no master is
+        # up) may trail by that much, and one pass over many frames costs far less CPU than a
+        # pass per frame, CPU the group's master needs on a shared machine. Wake it early only
+        # for a backlog worth a pass of its own.
+        if offset + len(data) - self.dispatcher.reput_offset >= _REPLICA_WAKE_BYTES:
+            self.dispatcher.wakeup()
 
     def truncate_to(self, offset: int) -> None:
         """Cut the CommitLog at ``offset`` (a record boundary) with the ConsumeQueue and

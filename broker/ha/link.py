@@ -286,7 +286,7 @@ class TlsConnection:
                 raise ConnectionError("the peer closed the connection during the TLS handshake")
             self._incoming.write(data)
 
-    def sendall(self, data: bytes, /) -> None:
+    def sendall(self, data: bytes | memoryview, /) -> None:
         view = memoryview(data)
         with self._send_lock:
             while view:

@@ -83,6 +83,8 @@ class SlaveState:
     sent_confirmed: int = -1  # the confirmed offset the last DATA frame carried
     inline: bool = True
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The push thread sleeps for more than ``_CONFIRM_DELAY_S`` (an ACK must wake it).
+    dozing: bool = False
 
 
 class ReplicationMaster:
@@ -113,6 +115,10 @@ class ReplicationMaster:
         self._waiters: list[tuple[int, int, threading.Lock]] = []
         self._waiter_seq = itertools.count()
         self._replicated = 0
+        # Per producer thread, from ``check_writable`` to the end of ``wait_replicated``: the
+        # end of what it appended (the store calls ``_appended`` in the appending thread), so
+        # that a send waits for its own bytes, not for those appended after them by others.
+        self._local = threading.local()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -193,6 +199,7 @@ class ReplicationMaster:
     def check_writable(self) -> None:
         """Before a message is stored: under SYNC, refuse when the SyncStateSet (the master
         included) is smaller than min_in_sync_replicas."""
+        self._local.end = 0  # this thread's appends are recorded until it waits
         if self.config.mode != "sync":
             return
         members = len(self.sync_state_set())
@@ -204,12 +211,19 @@ class ReplicationMaster:
 
     def wait_replicated(self, end_offset: int) -> None:
         """After a message is stored: under SYNC, return once min_in_sync_replicas members of the
-        SyncStateSet hold every byte below ``end_offset``; raise on timeout."""
+        SyncStateSet hold every byte below ``end_offset``, or below the end of what this thread
+        appended since its ``check_writable`` when that is known; raise on timeout."""
+        own = getattr(self._local, "end", None)
+        self._local.end = None
+        if own:
+            end_offset = own
         if self.config.mode != "sync" or self.config.min_in_sync_replicas <= 1:
             return
+        # Ship first, even when enough replicas already hold the bytes: the append woke no push
+        # thread (``_appended``), and a slave beyond min_in_sync_replicas may still lack them.
+        self._ship_now()
         if self._replicated >= end_offset:  # only grows: no lock needed to see it is enough
             return
-        self._ship_now()
         waiter = threading.Lock()
         waiter.acquire()
         with self._cond:
@@ -256,8 +270,17 @@ class ReplicationMaster:
         )
 
     def _appended(self, end_offset: int) -> None:
+        own = getattr(self._local, "end", None)
+        if own is not None:
+            self._local.end = max(own, end_offset)
+            if self._ships_inline():
+                return  # the producer ships its bytes itself (``_ship_now``), waking no one
         with self._cond:
             self._cond.notify_all()
+
+    def _ships_inline(self) -> bool:
+        """Whether a producer's ``wait_replicated`` ships its own bytes (SYNC with replicas)."""
+        return self.config.mode == "sync" and self.config.min_in_sync_replicas > 1
 
     def _metadata_changed(self) -> None:
         with self._cond:
@@ -437,9 +460,12 @@ class ReplicationMaster:
                 start,
             )
             self._spawn(self._push, f"tmq-ha-push-{hello.broker_id}", sock, state)
+            frames = wire.FrameReader(sock)
             while not self._stop.is_set():
-                acked = wire.decode_ack(wire.expect(sock, wire.FrameType.ACK))
-                self._on_ack(state, acked)
+                kind, body = frames.read()
+                if kind is not wire.FrameType.ACK:
+                    raise wire.ProtocolError(f"expected ACK, got {kind.name}")
+                self._on_ack(state, wire.decode_ack(body))
         except LinkRefusedError:
             pass  # logged and answered by the link
         except (OSError, wire.ProtocolError) as e:
@@ -463,7 +489,10 @@ class ReplicationMaster:
             while state.sent and state.sent[0][1] <= state.acked_offset:
                 state.caught_up_ms = state.sent.popleft()[0]
             self._release()
-            self._cond.notify_all()
+            # The push thread wakes by itself within _CONFIRM_DELAY_S; an ACK wakes it only
+            # from a longer sleep (to send the moved confirmed offset) or into a reopened window.
+            if state.dozing or self._sendable(state, _WINDOW_BYTES):
+                self._cond.notify_all()
 
     def _push(self, sock: wire.Connection, state: SlaveState) -> None:
         sent_metadata = b""
@@ -497,7 +526,9 @@ class ReplicationMaster:
                             state.sent_at, state.sent_confirmed, metadata_version, metadata_at
                         )
                         if wait > 0:
+                            state.dozing = wait > _CONFIRM_DELAY_S
                             self._cond.wait(wait)
+                            state.dozing = False
                 since = time.monotonic() - state.sent_at
                 if since < _HEARTBEAT_S and (
                     since < _CONFIRM_DELAY_S or self.confirmed_offset() == state.sent_confirmed
@@ -563,13 +594,13 @@ class ReplicationMaster:
                 sock.sendall(frame.payload)
         else:
             assert isinstance(sock, socket.socket)  # ``inline`` is set for plain sockets only
-            data = header + frame.payload
-            try:
-                done = sock.send(data, socket.MSG_DONTWAIT)
+            size = len(header) + len(frame.payload)
+            try:  # header and records in one call, without joining them
+                done = sock.sendmsg([header, frame.payload], [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 done = 0
-            if done < len(data):
-                state.pending = data[done:]
+            if done < size:
+                state.pending = (header + frame.payload)[done:]
                 with self._cond:
                     self._cond.notify_all()  # the push thread sends the rest
         state.next_offset = frame.offset + len(frame.payload)
@@ -584,17 +615,26 @@ class ReplicationMaster:
         """SYNC, in the producer's thread right after its append: send the new bytes to every
         slave whose stream is idle and close to caught up, instead of waking its push thread
         (one thread hand-off less on the path every SYNC send waits for). A slave whose push
-        thread is sending, or that lags, is left to that thread."""
+        thread is sending, or that lags, is left to that thread, woken here."""
+        left = False
         for state in list(self._slaves.values()):
-            if not state.connected or not state.inline or not state.send_lock.acquire(False):
+            if not state.connected:
+                continue
+            if not state.inline or not state.send_lock.acquire(False):
+                left = True
                 continue
             try:
                 while self._ship(state, block=False):
                     pass
+                left = left or bool(state.pending) or self._sendable(state, _WINDOW_BYTES)
             except (OSError, wire.ProtocolError) as e:  # the push thread meets it and ends
                 log.debug("replication: shipping to slave %d failed: %s", state.broker_id, e)
+                left = True
             finally:
                 state.send_lock.release()
+        if left:
+            with self._cond:
+                self._cond.notify_all()
 
 
 def _close(sock: wire.Connection) -> None:

@@ -59,7 +59,7 @@ class Connection(Protocol):
     """What frames travel over: a connected TCP socket, or a TLS session on one
     (``link.TlsConnection``)."""
 
-    def sendall(self, data: bytes, /) -> None: ...
+    def sendall(self, data: bytes | memoryview, /) -> None: ...
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int: ...
 
@@ -108,7 +108,8 @@ class Data:
     offset: int
     master_max_offset: int
     confirmed_offset: int
-    payload: bytes
+    # bytes, or (from ``FrameReader``) a view of its buffer, valid until its next frame.
+    payload: bytes | memoryview
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,30 +189,47 @@ def encode_error(reason: str) -> bytes:
     return _frame(FrameType.ERROR, reason.encode()[:4096])
 
 
-def _recv_exactly(sock: Connection, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _recv_into(sock: Connection, view: memoryview) -> None:
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("the peer closed the replication connection")
         got += k
-    return bytes(buf)
+
+
+class FrameReader:
+    """Reads frames into one buffer it reuses: the body it returns is a view of that buffer,
+    valid until the next ``read``. A slave's DATA payload goes from there to its CommitLog
+    without a copy of its own."""
+
+    def __init__(self, sock: Connection, buffer_bytes: int = 64 << 10) -> None:
+        self.sock = sock
+        self._head = memoryview(bytearray(_LEN_TYPE.size))
+        self._buf = bytearray(buffer_bytes)
+
+    def read(self) -> tuple[FrameType, memoryview]:
+        _recv_into(self.sock, self._head)
+        length, kind = _LEN_TYPE.unpack(self._head)
+        if not 1 <= length <= MAX_FRAME:
+            raise ProtocolError(f"frame of {length} bytes")
+        try:
+            frame_type = FrameType(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown frame type {kind}") from None
+        if len(self._buf) < length - 1:
+            self._buf = bytearray(length - 1)
+        body = memoryview(self._buf)[: length - 1]
+        _recv_into(self.sock, body)
+        if frame_type is FrameType.ERROR:
+            raise ProtocolError(f"peer: {bytes(body).decode(errors='replace')}")
+        return frame_type, body
 
 
 def read_frame(sock: Connection) -> tuple[FrameType, bytes]:
-    length, kind = _LEN_TYPE.unpack(_recv_exactly(sock, _LEN_TYPE.size))
-    if not 1 <= length <= MAX_FRAME:
-        raise ProtocolError(f"frame of {length} bytes")
-    try:
-        frame_type = FrameType(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {kind}") from None
-    body = _recv_exactly(sock, length - 1)
-    if frame_type is FrameType.ERROR:
-        raise ProtocolError(f"peer: {body.decode(errors='replace')}")
-    return frame_type, body
+    """One frame, its body as new ``bytes`` (the handshake, tests)."""
+    kind, body = FrameReader(sock, 0).read()
+    return kind, bytes(body)
 
 
 def expect(sock: Connection, wanted: FrameType) -> bytes:
@@ -239,13 +257,13 @@ def decode_welcome(body: bytes) -> Welcome:
     return Welcome(epoch, lo, hi, confirmed, _read_entries(body, _WELCOME.size, n))
 
 
-def decode_ack(body: bytes) -> int:
+def decode_ack(body: bytes | memoryview) -> int:
     if len(body) != _ACK.size:
         raise ProtocolError("bad ACK")
     return int(_ACK.unpack(body)[0])
 
 
-def decode_data(body: bytes) -> Data:
+def decode_data(body: bytes | memoryview) -> Data:
     if len(body) < _DATA.size:
         raise ProtocolError("short DATA")
     epoch, offset, master_max, confirmed = _DATA.unpack_from(body)

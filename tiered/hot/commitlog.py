@@ -312,6 +312,10 @@ class CommitLog:
         wrote = f.wrote  # appends publish ``wrote`` only after their bytes are in place
         end = pos
         mm = f.mm
+        if 0 < wrote - pos <= max_bytes:
+            # Appends are whole records (and so is ``wrote`` after each): everything from a
+            # record boundary to ``wrote`` is whole records; no need to walk them one by one.
+            end = wrote
         while end < wrote:
             total = read_total_and_magic(mm, end)[0]
             if total <= 0 or end + total > wrote:
@@ -324,7 +328,7 @@ class CommitLog:
         except ValueError:  # unmapped by retention meanwhile
             return None
 
-    def append_replicated(self, offset: int, data: bytes) -> None:
+    def append_replicated(self, offset: int, data: bytes | memoryview) -> None:
         """Append bytes a master wrote at ``offset`` (whole records, within one file), at the
         same physical offset. The slave's dispatcher parses them into its own ConsumeQueues and
         IndexFiles. Queue offsets are not tracked here; ``reset_queue_offsets`` rebuilds them
@@ -698,13 +702,12 @@ class CommitLog:
         return self.files.delete_first_files(count)
 
 
-def _check_replicated(offset: int, data: bytes) -> None:
+def _check_replicated(offset: int, data: bytes | memoryview) -> None:
     """Raise ``RecordError`` unless ``data`` is whole, valid records written at ``offset``,
     optionally ending with the BLANK record that pads the end of a file."""
     # The scan wants room for a BLANK record after each record; padding gives the last one it.
-    end, _ = scan_records(
-        data + bytes(BLANK_RECORD_SIZE), 0, len(data) + BLANK_RECORD_SIZE, offset, check_crc=True
-    )
+    padded = b"".join((data, bytes(BLANK_RECORD_SIZE)))
+    end, _ = scan_records(padded, 0, len(data) + BLANK_RECORD_SIZE, offset, check_crc=True)
     if end == len(data):
         return
     total, magic = read_total_and_magic(data, end) if len(data) - end >= 8 else (0, 0)

@@ -88,7 +88,7 @@ class MappedFile:
         """Offset just past the end of the file."""
         return self.from_offset + self.size
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes | memoryview) -> None:
         self.write_at(self.wrote, data)
         self.wrote += len(data)
 
