@@ -1487,7 +1487,7 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
                         break
                     pos += <int32_t>tmq_be32(b + pos)
         topics = [_utf8(c.topic_p[i], c.topic_n[i]) for i in range(c.topics)]
-        queues = [(topics[c.queue_key[i] >> 32], <int32_t>(c.queue_key[i] & 0xFFFFFFFF))
+        queues = [(topics[c.queue_key[i] >> 32], <int32_t><uint32_t>c.queue_key[i])
                   for i in range(c.queues)]
         count = c.len
         columns = (*[a[:count] for a in arrays], *[a[:c.klen] for a in key_arrays], queues)
