@@ -116,6 +116,23 @@ def test_encode_batch_is_byte_identical(messages: list[Message], space: int, sto
         assert record.decode(data, native[4][0][n] - 4096).body == m.body
 
 
+def test_encode_batch_is_byte_identical_at_every_crc_lane_boundary() -> None:
+    """The native encoder reads a body once, three 256-byte lanes at a time, and joins its CRC
+    into the record CRC by combination (decision 320): bodies just below, at and past each lane
+    boundary, of mixed lengths in one batch (the combination operator changes with the length),
+    are encoded byte for byte as the reference encodes them."""
+    sizes = [0, 1, 7, 767, 768, 769, 1024, 1024, 1535, 1536, 1537, 2303, 2304, 2305, 5000, 65_537]
+    messages = [
+        Message(topic="lanes", body=bytes((n * 7 + i) % 251 for i in range(n)), queue_id=n % 3)
+        for n in sizes
+    ]
+    native = encode(NATIVE, messages, 1 << 24, ("10.0.0.9", 10911))
+    assert native == encode(PY, messages, 1 << 24, ("10.0.0.9", 10911))
+    assert native[0] == len(messages)
+    for n, pos in enumerate(native[4][0]):
+        assert record.decode(native[2], pos - 4096, check_crc=True).body == messages[n].body
+
+
 @pytest.mark.parametrize(
     ("properties", "error"),
     [

@@ -99,6 +99,19 @@ def test_both_engines_give_the_same_columns(
         assert native[2][5] == hashes.tolist() and native[2][6] == numbers.tolist()
 
 
+@pytest.mark.parametrize("queue_id", [0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])
+def test_a_queue_id_field_with_its_high_bit_set_is_read_as_the_reference_reads_it(
+    queue_id: int,
+) -> None:
+    """A damaged QUEUEID of 2^31 or more is a negative int32 to the reference; the native
+    columns raised OverflowError building their queue list (hypothesis found it)."""
+    data = bytearray(run_of([Message("q", b"body")]) + blank_record(24))
+    struct.pack_into(">I", data, 12, queue_id)
+    native = columns(NATIVE, data, False, 8)
+    assert native == columns(PY, data, False, 8)
+    assert native[3] == [("q", struct.unpack(">i", struct.pack(">I", queue_id))[0])]
+
+
 @pytest.mark.parametrize(
     ("where", "text"),
     [

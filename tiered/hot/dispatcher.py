@@ -53,6 +53,9 @@ _COALESCE_BYTES = 256 << 10
 _BLOCK_MIN = 4
 # CommitLog bytes read per step as columns (dispatch from the file: restart, catch-up).
 _COLUMNS_BYTES = 64 << 20
+# A pass of at most this many records writes its ConsumeQueue entries one by one: the numpy
+# path's fixed cost (about 100 us) is what each SYNC fsync's few records paid (decision 322).
+_SCALAR_PASS = 16
 
 
 def _by_queue(numbers: np.ndarray, queues: int) -> list[tuple[int, np.ndarray]]:
@@ -305,6 +308,19 @@ class Dispatcher:
                 if t not in codes:
                     codes[t] = tag_hash(t)
             tag_codes = list(map(codes.__getitem__, batch.tags))
+        if n <= _SCALAR_PASS:  # entry by entry is the same bytes (see _BLOCK_MIN)
+            get = self.queues.get_or_create
+            for key, q, offset, size, code in zip(
+                batch.queues,
+                batch.queue_offsets,
+                batch.offsets,
+                batch.sizes,
+                tag_codes,
+                strict=True,
+            ):
+                get(*key).put(q, offset, size, code)
+            self._index(batch, np.fromiter(batch.offsets, np.int64, n))
+            return
         ids = self._queue_id_map
         try:
             queue_ids = list(map(ids.__getitem__, batch.queues))

@@ -17,6 +17,13 @@ queued), but never longer than the last fsync took: waiting longer would cost mo
 second fsync it saves. A lone writer never waits (the round's population is itself), and when
 producers go away the next round expects only those that came back.
 
+Batches are numbered, as RocketMQ's requests carry the offset they wait for: a writer notes the
+number of the open batch and sleeps until the number of the last finished batch reaches it, on a
+condition shared by every writer of its batch's parity (only the batch being fsynced and the open
+one ever have writers, so a wake-up never reaches the other's). No object is made per batch or
+per send (an ``Event`` per batch cost a condition, a lock and a waiter list each time; decision
+321).
+
 Invariant: a request joins a batch only after its bytes are appended (its append published
 ``wrote``), and the batch's fsync starts after the batch is closed, so that fsync covers every
 request in it. A writer is woken with success only by an fsync that returned without error.
@@ -27,16 +34,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-
-
-class _Batch:
-    """The writers waiting for one fsync."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
 
 
 class GroupCommitService:
@@ -53,8 +50,16 @@ class GroupCommitService:
         self._flushed = flushed
         self._name = name
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._batch = _Batch()
+        self._work = threading.Condition(self._lock)  # the flusher waits here for requests
+        # Writers wait for their batch on the condition of its parity: only the batch being
+        # fsynced and the open one ever have writers, so a wake-up never reaches the other's.
+        self._done = (threading.Condition(self._lock), threading.Condition(self._lock))
+        self._open = 1  # the number of the batch requests join now
+        self._finished = 0  # every batch up to this number has been fsynced (or failed)
+        # Batches whose fsync failed: their error, and how many of their writers have yet to
+        # read it (the entries go with the last one).
+        self._errors: dict[int, BaseException] = {}
+        self._unread: dict[int, int] = {}
         self._pending = 0  # requests in the open batch
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -87,18 +92,21 @@ class GroupCommitService:
         with self._lock:
             if self._flushed() >= offset:
                 return
-            if self._thread is None:
-                batch = None
-            else:
-                batch = self._batch
+            if self._thread is not None:
+                batch = self._open
                 self._pending += 1
                 self._work.notify()
-        if batch is None:
-            self._flush()  # no flusher (stopped): this writer is the only one left
-            return
-        batch.done.wait()
-        if batch.error is not None:
-            raise batch.error
+                done = self._done[batch & 1]
+                while self._finished < batch:
+                    done.wait()
+                error = self._errors.get(batch)
+                if error is None:
+                    return
+                self._unread[batch] -= 1
+                if not self._unread[batch]:
+                    del self._errors[batch], self._unread[batch]
+                raise error
+        self._flush()  # no flusher (stopped): this writer is the only one left
 
     def _run(self) -> None:
         population = 0  # writers the last round served: woken plus already queued again
@@ -115,18 +123,24 @@ class GroupCommitService:
                     if left <= 0:
                         break
                     self._work.wait(left)
-                batch, self._batch = self._batch, _Batch()
+                batch = self._open
+                self._open += 1
                 served = self._pending
                 self.requests += served
                 self._pending = 0
             # The fsync runs outside the lock: writers keep queueing into the next batch.
             started = time.monotonic()
+            error: BaseException | None = None
             try:
                 self._flush()
             except BaseException as e:  # whatever it is, never leave a writer waiting
-                batch.error = e
+                error = e
             fsync_s = time.monotonic() - started
             self.flushes += 1
             with self._lock:
+                if error is not None:
+                    self._errors[batch] = error
+                    self._unread[batch] = served
+                self._finished = batch
                 population = served + self._pending
-            batch.done.set()
+                self._done[batch & 1].notify_all()
