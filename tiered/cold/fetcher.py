@@ -66,6 +66,22 @@ _YIELD_EVERY = 128
 READ_AHEAD = 4
 
 
+def _check_table(info: SegmentInfo, table: np.ndarray) -> None:
+    """Raise ``SegmentError`` unless ``table`` lays the segment's records out as a build does:
+    one after the other from byte 0 up to the tables. A ranged GET carries no checksum, so an
+    answer with wrong bytes is caught here, before the table is cached, rather than fail every
+    later read of the segment (or point one at other bytes)."""
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    if (
+        len(table) != info.count
+        or (len(table) and (starts[0] != 0 or ends[-1] != info.offsets_at))
+        or not np.array_equal(starts[1:], ends[:-1])
+        or bool((table["size"] <= 0).any())
+    ):
+        raise SegmentError(f"{info.key}: its offset table does not describe its records")
+
+
 class ColdTierUnavailableError(StorageError):
     """The object store did not answer a cold read within its deadline, or failed it."""
 
@@ -405,7 +421,12 @@ class ColdFetcher:
             started = time.perf_counter()
             first = start - info.base_offset
             entries = self._table(info)[first : first + self._batch_len(info)]
-            span = run_job(self.runner, read_span, info, first, entries.tobytes())
+            try:
+                span = run_job(self.runner, read_span, info, first, entries.tobytes())
+            except SegmentError:
+                # The table may be what was wrong: the next read of the segment fetches it again.
+                self._forget_table(info.key)
+                raise
             size = len(span.data)
             self.bytes_fetched += size
             if self._observe is not None:
@@ -436,6 +457,7 @@ class ColdFetcher:
                 table = self._tables.get(info.key)
             if table is None:
                 table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
+                _check_table(info, table)  # never cache wrong bytes: every read would use them
                 with self._lock:
                     self._tables[info.key] = table
                     self._table_bytes += table.nbytes
@@ -445,6 +467,12 @@ class ColdFetcher:
         with self._lock:
             self._table_loads.pop(info.key, None)
         return table
+
+    def _forget_table(self, key: str) -> None:
+        with self._lock:
+            table = self._tables.pop(key, None)
+            if table is not None:
+                self._table_bytes -= table.nbytes
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:
         def work() -> int:
