@@ -22,9 +22,11 @@ import pytest
 from conftest import S3Endpoint
 
 from broker.metadata import TopicConfig
-from offload.offloader import Offloader, OffloadPolicy
+from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
+from offload.verify import FAILURE, OK, verify_queue
 from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
+from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import RetryPolicy, StorageError, open_store
 from tiered.cold.worker import ColdWorker
@@ -268,3 +270,111 @@ def test_kill_9_of_the_worker_during_reads_and_read_ahead_hides_nothing(
         fault_proxy.heal()
         thread.join(timeout=60)
         fetcher.close()
+
+
+def test_verify_repair_retain_and_release_racing_the_upload_pipeline_lose_nothing(
+    fault_proxy: Any,
+    worker: ColdWorker,
+    tmp_path: Path,
+    proxied: tuple[str, dict[str, Any]],
+    s3: S3Endpoint,
+) -> None:
+    hot = MessageStore(StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=64 << 10))
+    hot.start()
+    tier = open_store(*proxied, QUICK)
+    offloader = Offloader(
+        hot, tier, "c", "b", OffloadPolicy(segment_max_messages=40), runner=worker
+    )
+    topics = {"t": TopicConfig("t", queues=1, tiered=True)}
+    can_release = release_predicate(hot, offloader, topics)
+    lock = offloader.queue_lock("t", 0)
+    bodies: list[bytes] = []
+    problems: list[str] = []
+    stop = threading.Event()
+    # A third of the PUTs fail, half of those after the object was written: uploads fail and
+    # are abandoned, commits fail with their outcome unknown, passes end half-way.
+    fault_proxy.set(error_rate=0.3, error_status=503, methods=["PUT"])
+
+    def produce() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            batch = [rng.randbytes(rng.randint(200, 900)) for _ in range(20)]
+            hot.put_messages([Message(topic="t", queue_id=0, body=b) for b in batch])
+            bodies.extend(batch)
+            time.sleep(0.05)
+
+    def loop(name: str, step: Any) -> None:
+        while not stop.is_set():
+            try:
+                step()
+            except (StorageError, OffloadError, SegmentError):
+                pass  # a failed pass or command: the next one starts from what is committed
+            except Exception as e:
+                problems.append(f"{name}: {type(e).__name__}: {e}")
+            time.sleep(0.02)
+
+    def offload() -> None:
+        fault_proxy.set(
+            error_rate=0.3, error_status=503, after_forward=random.random() < 0.5, methods=["PUT"]
+        )
+        offloader.offload_queue("t", 0)
+
+    def retain() -> None:
+        manifest = offloader.manifest("t", 0)
+        # By size: the archive keeps its newest ~100 KB.
+        if sum(s.size for s in manifest.segments) > 150_000:
+            offloader.expire("t", 0, cutoff_ms=0, max_bytes=100_000)
+
+    def verify() -> None:
+        verdict = verify_queue(tier, "c", "b", "t", 0, lock=lock, repair=True, deep=True)
+        if verdict.status == FAILURE:
+            problems.append(f"verify: {verdict}")
+
+    def release() -> None:
+        hot.release_commitlog_files(can_release)
+        committed = ManifestLog(tier, queue_prefix("c", "b", "t", 0)).load().end_offset
+        if hot.hot_min_offset("t", 0) > committed:
+            problems.append(f"released to {hot.hot_min_offset('t', 0)}, committed {committed}")
+
+    threads = [threading.Thread(target=produce)] + [
+        threading.Thread(target=loop, args=(name, step))
+        for name, step in (
+            ("offload", offload),
+            ("retain", retain),
+            ("verify", verify),
+            ("release", release),
+        )
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(6)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert not problems, problems[:5]
+        fault_proxy.heal()
+        result = offloader.offload_queue("t", 0)
+        assert result.watermark == len(bodies) == hot.max_offset("t", 0)
+        verdict = verify_queue(tier, "c", "b", "t", 0, lock=lock, repair=True, deep=True)
+        assert verdict.status == OK, verdict
+        manifest = offloader.manifest("t", 0, refresh=True)
+        # Nothing but the manifest's segments in the bucket: each range uploaded once.
+        listed = sorted(o.key for o in tier.list(f"{manifest.prefix}segments/"))
+        assert listed == sorted(s.key for s in manifest.segments)
+        assert manifest.start_offset > 0, "retention never ran"
+        assert hot.hot_min_offset("t", 0) > 0, "release never ran"
+        fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=30)
+        try:
+            offset, read = manifest.start_offset, []
+            while offset < manifest.end_offset:
+                messages, offset = fetcher.get("t", 0, offset, 200)
+                assert messages
+                read += [m.body for m in messages]
+        finally:
+            fetcher.close()
+        assert read == bodies[manifest.start_offset :]
+    finally:
+        stop.set()
+        fault_proxy.heal()
+        hot.shutdown()
