@@ -28,7 +28,7 @@ from offload.verify import FAILURE, OK, verify_queue
 from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentError
-from tiered.cold.storage import RetryPolicy, StorageError, open_store
+from tiered.cold.storage import PermanentStorageError, RetryPolicy, StorageError, open_store
 from tiered.cold.worker import ColdWorker
 from tiered.config import StoreConfig
 from tiered.record import Message
@@ -378,3 +378,21 @@ def test_verify_repair_retain_and_release_racing_the_upload_pipeline_lose_nothin
         stop.set()
         fault_proxy.heal()
         hot.shutdown()
+
+
+def test_a_put_whose_bytes_were_damaged_on_the_way_is_retried_never_stored(
+    fault_proxy: Any, proxied: tuple[str, dict[str, Any]], s3: S3Endpoint
+) -> None:
+    """No read-back follows a PUT that wrote (decision 251): what makes that safe is the
+    checksum the SDK sends, which the store checks. A PUT damaged in transit is refused by the
+    store (BadDigest): a transient failure that the one retry policy retries, not a permanent
+    one (which would, at start, stop the broker as if the bucket were unusable)."""
+    store = open_store(*proxied, RetryPolicy(attempts=1))
+    fault_proxy.set(corrupt=True, methods=["PUT"])
+    with pytest.raises(StorageError) as refused:
+        store.put_if_absent("seg/1", b"x" * 50_000)
+    assert not isinstance(refused.value, PermanentStorageError), refused.value
+    assert s3.client().list_objects_v2(Bucket=proxied[0][5:].split("/")[0])["KeyCount"] == 0
+    fault_proxy.heal()
+    assert open_store(*proxied, QUICK).put_if_absent("seg/1", b"x" * 50_000) is True
+    assert store.get("seg/1") == b"x" * 50_000

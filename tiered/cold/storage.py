@@ -68,6 +68,11 @@ TRANSIENT_CODES = {
     "RequestTimeout",
     "RequestTimeTooSkewed",
     "ConditionalRequestConflict",  # a rival conditional PUT in flight: the retry decides
+    # The body the store received is not the one sent (its checksum or length differs): damaged
+    # or cut off on the way. Nothing was stored, and the same bytes sent again arrive whole.
+    "BadDigest",
+    "IncompleteBody",
+    "XAmzContentSHA256Mismatch",
 }
 # s3fs sends a conditional (If-None-Match) PUT only below its multipart threshold (2 x 50 MiB).
 MAX_CONDITIONAL_PUT_BYTES = 100 * 1024 * 1024
