@@ -9,6 +9,7 @@ heals, it reads everything again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -19,8 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from broker_harness import Standalone, send_batches
 from conftest import S3Endpoint
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2_grpc
+from test_tier_readers import body_of, end_offset, pull
+from test_tiered_e2e import QUICK_TIERING
 
+from broker import admin_pb2 as apb
 from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
@@ -396,3 +403,72 @@ def test_a_put_whose_bytes_were_damaged_on_the_way_is_retried_never_stored(
     fault_proxy.heal()
     assert open_store(*proxied, QUICK).put_if_absent("seg/1", b"x" * 50_000) is True
     assert store.get("seg/1") == b"x" * 50_000
+
+
+def _cold_worker_pid(broker_pid: int) -> int:
+    """The broker's cold worker: its one child that is a Python process of multiprocessing."""
+    children = Path(f"/proc/{broker_pid}/task/{broker_pid}/children").read_text().split()
+    for pid in map(int, children):
+        with contextlib.suppress(FileNotFoundError):
+            if b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"broker {broker_pid} has no cold worker among {children}")
+
+
+def test_a_broker_replay_through_wrong_bytes_and_a_killed_worker_sees_every_message(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """End to end: PullMessage from a broker whose archive is read through the fault proxy.
+    While the store answers wrong bytes, a pull is an error, never messages or an end; after
+    healing, a replay with the cold worker killed -9 under it returns every message sent."""
+    node = Standalone(
+        tmp_path / "data",
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    ).start()
+    try:
+        node.admin().PutTopic(
+            apb.PutTopicRequest(topic=apb.Topic(name="cold", queues=1, perm=6, tiered=True)),
+            timeout=10,
+        )
+        total = 1200
+        for start in range(0, total, 100):
+            send_batches(
+                node.endpoint, "cold", [(body_of(i), "k", "t") for i in range(start, start + 100)]
+            )
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        first_file = tmp_path / "data" / "commitlog" / f"{0:020d}"
+        deadline = time.monotonic() + 60
+        while first_file.exists():  # uploaded, committed, then released: offset 0 is cold
+            assert time.monotonic() < deadline, "the first CommitLog file was never released"
+            time.sleep(0.2)
+        assert end_offset(stub, "cold", 0) == total
+
+        fault_proxy.set(corrupt=True, methods=["GET"])
+        for offset in (0, 300):
+            got = pull(stub, "cold", 0, offset)
+            assert got.code not in (d.OK, d.MESSAGE_NOT_FOUND, d.ILLEGAL_OFFSET), got
+            assert not got.offsets, got
+        fault_proxy.heal()
+
+        assert node.proc is not None
+        worker = _cold_worker_pid(node.proc.pid)
+        offset, errors, killed = 0, 0, False
+        while offset < total:
+            if offset >= 400 and not killed:
+                os.kill(worker, signal.SIGKILL)
+                killed = True
+            got = pull(stub, "cold", 0, offset)
+            if got.code != d.OK:  # retryable: the worker restarting
+                assert got.code in (d.PROXY_TIMEOUT, d.INTERNAL_SERVER_ERROR), got
+                assert not got.offsets
+                errors += 1
+                assert errors < 50, got
+                time.sleep(0.2)
+                continue
+            assert got.offsets == list(range(offset, offset + len(got.offsets))), got.offsets
+            assert got.bodies == [body_of(o) for o in got.offsets]
+            offset = got.next_offset
+        assert _cold_worker_pid(node.proc.pid) != worker
+    finally:
+        node.stop()
