@@ -387,21 +387,29 @@ def test_verify_repair_retain_and_release_racing_the_upload_pipeline_lose_nothin
         hot.shutdown()
 
 
+@pytest.mark.parametrize("sdk_checksums", ["when_supported", "when_required"])
 def test_a_put_whose_bytes_were_damaged_on_the_way_is_retried_never_stored(
-    fault_proxy: Any, proxied: tuple[str, dict[str, Any]], s3: S3Endpoint
+    sdk_checksums: str, fault_proxy: Any, proxied: tuple[str, dict[str, Any]], s3: S3Endpoint
 ) -> None:
-    """No read-back follows a PUT that wrote (decision 251): what makes that safe is the
-    checksum the SDK sends, which the store checks. A PUT damaged in transit is refused by the
-    store (BadDigest): a transient failure that the one retry policy retries, not a permanent
-    one (which would, at start, stop the broker as if the bucket were unusable)."""
-    store = open_store(*proxied, RetryPolicy(attempts=1))
+    """No read-back follows a PUT that wrote (decision 251): what makes that safe is a checksum
+    of the body that the store checks. A PUT damaged in transit is refused by the store
+    (BadDigest): a transient failure that the one retry policy retries, not a permanent one
+    (which would, at start, stop the broker as if the bucket were unusable). Also where the
+    SDK's own checksums are off ("when_required": AWS_REQUEST_CHECKSUM_CALCULATION, set for
+    S3-compatible stores that refuse them), or a damaged segment would be stored, committed
+    and its local copy released."""
+    url, options = proxied
+    options = {**options, "config_kwargs": {"request_checksum_calculation": sdk_checksums}}
+    store = open_store(url, options, RetryPolicy(attempts=1))
     fault_proxy.set(corrupt=True, methods=["PUT"])
     with pytest.raises(StorageError) as refused:
         store.put_if_absent("seg/1", b"x" * 50_000)
     assert not isinstance(refused.value, PermanentStorageError), refused.value
-    assert s3.client().list_objects_v2(Bucket=proxied[0][5:].split("/")[0])["KeyCount"] == 0
+    with pytest.raises(StorageError):
+        store.put("manifest/1", b"y" * 5_000)
+    assert s3.client().list_objects_v2(Bucket=url[5:].split("/")[0])["KeyCount"] == 0
     fault_proxy.heal()
-    assert open_store(*proxied, QUICK).put_if_absent("seg/1", b"x" * 50_000) is True
+    assert open_store(url, options, QUICK).put_if_absent("seg/1", b"x" * 50_000) is True
     assert store.get("seg/1") == b"x" * 50_000
 
 

@@ -10,6 +10,7 @@ has an empty, ``.`` or ``..`` component: no key can address anything outside the
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from google_crc32c import value as crc32c_value
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,7 @@ class FsspecObjectStore:
             self.fs.retries = 1
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.s3 = self.url.startswith(("s3://", "s3a://"))
         if self.local:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -201,7 +204,7 @@ class FsspecObjectStore:
         if len(data) > MAX_CONDITIONAL_PUT_BYTES:
             raise ValueError(f"{key}: {len(data)} bytes is too large for a conditional put")
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            self.fs.pipe_file(path, data, mode="create", **self._checksum(data))
             return True
         except FileExistsError:
             return False
@@ -217,9 +220,20 @@ class FsspecObjectStore:
             _local_replace(Path(path), data)
             return
         try:
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(path, data, **self._checksum(data))
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def _checksum(self, data: bytes) -> dict[str, str]:
+        """The body's CRC32C for the store to check (one PUT's worth of bytes, on S3): a body
+        damaged on the way is refused (BadDigest), never stored. Nothing reads a written object
+        back (decision 251), so this is what guarantees it holds the bytes sent; given here, it
+        does not depend on the SDK's own checksums, which AWS_REQUEST_CHECKSUM_CALCULATION=
+        when_required turns off (decision 290). Hardware CRC32C: well under a millisecond a MiB."""
+        if not self.s3 or len(data) > MAX_CONDITIONAL_PUT_BYTES:
+            return {}
+        crc = int(crc32c_value(data)).to_bytes(4, "big")
+        return {"ChecksumCRC32C": base64.b64encode(crc).decode()}
 
     def get(self, key: str) -> bytes:
         try:
