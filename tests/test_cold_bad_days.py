@@ -20,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import Standalone, send_batches
 from conftest import S3Endpoint
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2_grpc
-from test_tier_readers import body_of, end_offset, pull
-from test_tiered_e2e import QUICK_TIERING
+from test_tier_readers import _archived_behind_proxy, body_of, end_offset, pull
 
-from broker import admin_pb2 as apb
 from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
@@ -35,7 +32,12 @@ from offload.verify import FAILURE, OK, verify_queue
 from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentError
-from tiered.cold.storage import PermanentStorageError, RetryPolicy, StorageError, open_store
+from tiered.cold.storage import (
+    PermanentStorageError,
+    RetryPolicy,
+    StorageError,
+    open_store,
+)
 from tiered.cold.worker import ColdWorker
 from tiered.config import StoreConfig
 from tiered.record import Message
@@ -58,6 +60,17 @@ def fill(store: MessageStore, n: int, seed: int = 5) -> list[bytes]:
     bodies = [rng.randbytes(rng.randint(200, 900)) for _ in range(n)]
     store.put_messages([Message(topic="t", queue_id=0, body=b) for b in bodies])
     assert store.wait_dispatched(10)
+    return bodies
+
+
+def archive(hot: MessageStore, s3: S3Endpoint, url: str, n: int, per_segment: int) -> list[bytes]:
+    """``n`` messages of queue t/0 uploaded straight to LocalStack (not through the proxy) in
+    segments of ``per_segment``; their bodies."""
+    bodies = fill(hot, n)
+    direct = open_store(url, s3.storage_options())
+    Offloader(hot, direct, "c", "b", OffloadPolicy(segment_max_messages=per_segment)).offload_queue(
+        "t", 0
+    )
     return bodies
 
 
@@ -96,9 +109,7 @@ def test_wrong_bytes_from_the_store_fail_reads_until_healed_then_every_message_r
     proxied: tuple[str, dict[str, Any]],
     s3: S3Endpoint,
 ) -> None:
-    bodies = fill(hot, 900)
-    direct = open_store(proxied[0], s3.storage_options())
-    Offloader(hot, direct, "c", "b", OffloadPolicy(segment_max_messages=300)).offload_queue("t", 0)
+    bodies = archive(hot, s3, proxied[0], 900, 300)
     tier = open_store(*proxied, QUICK)
     fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=20)
     try:
@@ -134,10 +145,8 @@ def test_a_failing_store_is_a_retryable_error_never_a_short_read_and_reads_recov
     proxied: tuple[str, dict[str, Any]],
     s3: S3Endpoint,
 ) -> None:
-    bodies = fill(hot, 600)
-    direct = open_store(proxied[0], s3.storage_options())
     # Segments of 100 messages, each one batch: the first read reads ahead into the second.
-    Offloader(hot, direct, "c", "b", OffloadPolicy(segment_max_messages=100)).offload_queue("t", 0)
+    bodies = archive(hot, s3, proxied[0], 600, 100)
     tier = open_store(*proxied, QUICK)
     fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=2.0)
     try:
@@ -232,9 +241,7 @@ def test_kill_9_of_the_worker_during_reads_and_read_ahead_hides_nothing(
     proxied: tuple[str, dict[str, Any]],
     s3: S3Endpoint,
 ) -> None:
-    bodies = fill(hot, 1200)
-    direct = open_store(proxied[0], s3.storage_options())
-    Offloader(hot, direct, "c", "b", OffloadPolicy(segment_max_messages=100)).offload_queue("t", 0)
+    bodies = archive(hot, s3, proxied[0], 1200, 100)
     tier = open_store(*proxied, QUICK)
     # A cache of two batches: the replay fetches all the time, so kills land on fetches,
     # on read-ahead, and on spans crossing the pipe.
@@ -429,27 +436,10 @@ def test_a_broker_replay_through_wrong_bytes_and_a_killed_worker_sees_every_mess
     """End to end: PullMessage from a broker whose archive is read through the fault proxy.
     While the store answers wrong bytes, a pull is an error, never messages or an end; after
     healing, a replay with the cold worker killed -9 under it returns every message sent."""
-    node = Standalone(
-        tmp_path / "data",
-        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
-        env=S3Endpoint(fault_proxy.url, "proxy").env(),
-    ).start()
+    total = 1200
+    node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "cold", total)
     try:
-        node.admin().PutTopic(
-            apb.PutTopicRequest(topic=apb.Topic(name="cold", queues=1, perm=6, tiered=True)),
-            timeout=10,
-        )
-        total = 1200
-        for start in range(0, total, 100):
-            send_batches(
-                node.endpoint, "cold", [(body_of(i), "k", "t") for i in range(start, start + 100)]
-            )
         stub = service_pb2_grpc.MessagingServiceStub(node.channel())
-        first_file = tmp_path / "data" / "commitlog" / f"{0:020d}"
-        deadline = time.monotonic() + 60
-        while first_file.exists():  # uploaded, committed, then released: offset 0 is cold
-            assert time.monotonic() < deadline, "the first CommitLog file was never released"
-            time.sleep(0.2)
         assert end_offset(stub, "cold", 0) == total
 
         fault_proxy.set(corrupt=True, methods=["GET"])
