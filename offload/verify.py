@@ -21,7 +21,7 @@ then deletes. So nothing is judged on one snapshot:
 
 What is checked: without ``deep``, that every named object exists with the size the manifest
 records, from the listing alone (one LIST request per 1,000 segments: the store checked the
-body's CRC32C when the object was uploaded, decision 290, and objects are immutable).
+body's CRC32 when the object was uploaded, decision 290, and objects are immutable).
 ``deep`` re-reads every segment and checks its CRC, in parallel on the caller's pool, until
 ``deadline`` (``time.monotonic()``); what is left by then is counted, and makes a WARNING.
 """
