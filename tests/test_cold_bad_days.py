@@ -487,3 +487,25 @@ def test_a_broker_replay_through_wrong_bytes_and_a_killed_worker_sees_every_mess
         assert _cold_worker_pid(node.proc.pid) != worker
     finally:
         node.stop()
+
+
+def test_a_manifest_read_with_wrong_bytes_is_a_retryable_error(
+    fault_proxy: Any, hot: MessageStore, proxied: tuple[str, dict[str, Any]], s3: S3Endpoint
+) -> None:
+    """Where the SDK checks no response checksum (``response_checksum_validation =
+    when_required``, as for S3-compatible stores without them), a manifest read with one bit
+    flipped fails the manifest's own CRC: for a cold read that is the tier being unavailable
+    (PROXY_TIMEOUT to a client, retried), not an internal error."""
+    archive(hot, s3, proxied[0], 300, 100)
+    url, options = proxied
+    options = {**options, "config_kwargs": {"response_checksum_validation": "when_required"}}
+    fetcher = ColdFetcher(open_store(url, options, QUICK), "c", "b", read_timeout_s=10)
+    try:
+        fault_proxy.set(corrupt=True, methods=["GET"])
+        with pytest.raises(ColdTierUnavailableError, match="manifest"):
+            fetcher.get("t", 0, 0, 10)  # no manifest cached: it is loaded, damaged
+        fault_proxy.heal()
+        messages, nxt = fetcher.get("t", 0, 0, 10)
+        assert [m.queue_offset for m in messages] == list(range(10)) and nxt == 10
+    finally:
+        fetcher.close()

@@ -289,6 +289,11 @@ class ColdFetcher:
         except StorageError as e:
             self.unavailable += 1
             raise ColdTierUnavailableError(f"{what}: the cold tier is unavailable: {e}") from e
+        except ManifestError as e:
+            # A manifest failing its own CRC is, first of all, an answer damaged on the way
+            # (one that stays damaged is `tmq verify`'s FAILURE): a retry, not a lost archive.
+            self.unavailable += 1
+            raise ColdTierUnavailableError(f"{what}: the queue's manifest read damaged: {e}") from e
 
     # -- reads -----------------------------------------------------------------------------------
 
