@@ -158,11 +158,12 @@ def test_a_failing_store_is_a_retryable_error_never_a_short_read_and_reads_recov
     # Segments of 100 messages, each one batch: the first read reads ahead into the second.
     bodies = archive(hot, s3, proxied[0], 600, 100)
     tier = open_store(*proxied, QUICK)
-    fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=2.0)
+    fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=20)
     try:
         assert fetcher.manifest("t", 0).end_offset == 600
         first, nxt = fetcher.get("t", 0, 0, 10)  # the first batch and its read-ahead
         assert [m.body for m in first] == bodies[:10] and nxt == 10
+        fetcher.read_timeout_s = 2.0  # what a broker's cold read waits (its default is 2.5)
         fault_proxy.set(**fault, methods=["GET"])
         # Offsets past what was read ahead, in three other segments: every one is the tier's
         # retryable "unavailable", never a shorter answer or another segment's messages.
