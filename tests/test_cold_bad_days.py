@@ -29,6 +29,7 @@ from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
 from offload.verify import FAILURE, OK, verify_queue
+from tiered.cold.faults import FaultyObjectStore
 from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.segment import SegmentError
@@ -38,7 +39,7 @@ from tiered.cold.storage import (
     StorageError,
     open_store,
 )
-from tiered.cold.worker import ColdWorker
+from tiered.cold.worker import ColdWorker, LocalRunner
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import GetStatus, MessageStore
@@ -510,3 +511,32 @@ def test_a_manifest_read_with_wrong_bytes_is_a_retryable_error(
         assert [m.queue_offset for m in messages] == list(range(10)) and nxt == 10
     finally:
         fetcher.close()
+
+
+def test_a_commit_whose_answer_was_lost_is_not_uploaded_again(
+    hot: MessageStore, tmp_path: Path
+) -> None:
+    """A manifest commit that landed although the store answered 500: the next pass must start
+    from the archive as it is, not upload the same range again under a new key (and have its
+    commit refused as "another writer", a broker's only writer being itself)."""
+    clean = open_store(f"file://{tmp_path}/tier")
+    tier = FaultyObjectStore(clean, fail_after_write_rate=1.0)
+    offloader = Offloader(
+        hot, tier, "c", "b", OffloadPolicy(segment_max_messages=100), runner=LocalRunner(clean)
+    )
+    offloader.claim("t", 0)  # the claim's own commit is not what this test is about
+    fill(hot, 100)
+    with pytest.raises(OffloadError, match="commit manifest"):
+        offloader.offload_queue("t", 0)
+    prefix = queue_prefix("c", "b", "t", 0)
+    [landed] = ManifestLog(clean, prefix).load().segments  # the commit landed all the same
+    tier.fail_after_write_rate = 0.0
+    fill(hot, 100, seed=6)
+    result = offloader.offload_queue("t", 0)
+    assert result.watermark == 200 and result.messages == 100
+    manifest = ManifestLog(clean, prefix).load()
+    assert manifest.segments[0] == landed and manifest.end_offset == 200
+    # Each range was uploaded once: nothing to discard, no orphan.
+    assert sorted(o.key for o in clean.list(f"{prefix}segments/")) == sorted(
+        s.key for s in manifest.segments
+    )
