@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.acl import AclStore
-from tiered.durable import fsync_dir, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 
 # The name rule is the store's, defined once (tiered/names.py); the broker's modules import it
 # from here.
@@ -236,8 +236,8 @@ class BrokerMetadata:
             )
             if fresh:
                 fsync_dir(self.dir)
-        line = (json.dumps(asdict(cfg), sort_keys=True) + "\n").encode()
-        os.write(self._group_log, line)
+        # Whole or not at all: a fragment left by a full disk would join the next line.
+        append_whole(self._group_log, (json.dumps(asdict(cfg), sort_keys=True) + "\n").encode())
         os.fdatasync(self._group_log)
         self._group_log_lines += 1
 

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
+from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
@@ -111,10 +112,10 @@ class TimerLog:
         return fd
 
     def append(self, bucket: int, entries: np.ndarray) -> None:
-        os.write(self._fd(bucket, "bucket"), entries.astype(ENTRY).tobytes())
+        append_whole(self._fd(bucket, "bucket"), entries.astype(ENTRY).tobytes())
 
     def mark_done(self, bucket: int, offsets: list[int]) -> None:
-        os.write(self._fd(bucket, "done"), np.asarray(offsets, dtype=_DONE).tobytes())
+        append_whole(self._fd(bucket, "done"), np.asarray(offsets, dtype=_DONE).tobytes())
 
     def entries(self, bucket: int) -> np.ndarray:
         path = self._path(bucket, "bucket")
@@ -130,6 +131,20 @@ class TimerLog:
     def sync(self) -> None:
         for fd in self._files.values():
             os.fsync(fd)
+        fsync_dir(self.dir)  # the names of bucket files created since the last sync
+
+    def sync_found(self) -> None:
+        """fsync every bucket and done file on disk, whoever wrote it. After ``kill -9`` what
+        the dead process appended is in the page cache only, and this process writes none of
+        it again (a re-read entry of the current bucket is a duplicate, skipped), so its own
+        ``sync`` would never reach it before a checkpoint claims it."""
+        for path in sorted(self.dir.glob("*.bucket")) + sorted(self.dir.glob("*.done")):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(self.dir)
 
     def delete(self, bucket: int) -> None:
         for kind in ("bucket", "done"):
@@ -190,7 +205,7 @@ class TimerService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.log.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.log.dir)
         if self._checkpoint_path.exists():
             self.enqueue_offset = int(json.loads(self._checkpoint_path.read_text())["enqueue"])
         for bucket in self.log.buckets():
@@ -203,6 +218,7 @@ class TimerService:
             self._min_offset[bucket] = int(keep["offset"].min()) if len(keep) else 2**62
             for crc, n in zip(*np.unique(keep["topic"], return_counts=True), strict=True):
                 self._by_topic[int(crc)] = self._by_topic.get(int(crc), 0) + int(n)
+        self.log.sync_found()  # before the first checkpoint counts what a killed run wrote
         buckets = self.log.buckets()
         self._load(
             min(buckets[0], bucket_of(self._clock())) if buckets else bucket_of(self._clock())
@@ -294,6 +310,9 @@ class TimerService:
         rows: dict[int, list[tuple[int, int, int, int]]] = {}
         replaced: dict[int, list[int]] = {}  # bucket -> offsets of records rolled forward
         in_heap: set[int] | None = None  # offsets in the current bucket's heap, when needed
+        # Scheduled in memory only once their entries are in the bucket file: a failed append
+        # (a full disk) is retried from the same offset, and must not find them "seen".
+        now_due: list[tuple[int, int, int, int]] = []
         for m in got.messages:
             due = int(m.properties.get(PROPERTY_DELIVER_TIME, "0"))
             bucket = max(bucket_of(due), self._current)
@@ -305,11 +324,10 @@ class TimerService:
                     continue  # re-read after a crash: already scheduled
                 if rolled_from is not None:
                     if in_heap is None:
-                        in_heap = {r[1] for r in self._heap}
+                        in_heap = {r[1] for r in self._heap} | {r[1] for r in now_due}
                     if int(rolled_from) not in in_heap:
                         continue  # the old record was delivered before this one was enqueued
-                self._seen.add(m.commitlog_offset)
-                heapq.heappush(self._heap, row)
+                now_due.append(row)
             if rolled_from is not None:
                 replaced.setdefault(bucket, []).append(int(rolled_from))
             rows.setdefault(bucket, []).append(row)
@@ -321,6 +339,9 @@ class TimerService:
                 self._min_offset[bucket] = min(self._min_offset.get(bucket, low), low)
                 for r in bucket_rows:
                     self._by_topic[r[3]] = self._by_topic.get(r[3], 0) + 1
+        for row in now_due:
+            self._seen.add(row[1])
+            heapq.heappush(self._heap, row)
         for bucket, offsets in replaced.items():
             self._retire(bucket, offsets)
             if bucket == self._current:  # the new entries replace the old ones in the heap
@@ -437,11 +458,7 @@ class TimerService:
 
     def _checkpoint(self) -> None:
         self.log.sync()
-        tmp = self._checkpoint_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"enqueue": self.enqueue_offset}))
-        with tmp.open("rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self._checkpoint_path)
+        write_file(self._checkpoint_path, json.dumps({"enqueue": self.enqueue_offset}).encode())
 
     # -- what others read ----------------------------------------------------------------------
 

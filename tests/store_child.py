@@ -9,7 +9,8 @@ Modes:
   The parent ``kill -9``s it whenever it likes.
 - ``write-and-crash``: append COUNT messages, print ``done``, then ``os._exit`` without a
   shutdown, leaving the abort marker behind exactly as a crash would.
-- ``hold``: open the store, print ``ready`` and wait (a second process for lock tests).
+- ``hold``: open the store, append COUNT messages to one queue (``crash-a`` 0), print
+  ``ready`` and wait (a second process for lock tests).
 - ``produce-meta``: like ``produce``, and after each batch also creates consumer groups in the
   broker's metadata store (``DATA_DIR/config``), printing ``group <name>`` once each is saved.
   A refused batch prints ``refused <reason>`` and production goes on, as a broker keeps serving.
@@ -67,6 +68,10 @@ def main() -> None:
     store.start()
     out = sys.stdout
     if mode == "hold":
+        for i in range(count):  # to one queue only
+            msg = message_for(f"{seed}-{i}", rng)
+            msg.topic, msg.queue_id = TOPICS[0], 0
+            store.put_message(msg)
         print("ready", flush=True)
         time.sleep(3600)
     elif mode == "write-and-crash":

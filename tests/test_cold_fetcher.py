@@ -55,3 +55,47 @@ def test_a_replay_reads_ahead_into_the_next_segment_and_each_table_once(tmp_path
     # each segment while the previous segment was being read.
     assert fetcher.misses == 1, (fetcher.misses, fetcher.hits)
     assert all(tier.ranges[(s.key, s.offsets_at)] == 1 for s in segments), tier.ranges
+
+
+def test_a_replay_fetches_its_batches_a_few_large_gets_at_a_time(tmp_path: Path) -> None:
+    """Decision 333: read-ahead asks for ``GET_BATCHES`` consecutive batches with one ranged GET
+    (a store's cost is per request as much as per byte). Reads bounded by count and by bytes
+    still return exactly the messages in order, the one that reaches ``max_bytes`` last."""
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "hot"))
+    store.start()
+    try:
+        bodies = [os.urandom(1000 + i % 7) for i in range(24_000)]
+        for at in range(0, len(bodies), 4000):
+            store.put_messages(
+                [Message(topic="t", queue_id=0, body=b) for b in bodies[at : at + 4000]]
+            )
+        assert store.wait_dispatched()
+        tier = RangeLog(open_store(f"file://{tmp_path}/tier"))
+        Offloader(store, tier, "c", "b", OffloadPolicy()).offload_queue("t", 0)
+    finally:
+        store.shutdown()
+    fetcher = ColdFetcher(tier, "c", "b", cache_bytes=64 << 20)
+    [segment] = fetcher.manifest("t", 0).segments
+    batch = ColdFetcher._batch_len(segment)
+    batches = -(-len(bodies) // batch)
+    assert batches >= 16
+    tier.ranges.clear()
+    read: list[bytes] = []
+    offset, calls = 0, 0
+    while offset < len(bodies):
+        count, limit = (300, 1 << 30) if calls % 2 else (10_000, 50_000)
+        messages, nxt = fetcher.get("t", 0, offset, count, max_bytes=limit)
+        assert [m.queue_offset for m in messages] == list(range(offset, nxt))
+        sizes = [m.size for m in messages]
+        assert len(messages) <= count
+        assert sum(sizes[:-1]) < limit, "no message past the one that reaches max_bytes"
+        assert len(messages) == count or sum(sizes) >= limit or nxt == len(bodies)
+        read += [m.body for m in messages]
+        offset, calls = nxt, calls + 1
+    fetcher.close()
+    assert read == bodies
+    record_gets = sum(n for (_, start), n in tier.ranges.items() if start != segment.offsets_at)
+    # One GET for the first batch, then one per GET_BATCHES (4) batches: far fewer than one a
+    # batch (the earlier read-ahead), whatever order the fetches finished in.
+    assert record_gets <= 2 + batches // 4 + 2, (record_gets, batches)
+    assert fetcher.misses == 1, (fetcher.misses, fetcher.hits)

@@ -225,3 +225,37 @@ def test_transient_failures_are_retried_by_the_one_policy_and_permanent_ones_nev
     with pytest.raises(PermanentStorageError):
         RetryingObjectStore(Refusing(inner), RetryPolicy(attempts=20, base_delay_s=0.0)).get("k/0")
     assert calls == ["k/0"]
+
+
+def test_s3_goes_through_botocore_and_answers_every_call_as_s3fs_does(s3: Any, bucket: str) -> None:
+    """Decision 330: ``open_store`` serves ``s3://`` with its own botocore client (s3fs costs
+    more CPU per byte); every answer of the interface is the one s3fs gives on the same bucket."""
+    from tiered.cold.s3 import S3ObjectStore
+
+    url = f"s3://{bucket}/parity"
+    ours = open_store(url, s3.storage_options())
+    assert isinstance(ours.inner, S3ObjectStore)  # type: ignore[attr-defined]
+    theirs = FsspecObjectStore(url, s3.storage_options())
+    keys = ["c/b/t/0/a.seg", "c/b/t/0/b.seg", "c/b/t/1/manifest/0001", "c/b/u/0/x", "c/.hidden"]
+    for i, key in enumerate(keys):
+        assert ours.put_if_absent(key, bytes(range(i + 10))) is True
+        assert ours.put_if_absent(key, b"other") is False
+    for store in (ours, theirs):
+        assert store.list("c/b/") == [ObjectInfo(k, i + 10) for i, k in enumerate(keys[:4])]
+        assert list(store.children("")) == ["c"]
+        assert list(store.children("c/b/")) == ["t", "u"]
+        assert list(store.children("c/b/t/0/")) == ["a.seg", "b.seg"]
+        assert list(store.children("nothing/")) == [] and store.list("nothing/") == []
+        assert store.size(keys[1]) == 11 and store.size("c/b/none") is None
+        assert store.get(keys[2]) == bytes(range(12))
+        assert store.get_range(keys[2], 3, 4) == bytes(range(3, 7))
+        assert store.get_range(keys[2], 10, 10) == bytes(range(10, 12))  # fewer at the end
+        with pytest.raises(ObjectNotFoundError):
+            store.get_range("c/b/none", 0, 1)
+        with pytest.raises(ObjectNotFoundError):
+            store.get("c/b/none")
+    ours.put(keys[0], b"replaced")
+    assert theirs.get(keys[0]) == b"replaced"
+    ours.delete(keys[0])
+    ours.delete(keys[0])  # idempotent
+    assert theirs.size(keys[0]) is None

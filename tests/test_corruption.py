@@ -247,3 +247,31 @@ def test_a_short_last_file_with_data_in_it_is_still_refused(crashed) -> None:
     os.truncate(last, config.commitlog_file_size // 2)
     with pytest.raises(StoreLoadError, match="configured file size"):
         MessageStore(config).start()
+
+
+def test_a_lost_checkpoint_redispatches_queues_whose_tail_was_never_flushed(
+    crashed, start_store
+) -> None:
+    """Without a checkpoint, re-dispatch cannot start at the furthest ConsumeQueue: a queue
+    whose last entries were never flushed would keep a hole that no reader could see past."""
+    config, msgs = crashed
+    start_store(config).shutdown()  # every file whole and flushed, the IndexFile up to date
+    (config.data_dir / "abort").write_text("1\n")  # ... and then the next run crashed
+    by_queue: dict[tuple[str, int], list[StoredMessage]] = {}
+    for m in msgs:
+        by_queue.setdefault((m.topic, m.queue_id), []).append(m)
+    # The queue whose last message lies earliest in the CommitLog loses its last 5 entries, as
+    # if its ConsumeQueue page never reached the disk; the other queues keep theirs.
+    victim = min(by_queue, key=lambda q: by_queue[q][-1].commitlog_offset)
+    lost = by_queue[victim][-5:]
+    assert any(m.commitlog_offset > lost[-1].commitlog_offset for m in msgs)
+    queue_dir = config.consumequeue_dir / victim[0] / str(victim[1])
+    entries_bytes = config.consumequeue_entries_per_file * 20
+    for m in lost:
+        start = m.queue_offset * 20 - (m.queue_offset * 20) % entries_bytes
+        patch(queue_dir / f"{start:020d}", m.queue_offset * 20 - start, bytes(20))
+    (config.data_dir / "checkpoint").unlink()
+
+    store = start_store(config)
+    assert store.max_offset(*victim) == lost[-1].queue_offset + 1
+    assert_all_readable(store, msgs)

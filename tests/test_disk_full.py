@@ -6,20 +6,28 @@ says the disk is full, and a broker whose disk cannot hold one CommitLog file do
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from broker_harness import Standalone
+from conftest import SMALL, crash_after_writing
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.metadata import BrokerMetadata, GroupConfig
+from broker.timer import ENTRY as TIMER_ENTRY
+from broker.timer import PROPERTY_DELIVER_TIME, TimerLog, TimerService, as_timer_message
 from tiered.config import StoreConfig
-from tiered.store import GetStatus, MessageStore
+from tiered.record import PROPERTY_UNIQ_KEY, Message
+from tiered.store import GetStatus, MessageStore, StoreLoadError
 
 GEOMETRY = {
     "commitlog_file_size": 1 << 20,
@@ -112,3 +120,242 @@ def test_a_broker_without_room_for_one_commitlog_file_does_not_start(small_disk:
         node.stop()  # it should not have started
     assert "commitlog_file_size" in str(e.value)
     assert not (small_disk / "data" / "commitlog").exists()
+
+
+def _fill(directory: Path) -> Path:
+    """Take every free byte of ``directory``'s filesystem, as another writer on a shared disk
+    does; returns the file to delete to give the space back."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(4096))  # page by page: not one page is left
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _stored_ids(store: MessageStore, topic: str) -> list[str]:
+    got = store.get_messages(topic, 0, 0, 1000)
+    assert got.status is GetStatus.FOUND, got.status
+    return [str(m.msg_id) for m in got.messages]
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_disk_filled_by_another_writer_stops_no_append_the_commitlog_has_room_for(
+    small_disk: Path, flush: str
+) -> None:
+    """The CommitLog file is preallocated, so a disk that another writer fills leaves appends
+    into it possible and durable. Only the checkpoint cannot be written then, which costs a
+    longer recovery scan and nothing else: it is no failed fsync, and must not turn the store
+    read-only until a restart (it did: every send was refused as "an fsync failed", even after
+    the space came back)."""
+    config = StoreConfig(
+        data_dir=small_disk / "data",
+        flush=flush,  # type: ignore[arg-type]
+        flush_interval_ms=20,
+        **GEOMETRY,  # type: ignore[arg-type]
+    )
+
+    def put(n: int) -> str:
+        msg_id = f"m{n:03d}"
+        store.put_messages(
+            [
+                Message(
+                    topic="full",
+                    queue_id=0,
+                    body=b"x" * 100,
+                    properties={PROPERTY_UNIQ_KEY: msg_id},
+                )
+            ]
+        )
+        return msg_id
+
+    store = MessageStore(config)
+    store.start()
+    acked = [put(n) for n in range(5)]
+    filler = _fill(small_disk)
+    try:
+        time.sleep(0.2)  # several flushes, each of which fails to write the checkpoint
+        acked += [put(n) for n in range(5, 10)]
+        time.sleep(0.2)
+        store.flush()
+        acked += [put(n) for n in range(10, 15)]
+    finally:
+        filler.unlink()
+    time.sleep(0.1)
+    acked += [put(n) for n in range(15, 20)]
+    assert store.wait_dispatched()
+    assert _stored_ids(store, "full") == acked
+    # A shutdown while the disk is full again ends as a crash would (its checkpoint is stale),
+    # and the next start finds every acknowledged message.
+    filler = _fill(small_disk)
+    try:
+        store.shutdown()
+    finally:
+        filler.unlink()
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert not report.clean_exit
+        assert _stored_ids(store, "full") == acked
+    finally:
+        store.shutdown()
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_restart_on_a_full_disk_is_refused_clearly_and_loses_nothing(
+    small_disk: Path, flush: str
+) -> None:
+    """Recovery after ``kill -9`` writes (IndexFile entries, the checkpoint): on a disk that
+    another writer filled meanwhile it cannot. The start is refused with one line that says the
+    disk is full (it raised ``BufferError: cannot close exported pointers exist``, the cleanup's
+    error hiding the cause), and once space is freed the store starts with every message."""
+    data_dir = small_disk / "store"
+    crash_after_writing(data_dir, 200, flush)
+    config = StoreConfig(data_dir=data_dir, flush=flush, **SMALL)  # type: ignore[arg-type]
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(StoreLoadError) as e:
+            MessageStore(config).start()
+        assert "the disk is full" in str(e.value), e.value
+    finally:
+        filler.unlink()
+    store = MessageStore(config)
+    store.start()
+    try:
+        total = 0
+        for topic in ("crash-a", "crash-b", "crash-c"):
+            for queue in range(4):
+                total += len(store.get_messages(topic, queue, 0, 1000).messages)
+        assert total == 200
+    finally:
+        store.shutdown()
+
+
+def test_a_group_line_a_full_disk_cuts_short_is_refused_and_the_log_stays_whole(
+    small_disk: Path,
+) -> None:
+    """``groups.log`` takes one fdatasynced line per group. On a full disk the write can take
+    only the part of a line that fits in the file's last page: that short write was ignored,
+    so the group was reported saved, and the next line (written once space came back) was
+    appended to the fragment: the reload dropped both as one torn line. The write must fail,
+    leave no fragment, and every group saved before and after must come back."""
+    meta = BrokerMetadata(small_disk / "config")
+    meta.load()
+    log = small_disk / "config" / "groups.log"
+    saved: list[str] = []
+    while not saved or log.stat().st_size % 4096 <= 4096 - 60:  # the next line crosses a page
+        saved.append(f"group-{len(saved):05d}")
+        meta.put_group(GroupConfig(name=saved[-1]))
+    size = log.stat().st_size
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(OSError) as e:
+            meta.put_group(GroupConfig(name="refused-" + "x" * 60))
+        assert e.value.errno == errno.ENOSPC
+        assert log.stat().st_size == size, "a fragment of the refused line was left"
+    finally:
+        filler.unlink()
+    meta.put_group(GroupConfig(name="after"))
+    saved.append("after")
+    reloaded = BrokerMetadata(small_disk / "config")
+    reloaded.load()
+    assert sorted(reloaded.groups) == sorted(saved)
+
+
+def test_timer_entries_a_full_disk_cuts_short_are_refused_and_later_ones_stay_aligned(
+    small_disk: Path,
+) -> None:
+    """A timer bucket file holds 24-byte entries back to back. A write that a full disk cut
+    short left part of an entry, and every entry appended after it was read at the wrong
+    place: due times and CommitLog offsets of garbage. The write must fail and leave none of
+    it, so the entries appended once space is back read as written."""
+    timer_log = TimerLog(small_disk / "timer")
+    timer_log.dir.mkdir()
+    bucket = 60_000
+    path = small_disk / "timer" / f"{bucket:013d}.bucket"
+
+    def entries(first: int, count: int) -> np.ndarray:
+        rows = [(10**12 + i, 1000 * i, 100, 7) for i in range(first, first + count)]
+        return np.array(rows, dtype=TIMER_ENTRY)
+
+    written = 0
+    while written == 0 or path.stat().st_size % 4096 <= 4096 - 100:
+        timer_log.append(bucket, entries(written, 1))
+        written += 1
+    filler = _fill(small_disk)
+    try:
+        with pytest.raises(OSError) as e:
+            timer_log.append(bucket, entries(written, 10))  # 240 bytes: across the page
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        filler.unlink()
+    timer_log.append(bucket, entries(written, 10))
+    timer_log.close()
+    got = TimerLog(small_disk / "timer").entries(bucket)
+    assert got["offset"].tolist() == [1000 * i for i in range(written + 10)]
+
+
+def test_delay_messages_the_wheel_could_not_write_on_a_full_disk_are_delivered_after_a_restart(
+    small_disk: Path,
+) -> None:
+    """The wheel enqueues delay messages into a bucket file; on a full disk that write fails
+    and the wheel retries a second later. The retry must write them: it skipped the ones due
+    in the current bucket as already scheduled (they were in memory only), then moved its
+    checkpoint past them, so after a restart they were never delivered."""
+    config = StoreConfig(data_dir=small_disk / "store", flush="sync", **SMALL)
+    clock = (time.time_ns() // 1_000_000) // 60_000 * 60_000 + 1_000
+    due = str(clock + 30_000)  # in the clock's bucket: the current one
+
+    def put(first: int, count: int) -> None:
+        store.put_messages(
+            [
+                as_timer_message(
+                    Message(
+                        topic="later",
+                        queue_id=0,
+                        body=b"due",
+                        properties={PROPERTY_DELIVER_TIME: due, PROPERTY_UNIQ_KEY: f"t{i}"},
+                    )
+                )
+                for i in range(first, first + count)
+            ]
+        )
+
+    store = MessageStore(config)
+    store.start()
+    try:
+        timers = TimerService(store, small_disk / "timer", lambda: ["later"], clock=lambda: clock)
+        timers.start()
+        put(0, 165)  # 165 entries of 24 bytes: the bucket file's page has 136 bytes left
+        deadline = time.monotonic() + 10
+        while timers.enqueue_offset < 165 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        filler = _fill(small_disk)
+        try:
+            put(165, 10)  # 240 bytes of entries: more than the page holds
+            timers.wakeup()
+            time.sleep(0.3)  # the wheel tries, and fails
+            assert timers.enqueue_offset == 165
+        finally:
+            filler.unlink()
+        deadline = time.monotonic() + 10
+        while timers.enqueue_offset < 175 and time.monotonic() < deadline:
+            time.sleep(0.05)  # its retry, a second later
+        timers.stop()
+        timers = TimerService(
+            store, small_disk / "timer", lambda: ["later"], clock=lambda: clock + 120_000
+        )
+        timers.start()
+        deadline = time.monotonic() + 10
+        while timers.delivered < 175 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timers.stop()
+        assert store.wait_dispatched()
+        got = store.get_messages("later", 0, 0, 1000)
+        assert len(got.messages) == 175, f"{175 - len(got.messages)} of 175 delay messages lost"
+    finally:
+        store.shutdown()

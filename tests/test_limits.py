@@ -18,6 +18,8 @@ from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
 from broker import admin_pb2 as apb
+from tiered.config import StoreConfig
+from tiered.store import MessageStore, recorded_geometry
 
 MiB = 1 << 20
 
@@ -144,3 +146,79 @@ def test_auto_created_groups_are_capped_and_survive_kill_9(tmp_path: Path) -> No
         assert heartbeat(stub, "auto-6").code == d.CONSUMER_GROUP_NOT_FOUND
     finally:
         node.stop()
+
+
+def test_a_batch_with_one_hostile_message_is_refused_whole_and_stores_nothing(
+    tmp_path: Path,
+) -> None:
+    """Each hostile message rides in a batch behind a valid one: the native send path must
+    answer the specific code and store no message of the batch (not the valid one before it),
+    and a hostile topic name must create nothing, inside the data dir or outside it."""
+    node = Standalone(tmp_path / "data", flush="sync").start()
+    try:
+        node.create_topic("hostile", queues=1)
+        channel = grpc.insecure_channel(node.endpoint)
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+
+        def batch(label: str, topic: str = "hostile") -> tuple[s.SendMessageRequest, d.Message]:
+            request = s.SendMessageRequest()
+            for i in range(2):
+                m = request.messages.add(topic=d.Resource(name=topic), body=b"body")
+                m.system_properties.message_id = f"{label}-{i}"
+                m.system_properties.message_type = d.NORMAL
+            return request, request.messages[1]
+
+        cases: list[tuple[str, s.SendMessageRequest, int]] = []
+        request, m = batch("oversized")
+        m.body = bytes(4 * MiB + 1)
+        cases.append(("oversized", request, d.MESSAGE_BODY_TOO_LARGE))
+        request, m = batch("crc")
+        m.user_properties["__CRC32#"] = "1"  # the record CRC's own property (decision 210)
+        cases.append(("crc", request, d.ILLEGAL_MESSAGE_PROPERTY_KEY))
+        request, m = batch("separator")
+        m.user_properties["k"] = "a\x01b\x02c"  # the record's property separators
+        cases.append(("separator", request, d.ILLEGAL_MESSAGE_PROPERTY_KEY))
+        request, m = batch("many")
+        for i in range(10_000):
+            m.user_properties[f"p{i}"] = "v"
+        cases.append(("many", request, d.MESSAGE_PROPERTIES_TOO_LARGE))
+        request, m = batch("bomb")
+        m.system_properties.body_encoding = d.GZIP
+        m.body = gzip_bomb(8 * MiB)
+        cases.append(("bomb", request, d.MESSAGE_BODY_TOO_LARGE))
+        request, m = batch("notgzip")
+        m.system_properties.body_encoding = d.GZIP
+        m.body = b"not gzip at all"
+        cases.append(("notgzip", request, d.MESSAGE_CORRUPTED))
+        request, _ = batch("escape", topic="../../escape")
+        cases.append(("escape", request, d.ILLEGAL_TOPIC))
+        for label, request, code in cases:
+            reply = stub.SendMessage(request, timeout=60)
+            assert reply.status.code == code, (label, reply.status)
+            assert not reply.entries, label
+        # Invalid UTF-8 in the topic name: refused by the request's parse, as a bad argument.
+        raw = (
+            batch("utf8")[0].SerializeToString().replace(b"\x12\x07hostile", b"\x12\x07hos\xfftle")
+        )
+        send_raw = channel.unary_unary(
+            "/apache.rocketmq.v2.MessagingService/SendMessage",
+            request_serializer=lambda b: b,
+            response_deserializer=s.SendMessageResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            send_raw(raw, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        request, _ = batch("after")
+        assert stub.SendMessage(request, timeout=60).status.code == d.OK
+    finally:
+        node.stop()
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "data" / "escape").exists()
+    geometry = recorded_geometry(tmp_path / "data")
+    assert geometry is not None
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "data", **geometry))  # type: ignore[arg-type]
+    store.start()
+    try:
+        got = store.get_messages("hostile", 0, 0, 100)
+        assert [m.msg_id for m in got.messages] == ["after-0", "after-1"]
+    finally:
+        store.shutdown()

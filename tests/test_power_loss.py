@@ -23,16 +23,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, run_child
-from store_child import message_for
-from test_crash import Ack, verify
+from conftest import SMALL, crash_after_writing, run_child
+from store_child import body_for, message_for
+from test_crash import Ack, collect, verify
 
 from broker.metadata import BrokerMetadata
+from broker.timer import TimerService
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import GetStatus, MessageStore
 
 FS = Path(__file__).with_name("powerloss_fs.py")
+TIMER_CHILD = Path(__file__).with_name("timer_child.py")
 
 
 class PowerLossMount:
@@ -366,3 +368,172 @@ def test_a_group_line_torn_by_a_power_loss_is_dropped_and_a_damaged_one_is_not(
     log_path.write_bytes(b"\n".join([lines[0], bytes(torn_last), lines[2], b""]))
     with pytest.raises(RuntimeError, match="line 2 is damaged"):
         BrokerMetadata(tmp_path).load()
+
+
+# -- a power loss after a recovery whose fsync was deferred ----------------------------------------
+
+
+@pytest.mark.parametrize("then", ["async", "sync"])
+def test_a_power_loss_after_an_async_crash_and_recovery_serves_no_torn_record(
+    tmp_path: Path, then: str
+) -> None:
+    """An ASYNC writer dies (``kill -9``): its last pages are in the page cache, not on disk.
+    The store restarts (under ASYNC recovery leaves their fsync to the flusher's first flush,
+    under SYNC it runs beside re-dispatch, decision 241) and the power fails at a random moment
+    of that run, landing a random part of the unsynced pages. Twice over the same files: the
+    store must start each time, serve no torn record (every body is checked), and keep every
+    message acknowledged under SYNC; a checkpoint claiming bytes that were never fsynced
+    makes recovery keep a torn record below it, or refuse to start."""
+    _need_fuse()
+    durable = tmp_path / "durable"
+    mountpoint = tmp_path / "mnt"
+    rng = random.Random(f"deferred-{then}")
+    acked: dict[str, Ack] = {}
+    for round_no in range(2):
+        fs = PowerLossMount(mountpoint, durable)
+        acks: dict[str, Ack] = {}
+        try:
+            crash_after_writing(mountpoint / "store", 400, "async", seed=300 + round_no)
+            child = run_child(mountpoint / "store", "produce", then, 0, 400 + round_no)
+            first_ack = threading.Event()
+            reader = threading.Thread(target=collect, args=(child.stdout, acks, first_ack))
+            reader.start()
+            if round_no == 0:
+                time.sleep(rng.uniform(0.05, 0.4))  # during recovery or its first flush
+            else:
+                assert first_ack.wait(60), "the restarted store acknowledged nothing"
+                time.sleep(rng.uniform(0.0, 0.3))
+            fs.crash(f"deferred-{then}-{round_no}")
+            child.kill()
+            child.wait()
+            reader.join()
+            if child.stderr is not None:
+                child.stderr.close()
+        finally:
+            fs.close()
+        if then == "sync":
+            acked.update(acks)
+        _verify_whole(durable / "store", acked)
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_consumequeue_entries_a_restart_kept_are_fsynced_before_a_checkpoint_claims_them(
+    tmp_path: Path, flush: str
+) -> None:
+    """A store killed (``kill -9``) leaves ConsumeQueue entries written since its last flush
+    in the page cache only. The next start keeps them (they are whole) and saves a checkpoint
+    saying dispatch is done up to the end. A power loss then loses those entries; the next
+    recovery trusts the checkpoint, re-dispatches nothing below it, and the messages, in the
+    CommitLog and acknowledged under SYNC, are unreadable: a hole in their queues, or a tail
+    the queue offsets of later sends overwrite. Recovery must fsync what it kept before a
+    checkpoint counts it."""
+    _need_fuse()
+    durable = tmp_path / "durable"
+    fs = PowerLossMount(tmp_path / "mnt", durable)
+    try:
+        # Under SYNC every put_message returned after its fsync: all 300 are acknowledged.
+        crash_after_writing(tmp_path / "mnt" / "store", 300, "sync", seed=500)
+        # The restarted store appends to one queue: its ConsumeQueue is fsynced past the
+        # others' unflushed entries, so recovery's lowest queue end no longer covers them.
+        child = run_child(tmp_path / "mnt" / "store", "hold", flush, 20, 501)
+        assert child.stdout is not None
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(0.7)  # past a periodic flush and checkpoint of the restarted store
+            fs.crash()
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+            if child.stderr is not None:
+                child.stderr.close()
+    finally:
+        fs.close()
+    seen = _verify_whole(durable / "store", {})
+    lost = 300 - sum(1 for msg_id in seen if msg_id.startswith("500-"))
+    assert not lost, f"{lost} of 300 acknowledged messages unreadable"
+
+
+def _verify_whole(data_dir: Path, acked: dict[str, Ack]) -> set[str]:
+    """The store starts; every message it serves is whole and where its queue offset says;
+    every acknowledged one is there. (``verify``'s, except that a queue whose every message
+    was lost, unacknowledged, may stay empty.)"""
+    store = MessageStore(StoreConfig(data_dir=data_dir, flush="sync", **SMALL))
+    store.start()
+    try:
+        seen: set[str] = set()
+        for topic in ("crash-a", "crash-b", "crash-c"):
+            for qid in range(4):
+                offset = store.min_offset(topic, qid)
+                while (got := store.get_messages(topic, qid, offset, 64)).messages:
+                    for m in got.messages:
+                        assert m.queue_offset == offset and m.msg_id not in seen, m.msg_id
+                        assert m.body == body_for(str(m.msg_id)), f"{m.msg_id} served torn"
+                        seen.add(str(m.msg_id))
+                        offset += 1
+                assert got.status is not GetStatus.FOUND, got
+        missing = sorted(set(acked) - seen)
+        assert not missing, f"{len(missing)} acknowledged messages lost, e.g. {missing[:3]}"
+        return seen
+    finally:
+        store.shutdown()
+
+
+def _run_timer_child(data_dir: Path, mode: str, clock: int, count: int, log: Path) -> str:
+    """Start ``timer_child.py`` and return its first line (its stderr goes to ``log``)."""
+    with log.open("ab") as err:
+        child = subprocess.Popen(
+            [sys.executable, str(TIMER_CHILD), str(data_dir), mode, str(clock), str(count)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()  # then it exits, or waits to be killed
+    child.kill()
+    child.wait(30)
+    child.stdout.close()
+    return line
+
+
+def test_timers_a_restart_found_are_fsynced_before_its_checkpoint_claims_them(
+    tmp_path: Path,
+) -> None:
+    """A broker killed right after its wheel enqueued 20 delay messages (acknowledged under
+    SYNC: the timer records are fsynced in the CommitLog) leaves their bucket entries in the
+    page cache only. The restarted wheel finds them in its current bucket and writes nothing
+    again (a re-read entry is a duplicate), then saves a checkpoint past their timer records.
+    A power loss then loses the entries, and the checkpoint says never to read the records
+    again: the 20 messages are never delivered (decision 297). Until the wheel's checkpoint
+    was made durable (its directory fsynced) this passed here by accident: on this filesystem
+    the checkpoint's rename never survived a power loss, so the wheel re-read every record."""
+    _need_fuse()
+    durable = tmp_path / "durable"
+    store_dir = tmp_path / "mnt" / "store"
+    clock = (time.time_ns() // 1_000_000) // 60_000 * 60_000 + 1_000  # early in its minute
+    log = tmp_path / "timer-child.log"
+    fs = PowerLossMount(tmp_path / "mnt", durable)
+    try:
+        line = _run_timer_child(store_dir, "put-and-die", clock, 20, log)
+        assert line == "enqueued", log.read_text()[-2000:]
+        line = _run_timer_child(store_dir, "hold", clock, 20, log)
+        assert line == "checkpointed", log.read_text()[-2000:]
+        fs.crash()
+    finally:
+        fs.close()
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
+    store.start()
+    timers = TimerService(
+        store, durable / "store" / "timer", lambda: ["later"], clock=lambda: clock + 120_000
+    )
+    timers.start()
+    try:
+        deadline = time.monotonic() + 20
+        while timers.delivered < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.wait_dispatched()
+        got = store.get_messages("later", 0, 0, 100)
+        assert len(got.messages) == 20, f"{20 - len(got.messages)} of 20 delay messages lost"
+    finally:
+        timers.stop()
+        store.shutdown()

@@ -618,3 +618,31 @@ def test_append_records_writes_what_the_reference_writes(
     finally:
         for f in files:
             f.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x02a\x01b\x01c\x02\x02x",  # empty pairs, a value holding \x01, a name without a value
+        b"k\x011\x02k\x012\x02\x01\x02",  # a later name wins; an empty name
+        b"\xc3\xa9\x01\xe2\x82\xac\x02zzz",  # UTF-8 both sides
+        b"ok\x01\xff\xfe\x02zzzz",  # a value that is not UTF-8
+        b"\xe2\x82\x01\xac\x02zzzz",  # a separator inside a multi-byte sequence
+    ],
+)
+def test_native_property_decode_matches_the_reference_on_raw_property_bytes(raw: bytes) -> None:
+    """The native decode parses properties in C (decision 332): the same dict, or the same
+    refusal, as ``decode_properties`` over every shape the bytes can take."""
+    rec = legacy(
+        records_of(run_of([Message("t", b"x", properties={"p": "q" * (len(raw) - 3)})]))[0]
+    )
+    _, at, props_len = parts_of(rec)
+    assert props_len == len(raw)
+    buf = rec[: at + 2] + raw + rec[at + 2 + props_len :]
+    outcomes = []
+    for engine in (PY, NATIVE):
+        try:
+            outcomes.append([m.properties for m in engine.decode_many(buf, [0], True)])
+        except Exception as e:
+            outcomes.append(type(e))
+    assert outcomes[0] == outcomes[1]

@@ -754,7 +754,53 @@ def index_keys(queues, keys, uniq_keys):
 # -- segment build ------------------------------------------------------------------------------
 
 def segment_tables(records, int64_t base_offset):
-    """``record.segment_tables_py``: checks and tables of a segment object."""
+    """``record.segment_tables_py``: checks and tables of a segment object. The columns (tag
+    hash, key hashes, store time) come from ``dispatch_columns``, in C from the bytes; a run it
+    does not take whole (text that is not UTF-8, bytes that are not a record) goes the way
+    that names the problem, ``_segment_tables_checked``."""
+    cdef const unsigned char[::1] v = _view(records)
+    cdef Py_ssize_t n = v.shape[0], count, i
+    cdef const unsigned char* b = &v[0] if n else NULL
+    cdef int64_t r = 0
+    end, status, columns = dispatch_columns(records, 0, n, 0, False, False, n // 90 + 1)
+    count = len(columns[0])
+    if status != 0 or end != n or count == 0:
+        return _segment_tables_checked(records, base_offset)
+    positions, sizes, qoffs, _, tags, times, hashes, numbers, _ = columns
+    cdef int64_t[::1] at = positions
+    with nogil:
+        for i in range(count):
+            r = _check(b, n, at[i], <int64_t>tmq_be64(b + at[i] + 28), True, True)
+            if r < 0:
+                break
+    expected = np.arange(base_offset, base_offset + count, dtype=np.int64)
+    if r < 0 or not np.array_equal(qoffs, expected):
+        return _segment_tables_checked(records, base_offset)  # raises, naming the record
+    return _tables(count, positions, sizes, tags, hashes, numbers, times)
+
+
+def _tables(Py_ssize_t count, positions, sizes, tags, hashes, numbers, times):
+    """The segment's offset table, time table and key index (sorted by hash, then record) from
+    its columns."""
+    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
+    table["offset"] = positions
+    table["size"] = sizes
+    table["tag"] = tags
+    packed = np.sort((hashes.astype(np.uint64) << np.uint64(32)) | numbers.astype(np.uint64))
+    return SegmentTables(
+        count=count,
+        offset_table=table.tobytes(),
+        time_table=times.astype(">i8").tobytes(),
+        key_index=packed.astype(">u8").tobytes(),
+        key_count=len(packed),
+        min_store_timestamp=int(times.min()),
+        max_store_timestamp=int(times.max()),
+    )
+
+
+def _segment_tables_checked(records, int64_t base_offset):
+    """``segment_tables`` record by record through ``read_dispatch_run``: the same tables, and
+    for a run that is not whole and clean, the error that names the record."""
     cdef const unsigned char[::1] v = _view(records)
     cdef Py_ssize_t n = v.shape[0], count, i, end
     cdef const unsigned char* b = &v[0] if n else NULL
@@ -792,21 +838,10 @@ def segment_tables(records, int64_t base_offset):
     for i in range(count):
         if qo[i] != base_offset + i:
             raise RecordError(f"record has queue offset {qo[i]}, expected {base_offset + i}")
-    table = np.empty(count, [("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
-    table["offset"] = positions
-    table["size"] = sizes
-    table["tag"] = tag_hashes(fields.tags)
     hashes, numbers = index_keys(fields.queues, fields.keys, fields.uniq_keys)
-    packed = np.sort((hashes.astype(np.uint64) << np.uint64(32)) | numbers.astype(np.uint64))
-    times = np.asarray(stamps, np.int64)
-    return SegmentTables(
-        count=count,
-        offset_table=table.tobytes(),
-        time_table=times.astype(">i8").tobytes(),
-        key_index=packed.astype(">u8").tobytes(),
-        key_count=len(packed),
-        min_store_timestamp=int(times.min()),
-        max_store_timestamp=int(times.max()),
+    return _tables(
+        count, positions, sizes, tag_hashes(fields.tags), hashes, numbers,
+        np.asarray(stamps, np.int64),
     )
 
 
@@ -1134,6 +1169,31 @@ cdef object _host_tuple(const unsigned char* p, bint v6, dict cache):
     return host
 
 
+cdef dict _properties(const unsigned char* p, Py_ssize_t n):
+    """``record.decode_properties`` of ``n`` bytes at ``p``: ``name\\x01value`` pairs separated
+    by ``\\x02``, empty pairs skipped, a pair without ``\\x01`` a name with an empty value, a
+    later name replacing an earlier one. Both separators are ASCII, so decoding each part on its
+    own accepts exactly the UTF-8 the reference's decode of the whole accepts (and raises
+    ``UnicodeDecodeError`` where it does)."""
+    cdef dict props = {}
+    cdef Py_ssize_t at = 0, end, eq
+    while at < n:
+        end = at
+        while end < n and p[end] != 2:
+            end += 1
+        if end > at:
+            eq = at
+            while eq < end and p[eq] != 1:
+                eq += 1
+            name = PyUnicode_DecodeUTF8(<const char*>p + at, eq - at, NULL)
+            if eq < end:
+                props[name] = PyUnicode_DecodeUTF8(<const char*>p + eq + 1, end - eq - 1, NULL)
+            else:
+                props[name] = ""
+        at = end + 1
+    return props
+
+
 def decode_many(buf, positions, bint check_crc):
     """``record.decode_many_py``: ``decode`` of the record at each position. A record the
     reference refuses is handed to ``record.decode``, which raises its error."""
@@ -1152,9 +1212,7 @@ def decode_many(buf, positions, bint check_crc):
             continue
         try:
             topic = PyUnicode_DecodeUTF8(<const char*>b + s.topic_at, s.topic_len, NULL)
-            properties = decode_properties(
-                PyBytes_FromStringAndSize(<const char*>b + s.props_at, s.props_len)
-            ) if s.props_len else {}
+            properties = _properties(b + s.props_at, s.props_len) if s.props_len else {}
         except UnicodeDecodeError:
             out.append(decode_one(buf, pos, check_crc=check_crc))
             continue

@@ -54,3 +54,18 @@ def write_file(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     replace(tmp, path)
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append all of ``data`` to ``fd`` (opened ``O_APPEND``) or, raising, none of it. A full
+    disk can take the part that fits in the file's last page (a short write, and no error):
+    left there, it would join the next record appended, or shift every fixed-size entry after
+    it. Cutting it off needs no space."""
+    size = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        os.ftruncate(fd, size)
+        raise

@@ -20,11 +20,13 @@ IndexFile flush, checkpoint). Readers never block writers.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -265,6 +267,8 @@ class MessageStore:
         # Recovery left bytes for the flusher (ASYNC): its first flush runs at once.
         self._flush_at_start = False
         self._maintenance_lock = threading.Lock()
+        # The last checkpoint save found the disk full (logged once until one succeeds).
+        self._checkpoint_skipped = False
         # The flusher and a promotion's or truncation's checkpoint share one ``.tmp`` file.
         self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
@@ -277,11 +281,20 @@ class MessageStore:
         self.data_dir.lock()
         try:
             report = self._load_and_recover()
-        except BaseException:
+        except BaseException as e:
+            # The failed frames' locals may hold views of the mappings closed next, and a
+            # mapping with a view cannot close: its BufferError would hide this error.
+            traceback.clear_frames(e.__traceback__)
             self.commitlog.close()
             self.queues.close()
             self.index.close()
             self.data_dir.unlock()
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreLoadError(
+                    f"{self.config.data_dir}: the disk is full ({e.strerror}); recovery "
+                    "cannot write its IndexFile entries and checkpoint. Free space and start "
+                    "again: recovery resumes from the last checkpoint"
+                ) from e
             raise
         self.data_dir.mark_running()
         self._running = True
@@ -353,16 +366,25 @@ class MessageStore:
                 clean_exit=clean, checkpoint_found=cp is not None, commitlog=cl_report
             )
             report.cq_entries_dropped = self.queues.truncate_from_physical(end)
+            # Entries for records past the scan's start may be in the page cache only (kill -9):
+            # they are fsynced before any checkpoint counts them as dispatched.
+            self.queues.mark_unflushed_from(start)
             self._clamp_index(end)
 
             cl_min = self.commitlog.min_offset
             # Entries pointing below the CommitLog's first file were released (retention).
             self.queues.correct_min_offsets(cl_min)
             self.index.delete_before(cl_min)
-            if self.queues.queues:
+            if self.queues.queues and cp is not None:
                 reput = self.queues.max_physical_end
-                if not clean and cp is not None:
+                if not clean:
                     reput = min(reput, cp.dispatched_offset)
+            elif self.queues.queues:
+                # No checkpoint says how far every ConsumeQueue was flushed, and queues flush
+                # apart: the furthest one proves nothing of the others. Re-dispatch is
+                # idempotent, so all of it runs again (RocketMQ's recovery from the first
+                # file); the scan has already read it as columns.
+                reput = cl_min
             else:
                 reput = cl_min
                 report.consumequeue_rebuilt = end > cl_min
@@ -477,12 +499,15 @@ class MessageStore:
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
         self.queues.flush()
         self.index.flush()
-        self._save_checkpoint()
+        # A checkpoint the full disk refused leaves the exit unclean: the next start recovers.
+        saved = self._save_checkpoint_if_room()
         self.commitlog.close()
         self.queues.close()
         self.index.close()
-        if clean:
+        if clean and saved:
             self.data_dir.mark_clean_exit()
+        elif clean:
+            log.error("no checkpoint could be saved at shutdown; the next start will recover")
         else:
             log.error(
                 "dispatch is behind at shutdown; the next start will recover as after a crash"
@@ -525,10 +550,36 @@ class MessageStore:
         try:
             self.queues.flush()
             self.index.flush()
-            self._save_checkpoint(dispatched, indexed)
+            self._save_checkpoint_if_room(dispatched, indexed)
         except OSError as e:
             self.commitlog.fail(e)
             raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
+
+    def _save_checkpoint_if_room(
+        self, dispatched: int | None = None, indexed: int | None = None
+    ) -> bool:
+        """``_save_checkpoint``, skipped (False) when the disk has no room for it. Nothing
+        durable is at stake: the checkpoint is replaced whole (write, fsync, rename), so the
+        previous one stays, and it claims less than the new one would (its offsets only grow),
+        which costs the next recovery a longer scan. A disk filled by another writer must not
+        turn the store read-only as a failed fsync does: appends into the preallocated CommitLog
+        file are still durable, and the next flush after space is freed saves it again."""
+        try:
+            self._save_checkpoint(dispatched, indexed)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not self._checkpoint_skipped:
+                log.warning(
+                    "%s: the disk is full (%s); the checkpoint is not updated until space is "
+                    "freed (a restart meanwhile recovers from the previous one)",
+                    self.checkpoint_path,
+                    e.strerror,
+                )
+            self._checkpoint_skipped = True
+            return False
+        self._checkpoint_skipped = False
+        return True
 
     def _save_checkpoint(self, dispatched: int | None = None, indexed: int | None = None) -> None:
         """Record what is on disk. ``dispatched`` and ``indexed`` must have been read before

@@ -42,6 +42,7 @@ from tiered.cold.segment import (
     SegmentReader,
     read_offset_table,
     read_span,
+    read_spans,
 )
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.cold.worker import JobRunner, LocalRunner, run_job
@@ -61,9 +62,12 @@ BATCH_BYTES = 1 << 20
 # does in the broker. Not fewer: each hand-over is a system call that, on a loaded machine,
 # gives the CPU away (0.1 ms or more).
 _YIELD_EVERY = 128
-# How many batches past the current one a sequential reader has in flight: GETs in parallel
-# are what brings a replay near the store's bandwidth.
-READ_AHEAD = 4
+# How many batches past the current one a sequential reader has in flight (at most half the
+# cache's bytes): GETs in parallel are what brings a replay near the store's bandwidth.
+READ_AHEAD = 16
+# How many consecutive batches a read-ahead fetches with one GET: LocalStack (like any object
+# store) spends a fixed cost per request, so four 1 MiB ranges cost it more than one of 4 MiB.
+GET_BATCHES = 4
 
 
 def _check_table(info: SegmentInfo, table: np.ndarray) -> None:
@@ -337,15 +341,25 @@ class ColdFetcher:
                     raise
                 return [], expired_to
             i = next_offset - batch.base_offset
+            if tag_filter is None:
+                # Which records this read returns is known from the span's positions alone, so
+                # nothing is done per message but the record engine's decode (decision 331).
+                count, taken = batch.take(i, max_count - len(out), max_bytes - size)
+                for run in range(i, i + count, _YIELD_EVERY):
+                    # Let a waiting append have the GIL between runs (_YIELD_EVERY).
+                    time.sleep(0)
+                    out += batch.messages(run, min(run + _YIELD_EVERY, i + count))
+                size += taken
+                next_offset = batch.base_offset + i + count
+                continue
             while i < len(batch) and len(out) < max_count and size < max_bytes:
                 # Decode only what this read returns, a run at a time in one call of the record
                 # engine, and let a waiting append have the GIL between runs (_YIELD_EVERY).
                 time.sleep(0)
-                wanted = _YIELD_EVERY if tag_filter is not None else max_count - len(out)
-                for m in batch.messages(i, i + min(wanted, _YIELD_EVERY)):
+                for m in batch.messages(i, i + _YIELD_EVERY):
                     i += 1
                     next_offset = m.queue_offset + 1
-                    if tag_filter is None or tag_filter(m):
+                    if tag_filter(m):
                         out.append(m)
                         size += m.size
                         if len(out) >= max_count or size >= max_bytes:
@@ -387,65 +401,111 @@ class ColdFetcher:
         if batch is None:
             if future is None:
                 self.misses += 1
-                future = self._submit(info, start)
+                future = self._submit(info, [start])
                 if future is None:
                     self.unavailable += 1
                     raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
             batch = self._wait(what, future)
-        ahead_of = info
-        nxt = start
-        for _ in range(READ_AHEAD):  # read-ahead for a sequential reader
-            nxt += n
-            if nxt >= ahead_of.end_offset:
-                if ahead_of is not info or following is None:
-                    break
-                ahead_of, nxt, n = following, following.base_offset, self._batch_len(following)
-            with self._lock:
-                wanted = (ahead_of.key, nxt) not in self._cache
-            if wanted:
-                self._submit(ahead_of, nxt)  # joins a fetch already in flight; skipped when full
+        self._read_ahead(info, start, following)
         return batch
 
-    def _submit(self, info: SegmentInfo, start: int) -> Future[RecordSpan] | None:
-        """The fetch of this batch, started or joined; None when ``max_inflight`` fetches are
-        already queued (the pool's queue is bounded by this, not by the executor)."""
-        key = (info.key, start)
+    def _read_ahead(self, info: SegmentInfo, start: int, following: SegmentInfo | None) -> None:
+        """Fetch the batches after ``start`` that a sequential reader meets next, up to
+        ``READ_AHEAD`` of them (fewer when the cache could not hold them), in runs of
+        ``GET_BATCHES`` consecutive batches, each run one GET (decision 333). A shorter run
+        waits until it can be whole, unless the reader needs its first batch next or it ends
+        its segment."""
+        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * BATCH_BYTES)))
+        window = min(GET_BATCHES, limit)
+        ahead: list[tuple[SegmentInfo, int]] = []
+        segment, nxt, n = info, start, self._batch_len(info)
+        for _ in range(limit):
+            nxt += n
+            if nxt >= segment.end_offset:
+                if segment is not info or following is None:
+                    break
+                segment, nxt, n = following, following.base_offset, self._batch_len(following)
+            ahead.append((segment, nxt))
         with self._lock:
-            existing = self._inflight.get(key)
+            wanted = [
+                (s.key, x) not in self._cache and (s.key, x) not in self._inflight for s, x in ahead
+            ]
+        i = 0
+        while i < len(ahead):
+            if not wanted[i]:
+                i += 1
+                continue
+            segment = ahead[i][0]
+            j = i + 1
+            while j < len(ahead) and j - i < window and wanted[j] and ahead[j][0] is segment:
+                j += 1
+            last = ahead[j - 1][1]
+            ends_segment = last + self._batch_len(segment) >= segment.end_offset
+            if j - i == window or i == 0 or ends_segment:
+                self._submit(segment, [x for _, x in ahead[i:j]])  # skipped when full
+            i = j
+
+    def _submit(self, info: SegmentInfo, starts: list[int]) -> Future[RecordSpan] | None:
+        """One fetch of the consecutive batches at ``starts`` (one GET), each joined if already
+        in flight; the future of the first. None when ``max_inflight`` fetches are already
+        queued (the pool's queue is bounded by this, not by the executor)."""
+        with self._lock:
+            existing = self._inflight.get((info.key, starts[0]))
             if existing is not None:
                 return existing
             if len(self._inflight) >= self.max_inflight:
                 return None
-            future = self._pool.submit(self._fetch, info, start)
-            self._inflight[key] = future
-        return future
+            futures: list[Future[RecordSpan]] = []
+            for start in starts:
+                if (info.key, start) in self._inflight:
+                    break  # the rest is under way already
+                future: Future[RecordSpan] = Future()
+                self._inflight[(info.key, start)] = future
+                futures.append(future)
+            self._pool.submit(self._fetch, info, starts[: len(futures)], futures)
+        return futures[0]
 
-    def _fetch(self, info: SegmentInfo, start: int) -> RecordSpan:
-        key = (info.key, start)
+    def _fetch(
+        self, info: SegmentInfo, starts: list[int], futures: list[Future[RecordSpan]]
+    ) -> None:
         try:
             started = time.perf_counter()
-            first = start - info.base_offset
-            entries = self._table(info)[first : first + self._batch_len(info)]
+            first = starts[0] - info.base_offset
+            n = self._batch_len(info)
+            entries = self._table(info)[first : first + n * len(starts)]
             try:
-                span = run_job(self.runner, read_span, info, first, entries.tobytes())
+                if len(starts) == 1:
+                    spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
+                else:
+                    counts = [n] * len(starts)
+                    spans = run_job(self.runner, read_spans, info, first, entries.tobytes(), counts)
             except SegmentError:
                 # The table may be what was wrong: the next read of the segment fetches it again.
                 self._forget_table(info.key)
                 raise
-            size = len(span.data)
+            size = sum(len(span.data) for span in spans)
             self.bytes_fetched += size
             if self._observe is not None:
                 self._observe(time.perf_counter() - started, size)
             with self._lock:
-                self._cache[key] = span
-                self._cached_bytes += size
+                for start, span in zip(starts, spans, strict=False):
+                    self._cache[(info.key, start)] = span
+                    self._cached_bytes += len(span.data)
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, evicted = self._cache.popitem(last=False)
                     self._cached_bytes -= len(evicted.data)
-            return span
+            for future, span in zip(futures, spans, strict=False):
+                future.set_result(span)
+            for future in futures[len(spans) :]:
+                future.set_exception(SegmentError(f"{info.key}: a batch past the segment's end"))
+        except BaseException as e:
+            for future in futures:
+                if not future.done():
+                    future.set_exception(e)
         finally:
             with self._lock:
-                self._inflight.pop(key, None)
+                for start in starts:
+                    self._inflight.pop((info.key, start), None)
 
     def _table(self, info: SegmentInfo) -> np.ndarray:
         """The segment's offset table, from the cache or with one request (kept within a

@@ -10,6 +10,7 @@ imported here from there, for the callers that know them by this module.
 
 from __future__ import annotations
 
+import bisect
 import pickle
 from dataclasses import dataclass
 from typing import Any, SupportsIndex
@@ -79,6 +80,21 @@ class RecordSpan:
         when the span was read."""
         return decode(self.data, self.positions[i], check_crc=False)
 
+    def take(self, start: int, max_count: int, max_bytes: int) -> tuple[int, int]:
+        """How many records from ``start`` a read of at most ``max_count`` messages and
+        ``max_bytes`` returns (the record that reaches ``max_bytes`` is the last one, as a read
+        always returns at least one), and their bytes: from the positions, decoding nothing.
+        Records of a span lie back to back (the segment build joins them; ``read_span``
+        checked each where its entry says, of its size)."""
+        positions = self.positions
+        if max_count <= 0 or max_bytes <= 0 or start >= len(positions):
+            return 0, 0
+        by_bytes = bisect.bisect_left(positions, positions[start] + max_bytes, start + 1) - start
+        count = min(max_count, by_bytes, len(positions) - start)
+        stop = start + count
+        end = positions[stop] if stop < len(positions) else len(self.data)
+        return count, end - positions[start]
+
     def messages(self, start: int, stop: int) -> list[StoredMessage]:
         """Records ``start`` up to ``stop``, decoded in one call of the record engine."""
         return decode_many(self.data, self.positions[start:stop], check_crc=False)
@@ -120,6 +136,26 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
         raise SegmentError(f"{info.key}: record at {at}: {problem}")
     positions = relative.tolist()
     return RecordSpan(info.base_offset + first, data, positions)
+
+
+def read_spans(
+    store: ObjectStore, info: SegmentInfo, first: int, entries: bytes, counts: list[int]
+) -> list[RecordSpan]:
+    """``read_span`` of several consecutive batches with one ranged GET (a sequential reader's
+    read-ahead: a few large requests cost the store far less than many small ones), cut into
+    spans of ``counts`` records each: a cold job."""
+    whole = read_span(store, info, first, entries)
+    out, at = [], 0
+    for count in counts:
+        stop = min(at + count, len(whole))
+        if stop <= at:
+            break
+        begin = whole.positions[at]
+        end = whole.positions[stop] if stop < len(whole) else len(whole.data)
+        positions = [p - begin for p in whole.positions[at:stop]]
+        out.append(RecordSpan(whole.base_offset + at, whole.data[begin:end], positions))
+        at = stop
+    return out
 
 
 class SegmentReader:

@@ -169,29 +169,7 @@ class FsspecObjectStore:
         return f"{self.root}/{check_key(key)}"
 
     def _translate(self, key: str, e: Exception) -> Exception:
-        """The error as this interface states it, classified by the service's error code (never
-        by matching text): not found, permanent, or transient. Credentials never appear in
-        these messages."""
-        code, status = _error_code(e)
-        if code in PERMANENT_CODES:
-            return PermanentStorageError(f"{self._bucket()}: {code}: {PERMANENT_CODES[code]}")
-        if code == "NoSuchKey" or status == 404 or (code is None and _not_found(e)):
-            return ObjectNotFoundError(key)
-        if isinstance(e, ValueError | ObjectNotFoundError):
-            return e
-        if isinstance(e, TypeError | AttributeError | NameError | AssertionError):
-            # A bug or a bad option (an unknown tier_options key): no retry helps.
-            return PermanentStorageError(f"{self.url}: {key}: {type(e).__name__}: {e}")
-        if status is not None and 400 <= status < 500 and code not in TRANSIENT_CODES:
-            # A request the service refuses as such (400, 403, 405…): the same again fails the
-            # same way.
-            return PermanentStorageError(f"{self.url}: {key}: {code} (HTTP {status}): {e}")
-        if code is None and isinstance(e, PermissionError):
-            return PermanentStorageError(
-                f"{self.url}: {key}: permission denied: let tmq's user write the directory"
-            )
-        # 5xx, throttling, timeouts, refused connections: worth another attempt.
-        return StorageError(f"{self.url}: {key}: {code or type(e).__name__}: {e}")
+        return translate(self.url, self._bucket(), key, e)
 
     def _bucket(self) -> str:
         parsed = urlparse(self.url)
@@ -209,9 +187,8 @@ class FsspecObjectStore:
         except FileExistsError:
             return False
         except Exception as e:
-            code, status = _error_code(e)
-            if code == "PreconditionFailed" or status == 412:
-                return False  # If-None-Match failed: the key exists
+            if exists_refusal(e):
+                return False
             raise self._translate(key, e) from e
 
     def put(self, key: str, data: bytes) -> None:
@@ -225,16 +202,7 @@ class FsspecObjectStore:
             raise self._translate(key, e) from e
 
     def _checksum(self, data: bytes) -> dict[str, str]:
-        """The body's CRC32 for the store to check (one PUT's worth of bytes, on S3): a body
-        damaged on the way is refused (BadDigest), never stored. Nothing reads a written object
-        back (decision 251), so this is what guarantees it holds the bytes sent; given here, it
-        does not depend on the SDK's own checksums, which AWS_REQUEST_CHECKSUM_CALCULATION=
-        when_required turns off (decision 290). CRC32, the SDK's own default, not CRC32C:
-        botocore checks a whole-object GET against a stored CRC32C only with awscrt installed."""
-        if not self.s3 or len(data) > MAX_CONDITIONAL_PUT_BYTES:
-            return {}
-        crc = zlib.crc32(data).to_bytes(4, "big")
-        return {"ChecksumCRC32": base64.b64encode(crc).decode()}
+        return put_checksum(data) if self.s3 else {}
 
     def get(self, key: str) -> bytes:
         try:
@@ -393,7 +361,40 @@ def check_writable(store: ObjectStore, prefix: str) -> None:
         store.delete(key)
 
 
-def _error_code(e: BaseException) -> tuple[str | None, int | None]:
+def translate(url: str, bucket: str, key: str, e: Exception) -> Exception:
+    """The error as ``ObjectStore`` states it, classified by the service's error code (never
+    by matching text): not found, permanent, or transient. ``bucket`` names the bucket in a
+    permanent error's message. Credentials never appear in these messages."""
+    code, status = error_code(e)
+    if code in PERMANENT_CODES:
+        return PermanentStorageError(f"{bucket}: {code}: {PERMANENT_CODES[code]}")
+    if code == "NoSuchKey" or status == 404 or (code is None and _not_found(e)):
+        return ObjectNotFoundError(key)
+    if isinstance(e, ValueError | ObjectNotFoundError):
+        return e
+    if isinstance(e, TypeError | AttributeError | NameError | AssertionError):
+        # A bug or a bad option (an unknown tier_options key): no retry helps.
+        return PermanentStorageError(f"{url}: {key}: {type(e).__name__}: {e}")
+    if status is not None and 400 <= status < 500 and code not in TRANSIENT_CODES:
+        # A request the service refuses as such (400, 403, 405…): the same again fails the
+        # same way.
+        return PermanentStorageError(f"{url}: {key}: {code} (HTTP {status}): {e}")
+    if code is None and isinstance(e, PermissionError):
+        return PermanentStorageError(
+            f"{url}: {key}: permission denied: let tmq's user write the directory"
+        )
+    # 5xx, throttling, timeouts, refused connections: worth another attempt.
+    return StorageError(f"{url}: {key}: {code or type(e).__name__}: {e}")
+
+
+def exists_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is a conditional PUT's refusal because the key exists (If-None-Match:
+    412 Precondition Failed)."""
+    code, status = error_code(e)
+    return code == "PreconditionFailed" or status == 412
+
+
+def error_code(e: BaseException) -> tuple[str | None, int | None]:
     """The S3 error code and HTTP status of ``e`` or of what caused it (s3fs turns botocore's
     ``ClientError`` into an ``OSError`` and keeps the original as its cause); (None, None) for
     an error that never got an answer from the service (a refused connection, a timeout)."""
@@ -455,9 +456,32 @@ def _local_replace(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def put_checksum(data: bytes) -> dict[str, str]:
+    """The ``PutObject`` parameter with the body's CRC32, for the store to check: a body damaged
+    on the way is refused (BadDigest), never stored. Nothing reads a written object back
+    (decision 251), so this is what guarantees it holds the bytes sent; given here, it does not
+    depend on the SDK's own checksums, which AWS_REQUEST_CHECKSUM_CALCULATION=when_required
+    turns off (decision 290). CRC32, the SDK's own default, not CRC32C: botocore checks a
+    whole-object GET against a stored CRC32C only with awscrt installed. Empty above one PUT's
+    worth of bytes (a multipart upload checks its parts its own way)."""
+    if len(data) > MAX_CONDITIONAL_PUT_BYTES:
+        return {}
+    crc = zlib.crc32(data).to_bytes(4, "big")
+    return {"ChecksumCRC32": base64.b64encode(crc).decode()}
+
+
 def open_store(
     url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
 ) -> ObjectStore:
     """The object store at ``url``, every call retried by ``retry`` (the one policy; default
-    ``RetryPolicy()``): transient failures with backoff, permanent ones never."""
-    return RetryingObjectStore(FsspecObjectStore(url, storage_options), retry or RetryPolicy())
+    ``RetryPolicy()``): transient failures with backoff, permanent ones never. ``s3://`` goes
+    through a botocore client of its own (``tiered/cold/s3.py``, decision 330) unless the
+    options name something only s3fs knows; every other scheme through fsspec."""
+    from tiered.cold import s3  # imports this module
+
+    inner: ObjectStore
+    if s3.supports(url, storage_options or {}):
+        inner = s3.S3ObjectStore(url, storage_options)
+    else:
+        inner = FsspecObjectStore(url, storage_options)
+    return RetryingObjectStore(inner, retry or RetryPolicy())

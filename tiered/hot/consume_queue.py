@@ -263,6 +263,20 @@ class ConsumeQueue:
             self.max_physical_end = last[0] + last[1] if last else 0
         return dropped
 
+    def mark_unflushed_from(self, commitlog_offset: int | None) -> None:
+        """Count every file holding an entry for a record at or past ``commitlog_offset`` (None:
+        every file) as unflushed, so the next flush fsyncs it. Loading takes a file's entries
+        as flushed, but after ``kill -9`` the entries written since the last flush are in the
+        page cache only, and a checkpoint saved once they are re-dispatched claims them."""
+        first = (
+            self.min_offset
+            if commitlog_offset is None
+            else self.first_offset_at_or_after(commitlog_offset)
+        )
+        if first < self.max_offset:
+            for f in self.files.iter_from(first * CQ_ENTRY_SIZE):
+                f.flushed = 0
+
     def _drop_files_from(self, pos: int) -> None:
         for f in self.files.truncate_dirty(pos):
             f.path.unlink(missing_ok=True)
@@ -346,6 +360,10 @@ class ConsumeQueueTable:
     def flush(self) -> None:
         for cq in list(self.queues.values()):
             cq.flush()
+
+    def mark_unflushed_from(self, commitlog_offset: int | None) -> None:
+        for cq in list(self.queues.values()):
+            cq.mark_unflushed_from(commitlog_offset)
 
     def truncate_from_physical(self, commitlog_end: int) -> int:
         return sum(cq.truncate_from_physical(commitlog_end) for cq in list(self.queues.values()))
