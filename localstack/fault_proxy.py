@@ -12,6 +12,8 @@ retries all run unchanged.
     proxy.set(error_rate=0.3, error_status=503) # 30 % of requests get 503 SlowDown
     proxy.set(error_rate=1.0, after_forward=True, methods=["PUT"])
                                                 # the PUT happens upstream, the client sees 500
+    proxy.set(corrupt=True, methods=["GET"])    # one bit of every answer's body flipped
+    proxy.set(truncate=True, methods=["GET"])   # answers cut off halfway, connection closed
     proxy.heal()                                # back to a clean pass-through
     proxy.stop()
 
@@ -79,6 +81,12 @@ class FaultSettings:
     error_rate: float = 0.0
     error_status: int = 503
     after_forward: bool = False  # forward first, then answer the error: the write happened
+    # Wrong bytes: one bit flipped in the middle of the body, of the request (PUT, POST: what
+    # the store receives) or of the answer (GET: what the client receives).
+    corrupt: bool = False
+    # A body cut off: the answer's headers promise the whole body, half of it is sent, and the
+    # connection is closed (a connection lost mid-transfer).
+    truncate: bool = False
     methods: list[str] = field(default_factory=list)
 
     @classmethod
@@ -220,12 +228,23 @@ class _Handler(BaseHTTPRequestHandler):
                 proxy._count(f"error_{settings.error_status}")
                 self._error(settings.error_status)
                 return
+            faulty = settings.applies_to(self.command)
+            if faulty and settings.corrupt and body:
+                proxy._count("corrupted")
+                body = _flip(body)
             status, reason, headers, payload = self._forward(body)
+            if faulty and settings.corrupt and payload and status < 300:
+                proxy._count("corrupted")
+                payload = _flip(payload)
             if fail:
                 proxy._count(f"error_{settings.error_status}_after_forward")
                 self._error(settings.error_status)
                 return
             proxy._count("forwarded")
+            if faulty and settings.truncate and len(payload) > 1 and status < 300:
+                proxy._count("truncated")
+                self._answer(status, reason, headers, payload, cut=len(payload) // 2)
+                raise _Drop
             self._answer(status, reason, headers, payload)
         except _Drop:
             self.close_connection = True
@@ -284,8 +303,14 @@ class _Handler(BaseHTTPRequestHandler):
         return self._upstream
 
     def _answer(
-        self, status: int, reason: str, headers: list[tuple[str, str]], payload: bytes
+        self,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        payload: bytes,
+        cut: int | None = None,
     ) -> None:
+        """Send the answer; ``cut``: only that many bytes of its body (the headers promise all)."""
         self.send_response_only(status, reason)
         has_length = False
         for key, value in headers:
@@ -301,7 +326,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(payload)
+            self.wfile.write(payload if cut is None else payload[:cut])
+            self.wfile.flush()
 
     def _error(self, status: int) -> None:
         code = ERROR_CODES.get(status, "InternalError")
@@ -351,6 +377,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._upstream.close()
 
 
+def _flip(data: bytes) -> bytes:
+    """``data`` with the lowest bit of its middle byte flipped."""
+    out = bytearray(data)
+    out[len(out) // 2] ^= 0x01
+    return bytes(out)
+
+
 class FaultControl:
     """Drive a proxy running in another process (or this one) through its control path."""
 
@@ -389,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     setter.add_argument("--error-rate", type=float, default=0.0)
     setter.add_argument("--error-status", type=int, default=503)
     setter.add_argument("--after-forward", action="store_true")
+    setter.add_argument("--corrupt", action="store_true")
+    setter.add_argument("--truncate", action="store_true")
     setter.add_argument("--methods", nargs="*", default=[])
     for name in ("heal", "show"):
         commands.add_parser(name).add_argument("proxy")
@@ -412,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             error_rate=args.error_rate,
             error_status=args.error_status,
             after_forward=args.after_forward,
+            corrupt=args.corrupt,
+            truncate=args.truncate,
             methods=args.methods,
         )
     elif args.command == "heal":

@@ -587,6 +587,12 @@ class Offloader:
                 f"commit manifest {store.prefix} v{manifest.version}",
                 lambda: store.commit(manifest),
             )
+        except OffloadError:
+            # The store failed to answer, not necessarily to write: the commit may have
+            # landed. The next pass starts from the manifest as the tier has it, rather than
+            # upload the same range again and meet its own commit as "another writer".
+            self._manifests.pop((topic, queue_id), None)
+            raise
         except ManifestFencedError as e:
             raise self._fence(e.current) from None
         except ManifestConflictError:

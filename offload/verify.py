@@ -20,10 +20,10 @@ then deletes. So nothing is judged on one snapshot:
   uploaded but not yet committed, or committed after the first load, is never deleted.
 
 What is checked: without ``deep``, that every named object exists with the size the manifest
-records, from the listing alone (one LIST request per 1,000 segments: the footer was read
-back and compared when the object was uploaded, and objects are immutable). ``deep`` re-reads
-every segment and checks its CRC, in parallel on the caller's pool, until ``deadline``
-(``time.monotonic()``); what is left by then is counted, and makes a WARNING.
+records, from the listing alone (one LIST request per 1,000 segments: the store checked the
+body's CRC32 when the object was uploaded, decision 290, and objects are immutable).
+``deep`` re-reads every segment and checks its CRC, in parallel on the caller's pool, until
+``deadline`` (``time.monotonic()``); what is left by then is counted, and makes a WARNING.
 """
 
 from __future__ import annotations

@@ -70,6 +70,22 @@ READ_AHEAD = 16
 GET_BATCHES = 4
 
 
+def _check_table(info: SegmentInfo, table: np.ndarray) -> None:
+    """Raise ``SegmentError`` unless ``table`` lays the segment's records out as a build does:
+    one after the other from byte 0 up to the tables. A ranged GET carries no checksum, so an
+    answer with wrong bytes is caught here, before the table is cached, rather than fail every
+    later read of the segment (or point one at other bytes)."""
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    if (
+        len(table) != info.count
+        or (len(table) and (starts[0] != 0 or ends[-1] != info.offsets_at))
+        or not np.array_equal(starts[1:], ends[:-1])
+        or bool((table["size"] <= 0).any())
+    ):
+        raise SegmentError(f"{info.key}: its offset table does not describe its records")
+
+
 class ColdTierUnavailableError(StorageError):
     """The object store did not answer a cold read within its deadline, or failed it."""
 
@@ -277,6 +293,11 @@ class ColdFetcher:
         except StorageError as e:
             self.unavailable += 1
             raise ColdTierUnavailableError(f"{what}: the cold tier is unavailable: {e}") from e
+        except ManifestError as e:
+            # A manifest failing its own CRC is, first of all, an answer damaged on the way
+            # (one that stays damaged is `tmq verify`'s FAILURE): a retry, not a lost archive.
+            self.unavailable += 1
+            raise ColdTierUnavailableError(f"{what}: the queue's manifest read damaged: {e}") from e
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -452,11 +473,16 @@ class ColdFetcher:
             first = starts[0] - info.base_offset
             n = self._batch_len(info)
             entries = self._table(info)[first : first + n * len(starts)]
-            if len(starts) == 1:
-                spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
-            else:
-                counts = [n] * len(starts)
-                spans = run_job(self.runner, read_spans, info, first, entries.tobytes(), counts)
+            try:
+                if len(starts) == 1:
+                    spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
+                else:
+                    counts = [n] * len(starts)
+                    spans = run_job(self.runner, read_spans, info, first, entries.tobytes(), counts)
+            except SegmentError:
+                # The table may be what was wrong: the next read of the segment fetches it again.
+                self._forget_table(info.key)
+                raise
             size = sum(len(span.data) for span in spans)
             self.bytes_fetched += size
             if self._observe is not None:
@@ -496,6 +522,7 @@ class ColdFetcher:
                 table = self._tables.get(info.key)
             if table is None:
                 table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
+                _check_table(info, table)  # never cache wrong bytes: every read would use them
                 with self._lock:
                     self._tables[info.key] = table
                     self._table_bytes += table.nbytes
@@ -505,6 +532,12 @@ class ColdFetcher:
         with self._lock:
             self._table_loads.pop(info.key, None)
         return table
+
+    def _forget_table(self, key: str) -> None:
+        with self._lock:
+            table = self._tables.pop(key, None)
+            if table is not None:
+                self._table_bytes -= table.nbytes
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int:
         def work() -> int:

@@ -33,6 +33,7 @@ from tiered.cold.storage import (
     check_key,
     error_code,
     exists_refusal,
+    put_checksum,
     translate,
 )
 
@@ -89,7 +90,11 @@ class S3ObjectStore:
             raise ValueError(f"{key}: {len(data)} bytes is too large for a conditional put")
         try:
             self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+                IfNoneMatch="*",
+                **put_checksum(data),
             )
             return True
         except Exception as e:
@@ -99,7 +104,9 @@ class S3ObjectStore:
 
     def put(self, key: str, data: bytes) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, **put_checksum(data)
+            )
         except Exception as e:
             raise self._translate(key, e) from e
 

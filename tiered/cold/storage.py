@@ -10,11 +10,13 @@ has an empty, ``.`` or ``..`` component: no key can address anything outside the
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +70,11 @@ TRANSIENT_CODES = {
     "RequestTimeout",
     "RequestTimeTooSkewed",
     "ConditionalRequestConflict",  # a rival conditional PUT in flight: the retry decides
+    # The body the store received is not the one sent (its checksum or length differs): damaged
+    # or cut off on the way. Nothing was stored, and the same bytes sent again arrive whole.
+    "BadDigest",
+    "IncompleteBody",
+    "XAmzContentSHA256Mismatch",
 }
 # s3fs sends a conditional (If-None-Match) PUT only below its multipart threshold (2 x 50 MiB).
 MAX_CONDITIONAL_PUT_BYTES = 100 * 1024 * 1024
@@ -154,6 +161,7 @@ class FsspecObjectStore:
             self.fs.retries = 1
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.s3 = self.url.startswith(("s3://", "s3a://"))
         if self.local:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -174,7 +182,7 @@ class FsspecObjectStore:
         if len(data) > MAX_CONDITIONAL_PUT_BYTES:
             raise ValueError(f"{key}: {len(data)} bytes is too large for a conditional put")
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            self.fs.pipe_file(path, data, mode="create", **self._checksum(data))
             return True
         except FileExistsError:
             return False
@@ -189,9 +197,12 @@ class FsspecObjectStore:
             _local_replace(Path(path), data)
             return
         try:
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(path, data, **self._checksum(data))
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def _checksum(self, data: bytes) -> dict[str, str]:
+        return put_checksum(data) if self.s3 else {}
 
     def get(self, key: str) -> bytes:
         try:
@@ -443,6 +454,20 @@ def _local_replace(path: Path, data: bytes) -> None:
     tmp = _write_temp(path.parent, data)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def put_checksum(data: bytes) -> dict[str, str]:
+    """The ``PutObject`` parameter with the body's CRC32, for the store to check: a body damaged
+    on the way is refused (BadDigest), never stored. Nothing reads a written object back
+    (decision 251), so this is what guarantees it holds the bytes sent; given here, it does not
+    depend on the SDK's own checksums, which AWS_REQUEST_CHECKSUM_CALCULATION=when_required
+    turns off (decision 290). CRC32, the SDK's own default, not CRC32C: botocore checks a
+    whole-object GET against a stored CRC32C only with awscrt installed. Empty above one PUT's
+    worth of bytes (a multipart upload checks its parts its own way)."""
+    if len(data) > MAX_CONDITIONAL_PUT_BYTES:
+        return {}
+    crc = zlib.crc32(data).to_bytes(4, "big")
+    return {"ChecksumCRC32": base64.b64encode(crc).decode()}
 
 
 def open_store(
