@@ -257,7 +257,9 @@ class BrokerMetadata:
         except FileNotFoundError:
             return
         lines = raw.split(b"\n")
+        start = 0  # byte offset of line i
         for i, line in enumerate(lines):
+            line_start, start = start, start + len(line) + 1
             if not line:
                 continue
             try:
@@ -265,9 +267,14 @@ class BrokerMetadata:
             except (ValueError, TypeError) as e:
                 # Only the last line can be unsynced (each append is fdatasynced before the
                 # next), and a power loss lands its pages in any order: its newline may be on
-                # disk while a sector before it is not. Never acknowledged: a torn append.
+                # disk while a sector before it is not. Never acknowledged: a torn append. It
+                # is cut off, or the next group's line would be appended to the fragment and
+                # the start after it would find a damaged line in the middle.
                 if not any(lines[i + 1 :]):
-                    log.warning("%s: ignoring a torn last line", self._group_log_path)
+                    log.warning("%s: cutting off a torn last line", self._group_log_path)
+                    with self._group_log_path.open("r+b") as fh:
+                        fh.truncate(line_start)
+                        os.fsync(fh.fileno())
                     break
                 raise RuntimeError(
                     f"{self._group_log_path} line {i + 1} is damaged ({e}); restore it from a "

@@ -370,6 +370,36 @@ def test_a_group_line_torn_by_a_power_loss_is_dropped_and_a_damaged_one_is_not(
         BrokerMetadata(tmp_path).load()
 
 
+@pytest.mark.parametrize("newline_landed", [False, True])
+def test_a_torn_group_line_is_cut_off_so_the_next_group_does_not_join_it(
+    tmp_path: Path, newline_landed: bool
+) -> None:
+    """The 60-point power-loss loop found it: a torn last line was skipped at start but left in
+    the file, the next group's line was appended to the fragment, and the start after the next
+    power loss refused a damaged line in the middle of ``groups.log``."""
+    from broker.metadata import GroupConfig
+
+    meta = BrokerMetadata(tmp_path)
+    for name in ("g1", "g2"):
+        meta.put_group(GroupConfig(name))
+    meta.close()
+    log_path = tmp_path / "groups.log"
+    whole = log_path.read_bytes()
+    last = whole.rstrip(b"\n").rsplit(b"\n", 1)[1]
+    torn = whole[: len(whole) - len(last) - 1] + last[:20] + (b"\n" if newline_landed else b"")
+    log_path.write_bytes(torn)
+
+    meta = BrokerMetadata(tmp_path)
+    meta.load()
+    assert sorted(meta.groups) == ["g1"]
+    meta.put_group(GroupConfig("g3"))
+    meta.close()
+    again = BrokerMetadata(tmp_path)
+    again.load()
+    assert sorted(again.groups) == ["g1", "g3"]
+    again.close()
+
+
 # -- a power loss after a recovery whose fsync was deferred ----------------------------------------
 
 
