@@ -106,3 +106,39 @@ def test_a_slave_appends_data_frames_read_into_one_reused_buffer(tmp_path: Path)
         slave.shutdown()
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("where", ["after records", "alone"])
+def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(tmp_path: Path, where: str) -> None:
+    """A BLANK record pads a file to its end. One sent anywhere else (a buggy or hostile master)
+    would make the slave's dispatch and recovery skip to the next file: whatever followed it in
+    that file would be stored but never readable, and cut after a restart. It is refused with
+    nothing stored, and the real bytes are taken afterwards."""
+    from tiered.record import blank_record
+
+    master = open_store(tmp_path / "master")
+    try:
+        master.put_messages(
+            [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(5)]
+        )
+        data = master.read_commitlog(0, 1 << 20)
+    finally:
+        master.shutdown()
+    assert data is not None
+    hostile = (data if where == "after records" else b"") + blank_record(64)
+    slave = open_store(tmp_path / "slave")
+    try:
+        slave.set_replica(True)
+        with pytest.raises(RecordError, match="BLANK"):
+            slave.append_replicated(0, hostile)
+        assert slave.max_physical_offset == 0, "nothing of a refused payload is stored"
+        slave.append_replicated(0, data)
+        assert slave.wait_dispatched()
+        # ... and a BLANK after them that does not reach the file's end is refused too.
+        with pytest.raises(RecordError, match="BLANK"):
+            slave.append_replicated(len(data), blank_record(64))
+        assert slave.max_physical_offset == len(data)
+        result = slave.get_messages("t", 0, 0, 10)
+        assert [m.msg_id for m in result.messages] == [f"id-{i}" for i in range(5)]
+    finally:
+        slave.shutdown()

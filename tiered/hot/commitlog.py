@@ -336,7 +336,7 @@ class CommitLog:
 
         Every record is checked first (structure, its own offset, body and record CRC): bytes
         damaged on their way are refused (``RecordError``), never stored and served."""
-        _check_replicated(offset, data)
+        _check_replicated(offset, data, self.files.file_size)
         with self._put_lock:
             if self.failed is not None:
                 raise self.durability_lost()
@@ -702,9 +702,11 @@ class CommitLog:
         return self.files.delete_first_files(count)
 
 
-def _check_replicated(offset: int, data: bytes | memoryview) -> None:
+def _check_replicated(offset: int, data: bytes | memoryview, file_size: int) -> None:
     """Raise ``RecordError`` unless ``data`` is whole, valid records written at ``offset``,
-    optionally ending with the BLANK record that pads the end of a file."""
+    optionally ending with the BLANK record that pads a file to its end (and only there: dispatch
+    and recovery skip from a BLANK to the next file, so one inside a file would hide whatever
+    followed it there)."""
     # The scan wants room for a BLANK record after each record; padding gives the last one it.
     padded = b"".join((data, bytes(BLANK_RECORD_SIZE)))
     end, _ = scan_records(padded, 0, len(data) + BLANK_RECORD_SIZE, offset, check_crc=True)
@@ -712,6 +714,11 @@ def _check_replicated(offset: int, data: bytes | memoryview) -> None:
         return
     total, magic = read_total_and_magic(data, end) if len(data) - end >= 8 else (0, 0)
     if magic == BLANK_MAGIC_CODE and total == len(data) - end:
-        return
+        if (offset + len(data)) % file_size == 0:
+            return
+        raise RecordError(
+            f"replicated bytes at {offset}: the BLANK record at {offset + end} ends at "
+            f"{offset + len(data)}, not at the end of its {file_size}-byte CommitLog file"
+        )
     validate(data, end, offset + end, check_crc=True)  # raises what is wrong with it
     raise RecordError(f"replicated bytes at {offset}: no whole record at offset {offset + end}")
