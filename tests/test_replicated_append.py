@@ -109,7 +109,9 @@ def test_a_slave_appends_data_frames_read_into_one_reused_buffer(tmp_path: Path)
 
 
 @pytest.mark.parametrize("where", ["after records", "alone"])
-def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(tmp_path: Path, where: str) -> None:
+def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(
+    tmp_path: Path, where: str
+) -> None:
     """A BLANK record pads a file to its end. One sent anywhere else (a buggy or hostile master)
     would make the slave's dispatch and recovery skip to the next file: whatever followed it in
     that file would be stored but never readable, and cut after a restart. It is refused with

@@ -247,7 +247,10 @@ class CommitLog:
                 f = self._file_for_append(chunk_from)
                 parts = batch.parts
                 data = parts[0] if len(parts) == 1 else b"".join(parts)
-                f.append_records(data, batch.offsets, f.from_offset + f.wrote)
+                try:
+                    f.append_records(data, batch.offsets, f.from_offset + f.wrote)
+                except OSError as e:
+                    raise self._write_failed(f, e) from e
                 batch.parts = []
                 self.queue_offsets.update(published)
                 if batch.offsets and self.on_append is not None:
@@ -290,9 +293,24 @@ class CommitLog:
 
     def durability_lost(self) -> DurabilityLostError:
         return DurabilityLostError(
-            f"the store refuses writes: an fsync failed ({self.failed}); what is not yet "
-            "flushed may be lost. Check the disk, then restart the broker"
+            f"the store refuses writes: a write or fsync failed ({self.failed}); what is not "
+            "yet flushed may be lost. Check the disk, then restart the broker"
         )
+
+    def _write_failed(self, f: MappedFile, error: OSError) -> StoreUnwritableError:
+        """What a failed write of CommitLog bytes into ``f`` becomes (``wrote`` has not moved,
+        and a record is whole only once its size field is set, which comes last: nothing of
+        the batch is readable). A full disk (a filesystem that does not honour the file's
+        preallocation) stored nothing and may have room later. Any other error (EIO) leaves
+        those pages in an unknown state, as a failed fsync does: nothing written after it may
+        be acknowledged until a restart recovers from what the disk holds."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DiskFullError(
+                f"the disk is full: cannot write CommitLog file {f.path} ({error.strerror})"
+            )
+        log.critical("CommitLog write failed at offset %d: %s", f.end_offset, error)
+        self.fail(error)
+        return self.durability_lost()
 
     def _file_for_append(self, from_offset: int) -> MappedFile:
         f = self.files.find_file(from_offset)
@@ -357,7 +375,10 @@ class CommitLog:
                 last = self.files.create_file(offset)
             if last.wrote + len(data) > last.size:
                 raise ValueError(f"replicated bytes at {offset} run past the end of {last.path}")
-            last.append(data)
+            try:
+                last.append(data)
+            except OSError as e:
+                raise self._write_failed(last, e) from e
 
     def truncate(self, offset: int) -> RecoveryReport:
         """Make ``offset`` (a record boundary) the end of the log; the bytes cut are copied to
@@ -406,7 +427,7 @@ class CommitLog:
         if self.failed is None:
             self.failed = error
             log.critical(
-                "fsync failed (%s): the store takes no more writes and writes no more "
+                "write or fsync failed (%s): the store takes no more writes and no more "
                 "checkpoints; check the disk and restart the broker",
                 error,
             )
