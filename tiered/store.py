@@ -52,6 +52,7 @@ from tiered.hot.commitlog import (
     free_bytes,
 )
 from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable
+from tiered.hot.consume_queue import DamagedEntryError as DamagedEntryError
 from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryError
 from tiered.hot.data_dir import DataDir
 from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
@@ -153,6 +154,10 @@ class StartReport:
     checkpoint_found: bool
     commitlog: RecoveryReport
     cq_entries_dropped: int = 0
+    # Zeroed ConsumeQueue entries inside a queue, rebuilt from the CommitLog (and those whose
+    # record the CommitLog no longer holds: lost, and logged).
+    cq_entries_repaired: int = 0
+    cq_entries_unrepaired: int = 0
     redispatched_bytes: int = 0
     index_gaps_rebuilt: list[tuple[int, int]] = field(default_factory=list)
     consumequeue_rebuilt: bool = False
@@ -407,6 +412,7 @@ class MessageStore:
             del scanned
             dispatcher.dispatch(end)
             dispatcher.preload([])
+            self._repair_holes(dispatcher, report)
             self.commitlog.on_append = dispatcher.submit
             for (topic, queue_id), cq in self.queues.queues.items():
                 self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
@@ -428,6 +434,44 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _repair_holes(self, dispatcher: Dispatcher, report: StartReport) -> None:
+        """Rebuild ConsumeQueue entries zeroed inside a queue (a torn write, bit rot) from the
+        CommitLog. Re-dispatch cannot: it writes only past a queue's end. A run of holes lies
+        between two entries that survived, and entries are in CommitLog order within a queue,
+        so its records are in the CommitLog between those two: only that range is read."""
+        for (topic, queue_id), cq in list(self.queues.queues.items()):
+            for first, end in cq.holes():
+                before, after = cq.get_entry(first - 1), cq.get_entry(end)
+                lo = before[0] + before[1] if before else self.commitlog.min_offset
+                hi = after[0] if after else self.commitlog.max_offset
+                found = 0
+                for key, qoff, phys, size, tag in dispatcher.records(lo, hi):
+                    if key == (topic, queue_id) and first <= qoff < end:
+                        found += cq.fill(qoff, phys, size, tag_hash(tag))
+                report.cq_entries_repaired += found
+                if found == end - first:
+                    log.warning(
+                        "ConsumeQueue %s/%d: rebuilt the zeroed entries [%d, %d) from the "
+                        "CommitLog",
+                        topic,
+                        queue_id,
+                        first,
+                        end,
+                    )
+                    continue
+                report.cq_entries_unrepaired += end - first - found
+                log.error(
+                    "ConsumeQueue %s/%d: %d of the zeroed entries [%d, %d) have no record in "
+                    "CommitLog [%d, %d): those messages are lost, and a read of them fails",
+                    topic,
+                    queue_id,
+                    end - first - found,
+                    first,
+                    end,
+                    lo,
+                    hi,
+                )
 
     @staticmethod
     def _recovery_start(clean: bool, cp: Checkpoint | None) -> int | None:
@@ -798,6 +842,13 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
+            if length <= 0:
+                # A zeroed entry (a torn write, bit rot): never read CommitLog offset 0 for it,
+                # nor let a tag filter skip it. What precedes it is returned; a read that starts
+                # at it fails at once, naming it, until a restart rebuilds it (_repair_holes).
+                if messages or qoff > offset:
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff)
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
                 continue

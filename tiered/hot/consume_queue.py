@@ -20,6 +20,7 @@ import numpy as np
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import MappedFile, MappedFileQueue
 from tiered.names import is_valid_name
+from tiered.record import CorruptRecordError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,20 @@ class UnreadableEntryError(Exception):
 
     def __init__(self, topic: str, queue_id: int, offset: int) -> None:
         super().__init__(f"{topic}/{queue_id}: queue offset {offset}")
+        self.topic = topic
+        self.queue_id = queue_id
+        self.offset = offset
+
+
+class DamagedEntryError(CorruptRecordError):
+    """A ConsumeQueue entry between the queue's minimum and maximum is zero (or names no
+    record): a torn write or bit rot. The next start rebuilds it from the CommitLog."""
+
+    def __init__(self, topic: str, queue_id: int, offset: int) -> None:
+        super().__init__(
+            f"ConsumeQueue {topic}/{queue_id}: the entry at queue offset {offset} is damaged; "
+            "restart the broker to rebuild it from the CommitLog"
+        )
         self.topic = topic
         self.queue_id = queue_id
         self.offset = offset
@@ -141,6 +156,44 @@ class ConsumeQueue:
         self.max_offset = queue_offset + count
         self.max_physical_end = physical_end
         return True
+
+    def fill(self, queue_offset: int, commitlog_offset: int, size: int, tag_hash: int) -> bool:
+        """Write the entry of ``queue_offset``, a hole below ``max_offset`` (``holes``), in
+        place; False when that slot is not a hole. Only while the dispatcher is not running."""
+        pos = queue_offset * CQ_ENTRY_SIZE
+        f = self.files.find_file(pos)
+        if f is None or not self.min_offset <= queue_offset < self.max_offset:
+            return False
+        rel = pos - f.from_offset
+        if CQ_ENTRY.unpack(f.read(rel, CQ_ENTRY_SIZE))[1] > 0:
+            return False
+        f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
+        f.flushed = 0  # the next flush fsyncs the file again
+        return True
+
+    def holes(self) -> list[tuple[int, int]]:
+        """``[first, end)`` runs of entries in ``[min_offset, max_offset)`` whose size is zero:
+        entries a torn write or bit rot zeroed, between entries that survived. A file at a
+        time with numpy, reading only what the extent map says may hold data."""
+        out: list[tuple[int, int]] = []
+        for f in self.files.files:
+            base = f.from_offset // CQ_ENTRY_SIZE
+            lo, hi = (
+                max(self.min_offset, base),
+                min(self.max_offset, base + f.size // CQ_ENTRY_SIZE),
+            )
+            if lo >= hi:
+                continue
+            empty = _sizes(f)[lo - base : hi - base] <= 0
+            if not empty.any():
+                continue
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], empty.view(np.int8), [0]))))
+            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
+                if out and out[-1][1] == lo + a:  # a run across a file boundary
+                    out[-1] = (out[-1][0], lo + b)
+                else:
+                    out.append((lo + a, lo + b))
+        return out
 
     def flush(self) -> None:
         self.files.flush()

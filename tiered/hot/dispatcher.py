@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -213,6 +213,26 @@ class Dispatcher:
         out.store_timestamp = max(stamps)
         out.store_timestamps = stamps
         return out
+
+    def records(
+        self, start: int, end: int
+    ) -> Iterator[tuple[tuple[str, int], int, int, int, str | None]]:
+        """((topic, queue id), queue offset, CommitLog offset, size, tag) of every record in
+        CommitLog ``[start, end)`` (``start`` a record boundary), read from the file."""
+        offset = self.commitlog.skip_blank(start)
+        while offset < end:
+            batch = self._parse(offset, end)
+            if batch is None:
+                return
+            yield from zip(
+                batch.queues,
+                batch.queue_offsets,
+                batch.offsets,
+                batch.sizes,
+                batch.tags,
+                strict=True,
+            )
+            offset = self.commitlog.skip_blank(batch.end_offset)
 
     def preload(self, runs: list[DispatchColumns]) -> None:
         """Take runs the recovery scan already read as columns (``CommitLog.recover``), so that
