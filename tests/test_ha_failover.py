@@ -215,7 +215,9 @@ def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
         a, b = group.members[0], group.members[1]
         assert {st.code for st in send(a.endpoint, 0, 60)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
-        wait_for("b's queues are dispatched", lambda: len(pull_all(b, TOPIC, QUEUES)) == 60)
+        # No wait for b's ConsumeQueues: b dispatches every 50 ms (decision 304), and its
+        # slave-read must serve everything its CommitLog holds all the same (decision 360).
+        # (The wait that stood here pulled through b, which forwarded to a: it counted a's.)
         for p in etcd.procs:
             os.kill(p.pid, signal.SIGSTOP)
         a.kill9()

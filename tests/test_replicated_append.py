@@ -144,3 +144,35 @@ def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(
         assert [m.msg_id for m in result.messages] == [f"id-{i}" for i in range(5)]
     finally:
         slave.shutdown()
+
+
+def test_a_slave_read_right_after_an_append_sees_everything_it_holds(tmp_path: Path) -> None:
+    """A replica dispatches every 50 ms (decision 304). A read served by a slave (slave-read,
+    while no master answers) right after its CommitLog took bytes must not report an older queue
+    end than what it holds: a reader that stops at the end (a replay, a catch-up) would miss
+    messages the slave has."""
+    master = open_store(tmp_path / "master")
+    try:
+        sizes = [
+            r.size
+            for r in master.put_messages(
+                [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(6)]
+            )
+        ]
+        data = master.read_commitlog(0, 1 << 20)
+    finally:
+        master.shutdown()
+    assert data is not None
+    slave = open_store(tmp_path / "slave")
+    try:
+        slave.set_replica(True)
+        at = 0
+        for i, size in enumerate(sizes):
+            slave.append_replicated(at, data[at : at + size])
+            at += size
+            result = slave.get_messages("t", 0, i, 10)
+            assert result.status is GetStatus.FOUND, (i, result.status)
+            assert [m.msg_id for m in result.messages] == [f"id-{i}"]
+            assert slave.max_offset("t", 0) == i + 1
+    finally:
+        slave.shutdown()

@@ -815,6 +815,8 @@ class MessageStore:
         reading the CommitLog. A body failing its CRC raises ``CorruptRecordError``.
         """
         cq = self._cq(topic, queue_id)
+        if self._replica and (cq is None or offset >= cq.max_offset) and self._catch_up():
+            cq = self._cq(topic, queue_id)
         if cq is None:
             return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, [], 0, 0, 0)
         if not hot_only and self.cold is not None and self._from_cold(topic, queue_id, offset, cq):
@@ -873,6 +875,19 @@ class MessageStore:
                 return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
             status = GetStatus.OFFSET_TOO_SMALL
         return GetResult(status, messages, nxt, cq.min_offset, cq.max_offset)
+
+    def _catch_up(self) -> bool:
+        """A replica's dispatcher runs every 50 ms (decision 304), so its queues may end before
+        its CommitLog does. A read at a queue's end (slave-read) first lets dispatch reach what
+        the CommitLog holds, so that it never reports an older end than this store has (a
+        reader that stops there would miss messages). True when dispatch was behind."""
+        d = self.dispatcher
+        end = self.commitlog.confirmed_offset
+        if d is None or d.reput_offset >= end:
+            return False
+        d.wakeup()
+        d.wait_for(end, timeout=1.0)
+        return True
 
     def _from_cold(self, topic: str, queue_id: int, offset: int, cq: ConsumeQueue) -> bool:
         """Whether this read goes to the tier: below the hot store, when the tier may hold it
