@@ -82,6 +82,7 @@ class GroupMember:
         lease_ttl_ms: int = 2000,
         max_lag_ms: int = 3000,
         env: dict[str, str] | None = None,
+        store_toml: str = "",
     ) -> GroupMember:
         config = self.root / f"{self.name}.toml"
         config.write_text(
@@ -98,6 +99,7 @@ data_dir = "{self.data_dir}"
 commitlog_file_size = {file_size}
 index_hash_slots = 4096
 index_max_entries = 16384
+{store_toml}
 
 [ha]
 enabled = {str(ha).lower()}
