@@ -108,6 +108,21 @@ def test_a_slave_appends_data_frames_read_into_one_reused_buffer(tmp_path: Path)
         b.close()
 
 
+def master_records(path: Path, count: int) -> tuple[bytes, list[int]]:
+    """A master's CommitLog after it appended ``count`` messages (ids ``id-0`` ...): its bytes
+    and the size of each record."""
+    master = open_store(path)
+    try:
+        appended = master.put_messages(
+            [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(count)]
+        )
+        data = master.read_commitlog(0, 1 << 20)
+    finally:
+        master.shutdown()
+    assert data is not None
+    return data, [r.size for r in appended]
+
+
 @pytest.mark.parametrize("where", ["after records", "alone"])
 def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(
     tmp_path: Path, where: str
@@ -118,15 +133,7 @@ def test_a_slave_refuses_a_blank_record_that_does_not_end_a_file(
     nothing stored, and the real bytes are taken afterwards."""
     from tiered.record import blank_record
 
-    master = open_store(tmp_path / "master")
-    try:
-        master.put_messages(
-            [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(5)]
-        )
-        data = master.read_commitlog(0, 1 << 20)
-    finally:
-        master.shutdown()
-    assert data is not None
+    data, _ = master_records(tmp_path / "master", 5)
     hostile = (data if where == "after records" else b"") + blank_record(64)
     slave = open_store(tmp_path / "slave")
     try:
@@ -151,18 +158,7 @@ def test_a_slave_read_right_after_an_append_sees_everything_it_holds(tmp_path: P
     while no master answers) right after its CommitLog took bytes must not report an older queue
     end than what it holds: a reader that stops at the end (a replay, a catch-up) would miss
     messages the slave has."""
-    master = open_store(tmp_path / "master")
-    try:
-        sizes = [
-            r.size
-            for r in master.put_messages(
-                [Message("t", b"body %d" % i, properties={"UNIQ_KEY": f"id-{i}"}) for i in range(6)]
-            )
-        ]
-        data = master.read_commitlog(0, 1 << 20)
-    finally:
-        master.shutdown()
-    assert data is not None
+    data, sizes = master_records(tmp_path / "master", 6)
     slave = open_store(tmp_path / "slave")
     try:
         slave.set_replica(True)
