@@ -172,3 +172,52 @@ def test_a_slave_read_right_after_an_append_sees_everything_it_holds(tmp_path: P
             assert slave.max_offset("t", 0) == i + 1
     finally:
         slave.shutdown()
+
+
+def test_a_slave_ends_the_session_of_a_master_that_sends_a_misplaced_blank(tmp_path: Path) -> None:
+    """The replication session against a master (here a hostile one, on a real socket) that
+    sends a BLANK record inside a file: the slave answers ERROR naming it, closes the
+    connection, stores nothing, and connects again a second later."""
+    import socket
+
+    from broker.ha import wire
+    from broker.ha.config import HaConfig
+    from broker.ha.slave import ReplicationSlave
+    from tiered.epoch_file import EpochEntry, EpochFile
+    from tiered.record import blank_record
+
+    data, _ = master_records(tmp_path / "master", 3)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    store = open_store(tmp_path / "slave")
+    slave = ReplicationSlave(
+        store,
+        EpochFile(tmp_path / "slave"),
+        HaConfig(enabled=True, role="slave", broker_id=1, master=address),
+    )
+    slave.start()
+    try:
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        with conn:
+            hello = wire.decode_hello(wire.expect(conn, wire.FrameType.HELLO))
+            assert hello.max_offset == 0
+            end = len(data) + 64
+            epochs = [EpochEntry(1, 0)]
+            conn.sendall(wire.encode_welcome(wire.Welcome(1, 0, end, 0, epochs)))
+            assert wire.decode_ack(wire.expect(conn, wire.FrameType.ACK)) == 0
+            payload = data + blank_record(64)
+            frame = wire.Data(1, 0, end, 0, payload)
+            conn.sendall(wire.encode_data_header(frame) + payload)
+            with pytest.raises(wire.ProtocolError, match="BLANK record"):
+                wire.read_frame(conn)
+            assert conn.recv(1) == b"", "the slave closed the connection"
+        assert store.max_physical_offset == 0, "nothing of the refused frame is stored"
+        assert slave.last_error is not None and "BLANK record" in slave.last_error
+        again, _ = listener.accept()  # the slave reconnects
+        again.close()
+    finally:
+        slave.stop()
+        store.shutdown()
+        listener.close()
