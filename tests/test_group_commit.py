@@ -12,10 +12,26 @@ import pytest
 
 from tiered.config import StoreConfig
 from tiered.hot.commitlog import DurabilityLostError
-from tiered.hot.group_commit import GroupCommitService
+from tiered.hot.group_commit import (
+    GATE_NAME,
+    BatchGate,
+    GroupCommitService,
+    PythonBatchGate,
+    new_gate,
+)
 from tiered.hot.mapped_file import MappedFile
 from tiered.record import Message
 from tiered.store import MessageStore
+
+
+@pytest.fixture(params=["python", "native"])
+def gate(request: pytest.FixtureRequest) -> BatchGate:
+    """Each service test runs against the reference batch gate and the native one."""
+    if request.param == "python":
+        return PythonBatchGate()
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    return new_gate()
 
 
 class _Disk:
@@ -44,9 +60,9 @@ class _Disk:
         return self.flushed
 
 
-def test_a_writer_returns_only_after_an_fsync_covering_its_bytes() -> None:
+def test_a_writer_returns_only_after_an_fsync_covering_its_bytes(gate: BatchGate) -> None:
     disk = _Disk()
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     early: list[tuple[int, int]] = []
 
@@ -69,9 +85,9 @@ def test_a_writer_returns_only_after_an_fsync_covering_its_bytes() -> None:
     assert disk.fsyncs <= 16 * 40 / 4, f"{disk.fsyncs} fsyncs for 640 writes: not grouped"
 
 
-def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones() -> None:
+def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones(gate: BatchGate) -> None:
     disk = _Disk(fsync_seconds=0.05)
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     disk.fail = True
     errors: list[BaseException] = []
@@ -95,9 +111,11 @@ def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones() -> None
     assert disk.flushed == 0
 
 
-def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves() -> None:
+def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves(
+    gate: BatchGate,
+) -> None:
     disk = _Disk(fsync_seconds=0.05)
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     threads = [threading.Thread(target=service.wait_flushed, args=(disk.append(),))]
     threads[0].start()
