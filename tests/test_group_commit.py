@@ -169,3 +169,13 @@ def test_concurrent_sync_sends_share_commitlog_fsyncs(
     sent = per_thread * threads
     # A leader/follower lock held across the fsync gave ~2 messages per fsync here.
     assert len(fsynced) <= sent / 3, f"{len(fsynced)} CommitLog fsyncs for {sent} messages"
+
+
+def test_native_batch_gate_is_built_and_used() -> None:
+    """``pip install -e .`` compiles the native batch gate, and group commit uses it by default
+    (``TMQ_PURE_PYTHON`` picks the reference)."""
+    expected = "python" if os.environ.get("TMQ_PURE_PYTHON", "") not in ("", "0") else "native"
+    used = GATE_NAME
+    assert used == expected, "tiered/hot/_group_commit_native was not built"
+    service = GroupCommitService(lambda: 0, lambda: 0)
+    assert isinstance(service._gate, PythonBatchGate) == (expected == "python")
