@@ -6,6 +6,8 @@ name and a ``_py`` suffix, and ``tests/test_record_engine.py`` checks that both 
 bytes on random and adversarial records. Each function reads the Python objects it needs while
 it holds the GIL, then does the byte work (header packing, copies, CRC32C, scans) in C with the
 GIL released, so an append, a dispatch pass and a segment build on other threads run in parallel.
+The append path keeps the GIL for a few records, where a release costs more than the work it
+frees (decision 421).
 
 Build: ``pip install -e .`` compiles this module (setup.py); without it ``tiered.record`` uses
 the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even when it is built.
