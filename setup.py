@@ -42,6 +42,12 @@ extensions = [
         depends=["tiered/_record_native.h"],
         extra_compile_args=["-O3"],
     ),
+    # Group commit's batch gate: writers sleep without the GIL (decision 420).
+    Extension(
+        "tiered.hot._group_commit_native",
+        ["tiered/hot/_group_commit_native.pyx"],
+        extra_compile_args=["-O3"],
+    ),
     # SendMessageRequest bytes to store Messages (decision 310); sets the slots as the engine
     # reads them, with the engine's header.
     Extension(

@@ -12,10 +12,26 @@ import pytest
 
 from tiered.config import StoreConfig
 from tiered.hot.commitlog import DurabilityLostError
-from tiered.hot.group_commit import GroupCommitService
+from tiered.hot.group_commit import (
+    GATE_NAME,
+    BatchGate,
+    GroupCommitService,
+    PythonBatchGate,
+    new_gate,
+)
 from tiered.hot.mapped_file import MappedFile
 from tiered.record import Message
 from tiered.store import MessageStore
+
+
+@pytest.fixture(params=["python", "native"])
+def gate(request: pytest.FixtureRequest) -> BatchGate:
+    """Each service test runs against the reference batch gate and the native one."""
+    if request.param == "python":
+        return PythonBatchGate()
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    return new_gate()
 
 
 class _Disk:
@@ -44,9 +60,9 @@ class _Disk:
         return self.flushed
 
 
-def test_a_writer_returns_only_after_an_fsync_covering_its_bytes() -> None:
+def test_a_writer_returns_only_after_an_fsync_covering_its_bytes(gate: BatchGate) -> None:
     disk = _Disk()
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     early: list[tuple[int, int]] = []
 
@@ -69,9 +85,9 @@ def test_a_writer_returns_only_after_an_fsync_covering_its_bytes() -> None:
     assert disk.fsyncs <= 16 * 40 / 4, f"{disk.fsyncs} fsyncs for 640 writes: not grouped"
 
 
-def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones() -> None:
+def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones(gate: BatchGate) -> None:
     disk = _Disk(fsync_seconds=0.05)
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     disk.fail = True
     errors: list[BaseException] = []
@@ -95,9 +111,11 @@ def test_a_failed_fsync_fails_every_writer_of_its_batch_and_later_ones() -> None
     assert disk.flushed == 0
 
 
-def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves() -> None:
+def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves(
+    gate: BatchGate,
+) -> None:
     disk = _Disk(fsync_seconds=0.05)
-    service = GroupCommitService(disk.flush, lambda: disk.flushed)
+    service = GroupCommitService(disk.flush, lambda: disk.flushed, gate=gate)
     service.start()
     threads = [threading.Thread(target=service.wait_flushed, args=(disk.append(),))]
     threads[0].start()
@@ -151,3 +169,13 @@ def test_concurrent_sync_sends_share_commitlog_fsyncs(
     sent = per_thread * threads
     # A leader/follower lock held across the fsync gave ~2 messages per fsync here.
     assert len(fsynced) <= sent / 3, f"{len(fsynced)} CommitLog fsyncs for {sent} messages"
+
+
+def test_native_batch_gate_is_built_and_used() -> None:
+    """``pip install -e .`` compiles the native batch gate, and group commit uses it by default
+    (``TMQ_PURE_PYTHON`` picks the reference)."""
+    expected = "python" if os.environ.get("TMQ_PURE_PYTHON", "") not in ("", "0") else "native"
+    used = GATE_NAME
+    assert used == expected, "tiered/hot/_group_commit_native was not built"
+    service = GroupCommitService(lambda: 0, lambda: 0)
+    assert isinstance(service._gate, PythonBatchGate) == (expected == "python")

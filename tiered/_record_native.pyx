@@ -6,6 +6,8 @@ name and a ``_py`` suffix, and ``tests/test_record_engine.py`` checks that both 
 bytes on random and adversarial records. Each function reads the Python objects it needs while
 it holds the GIL, then does the byte work (header packing, copies, CRC32C, scans) in C with the
 GIL released, so an append, a dispatch pass and a segment build on other threads run in parallel.
+The append path keeps the GIL for a few records, where a release costs more than the work it
+frees (decision 421).
 
 Build: ``pip install -e .`` compiles this module (setup.py); without it ``tiered.record`` uses
 the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even when it is built.
@@ -60,6 +62,10 @@ DEF SYSFLAG_RECORD_CRC = 65536
 DEF CRC_PAIR = 20  # record.CRC_TRAILER_SIZE: ``__CRC32#\x01``, ten digits, ``\x02``
 DEF MAX_TOPIC = 0xFFFF
 DEF MAX_PROPS = 0x7FFF - CRC_PAIR
+# Encoding fewer bytes than this keeps the GIL: for one or a few records the work is a
+# microsecond or two, and releasing the GIL lets another thread take it for up to the switch
+# interval; with 8 single-send SYNC producers every release was a hand-off (decision 421).
+DEF _NOGIL_MIN = 16384
 
 # Filled in by tiered.record when it loads this module (it imports us, not the reverse).
 cdef object RecordError = ValueError
@@ -432,7 +438,11 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             buf = PyBytes_FromStringAndSize(NULL, used)
             dest = <unsigned char*>PyBytes_AS_STRING(buf)
             store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
-            with nogil:
+            if used >= _NOGIL_MIN:
+                with nogil:
+                    _write_records(dest, recs, n, scratch.data, store_ip_p, store_v6,
+                                   store_port, store_ts)
+            else:  # a few records: see _NOGIL_MIN
                 _write_records(dest, recs, n, scratch.data, store_ip_p, store_v6, store_port,
                                store_ts)
             out.parts.append(buf)
@@ -1691,32 +1701,33 @@ def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
                 raise ValueError(f"record {i} starts at {s}: outside the data or out of order")
             starts[i] = prev = s
         starts[k] = n
-        with nogil:
-            if k == 0 or starts[0] > 0:
-                iov[0].iov_base = <void*>&d[0]
-                iov[0].iov_len = starts[0] if k else n
-                used = 1
-            for i in range(k):
-                s, e = starts[i], starts[i + 1]
-                iov[used].iov_base = <void*>_ZERO_SIZE
-                iov[used].iov_len = 4
-                iov[used + 1].iov_base = <void*>&d[s + 4]
-                iov[used + 1].iov_len = e - s - 4
-                used += 2
-            if n < pwrite_min:
-                s = pos
-                for i in range(used):
-                    memcpy(&m[s], iov[i].iov_base, iov[i].iov_len)
-                    s += iov[i].iov_len
-            elif _pwrite_all(fd, iov, used, pos) < 0:
-                failed = 1
+        if k == 0 or starts[0] > 0:
+            iov[0].iov_base = <void*>&d[0]
+            iov[0].iov_len = starts[0] if k else n
+            used = 1
+        for i in range(k):
+            s, e = starts[i], starts[i + 1]
+            iov[used].iov_base = <void*>_ZERO_SIZE
+            iov[used].iov_len = 4
+            iov[used + 1].iov_base = <void*>&d[s + 4]
+            iov[used + 1].iov_len = e - s - 4
+            used += 2
+        if n < pwrite_min:
+            # A small store through the mapping keeps the GIL (see _NOGIL_MIN).
+            s = pos
+            for i in range(used):
+                memcpy(&m[s], iov[i].iov_base, iov[i].iov_len)
+                s += iov[i].iov_len
+        else:
+            with nogil:
+                if _pwrite_all(fd, iov, used, pos) < 0:
+                    failed = 1
         if failed:
             PyErr_SetFromErrno(OSError)
         if between is not None:
             between()
-        with nogil:
-            for i in range(k):
-                memcpy(&m[pos + starts[i]], &d[starts[i]], 4)
+        for i in range(k):
+            memcpy(&m[pos + starts[i]], &d[starts[i]], 4)
     finally:
         free(starts)
         free(iov)

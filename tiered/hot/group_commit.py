@@ -15,14 +15,19 @@ so 8 producers never share an fsync by more than 4. Before closing a batch the f
 for as many writers as the previous round served (the batch it woke plus those already
 queued), but never longer than the last fsync took: waiting longer would cost more than the
 second fsync it saves. A lone writer never waits (the round's population is itself), and when
-producers go away the next round expects only those that came back.
+producers go away the next round expects only those that came back. A request wakes the
+flusher only when the flusher can act on it (the first request of a batch, or the one that
+completes the number it waits for), not once per writer (decision 420).
 
 Batches are numbered, as RocketMQ's requests carry the offset they wait for: a writer notes the
 number of the open batch and sleeps until the number of the last finished batch reaches it, on a
 condition shared by every writer of its batch's parity (only the batch being fsynced and the open
 one ever have writers, so a wake-up never reaches the other's). No object is made per batch or
-per send (an ``Event`` per batch cost a condition, a lock and a waiter list each time; decision
-321).
+per send (decision 321). The bookkeeping is a *batch gate* with two implementations of one
+interface: ``PythonBatchGate`` (the reference, on ``threading.Condition``) and the native
+``NativeBatchGate`` (``tiered/hot/_group_commit_native.pyx``), whose writers sleep with the GIL
+released and are woken by one broadcast made without it (decision 420). ``TMQ_PURE_PYTHON=1``
+picks the reference, as it does for the record engine.
 
 Invariant: a request joins a batch only after its bytes are appended (its append published
 ``wrote``), and the batch's fsync starts after the batch is closed, so that fsync covers every
@@ -31,9 +36,115 @@ request in it. A writer is woken with success only by an fsync that returned wit
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class BatchGate(Protocol):
+    """The numbered batches of writers of one ``GroupCommitService``.
+
+    Writers ``join_and_wait``; the flusher loops ``take`` (close the open batch), fsync,
+    ``finish`` (wake its writers). ``stop`` makes ``take`` return -1 once nothing is queued;
+    from then on ``join_and_wait`` returns -1 at once, until ``open``."""
+
+    def open(self) -> None: ...
+    def stop(self) -> None: ...
+    def join_and_wait(self) -> int: ...
+    def take(self, max_wait: float) -> tuple[int, int] | int: ...
+    def finish(self, batch: int, served: int) -> None: ...
+
+
+class PythonBatchGate:
+    """The reference batch gate, on ``threading.Condition``s sharing one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the flusher waits here for requests
+        # Writers wait for their batch on the condition of its parity.
+        self._done = (threading.Condition(self._lock), threading.Condition(self._lock))
+        self._open = 1  # the number of the batch requests join now
+        self._finished = 0  # every batch up to this number has been fsynced (or failed)
+        self._pending = 0  # requests in the open batch
+        self._population = 0  # writers the last round served
+        self._want = 0  # > 0 while the flusher waits for that many requests
+        self._idle = False  # the flusher waits for a first request
+        self._stopping = False
+        self._closed = True
+
+    def open(self) -> None:
+        with self._lock:
+            self._stopping = self._closed = False
+            self._population = 0
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._work.notify()
+
+    def join_and_wait(self) -> int:
+        with self._lock:
+            if self._closed:
+                return -1
+            batch = self._open
+            self._pending += 1
+            if self._idle or 0 < self._want <= self._pending:
+                self._work.notify()
+            done = self._done[batch & 1]
+            while self._finished < batch:
+                done.wait()
+            return batch
+
+    def take(self, max_wait: float) -> tuple[int, int] | int:
+        with self._lock:
+            while not self._pending and not self._stopping:
+                self._idle = True
+                self._work.wait()
+                self._idle = False
+            if not self._pending:
+                self._closed = True
+                return -1
+            if self._pending < self._population and not self._stopping and max_wait > 0:
+                deadline = time.monotonic() + max_wait
+                self._want = self._population
+                while self._pending < self._want and not self._stopping:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._work.wait(left)
+                self._want = 0
+            batch = self._open
+            self._open += 1
+            served, self._pending = self._pending, 0
+            return batch, served
+
+    def finish(self, batch: int, served: int) -> None:
+        with self._lock:
+            self._finished = batch
+            self._population = served + self._pending
+            self._done[batch & 1].notify_all()
+
+
+def _native_gate() -> type[Any] | None:
+    if os.environ.get("TMQ_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from tiered.hot import _group_commit_native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    gate: type[Any] = _group_commit_native.NativeBatchGate
+    return gate
+
+
+_NATIVE_GATE = _native_gate()
+GATE_NAME = "native" if _NATIVE_GATE is not None else "python"
+
+
+def new_gate() -> BatchGate:
+    """The native batch gate when it is built (and not disabled), else the reference."""
+    return _NATIVE_GATE() if _NATIVE_GATE is not None else PythonBatchGate()
 
 
 class GroupCommitService:
@@ -44,24 +155,21 @@ class GroupCommitService:
     flushed offset without flushing."""
 
     def __init__(
-        self, flush: Callable[[], int], flushed: Callable[[], int], name: str = "tmq-group-commit"
+        self,
+        flush: Callable[[], int],
+        flushed: Callable[[], int],
+        name: str = "tmq-group-commit",
+        gate: BatchGate | None = None,
     ) -> None:
         self._flush = flush
         self._flushed = flushed
         self._name = name
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # the flusher waits here for requests
-        # Writers wait for their batch on the condition of its parity: only the batch being
-        # fsynced and the open one ever have writers, so a wake-up never reaches the other's.
-        self._done = (threading.Condition(self._lock), threading.Condition(self._lock))
-        self._open = 1  # the number of the batch requests join now
-        self._finished = 0  # every batch up to this number has been fsynced (or failed)
+        self._gate = gate if gate is not None else new_gate()
+        self._lock = threading.Lock()  # start/stop, and the errors below
         # Batches whose fsync failed: their error, and how many of their writers have yet to
-        # read it (the entries go with the last one).
+        # read it (the entries go with the last one). Written before the batch is finished.
         self._errors: dict[int, BaseException] = {}
         self._unread: dict[int, int] = {}
-        self._pending = 0  # requests in the open batch
-        self._stopping = False
         self._thread: threading.Thread | None = None
         # Counters for benches and metrics: fsyncs run and the requests they covered.
         self.flushes = 0
@@ -71,7 +179,7 @@ class GroupCommitService:
         with self._lock:
             if self._thread is not None:
                 return
-            self._stopping = False
+            self._gate.open()
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
@@ -80,8 +188,7 @@ class GroupCommitService:
         for themselves."""
         with self._lock:
             thread, self._thread = self._thread, None
-            self._stopping = True
-            self._work.notify()
+            self._gate.stop()
         if thread is not None:
             thread.join()
 
@@ -89,58 +196,40 @@ class GroupCommitService:
         """Return once an fsync covers ``offset`` (a writer an earlier fsync covered does not
         wait at all); raise what that fsync raised. The exception object is shared by every
         writer of the batch: callers raise their own, chained to it."""
+        if self._flushed() >= offset:
+            return
+        batch = self._gate.join_and_wait()
+        if batch < 0:
+            self._flush()  # no flusher (stopped): this writer is the only one left
+            return
+        if not self._errors:
+            return
         with self._lock:
-            if self._flushed() >= offset:
+            error = self._errors.get(batch)
+            if error is None:
                 return
-            if self._thread is not None:
-                batch = self._open
-                self._pending += 1
-                self._work.notify()
-                done = self._done[batch & 1]
-                while self._finished < batch:
-                    done.wait()
-                error = self._errors.get(batch)
-                if error is None:
-                    return
-                self._unread[batch] -= 1
-                if not self._unread[batch]:
-                    del self._errors[batch], self._unread[batch]
-                raise error
-        self._flush()  # no flusher (stopped): this writer is the only one left
+            self._unread[batch] -= 1
+            if not self._unread[batch]:
+                del self._errors[batch], self._unread[batch]
+        raise error
 
     def _run(self) -> None:
-        population = 0  # writers the last round served: woken plus already queued again
         fsync_s = 0.0
+        gate = self._gate
         while True:
-            with self._lock:
-                while not self._pending and not self._stopping:
-                    self._work.wait()
-                if not self._pending:
-                    return  # stopping, nothing queued
-                deadline = time.monotonic() + fsync_s
-                while self._pending < population and not self._stopping:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._work.wait(left)
-                batch = self._open
-                self._open += 1
-                served = self._pending
-                self.requests += served
-                self._pending = 0
-            # The fsync runs outside the lock: writers keep queueing into the next batch.
+            taken = gate.take(fsync_s)
+            if isinstance(taken, int):
+                return  # stopping, nothing queued
+            batch, served = taken
+            self.requests += served
+            # Writers keep queueing into the next batch during the fsync.
             started = time.monotonic()
-            error: BaseException | None = None
             try:
                 self._flush()
             except BaseException as e:  # whatever it is, never leave a writer waiting
-                error = e
+                with self._lock:
+                    self._errors[batch] = e
+                    self._unread[batch] = served
             fsync_s = time.monotonic() - started
             self.flushes += 1
-            with self._lock:
-                if error is not None:
-                    self._errors[batch] = error
-                    self._unread[batch] = served
-                self._finished = batch
-                population = served + self._pending
-                self._done[batch & 1].notify_all()
+            gate.finish(batch, served)
