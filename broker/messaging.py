@@ -407,13 +407,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         topic = self._topic(scanned.topic, need=PERM_WRITE)
         first_queue = self._reserve_queues(topic, scanned.count)
         made = None
-        if topic.message_type == "NORMAL":
+        if topic.message_type != "TRANSACTION":  # half messages need the request (decision 390)
             made = scanned_store_messages(
                 scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
             )
         if made is None:
             return self._convert(s.SendMessageRequest.FromString(raw), topic, first_queue, context)
         batch, ids, body_bytes = made
+        if topic.message_type == "DELAY":
+            batch = [self._schedule(m) for m in batch]
         return self._store_plain(topic, batch, ids, body_bytes)
 
     def _send(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
