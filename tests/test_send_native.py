@@ -251,6 +251,7 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
     """What Apache's clients send beside a plain body: keys, user properties (sorted by name
     on both paths, decision 390), a message group (its queue by CRC32) and a delivery time,
     each to the topic type that takes it, byte-identical to the reference."""
+
     def rich(i: int, **system: Any) -> d.Message:
         return plain(
             i,
@@ -264,7 +265,10 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
     fifo = request(*(rich(i, message_type=d.FIFO, message_group=f"g{i % 3}") for i in range(16)))
     assert check(fifo, TOPICS["FIFO"])
     delays = request(
-        *(rich(i, message_type=d.DELAY, delivery_timestamp=(1_900_000_000 + i, 7)) for i in range(4)),
+        *(
+            rich(i, message_type=d.DELAY, delivery_timestamp=(1_900_000_000 + i, 7))
+            for i in range(4)
+        ),
         rich(9, message_type=d.DELAY, delivery_timestamp=(1_900_000_000_123, 0)),
     )
     assert check(delays, TOPICS["DELAY"])
@@ -274,7 +278,15 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
     # a group's queue is its own, not the round robin's
     assert [m.queue_id for m in made[0][:3]] == [zlib.crc32(b"g%d" % i) % 4 for i in range(3)]
     assert list(made[0][0].properties) == [
-        "alpha", "m", "p0", "zeta", "TAGS", "KEYS", "UNIQ_KEY", "__MESSAGE_TYPE", "__SHARDINGKEY",
+        "alpha",
+        "m",
+        "p0",
+        "zeta",
+        "TAGS",
+        "KEYS",
+        "UNIQ_KEY",
+        "__MESSAGE_TYPE",
+        "__SHARDINGKEY",
     ]
 
 
@@ -307,8 +319,8 @@ def test_hand_made_property_entries_agree_with_protobuf() -> None:
     for raw in refused_or_reference:
         assert not check(raw, TOPICS["NORMAL"]), raw
     pm = plain(0, user={"k": "first"}).SerializeToString()
-    again = pm + b"\x12" + bytes([len(entry((1, b"k"), (2, b"last")))]) + entry(
-        (1, b"k"), (2, b"last")
+    again = (
+        pm + b"\x12" + bytes([len(entry((1, b"k"), (2, b"last")))]) + entry((1, b"k"), (2, b"last"))
     )
     twice = b"\x0a" + bytes([len(again)]) + again
     assert not check(twice, TOPICS["NORMAL"])
