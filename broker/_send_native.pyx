@@ -2,15 +2,18 @@
 """A SendMessageRequest's bytes walked natively into store ``Message`` objects (decision 310).
 
 ``scan(raw)`` walks the protobuf wire format of a whole ``apache.rocketmq.v2.SendMessageRequest``
-once and keeps, per message, where its topic, body, message id, type, encoding, born time and
-born host lie in ``raw``. It takes only the requests whose every message is on the broker's
-plain path (``broker.protocol.to_store_messages``, and a plain tag): fields it knows, each at
-most once, with the wire type protobuf expects, strings that are valid UTF-8, one topic.
-Anything else (user properties, keys, a message group, a delivery time, GZIP, an unknown or repeated field, a
-malformed length) makes it answer None, and the broker parses the request with protobuf and
-takes the reference path, which refuses exactly as the proxy does. ``SendBatch.messages`` then
-checks what depends on the topic (type, body limit) and builds the ``Message`` objects in C,
-with the slots set directly: no protobuf object and no Python bytecode per message.
+once and keeps, per message, where its topic, body, message id, type, encoding, born time, born
+host, tag, message group and delivery time lie in ``raw``, and how many user properties and
+keys it has: fields it knows, each at most once (user properties and keys are repeated), with
+the wire type protobuf expects, strings that are valid UTF-8, one topic. Anything else (GZIP,
+an unknown or repeated field, a malformed length) makes it answer None, and the broker parses
+the request with protobuf and takes the reference path (``broker.protocol.to_store_messages``),
+which refuses exactly as the proxy does. ``SendBatch.messages`` then checks what depends on
+the topic and the limits (type, sizes, names, the characters the reference refuses; decision
+390) and builds the ``Message`` objects in C, with the slots set directly and the properties
+in the reference's order: no protobuf object and no Python bytecode per message. Every read of
+``raw`` is bounded by the span it lies in (``_varint``, ``_span``), in ``scan`` and again when
+``messages`` walks the user properties and keys a second time.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
