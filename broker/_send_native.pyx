@@ -163,21 +163,6 @@ cdef bint _utf8(const unsigned char* s, Py_ssize_t n):
     return True
 
 
-cdef int _resource(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
-    cdef int field, wire, seen = 0
-    cdef Py_ssize_t start, n
-    while pos < end:
-        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN or field > 2:
-            return -1
-        if seen & (1 << field) or _span(p, end, &pos, &start, &n) < 0:
-            return -1
-        seen |= 1 << field
-        if not _utf8(p + start, n):
-            return -1
-        if field == 2:
-            m.topic = p + start
-            m.topic_n = n
-    return 0
 
 
 cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, int64_t* seconds,
@@ -198,8 +183,8 @@ cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, int6
 
 
 cdef int _entry(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Prop* out):
-    """A map<string, string> entry: key (1) and value (2), each at most once, valid UTF-8;
-    a missing one reads as empty, as protobuf reads it."""
+    """Two strings, fields 1 and 2 (a map<string, string> entry's key and value), each at most
+    once, valid UTF-8; a missing one reads as empty, as protobuf reads it."""
     cdef int field, wire, seen = 0
     cdef Py_ssize_t start, n
     out.key = p + pos
@@ -220,6 +205,16 @@ cdef int _entry(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Prop* ou
         else:
             out.value = p + start
             out.value_n = n
+    return 0
+
+
+cdef int _resource(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    """A Resource: namespace (1) and name (2), strings, the shape of a map entry."""
+    cdef Prop resource
+    if _entry(p, pos, end, &resource) < 0:
+        return -1
+    m.topic = resource.value
+    m.topic_n = resource.value_n
     return 0
 
 

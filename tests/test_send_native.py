@@ -294,7 +294,7 @@ def test_hand_made_property_entries_agree_with_protobuf() -> None:
     """Map entries protobuf reads in its own way: a missing key or value is empty, the value
     before the key, a name given twice (protobuf keeps the last: the reference path), a field
     repeated inside an entry."""
-    base = plain(0).SerializeToString()
+    base: bytes = plain(0).SerializeToString()
 
     def with_entry(entry: bytes) -> bytes:
         msg = base + b"\x12" + bytes([len(entry)]) + entry
