@@ -55,6 +55,7 @@ extensions = [
         ["broker/_send_native.pyx"],
         depends=["tiered/_record_native.h"],
         include_dirs=["tiered"],
+        libraries=["z"],  # zlib's crc32 for a message group's queue, as the reference's
         extra_compile_args=["-O3"],
     ),
 ]

@@ -2,15 +2,18 @@
 """A SendMessageRequest's bytes walked natively into store ``Message`` objects (decision 310).
 
 ``scan(raw)`` walks the protobuf wire format of a whole ``apache.rocketmq.v2.SendMessageRequest``
-once and keeps, per message, where its topic, body, message id, type, encoding, born time and
-born host lie in ``raw``. It takes only the requests whose every message is on the broker's
-plain path (``broker.protocol.to_store_messages``, and a plain tag): fields it knows, each at
-most once, with the wire type protobuf expects, strings that are valid UTF-8, one topic.
-Anything else (user properties, keys, a message group, a delivery time, GZIP, an unknown or repeated field, a
-malformed length) makes it answer None, and the broker parses the request with protobuf and
-takes the reference path, which refuses exactly as the proxy does. ``SendBatch.messages`` then
-checks what depends on the topic (type, body limit) and builds the ``Message`` objects in C,
-with the slots set directly: no protobuf object and no Python bytecode per message.
+once and keeps, per message, where its topic, body, message id, type, encoding, born time, born
+host, tag, message group and delivery time lie in ``raw``, and how many user properties and
+keys it has: fields it knows, each at most once (user properties and keys are repeated), with
+the wire type protobuf expects, strings that are valid UTF-8, one topic. Anything else (GZIP,
+an unknown or repeated field, a malformed length) makes it answer None, and the broker parses
+the request with protobuf and takes the reference path (``broker.protocol.to_store_messages``),
+which refuses exactly as the proxy does. ``SendBatch.messages`` then checks what depends on
+the topic and the limits (type, sizes, names, the characters the reference refuses; decision
+390) and builds the ``Message`` objects in C, with the slots set directly and the properties
+in the reference's order: no protobuf object and no Python bytecode per message. Every read of
+``raw`` is bounded by the span it lies in (``_varint``, ``_span``), in ``scan`` and again when
+``messages`` walks the user properties and keys a second time.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -18,12 +21,15 @@ from cpython.long cimport PyLong_FromLongLong, PyLong_FromSsize_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy, memset
 
 cdef extern from "Python.h":
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     object PyUnicode_DecodeASCII(const char* s, Py_ssize_t size, const char* errors)
     void PyErr_Clear()
+
+cdef extern from "zlib.h":
+    unsigned long crc32(unsigned long crc, const unsigned char* buf, unsigned int n) nogil
 
 cdef extern from "_record_native.h":
     Py_ssize_t tmq_slot_offset(object descr) except? -2
@@ -42,6 +48,9 @@ cdef tuple _FIELDS = ("topic", "body", "queue_id", "properties", "flag", "born_t
 cdef str _UNIQ = "UNIQ_KEY"
 cdef str _TAGS = "TAGS"
 cdef str _TYPE = "__MESSAGE_TYPE"
+cdef str _KEYS = "KEYS"
+cdef str _GROUP = "__SHARDINGKEY"
+cdef str _DELIVER = "__STARTDELIVERTIME"
 cdef object _ZERO = 0
 
 
@@ -71,6 +80,26 @@ cdef struct Msg:
     int32_t mtype
     int64_t born_s
     int32_t born_ns
+    # The message's and its system properties' spans, walked again in ``messages`` for the
+    # user properties (field 2 of Message) and the keys (field 2 of SystemProperties).
+    Py_ssize_t msg_start
+    Py_ssize_t msg_end
+    Py_ssize_t sys_start
+    Py_ssize_t sys_end
+    Py_ssize_t nprops
+    Py_ssize_t nkeys
+    const unsigned char* group
+    Py_ssize_t group_n  # -1: no message group
+    bint delivery  # a delivery timestamp is set
+    int64_t delivery_s
+    int32_t delivery_ns
+
+
+cdef struct Prop:
+    const unsigned char* key
+    Py_ssize_t key_n
+    const unsigned char* value
+    Py_ssize_t value_n
 
 
 cdef inline int _varint(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos,
@@ -134,24 +163,10 @@ cdef bint _utf8(const unsigned char* s, Py_ssize_t n):
     return True
 
 
-cdef int _resource(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
-    cdef int field, wire, seen = 0
-    cdef Py_ssize_t start, n
-    while pos < end:
-        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN or field > 2:
-            return -1
-        if seen & (1 << field) or _span(p, end, &pos, &start, &n) < 0:
-            return -1
-        seen |= 1 << field
-        if not _utf8(p + start, n):
-            return -1
-        if field == 2:
-            m.topic = p + start
-            m.topic_n = n
-    return 0
 
 
-cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, int64_t* seconds,
+                    int32_t* nanos):
     cdef int field, wire, seen = 0
     cdef uint64_t v
     while pos < end:
@@ -161,9 +176,45 @@ cdef int _timestamp(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg*
             return -1
         seen |= 1 << field
         if field == 1:
-            m.born_s = <int64_t>v
+            seconds[0] = <int64_t>v
         else:
-            m.born_ns = <int32_t>v
+            nanos[0] = <int32_t>v  # protobuf keeps an int32's low 32 bits
+    return 0
+
+
+cdef int _entry(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Prop* out):
+    """Two strings, fields 1 and 2 (a map<string, string> entry's key and value), each at most
+    once, valid UTF-8; a missing one reads as empty, as protobuf reads it."""
+    cdef int field, wire, seen = 0
+    cdef Py_ssize_t start, n
+    out.key = p + pos
+    out.key_n = 0
+    out.value = p + pos
+    out.value_n = 0
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN or field > 2:
+            return -1
+        if seen & (1 << field) or _span(p, end, &pos, &start, &n) < 0:
+            return -1
+        seen |= 1 << field
+        if not _utf8(p + start, n):
+            return -1
+        if field == 1:
+            out.key = p + start
+            out.key_n = n
+        else:
+            out.value = p + start
+            out.value_n = n
+    return 0
+
+
+cdef int _resource(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
+    """A Resource: namespace (1) and name (2), strings, the shape of a map entry."""
+    cdef Prop resource
+    if _entry(p, pos, end, &resource) < 0:
+        return -1
+    m.topic = resource.value
+    m.topic_n = resource.value_n
     return 0
 
 
@@ -188,28 +239,45 @@ cdef int _system(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m)
     cdef int seen = 0
     cdef uint64_t v
     cdef Py_ssize_t start, n
+    m.sys_start = pos
+    m.sys_end = end
     while pos < end:
-        if _tag(p, end, &pos, &field, &wire) < 0 or field >= 32 or seen & (1 << field):
+        if _tag(p, end, &pos, &field, &wire) < 0 or field >= 32:
+            return -1
+        if field == 2:  # keys, repeated: checked in ``messages``
+            if wire != LEN or _span(p, end, &pos, &start, &n) < 0 or not _utf8(p + start, n):
+                return -1
+            m.nkeys += 1
+            continue
+        if seen & (1 << field):
             return -1
         seen |= 1 << field
-        if field == 1 or field == 3 or field == 4 or field == 7 or field == 8:
+        if (field == 1 or field == 3 or field == 4 or field == 7 or field == 8 or field == 11
+                or field == 17):
             if wire != LEN or _span(p, end, &pos, &start, &n) < 0:
                 return -1
-            if field == 1 or field == 3:  # tag, message_id: checked in ``messages``
+            if field == 1 or field == 3 or field == 17:  # tag, id, group: see ``messages``
                 if not _utf8(p + start, n):
                     return -1
                 if field == 1:
                     m.tag = p + start
                     m.tag_n = n
-                else:
+                elif field == 3:
                     m.mid = p + start
                     m.mid_n = n
+                else:
+                    m.group = p + start
+                    m.group_n = n
             elif field == 4:  # body_digest
                 if _digest(p, start, start + n) < 0:
                     return -1
             elif field == 7:  # born_timestamp
-                if _timestamp(p, start, start + n, m) < 0:
+                if _timestamp(p, start, start + n, &m.born_s, &m.born_ns) < 0:
                     return -1
+            elif field == 11:  # delivery_timestamp
+                if _timestamp(p, start, start + n, &m.delivery_s, &m.delivery_ns) < 0:
+                    return -1
+                m.delivery = True
             else:  # born_host
                 if not _utf8(p + start, n):
                     return -1
@@ -231,11 +299,18 @@ cdef int _system(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m)
 cdef int _message(const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Msg* m):
     cdef int field, wire, seen = 0
     cdef Py_ssize_t start, n
+    cdef Prop prop
+    m.msg_start = pos
+    m.msg_end = end
     while pos < end:
-        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN:
+        if _tag(p, end, &pos, &field, &wire) < 0 or wire != LEN or field > 4:
             return -1
-        # 2, user_properties: the reference path checks names and sizes
-        if field == 2 or field > 4 or seen & (1 << field):
+        if field == 2:  # user_properties, repeated entries: checked in ``messages``
+            if _span(p, end, &pos, &start, &n) < 0 or _entry(p, start, start + n, &prop) < 0:
+                return -1
+            m.nprops += 1
+            continue
+        if seen & (1 << field):
             return -1
         seen |= 1 << field
         if _span(p, end, &pos, &start, &n) < 0:
@@ -285,6 +360,136 @@ cdef inline void _put(object o, Py_ssize_t offset, object v):
     slot[0] = <PyObject*>v
 
 
+cdef inline int _skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t* pos,
+                      int wire) noexcept nogil:
+    """Step over a field ``scan`` already took (a varint or a length-delimited one)."""
+    cdef uint64_t v
+    cdef Py_ssize_t start, n
+    if wire == VARINT:
+        return _varint(p, end, pos, &v)
+    if wire == LEN:
+        return _span(p, end, pos, &start, &n)
+    return -1
+
+
+cdef inline bint _no_control(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Valid UTF-8 ``s`` holds none of Java's ISO control characters (U+0000-U+001F,
+    U+007F-U+009F): no byte below 0x20, no 0x7F, and no 0xC2 lead byte of U+0080-U+009F (in
+    valid UTF-8, 0xC2 is only ever a lead byte)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if s[i] < 0x20 or s[i] == 0x7F:
+            return False
+        if s[i] == 0xC2 and i + 1 < n and s[i + 1] <= 0x9F:
+            return False
+    return True
+
+
+cdef inline bint _plain_key(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """A message key ``to_store_message`` takes: non-empty printable ASCII without a space
+    (non-ASCII keys, where Python's ``strip`` knows more blanks, take the reference path)."""
+    cdef Py_ssize_t i
+    if n == 0:
+        return False
+    for i in range(n):
+        if s[i] <= 0x20 or s[i] > 0x7E:
+            return False
+    return True
+
+
+cdef inline int _key_order(const Prop* a, const Prop* b) noexcept nogil:
+    """Python's order of the keys as str: UTF-8 byte order is code point order."""
+    cdef Py_ssize_t n = a.key_n if a.key_n < b.key_n else b.key_n
+    cdef int c = memcmp(a.key, b.key, n) if n else 0
+    if c:
+        return c
+    return (a.key_n > b.key_n) - (a.key_n < b.key_n)
+
+
+cdef Py_ssize_t _user_properties(const unsigned char* p, const Msg* m, Prop* props) noexcept:
+    """Collect ``m``'s user properties into ``props`` sorted by key, as the reference stores
+    them (decision 390); their UTF-8 bytes, or -1 when one is off the plain path: an empty
+    key, a key given twice (protobuf keeps the last), a control character."""
+    cdef Py_ssize_t pos = m.msg_start, end = m.msg_end, start, n, count = 0, size = 0, j
+    cdef int field, wire
+    cdef Prop prop
+    while pos < end:
+        if _tag(p, end, &pos, &field, &wire) < 0:
+            return -1
+        if field != 2:
+            if _skip(p, end, &pos, wire) < 0:
+                return -1
+            continue
+        if (wire != LEN or count >= m.nprops or _span(p, end, &pos, &start, &n) < 0
+                or _entry(p, start, start + n, &prop) < 0):
+            return -1
+        if (prop.key_n == 0 or not _no_control(prop.key, prop.key_n)
+                or not _no_control(prop.value, prop.value_n)):
+            return -1
+        # insertion sort: a message has a few properties
+        j = count
+        while j > 0 and _key_order(&props[j - 1], &prop) > 0:
+            props[j] = props[j - 1]
+            j -= 1
+        if j > 0 and _key_order(&props[j - 1], &prop) == 0:
+            return -1
+        props[j] = prop
+        count += 1
+        size += prop.key_n + prop.value_n
+    if count != m.nprops:
+        return -1
+    return size
+
+
+cdef object _keys(const unsigned char* p, const Msg* m, Py_ssize_t* size):
+    """``m``'s keys joined by a space, as the reference stores them, with their bytes in
+    ``size``; None when one is off the plain path."""
+    cdef Py_ssize_t pos = m.sys_start, end = m.sys_end, start, n, total = 0, at = 0, count = 0
+    cdef int field, wire, k
+    cdef object joined
+    cdef char* out = NULL
+    for k in range(2):  # check and measure, then copy
+        pos = m.sys_start
+        while pos < end:
+            if _tag(p, end, &pos, &field, &wire) < 0:
+                return None
+            if field != 2:
+                if _skip(p, end, &pos, wire) < 0:
+                    return None
+                continue
+            if wire != LEN or _span(p, end, &pos, &start, &n) < 0:
+                return None
+            if k == 0:
+                if not _plain_key(p + start, n):
+                    return None
+                total += n
+                count += 1
+            else:
+                if at + n + (1 if at else 0) > total:
+                    return None
+                if at:
+                    out[at] = 0x20
+                    at += 1
+                memcpy(out + at, p + start, n)
+                at += n
+        if k == 0:
+            if count == 0:
+                return None
+            size[0] = total
+            total += count - 1  # the separators: one fewer than the keys
+            joined = PyBytes_FromStringAndSize(NULL, total)
+            out = PyBytes_AS_STRING(joined)
+    if at != total:
+        return None
+    return PyUnicode_DecodeASCII(out, total, NULL)
+
+
+cdef inline bint _plain_group(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """A message group the reference takes: non-blank printable ASCII shorter than 64 bytes
+    (``MAX_MESSAGE_GROUP_BYTES``; a non-ASCII group takes the reference path)."""
+    return n < 64 and _plain_id(s, n)
+
+
 cdef class SendBatch:
     """A scanned request: ``topic`` and ``count``, and where each message's fields lie."""
 
@@ -292,77 +497,138 @@ cdef class SendBatch:
     cdef readonly Py_ssize_t count
     cdef bytes raw
     cdef Msg* msgs
+    cdef Py_ssize_t max_props  # the most user properties of one message
 
     def __dealloc__(self):
         PyMem_Free(self.msgs)
 
     def messages(self, int32_t type_code, str type_name, Py_ssize_t max_body,
-                 Py_ssize_t max_properties_bytes, Py_ssize_t first_queue, Py_ssize_t queues,
-                 str peer_host, ip_or):
+                 Py_ssize_t max_properties, Py_ssize_t max_properties_bytes,
+                 Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or,
+                 reserved):
         """``(messages, message_ids, body_bytes)`` for a topic taking ``type_code`` messages
-        of at most ``max_body`` bytes (and tags of at most ``max_properties_bytes``), message
-        ``i`` to queue ``(first_queue + i) % queues`` and born hosts through
-        ``ip_or(host, peer_host)``; None when a message is off the plain path (the caller
-        takes the reference path for the whole batch)."""
-        cdef Py_ssize_t i, total = 0
+        of at most ``max_body`` bytes, at most ``max_properties`` user properties (none in
+        ``reserved``) and ``max_properties_bytes`` of properties, tag and keys; message ``i``
+        without a group to queue ``(first_queue + i) % queues``, one with a group to the
+        group's CRC32 modulo ``queues``; born hosts through ``ip_or(host, peer_host)``. None
+        when a message is off the plain path (the caller takes the reference path for the
+        whole batch)."""
+        cdef Py_ssize_t i, j, total = 0, size, keys_size
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self.raw)
         cdef Msg* m
+        cdef Prop* props = NULL
         cdef list out = []
         cdef list ids = []
         cdef const unsigned char* last_host = NULL
         cdef Py_ssize_t last_host_n = -1
         cdef object host = None
-        cdef object message, message_id, props
+        cdef object message, message_id, key, keys
+        cdef dict d
         cdef const unsigned char* last_tag = NULL
         cdef Py_ssize_t last_tag_n = -1
         cdef object tag = None
         cdef int64_t ns, ms
+        cdef Py_ssize_t queue
         if queues <= 0:
             return None
         for i in range(self.count):
             m = &self.msgs[i]
             if (m.body_n == 0 or m.body_n > max_body or m.mtype != type_code
                     or m.encoding == GZIP or not _plain_id(m.mid, m.mid_n)
-                    or m.born_s >= MAX_SECONDS or m.born_s <= -MAX_SECONDS):
+                    or m.born_s >= MAX_SECONDS or m.born_s <= -MAX_SECONDS
+                    or m.nprops > max_properties):
                 return None
-            if m.tag_n >= 0 and (m.tag_n > max_properties_bytes
-                                 or not _plain_tag(m.tag, m.tag_n)):
+            if m.tag_n >= 0 and not _plain_tag(m.tag, m.tag_n):
                 return None
-        for i in range(self.count):
-            m = &self.msgs[i]
-            if host is None or m.host_n != last_host_n or (
-                    m.host_n and memcmp(m.host, last_host, m.host_n) != 0):
-                host = (ip_or(PyUnicode_DecodeUTF8(<const char*>m.host, m.host_n, NULL),
-                              peer_host), _ZERO)
-                last_host = m.host
-                last_host_n = m.host_n
-            message_id = PyUnicode_DecodeASCII(<const char*>m.mid, m.mid_n, NULL)
-            ids.append(message_id)
-            # Python's floor division, as the reference's ``nanos // 1_000_000``
-            ns = m.born_ns
-            ms = ns // 1000000
-            if ns % 1000000 != 0 and ns < 0:
-                ms -= 1
-            message = Message.__new__(Message)
-            _put(message, _OFF[0], self.topic)
-            _put(message, _OFF[1], PyBytes_FromStringAndSize(<const char*>m.body, m.body_n))
-            _put(message, _OFF[2], PyLong_FromSsize_t((first_queue + i) % queues))
-            if m.tag_n < 0:
-                props = {_UNIQ: message_id, _TYPE: type_name}
-            else:  # to_store_message's order: the tag before the id
-                if tag is None or m.tag_n != last_tag_n or memcmp(m.tag, last_tag, m.tag_n):
-                    tag = PyUnicode_DecodeASCII(<const char*>m.tag, m.tag_n, NULL)
-                    last_tag = m.tag
-                    last_tag_n = m.tag_n
-                props = {_TAGS: tag, _UNIQ: message_id, _TYPE: type_name}
-            _put(message, _OFF[3], props)
-            _put(message, _OFF[4], _ZERO)
-            _put(message, _OFF[5], PyLong_FromLongLong(m.born_s * 1000 + ms))
-            _put(message, _OFF[6], host)
-            _put(message, _OFF[7], _ZERO)
-            _put(message, _OFF[8], _ZERO)
-            out.append(message)
-            total += m.body_n
+            if m.group_n >= 0 and not _plain_group(m.group, m.group_n):
+                return None
+            if m.delivery and m.delivery_s <= 100000000000 and (
+                    m.delivery_s >= MAX_SECONDS or m.delivery_s <= -MAX_SECONDS):
+                return None
+        if self.max_props:
+            props = <Prop*>PyMem_Malloc(self.max_props * sizeof(Prop))
+            if props == NULL:
+                raise MemoryError()
+        try:
+            for i in range(self.count):
+                m = &self.msgs[i]
+                d = {}
+                size = 0
+                if m.nprops:
+                    size = _user_properties(p, m, props)
+                    if size < 0:
+                        return None
+                    for j in range(m.nprops):
+                        key = PyUnicode_DecodeUTF8(<const char*>props[j].key, props[j].key_n,
+                                                   NULL)
+                        if key in reserved:
+                            return None
+                        d[key] = PyUnicode_DecodeUTF8(<const char*>props[j].value,
+                                                      props[j].value_n, NULL)
+                if m.tag_n >= 0:  # to_store_message's order: the tag before the id
+                    if tag is None or m.tag_n != last_tag_n or memcmp(m.tag, last_tag, m.tag_n):
+                        tag = PyUnicode_DecodeASCII(<const char*>m.tag, m.tag_n, NULL)
+                        last_tag = m.tag
+                        last_tag_n = m.tag_n
+                    d[_TAGS] = tag
+                    size += m.tag_n
+                if m.nkeys:
+                    keys_size = 0
+                    keys = _keys(p, m, &keys_size)
+                    if keys is None:
+                        return None
+                    d[_KEYS] = keys
+                    size += keys_size
+                if size > max_properties_bytes:
+                    return None
+                message_id = PyUnicode_DecodeASCII(<const char*>m.mid, m.mid_n, NULL)
+                ids.append(message_id)
+                d[_UNIQ] = message_id
+                d[_TYPE] = type_name
+                if m.group_n >= 0:
+                    d[_GROUP] = PyUnicode_DecodeASCII(<const char*>m.group, m.group_n, NULL)
+                    # the reference's zlib.crc32(group.encode()) % queues
+                    queue = <Py_ssize_t>(crc32(0, m.group, <unsigned int>m.group_n)
+                                         % <uint64_t>queues)
+                else:
+                    queue = (first_queue + i) % queues
+                if m.delivery:
+                    if m.delivery_s > 100000000000:  # the Python client's seconds, unconverted
+                        d[_DELIVER] = str(PyLong_FromLongLong(m.delivery_s))
+                    else:
+                        d[_DELIVER] = str(PyLong_FromLongLong(
+                            m.delivery_s * 1000 + _floor_ms(m.delivery_ns)))
+                if host is None or m.host_n != last_host_n or (
+                        m.host_n and memcmp(m.host, last_host, m.host_n) != 0):
+                    host = (ip_or(PyUnicode_DecodeUTF8(<const char*>m.host, m.host_n, NULL),
+                                  peer_host), _ZERO)
+                    last_host = m.host
+                    last_host_n = m.host_n
+                message = Message.__new__(Message)
+                _put(message, _OFF[0], self.topic)
+                _put(message, _OFF[1], PyBytes_FromStringAndSize(<const char*>m.body, m.body_n))
+                _put(message, _OFF[2], PyLong_FromSsize_t(queue))
+                _put(message, _OFF[3], d)
+                _put(message, _OFF[4], _ZERO)
+                _put(message, _OFF[5], PyLong_FromLongLong(m.born_s * 1000
+                                                           + _floor_ms(m.born_ns)))
+                _put(message, _OFF[6], host)
+                _put(message, _OFF[7], _ZERO)
+                _put(message, _OFF[8], _ZERO)
+                out.append(message)
+                total += m.body_n
+        finally:
+            PyMem_Free(props)
         return out, ids, total
+
+
+cdef inline int64_t _floor_ms(int32_t nanos) noexcept nogil:
+    """Python's ``nanos // 1_000_000`` (floor division, as the reference's)."""
+    cdef int64_t ns = nanos
+    cdef int64_t ms = ns // 1000000
+    if ns % 1000000 != 0 and ns < 0:
+        ms -= 1
+    return ms
 
 
 def scan(bytes raw):
@@ -375,6 +641,7 @@ def scan(bytes raw):
     cdef Msg* grown
     cdef Py_ssize_t i
     cdef SendBatch batch
+    cdef Py_ssize_t max_props = 0
     if Message is None:
         return None
     try:
@@ -392,9 +659,13 @@ def scan(bytes raw):
                     grown[i] = msgs[i]
                 PyMem_Free(msgs)
                 msgs = grown
-            msgs[count] = Msg(NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, -1, 0, 0, 0, 0)
+            memset(&msgs[count], 0, sizeof(Msg))
+            msgs[count].tag_n = -1
+            msgs[count].group_n = -1
             if _message(p, start, start + n, &msgs[count]) < 0:
                 return None
+            if msgs[count].nprops > max_props:
+                max_props = msgs[count].nprops
             if count and (msgs[count].topic_n != msgs[0].topic_n or memcmp(
                     msgs[count].topic, msgs[0].topic, msgs[0].topic_n) != 0):
                 return None  # the reference answers a batch of several topics
@@ -406,6 +677,7 @@ def scan(bytes raw):
         batch.count = count
         batch.topic = PyUnicode_DecodeUTF8(<const char*>msgs[0].topic, msgs[0].topic_n, NULL)
         batch.msgs = msgs
+        batch.max_props = max_props
         msgs = NULL
         return batch
     finally:

@@ -58,7 +58,7 @@ from broker.protocol import (
     message_queue,
     scan_send_request,
     scanned_store_messages,
-    send_response,
+    send_response_bytes,
     status,
     to_proto_message,
     to_store_messages,
@@ -389,7 +389,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             if scanned is None:
                 request = decode_request(s.SendMessageRequest.FromString, request, context)
 
-        def work() -> s.SendMessageResponse:
+        # The answer is a SendMessageResponse or, for a stored batch, its bytes (decision 391).
+        def work() -> s.SendMessageResponse | bytes:
             if scanned is not None and isinstance(request, bytes):
                 return self._send_scanned(request, scanned, context)
             assert isinstance(request, s.SendMessageRequest)
@@ -399,7 +400,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def _send_scanned(
         self, raw: bytes, scanned: Any, context: grpc.ServicerContext
-    ) -> s.SendMessageResponse:
+    ) -> s.SendMessageResponse | bytes:
         """A batch the native walker took: the reference path's checks, in its order, and the
         reference conversion for a batch the walker hands back (decision 310)."""
         if scanned.count > self.limits.max_batch:
@@ -407,13 +408,15 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         topic = self._topic(scanned.topic, need=PERM_WRITE)
         first_queue = self._reserve_queues(topic, scanned.count)
         made = None
-        if topic.message_type == "NORMAL":
+        if topic.message_type != "TRANSACTION":  # half messages need the request (decision 390)
             made = scanned_store_messages(
                 scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
             )
         if made is None:
             return self._convert(s.SendMessageRequest.FromString(raw), topic, first_queue, context)
         batch, ids, body_bytes = made
+        if topic.message_type == "DELAY":
+            batch = [self._schedule(m) for m in batch]
         return self._store_plain(topic, batch, ids, body_bytes)
 
     def _send(self, request: s.SendMessageRequest, context: grpc.ServicerContext) -> Any:
@@ -438,7 +441,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         topic: TopicConfig,
         first_queue: int,
         context: grpc.ServicerContext,
-    ) -> s.SendMessageResponse:
+    ) -> s.SendMessageResponse | bytes:
         ids = [pm.system_properties.message_id for pm in request.messages]
         batch = to_store_messages(
             request.messages,
@@ -457,14 +460,14 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def _store_plain(
         self, topic: TopicConfig, batch: list[Message], ids: list[str], body_bytes: int
-    ) -> s.SendMessageResponse:
+    ) -> bytes:
         offsets = self._replicated(
             lambda: _appended(lambda: self.store.put_messages(batch)).queue_offsets
         )
         self.traffic.produced(topic.name, len(batch), body_bytes)
         if topic.message_type == "DELAY" and self.timers is not None:
             self.timers.wakeup()
-        return send_response(ids, offsets)
+        return send_response_bytes(ids, offsets)
 
     def _replicated(self, store: Callable[[], R]) -> R:
         """Run ``store`` (an append) as the replica group allows: refused before anything is

@@ -166,7 +166,10 @@ def to_store_message(
     props: dict[str, str] = {}
     # The proxy counts user properties, the tag and the keys, in UTF-8 bytes.
     size = 0
-    for key, value in pm.user_properties.items():
+    # Sorted by key: protobuf's map iterates in its hash table's order, which is neither the
+    # producer's nor stable across protobuf releases; sorted, the stored record is the same
+    # whichever path (or protobuf) converts it, and the native walker can match it (decision 390).
+    for key, value in sorted(pm.user_properties.items()):
         if not key or key in _RESERVED_KEYS:
             raise ProtocolError(
                 d.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property is used by system: {key!r}"
@@ -356,8 +359,10 @@ def scanned_store_messages(
 ) -> tuple[list[Message], list[str], int] | None:
     """What ``to_store_messages`` makes of a scanned request, built natively, with the message
     ids and the total body bytes; None when a message is off the plain path for ``topic``
-    (its type, the body limit, its id, a tag the reference would refuse or a tag that is not
-    printable ASCII), and the reference path must convert the batch."""
+    (its type, the body limit, its id; a tag, key, message group or user property the
+    reference would refuse, or that is outside what the walker proves cheaply: a non-ASCII tag,
+    key or group, a property name given twice), and the reference path must convert the
+    batch (decisions 310, 390)."""
     if request_bytes + DELIVERY_ENVELOPE_RESERVE > CLIENT_RECEIVE_LIMIT:
         return None
     type_code = MESSAGE_TYPE_VALUES.get(topic.message_type, -1)
@@ -365,11 +370,13 @@ def scanned_store_messages(
         type_code,
         topic.message_type,
         limits.max_body_bytes,
+        limits.max_properties,
         limits.max_properties_bytes,
         first_queue,
         topic.queues,
         peer_host,
         _ip_or,
+        _RESERVED_KEYS,
     )
     return made
 
@@ -395,12 +402,18 @@ _send_results: Callable[[bytes, list[str], list[int]], bytes] = (
 _OK = d.Status(code=d.OK, message="OK").SerializeToString()
 
 
+def send_response_bytes(message_ids: list[str], offsets: list[int]) -> bytes:
+    """The OK answer to a SendMessage batch, serialized: every entry OK, with the message's id
+    as message and transaction id (the broker's SendResult carries the unique key as the
+    transaction id for every message, and the proxy passes it on). Built as bytes in one call
+    (a protobuf ``add`` per message cost as much as storing the batch) and sent as it is
+    (decision 391: parsing it for gRPC to serialize it again cost as much as building it)."""
+    return _send_results(_OK, message_ids, offsets)
+
+
 def send_response(message_ids: list[str], offsets: list[int]) -> s.SendMessageResponse:
-    """The OK answer to a SendMessage batch: every entry OK, with the message's id as message
-    and transaction id (the broker's SendResult carries the unique key as the transaction id
-    for every message, and the proxy passes it on). Built as bytes in one call and parsed once
-    by protobuf: a protobuf ``add`` per message cost as much as storing the batch."""
-    return s.SendMessageResponse.FromString(_send_results(_OK, message_ids, offsets))
+    """``send_response_bytes`` parsed: the same answer as a protobuf message."""
+    return s.SendMessageResponse.FromString(send_response_bytes(message_ids, offsets))
 
 
 # Java's Character.isISOControl, which the proxy's GrpcValidator applies. It also keeps the

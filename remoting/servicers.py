@@ -31,7 +31,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def takes_bytes(method: F) -> F:
     """Mark a servicer method that takes its request as bytes (or decoded, when an
-    interceptor decoded it) and decodes it itself."""
+    interceptor decoded it) and decodes it itself; it may answer with its response's bytes,
+    which go out as they are (decision 391)."""
     method.takes_bytes = True  # type: ignore[attr-defined]
     return method
 
@@ -46,6 +47,17 @@ def decode_request(deserializer: Deserializer, raw: Any, context: grpc.ServicerC
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
 
 
+def _serialized_as_is(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
+    """``serializer``, except that bytes (an answer its method serialized itself) pass as is."""
+
+    def serialize(response: Any) -> bytes:
+        if isinstance(response, bytes) or serializer is None:
+            return bytes(response)
+        return serializer(response)
+
+    return serialize
+
+
 def _wrap(handler: Any) -> Any:
     deserializer: Deserializer | None = handler.request_deserializer
     if deserializer is None:
@@ -53,7 +65,10 @@ def _wrap(handler: Any) -> Any:
     if handler.unary_unary is not None:
         fn = handler.unary_unary
         if getattr(fn, "takes_bytes", False):
-            return handler._replace(request_deserializer=None)
+            return handler._replace(
+                request_deserializer=None,
+                response_serializer=_serialized_as_is(handler.response_serializer),
+            )
         return handler._replace(
             request_deserializer=None,
             unary_unary=lambda raw, ctx: fn(decode_request(deserializer, raw, ctx), ctx),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -147,9 +148,33 @@ def test_a_plain_batch_is_built_natively_as_the_reference_builds_it() -> None:
     [
         {"tag": "TagA"},
         {"keys": ["k1"]},
+        {"keys": ["k1", "k 2"]},
+        {"keys": ["k1", ""]},
+        {"keys": ["k\u00e9"]},
+        {"keys": ["k\x7f"]},
+        {"keys": ["k" * (16 * 1024 + 1)]},
         {"user": {"a": "b"}},
+        {"user": {"": "b"}},
+        {"user": {"TAGS": "b"}},
+        {"user": {"__SHARDINGKEY": "b"}},
+        {"user": {"a": "b\x85c"}},  # a C1 control character (U+0085)
+        {"user": {"a\x9f": "b"}},
+        {"user": {"a": "b\x00"}},
+        {"user": {"\u00e9": "\u00a0"}},  # not control characters
+        {"user": {f"p{i}": "v" for i in range(129)}},
+        {"user": {"a": "v" * (16 * 1024)}},
         {"message_group": "g"},
+        {"message_group": ""},
+        {"message_group": " "},
+        {"message_group": "g" * 63},
+        {"message_group": "g" * 64},
+        {"message_group": "gr\u00fcppe"},
+        {"message_group": "g\tg"},
         {"delivery_timestamp": (1_900_000_000, 0)},
+        {"delivery_timestamp": (1_900_000_000_000, 5)},  # the Python client's milliseconds
+        {"delivery_timestamp": (-3, -7)},
+        {"delivery_timestamp": (2**62, 0)},
+        {"delivery_timestamp": (-(2**62), 0)},
         {"body_encoding": d.GZIP},
         {"message_type": d.FIFO},
         {"message_type": d.TRANSACTION},
@@ -222,10 +247,94 @@ def test_a_tagged_batch_is_built_natively_and_a_bad_tag_gets_the_references_answ
         assert isinstance(reference(raw, TOPICS["NORMAL"], 0), int | tuple)
 
 
+def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
+    """What Apache's clients send beside a plain body: keys, user properties (sorted by name
+    on both paths, decision 390), a message group (its queue by CRC32) and a delivery time,
+    each to the topic type that takes it, byte-identical to the reference."""
+
+    def rich(i: int, **system: Any) -> d.Message:
+        return plain(
+            i,
+            tag="TagA",
+            keys=[f"order-{i}", "k\u0021"],
+            user={"zeta": "1", "alpha": "\u00e9t\u00e9 \u00a0", "m": "", f"p{i}": "x"},
+            **system,
+        )
+
+    assert check(request(*(rich(i) for i in range(16))), TOPICS["NORMAL"])
+    fifo = request(*(rich(i, message_type=d.FIFO, message_group=f"g{i % 3}") for i in range(16)))
+    assert check(fifo, TOPICS["FIFO"])
+    delays = request(
+        *(
+            rich(i, message_type=d.DELAY, delivery_timestamp=(1_900_000_000 + i, 7))
+            for i in range(4)
+        ),
+        rich(9, message_type=d.DELAY, delivery_timestamp=(1_900_000_000_123, 0)),
+    )
+    assert check(delays, TOPICS["DELAY"])
+    scanned = scan_send_request(fifo)
+    made = scanned_store_messages(scanned, TOPICS["FIFO"], 0, LIMITS, PEER, len(fifo))
+    assert made is not None
+    # a group's queue is its own, not the round robin's
+    assert [m.queue_id for m in made[0][:3]] == [zlib.crc32(b"g%d" % i) % 4 for i in range(3)]
+    assert list(made[0][0].properties) == [
+        "alpha",
+        "m",
+        "p0",
+        "zeta",
+        "TAGS",
+        "KEYS",
+        "UNIQ_KEY",
+        "__MESSAGE_TYPE",
+        "__SHARDINGKEY",
+    ]
+
+
+def test_hand_made_property_entries_agree_with_protobuf() -> None:
+    """Map entries protobuf reads in its own way: a missing key or value is empty, the value
+    before the key, a name given twice (protobuf keeps the last: the reference path), a field
+    repeated inside an entry."""
+    base: bytes = plain(0).SerializeToString()
+
+    def with_entry(entry: bytes) -> bytes:
+        msg = base + b"\x12" + bytes([len(entry)]) + entry
+        return b"\x0a" + bytes([len(msg)]) + msg
+
+    def entry(*fields: tuple[int, bytes]) -> bytes:
+        return b"".join(bytes([f << 3 | 2, len(v)]) + v for f, v in fields)
+
+    taken = [
+        with_entry(entry((1, b"k"))),  # no value: ""
+        with_entry(entry((2, b"v"), (1, b"k"))),  # value first
+    ]
+    refused_or_reference = [
+        with_entry(entry((2, b"v"))),  # no key: "" is refused
+        with_entry(entry((1, b"k"), (1, b"j"), (2, b"v"))),
+        with_entry(entry((1, b"k"), (2, b"\xff"))),  # not UTF-8
+        with_entry(entry((1, b"k"), (3, b"v"))),  # unknown field
+        with_entry(b"\x08\x01"),  # a varint key
+    ]
+    for raw in taken:
+        assert check(raw, TOPICS["NORMAL"]), raw
+    for raw in refused_or_reference:
+        assert not check(raw, TOPICS["NORMAL"]), raw
+    pm = plain(0, user={"k": "first"}).SerializeToString()
+    again = (
+        pm + b"\x12" + bytes([len(entry((1, b"k"), (2, b"last")))]) + entry((1, b"k"), (2, b"last"))
+    )
+    twice = b"\x0a" + bytes([len(again)]) + again
+    assert not check(twice, TOPICS["NORMAL"])
+    ref = reference(twice, TOPICS["NORMAL"], 0)
+    assert isinstance(ref, tuple) and ref[0][0].properties["k"] == "last"
+
+
 _text = st.one_of(
     st.sampled_from(["", " ", "orders", "01ABC", "10.0.0.1", "::1", "a|b", "a b", "\x7f", "é"]),
     st.text(max_size=12),
 )
+
+
+_name = st.sampled_from(["a", "b", "zz", "\u00e9", "TAGS", "UNIQ_KEY", "__SHARDINGKEY", "a\x85"])
 
 
 @st.composite
@@ -238,7 +347,9 @@ def requests(draw: st.DrawFn) -> bytes:
         pm.body = draw(st.one_of(st.binary(max_size=40), st.just(b"y" * 4097)))
         sp = pm.system_properties
         sp.message_id = draw(st.one_of(st.just(f"id-{i}"), _text))
-        sp.message_type = draw(st.sampled_from([d.NORMAL, d.NORMAL, d.FIFO, d.DELAY, 0, 9, -1]))
+        sp.message_type = draw(
+            st.sampled_from([d.NORMAL, d.NORMAL, d.FIFO, d.FIFO, d.DELAY, d.DELAY, 0, 9, -1])
+        )
         sp.body_encoding = draw(st.sampled_from([d.IDENTITY, d.GZIP, 0, 7]))
         if draw(st.booleans()):
             sp.born_timestamp.seconds = draw(st.integers(-(2**63), 2**63 - 1))
@@ -247,14 +358,17 @@ def requests(draw: st.DrawFn) -> bytes:
             sp.born_host = draw(_text)
         if draw(st.integers(0, 5)) == 0:
             sp.tag = draw(_text)
-        if draw(st.integers(0, 5)) == 0:
-            sp.keys.append(draw(_text))
-        if draw(st.integers(0, 5)) == 0:
-            pm.user_properties[draw(_text)] = draw(_text)
-        if draw(st.integers(0, 5)) == 0:
-            sp.message_group = draw(_text)
-        if draw(st.integers(0, 6)) == 0:
-            sp.delivery_timestamp.seconds = draw(st.integers(0, 2**40))
+        for _ in range(draw(st.integers(0, 3))):
+            sp.keys.append(draw(st.one_of(st.just(f"key-{i}"), _text)))
+        for _ in range(draw(st.integers(0, 3))):
+            pm.user_properties[draw(st.one_of(_name, _text))] = draw(_text)
+        if draw(st.integers(0, 3)) == 0:
+            sp.message_group = draw(st.one_of(st.sampled_from(["g1", "g2"]), _text))
+        if draw(st.integers(0, 4)) == 0:
+            sp.delivery_timestamp.seconds = draw(
+                st.one_of(st.integers(0, 2**40), st.integers(-(2**63), 2**63 - 1))
+            )
+            sp.delivery_timestamp.nanos = draw(st.integers(-(2**31), 2**31 - 1))
     raw: bytes = out.SerializeToString()
     # hostile bytes: a few flipped, cut short, or pasted in
     for _ in range(draw(st.integers(0, 2))):
@@ -323,7 +437,17 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
             ("reference", {"queue_offset": 1}),
         ]
         for path, extra in paths:
-            pms = [plain(i, message_id=f"{path}-{i}", **extra) for i in range(6)]
+            pms = [
+                plain(
+                    i,
+                    message_id=f"{path}-{i}",
+                    tag="t",
+                    keys=[f"k{i}", "shared"],
+                    user={"z": str(i), "a": "\u00e9"},
+                    **extra,
+                )
+                for i in range(6)
+            ]
             pms[2].body = bytes(range(256)) * 3
             pms[3].system_properties.born_host = "not-an-ip"  # the peer's address is stored
             raw = request(*pms)
@@ -344,8 +468,9 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
     for i in range(6):
         native_m, reference_m = pulled[f"native-{i}"], pulled[f"reference-{i}"]
         assert native_m.body == reference_m.body == sent["native"][i].body
-        assert native_m.user_properties == reference_m.user_properties
+        assert native_m.user_properties == reference_m.user_properties == {"z": str(i), "a": "é"}
         a, b = native_m.system_properties, reference_m.system_properties
+        assert (a.tag, list(a.keys)) == (b.tag, list(b.keys)) == ("t", [f"k{i}", "shared"])
         assert (a.born_timestamp, a.born_host, a.message_type, a.queue_id) == (
             b.born_timestamp,
             b.born_host,
