@@ -20,6 +20,10 @@ reports the acknowledged messages lost at each kill (``async_acked_lost_per_kill
 charged to the first kill after its acknowledgement) and their mean. ``--failover-only`` skips
 the throughput part, ``--throughput-only`` the failover part. Prints one JSON object on its last
 line.
+
+Each setup also reports the CPU its brokers spent per message sent (``cpu_us_per_msg``: user and
+system time from /proc, master and each slave): on a machine shared with other work it moves far
+less than msgs/s, so it is the figure to compare code changes by.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class Setup:
         self.failed = 0
         self.elapsed = 0.0
         self.lags: list[float] = []
+        self.cpu_s: list[float] = []  # per member, over the counted phases
 
     def start(self) -> None:
         (self.master.root).mkdir(parents=True, exist_ok=True)
@@ -129,6 +134,7 @@ class Setup:
                     failed[i] += BATCH
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+        cpu_before = [cpu_seconds(m) for m in self.members]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -142,21 +148,37 @@ class Setup:
             t.join()
         if count:
             self.elapsed += time.monotonic() - started
+            spent = [cpu_seconds(m) - b for m, b in zip(self.members, cpu_before, strict=True)]
+            self.cpu_s = [
+                a + b for a, b in zip(self.cpu_s or [0.0] * len(spent), spent, strict=True)
+            ]
             self.sent += sum(sent)
             self.failed += sum(failed)
 
-    def result(self) -> dict[str, float]:
-        out: dict[str, float] = {
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "msgs_per_s": round(self.sent / self.elapsed),
             "failed": self.failed,
         }
+        if self.sent:
+            out["cpu_us_per_msg"] = {
+                m.name: round(cpu / self.sent * 1e6, 1)
+                for m, cpu in zip(self.members, self.cpu_s, strict=True)
+            }
         if self.lags:
             out["lag_bytes_max"] = max(self.lags)
             out["lag_bytes_mean"] = round(sum(self.lags) / len(self.lags))
         return out
 
 
-def throughput(root: Path) -> dict[str, dict[str, float]]:
+def cpu_seconds(member: GroupMember) -> float:
+    """User and system CPU time of a member's process so far (Linux /proc)."""
+    assert member.proc is not None
+    fields = Path(f"/proc/{member.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(root: Path) -> dict[str, dict[str, Any]]:
     """Every setup is started first and stays up; then ``ROUNDS`` rounds of one ``PHASE_S``
     phase per setup, in forward and reverse order by turns (ABBA), so that a change in the
     machine's other load falls on every setup alike instead of on whichever ran at that time."""
@@ -193,7 +215,7 @@ def failover(mode: str, kills: int, producers: int = 1) -> dict[str, Any]:
 def main() -> None:
     failover_only = "--failover-only" in sys.argv[1:]
     throughput_only = "--throughput-only" in sys.argv[1:]
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     if not failover_only:
         with tempfile.TemporaryDirectory(prefix="tmq-bench-ha-") as tmp:
             results = throughput(Path(tmp))

@@ -280,6 +280,7 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
+        self._dispatch_coalesce_s = 0.001
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -494,6 +495,7 @@ class MessageStore:
             reput_offset=min(reput, index_from),
             index_from=index_from,
         )
+        self.dispatcher.coalesce_s = self._dispatch_coalesce_s
         return self.dispatcher
 
     def _check_room_for_a_commitlog_file(self) -> None:
@@ -713,6 +715,14 @@ class MessageStore:
         """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly
         its master's bytes, so nothing of its own (a producer, a pop revive) may be appended."""
         self._replica = replica
+
+    def set_dispatch_coalescing(self, seconds: float) -> None:
+        """How long the dispatcher lets appends gather before a pass (1 ms by default, like
+        RocketMQ's reput cadence): a message becomes readable up to that much later, and one
+        pass's fixed cost is shared by that many more records."""
+        self._dispatch_coalesce_s = seconds
+        if self.dispatcher is not None:
+            self.dispatcher.coalesce_s = seconds
 
     def add_append_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(end_offset)`` after every append (outside the put lock): what
