@@ -51,6 +51,8 @@ extensions = [
         include_dirs=["tiered"],
         extra_compile_args=["-O3"],
     ),
+    # Stored messages to PullMessageResponse bytes in the cold worker (decision 400).
+    Extension("broker._reply_native", ["broker/_reply_native.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(

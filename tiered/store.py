@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -114,6 +114,10 @@ class GetResult:
     next_offset: int
     min_offset: int
     max_offset: int
+    # A cold read asked for ``replies``: each message as the cold worker wrote its reply (then
+    # ``messages`` is empty), and the bodies' bytes. None: the messages are in ``messages``.
+    replies: list[bytes] | None = None
+    body_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -210,7 +214,10 @@ class ColdReader(Protocol):
 
     ``start_offset``, ``end_offset`` and ``may_hold`` answer from what the reader last loaded:
     hot reads call them, and a hot read never waits on the object store. ``get`` and the
-    lookups are cold reads, each with its own deadline."""
+    lookups are cold reads, each with its own deadline. ``get_replies`` answers with what
+    ``reply_encoder`` (None: no replies) wrote for each message."""
+
+    reply_encoder: Callable[..., Any] | None
 
     def start_offset(self, topic: str, queue_id: int) -> int | None: ...
 
@@ -227,6 +234,10 @@ class ColdReader(Protocol):
         tag_filter: Callable[[StoredMessage], bool] | None = None,
         max_bytes: int = 4 << 20,
     ) -> tuple[list[StoredMessage], int]: ...
+
+    def get_replies(
+        self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int = 4 << 20
+    ) -> tuple[list[bytes], int, int]: ...
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int: ...
 
@@ -764,16 +775,21 @@ class MessageStore:
         tag_filter: Callable[[int], bool] | None = None,
         *,
         hot_only: bool = False,
+        replies: bool = False,
     ) -> GetResult:
         """Read up to ``max_count`` messages from ``offset``.
 
         ``tag_filter`` sees each entry's tag hash; entries it rejects are skipped without
         reading the CommitLog. A body failing its CRC raises ``CorruptRecordError``.
+        ``replies``: a cold read without a filter answers with the replies the cold worker
+        wrote (``GetResult.replies``), when the cold reader has a reply encoder.
         """
         cq = self._cq(topic, queue_id)
         if cq is None:
             return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, [], 0, 0, 0)
         if not hot_only and self.cold is not None and self._from_cold(topic, queue_id, offset, cq):
+            if replies and tag_filter is None and self.cold.reply_encoder is not None:
+                return self._get_cold_replies(topic, queue_id, offset, max_count, max_bytes, cq)
             return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
         lo, hi = cq.min_offset, cq.max_offset
         if hi == lo:
@@ -858,6 +874,29 @@ class MessageStore:
         else:
             status = GetStatus.NO_MATCHED_MESSAGE
         return GetResult(status, messages, nxt, lo, cq.max_offset)
+
+    def _get_cold_replies(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int,
+        max_bytes: int,
+        cq: ConsumeQueue,
+    ) -> GetResult:
+        """``_get_cold`` answered with the replies the cold worker wrote."""
+        assert self.cold is not None
+        replies, nxt, body_bytes = self.cold.get_replies(
+            topic, queue_id, offset, max_count, max_bytes
+        )
+        lo = self.min_offset(topic, queue_id)
+        if replies:
+            status = GetStatus.FOUND
+        elif offset < lo:
+            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
+        else:
+            status = GetStatus.NO_MATCHED_MESSAGE
+        return GetResult(status, [], nxt, lo, cq.max_offset, replies, body_bytes)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
         return self.commitlog.read_message(
