@@ -5,7 +5,9 @@
   at a time and four at once; the faster is the limit). The replay reads what the broker's
   PullMessage sends: the replies the worker serialized (``get_replies``, decision 400), sliced
   one bytes object per message; ``--decoded`` reads ``StoredMessage`` objects instead (``get``,
-  the path before decision 400, still the one of reads with a filter).
+  the path before decision 400, still the one of reads with a filter), and ``--decoded-pull``
+  also builds and serializes each message's reply from them in the broker, as PullMessage did
+  before decision 400.
 - Requests per random read at 1x and 10x archive size (counted at the storage interface).
 - Produce p99 while another thread replays the archive, against produce p99 when idle.
 
@@ -34,7 +36,7 @@ import boto3
 import botocore.config
 
 from bench.offload import localstack
-from broker.reply import encode_pull_replies
+from broker.reply import encode_pull_replies, pull_reply
 from offload.offloader import Offloader, OffloadPolicy
 from tiered.cold.counting import CountingObjectStore
 from tiered.cold.fetcher import ColdFetcher
@@ -95,18 +97,21 @@ def raw_get_seconds(s3: Any, bucket: str, keys: list[str], threads: int) -> floa
     return time.perf_counter() - t0
 
 
-def replay_step(fetcher: ColdFetcher, decoded: bool, offset: int) -> int:
+def replay_step(fetcher: ColdFetcher, decoded: str, offset: int) -> int:
     """One read of up to 256 messages from ``offset`` of queue 1, as the broker makes it for a
     PullMessage; the next offset."""
     if decoded:
-        _, nxt = fetcher.get("cold", 1, offset, 256, max_bytes=1 << 30)
+        messages, nxt = fetcher.get("cold", 1, offset, 256, max_bytes=1 << 30)
+        if decoded == "--decoded-pull":
+            for m in messages:
+                pull_reply(m)
     else:
         _, nxt, _ = fetcher.get_replies("cold", 1, offset, 256, max_bytes=1 << 30)
     return nxt
 
 
 def main() -> None:
-    decoded = "--decoded" in sys.argv[1:]
+    decoded = next((a for a in sys.argv[1:] if a in ("--decoded", "--decoded-pull")), "")
     encoder = None if decoded else encode_pull_replies
     manage = localstack()
     started = manage.start()
@@ -212,7 +217,7 @@ def main() -> None:
             {
                 "bench": "cold_read",
                 "endpoint": "localstack",
-                "read_path": "decoded" if decoded else "replies",
+                "read_path": decoded.lstrip("-") or "replies",
                 "replay_mb_per_s": round(replayed / replay_s / 1e6, 1),
                 "raw_get_mb_per_s": round(raw / raw_s / 1e6, 1),
                 "raw_get_mb_per_s_by_threads": {
