@@ -460,7 +460,10 @@ class ColdFetcher:
         ``GET_BATCHES`` consecutive batches, each run one GET (decision 333). A shorter run
         waits until it can be whole, unless the reader needs its first batch next or it ends
         its segment."""
-        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * BATCH_BYTES)))
+        # A batch with replies holds its records twice over (raw, and as replies): half the
+        # cache in batches ahead counts both, or the read-ahead evicts its own prefetch.
+        per_batch = BATCH_BYTES * (2 if self.reply_encoder is not None else 1)
+        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
         window = min(GET_BATCHES, limit)
         ahead: list[tuple[SegmentInfo, int]] = []
         segment, nxt, n = info, start, self._batch_len(info)
