@@ -866,14 +866,19 @@ class MessageStore:
         assert self.cold is not None
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
-        lo = self.min_offset(topic, queue_id)
-        if messages:
-            status = GetStatus.FOUND
-        elif offset < lo:
-            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
-        else:
-            status = GetStatus.NO_MATCHED_MESSAGE
+        status, lo = self._cold_status(topic, queue_id, offset, bool(messages))
         return GetResult(status, messages, nxt, lo, cq.max_offset)
+
+    def _cold_status(
+        self, topic: str, queue_id: int, offset: int, found: bool
+    ) -> tuple[GetStatus, int]:
+        """A cold read's status, and the queue's first readable offset."""
+        lo = self.min_offset(topic, queue_id)
+        if found:
+            return GetStatus.FOUND, lo
+        if offset < lo:
+            return GetStatus.OFFSET_TOO_SMALL, lo  # expired by retention while it was being read
+        return GetStatus.NO_MATCHED_MESSAGE, lo
 
     def _get_cold_replies(
         self,
@@ -889,13 +894,7 @@ class MessageStore:
         replies, nxt, body_bytes = self.cold.get_replies(
             topic, queue_id, offset, max_count, max_bytes
         )
-        lo = self.min_offset(topic, queue_id)
-        if replies:
-            status = GetStatus.FOUND
-        elif offset < lo:
-            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
-        else:
-            status = GetStatus.NO_MATCHED_MESSAGE
+        status, lo = self._cold_status(topic, queue_id, offset, bool(replies))
         return GetResult(status, [], nxt, lo, cq.max_offset, replies, body_bytes)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:

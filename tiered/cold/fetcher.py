@@ -326,15 +326,11 @@ class ColdFetcher:
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            try:
-                batch = self._batch(info, next_offset, what, manifest.find(info.end_offset))
-            except SegmentError:
-                if out:
-                    break  # what was read stands; the next read meets the error afresh
-                expired_to = self._expired_to(topic, queue_id, info, what)
-                if expired_to is None:
-                    raise
-                return [], expired_to
+            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
+            if batch is None:
+                break  # what was read stands; the next read meets the error afresh
+            if isinstance(batch, int):
+                return [], batch
             i = next_offset - batch.base_offset
             if tag_filter is None:
                 # Which records this read returns is known from the span's positions alone, so
@@ -375,15 +371,11 @@ class ColdFetcher:
         size = body_bytes = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            try:
-                batch = self._batch(info, next_offset, what, manifest.find(info.end_offset))
-            except SegmentError:
-                if out:
-                    break  # what was read stands; the next read meets the error afresh
-                expired_to = self._expired_to(topic, queue_id, info, what)
-                if expired_to is None:
-                    raise
-                return [], expired_to, 0
+            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
+            if batch is None:
+                break  # what was read stands; the next read meets the error afresh
+            if isinstance(batch, int):
+                return [], batch, 0
             i = next_offset - batch.base_offset
             count, taken = batch.take(i, max_count - len(out), max_bytes - size)
             replies, bodies = batch.reply_run(i, i + count)
@@ -392,6 +384,29 @@ class ColdFetcher:
             body_bytes += bodies
             next_offset = batch.base_offset + i + count
         return out, next_offset, body_bytes
+
+    def _next_batch(
+        self,
+        topic: str,
+        queue_id: int,
+        manifest: QueueManifest,
+        info: SegmentInfo,
+        offset: int,
+        what: str,
+        have_some: bool,
+    ) -> RecordSpan | int | None:
+        """The batch holding ``offset``. When its segment cannot be read: None if the read
+        ``have_some`` messages already, the archive's new start if retention removed the
+        segment meanwhile, else the ``SegmentError``."""
+        try:
+            return self._batch(info, offset, what, manifest.find(info.end_offset))
+        except SegmentError:
+            if have_some:
+                return None
+            expired_to = self._expired_to(topic, queue_id, info, what)
+            if expired_to is None:
+                raise
+            return expired_to
 
     def _segment(
         self, topic: str, queue_id: int, offset: int, what: str
