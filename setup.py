@@ -58,6 +58,8 @@ extensions = [
         libraries=["z"],  # zlib's crc32 for a message group's queue, as the reference's
         extra_compile_args=["-O3"],
     ),
+    # Stored messages to PullMessageResponse bytes in the cold worker (decision 400).
+    Extension("broker._reply_native", ["broker/_reply_native.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(

@@ -713,18 +713,26 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def PullMessage(
         self, request: s.PullMessageRequest, context: grpc.ServicerContext
-    ) -> Iterator[s.PullMessageResponse]:
+    ) -> Iterator[s.PullMessageResponse | bytes]:
         try:
             self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
             queue = self._queue(topic, request.message_queue.id)
             tag_filter = message_filter(request.filter_expression)
+            # A pull that takes every message is answered, from the archive, with the replies
+            # the cold worker serialized: no object per message in the broker (decision 400).
+            everything = isinstance(tag_filter, TagFilter) and tag_filter.tags is None
             batch = max(1, min(request.batch_size or 32, 1024))
             poll = min(duration_ms(request.long_polling_timeout), MAX_LONG_POLLING_MS)
             deadline = time.monotonic() + max(0, poll - _LONG_POLL_MARGIN_MS) / 1000
             while True:
                 result = self.store.get_messages(
-                    topic.name, queue, request.offset, batch, tag_filter=tag_filter.code_matches
+                    topic.name,
+                    queue,
+                    request.offset,
+                    batch,
+                    tag_filter=None if everything else tag_filter.code_matches,
+                    replies=everything,
                 )
                 if result.status in (GetStatus.OFFSET_TOO_SMALL, GetStatus.OFFSET_OVERFLOW_BADLY):
                     raise ProtocolError(
@@ -756,12 +764,21 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             log.exception("PullMessage failed")
             yield s.PullMessageResponse(status=status(d.INTERNAL_ERROR, "internal error"))
             return
-        messages = [m for m in result.messages if tag_filter.matches(m)]
-        self.traffic.consumed(topic.name, len(messages), sum(len(m.body) for m in messages))
-        code = d.OK if messages else d.MESSAGE_NOT_FOUND
-        yield s.PullMessageResponse(status=status(code, "OK" if messages else "no new message"))
-        for m in messages:
-            yield s.PullMessageResponse(message=to_proto_message(m, topic.name, None, None, None))
+        if result.replies is not None:
+            self.traffic.consumed(topic.name, len(result.replies), result.body_bytes)
+            found = bool(result.replies)
+            code = d.OK if found else d.MESSAGE_NOT_FOUND
+            yield s.PullMessageResponse(status=status(code, "OK" if found else "no new message"))
+            yield from result.replies  # PullMessageResponse(message=...), serialized
+        else:
+            messages = [m for m in result.messages if tag_filter.matches(m)]
+            self.traffic.consumed(topic.name, len(messages), sum(len(m.body) for m in messages))
+            code = d.OK if messages else d.MESSAGE_NOT_FOUND
+            yield s.PullMessageResponse(status=status(code, "OK" if messages else "no new message"))
+            for m in messages:
+                yield s.PullMessageResponse(
+                    message=to_proto_message(m, topic.name, None, None, None)
+                )
         yield s.PullMessageResponse(
             next_offset=max(result.next_offset, request.offset)
             if result.status is not GetStatus.NO_MATCHED_LOGIC_QUEUE

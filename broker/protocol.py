@@ -501,7 +501,8 @@ def to_proto_message(
     if group:
         sp.message_group = group
     deliver = props.get(PROPERTY_DELIVER_TIME)
-    if deliver and deliver.isdigit():
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if deliver and deliver.isascii() and deliver.isdigit():
         sp.delivery_timestamp.FromMilliseconds(int(deliver))
     if receipt_handle is not None:
         sp.receipt_handle = receipt_handle

@@ -36,6 +36,7 @@ from broker.metadata import BrokerMetadata, TopicConfig
 from broker.metrics import BrokerMetrics, MetricSources
 from broker.pop import PopService
 from broker.producers import ProducerRegistry
+from broker.reply import encode_pull_replies
 from broker.status import BrokerStatus, ExportFreshness, broker_status
 from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
@@ -107,6 +108,7 @@ class Broker:
                 tiered_queues=self._tiered_queues,
                 observe=self.metrics.observe_cold_read,
                 runner=self.cold_worker,
+                reply_encoder=encode_pull_replies,
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:

@@ -11,6 +11,10 @@ handlers are captured and only their deserializer is moved.
 A servicer method marked ``@takes_bytes`` gets the request's bytes as they came (it decodes
 them itself, with ``decode_request`` where it needs protobuf's parse): the broker's SendMessage
 walks a plain batch natively (decision 310).
+
+A response that is ``bytes`` already is sent as it is: the broker's PullMessage answers a cold
+read with replies the cold worker serialized (decision 400), and SendMessage with the answer
+it built as bytes (decision 391).
 """
 
 from __future__ import annotations
@@ -47,28 +51,22 @@ def decode_request(deserializer: Deserializer, raw: Any, context: grpc.ServicerC
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
 
 
-def _serialized_as_is(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
-    """``serializer``, except that bytes (an answer its method serialized itself) pass as is."""
-
-    def serialize(response: Any) -> bytes:
-        if isinstance(response, bytes) or serializer is None:
-            return bytes(response)
-        return serializer(response)
-
-    return serialize
+def _passing_bytes(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """``serializer``, except that a response already serialized (``bytes``) goes as it is."""
+    if serializer is None:
+        return None
+    return lambda response: response if type(response) is bytes else serializer(response)
 
 
 def _wrap(handler: Any) -> Any:
+    handler = handler._replace(response_serializer=_passing_bytes(handler.response_serializer))
     deserializer: Deserializer | None = handler.request_deserializer
     if deserializer is None:
         return handler
     if handler.unary_unary is not None:
         fn = handler.unary_unary
         if getattr(fn, "takes_bytes", False):
-            return handler._replace(
-                request_deserializer=None,
-                response_serializer=_serialized_as_is(handler.response_serializer),
-            )
+            return handler._replace(request_deserializer=None)
         return handler._replace(
             request_deserializer=None,
             unary_unary=lambda raw, ctx: fn(decode_request(deserializer, raw, ctx), ctx),

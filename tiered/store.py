@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -115,6 +115,10 @@ class GetResult:
     next_offset: int
     min_offset: int
     max_offset: int
+    # A cold read asked for ``replies``: each message as the cold worker wrote its reply (then
+    # ``messages`` is empty), and the bodies' bytes. None: the messages are in ``messages``.
+    replies: list[bytes] | None = None
+    body_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,7 +219,10 @@ class ColdReader(Protocol):
 
     ``start_offset``, ``end_offset`` and ``may_hold`` answer from what the reader last loaded:
     hot reads call them, and a hot read never waits on the object store. ``get`` and the
-    lookups are cold reads, each with its own deadline."""
+    lookups are cold reads, each with its own deadline. ``get_replies`` answers with what
+    ``reply_encoder`` (None: no replies) wrote for each message."""
+
+    reply_encoder: Callable[..., Any] | None
 
     def start_offset(self, topic: str, queue_id: int) -> int | None: ...
 
@@ -232,6 +239,10 @@ class ColdReader(Protocol):
         tag_filter: Callable[[StoredMessage], bool] | None = None,
         max_bytes: int = 4 << 20,
     ) -> tuple[list[StoredMessage], int]: ...
+
+    def get_replies(
+        self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int = 4 << 20
+    ) -> tuple[list[bytes], int, int]: ...
 
     def offset_for_timestamp(self, topic: str, queue_id: int, timestamp_ms: int) -> int: ...
 
@@ -818,11 +829,14 @@ class MessageStore:
         tag_filter: Callable[[int], bool] | None = None,
         *,
         hot_only: bool = False,
+        replies: bool = False,
     ) -> GetResult:
         """Read up to ``max_count`` messages from ``offset``.
 
         ``tag_filter`` sees each entry's tag hash; entries it rejects are skipped without
         reading the CommitLog. A body failing its CRC raises ``CorruptRecordError``.
+        ``replies``: a cold read without a filter answers with the replies the cold worker
+        wrote (``GetResult.replies``), when the cold reader has a reply encoder.
         """
         cq = self._cq(topic, queue_id)
         if self._replica and (cq is None or offset >= cq.max_offset) and self._catch_up():
@@ -830,6 +844,8 @@ class MessageStore:
         if cq is None:
             return GetResult(GetStatus.NO_MATCHED_LOGIC_QUEUE, [], 0, 0, 0)
         if not hot_only and self.cold is not None and self._from_cold(topic, queue_id, offset, cq):
+            if replies and tag_filter is None and self.cold.reply_encoder is not None:
+                return self._get_cold_replies(topic, queue_id, offset, max_count, max_bytes, cq)
             return self._get_cold(topic, queue_id, offset, max_count, max_bytes, tag_filter, cq)
         lo, hi = cq.min_offset, cq.max_offset
         if hi == lo:
@@ -926,14 +942,36 @@ class MessageStore:
         assert self.cold is not None
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
-        lo = self.min_offset(topic, queue_id)
-        if messages:
-            status = GetStatus.FOUND
-        elif offset < lo:
-            status = GetStatus.OFFSET_TOO_SMALL  # expired by retention while it was being read
-        else:
-            status = GetStatus.NO_MATCHED_MESSAGE
+        status, lo = self._cold_status(topic, queue_id, offset, bool(messages))
         return GetResult(status, messages, nxt, lo, cq.max_offset)
+
+    def _cold_status(
+        self, topic: str, queue_id: int, offset: int, found: bool
+    ) -> tuple[GetStatus, int]:
+        """A cold read's status, and the queue's first readable offset."""
+        lo = self.min_offset(topic, queue_id)
+        if found:
+            return GetStatus.FOUND, lo
+        if offset < lo:
+            return GetStatus.OFFSET_TOO_SMALL, lo  # expired by retention while it was being read
+        return GetStatus.NO_MATCHED_MESSAGE, lo
+
+    def _get_cold_replies(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int,
+        max_bytes: int,
+        cq: ConsumeQueue,
+    ) -> GetResult:
+        """``_get_cold`` answered with the replies the cold worker wrote."""
+        assert self.cold is not None
+        replies, nxt, body_bytes = self.cold.get_replies(
+            topic, queue_id, offset, max_count, max_bytes
+        )
+        status, lo = self._cold_status(topic, queue_id, offset, bool(replies))
+        return GetResult(status, [], nxt, lo, cq.max_offset, replies, body_bytes)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
         return self.commitlog.read_message(

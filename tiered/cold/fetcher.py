@@ -37,6 +37,7 @@ import numpy as np
 from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import (
     RecordSpan,
+    ReplyEncoder,
     SegmentError,
     SegmentInfo,
     SegmentReader,
@@ -105,11 +106,14 @@ class ColdFetcher:
         tiered_queues: Callable[[], Iterable[tuple[str, int]]] = lambda: (),
         observe: Callable[[float, int], None] | None = None,
         runner: JobRunner | None = None,
+        reply_encoder: ReplyEncoder | None = None,
     ) -> None:
         """``tiered_queues()`` names the queues whose manifests the background thread keeps
         fresh (the broker's tiered topics); ``observe(seconds, bytes)`` is told of every
         segment read (metrics); ``runner`` runs the segment reads (the broker's cold worker;
-        by default threads of this process)."""
+        by default threads of this process); ``reply_encoder`` (a module-level function, run
+        by the runner beside each segment read) writes each record as its reader's protocol
+        sends it, for ``get_replies``."""
         self.tier = tier
         self.cluster = cluster
         self.broker = broker
@@ -117,6 +121,7 @@ class ColdFetcher:
         self.manifest_ttl_s = manifest_ttl_s
         self.read_timeout_s = read_timeout_s
         self.max_inflight = max_inflight
+        self.reply_encoder = reply_encoder
         self._tiered_queues = tiered_queues
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmq-cold-fetch")
         self._manifests: dict[tuple[str, int], tuple[float, QueueManifest]] = {}
@@ -316,30 +321,16 @@ class ColdFetcher:
         that retention removed while this read was under way is not an error: the answer is
         no messages, and the archive's new start as the next offset."""
         what = f"{topic}/{queue_id} offset {offset}"
-        manifest = self.cached(topic, queue_id)
-        if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
-            manifest = self._within_deadline(
-                what, lambda: self.manifest(topic, queue_id, refresh=True)
-            )
-        info = manifest.find(offset)
-        if info is None:
-            raise SegmentError(
-                f"{topic}/{queue_id}: offset {offset} is not in the archive "
-                f"[{manifest.start_offset}, {manifest.end_offset})"
-            )
+        manifest, info = self._segment(topic, queue_id, offset, what)
         out: list[StoredMessage] = []
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            try:
-                batch = self._batch(info, next_offset, what, manifest.find(info.end_offset))
-            except SegmentError:
-                if out:
-                    break  # what was read stands; the next read meets the error afresh
-                expired_to = self._expired_to(topic, queue_id, info, what)
-                if expired_to is None:
-                    raise
-                return [], expired_to
+            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
+            if batch is None:
+                break  # what was read stands; the next read meets the error afresh
+            if isinstance(batch, int):
+                return [], batch
             i = next_offset - batch.base_offset
             if tag_filter is None:
                 # Which records this read returns is known from the span's positions alone, so
@@ -365,6 +356,75 @@ class ColdFetcher:
                         if len(out) >= max_count or size >= max_bytes:
                             break
         return out, next_offset
+
+    def get_replies(
+        self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int = 4 << 20
+    ) -> tuple[list[bytes], int, int]:
+        """``get`` without a filter, answered with each message's reply as the worker wrote it
+        (``reply_encoder``): the replies, the next offset, and the bodies' bytes. The broker
+        decodes nothing and builds no object per message. Same errors as ``get``."""
+        if self.reply_encoder is None:
+            raise ValueError("this cold fetcher has no reply encoder")
+        what = f"{topic}/{queue_id} offset {offset}"
+        manifest, info = self._segment(topic, queue_id, offset, what)
+        out: list[bytes] = []
+        size = body_bytes = 0
+        next_offset = offset
+        while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
+            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
+            if batch is None:
+                break  # what was read stands; the next read meets the error afresh
+            if isinstance(batch, int):
+                return [], batch, 0
+            i = next_offset - batch.base_offset
+            count, taken = batch.take(i, max_count - len(out), max_bytes - size)
+            replies, bodies = batch.reply_run(i, i + count)
+            out += replies
+            size += taken
+            body_bytes += bodies
+            next_offset = batch.base_offset + i + count
+        return out, next_offset, body_bytes
+
+    def _next_batch(
+        self,
+        topic: str,
+        queue_id: int,
+        manifest: QueueManifest,
+        info: SegmentInfo,
+        offset: int,
+        what: str,
+        have_some: bool,
+    ) -> RecordSpan | int | None:
+        """The batch holding ``offset``. When its segment cannot be read: None if the read
+        ``have_some`` messages already, the archive's new start if retention removed the
+        segment meanwhile, else the ``SegmentError``."""
+        try:
+            return self._batch(info, offset, what, manifest.find(info.end_offset))
+        except SegmentError:
+            if have_some:
+                return None
+            expired_to = self._expired_to(topic, queue_id, info, what)
+            if expired_to is None:
+                raise
+            return expired_to
+
+    def _segment(
+        self, topic: str, queue_id: int, offset: int, what: str
+    ) -> tuple[QueueManifest, SegmentInfo]:
+        """The queue's manifest (refreshed within the deadline when the cached one does not
+        reach ``offset``) and the segment that holds ``offset``; ``SegmentError`` if none."""
+        manifest = self.cached(topic, queue_id)
+        if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
+            manifest = self._within_deadline(
+                what, lambda: self.manifest(topic, queue_id, refresh=True)
+            )
+        info = manifest.find(offset)
+        if info is None:
+            raise SegmentError(
+                f"{topic}/{queue_id}: offset {offset} is not in the archive "
+                f"[{manifest.start_offset}, {manifest.end_offset})"
+            )
+        return manifest, info
 
     def _expired_to(self, topic: str, queue_id: int, info: SegmentInfo, what: str) -> int | None:
         """Where the archive starts now, if retention removed ``info`` while a read of it was
@@ -415,7 +475,10 @@ class ColdFetcher:
         ``GET_BATCHES`` consecutive batches, each run one GET (decision 333). A shorter run
         waits until it can be whole, unless the reader needs its first batch next or it ends
         its segment."""
-        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * BATCH_BYTES)))
+        # A batch with replies holds its records twice over (raw, and as replies): half the
+        # cache in batches ahead counts both, or the read-ahead evicts its own prefetch.
+        per_batch = BATCH_BYTES * (2 if self.reply_encoder is not None else 1)
+        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
         window = min(GET_BATCHES, limit)
         ahead: list[tuple[SegmentInfo, int]] = []
         segment, nxt, n = info, start, self._batch_len(info)
@@ -474,11 +537,19 @@ class ColdFetcher:
             n = self._batch_len(info)
             entries = self._table(info)[first : first + n * len(starts)]
             try:
-                if len(starts) == 1:
+                if len(starts) == 1 and self.reply_encoder is None:
                     spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
                 else:
                     counts = [n] * len(starts)
-                    spans = run_job(self.runner, read_spans, info, first, entries.tobytes(), counts)
+                    spans = run_job(
+                        self.runner,
+                        read_spans,
+                        info,
+                        first,
+                        entries.tobytes(),
+                        counts,
+                        self.reply_encoder,
+                    )
             except SegmentError:
                 # The table may be what was wrong: the next read of the segment fetches it again.
                 self._forget_table(info.key)
@@ -490,10 +561,10 @@ class ColdFetcher:
             with self._lock:
                 for start, span in zip(starts, spans, strict=False):
                     self._cache[(info.key, start)] = span
-                    self._cached_bytes += len(span.data)
+                    self._cached_bytes += span.nbytes
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, evicted = self._cache.popitem(last=False)
-                    self._cached_bytes -= len(evicted.data)
+                    self._cached_bytes -= evicted.nbytes
             for future, span in zip(futures, spans, strict=False):
                 future.set_result(span)
             for future in futures[len(spans) :]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, SupportsIndex
 
@@ -58,22 +59,55 @@ def verify(store: ObjectStore, info: SegmentInfo) -> None:
         raise SegmentError(f"{info.key}: content does not match its CRC")
 
 
+# The replies of a span's records, written by the cold worker (``ColdFetcher``'s
+# ``reply_encoder``): their bytes back to back, where each ends, and each body's size.
+Replies = tuple[bytes, list[int], list[int]]
+ReplyEncoder = Callable[[Buffer, list[int]], Replies]
+
+
 @dataclass(slots=True, frozen=True)
 class RecordSpan:
     """Consecutive whole records of one segment, checked but not decoded: what the cold fetcher
-    caches, so a read decodes only the messages it returns."""
+    caches, so a read decodes only the messages it returns. With ``replies``, also each record
+    as its reader's protocol sends it (written by the cold worker), so a read that answers with
+    those decodes nothing at all."""
 
     base_offset: int  # queue offset of the first record
     data: bytes
     positions: list[int]  # where each record starts in ``data``
+    replies: Replies | None = None
 
     def __len__(self) -> int:
         return len(self.positions)
 
+    @property
+    def nbytes(self) -> int:
+        """What the span holds in memory, replies included (the cache's measure)."""
+        return len(self.data) + (len(self.replies[0]) if self.replies is not None else 0)
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         # Protocol 5 (the cold worker's replies) carries the records out of band, uncopied.
-        data = pickle.PickleBuffer(self.data) if int(protocol) >= 5 else self.data
-        return (_record_span, (self.base_offset, data, self.positions))
+        if int(protocol) < 5:
+            return (_record_span, (self.base_offset, self.data, self.positions, self.replies))
+        replies = self.replies
+        if replies is not None:
+            replies = (pickle.PickleBuffer(replies[0]), replies[1], replies[2])  # type: ignore[assignment]
+        data = pickle.PickleBuffer(self.data)
+        return (_record_span, (self.base_offset, data, self.positions, replies))
+
+    def reply_run(self, start: int, stop: int) -> tuple[list[bytes], int]:
+        """The replies of records ``start`` up to ``stop``, one bytes object each, and their
+        bodies' bytes. Only for a span fetched with a reply encoder."""
+        assert self.replies is not None, "a span fetched without a reply encoder"
+        buffer, ends, bodies = self.replies
+        if stop <= start:
+            return [], 0
+        begin = ends[start - 1] if start else 0
+        out = []
+        for end in ends[start:stop]:
+            out.append(buffer[begin:end])
+            begin = end
+        return out, sum(bodies[start:stop])
 
     def message(self, i: int) -> StoredMessage:
         """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
@@ -100,16 +134,27 @@ class RecordSpan:
         return decode_many(self.data, self.positions[start:stop], check_crc=False)
 
 
-def _record_span(base_offset: int, data: Buffer, positions: list[int]) -> RecordSpan:
-    """A ``RecordSpan`` unpickled: an out-of-band buffer arrives as a view of the bytes object
-    the reader received, which becomes ``data`` as it is."""
+def _as_bytes(data: Buffer) -> bytes:
+    """An out-of-band buffer arrives as a view of the bytes object the reader received, which is
+    taken as it is."""
     if isinstance(data, memoryview):
         data = (
             data.obj
             if isinstance(data.obj, bytes) and data.nbytes == len(data.obj)
             else data.tobytes()
         )
-    return RecordSpan(base_offset, bytes(data) if not isinstance(data, bytes) else data, positions)
+    return bytes(data) if not isinstance(data, bytes) else data
+
+
+def _record_span(
+    base_offset: int,
+    data: Buffer,
+    positions: list[int],
+    replies: tuple[Buffer, list[int], list[int]] | None = None,
+) -> RecordSpan:
+    """A ``RecordSpan`` unpickled."""
+    out = None if replies is None else (_as_bytes(replies[0]), replies[1], replies[2])
+    return RecordSpan(base_offset, _as_bytes(data), positions, out)
 
 
 def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
@@ -139,12 +184,22 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
 
 
 def read_spans(
-    store: ObjectStore, info: SegmentInfo, first: int, entries: bytes, counts: list[int]
+    store: ObjectStore,
+    info: SegmentInfo,
+    first: int,
+    entries: bytes,
+    counts: list[int],
+    encoder: ReplyEncoder | None = None,
 ) -> list[RecordSpan]:
     """``read_span`` of several consecutive batches with one ranged GET (a sequential reader's
     read-ahead: a few large requests cost the store far less than many small ones), cut into
-    spans of ``counts`` records each: a cold job."""
+    spans of ``counts`` records each: a cold job. With ``encoder``, each span also carries its
+    records' replies, written here, in the worker."""
     whole = read_span(store, info, first, entries)
+    if encoder is not None:
+        whole = RecordSpan(
+            whole.base_offset, whole.data, whole.positions, encoder(whole.data, whole.positions)
+        )
     out, at = [], 0
     for count in counts:
         stop = min(at + count, len(whole))
@@ -153,9 +208,25 @@ def read_spans(
         begin = whole.positions[at]
         end = whole.positions[stop] if stop < len(whole) else len(whole.data)
         positions = [p - begin for p in whole.positions[at:stop]]
-        out.append(RecordSpan(whole.base_offset + at, whole.data[begin:end], positions))
+        out.append(
+            RecordSpan(
+                whole.base_offset + at,
+                whole.data[begin:end],
+                positions,
+                _cut_replies(whole.replies, at, stop),
+            )
+        )
         at = stop
     return out
+
+
+def _cut_replies(replies: Replies | None, start: int, stop: int) -> Replies | None:
+    """The replies of records ``start`` up to ``stop`` of a span's ``replies``."""
+    if replies is None:
+        return None
+    buffer, ends, bodies = replies
+    begin = ends[start - 1] if start else 0
+    return buffer[begin : ends[stop - 1]], [e - begin for e in ends[start:stop]], bodies[start:stop]
 
 
 class SegmentReader:
