@@ -34,12 +34,12 @@ from test_send_native import TOPICS, check
 from tiered import columnar
 from tiered.record import (
     CRC_TRAILER_SIZE,
-    DispatchColumns,
     NATIVE_ENGINE,
     PYTHON_ENGINE,
     SYSFLAG_BORNHOST_V6,
     SYSFLAG_RECORD_CRC,
     SYSFLAG_STOREHOST_V6,
+    DispatchColumns,
     EncodedBatch,
     Message,
     RecordError,
@@ -152,7 +152,9 @@ def scalar(draw: st.DrawFn, kind: str) -> bytes:
             )
         )
     if kind == "id":
-        return draw(st.one_of(st.sampled_from([b"01ABCDEF", b"id-1"]), st.sampled_from(HOSTILE_TEXT)))
+        return draw(
+            st.one_of(st.sampled_from([b"01ABCDEF", b"id-1"]), st.sampled_from(HOSTILE_TEXT))
+        )
     if kind == "topic":
         return b"orders" if draw(st.integers(0, 3)) else draw(st.sampled_from(HOSTILE_TEXT))
     return draw(st.one_of(st.sampled_from(HOSTILE_TEXT), st.binary(max_size=6)))
@@ -229,6 +231,13 @@ def test_hostile_wire_shapes_get_the_references_answer(raw: bytes, kind: str, fi
     check(raw, TOPICS[kind], first)
 
 
+def nested(field: int, payload: bytes, depth: int) -> bytes:
+    """``payload`` as field ``field`` of itself, ``depth`` times over."""
+    for _ in range(depth):
+        payload = ld(field, payload)
+    return payload
+
+
 def _message(topic: bytes = b"orders", body: bytes = b"x", mid: bytes = b"id-1") -> bytes:
     system = ld(3, mid) + key(6, VARINT) + varint(1)
     return ld(1, ld(2, topic)) + ld(3, system) + ld(4, body)
@@ -263,8 +272,8 @@ def _message(topic: bytes = b"orders", body: bytes = b"x", mid: bytes = b"id-1")
         ld(1, _message()) * 200,  # more messages than a batch may hold
         ld(1, _message(body=_message() * 50)),  # a body that is itself a message
         # deep nesting inside a body and inside the topic's resource
-        ld(1, _message(body=(lambda b: [b := ld(1, b) for _ in range(500)][-1])(b"x"))),
-        ld(1, ld(1, (lambda b: [b := ld(2, b) for _ in range(200)][-1])(b"orders"))),
+        ld(1, _message(body=nested(1, b"x", 500))),
+        ld(1, ld(1, nested(2, b"orders", 200))),
     ],
 )
 def test_hand_written_hostile_requests_get_the_references_answer(raw: bytes) -> None:
@@ -279,6 +288,7 @@ def test_the_walker_takes_only_the_plain_baseline_of_the_hand_written_cases() ->
 
 
 # -- CommitLog records with hostile fields, their CRCs sealed again -----------------------------
+
 
 def records(messages: list[Message]) -> list[bytearray]:
     """``messages`` as the store writes them (record CRC included) from CommitLog offset 4096."""
@@ -301,17 +311,17 @@ def seal(buf: bytearray, pos: int, at: dict[str, int]) -> None:
     they say it: damage that only the structural checks can catch."""
     total = struct.unpack_from(">i", buf, pos)[0]
     body_len = struct.unpack_from(">i", buf, at["body"])[0]
-    if 0 <= body_len and at["body"] + 4 + body_len <= len(buf):
+    if body_len >= 0 and at["body"] + 4 + body_len <= len(buf):
         body = bytes(buf[at["body"] + 4 : at["body"] + 4 + body_len])
         struct.pack_into(">I", buf, pos + 8, crc32c_of(body))
-    if CRC_TRAILER_SIZE <= total and pos + total <= len(buf):
+    if total >= CRC_TRAILER_SIZE and pos + total <= len(buf):
         end = pos + total - CRC_TRAILER_SIZE
         buf[end : end + CRC_TRAILER_SIZE] = crc_trailer(crc32c_of(bytes(buf[pos:end])))
 
 
-def outcome(call: Any) -> Any:
+def outcome(call: Any, *args: Any) -> Any:
     try:
-        result = call()
+        result = call(*args)
     except (RecordError, UnicodeDecodeError) as e:
         return type(e)
     if isinstance(result, tuple) and len(result) == 3 and not isinstance(result[2], int):
@@ -333,12 +343,11 @@ def every_reader_agrees(buf: bytes, positions: list[int], sizes: list[int]) -> N
         assert NATIVE.scan_records(buf, 0, limit, 4096, check_crc) == PY.scan_records(
             buf, 0, limit, 4096, check_crc
         )
-        assert outcome(lambda: NATIVE.decode_many(buf, positions, check_crc)) == outcome(
-            lambda: PY.decode_many(buf, positions, check_crc)
+        assert outcome(NATIVE.decode_many, buf, positions, check_crc) == outcome(
+            PY.decode_many, buf, positions, check_crc
         )
-        assert outcome(
-            lambda: NATIVE.dispatch_columns(buf, 0, limit, 4096, True, check_crc, 1 << 20)
-        ) == outcome(lambda: PY.dispatch_columns(buf, 0, limit, 4096, True, check_crc, 1 << 20))
+        columns = (buf, 0, limit, 4096, True, check_crc, 1 << 20)
+        assert outcome(NATIVE.dispatch_columns, *columns) == outcome(PY.dispatch_columns, *columns)
 
     def arrow(decode: Any) -> Any:
         return outcome(lambda: decode(buf, positions, check_crc=True).to_pylist())
@@ -354,9 +363,7 @@ def every_reader_agrees(buf: bytes, positions: list[int], sizes: list[int]) -> N
     assert NATIVE.check_span(buf, p, s, 7) == PY.check_span(buf, p, s, 7)
 
 
-LENGTHS = st.sampled_from(
-    ["total", "body", "topic", "props", "sysflag"]
-)
+LENGTHS = st.sampled_from(["total", "body", "topic", "props", "sysflag"])
 HOSTILE_I32 = [0, 1, 4, 8, 19, 20, 21, -1, -8, 2**31 - 1, -(2**31), 65535, 65536]
 HOSTILE_U16 = [0, 1, 19, 20, 21, 0xFFFF, 0x8000]
 
