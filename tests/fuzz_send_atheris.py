@@ -23,7 +23,7 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-with atheris.instrument_imports():
+with atheris.instrument_imports(include=["broker.protocol"]):
     import broker.protocol  # noqa: F401
 from test_send_native import TOPICS, check, plain, request
 
