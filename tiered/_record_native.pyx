@@ -1509,9 +1509,12 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
     memset(c, 0, sizeof(ColBuf))
     # The columns are written straight into numpy arrays (untouched pages cost nothing); when
     # they are full the call returns early (status 1). A record is at least 90 bytes, and its
-    # properties (at most 32 KiB) hold at most 16,384 keys.
+    # properties hold at most 32,769 keys: the encoder writes 32 KiB of them, but the length
+    # field allows 65,535 bytes (a record from a master or an object store), one-byte keys
+    # and their separators, and UNIQ_KEY. Room for that one record is what keeps status 1
+    # from answering "nothing taken" at the same place forever (decision 431).
     c.cap = max(1, min(max_records, (limit - pos) // 90 + 1))
-    c.kcap = 2 * c.cap + 16_384
+    c.kcap = 2 * c.cap + 32_769
     cdef list arrays = [np.empty(c.cap, np.int64) for i in range(6)]
     cdef list key_arrays = [np.empty(c.kcap, np.int64) for i in range(2)]
     cdef int64_t[::1] a_offset = arrays[0], a_size = arrays[1], a_qoff = arrays[2]
