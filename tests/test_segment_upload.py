@@ -6,16 +6,18 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from offload.offloader import Offloader
-from offload.segment_upload import SegmentSourceError, upload_segment
+from offload.segment_upload import SegmentJob, SegmentSourceError, upload_segment
 from tiered.cold.counting import CountingObjectStore
-from tiered.cold.segment import SegmentError, read_footer
+from tiered.cold.segment import SegmentError, build, read_footer
 from tiered.cold.storage import open_store
 from tiered.config import StoreConfig
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE
 from tiered.record import Message
-from tiered.store import MessageStore
+from tiered.store import MessageStore, commitlog_file_name
 
 
 def test_a_put_that_wrote_is_not_read_back_and_a_retry_checks_the_stored_footer(
@@ -55,3 +57,56 @@ def test_a_put_that_wrote_is_not_read_back_and_a_retry_checks_the_stored_footer(
     gone = replace(job, commitlog_dir=str(tmp_path / "nowhere"))
     with pytest.raises(SegmentSourceError):
         upload_segment(tier, gone)
+
+
+def test_a_segment_built_in_a_reused_buffer_is_byte_for_byte_the_reference_build(
+    tmp_path: Path,
+) -> None:
+    """The worker builds each segment in the buffer its thread built the last one in (decision
+    410): whatever that buffer held before, the object is the reference ``build`` of the same
+    records, so a retried upload of the same range writes identical bytes."""
+    config = StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=1 << 20)
+    store = MessageStore(config)
+    store.start()
+    try:
+        store.put_messages(
+            [
+                Message(
+                    topic="t",
+                    queue_id=i % 2,
+                    body=os.urandom(300 + i % 900),
+                    properties={"KEYS": f"k{i}"},
+                )
+                for i in range(4000)
+            ]
+        )
+        assert store.wait_dispatched()
+        offloader = Offloader(store, open_store(f"file://{tmp_path}/plan"), "c", "b")
+        offloader.policy.segment_max_bytes = 400_000
+        jobs = list(offloader._plan_segments("t", 0, 0, store.max_offset("t", 0)))
+        offloader.close()
+    finally:
+        store.shutdown()
+    big, tail = jobs[0], jobs[-1]
+    assert len(tail.entries) < len(big.entries) * 0.6, "a small job after a large one"
+    cut = len(big.entries) // CQ_ENTRY_SIZE * 4 // 5 * CQ_ENTRY_SIZE
+    medium = replace(big, entries=big.entries[:cut])
+
+    def reference(job: SegmentJob) -> bytes:
+        table = np.frombuffer(job.entries, dtype=CQ_DTYPE)
+        records = []
+        for offset, size in zip(table["offset"].tolist(), table["size"].tolist(), strict=True):
+            path = Path(job.commitlog_dir) / commitlog_file_name(
+                offset // job.commitlog_file_size * job.commitlog_file_size
+            )
+            with open(path, "rb") as f:
+                f.seek(offset % job.commitlog_file_size)
+                records.append(f.read(size))
+        return build(records, job.base_offset, job.key)[0]
+
+    # One thread, as a worker thread runs them: large, small, smaller than the kept buffer,
+    # large again, and the same range once more.
+    for n, job in enumerate([big, tail, medium, *jobs[1:-1], big]):
+        tier = open_store(f"file://{tmp_path}/tier-{n}")
+        info = upload_segment(tier, job)
+        assert tier.get(info.key) == reference(job), f"job {n}"
