@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,11 @@ def read_records(job: SegmentJob, out: bytearray) -> int:
 # about ``segment_max_bytes``.
 _kept = threading.local()
 
+# Builds that run at once in a process: one per two cores. A build is CPU (the gather, the
+# checks), a PUT mostly waits on the store; four builds started together (a pass's first four
+# segments) only delayed every first PUT until all four were built (decision 413).
+_building = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 2))
+
 
 def _object_buffer(job: SegmentJob) -> tuple[bytearray, int]:
     """A buffer for the job's object, its length the size of the job's records (its contents
@@ -111,9 +117,10 @@ def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
     """Build the job's segment, write it unless its key exists, and return its verified footer.
     Raises ``SegmentError`` (a damaged or missing record, a stored object that is not ours) or
     ``StorageError`` (after the tier's retries)."""
-    data, records = _object_buffer(job)
-    read_records(job, data)
-    info = seal(data, records, job.base_offset, job.key)
+    with _building:
+        data, records = _object_buffer(job)
+        read_records(job, data)
+        info = seal(data, records, job.base_offset, job.key)
     # The store does not keep ``data`` past the call: this thread's next job reuses it.
     written = tier.put_if_absent(info.key, data)  # type: ignore[arg-type]
     failpoints.hit("offload.after_put")
