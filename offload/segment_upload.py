@@ -109,6 +109,8 @@ def _object_buffer(job: SegmentJob) -> tuple[bytearray, int]:
         buf = bytearray(size)
         if size > room:  # a smaller job (a queue's last segment) leaves the larger one kept
             _kept.buf, _kept.room = buf, size
+    if len(buf) < records:  # the kept buffer, cut to a smaller object last time: within its room
+        buf += bytes(records - len(buf))
     del buf[records:]
     return buf, records
 

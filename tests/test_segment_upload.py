@@ -113,8 +113,8 @@ def test_a_segment_built_in_a_reused_buffer_is_byte_for_byte_the_reference_build
     cut = len(big.entries) // CQ_ENTRY_SIZE * 4 // 5 * CQ_ENTRY_SIZE
     medium = replace(big, entries=big.entries[:cut])
     # One thread, as a worker thread runs them: large, small, smaller than the kept buffer,
-    # large again, and the same range once more.
-    for n, job in enumerate([big, tail, medium, *jobs[1:-1], big]):
+    # large again (more records than the last object's bytes), the others, the first again.
+    for n, job in enumerate([big, tail, medium, big, *jobs[1:-1], big]):
         tier = open_store(f"file://{tmp_path}/tier-{n}")
         info = upload_segment(tier, job)
         assert tier.get(info.key) == _reference_build(job), f"job {n}"
