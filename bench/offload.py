@@ -80,6 +80,18 @@ def raw_put_seconds(s3: Any, bucket: str, blobs: list[bytes], threads: int) -> f
     return time.perf_counter() - t0
 
 
+def drop_bucket(s3: Any, bucket: str) -> None:
+    """Delete the bench's objects and its bucket. LocalStack keeps every object until it stops,
+    and a run writes three copies of the segments (450 MB): the runs of a shared day once filled
+    the machine's memory (shared memory at 22 of 24 GiB) until the OOM killer stopped
+    LocalStack."""
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    s3.delete_bucket(Bucket=bucket)
+
+
 def main() -> None:
     manage = localstack()
     started = manage.start()
@@ -126,6 +138,7 @@ def main() -> None:
         raw_s = min(raw_runs.values())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        drop_bucket(s3, bucket)
         if started:
             manage.stop()
     offload_mb_s = uploaded / offload_s / 1e6

@@ -420,20 +420,28 @@ class Offloader:
                     if not uploads:
                         break
                     job, future = uploads.popleft()
-                    info = self._uploaded(job, future)
-                    manifest = manifest.with_segment(info)
+                    done = [self._uploaded(job, future)]
+                    # The uploads behind it that have landed too join the same manifest
+                    # version: one commit (a PUT, a LIST, a prune) for all of them, and still
+                    # in offset order (decision 411).
+                    while uploads and _landed(uploads[0][1]):
+                        job, future = uploads.popleft()
+                        done.append(future.result())
+                    manifest = manifest.with_segments(done)
                     failpoints.hit("offload.before_commit")
                     try:
                         self._commit(topic, queue_id, manifest)
                     except CommitRefusedError:
-                        self._discard(info.key)
+                        for info in done:
+                            self._discard(info.key)
                         raise
-                    result.segments += 1
-                    result.messages += info.count
-                    result.bytes += info.size
-                    self.stats.uploaded_segments += 1
-                    self.stats.uploaded_messages += info.count
-                    self.stats.uploaded_bytes += info.size
+                    for info in done:
+                        result.segments += 1
+                        result.messages += info.count
+                        result.bytes += info.size
+                        self.stats.uploaded_segments += 1
+                        self.stats.uploaded_messages += info.count
+                        self.stats.uploaded_bytes += info.size
             finally:
                 self._abandon(uploads)
             result.watermark = manifest.end_offset
@@ -623,3 +631,8 @@ class Offloader:
         self._queues_pool.shutdown(wait=False, cancel_futures=True)
         if self._own_runner:
             self.runner.close()
+
+
+def _landed(future: Future[SegmentInfo]) -> bool:
+    """Whether an upload has finished and succeeded (a failed one is left to ``_uploaded``)."""
+    return future.done() and not future.cancelled() and future.exception() is None

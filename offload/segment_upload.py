@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tiered import failpoints
-from tiered.cold.segment import SegmentError, SegmentInfo, build, read_footer
+from tiered.cold.segment import SegmentError, SegmentInfo, read_footer
 from tiered.cold.storage import ObjectStore
-from tiered.formats import CQ_DTYPE
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, FOOTER_SIZE, seal
 from tiered.record import gather
 from tiered.store import commitlog_file_name
 
@@ -50,14 +52,14 @@ class SegmentJob:
     commitlog_file_size: int
 
 
-def read_records(job: SegmentJob) -> bytearray:
-    """The job's whole records from the CommitLog files, one after the other: each file mapped,
-    and its records copied straight into the result by the record engine (one copy, the bytes
-    between them, other queues' records, never read)."""
+def read_records(job: SegmentJob, out: bytearray) -> int:
+    """Copy the job's whole records from the CommitLog files into ``out`` from its start, one
+    after the other, and return their size: each file mapped, and its records copied straight
+    into ``out`` by the record engine (one copy; the bytes between them, other queues' records,
+    never read). ``out`` must hold at least that many bytes."""
     table = np.frombuffer(job.entries, dtype=CQ_DTYPE)
     phys = table["offset"].astype(np.int64)
     sizes = table["size"].astype(np.int64)
-    out = bytearray(int(sizes.sum()))
     files = phys // job.commitlog_file_size
     # Queue offsets grow with CommitLog offsets: the records of one file are one run of the table.
     cuts = np.flatnonzero(files[1:] != files[:-1]) + 1
@@ -76,15 +78,53 @@ def read_records(job: SegmentJob) -> bytearray:
             raise SegmentSourceError(
                 f"{job.key}: records of CommitLog file {path.name} are not local: {e}"
             ) from None
-    return out
+    return at
+
+
+# Each worker thread keeps the buffer its last segment was built in and builds the next one in
+# it: a fresh 16 MiB buffer costs a page fault per 4 KiB page when it is first written, as
+# much CPU as copying the records into it (decision 410). A thread holds at most one buffer of
+# about ``segment_max_bytes``.
+_kept = threading.local()
+
+# Builds that run at once in a process: one per two cores. A build is CPU (the gather, the
+# checks), a PUT mostly waits on the store; four builds started together (a pass's first four
+# segments) only delayed every first PUT until all four were built (decision 413).
+_building = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 2))
+
+
+def _object_buffer(job: SegmentJob) -> tuple[bytearray, int]:
+    """A buffer for the job's object, its length the size of the job's records (its contents
+    undefined), with room after them for the tables and footer; and that size."""
+    count = len(job.entries) // CQ_ENTRY_SIZE
+    records = int(np.frombuffer(job.entries, dtype=CQ_DTYPE)["size"].sum(dtype=np.int64))
+    buf: bytearray | None = getattr(_kept, "buf", None)
+    room: int = getattr(_kept, "room", 0)
+    # The kept buffer when the records fit and fill at least 60% of it: a bytearray cut below
+    # half its memory gives memory back, which the next large job would fault in again.
+    if buf is None or not room * 3 <= records * 5 <= room * 5:
+        # Room for the offset and time tables (28 bytes a record), two keys a record in the
+        # key index, and the footer: the tables seldom grow the buffer again.
+        size = records + count * (CQ_ENTRY_SIZE + 8 + 16) + FOOTER_SIZE
+        buf = bytearray(size)
+        if size > room:  # a smaller job (a queue's last segment) leaves the larger one kept
+            _kept.buf, _kept.room = buf, size
+    if len(buf) < records:  # the kept buffer, cut to a smaller object last time: within its room
+        buf += bytes(records - len(buf))
+    del buf[records:]
+    return buf, records
 
 
 def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
     """Build the job's segment, write it unless its key exists, and return its verified footer.
     Raises ``SegmentError`` (a damaged or missing record, a stored object that is not ours) or
     ``StorageError`` (after the tier's retries)."""
-    data, info = build([read_records(job)], job.base_offset, job.key)
-    written = tier.put_if_absent(info.key, data)
+    with _building:
+        data, records = _object_buffer(job)
+        read_records(job, data)
+        info = seal(data, records, job.base_offset, job.key)
+    # The store does not keep ``data`` past the call: this thread's next job reuses it.
+    written = tier.put_if_absent(info.key, data)  # type: ignore[arg-type]
     failpoints.hit("offload.after_put")
     if written:
         # A PUT that succeeded created the object with exactly these bytes (an object write is

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -21,6 +24,7 @@ from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
 
 FAST = OffloadPolicy(segment_max_messages=700)
+T = TypeVar("T")
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -97,6 +101,43 @@ def test_local_segment_is_kept_until_upload_verified(hot: MessageStore, tier: Ob
     for q in (0, 1):
         assert hot.min_offset("orders", q) > 0
         assert read_tier(tier, "orders", q) == before[q], "every message, byte-identical"
+
+
+class InlineRunner:
+    """Runs each cold job when it is submitted, on the caller's thread: every upload in flight
+    has landed by the time the offloader waits for the oldest."""
+
+    def __init__(self, tier: ObjectStore) -> None:
+        self.tier = tier
+
+    def submit(self, fn: Callable[..., T], *args: Any, block: bool = True) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(self.tier, *args))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+def test_uploads_that_landed_together_are_committed_in_one_manifest_version(
+    hot: MessageStore, tier: ObjectStore
+) -> None:
+    fill(hot, "orders", 3000)
+    before = snapshot(hot, "orders", 0)
+    policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
+    offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=InlineRunner(tier))
+    start = offloader.manifest("orders", 0).version
+    result = offloader.offload_queue("orders", 0)
+    manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0)).load()
+    assert result.segments == len(manifest.segments) == 5 and result.watermark == len(before)
+    # Four uploads in flight had landed when the first was waited for: one version for them,
+    # one for the fifth; not a version (a PUT, a LIST and a prune) per segment.
+    assert manifest.version - start == 2
+    assert read_tier(tier, "orders", 0) == before
+    offloader.close()
 
 
 def test_untiered_topics_in_the_same_files_keep_the_file_reserved_time(hot, tier) -> None:

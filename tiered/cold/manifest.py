@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from google_crc32c import value as crc32c
@@ -106,14 +107,22 @@ class QueueManifest:
 
     def with_segment(self, info: SegmentInfo) -> QueueManifest:
         """The next version, with ``info`` appended (it must continue the archive exactly)."""
-        if info.base_offset != self.end_offset:
-            raise ValueError(
-                f"{info.key} starts at {info.base_offset}, the archive ends at {self.end_offset}"
-            )
+        return self.with_segments([info])
+
+    def with_segments(self, infos: Sequence[SegmentInfo]) -> QueueManifest:
+        """The next version (one more, however many segments: the version is the commit's
+        slot), with ``infos`` appended in order, each continuing the archive exactly."""
+        end = self.end_offset
+        for info in infos:
+            if info.base_offset != end:
+                raise ValueError(
+                    f"{info.key} starts at {info.base_offset}, the archive ends at {end}"
+                )
+            end = info.end_offset
         return QueueManifest(
             self.prefix,
             self.version + 1,
-            [*self.segments, info],
+            [*self.segments, *infos],
             self.log_start_offset,
             self.epoch,
             self.writer,
