@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -50,10 +51,10 @@ from lakehouse.sink import (
     ParquetWriterTask,
     commit_files,
 )
-from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs
+from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs, tier_store
 from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
 from lakehouse.tier import ManifestCache, QueueRef, discover
-from tiered.cold.storage import open_store
+from tiered.cold.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +150,13 @@ class Export:
         self.offsets: dict[str, int] = {}
         self.batches: list[BatchReport] = []
         self.stopped: dict[str, str] = {}  # queue key -> the one line an operator reads
-        self._store = open_store(self.tier.url, self.tier.options)
+        # The process's client of the tier (one per process, as on the executors): making a
+        # botocore client costs more than the listing a caught-up run does with it.
+        self._store = tier_store(self.tier)
         self._manifests = ManifestCache(self._store)
+        # topic -> its table as this run last read it, brought up to date before each use
+        # (``update_incremental`` reads only the log's new commits)
+        self._tables: dict[str, DeltaTable | None] = {}
         self._continuous = False
         self._last_compaction: dict[str, float] = {}
         # (topic, store_date) -> files committed since the partition was last compacted
@@ -172,9 +178,19 @@ class Export:
         """The tables' exported offsets (their app transactions) for ``queues``."""
         out: dict[str, int] = {}
         for topic in sorted({q.topic for q in queues}):
-            table = LakeTable(self.lake, topic).open()
+            table = self._table(topic)
             out.update(exported_offsets(table, [q for q in queues if q.topic == topic]))
         return out
+
+    def _table(self, topic: str) -> DeltaTable | None:
+        """The topic's table at its latest version (None while it does not exist): opened
+        once per run, then only the log's new commits are read."""
+        table = self._tables.get(topic)
+        if table is None:
+            table = self._tables[topic] = LakeTable(self.lake, topic).open()
+        else:
+            table.update_incremental()
+        return table
 
     # -- the query ------------------------------------------------------------------------
 
@@ -226,13 +242,19 @@ class Export:
         # Only file metadata comes back to the driver: one row per Parquet file.
         rows = [row.asDict() for row in df.mapInArrow(task, FILE_META_DDL).collect()]
         written = time.monotonic()
+        outage = next((r["error"] for r in rows if r["error"] and not r["queue_key"]), None)
+        if outage is not None:
+            raise ExportError(_unreachable(self.tier.url, outage, batch_id))
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
             self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
         files = self._contiguous([r for r in rows if not r["error"]], floors)
         commits = []
         for topic in sorted({f["topic"] for f in files}):
             mine = [f for f in files if f["topic"] == topic]
-            commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us))
+            delta = self._tables.get(topic)
+            if delta is None:
+                delta = self._tables[topic] = LakeTable(self.lake, topic).open_or_create()
+            commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us, delta))
         done = time.monotonic()
         report = BatchReport(
             batch_id,
@@ -291,7 +313,7 @@ class Export:
         """Stop the queues of a table this export cannot append to (an older row format)."""
         for topic in sorted({q.topic for q in queues}):
             table = LakeTable(self.lake, topic)
-            delta = table.open()
+            delta = self._tables[topic] = table.open()
             if delta is None:
                 continue
             try:
@@ -438,6 +460,8 @@ class Export:
             raise ExportError(str(e)) from None
         try:
             return self._run(once=once, timeout=timeout)
+        except StorageError as e:  # listing or manifests, on the driver
+            raise ExportError(_unreachable(self.tier.url, _one_line(e), None)) from None
         finally:
             lock.release()
 
@@ -454,11 +478,15 @@ class Export:
                     return ExportReport([], {})
                 queues = self.queues()
         self._check_tables(queues)
-        starting = self.exported(queues)
+        starting = {}
+        for topic in sorted({q.topic for q in queues}):  # the tables _check_tables just read
+            mine = [q for q in queues if q.topic == topic]
+            starting.update(exported_offsets(self._tables.get(topic), mine))
         self.offsets = dict(starting)
         if once:
             # Bounded by the tier watermarks as they are now: what "archived so far" means.
-            targets = {q.key: self._manifests.get(q).end_offset for q in queues}
+            manifests = self._manifests.get_many(queues)
+            targets = {q.key: m.end_offset for q, m in zip(queues, manifests, strict=True)}
             if self._reached(targets, queues, self._manifests):
                 log.info("nothing new to export")
                 return ExportReport([], dict(self.offsets))
@@ -491,12 +519,17 @@ class Export:
         """``--once`` as a sequence of batch jobs planned here, on the driver: the source's
         slices and admission control, bounded by ``targets``."""
         planner = self._planner(starting, targets)
+        planner.relist(queues)  # the run's one listing: its targets name these queues
         deadline = None if timeout is None else time.monotonic() + timeout
-        position = planner.initial()
+        # The manifests were read for the targets a moment ago: the first batch is planned on
+        # them; later batches look for newer ones (retention may have moved a start).
+        position = planner.initial(refresh=False)
+        first = True
         while not self._stop.is_set() and not self._reached(targets, queues, self._manifests):
             if deadline is not None and time.monotonic() > deadline:
                 raise ExportError(f"export did not finish within {timeout:.0f} s")
-            end = planner.latest(position)
+            end = planner.latest(position, refresh=not first)
+            first = False
             if end == position:
                 break  # nothing left below the targets (the rest expired or is stopped)
             self._batch(planner, position, end)
@@ -517,6 +550,7 @@ class Export:
             if deadline is not None and time.monotonic() > deadline:
                 break
             started = time.monotonic()
+            planner.relist()  # new topics and queues: once per interval, not once per batch
             end = planner.latest(position)
             while end != position and not self._stop.is_set():  # a backlog: back to back
                 self._batch(planner, position, end)
@@ -540,8 +574,8 @@ class Export:
             frame = self.spark.range(0, len(packs), 1, max(1, len(packs)))
         try:
             self._write_batch(frame, batch_id, packs)
-        except ExportError:
-            raise
+        except (ExportError, StorageError):
+            raise  # already one line, or the tier's outage (``run`` says so)
         except Exception as e:  # a failed Spark job or commit: one line, no traceback
             raise ExportError(_one_line(e)) from None
 
@@ -573,6 +607,15 @@ class Export:
 
 def _passthrough(batches: Iterable[Any]) -> Iterator[Any]:
     yield from batches
+
+
+def _unreachable(tier_url: str, reason: str, batch_id: int | None) -> str:
+    """The one line of an export the object store stopped answering."""
+    batch = "the batch it was planning" if batch_id is None else f"batch {batch_id}"
+    return (
+        f"the tier {tier_url} did not answer ({reason}); nothing of {batch} was committed: "
+        "run the export again once the object store is back (it resumes where the tables say)"
+    )
 
 
 def _one_line(error: BaseException | None) -> str:

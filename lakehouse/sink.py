@@ -35,17 +35,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import CommitProperties, Transaction
+from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.transaction import AddAction, RemoveAction
 from fsspec.implementations.local import LocalFileSystem
 
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
-from lakehouse.source import SegmentSlice, SlicePack, read_slice
+from lakehouse.source import SegmentSlice, SlicePack, read_slices
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import QueueRef
-from tiered.cold.segment import SegmentError
-from tiered.cold.storage import ObjectNotFoundError
+from tiered.cold.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +229,12 @@ def damage_row(queue_key: str, first_offset: int, error: str) -> dict[str, Any]:
     }
 
 
+def outage_row(error: str) -> dict[str, Any]:
+    """The metadata row of a task the tier stopped answering: no queue, the reason in
+    ``error``. The whole batch fails; nothing of it is committed."""
+    return {**damage_row("-/-/-/0", 0, error), "topic": "", "queue_key": ""}
+
+
 @dataclass(slots=True, frozen=True)
 class ParquetWriterTask:
     """The ``mapInArrow`` function of one batch: pack ids in, file metadata rows out. Each
@@ -260,24 +265,32 @@ class ParquetWriterTask:
         files = _FileSet(self)
         damaged: list[dict[str, Any]] = []
         failed: set[str] = set()  # queues whose slice failed in this task: read no further
+        parts = []
         for batch in slices:
             for part in self._slices(batch):
                 floor = self.floors.get(part.queue_key, part.first)
-                if part.queue_key in self.stopped or part.queue_key in failed:
-                    continue
-                if part.end <= floor:
-                    continue  # a replayed slice the table already has
+                if part.queue_key in self.stopped or part.end <= floor:
+                    continue  # stopped, or a replayed slice the table already has
                 if floor > part.first:
                     part = SegmentSlice(part.queue_key, part.segment, floor, part.end)
-                try:
-                    for rows in read_slice(self.tier, part):
-                        files.add(rows)
-                except (SegmentError, ObjectNotFoundError) as e:
-                    # Rows decoded before the damage are whole and checked: keep them.
-                    written = files.last_offset(part.queue_key)
-                    at = part.first if written is None else max(part.first, written + 1)
-                    damaged.append(damage_row(part.queue_key, at, _first_line(e)))
-                    failed.add(part.queue_key)
+                parts.append(part)
+        try:
+            # One read pipeline over every slice of the task (lakehouse.source.read_slices).
+            for part, rows in read_slices(self.tier, parts, lambda p: p.queue_key in failed):
+                if isinstance(rows, pa.RecordBatch):
+                    files.add(rows)
+                    continue
+                # Rows decoded before the damage are whole and checked: keep them.
+                written = files.last_offset(part.queue_key)
+                at = part.first if written is None else max(part.first, written + 1)
+                damaged.append(damage_row(part.queue_key, at, _first_line(rows)))
+                failed.add(part.queue_key)
+        except StorageError as e:
+            # The tier did not answer through every retry (an outage): not one queue's damage.
+            # The driver commits nothing of this batch; the files written are never referenced.
+            files.close()
+            yield pa.RecordBatch.from_pylist([outage_row(_first_line(e))], schema=FILE_META_SCHEMA)
+            return
         done = files.close() + damaged
         if done:
             yield pa.RecordBatch.from_pylist(done, schema=FILE_META_SCHEMA)
@@ -398,13 +411,24 @@ class CommitResult:
 
 
 def commit_files(
-    lake: Location, topic: str, files: list[dict[str, Any]], batch_id: int, export_ts_us: int
+    lake: Location,
+    topic: str,
+    files: list[dict[str, Any]],
+    batch_id: int,
+    export_ts_us: int,
+    delta: DeltaTable | None = None,
 ) -> CommitResult:
     """Commit one topic's files of a batch in one Delta transaction with the queues' new
     exported offsets. ``files`` are metadata rows, one per file and queue. Idempotent: files
-    whose rows the table already has are left out (a file is committed whole or not at all)."""
+    whose rows the table already has are left out (a file is committed whole or not at all).
+    ``delta``: the table as the caller last read it (brought up to date here), not reopened."""
     table = LakeTable(lake, topic)
-    delta = table.open_or_create()
+    if delta is None:
+        delta = table.open_or_create()
+    else:
+        delta.update_incremental()
+        table.check_row_version(delta)
+        table.add_deliver_column(delta)
     queues = {QueueRef.parse(f["queue_key"]) for f in files}
     current = {q.key: delta.transaction_version(app_id(q)) for q in queues}
     by_path: dict[str, list[dict[str, Any]]] = {}

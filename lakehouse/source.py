@@ -42,11 +42,12 @@ Options:
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import logging
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -293,7 +294,7 @@ class RangeReader:
             kwargs["aws_secret_access_key"] = options.get("secret")
             kwargs["aws_session_token"] = options.get("token")
         config = Config(max_pool_connections=2 * FETCH_AHEAD, retries={"max_attempts": 1})
-        self.client = botocore.session.get_session().create_client("s3", config=config, **kwargs)
+        self.client = _session().create_client("s3", config=config, **kwargs)
 
     @staticmethod
     def usable(tier: Location) -> bool:
@@ -306,6 +307,31 @@ class RangeReader:
         )
         data: bytes = answer["Body"].read()
         return data
+
+
+_SESSION: botocore.session.Session | None = None
+
+
+def _session() -> botocore.session.Session:
+    """This process's botocore session: it keeps the S3 model and endpoint data it has parsed,
+    so a second client costs milliseconds, not the tenth of a second the first one does."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = botocore.session.get_session()
+    return _SESSION
+
+
+def warm_clients() -> None:
+    """Parse botocore's S3 data into this process's session without a request or a credential
+    lookup: the worker daemon does it once before it forks, so a new worker's first client
+    (``RangeReader``) is cheap."""
+    _session().create_client(
+        "s3",
+        region_name="us-east-1",
+        endpoint_url="http://127.0.0.1:9",
+        aws_access_key_id="warm",
+        aws_secret_access_key="warm",
+    )
 
 
 _RANGE_READERS: dict[str, tuple[int, RangeReader | None]] = {}
@@ -328,53 +354,139 @@ def range_reader(tier: Location) -> RangeReader | None:
     return made[1]
 
 
-def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
-    """Decode a slice's records into source rows (on an executor): one GET of its offset-table
-    entries, then one GET per ``READ_SPAN_BYTES`` of records, each decoded as one columnar run
-    while the next span is fetched.
+class _SlicePlan:
+    """One slice's spans, once its offset-table entries are read: entry ranges ``[i, j)`` of
+    about ``READ_SPAN_BYTES``, each one GET."""
 
-    Raises ``SegmentError`` naming the object for anything unreadable: missing, short, or a
-    record that fails its checks (CRC, structure, offset table)."""
-    info = SegmentInfo(**part.segment)
-    reader = SegmentReader(tier_store(tier), info)
-    broker = QueueRef.parse(part.queue_key).broker
-    entries = reader.entries(part.first, part.end - part.first)
-    positions = entries["offset"].astype(np.int64)
-    sizes = entries["size"].astype(np.int64)
-    ends = positions + sizes
-    spans: list[tuple[int, int]] = []  # entry ranges [i, j), each one GET
-    i = 0
-    while i < len(entries):
-        j = max(i + 1, int(np.searchsorted(ends, int(positions[i]) + READ_SPAN_BYTES, "right")))
-        spans.append((i, j))
-        i = j
+    def __init__(self, part: SegmentSlice, entries: np.ndarray) -> None:
+        self.part = part
+        self.info = SegmentInfo(**part.segment)
+        self.positions = entries["offset"].astype(np.int64)
+        self.sizes = entries["size"].astype(np.int64)
+        self.ends = self.positions + self.sizes
+        self.spans: list[tuple[int, int]] = []
+        i = 0
+        while i < len(entries):
+            stop = int(self.positions[i]) + READ_SPAN_BYTES
+            j = max(i + 1, int(np.searchsorted(self.ends, stop, "right")))
+            self.spans.append((i, j))
+            i = j
 
-    direct = range_reader(tier)
-
-    def fetch(span: tuple[int, int]) -> bytes:
-        start = int(positions[span[0]])
-        length = int(ends[span[1] - 1]) - start
+    def fetch(self, tier: Location, k: int) -> bytes:
+        """The bytes of span ``k``: a direct ranged GET, else (or when it fails) the store's
+        read, whose retry policy and error classes decide."""
+        i, j = self.spans[k]
+        start = int(self.positions[i])
+        length = int(self.ends[j - 1]) - start
+        direct = range_reader(tier)
         if direct is not None:
             try:
-                data = direct.get(info.key, start, length)
+                data = direct.get(self.info.key, start, length)
                 if len(data) == length:
                     return data
             except Exception:  # the store's read below retries and classifies it
                 pass
-        return reader._range(start, length)
+        return SegmentReader(tier_store(tier), self.info)._range(start, length)
 
-    pending = deque(fetcher().submit(fetch, span) for span in spans[:FETCH_AHEAD])
-    for k, (i, j) in enumerate(spans):
-        data = pending.popleft().result()
-        if k + FETCH_AHEAD < len(spans):
-            pending.append(fetcher().submit(fetch, spans[k + FETCH_AHEAD]))
+    def decode(self, k: int, data: bytes, broker: str) -> pa.RecordBatch:
+        i, j = self.spans[k]
         try:
-            records = decode_run(data, positions[i:j] - int(positions[i]), check_crc=True)
+            records = decode_run(data, self.positions[i:j] - int(self.positions[i]), check_crc=True)
         except RecordError as e:
-            raise SegmentError(f"{info.key}: {e}") from None
-        if not np.array_equal(np.asarray(records.column("size")), sizes[i:j]):
-            raise SegmentError(f"{info.key}: a record is not where its offset-table entry says")
-        yield schema.rows(records, broker, info.key)
+            raise SegmentError(f"{self.info.key}: {e}") from None
+        if not np.array_equal(np.asarray(records.column("size")), self.sizes[i:j]):
+            raise SegmentError(
+                f"{self.info.key}: a record is not where its offset-table entry says"
+            )
+        return schema.rows(records, broker, self.info.key)
+
+
+def _plan_slice(tier: Location, part: SegmentSlice) -> _SlicePlan:
+    reader = SegmentReader(tier_store(tier), SegmentInfo(**part.segment))
+    return _SlicePlan(part, reader.entries(part.first, part.end - part.first))
+
+
+def read_slices(
+    tier: Location,
+    parts: Sequence[SegmentSlice],
+    skip: Callable[[SegmentSlice], bool] = lambda part: False,
+) -> Iterator[tuple[SegmentSlice, pa.RecordBatch | SegmentError]]:
+    """Decode the records of ``parts`` in order into source rows (on an executor), as
+    ``(slice, rows)`` pairs, or ``(slice, SegmentError)`` once for a slice that cannot be read
+    (missing, short, or a record that fails its checks), after which that slice yields
+    nothing more. A slice for which ``skip`` is true when its turn comes (a queue that failed
+    earlier) is not read.
+
+    One pipeline for all the slices: every slice's offset-table entries are fetched at once
+    (one small GET each), and ``FETCH_AHEAD`` span GETs stay in flight across slice
+    boundaries while the current span is decoded. Reading slice by slice drained the
+    pipeline at each boundary (an entries GET, then the first span's GET, before any
+    decoding): a segment's slice is two or three spans, so most of a task waited on S3."""
+    pool = fetcher()
+    plans = [pool.submit(_plan_slice, tier, part) for part in parts]
+
+    def spans() -> Iterator[tuple[int, int, _SlicePlan | SegmentError]]:
+        for n, (part, planned) in enumerate(zip(parts, plans, strict=True)):
+            if skip(part):
+                continue
+            try:
+                plan = planned.result()
+            except SegmentError as e:
+                yield n, -1, e
+                continue
+            for k in range(len(plan.spans)):
+                yield n, k, plan
+
+    def submit(job: tuple[int, int, _SlicePlan | SegmentError]) -> tuple[Any, ...]:
+        n, k, plan = job
+        if isinstance(plan, SegmentError) or skip(parts[n]):
+            return job, None
+        return job, pool.submit(plan.fetch, tier, k)
+
+    jobs = spans()
+    pending = deque(submit(job) for job in itertools.islice(jobs, FETCH_AHEAD))
+    failed: set[int] = set()  # slices that yielded their error
+    try:
+        while pending:
+            (n, k, plan), fetching = pending.popleft()
+            following = next(jobs, None)
+            if following is not None:
+                pending.append(submit(following))
+            part = parts[n]
+            if n in failed or skip(part):
+                continue
+            if isinstance(plan, SegmentError):
+                failed.add(n)
+                yield part, plan
+                continue
+            try:
+                rows = plan.decode(k, fetching.result(), QueueRef.parse(part.queue_key).broker)
+            except SegmentError as e:
+                failed.add(n)
+                yield part, e
+                continue
+            yield part, rows
+    finally:
+        for _, fetching in pending:
+            if fetching is not None:
+                fetching.cancel()
+        for planned in plans:
+            planned.cancel()
+
+
+def read_slice(tier: Location, part: SegmentSlice) -> Iterator[pa.RecordBatch]:
+    """The source rows of one slice (``read_slices`` of one); raises ``SegmentError`` naming
+    the object for anything unreadable."""
+    return _raising(read_slices(tier, [part]))
+
+
+def _raising(
+    pairs: Iterator[tuple[SegmentSlice, pa.RecordBatch | SegmentError]],
+) -> Iterator[pa.RecordBatch]:
+    for _, rows in pairs:
+        if isinstance(rows, SegmentError):
+            raise rows
+        yield rows
 
 
 def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -382,8 +494,7 @@ def read_partition(tier: Location, partition: InputPartition) -> Iterator[pa.Rec
     # When partitions() returns none, Spark still runs one task with a partition of its own.
     if not isinstance(partition, SlicePack):
         return
-    for part in partition.slices:
-        yield from read_slice(tier, part)
+    yield from _raising(read_slices(tier, partition.slices))
 
 
 @dataclass(slots=True, frozen=True)
@@ -407,6 +518,8 @@ class Planner:
     def __init__(self, options: SourceOptions, manifests: ManifestCache | None = None) -> None:
         self.options = options
         self._manifests = manifests
+        # The tier's queues as last listed (``relist``); None: list them on every call.
+        self.listed: list[QueueRef] | None = None
 
     @property
     def manifests(self) -> ManifestCache:
@@ -418,7 +531,18 @@ class Planner:
         return self._manifests
 
     def queues(self) -> list[QueueRef]:
+        if self.listed is not None:
+            return self.listed
         return discover(self.manifests.store, self.options.topics)
+
+    def relist(self, queues: list[QueueRef] | None = None) -> list[QueueRef]:
+        """List the tier's queues now (or take ``queues``, just listed by the caller) and plan
+        with that listing until the next ``relist``: an export lists once per run or trigger
+        interval, not once per batch."""
+        if queues is None:
+            queues = discover(self.manifests.store, self.options.topics)
+        self.listed = queues
+        return queues
 
     def start_of(self, queue: QueueRef, manifest: QueueManifest) -> int:
         start = (self.options.starting or {}).get(queue.key, manifest.start_offset)
@@ -430,8 +554,10 @@ class Planner:
             limit = min(limit, self.options.ending[queue.key])
         return limit
 
-    def initial(self) -> dict[str, int]:
-        return {q.key: self.start_of(q, self.manifests.get(q)) for q in self.queues()}
+    def initial(self, *, refresh: bool = True) -> dict[str, int]:
+        queues = self.queues()
+        manifests = self.manifests.get_many(queues, refresh=refresh)
+        return {q.key: self.start_of(q, m) for q, m in zip(queues, manifests, strict=True)}
 
     def _pending(self, queue: QueueRef, manifest: QueueManifest, position: int) -> list[_Span]:
         if position < manifest.start_offset:
@@ -451,13 +577,16 @@ class Planner:
             if s.end_offset > position and s.base_offset < limit
         ]
 
-    def latest(self, position: Mapping[str, int]) -> dict[str, int]:
+    def latest(self, position: Mapping[str, int], *, refresh: bool = True) -> dict[str, int]:
         """The end of the next micro-batch from ``position``: whole segments, oldest first
-        across queues, within the per-trigger caps."""
+        across queues, within the per-trigger caps. ``refresh``: look for newer manifests
+        first (one LIST per queue, concurrently); without it, plan on the cached ones."""
         end = dict(position)
         pending: list[tuple[int, str, int, list[_Span]]] = []
-        for queue in self.queues():
-            manifest = self.manifests.get(queue)
+        queues = self.queues()
+        for queue, manifest in zip(
+            queues, self.manifests.get_many(queues, refresh=refresh), strict=True
+        ):
             at = position.get(queue.key, self.start_of(queue, manifest))
             end[queue.key] = max(at, manifest.start_offset) if manifest.segments else at
             spans = self._pending(queue, manifest, at)

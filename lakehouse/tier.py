@@ -7,6 +7,7 @@ segment object, so a months-long archive costs the same to discover as a fresh o
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
@@ -37,16 +38,30 @@ class QueueRef:
         return cls(cluster, broker, topic, int(queue))
 
 
+# Concurrent LISTs and manifest reads of one listing or planning pass: each is a round trip,
+# and a pass over dozens of queues one after the other cost the export more than its commit.
+LISTING_THREADS = 8
+
+
 def discover(store: ObjectStore, topics: frozenset[str] | None) -> list[QueueRef]:
-    """Every archived queue of ``topics`` (None: of every topic), across clusters and brokers."""
-    found = []
-    for cluster in store.children(""):
-        for broker in store.children(f"{cluster}/"):
-            names = store.children(f"{cluster}/{broker}/")
-            for topic in names if topics is None else sorted(topics & set(names)):
-                for queue in store.children(f"{cluster}/{broker}/{topic}/"):
-                    if queue.isdigit():
-                        found.append(QueueRef(cluster, broker, topic, int(queue)))
+    """Every archived queue of ``topics`` (None: of every topic), across clusters and brokers.
+    Named topics are listed directly (``{cluster}/{broker}/{topic}/``, concurrently), without
+    listing every topic of the broker first."""
+    brokers = [(c, b) for c in store.children("") for b in store.children(f"{c}/")]
+    if topics is None:
+        with ThreadPoolExecutor(LISTING_THREADS) as pool:
+            names = pool.map(lambda cb: store.children(f"{cb[0]}/{cb[1]}/"), brokers)
+            wanted = [(c, b, t) for (c, b), ts in zip(brokers, names, strict=True) for t in ts]
+    else:
+        wanted = [(c, b, t) for c, b in brokers for t in sorted(topics)]
+    with ThreadPoolExecutor(LISTING_THREADS) as pool:
+        listed = pool.map(lambda cbt: store.children(f"{cbt[0]}/{cbt[1]}/{cbt[2]}/"), wanted)
+        found = [
+            QueueRef(cluster, broker, topic, int(queue))
+            for (cluster, broker, topic), queues in zip(wanted, listed, strict=True)
+            for queue in queues
+            if queue.isdigit()
+        ]
     return sorted(found)
 
 
@@ -71,3 +86,10 @@ class ManifestCache:
             raise ManifestError(f"{queue.prefix}: {e}") from e
         self._cached[queue] = manifest
         return manifest
+
+    def get_many(self, queues: list[QueueRef], *, refresh: bool = True) -> list[QueueManifest]:
+        """``get`` of every queue, concurrently (one LIST, and a GET if it changed, each)."""
+        if len(queues) <= 1:
+            return [self.get(q, refresh=refresh) for q in queues]
+        with ThreadPoolExecutor(min(LISTING_THREADS, len(queues))) as pool:
+            return list(pool.map(lambda q: self.get(q, refresh=refresh), queues))

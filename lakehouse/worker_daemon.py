@@ -45,6 +45,9 @@ def main() -> None:
     sys.path[:] = [p for p in sys.path if not p.endswith(".zip")]
     for name in PRELOAD:
         importlib.import_module(name)
+    from lakehouse.source import warm_clients
+
+    warm_clients()  # botocore's S3 data parsed once, not per worker
     from pyspark import daemon
 
     daemon.manager()

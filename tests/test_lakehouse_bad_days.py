@@ -1,0 +1,202 @@
+"""Lakehouse bad days over LocalStack with real Spark (local[2]): a damaged segment in one task
+of a batch while another task exports another queue, and an object-store outage in the middle
+of an export (the HTTP fault proxy, localstack/fault_proxy.py). Each asserts from the Delta
+table itself (delta-rs reading it, no export code) that no row is lost or written twice."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import S3Endpoint
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+from lakehouse_harness import Archive, expected_rows
+
+from lakehouse.export import Export, ExportConfig, ExportError
+from lakehouse.locations import Location
+from lakehouse.source import Planner, SourceOptions, balanced_packs
+from lakehouse.tables import LakeTable, app_id
+from lakehouse.tier import ManifestCache, QueueRef
+from offload.verify import FAILURE, OK, verify_queue
+from tiered.cold.manifest import ManifestLog
+from tiered.cold.storage import open_store
+from tiered.record import Message
+
+TOPIC = "orders"
+A = QueueRef("c1", "broker-a", TOPIC, 0)  # the queue with the damaged segment
+B = QueueRef("c1", "broker-a", TOPIC, 1)
+
+
+def archived(tmp_path: Path, tier_url: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two queues of three segments each, B a little longer (about 10 MB: a batch of two
+    equal packs, one per core, cut a little past the end of A, so that the second Spark task
+    reads B alone); the expected rows."""
+    archive = Archive.open(
+        tmp_path / "hot", open_store(tier_url, options), queues=2, segment_messages=400
+    )
+    try:
+        archive.produce(TOPIC, 2400, body_size=4096)
+        extra = [Message(TOPIC, random.randbytes(4096), B.queue_id) for _ in range(40)]
+        archive.store.put_messages(extra)
+        assert archive.store.wait_dispatched(60)
+        archive.offload(TOPIC)
+        return expected_rows(archive.messages(TOPIC))
+    finally:
+        archive.close()
+
+
+def table_rows(lake: Path) -> list[tuple[int, int, bytes]]:
+    """(queue, offset, body) of every row of the table, as delta-rs reads it; [] if none."""
+    try:
+        table = DeltaTable(str(lake / TOPIC)).to_pyarrow_table(
+            columns=["queue_id", "queue_offset", "body"]
+        )
+    except TableNotFoundError:
+        return []
+    return sorted(
+        zip(
+            table.column("queue_id").to_pylist(),
+            table.column("queue_offset").to_pylist(),
+            table.column("body").to_pylist(),
+            strict=True,
+        )
+    )
+
+
+def wanted(expected: list[dict[str, Any]]) -> list[tuple[int, int, bytes]]:
+    return sorted((r["queue_id"], r["queue_offset"], r["body"]) for r in expected)
+
+
+def test_damage_in_one_task_leaves_the_queue_of_another_task_committed_once(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    expected = wanted(archived(tmp_path, tier_url, options))
+    tier = open_store(tier_url, options)
+    damaged = ManifestLog(tier, A.prefix).load().segments[1]  # the middle one of three
+    # The batch is one pack per core, in queue order: A's damaged segment and most of B are
+    # read by two different Spark tasks (what this test is about).
+    planner = Planner(
+        SourceOptions(
+            Location.of(tier_url, options), frozenset([TOPIC]), None, None, None, None, 32 << 20
+        ),
+        ManifestCache(tier),
+    )
+    start = planner.initial()
+    packs = balanced_packs(planner.slices(start, planner.latest(start)), 2)
+    holding = [{s.queue_key for s in p.slices} for p in packs]
+    with_damage = [p for p in packs if any(s.segment["key"] == damaged.key for s in p.slices)]
+    assert len(packs) == 2 and len(with_damage) == 1, holding
+    assert any(keys == {B.key} for keys in holding), holding
+
+    # One byte of a record body in the middle of the object: its CRC fails on decode.
+    client = s3.client()
+    key = f"tier/{damaged.key}"
+    good = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[damaged.offsets_at // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(bad))
+
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    report = Export(spark, config).run(once=True, timeout=300)
+    assert set(report.stopped) == {A.key}, report.stopped
+    line = report.stopped[A.key]
+    assert damaged.key in line and f"tmq verify {TOPIC}" in line and "\n" not in line
+    table = DeltaTable(str(lake / TOPIC))
+    resumes_at = table.transaction_version(app_id(A))
+    assert resumes_at is not None and damaged.base_offset <= resumes_at < damaged.end_offset
+    assert f"resumes this queue at {resumes_at}" in line
+    rows = table_rows(lake)
+    assert not [k for k, n in Counter(rows).items() if n > 1], "a row was committed twice"
+    # B: every row exactly once, though A's damage was in the same batch.
+    assert [r for r in rows if r[0] == B.queue_id] == [r for r in expected if r[0] == B.queue_id]
+    assert table.transaction_version(app_id(B)) == max(r[1] for r in expected if r[0] == 1) + 1
+    # A: every row below where it stopped, none from there on.
+    assert [r for r in rows if r[0] == A.queue_id] == [
+        r for r in expected if r[0] == A.queue_id and r[1] < resumes_at
+    ]
+
+    # The operator's path: `tmq verify` (what the broker runs for it) names the object ...
+    verdict = verify_queue(tier, "c1", "broker-a", TOPIC, 0, lock=threading.Lock(), deep=True)
+    assert verdict.status == FAILURE and any(damaged.key in d for d in verdict.damaged), verdict
+    # ... the object is restored from a good copy, verify agrees, and the export resumes A.
+    client.put_object(Bucket=bucket, Key=key, Body=good)
+    verdict = verify_queue(tier, "c1", "broker-a", TOPIC, 0, lock=threading.Lock(), deep=True)
+    assert verdict.status == OK, verdict
+    again = Export(spark, config).run(once=True, timeout=300)
+    assert again.stopped == {} and again.rows == sum(1 for r in expected if r[0] == 0) - resumes_at
+    assert table_rows(lake) == expected, "every row of both queues exactly once"
+    assert Export(spark, config).run(once=True, timeout=300).rows == 0
+
+
+def test_an_object_store_outage_during_export_commits_nothing_and_resumes_once(
+    s3: S3Endpoint, bucket: str, spark: Any, fault_proxy: Any, tmp_path: Path
+) -> None:
+    tier_url = f"s3://{bucket}/tier"
+    expected = wanted(archived(tmp_path, tier_url, s3.storage_options()))
+    proxied = S3Endpoint(fault_proxy.url, "proxy").storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=proxied)
+
+    # The store is down when the export starts: the listing fails through every retry.
+    fault_proxy.set(reset=True)
+    with pytest.raises(ExportError) as down:
+        Export(spark, config).run(once=True, timeout=300)
+    assert_one_clear_line(str(down.value), tier_url)
+    assert table_rows(lake) == []
+
+    # The store goes down in the middle of the batch: the driver has listed and planned (its
+    # seven requests: three LISTs to find the queues, a LIST and a GET of each manifest), the
+    # executors' ranged GETs are under way.
+    fault_proxy.heal()
+    fault_proxy.set(delay_ms=40)
+    before = fault_proxy.snapshot()["counters"].get("requests", 0)
+    finished = threading.Event()
+
+    def outage_once_reading() -> None:
+        while not finished.wait(0.005):
+            if fault_proxy.snapshot()["counters"].get("requests", 0) >= before + 9:
+                fault_proxy.set(reset=True)
+                return
+
+    watcher = threading.Thread(target=outage_once_reading, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ExportError) as cut:
+            Export(spark, config).run(once=True, timeout=300)
+    finally:
+        finished.set()
+        watcher.join(5)
+    assert_one_clear_line(str(cut.value), tier_url)
+    assert "batch 0" in str(cut.value), cut.value
+    assert time.monotonic() - started < 120
+    assert fault_proxy.snapshot()["counters"].get("reset", 0) > 0
+    # Nothing of the batch is in the table: no data file, no exported offset.
+    delta = LakeTable(Location.of(str(lake)), TOPIC).open()
+    if delta is not None:
+        assert delta.file_uris() == []
+        assert delta.transaction_version(app_id(A)) is None
+        assert delta.transaction_version(app_id(B)) is None
+    assert table_rows(lake) == []
+
+    # The store heals: the next run exports everything, exactly once; one more adds nothing.
+    fault_proxy.heal()
+    report = Export(spark, config).run(once=True, timeout=300)
+    assert report.rows == len(expected) and report.stopped == {}
+    assert table_rows(lake) == expected
+    assert Export(spark, config).run(once=True, timeout=300).rows == 0
+
+
+def assert_one_clear_line(line: str, tier_url: str) -> None:
+    assert "\n" not in line and "Traceback" not in line, line
+    assert f"the tier {tier_url} did not answer" in line, line
+    assert "nothing of" in line and "was committed" in line, line
+    assert "run the export again once the object store is back" in line, line
