@@ -194,10 +194,21 @@ def fault_proxy(s3: S3Endpoint) -> Iterator[Any]:
 
 
 @pytest.fixture
-def bucket(s3: S3Endpoint) -> str:
+def bucket(s3: S3Endpoint) -> Iterator[str]:
+    """A fresh bucket, emptied and deleted at the end: LocalStack keeps every object in memory
+    until it stops, and a full run's buckets once grew it until the machine ran out of memory."""
     name = f"tmq-{uuid.uuid4().hex[:12]}"
-    s3.client().create_bucket(Bucket=name)
-    return name
+    client = s3.client()
+    client.create_bucket(Bucket=name)
+    yield name
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+        client.delete_bucket(Bucket=name)
+    except Exception as e:  # a test that broke the endpoint (or left a writer) keeps its bucket
+        print(f"bucket {name} left behind: {e!r}")
 
 
 def _free_port() -> int:
