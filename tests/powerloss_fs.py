@@ -32,7 +32,10 @@ lines on stdin:
 - ``fail-fsync SIZE``: the next fsync of a file of SIZE bytes fails with EIO and its unwritten
   pages are dropped, as Linux does after a writeback error (a later fsync then succeeds
   without them);
-- ``stats``: prints ``stats FSYNCS DIR_FSYNCS``.
+- ``fail-write SIZE``: the next ``write(2)`` (not a writeback of mapped or cached pages) to a
+  file of SIZE bytes fails with EIO and stores nothing, and later writes succeed again: a
+  device that failed one write and came back, which a store must not take as healed;
+- ``stats``: prints ``stats FSYNCS DIR_FSYNCS WRITES_FAILED``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ FALLOCATE_IN = struct.Struct("<QQQII")
 DIRENT = struct.Struct("<QQII")
 STATFS_OUT = struct.Struct("<QQQQQIIII6I")
 
+FUSE_WRITE_CACHE = 1  # a write's flag: a writeback of cached pages, not a write(2) call
 FATTR_MODE, FATTR_SIZE, FATTR_ATIME, FATTR_MTIME = 1, 8, 16, 32
 FUSE_BIG_WRITES = 1 << 5
 FOPEN_KEEP_CACHE = 2
@@ -146,6 +150,8 @@ class PowerLossFS:
         self.lock = threading.Lock()
         self.crashed = False
         self.fail_next_fsync: int | None = None  # a file size
+        self.fail_next_write: int | None = None  # a file size
+        self.writes_failed = 0
         self.fsyncs = 0
         self.dir_fsyncs = 0
         root = Node(1, True)
@@ -270,7 +276,11 @@ class PowerLossFS:
             _fh, offset, size, *_ = READ_IN.unpack_from(body)
             return bytes(node.data[offset : offset + size])
         if opcode == WRITE:
-            _fh, offset, size, *_ = WRITE_IN.unpack_from(body)
+            _fh, offset, size, write_flags, *_ = WRITE_IN.unpack_from(body)
+            if self.fail_next_write == len(node.data) and not write_flags & FUSE_WRITE_CACHE:
+                self.fail_next_write = None
+                self.writes_failed += 1
+                return errno.EIO
             data = body[WRITE_IN.size : WRITE_IN.size + size]
             end = offset + len(data)
             if end > len(node.data):
@@ -441,8 +451,12 @@ def main() -> None:
             with fs.lock:
                 fs.fail_next_fsync = int(command.split()[1])
             print("armed", flush=True)
+        elif command.startswith("fail-write "):
+            with fs.lock:
+                fs.fail_next_write = int(command.split()[1])
+            print("armed", flush=True)
         elif command == "stats":
-            print(f"stats {fs.fsyncs} {fs.dir_fsyncs}", flush=True)
+            print(f"stats {fs.fsyncs} {fs.dir_fsyncs} {fs.writes_failed}", flush=True)
         elif command == "exit":
             break
     unmount(mountpoint)

@@ -94,6 +94,7 @@ class Producer:
         self.acks: dict[str, Ack] = {}
         self.groups: set[str] = set()
         self.refused = 0
+        self.refusals: set[str] = set()
         self.lines: list[str] = []
         self.first_ack = threading.Event()
         self.stderr = ""
@@ -114,6 +115,7 @@ class Producer:
                 self.groups.add(parts[1])
             elif parts[0] == "refused":
                 self.refused += 1
+                self.refusals.add(parts[1])
 
     def kill(self) -> None:
         self.child.kill()
@@ -216,6 +218,51 @@ def test_after_a_failed_fsync_nothing_more_is_acknowledged(tmp_path: Path) -> No
     first_refusal = producer.lines.index("refused")
     assert "ack" not in producer.lines[first_refusal:], "acknowledged after an fsync failed"
     verify(durable / "store", "sync", producer.acks)
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_after_a_failed_write_nothing_more_is_acknowledged(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CommitLog write that failed with EIO (decision 361), on the record engine's native
+    ``pwritev`` and on the reference ``pwrite``, with native or Python group commit: the batch
+    it carried is refused, and so is every later one although the device writes again, until a
+    restart recovers from what the disk holds (decision 500)."""
+    _need_fuse()
+    if engine == "native":
+        from tiered.record import ENGINE_NAME
+
+        assert ENGINE_NAME == "native", "the native record engine is not built"
+    monkeypatch.setenv("TMQ_PURE_PYTHON", "1" if engine == "python" else "0")
+    durable = tmp_path / "durable"
+    fs = PowerLossMount(tmp_path / "mnt", durable)
+    try:
+        producer = Producer(tmp_path / "mnt" / "store", 98)
+        assert producer.first_ack.wait(60)
+        time.sleep(0.3)
+        size = json.loads(Path(__file__).with_name("store_sizes.json").read_text())
+        assert fs.command(f"fail-write {size['commitlog_file_size']}") == "armed"
+        deadline = time.monotonic() + 20
+        while producer.refused < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = fs.command("stats").split()
+        fs.crash()
+        producer.kill()
+    finally:
+        fs.close()
+    assert stats[3] == "1", f"the write fault did not fire: {stats}"
+    assert producer.refused >= 5, "the store should refuse writes after a write failed"
+    assert producer.refusals == {"DurabilityLostError"}, producer.refusals
+    first_refusal = producer.lines.index("refused")
+    assert "ack" not in producer.lines[first_refusal:], "acknowledged after a write failed"
+    verify(durable / "store", "sync", producer.acks)
+    # The restart (verify's) recovered from the disk: the store takes writes again.
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))  # type: ignore[arg-type]
+    store.start()
+    try:
+        store.put_message(message_for("after-restart", random.Random(1)))
+    finally:
+        store.shutdown()
 
 
 # -- pages that reach the disk in any order -------------------------------------------------------
