@@ -1,5 +1,6 @@
 """``tmq verify`` against a tier in use: repair never deletes what the offloader is uploading or
-has just committed, and verify reports a healthy tier as healthy while uploads and retention run."""
+has just committed, and verify reports a healthy tier as healthy while uploads and retention run,
+with uploads that landed together committed in one manifest version (decision 411)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
     node = Standalone(
         tmp_path / "data",
         extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
-        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+        # Segments of 64 KiB: several per queue and pass, so that uploads land together.
+        env={
+            **S3Endpoint(fault_proxy.url, "proxy").env(),
+            "TMQ_OFFLOAD_SEGMENT_MAX_BYTES": "64KiB",
+        },
     ).start()
     stop = threading.Event()
     verdicts: list[str] = []
@@ -64,8 +69,24 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
                     failures.append(str(reply.queues))
                 repair = not repair
 
+        def retain_loop() -> None:
+            # `tmq retain --apply`, an operator's command, racing the offloader's own retention
+            # and its batched commits (decision 501).
+            stub = node.admin()
+            while not stop.wait(0.2):
+                try:
+                    reply = stub.ApplyRetention(apb.ApplyRetentionRequest(), timeout=30)
+                except grpc.RpcError as e:
+                    failures.append(f"ApplyRetention: {e.code().name} {e.details()}")
+                    continue
+                retained.extend(o.segments for o in reply.outcomes if o.topic == "keep")
+                retained.extend(0 for o in reply.outcomes if o.topic == "churn" and o.segments)
+
+        retained: list[int] = []
         checker = threading.Thread(target=verify_loop)
         checker.start()
+        retainer = threading.Thread(target=retain_loop)
+        retainer.start()
         sent = 0
         started = time.monotonic()
         while time.monotonic() - started < 20:
@@ -78,8 +99,11 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
         time.sleep(3)  # the last uploads and releases
         stop.set()
         checker.join(timeout=60)
+        retainer.join(timeout=60)
         assert len(verdicts) >= 10, f"only {len(verdicts)} verify passes ran"
         assert not failures, failures[:3]
+        assert not any(retained), "retention removed segments of a topic without a TTL"
+        assert retained, "the operator's retention never removed a churn segment"
 
         # Everything acknowledged is in the tier, and reads back through the broker.
         for q in (0, 1):
@@ -89,9 +113,12 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
         tier = open_store(f"s3://{bucket}/tier", s3.storage_options())
         stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
         seen: dict[bytes, int] = {}
+        versions = segments = 0
         for q in (0, 1):
             manifest = ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", "keep", q))
             archive = manifest.load()
+            versions += archive.version
+            segments += len(archive.segments)
             end = end_offset(stub, "keep", q)
             assert archive.start_offset == 0 and archive.end_offset == end
             for info in archive.segments:  # every named object is there and whole
@@ -107,6 +134,12 @@ def test_verify_repair_racing_uploads_and_retention_loses_nothing(
                     seen[body] = seen.get(body, 0) + 1
                 offset = got.next_offset
         assert seen == {body_of(i): 1 for i in range(sent)}
+        # One version per commit: fewer versions than segments means some commits were batches.
+        print(f"keep: {segments} segments in {versions} manifest versions")
+        assert versions < segments, f"no batched commit: {versions} versions, {segments} segments"
+        churn = ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", "churn", 0)).load()
+        for before, after in zip(churn.segments, churn.segments[1:], strict=False):
+            assert before.end_offset == after.base_offset, "a hole in the churn archive"
         assert not (node.data_dir / "commitlog" / f"{0:020d}").exists(), "nothing was released"
     finally:
         stop.set()
