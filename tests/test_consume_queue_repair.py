@@ -57,7 +57,9 @@ def read_queue(store: MessageStore, queue_id: int) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("first", [100, 255, 300])  # first file, across a file end, middle file
+@pytest.mark.parametrize(
+    "first", [0, 100, 255, 300]
+)  # the first entries, first file, across a file end, middle file
 @pytest.mark.parametrize("exit_was", ["crash", "clean"])
 def test_a_zeroed_consumequeue_entry_is_rebuilt_from_the_commitlog_at_start(
     tmp_path: Path, first: int, exit_was: str

@@ -451,7 +451,13 @@ class MessageStore:
         """Rebuild ConsumeQueue entries zeroed inside a queue (a torn write, bit rot) from the
         CommitLog. Re-dispatch cannot: it writes only past a queue's end. A run of holes lies
         between two entries that survived, and entries are in CommitLog order within a queue,
-        so its records are in the CommitLog between those two: only that range is read."""
+        so its records are in the CommitLog between those two: only that range is read.
+
+        A queue's first entries zeroed leave no surviving entry before them, and look like the
+        empty slots a queue that started late has in its first file (decision 503): their
+        records, if any, precede the queue's first surviving entry in the CommitLog. One pass
+        over the CommitLog up to the furthest such entry finds them, for every queue at once."""
+        self._repair_leading_slots(dispatcher, report)
         for (topic, queue_id), cq in list(self.queues.queues.items()):
             for first, end in cq.holes():
                 before, after = cq.get_entry(first - 1), cq.get_entry(end)
@@ -484,6 +490,43 @@ class MessageStore:
                     lo,
                     hi,
                 )
+
+    def _repair_leading_slots(self, dispatcher: Dispatcher, report: StartReport) -> None:
+        """Rebuild a queue's zeroed first entries from the records before its first entry."""
+        cl_min = self.commitlog.min_offset
+        leading = {
+            key: slots
+            for key, cq in self.queues.queues.items()
+            if (slots := cq.leading_slots()) is not None and slots[2] > cl_min
+        }
+        if not leading:
+            return
+        started = time.monotonic()
+        end = max(phys for _first, _min, phys in leading.values())
+        found: dict[tuple[str, int], int] = {}
+        for key, qoff, phys, size, tag in dispatcher.records(cl_min, end):
+            slots = leading.get(key)
+            if slots is not None and slots[0] <= qoff < slots[1] and phys < slots[2]:
+                filled = self.queues.queues[key].fill(qoff, phys, size, tag_hash(tag))
+                found[key] = found.get(key, 0) + filled
+        for (topic, queue_id), count in found.items():
+            report.cq_entries_repaired += count
+            log.warning(
+                "ConsumeQueue %s/%d: rebuilt %d zeroed entries before queue offset %d from the "
+                "CommitLog; the queue starts at %d again",
+                topic,
+                queue_id,
+                count,
+                leading[(topic, queue_id)][1],
+                self.queues.queues[(topic, queue_id)].min_offset,
+            )
+        log.info(
+            "checked the first entries of %d queue(s) against CommitLog [%d, %d) in %.3f s",
+            len(leading),
+            cl_min,
+            end,
+            time.monotonic() - started,
+        )
 
     @staticmethod
     def _recovery_start(clean: bool, cp: Checkpoint | None) -> int | None:

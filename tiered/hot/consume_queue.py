@@ -158,18 +158,40 @@ class ConsumeQueue:
         return True
 
     def fill(self, queue_offset: int, commitlog_offset: int, size: int, tag_hash: int) -> bool:
-        """Write the entry of ``queue_offset``, a hole below ``max_offset`` (``holes``), in
-        place; False when that slot is not a hole. Only while the dispatcher is not running."""
+        """Write the entry of ``queue_offset``, a hole below ``max_offset`` (``holes``, or an
+        empty slot before ``min_offset`` in the first file: ``leading_slots``), in place; False
+        when that slot is not a hole. Only while the dispatcher is not running."""
         pos = queue_offset * CQ_ENTRY_SIZE
         f = self.files.find_file(pos)
-        if f is None or not self.min_offset <= queue_offset < self.max_offset:
+        if f is None or not queue_offset < self.max_offset:
             return False
         rel = pos - f.from_offset
         if CQ_ENTRY.unpack(f.read(rel, CQ_ENTRY_SIZE))[1] > 0:
             return False
         f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
         f.flushed = 0  # the next flush fsyncs the file again
+        self.min_offset = min(self.min_offset, queue_offset)
         return True
+
+    def leading_slots(self) -> tuple[int, int, int] | None:
+        """``(first_slot, min_offset, commitlog_offset)``: the empty slots of the first file
+        before the queue's first entry, which sits at ``commitlog_offset``; None when there are
+        none. A queue that started at a later offset (rebuilt from a CommitLog whose front was
+        released, a replica that joined late) has them; so has one whose first entries were
+        zeroed (a torn write, bit rot), whose records then precede ``commitlog_offset``."""
+        if not self.files.files or self.min_offset >= self.max_offset:
+            return None
+        head = self.files.files[0]
+        first_slot = head.from_offset // CQ_ENTRY_SIZE
+        entry = self.get_entry(self.min_offset)
+        if not first_slot < self.min_offset < first_slot + head.size // CQ_ENTRY_SIZE:
+            return None  # no slot before the first entry, or entries released before it
+        before = CQ_ENTRY.unpack(
+            head.read((self.min_offset - 1 - first_slot) * CQ_ENTRY_SIZE, CQ_ENTRY_SIZE)
+        )
+        if entry is None or before[1] > 0:
+            return None
+        return first_slot, self.min_offset, entry[0]
 
     def holes(self) -> list[tuple[int, int]]:
         """``[first, end)`` runs of entries in ``[min_offset, max_offset)`` whose size is zero:
