@@ -17,6 +17,8 @@ Points:
   routed past them / the files are deleted).
 - ``commitlog.before_sizes``: a batch's bytes are in the CommitLog file with every record's
   size field still zero (they are set next, record by record).
+- ``store.after_cq_repair``: at start, zeroed ConsumeQueue entries are rebuilt in the page
+  cache; nothing of the repair is fsynced yet.
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).
 """

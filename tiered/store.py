@@ -425,6 +425,7 @@ class MessageStore:
             dispatcher.dispatch(end)
             dispatcher.preload([])
             self._repair_holes(dispatcher, report)
+            failpoints.hit("store.after_cq_repair")
             self.commitlog.on_append = dispatcher.submit
             for (topic, queue_id), cq in self.queues.queues.items():
                 self.commitlog.queue_offsets[(topic, queue_id)] = cq.max_offset
