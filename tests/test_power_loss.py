@@ -626,8 +626,13 @@ def test_a_power_loss_during_the_consumequeue_repair_at_start_leaves_a_whole_que
     torn at a sector or not at all. The next start finds whatever is still zero and rebuilds
     it: every message of the queue is read back in order, none skipped, none early-ended."""
     _need_fuse()
-    from test_consume_queue_repair import PER_QUEUE, body, read_queue, write_two_queues
-    from test_consume_queue_repair import zero_entries
+    from test_consume_queue_repair import (
+        PER_QUEUE,
+        body,
+        read_queue,
+        write_two_queues,
+        zero_entries,
+    )
 
     durable = tmp_path / "durable"
     config = StoreConfig(data_dir=durable / "store", **SMALL)  # type: ignore[arg-type]
