@@ -258,7 +258,7 @@ def test_after_a_failed_write_nothing_more_is_acknowledged(
     assert "ack" not in producer.lines[first_refusal:], "acknowledged after a write failed"
     verify(durable / "store", "sync", producer.acks)
     # The restart (verify's) recovered from the disk: the store takes writes again.
-    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))  # type: ignore[arg-type]
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
     store.start()
     try:
         store.put_message(message_for("after-restart", random.Random(1)))
@@ -635,7 +635,7 @@ def test_a_power_loss_during_the_consumequeue_repair_at_start_leaves_a_whole_que
     )
 
     durable = tmp_path / "durable"
-    config = StoreConfig(data_dir=durable / "store", **SMALL)  # type: ignore[arg-type]
+    config = StoreConfig(data_dir=durable / "store", **SMALL)
     write_two_queues(config)
     for first, count in ((0, 3), (100, 2), (255, 3), (300, 40), (599, 1)):  # the last: torn tail
         zero_entries(config, 1, first, count)
