@@ -196,29 +196,38 @@ def test_acknowledged_messages_survive_power_loss_at_60_crash_points(
     assert figures["groups_saved"] > 1024, "metadata compaction should have run"
 
 
-def test_after_a_failed_fsync_nothing_more_is_acknowledged(tmp_path: Path) -> None:
-    """fsyncgate: Linux may drop the pages of a failed writeback and report success on the
-    next fsync. A store that retries would acknowledge messages behind a hole."""
+def produce_through_a_fault(tmp_path: Path, fault: str, seed: int) -> tuple[Producer, list[str]]:
+    """A SYNC producer on the power-loss filesystem; ``fault`` (a command aimed at CommitLog
+    files) is armed once it has been acknowledged, then the power goes out after 5 refusals
+    (or 20 s). Returns the producer and the filesystem's ``stats`` before the crash; asserts
+    that nothing was acknowledged after the first refusal."""
     _need_fuse()
-    durable = tmp_path / "durable"
-    fs = PowerLossMount(tmp_path / "mnt", durable)
+    fs = PowerLossMount(tmp_path / "mnt", tmp_path / "durable")
     try:
-        producer = Producer(tmp_path / "mnt" / "store", 99)
+        producer = Producer(tmp_path / "mnt" / "store", seed)
         assert producer.first_ack.wait(60)
         time.sleep(0.3)
         size = json.loads(Path(__file__).with_name("store_sizes.json").read_text())
-        assert fs.command(f"fail-fsync {size['commitlog_file_size']}") == "armed"
+        assert fs.command(f"{fault} {size['commitlog_file_size']}") == "armed"
         deadline = time.monotonic() + 20
         while producer.refused < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
+        stats = fs.command("stats").split()
         fs.crash()
         producer.kill()
     finally:
         fs.close()
-    assert producer.refused >= 5, "the store should refuse writes after an fsync failed"
+    assert producer.refused >= 5, f"the store should refuse writes after the {fault}"
     first_refusal = producer.lines.index("refused")
-    assert "ack" not in producer.lines[first_refusal:], "acknowledged after an fsync failed"
-    verify(durable / "store", "sync", producer.acks)
+    assert "ack" not in producer.lines[first_refusal:], f"acknowledged after the {fault}"
+    return producer, stats
+
+
+def test_after_a_failed_fsync_nothing_more_is_acknowledged(tmp_path: Path) -> None:
+    """fsyncgate: Linux may drop the pages of a failed writeback and report success on the
+    next fsync. A store that retries would acknowledge messages behind a hole."""
+    producer, _stats = produce_through_a_fault(tmp_path, "fail-fsync", 99)
+    verify(tmp_path / "durable" / "store", "sync", producer.acks)
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
@@ -235,27 +244,10 @@ def test_after_a_failed_write_nothing_more_is_acknowledged(
 
         assert ENGINE_NAME == "native", "the native record engine is not built"
     monkeypatch.setenv("TMQ_PURE_PYTHON", "1" if engine == "python" else "0")
-    durable = tmp_path / "durable"
-    fs = PowerLossMount(tmp_path / "mnt", durable)
-    try:
-        producer = Producer(tmp_path / "mnt" / "store", 98)
-        assert producer.first_ack.wait(60)
-        time.sleep(0.3)
-        size = json.loads(Path(__file__).with_name("store_sizes.json").read_text())
-        assert fs.command(f"fail-write {size['commitlog_file_size']}") == "armed"
-        deadline = time.monotonic() + 20
-        while producer.refused < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stats = fs.command("stats").split()
-        fs.crash()
-        producer.kill()
-    finally:
-        fs.close()
+    producer, stats = produce_through_a_fault(tmp_path, "fail-write", 98)
     assert stats[3] == "1", f"the write fault did not fire: {stats}"
-    assert producer.refused >= 5, "the store should refuse writes after a write failed"
     assert producer.refusals == {"DurabilityLostError"}, producer.refusals
-    first_refusal = producer.lines.index("refused")
-    assert "ack" not in producer.lines[first_refusal:], "acknowledged after a write failed"
+    durable = tmp_path / "durable"
     verify(durable / "store", "sync", producer.acks)
     # The restart (verify's) recovered from the disk: the store takes writes again.
     store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
