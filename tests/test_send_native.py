@@ -34,6 +34,7 @@ TOPICS = {
     "NORMAL": TopicConfig(name="orders", queues=4),
     "FIFO": TopicConfig(name="orders", queues=4, message_type="FIFO"),
     "DELAY": TopicConfig(name="orders", queues=3, message_type="DELAY"),
+    "TRANSACTION": TopicConfig(name="orders", queues=3, message_type="TRANSACTION"),
 }
 PEER = "127.0.0.9"
 
@@ -288,6 +289,25 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
         "__MESSAGE_TYPE",
         "__SHARDINGKEY",
     ]
+
+
+def test_a_transactional_batch_is_built_natively_unless_it_names_a_recovery_duration() -> None:
+    """Half messages take the walker too (decision 470): the same Messages, properties and
+    records as the reference; a message with an orphaned-transaction recovery duration (which
+    the broker stores per half message) and a NORMAL message sent to a transactional topic go
+    to the reference path."""
+    tx = TOPICS["TRANSACTION"]
+    rich = [
+        plain(i, message_type=d.TRANSACTION, tag="t", keys=[f"k{i}"], user={"b": "2", "a": "1"})
+        for i in range(5)
+    ]
+    assert check(request(*rich), tx)
+    assert check(request(*(plain(i, message_type=d.TRANSACTION) for i in range(3))), tx)
+    recovery = plain(9, message_type=d.TRANSACTION)
+    recovery.system_properties.orphaned_transaction_recovery_duration.seconds = 30
+    assert not check(request(*rich, recovery), tx)
+    assert not check(request(plain(1)), tx)  # NORMAL to a transactional topic
+    assert reference(request(plain(1)), tx, 0) == d.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE
 
 
 def test_hand_made_property_entries_agree_with_protobuf() -> None:
