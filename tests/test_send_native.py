@@ -499,3 +499,64 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
         )
         assert a.born_timestamp.ToMilliseconds() == (1_700_000_000 + i) * 1000 + 123
     assert pulled["native-3"].system_properties.born_host == "127.0.0.1"
+
+
+def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) -> None:
+    """Transactional batches through a real broker (decision 471): one the walker takes and the
+    same one sent down the reference path are answered with transaction ids, and once
+    committed are delivered with the same bodies, tags, keys, properties and type."""
+    import grpc
+    from broker_harness import Standalone, pull_all
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("orders", queues=2, message_type="TRANSACTION")
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        for path, extra in (("native", {}), ("reference", {"queue_offset": 1})):
+            pms = [
+                plain(
+                    i,
+                    message_id=f"{path}-{i}",
+                    message_type=d.TRANSACTION,
+                    tag="t",
+                    keys=[f"k{i}"],
+                    user={"z": str(i), "a": "\u00e9"},
+                    **extra,
+                )
+                for i in range(4)
+            ]
+            raw = request(*pms)
+            assert (scan_send_request(raw) is None) == (path == "reference")
+            reply = stub.SendMessage(s.SendMessageRequest.FromString(raw), timeout=30)
+            assert reply.status.code == d.OK, reply.status
+            assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(4)]
+            for e in reply.entries:
+                assert e.transaction_id
+                end = stub.EndTransaction(
+                    s.EndTransactionRequest(
+                        topic=d.Resource(name="orders"),
+                        message_id=e.message_id,
+                        transaction_id=e.transaction_id,
+                        resolution=d.COMMIT,
+                        source=d.SOURCE_CLIENT,
+                    ),
+                    timeout=30,
+                )
+                assert end.status.code == d.OK, end.status
+        pulled: dict[str, d.Message] = {}
+        deadline = time.monotonic() + 30
+        while len(pulled) < 8 and time.monotonic() < deadline:  # until committed and dispatched
+            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
+            time.sleep(0.2)
+    finally:
+        node.stop()
+    assert len(pulled) == 8
+    for i in range(4):
+        a, b = pulled[f"native-{i}"], pulled[f"reference-{i}"]
+        assert a.body == b.body == b"body-%d" % i
+        assert a.user_properties == b.user_properties == {"z": str(i), "a": "é"}
+        sa, sb = a.system_properties, b.system_properties
+        assert (sa.tag, list(sa.keys), sa.message_type) == (sb.tag, list(sb.keys), sb.message_type)
+        assert (sa.tag, list(sa.keys), sa.message_type) == ("t", [f"k{i}"], d.TRANSACTION)
+        assert (sa.born_timestamp, sa.born_host) == (sb.born_timestamp, sb.born_host)
