@@ -513,7 +513,11 @@ def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) ->
     try:
         node.create_topic("orders", queues=2, message_type="TRANSACTION")
         stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
-        for path, extra in (("native", {}), ("reference", {"queue_offset": 1})):
+        paths: list[tuple[str, dict[str, Any]]] = [
+            ("native", {}),
+            ("reference", {"queue_offset": 1}),  # a field the walker does not take
+        ]
+        for path, extra in paths:
             pms = [
                 plain(
                     i,
