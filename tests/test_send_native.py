@@ -439,12 +439,25 @@ def test_a_send_is_authorized_on_its_bytes_for_every_topic_it_names() -> None:
     assert resources(b"\x0a\x05garbage") is None  # the policy answers "malformed request"
 
 
+def pulled_by_id(node: Any, count: int) -> dict[str, d.Message]:
+    """Topic ``orders`` (2 queues) pulled by message id, until ``count`` are there (dispatch
+    runs behind the answer) or 30 s have passed."""
+    from broker_harness import pull_all
+
+    pulled: dict[str, d.Message] = {}
+    deadline = time.monotonic() + 30
+    while len(pulled) < count and time.monotonic() < deadline:
+        pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
+        time.sleep(0.2)
+    return pulled
+
+
 def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> None:
     """Through a real broker: a batch the walker takes and the same batch sent down the
     reference path (a ``queue_offset`` the walker does not take and the broker ignores) are
     stored alike, answered alike, and pulled back alike."""
     import grpc
-    from broker_harness import Standalone, pull_all
+    from broker_harness import Standalone
     from rocketmq.grpc_protocol import service_pb2_grpc
 
     node = Standalone(tmp_path / "data").start()
@@ -477,11 +490,7 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
             assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(6)]
             assert [e.status.code for e in reply.entries] == [d.OK] * 6
             sent[path] = pms
-        pulled: dict[str, d.Message] = {}
-        deadline = time.monotonic() + 30
-        while len(pulled) < 12 and time.monotonic() < deadline:  # until dispatched
-            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
-            time.sleep(0.2)
+        pulled = pulled_by_id(node, 12)
     finally:
         node.stop()
     assert len(pulled) == 12
@@ -506,7 +515,7 @@ def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) ->
     same one sent down the reference path are answered with transaction ids, and once
     committed are delivered with the same bodies, tags, keys, properties and type."""
     import grpc
-    from broker_harness import Standalone, pull_all
+    from broker_harness import Standalone
     from rocketmq.grpc_protocol import service_pb2_grpc
 
     node = Standalone(tmp_path / "data").start()
@@ -548,11 +557,7 @@ def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) ->
                     timeout=30,
                 )
                 assert end.status.code == d.OK, end.status
-        pulled: dict[str, d.Message] = {}
-        deadline = time.monotonic() + 30
-        while len(pulled) < 8 and time.monotonic() < deadline:  # until committed and dispatched
-            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
-            time.sleep(0.2)
+        pulled = pulled_by_id(node, 8)  # once committed and dispatched
     finally:
         node.stop()
     assert len(pulled) == 8
