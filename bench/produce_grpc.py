@@ -5,8 +5,15 @@
   client process cannot send faster than its own GIL allows), msgs/s, the p50/p99 latency of
   a call, and the CPU the client processes and the broker spent per message.
 - Single sends with Apache's client (``Producer.send``), msgs/s and p50/p99, from 1 and 4 threads.
-- The same batches appended straight to a ``MessageStore`` in this process: the store's ceiling
-  for this machine, so the gRPC figures can be read as a ratio to it.
+- The physical limit, measured in the same rounds: the same requests from the same clients to a
+  raw gRPC server (its own process, built as the broker builds its server: same thread pool
+  and options) whose SendMessage takes the request's bytes and answers a prebuilt response of
+  the broker's size, with no broker work at all. ``ratio_batch_grpc_vs_grpc_echo`` is the
+  broker's rate over that server's, round by round (median): what the broker leaves of what
+  gRPC itself can carry on this machine.
+- The same batches appended straight to a ``MessageStore`` in this process (the store's
+  ceiling); ``ratio_batch_grpc_vs_store_in_process`` is kept as a second figure. It is not a
+  physical limit: it shares the store's code with the broker.
 - Auth and TLS: four brokers side by side (plain, ``[auth]`` on, TLS on, both); each round runs
   the batch sends (``--clients`` processes) and Apache's client (4 threads) against each in
   turn, so the ratios to the plain broker compare runs taken under the same load
@@ -42,7 +49,9 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.protocol import send_response_bytes
 from remoting.auth import signing_metadata
+from remoting.grpc_server import listen, new_server
 from tiered.config import StoreConfig
 from tiered.record import Message as StoreMessage
 from tiered.store import MessageStore
@@ -231,6 +240,59 @@ def bench_store_ceiling(root: Path) -> float:
     return sent / elapsed
 
 
+SEND_METHOD = "/apache.rocketmq.v2.MessagingService/SendMessage"
+
+
+def _serve_echo(ready: Any, stop: Any) -> None:
+    """A gRPC server with nothing behind it: SendMessage gets the request's bytes and answers
+    the bytes of an OK response for ``BATCH`` messages, built once. The server is made as the
+    broker makes its own (broker/server.py: ``new_server``, worker count, message limits)."""
+    from broker.server import _MAX_MESSAGE_BYTES, _WORKERS
+
+    answer = send_response_bytes([uuid.uuid4().hex for _ in range(BATCH)], list(range(BATCH)))
+    handler = grpc.unary_unary_rpc_method_handler(lambda raw, context: answer)
+    server = new_server(
+        _WORKERS,
+        "echo",
+        [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ],
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SEND_METHOD.split("/")[1], {"SendMessage": handler}),)
+    )
+    port = listen(server, "127.0.0.1", 0, "echo")
+    server.start()
+    ready.send(port)
+    stop.wait()
+    server.stop(0)
+
+
+class EchoServer:
+    """``_serve_echo`` in a spawned process (its own GIL, as the broker has), on a free port."""
+
+    def __enter__(self) -> EchoServer:
+        context = multiprocessing.get_context("spawn")
+        receive, send = context.Pipe(duplex=False)
+        self._stop = context.Event()
+        self.process = context.Process(target=_serve_echo, args=(send, self._stop), daemon=True)
+        self.process.start()
+        if not receive.poll(60):
+            raise RuntimeError("the echo server did not start in 60 s")
+        self.endpoint = f"127.0.0.1:{receive.recv()}"
+        assert self.process.pid is not None
+        self.pid: int = self.process.pid
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
 def start_node(root: Path, name: str, auth: bool, ca: tuple[Path, Path, Path] | None) -> Any:
     """A ``tmq standalone`` with topic ``bench``: plain, with ``--auth``, with TLS, or both."""
     admin = {"TMQ_ADMIN_ACCESS_KEY": ADMIN_KEY, "TMQ_ADMIN_SECRET_KEY": ADMIN_SECRET}
@@ -323,21 +385,32 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="tmq-produce-"))
     node = Standalone(root / "data").start()
     rounds: list[tuple[dict[str, float], dict[str, float], float]] = []
+    # Per round, the raw gRPC server's runs with the same client setups (the physical limit).
+    echoes: list[tuple[dict[str, float], dict[str, float]]] = []
     try:
         node.create_topic("bench", queues=8)
         assert node.proc is not None
-        for i in range(ROUNDS):
-            runs = []
-            for n in (1, processes):
-                cpu = cpu_seconds(node.proc.pid)
-                run = bench_batches(node.endpoint, processes=n)
-                sent = run["msgs_per_s"] * SECONDS
-                run["broker_cpu_us_per_msg"] = round(
-                    (cpu_seconds(node.proc.pid) - cpu) / sent * 1e6, 2
-                )
-                runs.append(run)
-            rounds.append((runs[0], runs[1], bench_store_ceiling(root / f"round-{i}")))
-            shutil.rmtree(root / f"round-{i}", ignore_errors=True)
+        with EchoServer() as echo:
+            for i in range(ROUNDS):
+                runs, limits = [], []
+                for n in (1, processes):
+                    cpu = cpu_seconds(node.proc.pid)
+                    run = bench_batches(node.endpoint, processes=n)
+                    sent = run["msgs_per_s"] * SECONDS
+                    run["broker_cpu_us_per_msg"] = round(
+                        (cpu_seconds(node.proc.pid) - cpu) / sent * 1e6, 2
+                    )
+                    runs.append(run)
+                    cpu = cpu_seconds(echo.pid)
+                    limit = bench_batches(echo.endpoint, processes=n)
+                    limit["server_cpu_us_per_msg"] = round(
+                        (cpu_seconds(echo.pid) - cpu) / (limit["msgs_per_s"] * SECONDS) * 1e6,
+                        2,
+                    )
+                    limits.append(limit)
+                rounds.append((runs[0], runs[1], bench_store_ceiling(root / f"round-{i}")))
+                echoes.append((limits[0], limits[1]))
+                shutil.rmtree(root / f"round-{i}", ignore_errors=True)
         single_1 = bench_client(node.endpoint, 1)
         single_4 = bench_client(node.endpoint, 4)
     finally:
@@ -346,37 +419,46 @@ def main() -> None:
     spread = median_run([r[1] for r in rounds])
     ceiling = statistics.median(c for _, _, c in rounds)
     best = max(in_process["msgs_per_s"], spread["msgs_per_s"])
-    security = bench_security(root, processes)
-    shutil.rmtree(root, ignore_errors=True)
-    print(
-        json.dumps(
-            {
-                "bench": "produce_grpc",
-                "message_bytes": len(BODY),
-                # 2 client threads in this process (the bench's figure before decision 261)
-                "batch_grpc": in_process,
-                "batch_grpc_msgs_per_s_rounds": [r[0]["msgs_per_s"] for r in rounds],
-                # the same 2 threads in each of ``processes`` client processes
-                f"batch_grpc_{processes}_client_processes": spread,
-                "batch_grpc_client_processes_msgs_per_s_rounds": [
-                    r[1]["msgs_per_s"] for r in rounds
-                ],
-                "single_real_client_1_thread": single_1,
-                "single_real_client_4_threads": single_4,
-                "store_in_process_msgs_per_s": round(ceiling),
-                "store_in_process_msgs_per_s_rounds": [round(c) for _, _, c in rounds],
-                "ratio_batch_grpc_vs_store_in_process": round(best / ceiling, 3),
-                "target_msgs_per_s": TARGET,
-                "target_met": best >= TARGET,
-                "security": security,
-                "ratio_auth_on_vs_off": security["ratio_batch_vs_off"]["auth"],
-                "ratio_tls_on_vs_off": security["ratio_batch_vs_off"]["tls"],
-                "ratio_auth_and_tls_on_vs_off": security["ratio_batch_vs_off"]["auth_and_tls"],
-                "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
-                "cpus": os.cpu_count(),
-            }
-        )
+    # Each round: the broker's best client setup over the raw server's best, both measured
+    # minutes apart at most; then the median of the rounds.
+    vs_echo = statistics.median(
+        max(r[0]["msgs_per_s"], r[1]["msgs_per_s"]) / max(e[0]["msgs_per_s"], e[1]["msgs_per_s"])
+        for r, e in zip(rounds, echoes, strict=True)
     )
+    security = bench_security(root, processes) if "--no-security" not in sys.argv else None
+    shutil.rmtree(root, ignore_errors=True)
+    report: dict[str, Any] = {
+        "bench": "produce_grpc",
+        "message_bytes": len(BODY),
+        # 2 client threads in this process (the bench's figure before decision 261)
+        "batch_grpc": in_process,
+        "batch_grpc_msgs_per_s_rounds": [r[0]["msgs_per_s"] for r in rounds],
+        # the same 2 threads in each of ``processes`` client processes
+        f"batch_grpc_{processes}_client_processes": spread,
+        "batch_grpc_client_processes_msgs_per_s_rounds": [r[1]["msgs_per_s"] for r in rounds],
+        # the physical limit: the same clients against a gRPC server that does no work
+        "grpc_echo": median_run([e[0] for e in echoes]),
+        "grpc_echo_msgs_per_s_rounds": [e[0]["msgs_per_s"] for e in echoes],
+        f"grpc_echo_{processes}_client_processes": median_run([e[1] for e in echoes]),
+        "grpc_echo_client_processes_msgs_per_s_rounds": [e[1]["msgs_per_s"] for e in echoes],
+        "ratio_batch_grpc_vs_grpc_echo": round(vs_echo, 3),
+        "single_real_client_1_thread": single_1,
+        "single_real_client_4_threads": single_4,
+        # kept as a second figure: our own store in this process, not a physical limit
+        "store_in_process_msgs_per_s": round(ceiling),
+        "store_in_process_msgs_per_s_rounds": [round(c) for _, _, c in rounds],
+        "ratio_batch_grpc_vs_store_in_process": round(best / ceiling, 3),
+        "target_msgs_per_s": TARGET,
+        "target_met": best >= TARGET,
+    }
+    if security is not None:
+        report["security"] = security
+        report["ratio_auth_on_vs_off"] = security["ratio_batch_vs_off"]["auth"]
+        report["ratio_tls_on_vs_off"] = security["ratio_batch_vs_off"]["tls"]
+        report["ratio_auth_and_tls_on_vs_off"] = security["ratio_batch_vs_off"]["auth_and_tls"]
+    report["load_average"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
+    report["cpus"] = os.cpu_count()
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

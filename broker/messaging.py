@@ -407,14 +407,16 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return self._send(s.SendMessageRequest.FromString(raw), context)
         topic = self._topic(scanned.topic, need=PERM_WRITE)
         first_queue = self._reserve_queues(topic, scanned.count)
-        made = None
-        if topic.message_type != "TRANSACTION":  # half messages need the request (decision 390)
-            made = scanned_store_messages(
-                scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
-            )
+        made = scanned_store_messages(
+            scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
+        )
         if made is None:
             return self._convert(s.SendMessageRequest.FromString(raw), topic, first_queue, context)
         batch, ids, body_bytes = made
+        if topic.message_type == "TRANSACTION":
+            # The walker refuses an orphaned-transaction recovery duration (protobuf reads it,
+            # on the reference path): every half message here takes the default check time.
+            return self._send_half(topic, batch, ids, [None] * len(batch), context)
         if topic.message_type == "DELAY":
             batch = [self._schedule(m) for m in batch]
         return self._store_plain(topic, batch, ids, body_bytes)
@@ -453,7 +455,13 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             ids,
         )
         if topic.message_type == "TRANSACTION":
-            return self._send_half(request, topic, batch, context)
+            immunity = [
+                duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
+                if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
+                else None
+                for pm in request.messages
+            ]
+            return self._send_half(topic, batch, ids, immunity, context)
         if topic.message_type == "DELAY":
             batch = [self._schedule(m) for m in batch]
         return self._store_plain(topic, batch, ids, sum(map(len, (m.body for m in batch))))
@@ -502,24 +510,20 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def _send_half(
         self,
-        request: s.SendMessageRequest,
         topic: TopicConfig,
         batch: list[Message],
+        ids: list[str],
+        immunity: list[int | None],
         context: grpc.ServicerContext,
     ) -> s.SendMessageResponse:
-        """Store transactional messages as half messages; consumers see them after COMMIT."""
+        """Store transactional messages as half messages; consumers see them after COMMIT.
+        ``immunity``: per message, its orphaned-transaction recovery duration (ms) or None."""
         transactions = self.transactions
         if transactions is None:
             raise ProtocolError(d.UNSUPPORTED, "transactional messages are not enabled")
         client_id = _client_id(context)
         if client_id:
             self.producers.publishes(client_id, topic.name)
-        immunity = [
-            duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
-            if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
-            else None
-            for pm in request.messages
-        ]
         prepared = self._replicated(
             lambda: _appended(lambda: transactions.prepare(batch, immunity))
         )
@@ -527,11 +531,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         entries = [
             s.SendResultEntry(
                 status=status(),
-                message_id=pm.system_properties.message_id,
+                message_id=message_id,
                 transaction_id=p.transaction_id,
                 offset=p.half_offset,
             )
-            for pm, p in zip(request.messages, prepared, strict=True)
+            for message_id, p in zip(ids, prepared, strict=True)
         ]
         return s.SendMessageResponse(status=status(), entries=entries)
 

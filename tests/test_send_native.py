@@ -34,6 +34,7 @@ TOPICS = {
     "NORMAL": TopicConfig(name="orders", queues=4),
     "FIFO": TopicConfig(name="orders", queues=4, message_type="FIFO"),
     "DELAY": TopicConfig(name="orders", queues=3, message_type="DELAY"),
+    "TRANSACTION": TopicConfig(name="orders", queues=3, message_type="TRANSACTION"),
 }
 PEER = "127.0.0.9"
 
@@ -290,6 +291,25 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
     ]
 
 
+def test_a_transactional_batch_is_built_natively_unless_it_names_a_recovery_duration() -> None:
+    """Half messages take the walker too (decision 470): the same Messages, properties and
+    records as the reference; a message with an orphaned-transaction recovery duration (which
+    the broker stores per half message) and a NORMAL message sent to a transactional topic go
+    to the reference path."""
+    tx = TOPICS["TRANSACTION"]
+    rich = [
+        plain(i, message_type=d.TRANSACTION, tag="t", keys=[f"k{i}"], user={"b": "2", "a": "1"})
+        for i in range(5)
+    ]
+    assert check(request(*rich), tx)
+    assert check(request(*(plain(i, message_type=d.TRANSACTION) for i in range(3))), tx)
+    recovery = plain(9, message_type=d.TRANSACTION)
+    recovery.system_properties.orphaned_transaction_recovery_duration.seconds = 30
+    assert not check(request(*rich, recovery), tx)
+    assert not check(request(plain(1)), tx)  # NORMAL to a transactional topic
+    assert reference(request(plain(1)), tx, 0) == d.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE
+
+
 def test_hand_made_property_entries_agree_with_protobuf() -> None:
     """Map entries protobuf reads in its own way: a missing key or value is empty, the value
     before the key, a name given twice (protobuf keeps the last: the reference path), a field
@@ -419,12 +439,25 @@ def test_a_send_is_authorized_on_its_bytes_for_every_topic_it_names() -> None:
     assert resources(b"\x0a\x05garbage") is None  # the policy answers "malformed request"
 
 
+def pulled_by_id(node: Any, count: int) -> dict[str, d.Message]:
+    """Topic ``orders`` (2 queues) pulled by message id, until ``count`` are there (dispatch
+    runs behind the answer) or 30 s have passed."""
+    from broker_harness import pull_all
+
+    pulled: dict[str, d.Message] = {}
+    deadline = time.monotonic() + 30
+    while len(pulled) < count and time.monotonic() < deadline:
+        pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
+        time.sleep(0.2)
+    return pulled
+
+
 def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> None:
     """Through a real broker: a batch the walker takes and the same batch sent down the
     reference path (a ``queue_offset`` the walker does not take and the broker ignores) are
     stored alike, answered alike, and pulled back alike."""
     import grpc
-    from broker_harness import Standalone, pull_all
+    from broker_harness import Standalone
     from rocketmq.grpc_protocol import service_pb2_grpc
 
     node = Standalone(tmp_path / "data").start()
@@ -457,11 +490,7 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
             assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(6)]
             assert [e.status.code for e in reply.entries] == [d.OK] * 6
             sent[path] = pms
-        pulled: dict[str, d.Message] = {}
-        deadline = time.monotonic() + 30
-        while len(pulled) < 12 and time.monotonic() < deadline:  # until dispatched
-            pulled = {m.system_properties.message_id: m for m in pull_all(node, "orders", 2)}
-            time.sleep(0.2)
+        pulled = pulled_by_id(node, 12)
     finally:
         node.stop()
     assert len(pulled) == 12
@@ -479,3 +508,64 @@ def test_a_broker_stores_the_same_records_from_either_path(tmp_path: Any) -> Non
         )
         assert a.born_timestamp.ToMilliseconds() == (1_700_000_000 + i) * 1000 + 123
     assert pulled["native-3"].system_properties.born_host == "127.0.0.1"
+
+
+def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) -> None:
+    """Transactional batches through a real broker (decision 471): one the walker takes and the
+    same one sent down the reference path are answered with transaction ids, and once
+    committed are delivered with the same bodies, tags, keys, properties and type."""
+    import grpc
+    from broker_harness import Standalone
+    from rocketmq.grpc_protocol import service_pb2_grpc
+
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("orders", queues=2, message_type="TRANSACTION")
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        paths: list[tuple[str, dict[str, Any]]] = [
+            ("native", {}),
+            ("reference", {"queue_offset": 1}),  # a field the walker does not take
+        ]
+        for path, extra in paths:
+            pms = [
+                plain(
+                    i,
+                    message_id=f"{path}-{i}",
+                    message_type=d.TRANSACTION,
+                    tag="t",
+                    keys=[f"k{i}"],
+                    user={"z": str(i), "a": "\u00e9"},
+                    **extra,
+                )
+                for i in range(4)
+            ]
+            raw = request(*pms)
+            assert (scan_send_request(raw) is None) == (path == "reference")
+            reply = stub.SendMessage(s.SendMessageRequest.FromString(raw), timeout=30)
+            assert reply.status.code == d.OK, reply.status
+            assert [e.message_id for e in reply.entries] == [f"{path}-{i}" for i in range(4)]
+            for e in reply.entries:
+                assert e.transaction_id
+                end = stub.EndTransaction(
+                    s.EndTransactionRequest(
+                        topic=d.Resource(name="orders"),
+                        message_id=e.message_id,
+                        transaction_id=e.transaction_id,
+                        resolution=d.COMMIT,
+                        source=d.SOURCE_CLIENT,
+                    ),
+                    timeout=30,
+                )
+                assert end.status.code == d.OK, end.status
+        pulled = pulled_by_id(node, 8)  # once committed and dispatched
+    finally:
+        node.stop()
+    assert len(pulled) == 8
+    for i in range(4):
+        a, b = pulled[f"native-{i}"], pulled[f"reference-{i}"]
+        assert a.body == b.body == b"body-%d" % i
+        assert a.user_properties == b.user_properties == {"z": str(i), "a": "é"}
+        sa, sb = a.system_properties, b.system_properties
+        assert (sa.tag, list(sa.keys), sa.message_type) == (sb.tag, list(sb.keys), sb.message_type)
+        assert (sa.tag, list(sa.keys), sa.message_type) == ("t", [f"k{i}"], d.TRANSACTION)
+        assert (sa.born_timestamp, sa.born_host) == (sb.born_timestamp, sb.born_host)
