@@ -29,7 +29,7 @@ from typing import Any
 
 from tests.broker_harness import REPO, free_port, pull_all, tmq
 from tests.etcd_harness import EtcdCluster
-from tests.test_ha import QUEUES, TOPIC, GroupMember
+from tests.test_ha import QUEUES, TOPIC, GroupMember, describe_members
 
 
 @dataclass
@@ -68,16 +68,22 @@ class FailoverResult:
 
 
 def wait_for(what: str, condition: Any, timeout: float = 60.0) -> Any:
+    """``condition()``'s first truthy value within ``timeout``; an exception counts as false
+    (a member restarting refuses calls), and the last one is named if the wait times out, with
+    every member's state and log tail."""
     deadline = time.monotonic() + timeout
+    error: Exception | None = None
     while True:
         try:
             value = condition()
-        except Exception:
-            value = None
+        except Exception as e:
+            value, error = None, e
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
+            raise AssertionError(
+                f"timed out waiting until {what} (last error: {error!r:.500})\n{describe_members()}"
+            )
         time.sleep(0.1)
 
 
