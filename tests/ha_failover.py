@@ -188,8 +188,9 @@ def lost_per_kill(acked_at: list[float], kill_times: list[float]) -> list[int]:
     return counts
 
 
-def start_namesrv(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_namesrv(root: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
+    """A NameServer on ``port`` (0: a free one), logging to ``root``/namesrv.log."""
+    port = port or free_port()
     command = ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.app", *command],

@@ -40,38 +40,22 @@ def test_a_port_is_handed_out_once_across_test_processes() -> None:
     assert not theirs & set(mine)
 
 
-def _namesrv(port: int, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli.app",
-            "namesrv",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-    )
-
-
 def test_a_start_is_not_healthy_on_another_servers_answer(tmp_path: Path) -> None:
     """A second server given a port the first one serves fails to bind it and exits; waiting
     for it raises with its own error, rather than taking the first server's SERVING answer as
     its own (what let a dead member pass for started)."""
-    port = free_port()
-    first = _namesrv(port, tmp_path / "first.log")
+    from tests.ha_failover import start_namesrv
+
+    log = tmp_path / "namesrv.log"
+    first, address = start_namesrv(tmp_path)
+    port = int(address.rsplit(":", 1)[1])
     second: subprocess.Popen[bytes] | None = None
     try:
-        wait_healthy(first, f"127.0.0.1:{port}", tmp_path / "first.log", "first")
+        wait_healthy(first, address, log, "first")
         assert listens_on(first.pid, port) is True
-        second = _namesrv(port, tmp_path / "second.log")
-        with pytest.raises(RuntimeError, match="already in use"):
-            wait_healthy(second, f"127.0.0.1:{port}", tmp_path / "second.log", "second")
+        second, _ = start_namesrv(tmp_path, port)
+        with pytest.raises(RuntimeError, match=r"(?s)second exited with 1: .*already in use"):
+            wait_healthy(second, address, log, "second")
         assert second.poll() not in (None, 0)
         assert listens_on(second.pid, port) is False
     finally:
