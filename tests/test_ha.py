@@ -157,7 +157,8 @@ lease_ttl_ms = {lease_ttl_ms}
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
-            env={**os.environ, **(env or {})},
+            # INFO: the log says when the link connected, streamed and joined the set.
+            env={**os.environ, "TMQ_LOG_LEVEL": "INFO", **(env or {})},
         )
         wait_healthy(self.proc, self.endpoint, self.log_path, self.name, channel=self.channel())
         return self
