@@ -105,8 +105,12 @@ def _one_line(e: BaseException) -> str:
 
 
 def main() -> None:
+    # TMQ_LOG_LEVEL=INFO adds the replication link's life (connections, streams, SyncStateSet).
+    level = logging.getLevelNamesMapping().get(
+        os.environ.get("TMQ_LOG_LEVEL", "").upper(), logging.WARNING
+    )
     logging.basicConfig(
-        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     scrub_logs(secret_values(env=os.environ))
     try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -21,10 +23,34 @@ from broker import admin_pb2_grpc as apb_grpc
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Ports free_port handed out, each reserved by an abstract Unix socket bound to its name: the
+# reservation holds across every test process of this machine (both xdist workers, another
+# checkout's run) and ends with the process. The oldest are let go past the cap (file descriptors).
+_RESERVED: dict[int, socket.socket] = {}
+_RESERVED_MAX = min(2000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, and that no test process of this machine was handed
+    before (while it runs). The kernel's "free" holds only until the child given the port binds
+    it, a second or more later for a Python child on a loaded machine; meanwhile ``bind(0)``
+    hands the same port out again (here about once in 800 calls within the next ten), and two
+    children were given one port: a broker then failed to start while the NameServer on its
+    port answered its health checks (decision 440)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0tmq-test-port-{port}")
+        except OSError:  # handed out already, here or in another test process
+            claim.close()
+            continue
+        _RESERVED[port] = claim
+        while len(_RESERVED) > _RESERVED_MAX:
+            _RESERVED.pop(next(iter(_RESERVED))).close()
+        return port
 
 
 def tmq(
@@ -50,24 +76,65 @@ def wait_healthy(
 ) -> None:
     """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over ``channel``,
     default a plaintext one); raise with the end of its log if it exits first or takes longer
-    than ``seconds``."""
+    than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on the port:
+    another server there (one handed the same port) answers too, while ``proc`` fails to bind
+    it and exits."""
     channel = channel or grpc.insecure_channel(endpoint)
     health = health_pb2_grpc.HealthStub(channel)
+    port = int(endpoint.rsplit(":", 1)[1])
     deadline = time.monotonic() + seconds
+    impostor = False
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited: {log_path.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"{what} exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+                )
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
+                serving = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
             except grpc.RpcError:
-                pass
+                serving = False
+            if serving:
+                if listens_on(proc.pid, port) is not False:
+                    return
+                impostor = True
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not become healthy in {seconds:.0f} s")
+                why = (
+                    f"another process (not pid {proc.pid}) answers on port {port}"
+                    if impostor
+                    else "no SERVING answer"
+                )
+                raise RuntimeError(
+                    f"{what} did not become healthy in {seconds:.0f} s ({why}): "
+                    f"{log_path.read_text()[-2000:]}"
+                )
             time.sleep(0.2)
     finally:
         channel.close()
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (None: this system has no
+    /proc to tell)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # sl, local address:port (hex), remote, state (0A: LISTEN), ..., inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    fd_dir = Path(f"/proc/{pid}/fd")
+    if not fd_dir.is_dir():
+        return None if not Path("/proc/net/tcp").exists() else False
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) in inodes:
+                return True
+    return False
 
 
 class Standalone:

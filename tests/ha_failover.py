@@ -29,7 +29,7 @@ from typing import Any
 
 from tests.broker_harness import REPO, free_port, pull_all, tmq
 from tests.etcd_harness import EtcdCluster
-from tests.test_ha import QUEUES, TOPIC, GroupMember
+from tests.test_ha import QUEUES, TOPIC, GroupMember, describe_members
 
 
 @dataclass
@@ -68,16 +68,22 @@ class FailoverResult:
 
 
 def wait_for(what: str, condition: Any, timeout: float = 60.0) -> Any:
+    """``condition()``'s first truthy value within ``timeout``; an exception counts as false
+    (a member restarting refuses calls), and the last one is named if the wait times out, with
+    every member's state and log tail."""
     deadline = time.monotonic() + timeout
+    error: Exception | None = None
     while True:
         try:
             value = condition()
-        except Exception:
-            value = None
+        except Exception as e:
+            value, error = None, e
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
+            raise AssertionError(
+                f"timed out waiting until {what} (last error: {error!r:.500})\n{describe_members()}"
+            )
         time.sleep(0.1)
 
 
@@ -182,8 +188,9 @@ def lost_per_kill(acked_at: list[float], kill_times: list[float]) -> list[int]:
     return counts
 
 
-def start_namesrv(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def start_namesrv(root: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
+    """A NameServer on ``port`` (0: a free one), logging to ``root``/namesrv.log."""
+    port = port or free_port()
     command = ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.app", *command],

@@ -39,10 +39,45 @@ TOPIC = "ha-topic"
 QUEUES = 3
 
 
+# The members of the test this process runs (those under the latest root), for the message of a
+# wait that times out (``describe_members``).
+_MEMBERS: list[GroupMember] = []
+
+
+def describe_members(lines: int = 40) -> str:
+    """Each member of the current test: its process state and the last ``lines`` of its log
+    (and the NameServer's, when the test started one under the same root)."""
+    out = []
+    for m in _MEMBERS:
+        if m.proc is None:
+            state = "never started"
+        elif m.proc.poll() is None:
+            state = f"alive (pid {m.proc.pid})"
+        else:
+            state = f"exited with {m.proc.returncode}"
+        out.append(f"--- {m.name} (gRPC {m.endpoint}, HA port {m.ha_port}): {state}")
+        out.append(_log_tail(m.log_path, lines))
+    if _MEMBERS and (_MEMBERS[0].root / "namesrv.log").exists():
+        out.append("--- namesrv")
+        out.append(_log_tail(_MEMBERS[0].root / "namesrv.log", lines))
+    return "\n".join(out)
+
+
+def _log_tail(path: Path, lines: int) -> str:
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return f"    (no log: {e})"
+    return "\n".join(f"    {line}" for line in tail) or "    (empty log)"
+
+
 class GroupMember:
     """One broker of a replica group, run as ``tmq broker start --config``."""
 
     def __init__(self, root: Path, name: str, ha_port: int) -> None:
+        if _MEMBERS and _MEMBERS[-1].root != root:
+            _MEMBERS.clear()  # a new test
+        _MEMBERS.append(self)
         self.root = root
         self.name = name
         self.data_dir = root / name
@@ -122,7 +157,8 @@ lease_ttl_ms = {lease_ttl_ms}
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
-            env={**os.environ, **(env or {})},
+            # INFO: the log says when the link connected, streamed and joined the set.
+            env={**os.environ, "TMQ_LOG_LEVEL": "INFO", **(env or {})},
         )
         wait_healthy(self.proc, self.endpoint, self.log_path, self.name, channel=self.channel())
         return self
@@ -203,7 +239,7 @@ def send(
 def wait_until(what: str, condition: object, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}\n{describe_members()}"
         time.sleep(0.1)
 
 

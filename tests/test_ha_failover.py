@@ -105,6 +105,8 @@ def two_members(
         a.create_topic()
         # Metadata follows within a second of a change (docs/ha.md names the window).
         wait_for("b has the topic", b.has_topic)
+        # Members log at INFO (TMQ_LOG_LEVEL): the link's life is there when a wait times out.
+        assert "replication: following master" in b.log_path.read_text()
         yield etcd, group
     finally:
         for p in etcd.procs:

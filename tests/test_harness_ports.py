@@ -1,0 +1,108 @@
+"""The test harness's ports and readiness checks (tests/broker_harness.py): a port is handed to one
+child only, and a child counts as started only when it serves its port itself. Both broke a CI run:
+a replica-group member was given the port the NameServer had just been given, failed to bind it,
+and its start was taken as healthy because the NameServer answered there (decision 440)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.broker_harness import _RESERVED_MAX, REPO, free_port, listens_on, wait_healthy
+
+
+def test_a_port_is_handed_out_once_across_test_processes() -> None:
+    """free_port never repeats a port it handed out, in this process or in another one running
+    at the same time (the other xdist worker): ``bind(0)`` alone repeats a port about once in
+    800 calls within the next ten on this kernel."""
+    count = min(1000, _RESERVED_MAX)  # none of these is let go while the test runs
+    mine = [free_port() for _ in range(count)]
+    assert len(set(mine)) == count
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from tests.broker_harness import free_port; print(*(free_port() for _ in range(500)))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    theirs = {int(p) for p in child.stdout.split()}
+    assert len(theirs) == 500
+    assert not theirs & set(mine)
+
+
+def test_a_start_is_not_healthy_on_another_servers_answer(tmp_path: Path) -> None:
+    """A second server given a port the first one serves fails to bind it and exits; waiting
+    for it raises with its own error, rather than taking the first server's SERVING answer as
+    its own (what let a dead member pass for started)."""
+    from tests.ha_failover import start_namesrv
+
+    log = tmp_path / "namesrv.log"
+    first, address = start_namesrv(tmp_path)
+    port = int(address.rsplit(":", 1)[1])
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        wait_healthy(first, address, log, "first")
+        assert listens_on(first.pid, port) is True
+        second, _ = start_namesrv(tmp_path, port)
+        with pytest.raises(RuntimeError, match=r"(?s)second exited with 1: .*already in use"):
+            wait_healthy(second, address, log, "second")
+        assert second.poll() not in (None, 0)
+        assert listens_on(second.pid, port) is False
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait(30)
+
+
+def test_listens_on_names_the_process_holding_the_listening_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert listens_on(os.getpid(), port) is True
+        with socket.socket() as unbound:
+            unbound.bind(("127.0.0.1", 0))  # bound, not listening
+            assert listens_on(os.getpid(), unbound.getsockname()[1]) is False
+
+
+def test_a_replica_group_wait_that_times_out_shows_each_members_state_and_log(
+    tmp_path: Path,
+) -> None:
+    """The message of a timed-out wait in the HA tests names the last error the condition
+    raised, and for each member its process state and the end of its log: the CI run that
+    waited 60 s for a member that had exited at start said only "timed out"."""
+    from tests.ha_failover import wait_for
+    from tests.test_ha import GroupMember
+
+    dead, alive = GroupMember(tmp_path, "dead", free_port()), GroupMember(tmp_path, "alive", 0)
+    dead.log_path.write_text("".join(f"line {n}\n" for n in range(100)) + "error: port in use\n")
+    dead.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    alive.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead.proc.wait(30)
+
+        def refused() -> bool:
+            raise ConnectionRefusedError("nobody on the port")
+
+        with pytest.raises(AssertionError) as timed_out:
+            wait_for("the dead one serves", refused, timeout=0.3)
+        message = str(timed_out.value)
+        assert "nobody on the port" in message
+        assert f"dead (gRPC {dead.endpoint}, HA port {dead.ha_port}): exited with 3" in message
+        assert "error: port in use" in message and "line 61" in message
+        assert "line 60\n" not in message  # the last 40 lines only
+        assert f"alive (gRPC {alive.endpoint}, HA port 0): alive (pid {alive.proc.pid})" in message
+        assert "(no log:" in message  # alive wrote none
+    finally:
+        alive.proc.kill()
+        alive.proc.wait(30)
