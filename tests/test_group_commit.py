@@ -128,6 +128,16 @@ def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves(
     assert disk.flushed >= offset
 
 
+def _run_threads(target: Callable[[int], None], threads: int) -> None:
+    """Run ``target(i)`` in ``threads`` threads at once and wait for all of them."""
+    workers = [threading.Thread(target=target, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers)
+
+
 def test_concurrent_sync_sends_share_commitlog_fsyncs(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -160,12 +170,7 @@ def test_concurrent_sync_sends_share_commitlog_fsyncs(
             if not fsynced or max(fsynced) < end:
                 early.append(end)
 
-    workers = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
-    assert not any(w.is_alive() for w in workers)
+    _run_threads(producer, threads)
     assert not early, f"acknowledged before an fsync covered the record: {early[:5]}"
     sent = per_thread * threads
     # A leader/follower lock held across the fsync gave ~2 messages per fsync here.
@@ -199,12 +204,7 @@ def test_sync_sends_wake_the_dispatcher_once_per_fsync_and_are_readable_at_once(
         for _ in range(per_thread):
             store.put_message(Message(topic="wake", queue_id=i, body=os.urandom(256)))
 
-    workers = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
-    assert not any(w.is_alive() for w in workers)
+    _run_threads(producer, threads)
     sent = per_thread * threads
     fsyncs = group.flushes - flushes_before
     assert wakeups[0] <= fsyncs + threads, f"{wakeups[0]} wake-ups for {fsyncs} fsyncs"
