@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +128,16 @@ def test_writers_queued_at_stop_are_flushed_and_later_ones_flush_themselves(
     assert disk.flushed >= offset
 
 
+def _run_threads(target: Callable[[int], None], threads: int) -> None:
+    """Run ``target(i)`` in ``threads`` threads at once and wait for all of them."""
+    workers = [threading.Thread(target=target, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers)
+
+
 def test_concurrent_sync_sends_share_commitlog_fsyncs(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -159,16 +170,54 @@ def test_concurrent_sync_sends_share_commitlog_fsyncs(
             if not fsynced or max(fsynced) < end:
                 early.append(end)
 
-    workers = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
-    assert not any(w.is_alive() for w in workers)
+    _run_threads(producer, threads)
     assert not early, f"acknowledged before an fsync covered the record: {early[:5]}"
     sent = per_thread * threads
     # A leader/follower lock held across the fsync gave ~2 messages per fsync here.
     assert len(fsynced) <= sent / 3, f"{len(fsynced)} CommitLog fsyncs for {sent} messages"
+
+
+def test_sync_sends_wake_the_dispatcher_once_per_fsync_and_are_readable_at_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    start_store: Callable[[StoreConfig], MessageStore],
+) -> None:
+    """Under SYNC nothing a send appends can be dispatched before its fsync, so the group
+    commit's fsync wakes the dispatcher once for its whole batch (a wake-up per send cost every
+    producer a lock and a notify). A sent message is still readable well before the
+    dispatcher's 50 ms poll would find it."""
+    store = start_store(StoreConfig(data_dir=tmp_path / "store", flush="sync"))
+    assert store.dispatcher is not None
+    wakeups = [0]
+    real_wakeup = store.dispatcher.wakeup
+
+    def counted_wakeup() -> None:
+        wakeups[0] += 1
+        real_wakeup()
+
+    monkeypatch.setattr(store.dispatcher, "wakeup", counted_wakeup)
+    group = store.commitlog.group_commit
+    flushes_before = group.flushes
+    per_thread, threads = 40, 8
+
+    def producer(i: int) -> None:
+        for _ in range(per_thread):
+            store.put_message(Message(topic="wake", queue_id=i, body=os.urandom(256)))
+
+    _run_threads(producer, threads)
+    sent = per_thread * threads
+    fsyncs = group.flushes - flushes_before
+    assert wakeups[0] <= fsyncs + threads, f"{wakeups[0]} wake-ups for {fsyncs} fsyncs"
+    assert wakeups[0] < sent / 2, f"{wakeups[0]} dispatcher wake-ups for {sent} sends"
+    late = []
+    for _ in range(20):
+        r = store.put_message(Message(topic="wake", queue_id=0, body=b"x"))
+        started = time.monotonic()
+        while store.max_offset("wake", 0) <= r.queue_offset:
+            assert time.monotonic() - started < 5, "a SYNC send never became readable"
+            time.sleep(0.0005)
+        late.append(time.monotonic() - started)
+    assert sorted(late)[len(late) // 2] < 0.025, f"readable after {sorted(late)}"
 
 
 def test_native_batch_gate_is_built_and_used() -> None:

@@ -260,6 +260,8 @@ class MessageStore:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
+        if config.flush == "sync":
+            self.commitlog.group_commit.on_flushed = self._flushed
         self.queues = ConsumeQueueTable(
             config.consumequeue_dir, config.consumequeue_entries_per_file
         )
@@ -743,9 +745,12 @@ class MessageStore:
             results = self.commitlog.append(messages)
         except ValueError as e:
             raise InvalidMessageError(str(e)) from e
-        if self.config.flush == "sync" and len(results):
+        if self.config.flush != "sync":
+            self.dispatcher.wakeup()
+        elif len(results):
+            # The fsync that covers these records wakes the dispatcher (``_flushed``): once per
+            # batch of writers, not once per send.
             self.commitlog.wait_flushed(results.end_offset)
-        self.dispatcher.wakeup()
         if len(results):
             for listener in self._append_listeners:
                 listener(results.end_offset)
@@ -765,6 +770,13 @@ class MessageStore:
     def flush_commitlog(self) -> int:
         """fsync the CommitLog; returns the flushed offset."""
         return self.commitlog.flush()
+
+    def _flushed(self) -> None:
+        """After each group commit fsync under SYNC: what it covered may be dispatched now. A
+        replica's dispatcher keeps its own cadence (decision 304)."""
+        d = self.dispatcher
+        if d is not None and not self._replica:
+            d.wakeup()
 
     def set_replica(self, replica: bool) -> None:
         """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly

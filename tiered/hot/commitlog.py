@@ -242,9 +242,14 @@ class CommitLog:
                 break
             # Every file the batch needs exists before its first byte is written: a full disk
             # refuses the whole batch, never stores the part before the roll.
-            self._create_files([c[0] for c in chunks])
+            if last is None or chunks[-1][0] > last.from_offset:
+                self._create_files([c[0] for c in chunks])
             for chunk_from, batch, published in chunks:
-                f = self._file_for_append(chunk_from)
+                # Most appends land in the last file: no lookup for it.
+                if last is not None and chunk_from == last.from_offset:
+                    f = last
+                else:
+                    f = self._file_for_append(chunk_from)
                 parts = batch.parts
                 data = parts[0] if len(parts) == 1 else b"".join(parts)
                 try:

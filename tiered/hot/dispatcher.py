@@ -181,8 +181,12 @@ class Dispatcher:
             if (
                 following is None
                 or following.end_offset > end
-                or following.offsets[0] != self.commitlog.skip_blank(chunk.end_offset)
                 or len(out.offsets) >= 65536
+                # Single sends' chunks abut: the BLANK check reads the file only at a gap.
+                or (
+                    following.offsets[0] != chunk.end_offset
+                    and following.offsets[0] != self.commitlog.skip_blank(chunk.end_offset)
+                )
             ):
                 break
             self._pop()

@@ -171,6 +171,9 @@ class GroupCommitService:
         self._errors: dict[int, BaseException] = {}
         self._unread: dict[int, int] = {}
         self._thread: threading.Thread | None = None
+        # Called once per fsync that moved the flushed offset, after its writers are woken: the
+        # store wakes its dispatcher here under SYNC, once per batch instead of once per send.
+        self.on_flushed: Callable[[], None] | None = None
         # Counters for benches and metrics: fsyncs run and the requests they covered.
         self.flushes = 0
         self.requests = 0
@@ -201,6 +204,8 @@ class GroupCommitService:
         batch = self._gate.join_and_wait()
         if batch < 0:
             self._flush()  # no flusher (stopped): this writer is the only one left
+            if self.on_flushed is not None:
+                self.on_flushed()
             return
         if not self._errors:
             return
@@ -233,3 +238,5 @@ class GroupCommitService:
             fsync_s = time.monotonic() - started
             self.flushes += 1
             gate.finish(batch, served)
+            if self.on_flushed is not None:
+                self.on_flushed()
