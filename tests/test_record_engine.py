@@ -116,6 +116,44 @@ def test_encode_batch_is_byte_identical(messages: list[Message], space: int, sto
         assert record.decode(data, native[4][0][n] - 4096).body == m.body
 
 
+@pytest.mark.parametrize("cache_full", [False, True])
+def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bool) -> None:
+    """The native encoder keeps a batch's queue offsets in 32 slots found by the identity of the
+    cached queue key (decision 450): a batch over more queues than slots, queues that come back
+    after others, a roll that continues the offsets in a second call, and keys the cache cannot
+    keep (a new tuple at every call) all give the reference's offsets, bytes and
+    ``next_offsets``."""
+    messages = [
+        Message(topic=f"t{i % 5}", queue_id=(i * 7) % 17, body=bytes([i % 251]) * (i % 40))
+        for i in range(400)
+    ]
+    base = {(f"t{t}", q): 1000 * t + q for t in range(5) for q in range(0, 17, 2)}
+
+    def run(engine: Any) -> tuple[Any, ...]:
+        encoder = RecordEncoder()
+        if cache_full:  # the topic cache is full: no key of this batch is kept
+            encoder._queue_keys.update({f"other{k}": {} for k in range(100_000)})
+        next_offsets: dict[tuple[str, int], int] = {}
+        results = []
+        start, offset = 0, 4096
+        for space in (20_000, 1 << 24):  # the first call stops where the file would roll
+            out = EncodedBatch(store_timestamp=1_700_000_000_123)
+            start, used = engine.encode_batch(
+                encoder, messages, start, offset, space, next_offsets, base, out
+            )
+            offset += used
+            results.append((start, used, b"".join(out.parts), out.queue_offsets, out.queues))
+            results.append(dict(next_offsets))
+        return tuple(results)
+
+    native = run(NATIVE)
+    assert 0 < native[0][0] < len(messages)  # the roll happened mid-batch
+    assert native == run(PY)
+    assert native[-1][("t0", 0)] == 1000 * 0 + 0 + sum(
+        1 for i in range(400) if i % 5 == 0 and (i * 7) % 17 == 0
+    )
+
+
 def test_encode_batch_is_byte_identical_at_every_crc_lane_boundary() -> None:
     """The native encoder reads a body once, three 256-byte lanes at a time, and joins its CRC
     into the record CRC by combination (decision 320): bodies just below, at and past each lane
