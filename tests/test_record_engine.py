@@ -134,7 +134,7 @@ def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bo
         if cache_full:  # the topic cache is full: no key of this batch is kept
             encoder._queue_keys.update({f"other{k}": {} for k in range(100_000)})
         next_offsets: dict[tuple[str, int], int] = {}
-        results = []
+        results: list[Any] = []
         start, offset = 0, 4096
         for space in (20_000, 1 << 24):  # the first call stops where the file would roll
             out = EncodedBatch(store_timestamp=1_700_000_000_123)
@@ -673,6 +673,80 @@ def test_append_records_writes_what_the_reference_writes(
     finally:
         for f in files:
             f.close()
+
+
+@pytest.mark.parametrize("count", [3, 20, 256])
+def test_encode_batch_into_the_file_writes_what_append_records_writes(
+    tmp_path: Path, count: int
+) -> None:
+    """Given a sink, the native encoder writes a batch that fits whole and is large enough
+    (16 KiB) into the file itself, in the GIL release of its encoding (decision 452): the file is
+    byte-identical to encoding then ``append_records_py``, the size fields are all zero while the
+    failpoint between the two steps runs, and the dispatch fields are the same. A smaller batch,
+    or one that does not fit whole, is left to the caller in ``out.parts``."""
+    from tiered.hot.mapped_file import MappedFile
+
+    body = bytes(range(256)) * 4
+    messages = [
+        Message(
+            topic=f"t{i % 3}", queue_id=i % 5, body=body[: 900 + i], properties={"KEYS": f"k{i}"}
+        )
+        for i in range(count)
+    ]
+    at = 4096 + 3  # an unaligned position in the file
+    ref, direct = (MappedFile(tmp_path / n, 0, 1 << 20, create=True) for n in ("ref", "direct"))
+    seen: list[bytes] = []
+    try:
+        expected = EncodedBatch(store_timestamp=1_700_000_000_000)
+        nxt_ref: dict[tuple[str, int], int] = {}
+        RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt_ref, {}, expected)
+        ref.wrote = at
+        ref.append_records_py(b"".join(expected.parts), expected.offsets, 4096)
+        direct.wrote = at
+        out = EncodedBatch(store_timestamp=1_700_000_000_000)
+        nxt: dict[tuple[str, int], int] = {}
+        sink = (
+            direct._fd,
+            direct.mm,
+            at,
+            lambda: seen.extend(direct.mm[at + o - 4096 : at + o - 4092] for o in out.offsets),
+        )
+        i, used = RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt, {}, out, sink)
+        assert (i, nxt, out.offsets, out.queue_offsets, out.keys) == (
+            count,
+            nxt_ref,
+            expected.offsets,
+            expected.queue_offsets,
+            expected.keys,
+        )
+        # The reference (TMQ_PURE_PYTHON=1) never writes: the caller does.
+        assert out.written == (record.ENGINE_NAME == "native" and used >= 16384)
+        if out.written:
+            assert out.parts == [] and seen == [bytes(4)] * count
+            assert direct.mm[:] == ref.mm[:]
+        else:
+            assert b"".join(out.parts) == b"".join(expected.parts)
+            assert direct.mm[:] == bytes(1 << 20)  # nothing written: the caller writes
+        # A batch that does not fit whole is never written by the encoder.
+        short = EncodedBatch(store_timestamp=1)
+        before = direct.mm[:]
+        j, _ = RecordEncoder().encode_batch(messages, 0, 4096, used - 1, {}, {}, short, sink)
+        assert j < count and not short.written and direct.mm[:] == before
+        # A write the file refuses (EBADF here, EIO from a device) raises, sizes never set.
+        if record.ENGINE_NAME == "native" and used >= 16384:
+            fd = os.open(tmp_path / "direct", os.O_RDONLY)
+            try:
+                bad = (fd, direct.mm, at + used, lambda: None)
+                with pytest.raises(OSError):
+                    RecordEncoder().encode_batch(
+                        messages, 0, 4096, 1 << 19, {}, {}, EncodedBatch(), bad
+                    )
+            finally:
+                os.close(fd)
+            assert direct.mm[:] == before
+    finally:
+        ref.close()
+        direct.close()
 
 
 @pytest.mark.parametrize(

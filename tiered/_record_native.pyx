@@ -332,8 +332,13 @@ cdef inline int _queue_slot(PyObject** keys, int count, PyObject* key) noexcept:
 
 
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
-                 dict next_offsets, dict base_offsets, out):
-    """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object."""
+                 dict next_offsets, dict base_offsets, out, sink=None):
+    """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
+
+    With ``sink`` (``MappedFile.append_sink``: descriptor, mapping, position, failpoint), a batch
+    that fits whole and is large enough to be written without the GIL is written into the file
+    instead, as ``append_records`` writes it, in the same release of the GIL as its encoding
+    (decision 452); ``out.written`` is then set and ``out.parts`` stays empty."""
     cdef Py_ssize_t count = len(messages)
     cdef Py_ssize_t i = start, n = 0, used = 0, size
     cdef Rec* recs
@@ -469,7 +474,11 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             i += 1
         for j in range(slots):
             next_offsets[<object>slot_key[j]] = slot_next[j]
-        if n:
+        if n and sink is not None and i == count and used >= _NOGIL_MIN:
+            _encode_into(sink, recs, n, scratch.data, <const unsigned char*>PyBytes_AS_STRING(
+                store_ip), store_v6, store_port, store_ts, used, physical_offset)
+            out.written = True
+        elif n:
             buf = PyBytes_FromStringAndSize(NULL, used)
             dest = <unsigned char*>PyBytes_AS_STRING(buf)
             store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
@@ -1769,3 +1778,48 @@ def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
     finally:
         free(starts)
         free(iov)
+
+
+cdef int _encode_into(tuple sink, Rec* recs, Py_ssize_t n, const unsigned char* props,
+                      const unsigned char* store_ip, bint store_v6, int32_t store_port,
+                      int64_t store_ts, Py_ssize_t used, int64_t base) except -1:
+    """``encode_batch``'s records written as ``append_records`` writes them: encoded into a
+    buffer and sent by one ``pwritev`` that skips the size fields, in one release of the GIL;
+    then the failpoint, then the size fields through the mapping, front to back."""
+    fd_obj, mm, pos_obj, between = sink
+    cdef int fd = fd_obj
+    cdef Py_ssize_t pos = pos_obj, k, at
+    cdef unsigned char[::1] m = mm
+    cdef unsigned char* buf
+    cdef iovec* iov
+    cdef int failed = 0
+    if pos < 0 or pos + used > m.shape[0]:
+        raise ValueError(f"{used} bytes at {pos} do not fit in a {m.shape[0]}-byte file")
+    buf = <unsigned char*>malloc(used)
+    iov = <iovec*>malloc(sizeof(iovec) * 2 * n)
+    if buf == NULL or iov == NULL:
+        free(buf)
+        free(iov)
+        raise MemoryError()
+    try:
+        with nogil:
+            _write_records(buf, recs, n, props, store_ip, store_v6, store_port, store_ts)
+            for k in range(n):
+                at = recs[k].physical_offset - base
+                iov[2 * k].iov_base = <void*>_ZERO_SIZE
+                iov[2 * k].iov_len = 4
+                iov[2 * k + 1].iov_base = <void*>(buf + at + 4)
+                iov[2 * k + 1].iov_len = recs[k].size - 4
+            if _pwrite_all(fd, iov, <int>(2 * n), pos) < 0:
+                failed = 1
+        if failed:
+            PyErr_SetFromErrno(OSError)
+        if between is not None:
+            between()
+        for k in range(n):
+            at = recs[k].physical_offset - base
+            memcpy(&m[pos + at], buf + at, 4)
+    finally:
+        free(buf)
+        free(iov)
+    return 0
