@@ -1769,12 +1769,7 @@ def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
             with nogil:
                 if _pwrite_all(fd, iov, used, pos) < 0:
                     failed = 1
-        if failed:
-            PyErr_SetFromErrno(OSError)
-        if between is not None:
-            between()
-        for i in range(k):
-            memcpy(&m[pos + starts[i]], &d[starts[i]], 4)
+        _set_sizes(failed, between, &m[0], pos, &d[0], starts, k)
     finally:
         free(starts)
         free(iov)
@@ -1792,34 +1787,49 @@ cdef int _encode_into(tuple sink, Rec* recs, Py_ssize_t n, const unsigned char* 
     cdef unsigned char[::1] m = mm
     cdef unsigned char* buf
     cdef iovec* iov
+    cdef Py_ssize_t* starts
     cdef int failed = 0
     if pos < 0 or pos + used > m.shape[0]:
         raise ValueError(f"{used} bytes at {pos} do not fit in a {m.shape[0]}-byte file")
     buf = <unsigned char*>malloc(used)
     iov = <iovec*>malloc(sizeof(iovec) * 2 * n)
-    if buf == NULL or iov == NULL:
+    starts = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * n)
+    if buf == NULL or iov == NULL or starts == NULL:
         free(buf)
         free(iov)
+        free(starts)
         raise MemoryError()
     try:
         with nogil:
             _write_records(buf, recs, n, props, store_ip, store_v6, store_port, store_ts)
             for k in range(n):
                 at = recs[k].physical_offset - base
+                starts[k] = at
                 iov[2 * k].iov_base = <void*>_ZERO_SIZE
                 iov[2 * k].iov_len = 4
                 iov[2 * k + 1].iov_base = <void*>(buf + at + 4)
                 iov[2 * k + 1].iov_len = recs[k].size - 4
             if _pwrite_all(fd, iov, <int>(2 * n), pos) < 0:
                 failed = 1
-        if failed:
-            PyErr_SetFromErrno(OSError)
-        if between is not None:
-            between()
-        for k in range(n):
-            at = recs[k].physical_offset - base
-            memcpy(&m[pos + at], buf + at, 4)
+        _set_sizes(failed, between, &m[0], pos, buf, starts, n)
     finally:
         free(buf)
         free(iov)
+        free(starts)
+    return 0
+
+
+cdef int _set_sizes(int failed, object between, unsigned char* m, Py_ssize_t pos,
+                    const unsigned char* d, const Py_ssize_t* starts, Py_ssize_t k) except -1:
+    """After the ``pwritev`` that left every size field zero: raise its error, else call the
+    failpoint, then store the size fields (``d``'s, record ``i`` at ``starts[i]``) through the
+    mapping ``m`` at ``pos``, front to back."""
+    cdef Py_ssize_t i
+    if failed:
+        PyErr_SetFromErrno(OSError)
+        return -1
+    if between is not None:
+        between()
+    for i in range(k):
+        memcpy(m + pos + starts[i], d + starts[i], 4)
     return 0
