@@ -116,6 +116,44 @@ def test_encode_batch_is_byte_identical(messages: list[Message], space: int, sto
         assert record.decode(data, native[4][0][n] - 4096).body == m.body
 
 
+@pytest.mark.parametrize("cache_full", [False, True])
+def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bool) -> None:
+    """The native encoder keeps a batch's queue offsets in 32 slots found by the identity of the
+    cached queue key (decision 450): a batch over more queues than slots, queues that come back
+    after others, a roll that continues the offsets in a second call, and keys the cache cannot
+    keep (a new tuple at every call) all give the reference's offsets, bytes and
+    ``next_offsets``."""
+    messages = [
+        Message(topic=f"t{i % 5}", queue_id=(i * 7) % 17, body=bytes([i % 251]) * (i % 40))
+        for i in range(400)
+    ]
+    base = {(f"t{t}", q): 1000 * t + q for t in range(5) for q in range(0, 17, 2)}
+
+    def run(engine: Any) -> tuple[Any, ...]:
+        encoder = RecordEncoder()
+        if cache_full:  # the topic cache is full: no key of this batch is kept
+            encoder._queue_keys.update({f"other{k}": {} for k in range(100_000)})
+        next_offsets: dict[tuple[str, int], int] = {}
+        results: list[Any] = []
+        start, offset = 0, 4096
+        for space in (20_000, 1 << 24):  # the first call stops where the file would roll
+            out = EncodedBatch(store_timestamp=1_700_000_000_123)
+            start, used = engine.encode_batch(
+                encoder, messages, start, offset, space, next_offsets, base, out
+            )
+            offset += used
+            results.append((start, used, b"".join(out.parts), out.queue_offsets, out.queues))
+            results.append(dict(next_offsets))
+        return tuple(results)
+
+    native = run(NATIVE)
+    assert 0 < native[0][0] < len(messages)  # the roll happened mid-batch
+    assert native == run(PY)
+    assert native[-1][("t0", 0)] == 1000 * 0 + 0 + sum(
+        1 for i in range(400) if i % 5 == 0 and (i * 7) % 17 == 0
+    )
+
+
 def test_encode_batch_is_byte_identical_at_every_crc_lane_boundary() -> None:
     """The native encoder reads a body once, three 256-byte lanes at a time, and joins its CRC
     into the record CRC by combination (decision 320): bodies just below, at and past each lane
@@ -635,6 +673,80 @@ def test_append_records_writes_what_the_reference_writes(
     finally:
         for f in files:
             f.close()
+
+
+@pytest.mark.parametrize("count", [3, 20, 256])
+def test_encode_batch_into_the_file_writes_what_append_records_writes(
+    tmp_path: Path, count: int
+) -> None:
+    """Given a sink, the native encoder writes a batch that fits whole and is large enough
+    (16 KiB) into the file itself, in the GIL release of its encoding (decision 452): the file is
+    byte-identical to encoding then ``append_records_py``, the size fields are all zero while the
+    failpoint between the two steps runs, and the dispatch fields are the same. A smaller batch,
+    or one that does not fit whole, is left to the caller in ``out.parts``."""
+    from tiered.hot.mapped_file import MappedFile
+
+    body = bytes(range(256)) * 4
+    messages = [
+        Message(
+            topic=f"t{i % 3}", queue_id=i % 5, body=body[: 900 + i], properties={"KEYS": f"k{i}"}
+        )
+        for i in range(count)
+    ]
+    at = 4096 + 3  # an unaligned position in the file
+    ref, direct = (MappedFile(tmp_path / n, 0, 1 << 20, create=True) for n in ("ref", "direct"))
+    seen: list[bytes] = []
+    try:
+        expected = EncodedBatch(store_timestamp=1_700_000_000_000)
+        nxt_ref: dict[tuple[str, int], int] = {}
+        RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt_ref, {}, expected)
+        ref.wrote = at
+        ref.append_records_py(b"".join(expected.parts), expected.offsets, 4096)
+        direct.wrote = at
+        out = EncodedBatch(store_timestamp=1_700_000_000_000)
+        nxt: dict[tuple[str, int], int] = {}
+        sink = (
+            direct._fd,
+            direct.mm,
+            at,
+            lambda: seen.extend(direct.mm[at + o - 4096 : at + o - 4092] for o in out.offsets),
+        )
+        i, used = RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt, {}, out, sink)
+        assert (i, nxt, out.offsets, out.queue_offsets, out.keys) == (
+            count,
+            nxt_ref,
+            expected.offsets,
+            expected.queue_offsets,
+            expected.keys,
+        )
+        # The reference (TMQ_PURE_PYTHON=1) never writes: the caller does.
+        assert out.written == (record.ENGINE_NAME == "native" and used >= 16384)
+        if out.written:
+            assert out.parts == [] and seen == [bytes(4)] * count
+            assert direct.mm[:] == ref.mm[:]
+        else:
+            assert b"".join(out.parts) == b"".join(expected.parts)
+            assert direct.mm[:] == bytes(1 << 20)  # nothing written: the caller writes
+        # A batch that does not fit whole is never written by the encoder.
+        short = EncodedBatch(store_timestamp=1)
+        before = direct.mm[:]
+        j, _ = RecordEncoder().encode_batch(messages, 0, 4096, used - 1, {}, {}, short, sink)
+        assert j < count and not short.written and direct.mm[:] == before
+        # A write the file refuses (EBADF here, EIO from a device) raises, sizes never set.
+        if record.ENGINE_NAME == "native" and used >= 16384:
+            fd = os.open(tmp_path / "direct", os.O_RDONLY)
+            try:
+                bad = (fd, direct.mm, at + used, lambda: None)
+                with pytest.raises(OSError):
+                    RecordEncoder().encode_batch(
+                        messages, 0, 4096, 1 << 19, {}, {}, EncodedBatch(), bad
+                    )
+            finally:
+                os.close(fd)
+            assert direct.mm[:] == before
+    finally:
+        ref.close()
+        direct.close()
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even wh
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem, PyDict_Next
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_Next
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -66,6 +66,7 @@ DEF MAX_PROPS = 0x7FFF - CRC_PAIR
 # microsecond or two, and releasing the GIL lets another thread take it for up to the switch
 # interval; with 8 single-send SYNC producers every release was a hand-off (decision 421).
 DEF _NOGIL_MIN = 16384
+DEF QUEUE_SLOTS = 32  # queues of one batch tracked without the dict (encode_batch)
 
 # Filled in by tiered.record when it loads this module (it imports us, not the reverse).
 cdef object RecordError = ValueError
@@ -298,9 +299,10 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         o += r.size
 
 
-cdef object _queue_key(dict cache, object topic, object queue_id):
-    """The ``(topic, queue_id)`` tuple, allocated once per queue and kept in ``cache``."""
-    cdef PyObject* found = PyDict_GetItem(cache, topic)
+cdef object _queue_key(dict cache, object topic, object queue_id, bint* cached):
+    """The ``(topic, queue_id)`` tuple, allocated once per queue and kept in ``cache``;
+    ``cached`` says whether it is the kept one (the same object at every call)."""
+    cdef PyObject* found = PyDict_GetItemWithError(cache, topic)
     cdef dict by_id
     if found == NULL:
         by_id = {}
@@ -308,18 +310,35 @@ cdef object _queue_key(dict cache, object topic, object queue_id):
             cache[topic] = by_id
     else:
         by_id = <dict>found
-    found = PyDict_GetItem(by_id, queue_id)
+    found = PyDict_GetItemWithError(by_id, queue_id)
     if found != NULL:
+        cached[0] = True
         return <object>found
     key = (topic, queue_id)
-    if len(by_id) < 65_536:
+    cached[0] = len(by_id) < 65_536 and topic in cache
+    if cached[0]:
         by_id[queue_id] = key
     return key
 
 
+cdef inline int _queue_slot(PyObject** keys, int count, PyObject* key) noexcept:
+    """The slot of ``key`` (a cached key: compared by identity) among ``keys[:count]``, or
+    ``count``."""
+    cdef int j
+    for j in range(count):
+        if keys[j] == key:
+            return j
+    return count
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
-                 dict next_offsets, dict base_offsets, out):
-    """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object."""
+                 dict next_offsets, dict base_offsets, out, sink=None):
+    """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
+
+    With ``sink`` (``MappedFile.append_sink``: descriptor, mapping, position, failpoint), a batch
+    that fits whole and is large enough to be written without the GIL is written into the file
+    instead, as ``append_records`` writes it, in the same release of the GIL as its encoding
+    (decision 452); ``out.written`` is then set and ``out.parts`` stays empty."""
     cdef Py_ssize_t count = len(messages)
     cdef Py_ssize_t i = start, n = 0, used = 0, size
     cdef Rec* recs
@@ -341,6 +360,13 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef bint fast
     cdef unsigned char* dest
     cdef const unsigned char* store_ip_p
+    # The batch's queues and their next offsets (decision 450): a queue is found by the identity
+    # of its cached key, so a message costs no tuple hash, dict store or int object for its
+    # offset; ``next_offsets`` gets one store per queue at the end.
+    cdef PyObject* slot_key[QUEUE_SLOTS]
+    cdef int64_t slot_next[QUEUE_SLOTS]
+    cdef int slots = 0, j
+    cdef bint cached = False
     if count <= start:
         return start, 0
     recs = <Rec*>malloc(sizeof(Rec) * (count - start))
@@ -355,7 +381,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             fast = _slots_ok and type(m) is Message
             r = &recs[n]
             topic = _field(m, fast, 0)
-            found = PyDict_GetItem(topic_parts, topic)
+            found = PyDict_GetItemWithError(topic_parts, topic)
             tpart = <object>found if found != NULL else encoder._topic_part(topic)
             props = _field(m, fast, 3)
             r.props_at = scratch.len
@@ -377,7 +403,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 body = bytes(body)
             host = _field(m, fast, 6)
             address = host[0]
-            found = PyDict_GetItem(born_cache, address)
+            found = PyDict_GetItemWithError(born_cache, address)
             born = <object>found if found != NULL else encoder._born(address)
             born_ip = born[0]
             r.born_v6 = 1 if born[1] else 0
@@ -399,16 +425,28 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             r.prepared = _field(m, fast, 8)
             queue_id = _field(m, fast, 2)
             r.queue_id = _i32(queue_id)
-            key = _queue_key(queue_keys, topic, queue_id)
-            found = PyDict_GetItem(next_offsets, key)
-            if found == NULL:
-                qo = base_offsets.get(key, 0)
+            key = _queue_key(queue_keys, topic, queue_id, &cached)
+            # A key the cache could not keep is a new object at every call: the dict path.
+            j = _queue_slot(slot_key, slots, <PyObject*>key) if cached else QUEUE_SLOTS
+            if j < slots:  # QUEUE_SLOTS when uncached, never below slots then
+                q = slot_next[j]
+                slot_next[j] = q + 1
             else:
-                qo = <object>found
-            q = qo
+                found = PyDict_GetItemWithError(next_offsets, key)
+                if found == NULL:
+                    qo = base_offsets.get(key, 0)
+                else:
+                    qo = <object>found
+                q = qo
+                if cached and slots < QUEUE_SLOTS:
+                    hold.append(key)  # the slot borrows it
+                    slot_key[slots] = <PyObject*>key
+                    slot_next[slots] = q + 1
+                    slots += 1
+                else:  # more queues than slots in one batch: the dict keeps the rest
+                    next_offsets[key] = q + 1
             r.queue_offset = q
             r.physical_offset = physical_offset + used
-            next_offsets[key] = q + 1
             hold.append(body)
             hold.append(born_ip)
             hold.append(tpart)
@@ -434,7 +472,13 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             used += size
             n += 1
             i += 1
-        if n:
+        for j in range(slots):
+            next_offsets[<object>slot_key[j]] = slot_next[j]
+        if n and sink is not None and i == count and used >= _NOGIL_MIN:
+            _encode_into(sink, recs, n, scratch.data, <const unsigned char*>PyBytes_AS_STRING(
+                store_ip), store_v6, store_port, store_ts, used, physical_offset)
+            out.written = True
+        elif n:
             buf = PyBytes_FromStringAndSize(NULL, used)
             dest = <unsigned char*>PyBytes_AS_STRING(buf)
             store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
@@ -1725,12 +1769,67 @@ def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
             with nogil:
                 if _pwrite_all(fd, iov, used, pos) < 0:
                     failed = 1
-        if failed:
-            PyErr_SetFromErrno(OSError)
-        if between is not None:
-            between()
-        for i in range(k):
-            memcpy(&m[pos + starts[i]], &d[starts[i]], 4)
+        _set_sizes(failed, between, &m[0], pos, &d[0], starts, k)
     finally:
         free(starts)
         free(iov)
+
+
+cdef int _encode_into(tuple sink, Rec* recs, Py_ssize_t n, const unsigned char* props,
+                      const unsigned char* store_ip, bint store_v6, int32_t store_port,
+                      int64_t store_ts, Py_ssize_t used, int64_t base) except -1:
+    """``encode_batch``'s records written as ``append_records`` writes them: encoded into a
+    buffer and sent by one ``pwritev`` that skips the size fields, in one release of the GIL;
+    then the failpoint, then the size fields through the mapping, front to back."""
+    fd_obj, mm, pos_obj, between = sink
+    cdef int fd = fd_obj
+    cdef Py_ssize_t pos = pos_obj, k, at
+    cdef unsigned char[::1] m = mm
+    cdef unsigned char* buf
+    cdef iovec* iov
+    cdef Py_ssize_t* starts
+    cdef int failed = 0
+    if pos < 0 or pos + used > m.shape[0]:
+        raise ValueError(f"{used} bytes at {pos} do not fit in a {m.shape[0]}-byte file")
+    buf = <unsigned char*>malloc(used)
+    iov = <iovec*>malloc(sizeof(iovec) * 2 * n)
+    starts = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * n)
+    if buf == NULL or iov == NULL or starts == NULL:
+        free(buf)
+        free(iov)
+        free(starts)
+        raise MemoryError()
+    try:
+        with nogil:
+            _write_records(buf, recs, n, props, store_ip, store_v6, store_port, store_ts)
+            for k in range(n):
+                at = recs[k].physical_offset - base
+                starts[k] = at
+                iov[2 * k].iov_base = <void*>_ZERO_SIZE
+                iov[2 * k].iov_len = 4
+                iov[2 * k + 1].iov_base = <void*>(buf + at + 4)
+                iov[2 * k + 1].iov_len = recs[k].size - 4
+            if _pwrite_all(fd, iov, <int>(2 * n), pos) < 0:
+                failed = 1
+        _set_sizes(failed, between, &m[0], pos, buf, starts, n)
+    finally:
+        free(buf)
+        free(iov)
+        free(starts)
+    return 0
+
+
+cdef int _set_sizes(int failed, object between, unsigned char* m, Py_ssize_t pos,
+                    const unsigned char* d, const Py_ssize_t* starts, Py_ssize_t k) except -1:
+    """After the ``pwritev`` that left every size field zero: raise its error, else call the
+    failpoint, then store the size fields (``d``'s, record ``i`` at ``starts[i]``) through the
+    mapping ``m`` at ``pos``, front to back."""
+    cdef Py_ssize_t i
+    if failed:
+        PyErr_SetFromErrno(OSError)
+        return -1
+    if between is not None:
+        between()
+    for i in range(k):
+        memcpy(m + pos + starts[i], d + starts[i], 4)
+    return 0

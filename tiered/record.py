@@ -54,7 +54,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,18 +343,29 @@ class RecordEncoder:
         next_offsets: dict[tuple[str, int], int],
         base_offsets: dict[tuple[str, int], int],
         out: EncodedBatch,
+        sink: tuple[int, Any, int, Callable[[], None]] | None = None,
     ) -> tuple[int, int]:
         """Encode ``messages[start:]`` at ``physical_offset`` while each record fits in
         ``space`` bytes with room for a BLANK record after it.
+
+        ``sink`` (``MappedFile.append_sink``): the native engine may write a batch that fits
+        whole straight into that file, as ``MappedFile.append_records`` would, and set
+        ``out.written`` (decision 452); the reference never does, and the caller writes
+        ``out.parts`` as usual.
 
         Queue offsets come from ``next_offsets`` (this batch's), else ``base_offsets`` (the
         CommitLog's), and ``next_offsets`` is advanced. Returns (index of the first message not
         encoded, bytes used); the records are appended to ``out.parts`` (the native engine
         appends them as one buffer). This is the append hot path.
         """
-        i, used = _engine.encode_batch(
-            self, messages, start, physical_offset, space, next_offsets, base_offsets, out
-        )
+        if sink is not None and _engine is NATIVE_ENGINE:
+            i, used = _engine.encode_batch(
+                self, messages, start, physical_offset, space, next_offsets, base_offsets, out, sink
+            )
+        else:
+            i, used = _engine.encode_batch(
+                self, messages, start, physical_offset, space, next_offsets, base_offsets, out
+            )
         return int(i), int(used)
 
     def encode_batch_py(
@@ -497,6 +508,8 @@ class EncodedBatch:
     store_timestamp: int = 0
     # Per record, when they differ (records read back from the CommitLog); else None.
     store_timestamps: list[int] | None = None
+    # The native engine wrote the records into the CommitLog file itself (decision 452).
+    written: bool = False
 
     @property
     def end_offset(self) -> int:

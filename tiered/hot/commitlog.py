@@ -214,6 +214,9 @@ class CommitLog:
             # One encoded chunk per file touched, with the queue offsets it publishes.
             chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]] = []
             i = 0
+            # A batch that fits whole in the open file may be written by the encoder in the same
+            # release of the GIL as its encoding (decision 452).
+            sink = last.append_sink() if last is not None else None
             while True:
                 batch = EncodedBatch(store_timestamp=store_ts)
                 try:
@@ -225,9 +228,14 @@ class CommitLog:
                         next_offsets,
                         self.queue_offsets,
                         batch,
+                        sink,
                     )
                 except (RecordError, TypeError, AttributeError) as e:
                     raise ValueError(f"message {i}: {e}") from e
+                except OSError as e:
+                    assert last is not None
+                    raise self._write_failed(last, e) from e
+                sink = None
                 if i < len(messages):
                     if not batch.offsets and wrote == 0:
                         raise MessageTooLargeError(
@@ -250,18 +258,25 @@ class CommitLog:
                     f = last
                 else:
                     f = self._file_for_append(chunk_from)
-                parts = batch.parts
-                data = parts[0] if len(parts) == 1 else b"".join(parts)
-                try:
-                    f.append_records(data, batch.offsets, f.from_offset + f.wrote)
-                except OSError as e:
-                    raise self._write_failed(f, e) from e
-                batch.parts = []
+                if batch.written:
+                    f.wrote += batch.end_offset - batch.offsets[0]
+                else:
+                    self._write(f, batch)
                 self.queue_offsets.update(published)
                 if batch.offsets and self.on_append is not None:
                     self.on_append(batch)
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
+
+    def _write(self, f: MappedFile, batch: EncodedBatch) -> None:
+        """Write an encoded chunk at the end of ``f``."""
+        parts = batch.parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            f.append_records(data, batch.offsets, f.from_offset + f.wrote)
+        except OSError as e:
+            raise self._write_failed(f, e) from e
+        batch.parts = []
 
     def _create_files(self, starts: list[int]) -> None:
         last = self.files.last_file()

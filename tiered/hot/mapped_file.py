@@ -18,7 +18,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,14 @@ class MappedFile:
             self._fd, self.mm, self.wrote, data, offsets, base, _PWRITE_MIN, _before_sizes
         )
         self.wrote += len(data)
+
+    def append_sink(self) -> tuple[int, Any, int, Callable[[], None]] | None:
+        """Where the native encoder may write a batch itself (``RecordEncoder.encode_batch``,
+        decision 452): as ``append_records`` would, at ``wrote``; the caller then moves
+        ``wrote``. None while ``append_records`` runs the reference."""
+        if _NATIVE is None:
+            return None
+        return self._fd, self.mm, self.wrote, _before_sizes
 
     def append_records_py(self, data: Buffer, offsets: Sequence[int], base: int) -> None:
         pos = self.wrote
