@@ -124,7 +124,7 @@ def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
         read_records(job, data)
         info = seal(data, records, job.base_offset, job.key)
     # The store does not keep ``data`` past the call: this thread's next job reuses it.
-    written = tier.put_if_absent(info.key, data)  # type: ignore[arg-type]
+    written = tier.put_if_absent(info.key, data, crc32c=info.object_crc32c())  # type: ignore[arg-type]
     failpoints.hit("offload.after_put")
     if written:
         # A PUT that succeeded created the object with exactly these bytes (an object write is

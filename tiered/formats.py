@@ -108,6 +108,11 @@ class SegmentInfo:
         body = _FOOTER_BODY.pack(MAGIC, VERSION, *(getattr(self, f) for f in FOOTER_FIELDS))
         return body + struct.pack(">I", int(crc32c(body)))
 
+    def object_crc32c(self) -> int:
+        """The CRC32C of the whole object (what S3 calls its ``ChecksumCRC32C``): ``crc``
+        extended over the footer, no pass over the records again."""
+        return int(crc32c_extend(self.crc, self.footer()))
+
     @classmethod
     def from_footer(cls, key: str, size: int, raw: bytes) -> SegmentInfo:
         """The manifest entry of the object ``key`` of ``size`` bytes whose footer is ``raw``."""

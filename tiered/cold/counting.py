@@ -16,9 +16,9 @@ class CountingObjectStore:
         self.url = inner.url
         self.calls: Counter[str] = Counter()  # method name -> requests
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
         self.calls["put_if_absent"] += 1
-        return self.inner.put_if_absent(key, data)
+        return self.inner.put_if_absent(key, data, crc32c=crc32c)
 
     def put(self, key: str, data: bytes) -> None:
         self.calls["put"] += 1

@@ -56,9 +56,9 @@ class FaultyObjectStore:
             self.injected["500-after-write"] += 1
             raise StorageError(f"{op}: 500 InternalError after the write landed (injected)")
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
         self._before("put_if_absent")
-        written = self.inner.put_if_absent(key, data)
+        written = self.inner.put_if_absent(key, data, crc32c=crc32c)
         self._after_write("put_if_absent")
         return written
 

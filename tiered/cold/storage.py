@@ -109,10 +109,12 @@ def check_key(key: str) -> str:
 class ObjectStore(Protocol):
     url: str
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
         """Create ``key`` with ``data`` unless it exists. True: written; False: it existed
         (whatever it holds; the caller decides whether that is its own earlier write). Atomic:
-        nobody ever sees part of the object. Safe to retry."""
+        nobody ever sees part of the object. Safe to retry. ``crc32c``: the CRC32C of ``data``
+        when the caller has it already (a sealed segment): an S3 store sends it as the body's
+        checksum instead of computing one (decision 490)."""
         ...
 
     def put(self, key: str, data: bytes) -> None:
@@ -175,14 +177,14 @@ class FsspecObjectStore:
         parsed = urlparse(self.url)
         return f"{parsed.scheme}://{parsed.netloc}" if parsed.netloc else self.url
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
         path = self._path(key)
         if self.local:
             return _local_create(Path(path), data)
         if len(data) > MAX_CONDITIONAL_PUT_BYTES:
             raise ValueError(f"{key}: {len(data)} bytes is too large for a conditional put")
         try:
-            self.fs.pipe_file(path, data, mode="create", **self._checksum(data))
+            self.fs.pipe_file(path, data, mode="create", **self._checksum(data, crc32c))
             return True
         except FileExistsError:
             return False
@@ -201,8 +203,8 @@ class FsspecObjectStore:
         except Exception as e:
             raise self._translate(key, e) from e
 
-    def _checksum(self, data: bytes) -> dict[str, str]:
-        return put_checksum(data) if self.s3 else {}
+    def _checksum(self, data: bytes, crc32c: int | None = None) -> dict[str, str]:
+        return put_checksum(data, crc32c) if self.s3 else {}
 
     def get(self, key: str) -> bytes:
         try:
@@ -322,8 +324,8 @@ class RetryingObjectStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self.policy.call(what, fn, self._sleep)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        return self._call(f"put {key}", lambda: self.inner.put_if_absent(key, data))
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
+        return self._call(f"put {key}", lambda: self.inner.put_if_absent(key, data, crc32c=crc32c))
 
     def put(self, key: str, data: bytes) -> None:
         self._call(f"put {key}", lambda: self.inner.put(key, data))
@@ -456,16 +458,21 @@ def _local_replace(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def put_checksum(data: bytes) -> dict[str, str]:
-    """The ``PutObject`` parameter with the body's CRC32, for the store to check: a body damaged
-    on the way is refused (BadDigest), never stored. Nothing reads a written object back
+def put_checksum(data: bytes, crc32c: int | None = None) -> dict[str, str]:
+    """The ``PutObject`` parameter with the body's checksum, for the store to check: a body
+    damaged on the way is refused (BadDigest), never stored. Nothing reads a written object back
     (decision 251), so this is what guarantees it holds the bytes sent; given here, it does not
     depend on the SDK's own checksums, which AWS_REQUEST_CHECKSUM_CALCULATION=when_required
-    turns off (decision 290). CRC32, the SDK's own default, not CRC32C: botocore checks a
-    whole-object GET against a stored CRC32C only with awscrt installed. Empty above one PUT's
-    worth of bytes (a multipart upload checks its parts its own way)."""
+    turns off (decision 290). ``crc32c`` given (a segment, whose seal computed it): that, as
+    ``ChecksumCRC32C``, at no cost here (decision 490); a whole-segment GET is checked against
+    the footer's CRC32C by tmq itself. Otherwise (a manifest) the body's CRC32, the SDK's own
+    default: botocore checks a whole-object GET against a stored CRC32C only with awscrt
+    installed, and a manifest is read whole. Empty above one PUT's worth of bytes (a multipart
+    upload checks its parts its own way)."""
     if len(data) > MAX_CONDITIONAL_PUT_BYTES:
         return {}
+    if crc32c is not None:
+        return {"ChecksumCRC32C": base64.b64encode(crc32c.to_bytes(4, "big")).decode()}
     crc = zlib.crc32(data).to_bytes(4, "big")
     return {"ChecksumCRC32": base64.b64encode(crc).decode()}
 
