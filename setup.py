@@ -59,7 +59,15 @@ extensions = [
         extra_compile_args=["-O3"],
     ),
     # Stored messages to PullMessageResponse bytes in the cold worker (decision 400).
-    Extension("broker._reply_native", ["broker/_reply_native.pyx"], extra_compile_args=["-O3"]),
+    # Records to PullMessageResponse bytes in the cold worker (decisions 400, 481), with the body
+    # digest by the MD5 beside it.
+    Extension(
+        "broker._reply_native",
+        ["broker/_reply_native.pyx"],
+        depends=["broker/_md5.h"],
+        include_dirs=["broker"],
+        extra_compile_args=["-O3"],
+    ),
 ]
 
 setup(

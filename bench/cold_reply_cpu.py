@@ -6,7 +6,8 @@ CPU time (``time.process_time``, which a loaded machine inflates far less than w
 - ``decoded``: what PullMessage did in the broker for a cold read before decision 400 (the
   record engine's decode, ``to_proto_message``, protobuf's serialization);
 - ``replies``: what it does now (a bytes slice per message of the replies the worker wrote);
-- ``worker_encode``: what the cold worker now spends instead (decode and the native writer).
+- ``worker_encode``: what the cold worker now spends instead (the native writer, from the record
+  bytes since decision 481).
 
 Prints one JSON object; a few seconds.
 """

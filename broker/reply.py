@@ -60,6 +60,17 @@ def _native() -> Any:
 
 _NATIVE = _native()
 _TYPES = dict(MESSAGE_TYPE_VALUES)
+# The same, as the bytes the records hold, for the writer that reads records (decision 481).
+_HIDDEN_NAMES = tuple(sorted(name.encode() for name in _HIDDEN))
+_TYPE_NAMES = tuple((name.encode(), value) for name, value in _TYPES.items())
+
+
+def _one_reply(data: Buffer, position: int) -> tuple[bytes, int]:
+    """The reply of one record the native writer does not take as it is, written from its
+    decoded message (the writer of decision 400), and its body's size."""
+    messages = decode_many(data, [position], check_crc=False)
+    reply, _, bodies = _NATIVE.encode(messages, _HIDDEN, _TYPES, d.NORMAL, pull_reply)
+    return reply, bodies[0]
 
 
 def encode_pull_replies(data: Buffer, positions: list[int]) -> Replies:
@@ -67,6 +78,15 @@ def encode_pull_replies(data: Buffer, positions: list[int]) -> Replies:
     already): a job of the cold worker, given to ``ColdFetcher`` as its ``reply_encoder``."""
     if _NATIVE is None:
         return encode_pull_replies_py(data, positions)
+    result: Replies = _NATIVE.encode_records(
+        data, positions, _HIDDEN_NAMES, _TYPE_NAMES, d.NORMAL, _one_reply
+    )
+    return result
+
+
+def encode_pull_replies_decoded(data: Buffer, positions: list[int]) -> Replies:
+    """``encode_pull_replies`` through decoded messages (decision 400's writer): what the
+    record-bytes writer is checked against byte for byte."""
     messages = decode_many(data, positions, check_crc=False)
     result: Replies = _NATIVE.encode(messages, _HIDDEN, _TYPES, d.NORMAL, pull_reply)
     return result

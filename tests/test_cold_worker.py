@@ -20,7 +20,7 @@ from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import queue_prefix
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import ObjectStore, open_store
-from tiered.cold.worker import ColdWorker, WorkerBusyError
+from tiered.cold.worker import WORKER_NICE, ColdWorker, WorkerBusyError, run_job
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
@@ -30,6 +30,11 @@ def _sleep(tier: ObjectStore, seconds: float) -> float:
     """A job that only waits (run in the child: a module-level function)."""
     time.sleep(seconds)
     return seconds
+
+
+def _priority(tier: ObjectStore) -> int:
+    """The nice value of the job thread that runs this (Linux: a thread's own)."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _fail(tier: ObjectStore, key: str) -> None:
@@ -143,3 +148,34 @@ def test_a_cold_read_cut_off_by_a_crash_is_served_by_the_next_worker(
     after.close()
     assert [m.body for m in again] == bodies and nxt == 300
     assert worker.restarts == 1
+
+
+def test_the_worker_runs_below_the_brokers_cpu_priority(tmp_path: Path) -> None:
+    """Every job thread of the child, and of the child that replaces a crashed one, runs
+    ``WORKER_NICE`` steps below the broker: a replay's CPU must not keep an append from a core."""
+    assert WORKER_NICE > 0
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    w = ColdWorker(f"file://{tmp_path}/tier", threads=3)
+    w.start()
+    try:
+        futures = [w.submit(_sleep, 0.3) for _ in range(3)]  # keep all threads busy at once
+        seen = {run_job(w, _priority) for _ in range(4)}
+        assert seen == {min(19, mine + WORKER_NICE)}
+        for f in futures:
+            f.result()
+        pid = w.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (w.pid == pid or w.restarts == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.restarts == 1
+        assert run_job(w, _priority) == min(19, mine + WORKER_NICE)
+    finally:
+        w.close()
+    unniced = ColdWorker(f"file://{tmp_path}/tier", nice=0)
+    unniced.start()
+    try:
+        assert run_job(unniced, _priority) == mine
+    finally:
+        unniced.close()

@@ -88,8 +88,15 @@ def _child_main(
     tier_options: dict[str, Any],
     retry: RetryPolicy,
     threads: int,
+    nice: int = 0,
 ) -> None:
-    """The child: receive jobs, run them on ``threads`` threads, send back each outcome."""
+    """The child: receive jobs, run them on ``threads`` threads, send back each outcome, at
+    ``nice`` steps below the broker's CPU priority."""
+    # Before any thread starts: on Linux a thread's priority is its own, inherited by the
+    # threads it creates, so every job thread runs at this priority (decision 480).
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
     # Ctrl-C and a SIGTERM to the broker's process group are the broker's to act on: it closes
     # the pipe, and the child ends on that (also when the broker is killed outright).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -134,7 +141,11 @@ class ColdWorker:
 
     Lifecycle: ``start()`` spawns it (and its object store: ``tier_url``, ``tier_options`` and
     ``retry`` are the broker's own, so it sees the same bucket with the same retry policy);
-    ``close()`` stops it. ``restarts`` counts the children restarted after a crash."""
+    ``close()`` stops it. ``restarts`` counts the children restarted after a crash.
+
+    ``nice``: how far below the broker's CPU priority the child runs (``WORKER_NICE``). Its
+    work is throughput (a replay, an upload) and the broker's is latency (an append waits for
+    a core): when the cores are short, the scheduler gives them to the broker first."""
 
     def __init__(
         self,
@@ -144,8 +155,10 @@ class ColdWorker:
         *,
         threads: int = 4,
         max_inflight: int = 16,
+        nice: int | None = None,
     ) -> None:
         self.tier_url = tier_url
+        self.nice = WORKER_NICE if nice is None else nice
         self.tier_options = dict(tier_options or {})
         self.retry = retry or RetryPolicy()
         self.threads = threads
@@ -177,7 +190,7 @@ class ColdWorker:
             _widen(end)
         process = self._ctx.Process(
             target=_child_main,
-            args=(child, self.tier_url, self.tier_options, self.retry, self.threads),
+            args=(child, self.tier_url, self.tier_options, self.retry, self.threads, self.nice),
             name="tmq-cold-worker",
             daemon=True,
         )
@@ -292,6 +305,13 @@ class ColdWorker:
                 process.join(timeout)
         for future in lost.values():
             future.set_exception(StorageError("the cold worker was stopped"))
+
+
+# How many steps of ``nice`` below the broker the cold worker runs (decision 480). CFS weighs a
+# nice-5 task at a third of a nice-0 one: on an idle core the worker runs at full speed, but a
+# producing thread that wakes up is given a core before it, and while both want the two cores the
+# broker gets three quarters of the time.
+WORKER_NICE = 5
 
 
 # Socket buffers of the pipe (a Unix socket pair): a reply of a 1 MiB span crosses in one or two
