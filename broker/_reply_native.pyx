@@ -17,6 +17,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 
+from tiered._protowire cimport varint_len, write_varint
+
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
 
@@ -52,22 +54,9 @@ cdef int _reserve(Buf* b, Py_ssize_t more) except -1:
     return 0
 
 
-cdef inline int _varint_len(uint64_t v) noexcept nogil:
-    cdef int n = 1
-    while v >= 0x80:
-        v >>= 7
-        n += 1
-    return n
-
-
 cdef int _varint(Buf* b, uint64_t v) except -1:
     _reserve(b, 10)
-    while v >= 0x80:
-        b.p[b.n] = <unsigned char>((v & 0x7F) | 0x80)
-        b.n += 1
-        v >>= 7
-    b.p[b.n] = <unsigned char>v
-    b.n += 1
+    b.n = write_varint(b.p + b.n, v) - b.p
     return 0
 
 
@@ -110,9 +99,9 @@ cdef int _timestamp(Buf* b, int field, int64_t ms) except -1:
     cdef int64_t nanos = rest * 1000000
     cdef int size = 0
     if seconds != 0:
-        size += 1 + _varint_len(<uint64_t>seconds)
+        size += 1 + varint_len(<uint64_t>seconds)
     if nanos != 0:
-        size += 1 + _varint_len(<uint64_t>nanos)
+        size += 1 + varint_len(<uint64_t>nanos)
     _tag(b, field, LEN)
     _varint(b, <uint64_t>size)
     if seconds != 0:
@@ -216,7 +205,7 @@ def encode(list messages, frozenset hidden, dict type_values, int default_type, 
             dp = <const unsigned char*>PyUnicode_AsUTF8AndSize(value, &size)
             _tag(&msg, 1, LEN)
             if size:
-                _varint(&msg, <uint64_t>(1 + _varint_len(<uint64_t>size) + size))
+                _varint(&msg, <uint64_t>(1 + varint_len(<uint64_t>size) + size))
                 _bytes_field(&msg, 2, <const char*>dp, size)
             else:
                 _varint(&msg, 0)
@@ -241,7 +230,7 @@ cdef int _user_property(Buf* b, str key, str value) except -1:
     cdef const char* kp = PyUnicode_AsUTF8AndSize(key, &kn)
     cdef const char* vp = PyUnicode_AsUTF8AndSize(value, &vn)
     _tag(b, 2, LEN)
-    _varint(b, <uint64_t>(2 + _varint_len(<uint64_t>kn) + kn + _varint_len(<uint64_t>vn) + vn))
+    _varint(b, <uint64_t>(2 + varint_len(<uint64_t>kn) + kn + varint_len(<uint64_t>vn) + vn))
     _bytes_field(b, 1, kp, kn)
     _bytes_field(b, 2, vp, vn)
     return 0
