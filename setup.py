@@ -16,7 +16,15 @@ from setuptools.command.build_ext import build_ext
 
 
 class OptionalBuildExt(build_ext):
-    """A build failure leaves the reference implementation in charge, with a warning."""
+    """A build failure leaves the reference implementation in charge, with a warning. The
+    extensions compile side by side (one job per core, unless ``-j`` says otherwise): each is
+    one C file, the record engine's the largest, and a fresh clone's install (CI's, and the
+    README test's) otherwise waits for them one after the other."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = True  # distutils: one job per core
 
     def run(self) -> None:
         try:

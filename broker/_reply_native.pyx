@@ -17,6 +17,8 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 
+from tiered._protowire cimport varint_len, write_varint
+
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
 
@@ -61,23 +63,10 @@ cdef int _reserve(Buf* b, Py_ssize_t more) noexcept nogil:
     return 0
 
 
-cdef inline int _varint_len(uint64_t v) noexcept nogil:
-    cdef int n = 1
-    while v >= 0x80:
-        v >>= 7
-        n += 1
-    return n
-
-
 cdef int _varint(Buf* b, uint64_t v) noexcept nogil:
     if _reserve(b, 10):
         return -1
-    while v >= 0x80:
-        b.p[b.n] = <unsigned char>((v & 0x7F) | 0x80)
-        b.n += 1
-        v >>= 7
-    b.p[b.n] = <unsigned char>v
-    b.n += 1
+    b.n = write_varint(b.p + b.n, v) - b.p
     return 0
 
 
@@ -121,9 +110,9 @@ cdef int _timestamp(Buf* b, int field, int64_t ms) noexcept nogil:
     cdef int64_t nanos = rest * 1000000
     cdef int size = 0
     if seconds != 0:
-        size += 1 + _varint_len(<uint64_t>seconds)
+        size += 1 + varint_len(<uint64_t>seconds)
     if nanos != 0:
-        size += 1 + _varint_len(<uint64_t>nanos)
+        size += 1 + varint_len(<uint64_t>nanos)
     _tag(b, field, LEN)
     _varint(b, <uint64_t>size)
     if seconds != 0:
@@ -260,7 +249,7 @@ cdef int _map_entry(
 ) noexcept nogil:
     """One map entry: {1: key, 2: value}, both always written (as protobuf writes map entries)."""
     _tag(b, 2, LEN)
-    _varint(b, <uint64_t>(2 + _varint_len(<uint64_t>kn) + kn + _varint_len(<uint64_t>vn) + vn))
+    _varint(b, <uint64_t>(2 + varint_len(<uint64_t>kn) + kn + varint_len(<uint64_t>vn) + vn))
     _bytes_field(b, 1, kp, kn)
     _bytes_field(b, 2, vp, vn)
     return 0
@@ -548,7 +537,7 @@ cdef int _topic(Buf* msg, const unsigned char* p, Py_ssize_t size) noexcept nogi
     """Message.topic: Resource{name} (no namespace)."""
     _tag(msg, 1, LEN)
     if size:
-        _varint(msg, <uint64_t>(1 + _varint_len(<uint64_t>size) + size))
+        _varint(msg, <uint64_t>(1 + varint_len(<uint64_t>size) + size))
         return _bytes_field(msg, 2, <const char*>p, size)
     return _varint(msg, 0)
 

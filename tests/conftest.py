@@ -230,3 +230,20 @@ def spark() -> Iterator[Any]:
     session = spark_session("local[2]", "tmq-tests")
     yield session
     session.stop()
+
+
+# -- scheduling -------------------------------------------------------------------------------
+
+# Seconds each test file took in a CI run (tests/file_seconds.py writes it from a JUnit report).
+FILE_SECONDS: dict[str, float] = json.loads((TESTS / "file_seconds.json").read_text())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first, each file's tests in their own order. xdist's
+    ``--dist loadfile`` hands whole files to its workers in collection order (with
+    ``--no-loadscope-reorder``; by default it orders them by their number of tests, which put
+    the torture and the README's fresh clone, two or three long tests each, last): the long
+    files then run side by side from the start, and the short ones fill the gaps, instead of
+    one long file running alone at the end while the other worker waits. A file not in the
+    table counts as short. The order decides only when a file runs, never what it asserts."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0.0))

@@ -21,6 +21,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcmp, memcpy, memmove
 
+from tiered._protowire cimport varint_len, write_varint
+
 import struct
 
 import numpy as np
@@ -1613,35 +1615,18 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
 
 # -- the gRPC SendMessage answer ---------------------------------------------------------------
 
-cdef inline unsigned char* _varint(unsigned char* o, uint64_t v) noexcept nogil:
-    while v >= 0x80:
-        o[0] = <unsigned char>(v | 0x80)
-        v >>= 7
-        o += 1
-    o[0] = <unsigned char>v
-    return o + 1
-
-
-cdef inline Py_ssize_t _varint_len(uint64_t v) noexcept nogil:
-    cdef Py_ssize_t n = 1
-    while v >= 0x80:
-        v >>= 7
-        n += 1
-    return n
-
-
 cdef inline unsigned char* _bytes_field(unsigned char* o, unsigned char tag, const char* p,
                                         Py_ssize_t n) noexcept nogil:
     """A length-delimited protobuf field: tag, varint length, bytes."""
     o[0] = tag
-    o = _varint(o + 1, n)
+    o = write_varint(o + 1, n)
     memcpy(o, p, n)
     return o + n
 
 
 cdef inline Py_ssize_t _entry_len(Py_ssize_t st_len, Py_ssize_t id_len, uint64_t off) noexcept nogil:
-    return (1 + _varint_len(st_len) + st_len + 2 * (1 + _varint_len(id_len) + id_len)
-            + 1 + _varint_len(off))
+    return (1 + varint_len(st_len) + st_len + 2 * (1 + varint_len(id_len) + id_len)
+            + 1 + varint_len(off))
 
 
 def send_results(bytes status, list message_ids, list offsets):
@@ -1657,23 +1642,23 @@ def send_results(bytes status, list message_ids, list offsets):
     cdef bytes out
     if len(offsets) != k:
         raise ValueError(f"{k} message ids but {len(offsets)} offsets")
-    total = 1 + _varint_len(st_len) + st_len
+    total = 1 + varint_len(st_len) + st_len
     for i in range(k):
         PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
         entry = _entry_len(st_len, id_len, <uint64_t><int64_t>offsets[i])
-        total += 1 + _varint_len(entry) + entry
+        total += 1 + varint_len(entry) + entry
     out = PyBytes_FromStringAndSize(NULL, total)
     o = _bytes_field(<unsigned char*>PyBytes_AS_STRING(out), 0x0A, stp, st_len)
     for i in range(k):
         idp = PyUnicode_AsUTF8AndSize(message_ids[i], &id_len)
         off = <uint64_t><int64_t>offsets[i]
         o[0] = 0x12
-        o = _varint(o + 1, _entry_len(st_len, id_len, off))
+        o = write_varint(o + 1, _entry_len(st_len, id_len, off))
         o = _bytes_field(o, 0x0A, stp, st_len)
         o = _bytes_field(o, 0x12, idp, id_len)
         o = _bytes_field(o, 0x1A, idp, id_len)
         o[0] = 0x20
-        o = _varint(o + 1, off)
+        o = write_varint(o + 1, off)
     return out
 
 

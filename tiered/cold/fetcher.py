@@ -53,6 +53,8 @@ from tiered.record import StoredMessage
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# What a read takes from one batch: the items, their bytes, the offset after them.
+Taken = tuple[list[T], int, int]
 
 # A read fetches about this many bytes of records with one ranged GET: big enough that request
 # latency is not the limit, small enough for a consumer's first message to come quickly.
@@ -320,30 +322,20 @@ class ColdFetcher:
         ``ColdTierUnavailableError`` when the object store does not answer in time. A segment
         that retention removed while this read was under way is not an error: the answer is
         no messages, and the archive's new start as the next offset."""
-        what = f"{topic}/{queue_id} offset {offset}"
-        manifest, info = self._segment(topic, queue_id, offset, what)
-        out: list[StoredMessage] = []
-        size = 0
-        next_offset = offset
-        while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
-            if batch is None:
-                break  # what was read stands; the next read meets the error afresh
-            if isinstance(batch, int):
-                return [], batch
-            i = next_offset - batch.base_offset
+
+        def step(batch: RecordSpan, i: int, count: int, room: int) -> Taken[StoredMessage]:
             if tag_filter is None:
                 # Which records this read returns is known from the span's positions alone, so
                 # nothing is done per message but the record engine's decode (decision 331).
-                count, taken = batch.take(i, max_count - len(out), max_bytes - size)
+                count, taken = batch.take(i, count, room)
+                out: list[StoredMessage] = []
                 for run in range(i, i + count, _YIELD_EVERY):
                     # Let a waiting append have the GIL between runs (_YIELD_EVERY).
                     time.sleep(0)
                     out += batch.messages(run, min(run + _YIELD_EVERY, i + count))
-                size += taken
-                next_offset = batch.base_offset + i + count
-                continue
-            while i < len(batch) and len(out) < max_count and size < max_bytes:
+                return out, taken, batch.base_offset + i + count
+            out, size, next_offset = [], 0, batch.base_offset + i
+            while i < len(batch) and len(out) < count and size < room:
                 # Decode only what this read returns, a run at a time in one call of the record
                 # engine, and let a waiting append have the GIL between runs (_YIELD_EVERY).
                 time.sleep(0)
@@ -353,9 +345,11 @@ class ColdFetcher:
                     if tag_filter(m):
                         out.append(m)
                         size += m.size
-                        if len(out) >= max_count or size >= max_bytes:
+                        if len(out) >= count or size >= room:
                             break
-        return out, next_offset
+            return out, size, next_offset
+
+        return self._read(topic, queue_id, offset, max_count, max_bytes, step)
 
     def get_replies(
         self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int = 4 << 20
@@ -365,25 +359,50 @@ class ColdFetcher:
         decodes nothing and builds no object per message. Same errors as ``get``."""
         if self.reply_encoder is None:
             raise ValueError("this cold fetcher has no reply encoder")
+        body_bytes = 0
+
+        def step(batch: RecordSpan, i: int, count: int, room: int) -> Taken[bytes]:
+            nonlocal body_bytes
+            count, taken = batch.take(i, count, room)
+            replies, bodies = batch.reply_run(i, i + count)
+            body_bytes += bodies
+            return replies, taken, batch.base_offset + i + count
+
+        out, next_offset = self._read(topic, queue_id, offset, max_count, max_bytes, step)
+        return out, next_offset, body_bytes
+
+    def _read(
+        self,
+        topic: str,
+        queue_id: int,
+        offset: int,
+        max_count: int,
+        max_bytes: int,
+        step: Callable[[RecordSpan, int, int, int], Taken[T]],
+    ) -> tuple[list[T], int]:
+        """The loop of every read: batch after batch of the segment holding ``offset``, until
+        ``max_count`` items, ``max_bytes`` or the segment's end. ``step(batch, i, count, room)``
+        takes at most ``count`` items and about ``room`` bytes from record ``i`` of a batch on:
+        the items, their bytes and the offset after the last record it looked at. Errors and the
+        answer to a segment that retention removed meanwhile (no items, the archive's new start)
+        as ``get``."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest, info = self._segment(topic, queue_id, offset, what)
-        out: list[bytes] = []
-        size = body_bytes = 0
+        out: list[T] = []
+        size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
             batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
             if batch is None:
                 break  # what was read stands; the next read meets the error afresh
             if isinstance(batch, int):
-                return [], batch, 0
-            i = next_offset - batch.base_offset
-            count, taken = batch.take(i, max_count - len(out), max_bytes - size)
-            replies, bodies = batch.reply_run(i, i + count)
-            out += replies
+                return [], batch
+            items, taken, next_offset = step(
+                batch, next_offset - batch.base_offset, max_count - len(out), max_bytes - size
+            )
+            out += items
             size += taken
-            body_bytes += bodies
-            next_offset = batch.base_offset + i + count
-        return out, next_offset, body_bytes
+        return out, next_offset
 
     def _next_batch(
         self,
