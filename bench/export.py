@@ -181,7 +181,7 @@ def freshness(
     drain = profile["upload_after_s"] + profile["offload_every_s"] + profile["trigger_s"] + 90
     try:
         stop_at = time.monotonic() + profile["produce_s"]
-        while time.monotonic() < stop_at or seen < len(live.produced):
+        while time.monotonic() < stop_at or live.producing or seen < len(live.produced):
             assert not errors, errors
             assert time.monotonic() < stop_at + drain, "rows never became queryable"
             if time.monotonic() >= stop_at and live.producing:

@@ -153,7 +153,9 @@ class LiveTopic:
 
     @property
     def producing(self) -> bool:
-        return not self._quiet.is_set()
+        """Until the producer thread has ended: after ``stop_producing`` it may still be storing
+        its last batch, which ``produced`` shows only once that batch is acknowledged."""
+        return self._threads[0].is_alive()
 
     def stop(self) -> None:
         self._quiet.set()

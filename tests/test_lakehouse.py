@@ -707,7 +707,9 @@ def test_low_latency_profile_is_fresh_from_produce_and_keeps_few_files(tmp_path:
         live.start()
         seen = 0
         stop_at = time.monotonic() + 40
-        while time.monotonic() < stop_at or seen < len(live.produced):
+        # Until the producer has stored its last batch: the rows expected below are read from the
+        # store, so a batch still being stored is waited for too.
+        while time.monotonic() < stop_at or live.producing or seen < len(live.produced):
             assert runner.running(), runner.log_path.read_text()[-3000:]
             assert time.monotonic() < stop_at + 60, "the last messages never became queryable"
             if time.monotonic() >= stop_at and live.producing:
