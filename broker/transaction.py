@@ -216,7 +216,7 @@ class TransactionService:
 
     def _scan(self, topic: str, start: int) -> list[StoredMessage]:
         out: list[StoredMessage] = []
-        offset = max(start, self.store.min_offset(topic, 0))
+        offset = max(start, self.store.hot_min_offset(topic, 0))  # a hot-only read
         while True:
             got = self.store.get_messages(topic, 0, offset, 256, hot_only=True)
             if got.status is not GetStatus.FOUND:

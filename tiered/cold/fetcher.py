@@ -264,6 +264,36 @@ class ColdFetcher:
         m = self.cached(topic, queue_id)
         return m.end_offset if m is not None else 0
 
+    def archive_start(self, topic: str, queue_id: int) -> int | None:
+        """Where the queue's archive starts (None: it has none), from the cached manifest.
+        Never waits on the object store: while a tiered queue's manifest has not been loaded
+        (the tier has been down since this broker started), where its archive starts is not
+        known, and this raises ``ColdTierUnavailableError`` (a retry) rather than answer
+        None, which would make the hot store's first offset the queue's (decision 520)."""
+        m = self.cached(topic, queue_id)
+        if m is not None:
+            return m.start_offset if m.segments else None
+        if self._unknown(topic, queue_id):
+            self.unavailable += 1
+            raise ColdTierUnavailableError(
+                f"{topic}/{queue_id}: where its archive starts is not known yet (the queue's "
+                "manifest could not be loaded from the cold tier); retry"
+            )
+        return None
+
+    def _unknown(self, topic: str, queue_id: int) -> bool:
+        """Whether ``(topic, queue_id)`` is a tiered queue with no manifest loaded yet; wakes
+        the refresher to load it. A list of tiered queues that cannot be read counts every
+        queue as tiered: an unknown state is never taken for "no archive"."""
+        try:
+            tiered = (topic, queue_id) in set(self._tiered_queues())
+        except Exception:
+            log.exception("cold manifests: cannot list the tiered queues")
+            tiered = True
+        if tiered:
+            self._wake.set()
+        return tiered
+
     def may_hold(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether a read of ``offset`` (below the hot store) should ask the tier: the cached
         manifest holds it, or no manifest is known yet for a tiered queue (the read loads it,
@@ -271,13 +301,7 @@ class ColdFetcher:
         m = self.cached(topic, queue_id)
         if m is not None:
             return bool(m.segments) and m.start_offset <= offset
-        try:
-            tiered = (topic, queue_id) in set(self._tiered_queues())
-        except Exception:
-            tiered = False
-        if tiered:
-            self._wake.set()
-        return tiered
+        return self._unknown(topic, queue_id)
 
     def _within_deadline(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the fetcher's pool and wait at most ``read_timeout_s`` for it."""
@@ -318,10 +342,11 @@ class ColdFetcher:
         max_bytes: int = 4 << 20,
     ) -> tuple[list[StoredMessage], int]:
         """Up to ``max_count`` messages from ``offset`` within one segment, and the next offset.
-        Raises ``SegmentError`` when the archive does not hold ``offset``, and
-        ``ColdTierUnavailableError`` when the object store does not answer in time. A segment
-        that retention removed while this read was under way is not an error: the answer is
-        no messages, and the archive's new start as the next offset."""
+        Raises ``SegmentError`` when the archive should hold ``offset`` and does not, and
+        ``ColdTierUnavailableError`` when the object store does not answer in time. An offset
+        below the archive (expired, or a queue with none), or a segment that retention removed
+        while this read was under way, is not an error: the answer is no messages, and the
+        archive's start as the next offset."""
 
         def step(batch: RecordSpan, i: int, count: int, room: int) -> Taken[StoredMessage]:
             if tag_filter is None:
@@ -388,6 +413,8 @@ class ColdFetcher:
         as ``get``."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest, info = self._segment(topic, queue_id, offset, what)
+        if info is None:  # below the archive: as if retention had just removed it
+            return [], max(offset, manifest.start_offset)
         out: list[T] = []
         size = 0
         next_offset = offset
@@ -429,15 +456,19 @@ class ColdFetcher:
 
     def _segment(
         self, topic: str, queue_id: int, offset: int, what: str
-    ) -> tuple[QueueManifest, SegmentInfo]:
+    ) -> tuple[QueueManifest, SegmentInfo | None]:
         """The queue's manifest (refreshed within the deadline when the cached one does not
-        reach ``offset``) and the segment that holds ``offset``; ``SegmentError`` if none."""
+        reach ``offset``) and the segment that holds ``offset``: None when ``offset`` is below
+        the archive (or the queue has none), ``SegmentError`` when the archive should hold it
+        and does not."""
         manifest = self.cached(topic, queue_id)
         if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
             manifest = self._within_deadline(
                 what, lambda: self.manifest(topic, queue_id, refresh=True)
             )
         info = manifest.find(offset)
+        if info is None and (not manifest.segments or offset < manifest.start_offset):
+            return manifest, None  # below the archive: expired, or the queue has none
         if info is None:
             raise SegmentError(
                 f"{topic}/{queue_id}: offset {offset} is not in the archive "
