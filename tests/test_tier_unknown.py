@@ -1,16 +1,18 @@
-"""A broker restarted while its object store is down does not know where its archives start: it
-must say so (a retryable status), never answer the hot store's first offset as the queue's. A
-reader told that the queue starts there skips the archive for good (the torture test saw a
-replay jump from 0 to 3018, and a new group would start past the archive)."""
+"""A broker restarted while its object store is down cannot load its manifests. It answers
+where a tiered queue's archive starts from its local record (``archive-starts.json``), and
+without one says it does not know (PROXY_TIMEOUT, a retry): never the hot store's first offset,
+which sends a reader past the archive for good (the torture test saw a replay jump from 0 to
+3018; a new group started past the archive). Decision 520."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
-from broker_harness import send_batches
+from broker_harness import Standalone, send_batches
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -19,6 +21,86 @@ from test_tier_readers import _archived_behind_proxy, body_of, end_offset, pull
 from broker import admin_pb2 as apb
 
 ARCHIVED = 1200
+
+
+def archived(tmp_path: Path, fault_proxy: Any, bucket: str) -> Standalone:
+    """A tiered one-queue topic "kept" of ``ARCHIVED`` messages, its first CommitLog file
+    released, and a never-tiered topic "plain" of 50; S3 through the fault proxy, with few
+    retries so that a start during an outage takes seconds, not the default retries' 16."""
+    config = tmp_path / "tmq.toml"
+    config.write_text("[retry]\nattempts = 2\nbase_delay_s = 0.1\n")
+    node = _archived_behind_proxy(
+        tmp_path, fault_proxy, bucket, "kept", ARCHIVED, "--config", str(config)
+    )
+    node.admin().PutTopic(
+        apb.PutTopicRequest(topic=apb.Topic(name="plain", queues=1, perm=6)), timeout=10
+    )
+    send_batches(node.endpoint, "plain", [(body_of(i), f"p{i}", "t") for i in range(50)])
+    return node
+
+
+def restart_in_outage(node: Standalone, fault_proxy: Any, *, forget: bool) -> Any:
+    """Stop, make every S3 read fail, start (``forget``: without the local record of where
+    the archives start, as a broker upgraded from a version that kept none); a stub."""
+    record = node.data_dir / "config" / "archive-starts.json"
+    assert node.stop() == 0
+    assert json.loads(record.read_text())["queues"] == [["kept", 0, 0]]
+    if forget:
+        record.unlink()
+    fault_proxy.set(error_rate=1.0, error_status=503, methods=["GET"])  # no read answers
+    node.start()
+    return service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+
+
+def plain_reads_as_always(stub: Any) -> None:
+    """A never-tiered topic is not held up by the outage of a tier it does not use."""
+    plain = pull(stub, "plain", 0, 0, 64)
+    assert plain.code == d.OK and plain.offsets == list(range(50)), plain
+    assert query(stub, "plain", d.BEGINNING) == (d.OK, 0)
+
+
+def receive_all(consumer: Any, count: int, seconds: float = 120) -> list[int]:
+    received: list[int] = []
+    deadline = time.monotonic() + seconds
+    while len(received) < count and time.monotonic() < deadline:
+        try:
+            batch = consumer.receive(32, 30)
+        except Exception:  # ProxyTimeoutException while the archive is read back
+            time.sleep(0.2)
+            continue
+        for m in batch:
+            received.append(offset_of(m))
+            consumer.ack(m)
+    return received
+
+
+def new_group_during_outage(node: Standalone, name: str) -> Any:
+    """A SimpleConsumer of a group with no committed offset, started during the outage: its
+    receives are refused as retryable (ProxyTimeoutException), nothing is delivered."""
+    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+
+    node.create_group(name)
+    consumer = SimpleConsumer(
+        ClientConfiguration(node.endpoint, Credentials(), request_timeout=10),
+        name,
+        {"kept": FilterExpression()},
+        await_duration=1,
+    )
+    consumer.startup()
+    early: list[int] = []
+    refused = 0
+    try:
+        for _ in range(3):
+            try:
+                early += [offset_of(m) for m in consumer.receive(32, 30)]
+            except Exception as e:  # the client raises on a non-OK status: retryable here
+                assert type(e).__name__ == "ProxyTimeoutException", repr(e)
+                refused += 1
+        assert early == [] and refused == 3, f"a new group received {early[:5]} in the outage"
+    except BaseException:
+        consumer.shutdown()
+        raise
+    return consumer
 
 
 def query(stub: Any, topic: str, policy: int, at_ms: int = 0) -> tuple[int, int]:
@@ -63,78 +145,64 @@ def replay(stub: Any, topic: str, end: int, seconds: float = 60) -> list[int]:
     return offsets
 
 
-def test_a_broker_restarted_during_an_outage_never_moves_a_reader_past_its_archive(
+def test_a_broker_restarted_during_an_outage_without_its_record_answers_retry_not_hot_minimum(
     tmp_path: Path, fault_proxy: Any, bucket: str
 ) -> None:
-    """Restarted with every S3 request failing, the broker cannot load the tiered queue's
-    manifest. QueryOffset(BEGINNING), QueryOffset(TIMESTAMP) of the archive's time, a pull from
-    0 and a new group's first receive are answered PROXY_TIMEOUT, not with the hot store's
-    first offset; a never-tiered topic reads as always. Once the store heals, the same reader
-    gets every archived message in order, and the new group starts at 0."""
-    from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
-
-    node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "kept", ARCHIVED)
-    consumers: list[Any] = []
+    """The reproduction (it failed before decision 520: QueryOffset(BEGINNING) answered the
+    hot minimum, 1167). Restarted with every S3 read failing and no local record of the
+    archive's start, the broker answers QueryOffset(BEGINNING), QueryOffset(TIMESTAMP) of the
+    archive's time, a pull from 0 and a new group's receives with PROXY_TIMEOUT; the
+    never-tiered topic reads as always. Once the store heals, the same reader gets every
+    archived message in order, and the new group starts at 0."""
+    node = archived(tmp_path, fault_proxy, bucket)
+    consumer = None
     try:
-        node.admin().PutTopic(
-            apb.PutTopicRequest(topic=apb.Topic(name="plain", queues=1, perm=6)), timeout=10
-        )
-        send_batches(node.endpoint, "plain", [(body_of(i), f"p{i}", "t") for i in range(50)])
         sent_ms = int(time.time() * 1000) - 600_000  # before every message
-        assert node.stop() == 0
-        fault_proxy.set(error_rate=1.0, error_status=503)  # the store refuses everything
-        node.start()
-        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
-        end = end_offset(stub, "kept", 0)
-        assert end == ARCHIVED
-
+        stub = restart_in_outage(node, fault_proxy, forget=True)
+        assert end_offset(stub, "kept", 0) == ARCHIVED
         code, begin = query(stub, "kept", d.BEGINNING)
         assert code == d.PROXY_TIMEOUT, f"told the queue begins at {begin} during the outage"
         code, at = query(stub, "kept", d.TIMESTAMP, sent_ms)
         assert code == d.PROXY_TIMEOUT, f"told the archive's time maps to {at}"
         cold = pull(stub, "kept", 0, 0)
         assert cold.code == d.PROXY_TIMEOUT, cold
-
-        # A never-tiered topic is not held up by the outage of a tier it does not use.
-        plain = pull(stub, "plain", 0, 0, 64)
-        assert plain.code == d.OK and plain.offsets == list(range(50)), plain
-        assert query(stub, "plain", d.BEGINNING) == (d.OK, 0)
-
-        # A new group on the tiered topic: its first receive must not start past the archive.
-        config = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
-        node.create_group("late-joiner")
-        consumer = SimpleConsumer(
-            config, "late-joiner", {"kept": FilterExpression()}, await_duration=1
-        )
-        consumers.append(consumer)
-        consumer.startup()
-        early: list[int] = []
-        refused = 0
-        for _ in range(3):
-            try:
-                early += [offset_of(m) for m in consumer.receive(32, 30)]
-            except Exception as e:  # the client raises on a non-OK status: retryable here
-                assert type(e).__name__ == "ProxyTimeoutException", repr(e)
-                refused += 1
-        assert early == [] and refused >= 1, f"a new group received {early[:5]} in the outage"
+        plain_reads_as_always(stub)
+        consumer = new_group_during_outage(node, "late-joiner")
 
         fault_proxy.heal()
         assert replay(stub, "kept", ARCHIVED) == list(range(ARCHIVED))
         assert query(stub, "kept", d.BEGINNING) == (d.OK, 0)
-        received: list[int] = []
-        deadline = time.monotonic() + 120
-        while len(received) < ARCHIVED and time.monotonic() < deadline:
-            try:
-                batch = consumer.receive(32, 30)
-            except Exception:
-                time.sleep(0.2)
-                continue
-            for m in batch:
-                received.append(offset_of(m))
-                consumer.ack(m)
-        assert received == list(range(ARCHIVED)), (received[:5], len(received))
+        assert receive_all(consumer, ARCHIVED) == list(range(ARCHIVED))
     finally:
         fault_proxy.heal()
-        for consumer in consumers:
+        if consumer is not None:
+            consumer.shutdown()
+        node.stop()
+
+
+def test_a_broker_restarted_during_an_outage_answers_the_archive_start_from_its_record(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """With its local record (``archive-starts.json``, written when the manifest was
+    committed), the restarted broker answers QueryOffset(BEGINNING) with the archive's start
+    during the outage, as Kafka answers EARLIEST from its checkpointed log start offset; the
+    reads themselves wait for the store (PROXY_TIMEOUT), a new group starts at 0 and is told to
+    retry, and after the outage it receives every message from 0."""
+    node = archived(tmp_path, fault_proxy, bucket)
+    consumer = None
+    try:
+        stub = restart_in_outage(node, fault_proxy, forget=False)
+        assert query(stub, "kept", d.BEGINNING) == (d.OK, 0)
+        cold = pull(stub, "kept", 0, 0)
+        assert cold.code == d.PROXY_TIMEOUT, cold
+        plain_reads_as_always(stub)
+        consumer = new_group_during_outage(node, "late-joiner")
+
+        fault_proxy.heal()
+        assert receive_all(consumer, ARCHIVED) == list(range(ARCHIVED))
+        assert replay(stub, "kept", ARCHIVED) == list(range(ARCHIVED))
+    finally:
+        fault_proxy.heal()
+        if consumer is not None:
             consumer.shutdown()
         node.stop()
