@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from broker_harness import Standalone, send_batches
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
@@ -206,3 +207,96 @@ def test_a_broker_restarted_during_an_outage_answers_the_archive_start_from_its_
         if consumer is not None:
             consumer.shutdown()
         node.stop()
+
+
+def test_the_store_never_answers_a_minimum_it_does_not_know(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """In process, through the fault proxy: with no manifest loaded and S3 reads failing, a
+    tiered queue's first offset, a read below its hot store and a time lookup there are
+    ``ColdTierUnavailableError`` (a list of tiered queues that cannot be read counts every
+    queue as tiered); a never-tiered queue whose old files were released answers its hot
+    minimum. Once the store answers, a read of that never-tiered queue below its hot store is
+    OFFSET_TOO_SMALL (the empty manifest says there is no archive), and a fetcher started later
+    with the local record answers the archive's start while the store is down again."""
+    from conftest import S3Endpoint
+
+    from offload.offloader import Offloader, OffloadPolicy
+    from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
+    from tiered.cold.storage import RetryPolicy, open_store
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import GetStatus, MessageStore
+
+    url = f"s3://{bucket}/tier"
+    hot = MessageStore(StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=256 << 10))
+    hot.start()
+    fetchers: list[ColdFetcher] = []
+    try:
+        for topic in ("t", "plain"):
+            hot.put_messages(
+                [Message(topic=topic, queue_id=0, body=body_of(i)) for i in range(600)]
+            )
+        assert hot.wait_dispatched(10)
+        direct = open_store(url, s3.storage_options())
+        Offloader(hot, direct, "c", "b", OffloadPolicy(segment_max_messages=200)).offload_queue(
+            "t", 0
+        )
+        assert hot.release_commitlog_files(lambda _file: True) >= 1
+        hot_t, hot_plain = hot.hot_min_offset("t", 0), hot.hot_min_offset("plain", 0)
+        assert hot_t > 0 and hot_plain > 0
+
+        proxied = open_store(
+            url, S3Endpoint(fault_proxy.url, "proxy").storage_options(), RetryPolicy(attempts=1)
+        )
+        record = tmp_path / "archive-starts.json"
+
+        def fetcher(tiered: Any) -> ColdFetcher:
+            f = ColdFetcher(
+                proxied, "c", "b", tiered_queues=tiered, archive_starts=record, read_timeout_s=2
+            )
+            fetchers.append(f)
+            hot.cold = f
+            return f
+
+        def unreadable() -> list[tuple[str, int]]:
+            raise RuntimeError("metadata being rewritten")
+
+        fault_proxy.set(error_rate=1.0, error_status=503, methods=["GET"])
+        for tiered in (lambda: [("t", 0)], unreadable):
+            fetcher(tiered)
+            with pytest.raises(ColdTierUnavailableError):
+                hot.min_offset("t", 0)
+            with pytest.raises(ColdTierUnavailableError):
+                hot.get_messages("t", 0, 0, 10)
+            with pytest.raises(ColdTierUnavailableError):
+                hot.offset_for_timestamp("t", 0, 0)
+        fetcher(lambda: [("t", 0)])
+        assert hot.min_offset("plain", 0) == hot_plain
+        assert hot.get_messages("plain", 0, hot_plain, 5).status is GetStatus.FOUND
+
+        fault_proxy.heal()
+        fetcher(unreadable)
+        below = hot.get_messages("plain", 0, 0, 5)
+        assert (below.status, below.next_offset) == (GetStatus.OFFSET_TOO_SMALL, hot_plain)
+        got = hot.get_messages("t", 0, 0, 5)  # loads the manifest: the record is written
+        assert got.status is GetStatus.FOUND and [m.queue_offset for m in got.messages] == [
+            0,
+            1,
+            2,
+            3,
+            4,
+        ]
+        assert json.loads(record.read_text())["queues"] == [["t", 0, 0]]
+
+        fault_proxy.set(error_rate=1.0, error_status=503, methods=["GET"])
+        fetcher(lambda: [])  # even with the topic no longer tiered: the record names it
+        assert hot.min_offset("t", 0) == 0
+        with pytest.raises(ColdTierUnavailableError):
+            hot.get_messages("t", 0, 0, 10)
+    finally:
+        fault_proxy.heal()
+        for f in fetchers:
+            f.close()
+        hot.cold = None
+        hot.shutdown()

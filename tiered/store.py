@@ -1010,6 +1010,7 @@ class MessageStore:
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
         status, lo = self._cold_status(topic, queue_id, offset, bool(messages))
+        nxt = lo if status is GetStatus.OFFSET_TOO_SMALL else nxt
         return GetResult(status, messages, nxt, lo, cq.max_offset)
 
     def _cold_status(
@@ -1038,6 +1039,7 @@ class MessageStore:
             topic, queue_id, offset, max_count, max_bytes
         )
         status, lo = self._cold_status(topic, queue_id, offset, bool(replies))
+        nxt = lo if status is GetStatus.OFFSET_TOO_SMALL else nxt
         return GetResult(status, [], nxt, lo, cq.max_offset, replies, body_bytes)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
