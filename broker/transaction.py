@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.metadata import BrokerMetadata
+from broker.stored_properties import int_property
 from tiered import failpoints
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -78,6 +79,9 @@ _CACHED_COPIES = 10_000
 # Decisions remembered below the watermark, newest first, so that a producer retrying its
 # EndTransaction (a lost answer, a client retry) is answered from the decision it took.
 _DECISIONS_KEPT = 100_000
+# The longest check immunity a stored half message is read with: the proxy's one-hour limit on
+# the orphaned-transaction recovery duration (broker.protocol.MAX_TRANSACTION_RECOVERY_MS).
+_MAX_IMMUNITY_MS = 3_600_000
 
 
 class TransactionError(Exception):
@@ -227,12 +231,15 @@ class TransactionService:
     def _recover(self) -> None:
         checks: dict[int, int] = {}
         for op in self._scan(OP_TOPIC, 0):
+            if not (0 < len(op.body) <= 19 and op.body.isdigit()):
+                log.warning("transaction op at %d names no half message; skipped", op.queue_offset)
+                continue
             target = int(op.body)
             kind = op.properties.get(PROPERTY_OP)
             if kind in (COMMIT, ROLLBACK):
                 self._decided[target] = kind
             elif kind == CHECK:
-                count = int(op.properties.get(PROPERTY_CHECKS, 0))
+                count = int_property(op.properties, PROPERTY_CHECKS, 0, 0)
                 checks[target] = max(checks.get(target, 0), count)
         watermark = self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) or 0
         repaired = 0
@@ -265,7 +272,9 @@ class TransactionService:
         return parse_transaction_id(rolled) if rolled else (m.queue_offset, m.commitlog_offset)
 
     def _half(self, m: StoredMessage, checks: int) -> Half:
-        immunity = int(m.properties.get(PROPERTY_CHECK_IMMUNITY_MS) or self.config.timeout_ms)
+        immunity = int_property(
+            m.properties, PROPERTY_CHECK_IMMUNITY_MS, self.config.timeout_ms, 0, _MAX_IMMUNITY_MS
+        )
         first = m.store_timestamp + immunity
         offset, txn_phys = self._identity(m)
         return Half(
@@ -384,7 +393,7 @@ class TransactionService:
     def _real(self, stored: StoredMessage, half: Half) -> Message:
         props = {k: v for k, v in stored.properties.items() if k not in _HALF_ONLY}
         props[PROPERTY_HALF_OFFSET] = str(half.offset)
-        queue_id = int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0"))
+        queue_id = int_property(stored.properties, PROPERTY_REAL_QUEUE_ID, 0, 0, 2**31 - 1)
         return copy_to(stored, half.topic, queue_id, props)
 
     @staticmethod
