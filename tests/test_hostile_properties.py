@@ -92,15 +92,8 @@ def write_offline(data_dir: Path, messages: list[Message]) -> None:
     older version or a native path that let them through would have left them."""
     geometry = recorded_geometry(data_dir)
     assert geometry is not None
-    store = MessageStore(
-        StoreConfig(
-            data_dir=data_dir,
-            commitlog_file_size=geometry["commitlog_file_size"],
-            consumequeue_entries_per_file=geometry["consumequeue_entries_per_file"],
-            index_hash_slots=geometry["index_hash_slots"],
-            index_max_entries=geometry["index_max_entries"],
-        )
-    )
+    sizes: dict[str, Any] = dict(geometry)  # the file sizes the data dir was created with
+    store = MessageStore(StoreConfig(data_dir=data_dir, **sizes))
     store.start()
     try:
         store.put_messages(messages)
