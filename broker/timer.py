@@ -315,8 +315,11 @@ class TimerService:
         # (a full disk) is retried from the same offset, and must not find them "seen".
         now_due: list[tuple[int, int, int, int]] = []
         for m in got.messages:
-            # A due time that is not a number is due now: delivered, never stuck (decision 530).
-            due = int_property(m.properties, PROPERTY_DELIVER_TIME, now, 0, TIMESTAMP_MAX_MS)
+            # A due time that is not a number, or past any Timestamp, is due now: delivered,
+            # never stuck and never pinning its file for good (decision 530).
+            due = int_property(m.properties, PROPERTY_DELIVER_TIME, now)
+            if due > TIMESTAMP_MAX_MS:
+                due = now
             bucket = max(bucket_of(due), self._current)
             crc = topic_crc(m.properties.get(PROPERTY_REAL_TOPIC, ""))
             row = (due, m.commitlog_offset, m.size, crc)

@@ -27,6 +27,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker.metadata import BrokerMetadata
 from broker.reply import encode_pull_replies, encode_pull_replies_decoded, encode_pull_replies_py
 from broker.stored_properties import TIMESTAMP_MAX_MS
+from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import (
     HALF_TOPIC,
     OP_TOPIC,
@@ -322,3 +323,35 @@ def test_transaction_recovery_reads_numbers_it_cannot_parse_as_defaults(
         service.stop()
     assert store.wait_dispatched(10)
     assert [m.body for m in store.get_messages("orders", 0, 0, 10).messages] == [b"half"]
+
+
+def test_the_timer_wheel_delivers_timer_records_with_numbers_it_cannot_parse(
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore]
+) -> None:
+    """A timer record whose due time is not a number (or past any Timestamp) is due now, and
+    one whose real queue id is not a number goes to queue 0: each is delivered, and the
+    records after them too. Before, the first one stopped the wheel for every timer."""
+    store = start_store(small_config)
+    clock = [1_800_000_000_000]
+    records = [("soon", "0"), ("1" * 19, "0"), (str(clock[0] - 1), "first"), (str(clock[0]), "0")]
+    for i, (due, queue) in enumerate(records):  # as an older version could have left them
+        props = {
+            "UNIQ_KEY": f"id-{i}",
+            "__STARTDELIVERTIME": due,
+            "REAL_TOPIC": "orders",
+            "REAL_QID": queue,
+        }
+        store.put_messages([Message(TIMER_TOPIC, f"body {i}".encode(), 0, props)])
+    assert store.wait_dispatched(10)
+    timers = TimerService(
+        store, small_config.data_dir / "timer", lambda: ["orders"], clock=lambda: clock[0]
+    )
+    timers.start()  # before, the first record stopped the wheel: ValueError on every pass
+    try:
+        deadline = time.monotonic() + 15
+        while store.max_offset("orders", 0) < len(records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        timers.stop()
+    got = store.get_messages("orders", 0, 0, 32).messages
+    assert sorted(m.body for m in got) == [f"body {i}".encode() for i in range(len(records))]
