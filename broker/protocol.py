@@ -188,8 +188,9 @@ def transaction_recovery_ms(sp: d.SystemProperties) -> int | None:
     if abs(value.nanos) >= 1_000_000_000 or ms > MAX_TRANSACTION_RECOVERY_MS:
         raise ProtocolError(
             d.BAD_REQUEST,
-            f"orphaned transaction recovery duration {value.seconds} s is longer than the "
-            f"limit, {MAX_TRANSACTION_RECOVERY_MS // 1000} s",
+            f"orphaned transaction recovery duration (seconds {value.seconds}, nanos "
+            f"{value.nanos}) is not a valid duration of at most "
+            f"{MAX_TRANSACTION_RECOVERY_MS // 1000} s",
         )
     return ms if ms > 0 else None
 
