@@ -62,6 +62,7 @@ from broker.protocol import (
     status,
     to_proto_message,
     to_store_messages,
+    transaction_recovery_ms,
 )
 from broker.sql92 import SqlFilter
 from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
@@ -460,12 +461,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             ids,
         )
         if topic.message_type == "TRANSACTION":
-            immunity = [
-                duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
-                if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
-                else None
-                for pm in request.messages
-            ]
+            immunity = [transaction_recovery_ms(pm.system_properties) for pm in request.messages]
             return self._send_half(topic, batch, ids, immunity, context)
         if topic.message_type == "DELAY":
             batch = [self._schedule(m) for m in batch]
