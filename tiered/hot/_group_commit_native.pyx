@@ -80,8 +80,9 @@ cdef class NativeWakeup:
         pthread_mutex_unlock(&self._mutex)
 
     def set(self):
-        with nogil:
-            self.fire()
+        # Holding the GIL: the mutex is only ever held for a few instructions, and releasing
+        # the GIL here would let another thread take it (a producer's ``wakeup`` per send).
+        self.fire()
 
     def clear(self):
         self._flag = 0
@@ -175,6 +176,7 @@ cdef class NativeBatchGate:
     cdef NativeWakeup _wake  # set after every fsync (the dispatcher's), or None
     cdef public int64_t native_flushes  # fsyncs run by ``serve`` itself
     cdef public int64_t native_requests  # the requests they covered
+    cdef public double native_fsync_seconds  # the time spent in those fsyncs
 
     def __cinit__(self):
         cdef pthread_condattr_t attr
@@ -403,6 +405,7 @@ cdef class NativeBatchGate:
                             self._failed = 1
                         clock_gettime(CLOCK_MONOTONIC, &t1)
                         self._fsync_s = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9
+                        self.native_fsync_seconds += self._fsync_s
                 pthread_mutex_unlock(&self._flush_lock._mutex)
                 pthread_mutex_lock(&self._mutex)
                 self._syncing = 0

@@ -160,9 +160,7 @@ class CommitLog:
         self.roll_reserve_bytes = 0
         # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``, and the flushed
         # offset; its native flusher fdatasyncs the file appends go to (``_tracked``) itself.
-        self.group_commit = GroupCommitService(
-            self.flush, lambda: self.group_commit.flushed, fail=self._fsync_failed
-        )
+        self.group_commit = GroupCommitService(self.flush, fail=self._fsync_failed)
         self._flush_lock = self.group_commit.flush_lock
         self._tracked: MappedFile | None = None
 
@@ -450,8 +448,6 @@ class CommitLog:
     def wait_flushed(self, offset: int) -> None:
         """Group commit: return once bytes up to ``offset`` are on disk; one fsync serves every
         writer waiting when it starts. Raises ``DurabilityLostError`` if that fsync failed."""
-        if self._flushed_offset >= offset:
-            return
         try:
             self.group_commit.wait_flushed(offset)
         except DurabilityLostError as e:
