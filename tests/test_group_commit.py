@@ -4,6 +4,7 @@ that covers its bytes has returned."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -233,6 +234,40 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
             )
     finally:
         store.shutdown()
+
+
+def test_a_failed_native_fdatasync_fails_its_writers_and_every_later_send(tmp_path: Path) -> None:
+    """The native flusher's fdatasync fails (the power-loss filesystem drops the unwritten
+    pages and answers EIO, as Linux does): the senders of that batch get the failure, the
+    store fails, and no later send is acknowledged though the next fdatasync would succeed."""
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    _need_fuse()
+    fs = PowerLossMount(tmp_path / "mnt", tmp_path / "durable")
+    try:
+        store = MessageStore(
+            StoreConfig(data_dir=tmp_path / "mnt" / "store", flush="sync", **SMALL)
+        )
+        store.start()
+        try:
+            store.put_message(Message(topic="gc", queue_id=0, body=b"before"))
+            group = store.commitlog.group_commit
+            native_before = group._gate.native_flushes  # type: ignore[attr-defined]
+            assert native_before > 0, "the native flusher should have synced the first send"
+            assert fs.command(f"fail-fsync {SMALL['commitlog_file_size']}") == "armed"
+            with pytest.raises(DurabilityLostError):
+                store.put_message(Message(topic="gc", queue_id=0, body=b"lost"))
+            failed = store.commitlog.failed
+            assert failed is not None and failed.errno == errno.EIO, failed
+            for _ in range(3):
+                with pytest.raises(DurabilityLostError):
+                    store.put_message(Message(topic="gc", queue_id=0, body=b"after"))
+            assert group._gate.native_flushes == native_before  # type: ignore[attr-defined]
+        finally:
+            with contextlib.suppress(DurabilityLostError):
+                store.shutdown()
+    finally:
+        fs.close()
 
 
 def test_sync_sends_wake_the_dispatcher_once_per_fsync_and_are_readable_at_once(
