@@ -12,7 +12,8 @@ cores that churn, not the fsync, bounded single SYNC sends (decision 420).
 
 from libc.errno cimport EINTR, ETIMEDOUT, errno
 from libc.stdint cimport int64_t
-from posix.unistd cimport close, dup
+from posix.fcntl cimport F_DUPFD_CLOEXEC, fcntl
+from posix.unistd cimport close
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -254,7 +255,7 @@ cdef class NativeBatchGate:
         """Appends go to the file ``fd`` (a dup is kept) from ``from_offset``; -1: none."""
         cdef int mine = -1
         if fd >= 0:
-            mine = dup(fd)
+            mine = fcntl(fd, F_DUPFD_CLOEXEC, 0)  # not inherited by a child, as Python's own
             if mine < 0:
                 raise OSError(errno, "dup of the CommitLog file's descriptor failed")
         with nogil:
