@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -247,7 +248,9 @@ def test_keys_are_built_only_from_safe_names() -> None:
         queue_prefix("c1", "b", "t", -1)
 
 
-def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(tmp_path, hot) -> None:
+def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> None:
     """``read_spans`` cuts one GET's records and replies into batches as views of the two
     buffers (decision 550); what the broker receives (pickled as the worker sends it) and what
     a reader in this process keeps (``owned``) are bytes, identical to the records and replies
@@ -260,12 +263,13 @@ def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(tmp_path, hot) -> N
     counts = [100, 100, 100]
     spans = read_spans(tier, info, 0, table, counts, encode_pull_replies)
     assert [len(s) for s in spans] == counts
-    views = [s.data for s in spans] + [s.replies[0] for s in spans if s.replies]
+    views: list[Any] = [s.data for s in spans] + [s.replies[0] for s in spans if s.replies]
     assert all(isinstance(v, memoryview) for v in views), "cut without a copy"
     assert len({id(v.obj) for v in views}) == 2, "every batch a view of the run's two buffers"
     for i, span in enumerate(spans):
         one = table[i * 100 * CQ_ENTRY_SIZE : (i + 1) * 100 * CQ_ENTRY_SIZE]
         [alone] = read_spans(tier, info, i * 100, one, [100], encode_pull_replies)
+        assert alone.replies is not None
         received = pickle.loads(pickle.dumps(span, protocol=5))
         for got in (received, span.owned()):
             assert isinstance(got.data, bytes) and got.replies is not None
