@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from broker.reply import encode_pull_replies
 from tiered.cold.counting import CountingObjectStore
 from tiered.cold.manifest import (
     KEEP_VERSIONS,
@@ -23,10 +26,12 @@ from tiered.cold.segment import (
     build,
     read_footer,
     read_span,
+    read_spans,
     verify,
 )
 from tiered.cold.storage import ObjectStore, open_store
 from tiered.config import StoreConfig
+from tiered.formats import CQ_ENTRY_SIZE
 from tiered.record import CorruptRecordError, Message, RecordEncoder, StoredMessage
 from tiered.store import MessageStore
 
@@ -241,3 +246,39 @@ def test_keys_are_built_only_from_safe_names() -> None:
             queue_prefix("c1", "b", bad, 0)
     with pytest.raises(ValueError):
         queue_prefix("c1", "b", "t", -1)
+
+
+def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> None:
+    """``read_spans`` cuts one GET's records and replies into batches as views of the two
+    buffers (decision 550); what the broker receives (pickled as the worker sends it) and what
+    a reader in this process keeps (``owned``) are bytes, identical to the records and replies
+    of each batch read alone."""
+    tier = open_store(f"file://{tmp_path}/tier")
+    store, messages = hot
+    manifest = archive(tier, store, messages[:300], per_segment=300)
+    [info] = manifest.segments
+    table = tier.get_range(info.key, info.offsets_at, info.count * CQ_ENTRY_SIZE)
+    counts = [100, 100, 100]
+    spans = read_spans(tier, info, 0, table, counts, encode_pull_replies)
+    assert [len(s) for s in spans] == counts
+    views: list[Any] = [s.data for s in spans] + [s.replies[0] for s in spans if s.replies]
+    assert all(isinstance(v, memoryview) for v in views), "cut without a copy"
+    assert len({id(v.obj) for v in views}) == 2, "every batch a view of the run's two buffers"
+    for i, span in enumerate(spans):
+        one = table[i * 100 * CQ_ENTRY_SIZE : (i + 1) * 100 * CQ_ENTRY_SIZE]
+        [alone] = read_spans(tier, info, i * 100, one, [100], encode_pull_replies)
+        assert alone.replies is not None
+        received = pickle.loads(pickle.dumps(span, protocol=5))
+        for got in (received, span.owned()):
+            assert isinstance(got.data, bytes) and got.replies is not None
+            assert isinstance(got.replies[0], bytes)
+            assert (got.base_offset, got.data, got.positions) == (
+                alone.base_offset,
+                bytes(alone.data),
+                alone.positions,
+            )
+            assert got.replies[0] == bytes(alone.replies[0])
+            assert got.replies[1:] == alone.replies[1:]
+            assert got.messages(0, 100) == messages[i * 100 : (i + 1) * 100]

@@ -674,6 +674,7 @@ class ColdFetcher:
                 # The table may be what was wrong: the next read of the segment fetches it again.
                 self._forget_table(info.key)
                 raise
+            spans = [span.owned() for span in spans]  # as they came when read in this process
             size = sum(len(span.data) for span in spans)
             self.bytes_fetched += size
             if self._observe is not None:

@@ -88,12 +88,30 @@ class RecordSpan:
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         # Protocol 5 (the cold worker's replies) carries the records out of band, uncopied.
         if int(protocol) < 5:
-            return (_record_span, (self.base_offset, self.data, self.positions, self.replies))
+            return (_record_span, (self.base_offset, *self.owned()._fields()))
         replies = self.replies
         if replies is not None:
             replies = (pickle.PickleBuffer(replies[0]), replies[1], replies[2])  # type: ignore[assignment]
         data = pickle.PickleBuffer(self.data)
         return (_record_span, (self.base_offset, data, self.positions, replies))
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.data, self.positions, self.replies)
+
+    def owned(self) -> RecordSpan:
+        """This span with its own bytes objects. ``read_spans`` cuts its spans as views of the
+        buffers it read and wrote, which the cold worker sends out of band as they are and its
+        reader receives as bytes; a span read in this process (``LocalRunner``) is copied here
+        once, since a reply must be a bytes object (gRPC sends nothing else) and the cache must
+        not pin a whole read-ahead run for one of its batches."""
+        if isinstance(self.data, bytes) and (
+            self.replies is None or isinstance(self.replies[0], bytes)
+        ):
+            return self
+        replies = self.replies
+        if replies is not None:
+            replies = (bytes(replies[0]), replies[1], replies[2])
+        return RecordSpan(self.base_offset, bytes(self.data), self.positions, replies)
 
     def reply_run(self, start: int, stop: int) -> tuple[list[bytes], int]:
         """The replies of records ``start`` up to ``stop``, one bytes object each, and their
@@ -196,10 +214,11 @@ def read_spans(
     spans of ``counts`` records each: a cold job. With ``encoder``, each span also carries its
     records' replies, written here, in the worker."""
     whole = read_span(store, info, first, entries)
-    if encoder is not None:
-        whole = RecordSpan(
-            whole.base_offset, whole.data, whole.positions, encoder(whole.data, whole.positions)
-        )
+    replies = encoder(whole.data, whole.positions) if encoder is not None else None
+    if replies is not None:
+        # The spans below are views of these two buffers: cut without a copy (decision 550).
+        replies = (memoryview(replies[0]), replies[1], replies[2])  # type: ignore[assignment]
+    data = memoryview(whole.data)
     out, at = [], 0
     for count in counts:
         stop = min(at + count, len(whole))
@@ -211,9 +230,9 @@ def read_spans(
         out.append(
             RecordSpan(
                 whole.base_offset + at,
-                whole.data[begin:end],
+                data[begin:end],  # type: ignore[arg-type]
                 positions,
-                _cut_replies(whole.replies, at, stop),
+                _cut_replies(replies, at, stop),
             )
         )
         at = stop
