@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.test_record_engine import SETTINGS
 from tiered import record
 from tiered.config import StoreConfig
 from tiered.hot.consume_queue import ConsumeQueueTable
@@ -26,12 +27,6 @@ from tiered.store import MessageStore
 pytestmark = pytest.mark.skipif(NATIVE_ENGINE is None, reason="native engine not built")
 NATIVE: Any = NATIVE_ENGINE
 
-SETTINGS = settings(
-    max_examples=80,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],
-)
 KEYS = [("a", 0), ("a", 1), ("b", 0), ("topic with space", 3)]
 TAGS = st.one_of(st.none(), st.sampled_from(["", "x", "pay ment", "ünï", "a" * 300]))
 

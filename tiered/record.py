@@ -114,7 +114,7 @@ INDEX_ENTRY_DTYPE = np.dtype(
 )
 _INDEX_SLOT = struct.Struct(">i")
 _INDEX_ENTRY = struct.Struct(">iqii")
-# ``index_put_py`` of at most this many entries runs entry by entry (``_index_put_each``).
+# ``index_put_py`` of at most this many entries runs entry by entry.
 _INDEX_SCALAR_MAX = 16
 
 
@@ -872,9 +872,29 @@ def index_put_py(
     n = len(hashes)
     entries_at = INDEX_HEADER_SIZE + slot_count * INDEX_SLOT_SIZE + first * INDEX_ENTRY_SIZE
     if n <= _INDEX_SCALAR_MAX:
-        return _index_put_each(
-            mm, fd, slot_count, first, begin_timestamp, hashes, offsets, timestamps
-        )
+        # Entry by entry, in the same order of writes: the same bytes without numpy's fixed
+        # cost, which a SYNC pass of a few records paid (decision 322).
+        newest: dict[int, int] = {}  # slot -> the newest entry number this call gave it
+        parts = []
+        empty = 0
+        for i, (khash, offset, stamp) in enumerate(
+            zip(hashes.tolist(), offsets.tolist(), timestamps.tolist(), strict=True)
+        ):
+            slot = khash % slot_count
+            link = newest.get(slot)
+            if link is None:
+                (link,) = _INDEX_SLOT.unpack_from(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE)
+                if link < 0 or link >= first:
+                    link = 0  # written after the header was saved
+                if link == 0:
+                    empty += 1
+            newest[slot] = first + i
+            seconds = min(max((stamp - begin_timestamp) // 1000, 0), 0x7FFFFFFF)
+            parts.append(_INDEX_ENTRY.pack(khash, offset, seconds, link))
+        os.pwrite(fd, b"".join(parts), entries_at)
+        for slot, number in newest.items():
+            _INDEX_SLOT.pack_into(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE, number)
+        return empty
     slots_arr = np.frombuffer(mm, dtype=">i4", count=slot_count, offset=INDEX_HEADER_SIZE)
     numbers = np.arange(first, first + n, dtype=np.int64)
     slot_of = np.asarray(hashes, np.int64) % slot_count
@@ -903,43 +923,6 @@ def index_put_py(
     slots_arr[sorted_slots[tail]] = sorted_numbers[tail]
     del slots_arr  # the mapping may be closed once this returns
     return int(np.count_nonzero(held == 0))
-
-
-def _index_put_each(
-    mm: mmap.mmap,
-    fd: int,
-    slot_count: int,
-    first: int,
-    begin_timestamp: int,
-    hashes: np.ndarray,
-    offsets: np.ndarray,
-    timestamps: np.ndarray,
-) -> int:
-    """``index_put_py`` one entry at a time, in the same order of writes (entries, then slots):
-    the same bytes without numpy's fixed cost, which a SYNC pass of a few records paid
-    (decision 322)."""
-    newest: dict[int, int] = {}  # slot -> the newest entry number this call gave it
-    parts = []
-    empty = 0
-    for i, (khash, offset, stamp) in enumerate(
-        zip(hashes.tolist(), offsets.tolist(), timestamps.tolist(), strict=True)
-    ):
-        slot = khash % slot_count
-        prev = newest.get(slot)
-        if prev is None:
-            (prev,) = _INDEX_SLOT.unpack_from(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE)
-            if prev < 0 or prev >= first:
-                prev = 0  # written after the header was saved
-            if prev == 0:
-                empty += 1
-        newest[slot] = first + i
-        seconds = min(max((stamp - begin_timestamp) // 1000, 0), 0x7FFFFFFF)
-        parts.append(_INDEX_ENTRY.pack(khash, offset, seconds, prev))
-    entries_at = INDEX_HEADER_SIZE + slot_count * INDEX_SLOT_SIZE + first * INDEX_ENTRY_SIZE
-    os.pwrite(fd, b"".join(parts), entries_at)
-    for slot, number in newest.items():
-        _INDEX_SLOT.pack_into(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE, number)
-    return empty
 
 
 @dataclass(slots=True)
