@@ -71,6 +71,7 @@ from rocketmq import (  # noqa: E402
 from rocketmq.grpc_protocol import definition_pb2 as d  # noqa: E402
 from rocketmq.grpc_protocol import service_pb2 as s  # noqa: E402
 from rocketmq.grpc_protocol import service_pb2_grpc  # noqa: E402
+from s3_buckets import delete_bucket  # noqa: E402
 
 TOPIC = "torture"
 GROUP = "torture-group"
@@ -728,16 +729,16 @@ def torture(args: argparse.Namespace) -> dict[str, Any]:
     manage = _load(REPO / "localstack" / "manage.py", "tmq_localstack_manage")
     manage.start()
     endpoint = manage.endpoint()
-    bucket = f"tmq-torture-{uuid.uuid4().hex[:8]}"
+    bucket = args.bucket or f"tmq-torture-{uuid.uuid4().hex[:8]}"
     import boto3
 
-    boto3.client(
+    s3 = boto3.client(
         "s3",
         endpoint_url=endpoint,
         region_name="us-east-1",
         aws_access_key_id="test",
         aws_secret_access_key="test",
-    ).create_bucket(Bucket=bucket)
+    )
     faults: Faults | None = None
     proxy_module = Path(args.fault_proxy)
     if not args.no_faults:
@@ -776,11 +777,13 @@ def torture(args: argparse.Namespace) -> dict[str, Any]:
             "AWS_DEFAULT_REGION": "us-east-1",
         },
     )
+    s3.create_bucket(Bucket=bucket)
     try:
         node.start()
     except BaseException:
         if faults is not None:
             faults.stop()  # the proxy is a process of its own: never leave it behind
+        delete_bucket(s3, bucket)
         raise
     run = Run(node, args.queues, args.ttl, args.seed)
     started = time.monotonic()
@@ -891,6 +894,8 @@ def torture(args: argparse.Namespace) -> dict[str, Any]:
         node.stop()
         if faults is not None:
             faults.stop()
+        # LocalStack holds every object in memory until it stops (decision 532).
+        delete_bucket(s3, bucket)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -930,6 +935,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=int(time.time()))
     p.add_argument("--data", help="data directory (default: a fresh temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the data directory and logs")
+    p.add_argument("--bucket", help="the bucket to create, use and delete (default: a new name)")
     return p.parse_args(argv)
 
 

@@ -12,10 +12,17 @@ ratio of the totals; ``ratio_median_of_rounds`` pairs each transactional phase w
 phase next to it and takes the median, which one burst of someone else's work on one phase
 cannot move (both are reported, with every round's ratio). Runs in about 30 s; prints one JSON
 object on its last line.
+
+``--unresolved``: the transactional phase sends half messages and never ends them, and the
+producer's checker answers every check-back UNKNOWN, so the backlog of undecided halves grows by
+every round, and from the third round on (past the 6 s transaction timeout) the broker checks
+them back while both phases run (decision 531). Reports each phase's rate per round, and the
+check-backs the broker sent.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -29,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from broker_harness import Standalone
+from broker_harness import Standalone, free_port, metric_sample
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -50,7 +57,20 @@ class CommitAll(TransactionChecker):
         return TransactionResolution.COMMIT
 
 
-def phase(producer: Producer, topic: str, transactional: bool) -> tuple[int, float]:
+class Unknown(TransactionChecker):
+    """A producer that never decides: every check-back is answered UNKNOWN."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def check(self, message: Message) -> TransactionResolution:
+        self.asked += 1
+        return TransactionResolution.TRANSACTION_RESOLUTION_UNSPECIFIED
+
+
+def phase(
+    producer: Producer, topic: str, transactional: bool, resolve: bool = True
+) -> tuple[int, float]:
     """Messages sent by THREADS threads in PHASE_S seconds, and the seconds it took."""
     counts = [0] * THREADS
     stop = time.monotonic() + PHASE_S
@@ -63,7 +83,8 @@ def phase(producer: Producer, topic: str, transactional: bool) -> tuple[int, flo
             if transactional:
                 txn = producer.begin_transaction()
                 producer.send(m, txn)
-                txn.commit()
+                if resolve:
+                    txn.commit()
             else:
                 producer.send(m)
             counts[i] += 1
@@ -78,18 +99,27 @@ def phase(producer: Producer, topic: str, transactional: bool) -> tuple[int, flo
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--unresolved", action="store_true", help="never end a transaction (see the docstring)"
+    )
+    args = parser.parse_args()
+    resolve = not args.unresolved
     workdir = Path(tempfile.mkdtemp(prefix="tmq-bench-txn-"))
-    node = Standalone(workdir / "data").start()
+    metrics_port = free_port()
+    node = Standalone(workdir / "data", metrics_port=metrics_port).start()
+    checker = CommitAll() if resolve else Unknown()
     try:
         node.create_topic("bench-normal", queues=4)
         node.create_topic("bench-txn", queues=4, message_type="TRANSACTION")
         cfg = ClientConfiguration(node.endpoint, Credentials(), request_timeout=10)
         plain = Producer(cfg, topics=["bench-normal"])
-        txn_producer = Producer(cfg, topics=["bench-txn"], checker=CommitAll())
+        txn_producer = Producer(cfg, topics=["bench-txn"], checker=checker)
         plain.startup()
         txn_producer.startup()
         totals = {False: [0, 0.0], True: [0, 0.0]}
         rounds: list[float] = []
+        per_round: list[dict[str, float]] = []
         try:
             warm = Message()  # routes and channels before anything is timed
             warm.topic, warm.body = "bench-normal", BODY
@@ -104,11 +134,16 @@ def main() -> None:
                 for transactional in (False, True) if r % 2 == 0 else (True, False):
                     producer = txn_producer if transactional else plain
                     topic = "bench-txn" if transactional else "bench-normal"
-                    n, seconds = phase(producer, topic, transactional)
+                    n, seconds = phase(producer, topic, transactional, resolve)
                     totals[transactional][0] += n
                     totals[transactional][1] += seconds
                     rate[transactional] = n / seconds
                 rounds.append(rate[True] / rate[False])
+                per_round.append(
+                    {"normal": round(rate[False], 1), "transactional": round(rate[True], 1)}
+                )
+            checks = metric_sample(node, "tmq_transaction_checks_total")
+            pending = metric_sample(node, "tmq_transaction_half_pending")
         finally:
             plain.shutdown()
             txn_producer.shutdown()
@@ -120,7 +155,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "bench": "transaction",
+                "bench": "transaction" if resolve else "transaction_unresolved",
                 "threads": THREADS,
                 "rounds": ROUNDS,
                 "seconds_per_phase": PHASE_S,
@@ -129,6 +164,9 @@ def main() -> None:
                 "ratio": round(transactional_rate / normal, 3),
                 "ratio_median_of_rounds": round(statistics.median(rounds), 3),
                 "round_ratios": [round(x, 3) for x in rounds],
+                "rounds_msgs_per_s": per_round,
+                "checks_sent": checks,
+                "halves_pending": pending,
                 "goal_ratio": 0.5,
             }
         )

@@ -9,7 +9,8 @@ message. The bytes are the reference's, but for the order of the user properties
 entries have no order in protobuf, and protobuf writes them in its hash table's order, which
 differs from process to process; this writer keeps the record's order. A message whose fields
 it does not take as they are (a delivery time that is not plain ASCII digits) is handed to
-``fallback`` (the reference).
+``fallback`` (the reference). A time outside protobuf's Timestamp range is left out and a
+delivery attempt clamped to int32, as the reference does (decision 530).
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -100,8 +101,16 @@ cdef int _int_field(Buf* b, int field, int64_t v) noexcept nogil:
     return _varint(b, <uint64_t>v)
 
 
+cdef int64_t TS_MIN_MS = -62135596800000LL  # broker.protocol.TIMESTAMP_MIN_MS
+cdef int64_t TS_MAX_MS = 253402300799999LL
+cdef int64_t INT32_MAX = 2147483647
+
+
 cdef int _timestamp(Buf* b, int field, int64_t ms) noexcept nogil:
-    """``Timestamp.FromMilliseconds(ms)`` (floor division, as Python's) as field ``field``."""
+    """``Timestamp.FromMilliseconds(ms)`` (floor division, as Python's) as field ``field``;
+    nothing outside Timestamp's range, which the reference leaves out (decision 530)."""
+    if ms < TS_MIN_MS or ms > TS_MAX_MS:
+        return 0
     cdef int64_t seconds = ms // 1000
     cdef int64_t rest = ms % 1000
     if rest < 0:
@@ -120,6 +129,13 @@ cdef int _timestamp(Buf* b, int field, int64_t ms) noexcept nogil:
     if nanos != 0:
         _int_field(b, 2, nanos)
     return 0
+
+
+cdef inline int64_t _attempt(int64_t reconsume_times) noexcept nogil:
+    """delivery_attempt from a record's reconsume times: broker.protocol.delivery_attempt."""
+    if reconsume_times < 0:
+        return 1
+    return INT32_MAX if reconsume_times >= INT32_MAX else reconsume_times + 1
 
 
 cdef int _nested(Buf* out, int field, Buf* inner) noexcept nogil:
@@ -210,7 +226,7 @@ def encode(list messages, frozenset hidden, dict type_values, int default_type, 
             if m.queue_id != 0:
                 _int_field(&sp, 13, m.queue_id)
             _int_field(&sp, 14, m.queue_offset)
-            _int_field(&sp, 16, m.reconsume_times + 1)
+            _int_field(&sp, 16, _attempt(m.reconsume_times))
             value = props.get("__SHARDINGKEY")
             if value:
                 _str_field(&sp, 17, value)
@@ -510,7 +526,7 @@ cdef int _record(
     if <int32_t>_u32(r + 12) != 0:
         _int_field(sp, 13, <int32_t>_u32(r + 12))
     _int_field(sp, 14, _i64(r + 20))
-    _int_field(sp, 16, <int64_t>(<int32_t>_u32(r + 72)) + 1)
+    _int_field(sp, 16, _attempt(<int32_t>_u32(r + 72)))
     if shard != NULL and shard.vn:
         _bytes_field(sp, 17, <const char*>shard.v, shard.vn)
 

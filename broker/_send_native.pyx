@@ -38,8 +38,11 @@ DEF MAX_ID = 128  # broker.protocol.to_store_messages: a plain message id is at 
 DEF GZIP = 2  # apache.rocketmq.v2.Encoding.GZIP
 DEF LEN = 2
 DEF VARINT = 0
-# |seconds| below this cannot overflow int64 as milliseconds.
-DEF MAX_SECONDS = 9007199254740992
+# protobuf's Timestamp range (broker.protocol.TIMESTAMP_MIN_MS / TIMESTAMP_MAX_MS): a born or
+# delivery time outside it is the reference's to ignore or refuse (decision 530).
+cdef int64_t TS_MIN_S = -62135596800LL
+cdef int64_t TS_MAX_S = 253402300799LL
+cdef int64_t TS_MAX_MS = 253402300799999LL
 
 cdef type Message = None
 cdef Py_ssize_t[9] _OFF
@@ -535,15 +538,16 @@ cdef class SendBatch:
             m = &self.msgs[i]
             if (m.body_n == 0 or m.body_n > max_body or m.mtype != type_code
                     or m.encoding == GZIP or not _plain_id(m.mid, m.mid_n)
-                    or m.born_s >= MAX_SECONDS or m.born_s <= -MAX_SECONDS
+                    or not _valid_timestamp(m.born_s, m.born_ns)
                     or m.nprops > max_properties):
                 return None
             if m.tag_n >= 0 and not _plain_tag(m.tag, m.tag_n):
                 return None
             if m.group_n >= 0 and not _plain_group(m.group, m.group_n):
                 return None
-            if m.delivery and m.delivery_s <= 100000000000 and (
-                    m.delivery_s >= MAX_SECONDS or m.delivery_s <= -MAX_SECONDS):
+            if m.delivery and (
+                    m.delivery_s > TS_MAX_MS if m.delivery_s > 100000000000  # ms, see below
+                    else not _valid_timestamp(m.delivery_s, m.delivery_ns)):
                 return None
         if self.max_props:
             props = <Prop*>PyMem_Malloc(self.max_props * sizeof(Prop))
@@ -620,6 +624,11 @@ cdef class SendBatch:
         finally:
             PyMem_Free(props)
         return out, ids, total
+
+
+cdef inline bint _valid_timestamp(int64_t seconds, int32_t nanos) noexcept nogil:
+    """protobuf's ``Timestamps.isValid``."""
+    return TS_MIN_S <= seconds <= TS_MAX_S and 0 <= nanos < 1000000000
 
 
 cdef inline int64_t _floor_ms(int32_t nanos) noexcept nogil:

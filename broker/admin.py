@@ -102,6 +102,14 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.on_topics_changed()
         return pb.PutTopicResponse()
 
+    def _min_offset(self, topic: str, queue_id: int) -> int:
+        """The queue's first readable offset; -1 while a tiered queue's archive start is not
+        known (the cold tier has been down since the broker started, decision 520)."""
+        try:
+            return self.store.min_offset(topic, queue_id)
+        except StorageError:
+            return -1
+
     def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
         def watermark(q: int) -> int:
             if self.offloader is None or not cfg.tiered:
@@ -119,7 +127,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             queues=[
                 pb.QueueStats(
                     queue=q,
-                    min_offset=self.store.min_offset(cfg.name, q),
+                    min_offset=self._min_offset(cfg.name, q),
                     max_offset=self.store.max_offset(cfg.name, q),
                     hot_min_offset=self.store.hot_min_offset(cfg.name, q),
                     tier_watermark=watermark(q),

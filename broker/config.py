@@ -85,6 +85,9 @@ class BrokerConfig:
     transaction_check_interval_ms: int = 30_000
     transaction_check_max: int = 15
     transaction_check_exhausted: str = "rollback"
+    # The most half messages one pass of the check loop (every second at most) checks back or
+    # gives up on, whatever the backlog (decision 531).
+    transaction_check_batch: int = 200
     # The latest delivery time a delay message may ask for, from now (RocketMQ's
     # timerMaxDelaySec, 3 days); later ones are refused with ILLEGAL_DELIVERY_TIME.
     timer_max_delay_ms: int = DEFAULT_MAX_DELAY_MS
@@ -116,6 +119,7 @@ class BrokerConfig:
             check_interval_ms=self.transaction_check_interval_ms,
             check_max=self.transaction_check_max,
             exhausted=self.transaction_check_exhausted,
+            check_batch=self.transaction_check_batch,
         )
 
 

@@ -62,6 +62,7 @@ from broker.protocol import (
     status,
     to_proto_message,
     to_store_messages,
+    transaction_recovery_ms,
 )
 from broker.sql92 import SqlFilter
 from broker.timer import DEFAULT_MAX_DELAY_MS, TimerService, as_timer_message
@@ -166,6 +167,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return make(status(e.code, e.message))
         except InvalidNameError as e:
             return make(status(d.BAD_REQUEST, str(e)))
+        except ColdTierUnavailableError as e:
+            # Where a tiered queue's archive starts is not known yet (QueryOffset, UpdateOffset
+            # after a restart during an outage): a retry, never the hot store's first offset.
+            log.warning("%s", e)
+            return make(status(d.PROXY_TIMEOUT, str(e)))
         except Exception:
             log.exception("request failed")
             return make(status(d.INTERNAL_ERROR, "internal error; see the broker log"))
@@ -455,12 +461,7 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             ids,
         )
         if topic.message_type == "TRANSACTION":
-            immunity = [
-                duration_ms(pm.system_properties.orphaned_transaction_recovery_duration) or None
-                if pm.system_properties.HasField("orphaned_transaction_recovery_duration")
-                else None
-                for pm in request.messages
-            ]
+            immunity = [transaction_recovery_ms(pm.system_properties) for pm in request.messages]
             return self._send_half(topic, batch, ids, immunity, context)
         if topic.message_type == "DELAY":
             batch = [self._schedule(m) for m in batch]
@@ -812,10 +813,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             group = self._group(request.group.name)
             topic = self._topic(request.message_queue.topic.name, need=PERM_READ)
             queue = self._queue(topic, request.message_queue.id)
-            lo, hi = (
-                self.store.min_offset(topic.name, queue),
-                self.store.max_offset(topic.name, queue),
-            )
+            # Only an offset below the hot store needs the archive's start (decision 520).
+            lo = self.store.hot_min_offset(topic.name, queue)
+            if request.offset < lo:
+                lo = self.store.min_offset(topic.name, queue)
+            hi = self.store.max_offset(topic.name, queue)
             if not lo <= request.offset <= hi:
                 raise ProtocolError(
                     d.ILLEGAL_OFFSET,

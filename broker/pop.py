@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from broker.metadata import BrokerMetadata, GroupConfig, TopicConfig, dlq_topic, retry_topic
+from tiered.cold.storage import StorageError
 from tiered.record import Message, StoredMessage, tag_hash
 from tiered.store import GetStatus, MessageStore
 
@@ -136,19 +137,27 @@ class PopService:
             sources.append((retry, 0))
         start = next(self._rotation) % len(sources)
         out: list[Received] = []
+        unavailable: StorageError | None = None
         with self._lock:
             for stored_topic, queue_id in sources[start:] + sources[:start]:
                 if len(out) >= max_count:
                     break
-                out += self._pop_queue(
-                    group,
-                    stored_topic,
-                    topic.name,
-                    queue_id,
-                    tag_filter,
-                    max_count - len(out),
-                    invisible_ms,
-                )
+                try:
+                    out += self._pop_queue(
+                        group,
+                        stored_topic,
+                        topic.name,
+                        queue_id,
+                        tag_filter,
+                        max_count - len(out),
+                        invisible_ms,
+                    )
+                except StorageError as e:
+                    # The cold tier does not answer for this queue (its archive's start or a
+                    # read of it): the other queues still deliver, and this one's offset stays.
+                    unavailable = unavailable or e
+        if not out and unavailable is not None:
+            raise unavailable  # nothing to deliver: the client is told to retry
         return out
 
     def _state(self, group: str, topic: str, queue_id: int) -> QueueState:

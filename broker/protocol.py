@@ -21,6 +21,7 @@ from rocketmq.grpc_protocol import service_pb2 as s
 
 import tiered.record
 from broker.metadata import PERM_READ, PERM_WRITE, Limits, TopicConfig
+from broker.stored_properties import INT32_MAX, TIMESTAMP_MAX_MS, TIMESTAMP_MIN_MS
 from broker.timer import PROPERTY_ROLLED_FROM, PROPERTY_TIMER_OFFSET
 from broker.transaction import PROPERTY_CHECK_IMMUNITY_MS, PROPERTY_HALF_OFFSET, PROPERTY_TXN_ID
 from tiered.record import (
@@ -76,6 +77,8 @@ MAX_MESSAGE_GROUP_BYTES = 64
 # keep gRPC's default 4 MiB receive limit, and each delivered message travels in its own
 # ReceiveMessageResponse / PullMessageResponse.
 CLIENT_RECEIVE_LIMIT = 4 * 1024 * 1024
+# The proxy's maxTransactionRecoverySecond: a longer orphaned-transaction recovery is refused.
+MAX_TRANSACTION_RECOVERY_MS = 3_600_000
 # Room for what the broker adds to a message on delivery: receipt handle, store host, offsets,
 # timestamps, the topic and the response's framing (measured well under 1 KiB).
 DELIVERY_ENVELOPE_RESERVE = 2048
@@ -140,6 +143,56 @@ def message_queue(
 
 def _ms(ts: timestamp_pb2.Timestamp) -> int:
     return int(ts.seconds * 1000 + ts.nanos // 1_000_000)
+
+
+def _timestamp_ms(ts: timestamp_pb2.Timestamp) -> int | None:
+    """``ts`` in ms, or None when it is not a valid Timestamp (protobuf's ``isValid``: seconds
+    in the range above, nanos in [0, 10**9))."""
+    if not 0 <= ts.nanos < 1_000_000_000:
+        return None
+    ms = _ms(ts)
+    return ms if TIMESTAMP_MIN_MS <= ms <= TIMESTAMP_MAX_MS else None
+
+
+def born_ms(sp: d.SystemProperties) -> int:
+    """A produced message's born time in ms; 0 (unset) when absent or not a valid Timestamp:
+    the proxy ignores a born time it cannot read (``Timestamps.isValid``) rather than refuse
+    the message, and the stored record must stay deliverable."""
+    return (_timestamp_ms(sp.born_timestamp) or 0) if sp.HasField("born_timestamp") else 0
+
+
+def delivery_ms(ts: timestamp_pb2.Timestamp) -> int:
+    """A produced delivery time in ms, refused with ILLEGAL_DELIVERY_TIME (the proxy's code for
+    a delivery time it does not take) when it is not a valid Timestamp. The Python client
+    writes the user's millisecond value into ``seconds`` unconverted: seconds past 10**11
+    (year 5138) are read as milliseconds."""
+    seconds = ts.seconds
+    ms = seconds if seconds > 10**11 else _timestamp_ms(ts)
+    if ms is None or not TIMESTAMP_MIN_MS <= ms <= TIMESTAMP_MAX_MS:
+        raise ProtocolError(
+            d.ILLEGAL_DELIVERY_TIME,
+            f"delivery timestamp (seconds {seconds}, nanos {ts.nanos}) is outside protobuf's "
+            "Timestamp range, 0001-01-01 to 9999-12-31",
+        )
+    return ms
+
+
+def transaction_recovery_ms(sp: d.SystemProperties) -> int | None:
+    """A half message's orphaned-transaction recovery duration in ms; None: the broker's
+    transaction timeout (absent, zero or negative). Longer than the proxy's hour, or not a
+    valid Duration, it is refused with BAD_REQUEST, the proxy's code."""
+    if not sp.HasField("orphaned_transaction_recovery_duration"):
+        return None
+    value = sp.orphaned_transaction_recovery_duration
+    ms = duration_ms(value)
+    if abs(value.nanos) >= 1_000_000_000 or ms > MAX_TRANSACTION_RECOVERY_MS:
+        raise ProtocolError(
+            d.BAD_REQUEST,
+            f"orphaned transaction recovery duration (seconds {value.seconds}, nanos "
+            f"{value.nanos}) is not a valid duration of at most "
+            f"{MAX_TRANSACTION_RECOVERY_MS // 1000} s",
+        )
+    return ms if ms > 0 else None
 
 
 def to_store_message(
@@ -241,12 +294,8 @@ def to_store_message(
             f"clients receive at most {CLIENT_RECEIVE_LIMIT} bytes per message",
         )
     if sp.HasField("delivery_timestamp"):
-        # The Python client writes the user's value into Timestamp.seconds unconverted.
-        seconds = sp.delivery_timestamp.seconds
-        props[PROPERTY_DELIVER_TIME] = str(
-            seconds if seconds > 10**11 else _ms(sp.delivery_timestamp)
-        )
-    born = _ms(sp.born_timestamp) if sp.HasField("born_timestamp") else 0
+        props[PROPERTY_DELIVER_TIME] = str(delivery_ms(sp.delivery_timestamp))
+    born = born_ms(sp)
     return Message(
         topic=topic.name,
         queue_id=queue_id,
@@ -313,14 +362,13 @@ def to_store_messages(
             queue = zlib.crc32(group.encode()) % queues if group else (first_queue + i) % queues
             append(to_store_message(pm, topic, queue, limits, peer_host))
             continue
-        born = sp.born_timestamp  # unset reads as 0
         append(
             Message(
                 topic=name,
                 queue_id=(first_queue + i) % queues,
                 body=body,
                 properties={PROPERTY_UNIQ_KEY: message_id, PROPERTY_MESSAGE_TYPE: type_name},
-                born_timestamp=born.seconds * 1000 + born.nanos // 1_000_000,
+                born_timestamp=born_ms(sp),
                 born_host=(_ip_or(sp.born_host, peer_host), 0),
             )
         )
@@ -489,10 +537,14 @@ def to_proto_message(
         store_host=host_string(m.store_host),
         queue_id=m.queue_id,
         queue_offset=m.queue_offset,
-        delivery_attempt=m.reconsume_times + 1 if attempt is None else attempt,
+        delivery_attempt=delivery_attempt(m.reconsume_times + 1 if attempt is None else attempt),
     )
-    sp.born_timestamp.FromMilliseconds(m.born_timestamp)
-    sp.store_timestamp.FromMilliseconds(m.store_timestamp)
+    # A stored value protobuf cannot carry is left out, never raised (decision 530): one such
+    # record would otherwise fail every pull and receive of the batch it is in, for good.
+    if TIMESTAMP_MIN_MS <= m.born_timestamp <= TIMESTAMP_MAX_MS:
+        sp.born_timestamp.FromMilliseconds(m.born_timestamp)
+    if TIMESTAMP_MIN_MS <= m.store_timestamp <= TIMESTAMP_MAX_MS:
+        sp.store_timestamp.FromMilliseconds(m.store_timestamp)
     if m.tags:
         sp.tag = m.tags
     if m.keys:
@@ -500,10 +552,9 @@ def to_proto_message(
     group = props.get(PROPERTY_SHARDING_KEY)
     if group:
         sp.message_group = group
-    deliver = props.get(PROPERTY_DELIVER_TIME)
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
-    if deliver and deliver.isascii() and deliver.isdigit():
-        sp.delivery_timestamp.FromMilliseconds(int(deliver))
+    deliver = stored_delivery_ms(props.get(PROPERTY_DELIVER_TIME))
+    if deliver is not None:
+        sp.delivery_timestamp.FromMilliseconds(deliver)
     if receipt_handle is not None:
         sp.receipt_handle = receipt_handle
     if invisible_ms is not None:
@@ -514,6 +565,22 @@ def to_proto_message(
         system_properties=sp,
         body=m.body,
     )
+
+
+def delivery_attempt(attempt: int) -> int:
+    """A delivery attempt as the int32 field takes it: at least 1, at most INT32_MAX (a record's
+    reconsume times is an int32 of its own, and 1 more overflows the field)."""
+    return min(max(attempt, 1), INT32_MAX)
+
+
+def stored_delivery_ms(text: str | None) -> int | None:
+    """A stored ``__STARTDELIVERTIME`` as a client is handed it: plain ASCII digits within
+    Timestamp's range, else None (not delivered). ``str.isdigit`` also takes "²", which
+    ``int`` refuses; a negative time (a delivery time in the past) is not delivered either."""
+    if not text or len(text) > 18 or not text.isascii() or not text.isdigit():
+        return None  # more than 18 digits: past the range whatever they are (as the native writer)
+    ms = int(text)
+    return ms if ms <= TIMESTAMP_MAX_MS else None
 
 
 def duration(ms: int) -> duration_pb2.Duration:

@@ -109,6 +109,7 @@ class Broker:
                 observe=self.metrics.observe_cold_read,
                 runner=self.cold_worker,
                 reply_encoder=encode_pull_replies,
+                archive_starts=config.config_dir / "archive-starts.json",
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
         if self.tier is not None and self.fetcher is not None:

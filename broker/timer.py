@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from broker.stored_properties import INT32_MAX, TIMESTAMP_MAX_MS, int_property
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
 from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 from tiered.record import Message, StoredMessage
@@ -314,7 +315,11 @@ class TimerService:
         # (a full disk) is retried from the same offset, and must not find them "seen".
         now_due: list[tuple[int, int, int, int]] = []
         for m in got.messages:
-            due = int(m.properties.get(PROPERTY_DELIVER_TIME, "0"))
+            # A due time that is not a number, or past any Timestamp, is due now: delivered,
+            # never stuck and never pinning its file for good (decision 530).
+            due = int_property(m.properties, PROPERTY_DELIVER_TIME, now)
+            if due > TIMESTAMP_MAX_MS:
+                due = now
             bucket = max(bucket_of(due), self._current)
             crc = topic_crc(m.properties.get(PROPERTY_REAL_TOPIC, ""))
             row = (due, m.commitlog_offset, m.size, crc)
@@ -491,7 +496,8 @@ def _delivered_copy(stored: StoredMessage) -> Message:
     # A rolled record already names the first one: the identity the IndexFile check looks for.
     props.setdefault(PROPERTY_TIMER_OFFSET, str(stored.commitlog_offset))
     topic = stored.properties.get(PROPERTY_REAL_TOPIC, "")
-    return copy_to(stored, topic, int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0")), props)
+    queue_id = int_property(stored.properties, PROPERTY_REAL_QUEUE_ID, 0, 0, INT32_MAX)
+    return copy_to(stored, topic, queue_id, props)
 
 
 def as_timer_message(msg: Message) -> Message:

@@ -26,11 +26,20 @@ Threads: request threads call ``prepare`` and ``end``; ``tmq-transaction-check``
 check-backs (``RecoverOrphanedTransactionCommand``) to a producer of the topic through its
 Telemetry stream every ``check_interval_ms``, and after ``check_max`` unanswered checks rolls the
 half message back or keeps it, as configured.
+
+A pass of the check loop costs the same whatever the backlog of undecided halves (decision 531):
+the halves wait in a heap by their next check time, a pass takes the due ones oldest first, at
+most ``check_batch`` of them, and writes their check records in one CommitLog batch. A backlog
+larger than a pass is checked over several passes (each half still at most once per interval);
+before, every due half was checked in the same pass, and each check costs a read, a CommitLog
+append, a Telemetry command and the producer's EndTransaction: thousands at once took produce
+down to a tenth.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 import threading
@@ -39,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.metadata import BrokerMetadata
+from broker.stored_properties import int_property
 from tiered import failpoints
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -78,6 +88,12 @@ _CACHED_COPIES = 10_000
 # Decisions remembered below the watermark, newest first, so that a producer retrying its
 # EndTransaction (a lost answer, a client retry) is answered from the decision it took.
 _DECISIONS_KEPT = 100_000
+# The longest check immunity a stored half message is read with: the proxy's one-hour limit on
+# the orphaned-transaction recovery duration (broker.protocol.MAX_TRANSACTION_RECOVERY_MS).
+_MAX_IMMUNITY_MS = 3_600_000
+# How often the check loop saves the watermark (a lowest offset over every undecided half):
+# it only shortens the scan at the next start.
+_WATERMARK_EVERY_S = 5.0
 
 
 class TransactionError(Exception):
@@ -87,12 +103,15 @@ class TransactionError(Exception):
 @dataclass(slots=True)
 class TransactionConfig:
     """RocketMQ's broker settings: ``transactionTimeOut``, ``transactionCheckInterval``,
-    ``transactionCheckMax``; ``exhausted``: what happens after the last unanswered check."""
+    ``transactionCheckMax``; ``exhausted``: what happens after the last unanswered check;
+    ``check_batch``: the most halves one pass of the check loop checks or gives up on (it runs
+    every second at most), whatever the backlog (decision 531)."""
 
     timeout_ms: int = 6_000
     check_interval_ms: int = 30_000
     check_max: int = 15
     exhausted: str = "rollback"
+    check_batch: int = 200
 
     def __post_init__(self) -> None:
         if self.exhausted not in EXHAUSTED_POLICIES:
@@ -100,6 +119,8 @@ class TransactionConfig:
                 f"transaction_check_exhausted must be one of {EXHAUSTED_POLICIES}, "
                 f"not {self.exhausted!r}"
             )
+        if self.check_batch < 1:
+            raise ValueError(f"transaction_check_batch must be at least 1, not {self.check_batch}")
 
 
 @dataclass(slots=True)
@@ -187,6 +208,9 @@ class TransactionService:
         self._led = True
         self._lock = threading.Lock()
         self._pending: dict[int, Half] = {}
+        # (next check ms, half offset) of every undecided half, and stale entries (decided, or
+        # rescheduled: their time differs from the half's) that a pass drops as it meets them
+        self._due: list[tuple[int, int]] = []
         # half offset -> COMMIT/ROLLBACK, in decision order: every one above the watermark, and
         # the last _DECISIONS_KEPT below it (_forget_decisions)
         self._decided: dict[int, str] = {}
@@ -216,7 +240,7 @@ class TransactionService:
 
     def _scan(self, topic: str, start: int) -> list[StoredMessage]:
         out: list[StoredMessage] = []
-        offset = max(start, self.store.min_offset(topic, 0))
+        offset = max(start, self.store.hot_min_offset(topic, 0))  # a hot-only read
         while True:
             got = self.store.get_messages(topic, 0, offset, 256, hot_only=True)
             if got.status is not GetStatus.FOUND:
@@ -227,12 +251,15 @@ class TransactionService:
     def _recover(self) -> None:
         checks: dict[int, int] = {}
         for op in self._scan(OP_TOPIC, 0):
+            if not (0 < len(op.body) <= 19 and op.body.isdigit()):
+                log.warning("transaction op at %d names no half message; skipped", op.queue_offset)
+                continue
             target = int(op.body)
             kind = op.properties.get(PROPERTY_OP)
             if kind in (COMMIT, ROLLBACK):
                 self._decided[target] = kind
             elif kind == CHECK:
-                count = int(op.properties.get(PROPERTY_CHECKS, 0))
+                count = int_property(op.properties, PROPERTY_CHECKS, 0, 0)
                 checks[target] = max(checks.get(target, 0), count)
         watermark = self.metadata.offset(SYSTEM_GROUP, HALF_TOPIC, 0) or 0
         repaired = 0
@@ -250,6 +277,8 @@ class TransactionService:
                 repaired += 1
                 continue
             self._pending[half.offset] = half
+            self._due.append((half.next_check_ms, half.offset))
+        heapq.heapify(self._due)
         self._forget_decisions(watermark)
         if self._pending or repaired:
             log.info(
@@ -265,7 +294,9 @@ class TransactionService:
         return parse_transaction_id(rolled) if rolled else (m.queue_offset, m.commitlog_offset)
 
     def _half(self, m: StoredMessage, checks: int) -> Half:
-        immunity = int(m.properties.get(PROPERTY_CHECK_IMMUNITY_MS) or self.config.timeout_ms)
+        immunity = int_property(
+            m.properties, PROPERTY_CHECK_IMMUNITY_MS, self.config.timeout_ms, 0, _MAX_IMMUNITY_MS
+        )
         first = m.store_timestamp + immunity
         offset, txn_phys = self._identity(m)
         return Half(
@@ -325,6 +356,7 @@ class TransactionService:
                     if len(self._pending) < _CACHED_COPIES
                     else None,
                 )
+                heapq.heappush(self._due, (first, r.queue_offset))
                 out.append(
                     Prepared(transaction_id(r.queue_offset, r.commitlog_offset), r.queue_offset)
                 )
@@ -384,7 +416,7 @@ class TransactionService:
     def _real(self, stored: StoredMessage, half: Half) -> Message:
         props = {k: v for k, v in stored.properties.items() if k not in _HALF_ONLY}
         props[PROPERTY_HALF_OFFSET] = str(half.offset)
-        queue_id = int(stored.properties.get(PROPERTY_REAL_QUEUE_ID, "0"))
+        queue_id = int_property(stored.properties, PROPERTY_REAL_QUEUE_ID, 0, 0, 2**31 - 1)
         return copy_to(stored, half.topic, queue_id, props)
 
     @staticmethod
@@ -408,6 +440,7 @@ class TransactionService:
 
     def _check_loop(self) -> None:
         tick = max(0.05, min(1.0, self.config.check_interval_ms / 4000))
+        saved = 0.0
         while not self._stop.wait(tick):
             try:
                 if not self._leading():
@@ -417,7 +450,9 @@ class TransactionService:
                     self._take_over()
                     self._led = True
                 self.check_due()
-                self._save_watermark()
+                if time.monotonic() - saved >= _WATERMARK_EVERY_S:
+                    self._save_watermark()
+                    saved = time.monotonic()
             except Exception:
                 log.exception("transaction check-back failed; retrying")
 
@@ -427,6 +462,7 @@ class TransactionService:
         as a restart would, under the lock so that no prepare or end interleaves."""
         with self._lock:
             self._pending.clear()
+            self._due.clear()
             self._decided.clear()
             self._recover()
         log.info(
@@ -434,32 +470,49 @@ class TransactionService:
         )
 
     def check_due(self) -> int:
-        """Send a check-back for every half message that is due; returns how many were sent."""
+        """One pass: check back (or give up on) the due half messages, oldest due first, at most
+        ``check_batch`` of them; returns how many check-backs were sent."""
         now = self._clock()
+        due: list[Half] = []
         with self._lock:
-            due = [
-                h
-                for h in self._pending.values()
-                if h.next_check_ms <= now and not h.kept and h.offset not in self._busy
-            ]
-        sent = 0
+            busy: list[tuple[int, int]] = []
+            while self._due and self._due[0][0] <= now and len(due) < self.config.check_batch:
+                entry = heapq.heappop(self._due)
+                half = self._pending.get(entry[1])
+                if half is None or half.kept or half.next_check_ms != entry[0]:
+                    continue  # decided, kept or rescheduled since: a stale entry
+                if half.offset in self._busy:
+                    busy.append(entry)  # being decided: checked again if that fails
+                    continue
+                due.append(half)
+            for entry in busy:
+                heapq.heappush(self._due, entry)
+        checks: list[tuple[Half, StoredMessage]] = []
         for half in due:
-            if self._stop.is_set():
-                break
-            txn = transaction_id(half.offset, half.txn_phys)
-            if half.checks >= self.config.check_max:
-                self._give_up(half, txn)
-                continue
             with self._lock:  # a roll moves the record: take its offset and size together
                 where = (half.commitlog_offset, half.size)
-            stored = self.store.read_message(*where)
-            if stored is None:
+                # Due again in an interval, whatever happens below; a decision or a kept half
+                # makes the entry stale.
+                half.next_check_ms = now + self.config.check_interval_ms
+                heapq.heappush(self._due, (half.next_check_ms, half.offset))
+            if half.checks >= self.config.check_max:
+                self._give_up(half, transaction_id(half.offset, half.txn_phys))
                 continue
-            half.checks += 1
-            half.next_check_ms = now + self.config.check_interval_ms
-            self._append_op(half.offset, CHECK, half.checks)
-            self.checks += 1
-            if self.send_check(half.topic, stored, txn):
+            stored = self.store.read_message(*where)
+            if stored is not None:
+                with self._lock:
+                    half.checks += 1
+                checks.append((half, stored))
+        if not checks:
+            return 0
+        # One CommitLog batch for the pass's check records, before any check-back goes out.
+        self.store.put_messages([self._op(h.offset, CHECK, h.checks) for h, _ in checks])
+        self.checks += len(checks)
+        sent = 0
+        for half, stored in checks:
+            if self._stop.is_set():
+                break
+            if self.send_check(half.topic, stored, transaction_id(half.offset, half.txn_phys)):
                 sent += 1
             else:
                 log.info(

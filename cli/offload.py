@@ -64,7 +64,8 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
         typer.echo(
             f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark "
             f"{r['tier_watermark']} of {r['max_offset']} (lag {lag}); hot from "
-            f"{r['hot_min_offset']}, readable from {r['min_offset']}"
+            f"{r['hot_min_offset']}, readable from "
+            f"{r['min_offset'] if r['min_offset'] >= 0 else 'unknown (cold tier unavailable)'}"
         )
 
 

@@ -372,4 +372,5 @@ def describe(
         if "transactions_pending" in r:
             typer.echo(f"  transactions: {r['transactions_pending']} half messages pending")
         for q in r["queue_offsets"]:
-            typer.echo(f"  queue {q['queue']}: offsets [{q['min_offset']}, {q['max_offset']})")
+            first = "?" if q["min_offset"] < 0 else q["min_offset"]  # archive start unknown
+            typer.echo(f"  queue {q['queue']}: offsets [{first}, {q['max_offset']})")

@@ -392,7 +392,11 @@ class Offloader:
                 else min(up_to, self.store.max_offset(topic, queue_id))
             )
             result = OffloadResult(topic, queue_id, 0, 0, 0, manifest.end_offset)
-            hot_min = self.store.min_offset(topic, queue_id)
+            # The first readable offset, from the manifest just loaded: the fetcher's cache may
+            # not hold it yet (decision 520).
+            hot_min = self.store.hot_min_offset(topic, queue_id)
+            if manifest.segments:
+                hot_min = min(hot_min, manifest.start_offset)
             if manifest.end_offset < hot_min and target > manifest.end_offset:
                 # Released locally before it was ever uploaded (tiering turned on late): say so
                 # and record where the archive starts, rather than leave a silent gap.

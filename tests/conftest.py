@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-import uuid
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from s3_buckets import bucket_name, delete_bucket, leftover_buckets, run_id
 
 from tiered.config import StoreConfig
 from tiered.record import BLANK_MAGIC_CODE, StoredMessage, decode, read_total_and_magic
@@ -149,25 +150,48 @@ def s3() -> Iterator[S3Endpoint]:
         yield S3Endpoint(f"http://127.0.0.1:{port}", "moto")
         server.stop()
         return
-    if started and os.environ.get("PYTEST_XDIST_WORKER"):
-        # Other workers use it too: the controlling process stops it when all are done.
-        STARTED_BY_TESTS.touch()
-        started = False
-    yield S3Endpoint(manage.endpoint(), "localstack")
     if started:
-        manage.stop()
+        # Other workers use it too, and the check for buckets left behind needs it: the
+        # controlling process stops it when all are done.
+        STARTED_BY_TESTS.touch()
+    S3_USED.touch()
+    yield S3Endpoint(manage.endpoint(), "localstack")
 
 
 STARTED_BY_TESTS = TESTS.parent / "localstack" / ".run" / "started-by-tests"
+# Touched by the first test of this run that uses LocalStack: the check for buckets left
+# behind runs only then (a run without S3 does not even import boto3 for it).
+S3_USED = Path(tempfile.gettempdir()) / f"tmq-s3-used-{run_id()}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run id every bucket of this run is named with (tests/s3_buckets.py), set in the
+    controlling process before it starts the xdist workers that inherit it."""
+    run_id()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """In the controlling process (or a run without workers): stop the LocalStack a worker
-    started for this run."""
-    if hasattr(session.config, "workerinput") or not STARTED_BY_TESTS.exists():
+    """In the controlling process (or a run without workers): fail the run if it left a
+    bucket of its own in LocalStack (and delete it), then stop the LocalStack this run
+    started."""
+    if hasattr(session.config, "workerinput"):
         return
-    STARTED_BY_TESTS.unlink()
-    _load_localstack_manager().stop()
+    if S3_USED.exists():
+        S3_USED.unlink()
+        client = S3Endpoint(_load_localstack_manager().endpoint(), "localstack").client()
+        left = leftover_buckets(client)
+        for name in left:
+            delete_bucket(client, name)
+        if left:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            line = f"FAILED: the suite left {len(left)} bucket(s) in LocalStack: {', '.join(left)}"
+            if reporter is not None:
+                reporter.ensure_newline()
+                reporter.write_line(line, red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if STARTED_BY_TESTS.exists():
+        STARTED_BY_TESTS.unlink()
+        _load_localstack_manager().stop()
 
 
 def load_fault_proxy() -> Any:
@@ -197,17 +221,13 @@ def fault_proxy(s3: S3Endpoint) -> Iterator[Any]:
 def bucket(s3: S3Endpoint) -> Iterator[str]:
     """A fresh bucket, emptied and deleted at the end: LocalStack keeps every object in memory
     until it stops, and a full run's buckets once grew it until the machine ran out of memory."""
-    name = f"tmq-{uuid.uuid4().hex[:12]}"
+    name = bucket_name("b")
     client = s3.client()
     client.create_bucket(Bucket=name)
     yield name
     try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
-        client.delete_bucket(Bucket=name)
-    except Exception as e:  # a test that broke the endpoint (or left a writer) keeps its bucket
+        delete_bucket(client, name)
+    except Exception as e:  # the check at the session's end reports it and deletes it
         print(f"bucket {name} left behind: {e!r}")
 
 

@@ -178,8 +178,8 @@ RAW_VALUES = [
 @pytest.mark.parametrize("raw", RAW_VALUES)
 def test_replies_from_record_bytes_on_adversarial_properties(raw: bytes) -> None:
     """Either both writers write the same bytes, or both refuse the record with the same
-    error (properties that are not UTF-8; a delivery time past protobuf's Timestamp range,
-    which the reference refuses)."""
+    error (properties that are not UTF-8). A delivery time past protobuf's Timestamp range is
+    left out by both (decision 530)."""
     placeholder = "P" * len(raw)
     record, _, _ = RecordEncoder(("10.1.2.3", 10911)).encode(
         Message(topic="t", queue_id=0, body=b"b", properties={"UNIQ_KEY": "u", "v": placeholder}),

@@ -30,6 +30,7 @@ import pytest
 from broker_harness import REPO, tmq
 from deltalake import DeltaTable
 from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to, run_in_thread
+from s3_buckets import bucket_name, delete_bucket
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
@@ -72,11 +73,22 @@ def delta_rows(lake: Path, topic: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def backfilled(tmp_path_factory: pytest.TempPathFactory, s3: Any, spark: Any) -> dict[str, Any]:
-    """20,000 messages on 2 topics in an S3 tier, exported once to a local lake."""
+def backfilled(
+    tmp_path_factory: pytest.TempPathFactory, s3: Any, spark: Any
+) -> Iterator[dict[str, Any]]:
+    """20,000 messages on 2 topics in an S3 tier, exported once to a local lake; the bucket is
+    deleted after the module's tests."""
     root = tmp_path_factory.mktemp("backfill")
-    bucket = f"tmq-lake-{os.getpid()}"
-    s3.client().create_bucket(Bucket=bucket)
+    bucket = bucket_name("lake")
+    client = s3.client()
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield _backfill(root, bucket, s3, spark)
+    finally:
+        delete_bucket(client, bucket)
+
+
+def _backfill(root: Path, bucket: str, s3: Any, spark: Any) -> dict[str, Any]:
     tier_url = f"s3://{bucket}/tier"
     archive = Archive.open(root / "hot", open_store(tier_url, s3.storage_options()), queues=2)
     try:

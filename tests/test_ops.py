@@ -106,6 +106,10 @@ def test_metrics_after_traffic_hold_the_documented_names_with_sane_values(
     while True:
         m = scrape(node)
         done = m["tmq_store_bytes"][(("tier", "cold"),)] == 0
+        # The cold gauge drops when the retention commit lands; the deletes, and the counters
+        # that count them, follow it.
+        deleted = m["tmq_retention_deleted_segments_total"][()]
+        done = done and deleted >= m["tmq_tier_upload_segments_total"][()]
         if done and m["tmq_commitlog_files_released_total"][()] >= 1:
             break
         assert time.monotonic() < deadline, "retention and release did not happen in 30 s"

@@ -151,15 +151,16 @@ def _wait_released(node: Standalone, seconds: float = 60) -> None:
 
 
 def _archived_behind_proxy(
-    tmp_path: Path, fault_proxy: Any, bucket: str, topic: str, count: int
+    tmp_path: Path, fault_proxy: Any, bucket: str, topic: str, count: int, *extra: str
 ) -> Standalone:
     """A broker whose S3 tier is reached through the fault proxy, with a one-queue tiered
-    ``topic`` of ``count`` messages whose first CommitLog file is already released."""
+    ``topic`` of ``count`` messages whose first CommitLog file is already released; ``extra``:
+    more command-line options."""
     from conftest import S3Endpoint
 
     node = Standalone(
         tmp_path / "data",
-        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier"],
+        extra=[*QUICK_TIERING, "--tier-url", f"s3://{bucket}/tier", *extra],
         env=S3Endpoint(fault_proxy.url, "proxy").env(),
     ).start()
     try:

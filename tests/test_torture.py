@@ -23,6 +23,7 @@ from rocketmq import (
     Producer,
     SimpleConsumer,
 )
+from s3_buckets import bucket_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,6 +38,8 @@ def torture(tmp_path: Path, s3: Any, *args: str, timeout: float) -> dict[str, An
             "--data",
             str(tmp_path),
             "--keep",
+            "--bucket",
+            bucket_name("torture"),
             *args,
         ],
         capture_output=True,

@@ -27,6 +27,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from broker.metadata import BrokerMetadata
 from broker.transaction import (
     HALF_TOPIC,
+    OP_TOPIC,
     SYSTEM_GROUP,
     TransactionConfig,
     TransactionError,
@@ -464,3 +465,54 @@ def test_a_repeated_end_transaction_is_answered_after_the_watermark_moved_and_a_
     finally:
         second.stop()
     assert [m.body for m in store.get_messages("orders", 0, 0, 10).messages] == [b"body 0"]
+
+
+def test_a_check_pass_costs_the_same_whatever_the_backlog_of_unresolved_halves(
+    small_config: StoreConfig, start_store: Callable[[StoreConfig], MessageStore], tmp_path: Path
+) -> None:
+    """Decision 531: a pass of the check loop checks back at most ``check_batch`` halves and
+    appends at most that many op records, with a backlog of 100 undecided halves or of 1,000;
+    the rest wait for the next passes, oldest first, and every half is still checked
+    ``check_max`` times, then rolled back."""
+    store = start_store(small_config)
+    now = [time.time_ns() // 1_000_000]
+    asked: dict[str, int] = {}
+
+    def send_check(topic: str, half: object, txn: str) -> bool:
+        asked[txn] = asked.get(txn, 0) + 1
+        return True
+
+    config = TransactionConfig(timeout_ms=1000, check_interval_ms=60_000, check_max=2)
+    config.check_batch = 50
+    service = TransactionService(
+        store, BrokerMetadata(tmp_path / "config"), config, send_check, clock=lambda: now[0]
+    )
+
+    def one_pass() -> tuple[int, int]:
+        """(check-backs sent, op records appended) by one pass."""
+        assert store.wait_dispatched(10)
+        before = store.max_offset(OP_TOPIC, 0)
+        sent = service.check_due()
+        assert store.wait_dispatched(10)
+        return sent, store.max_offset(OP_TOPIC, 0) - before
+
+    def prepare(n: int, key: str) -> None:
+        messages = [StoreMessage("orders", b"x", 0, {"UNIQ_KEY": f"{key}-{i}"}) for i in range(n)]
+        service.prepare(messages, [None] * n)
+
+    prepare(100, "a")
+    now[0] += 5_000  # past the timeout of all 100
+    assert [one_pass(), one_pass(), one_pass()] == [(50, 50), (50, 50), (0, 0)]
+    prepare(900, "b")
+    now[0] += 5_000  # the 900 due, the first 100 not (checked again in a minute)
+    assert one_pass() == (50, 50), "the same cost with ten times the backlog"
+    passes = 1
+    while service.pending():
+        sent, ops = one_pass()
+        passes += 1
+        assert sent <= 50 and ops <= 50
+        if (sent, ops) == (0, 0):
+            now[0] += 60_000  # an interval later, the next round of checks is due
+        assert passes < 200
+    assert len(asked) == 1000 and set(asked.values()) == {2}, "each checked check_max times"
+    assert service.rollbacks == 1000

@@ -217,8 +217,10 @@ def check_geometry(config: StoreConfig) -> None:
 class ColdReader(Protocol):
     """The cold tier as the store sees it (``tiered.cold.fetcher.ColdFetcher``).
 
-    ``start_offset``, ``end_offset`` and ``may_hold`` answer from what the reader last loaded:
-    hot reads call them, and a hot read never waits on the object store. ``get`` and the
+    ``start_offset``, ``end_offset``, ``may_hold`` and ``archive_start`` answer from what the
+    reader last loaded: hot reads call them, and a hot read never waits on the object store.
+    ``archive_start`` raises ``ColdTierUnavailableError`` while a tiered queue's archive is not
+    known (no manifest loaded yet), where ``start_offset`` answers None. ``get`` and the
     lookups are cold reads, each with its own deadline. ``get_replies`` answers with what
     ``reply_encoder`` (None: no replies) wrote for each message."""
 
@@ -229,6 +231,8 @@ class ColdReader(Protocol):
     def end_offset(self, topic: str, queue_id: int) -> int: ...
 
     def may_hold(self, topic: str, queue_id: int, offset: int) -> bool: ...
+
+    def archive_start(self, topic: str, queue_id: int) -> int | None: ...
 
     def get(
         self,
@@ -854,10 +858,16 @@ class MessageStore:
         return self.queues.get(topic, queue_id)
 
     def min_offset(self, topic: str, queue_id: int) -> int:
-        """The first readable queue offset, in either tier."""
+        """The first readable queue offset, in either tier. Never waits on the object store:
+        while where a tiered queue's archive starts is not known (its manifest not loaded since
+        a restart), raises ``ColdTierUnavailableError`` rather than answer the hot store's
+        first offset, past the archive (decision 520). A hot store that starts at 0 needs no
+        archive to answer."""
         cq = self._cq(topic, queue_id)
         hot = cq.min_offset if cq else 0
-        cold = self.cold.start_offset(topic, queue_id) if self.cold is not None else None
+        if hot == 0 or self.cold is None:
+            return hot
+        cold = self.cold.archive_start(topic, queue_id)
         return hot if cold is None else min(hot, cold)
 
     def hot_min_offset(self, topic: str, queue_id: int) -> int:
@@ -915,8 +925,9 @@ class MessageStore:
         else:
             status, nxt = GetStatus.NO_MATCHED_MESSAGE, offset
         if status is GetStatus.OFFSET_TOO_SMALL:
-            # Below both tiers: the first readable offset may be in the archive, below ``lo``.
-            first = self.min_offset(topic, queue_id)
+            # Below both tiers: the first readable offset may be in the archive, below ``lo``
+            # (a hot-only reader, the timer wheel or the transaction check, goes on at ``lo``).
+            first = lo if hot_only or self.cold is None else self.min_offset(topic, queue_id)
             return GetResult(status, [], first, first, hi)
         if status is not GetStatus.NO_MATCHED_MESSAGE:
             return GetResult(status, [], nxt, lo, hi)
@@ -999,6 +1010,7 @@ class MessageStore:
         keep = None if tag_filter is None else (lambda m: tag_filter(tag_hash(m.tags)))
         messages, nxt = self.cold.get(topic, queue_id, offset, max_count, keep, max_bytes)
         status, lo = self._cold_status(topic, queue_id, offset, bool(messages))
+        nxt = lo if status is GetStatus.OFFSET_TOO_SMALL else nxt
         return GetResult(status, messages, nxt, lo, cq.max_offset)
 
     def _cold_status(
@@ -1027,6 +1039,7 @@ class MessageStore:
             topic, queue_id, offset, max_count, max_bytes
         )
         status, lo = self._cold_status(topic, queue_id, offset, bool(replies))
+        nxt = lo if status is GetStatus.OFFSET_TOO_SMALL else nxt
         return GetResult(status, [], nxt, lo, cq.max_offset, replies, body_bytes)
 
     def read_message(self, commitlog_offset: int, size: int) -> StoredMessage | None:
@@ -1104,9 +1117,13 @@ class MessageStore:
         cq = self._cq(topic, queue_id)
         if cq is None:
             return 0
-        if self.cold is not None and self.cold.start_offset(topic, queue_id) is not None:
+        if self.cold is not None and cq.min_offset > 0:
             first_hot = self.store_timestamp_at(topic, queue_id, cq.min_offset)
-            if first_hot is None or timestamp_ms < first_hot:
+            # Before the hot store: the archive's, or an error while it is not known (never
+            # the hot store's first offset in its place, decision 520).
+            if (first_hot is None or timestamp_ms < first_hot) and self.cold.archive_start(
+                topic, queue_id
+            ) is not None:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
                 if cold < self.cold.end_offset(topic, queue_id):
                     return cold

@@ -4,7 +4,10 @@
   which every read and ``min_offset`` call) only ever reads that cache: it never waits on the
   object store. A background thread (``tmq-cold-manifests``) loads and refreshes the manifests
   of tiered queues every ``manifest_ttl_s``; a commit in this process updates the cache at once
-  (``set_manifest``). During an outage the last manifest stays in use.
+  (``set_manifest``). During an outage the last manifest stays in use. Where each archive
+  starts is also kept in a local file (``ArchiveStarts``), so a broker restarted during an
+  outage still knows it; a tiered queue with neither is "not known yet", a retry for whoever
+  asks, never "no archive" (decision 520).
 - A cold read has its own deadline (``read_timeout_s``, shorter than a client's request
   timeout): past it, or when the store fails, it raises ``ColdTierUnavailableError`` rather than
   hold the request thread for the SDK's own timeouts and retries.
@@ -23,6 +26,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -47,6 +52,7 @@ from tiered.cold.segment import (
 )
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.cold.worker import JobRunner, LocalRunner, run_job
+from tiered.durable import make_dirs, write_file
 from tiered.formats import CQ_DTYPE
 from tiered.record import StoredMessage
 
@@ -93,6 +99,56 @@ class ColdTierUnavailableError(StorageError):
     """The object store did not answer a cold read within its deadline, or failed it."""
 
 
+class ArchiveStarts:
+    """Where each queue's archive starts, as this broker last saw a manifest committed or loaded,
+    kept in a local file (``path``; None: in memory only), as Kafka checkpoints a partition's
+    log start offset and RocketMQ's tiered store keeps its queue metadata on local disk
+    (decision 520). A broker restarted while the object store is down still knows which queues
+    have an archive and where each starts. The record is only ever at or below the archive's
+    real start (it is written after a commit, and retention only moves a start up): a reader
+    sent there is told the truth by its first cold read, never sent past a message."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._starts: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        if path is not None and path.exists():
+            try:
+                self._starts = {(t, q): s for t, q, s in json.loads(path.read_bytes())["queues"]}
+            except (ValueError, KeyError, TypeError) as e:
+                # Unreadable: as if absent; a tiered queue is then unknown until its manifest
+                # loads (a retry for its readers), never taken for one with no archive.
+                log.warning(
+                    "%s is unreadable (%s); archive starts are reloaded from the tier", path, e
+                )
+
+    def get(self, topic: str, queue_id: int) -> int | None:
+        return self._starts.get((topic, queue_id))
+
+    def queues(self) -> set[tuple[str, int]]:
+        return set(self._starts)
+
+    def note(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
+        """Record ``manifest``'s archive start (a queue whose archive is empty is dropped)."""
+        key = (topic, queue_id)
+        start = manifest.start_offset if manifest.segments else None
+        with self._lock:
+            if self._starts.get(key) == start:
+                return
+            if start is None:
+                self._starts.pop(key)
+            else:
+                self._starts[key] = start
+            if self.path is None:
+                return
+            rows = sorted([t, q, s] for (t, q), s in self._starts.items())
+            try:
+                make_dirs(self.path.parent)
+                write_file(self.path, json.dumps({"queues": rows}).encode())
+            except OSError as e:  # a full disk: the tier stays the truth; retried next change
+                log.warning("cannot save %s: %s", self.path, e)
+
+
 class ColdFetcher:
     def __init__(
         self,
@@ -109,9 +165,11 @@ class ColdFetcher:
         observe: Callable[[float, int], None] | None = None,
         runner: JobRunner | None = None,
         reply_encoder: ReplyEncoder | None = None,
+        archive_starts: Path | None = None,
     ) -> None:
         """``tiered_queues()`` names the queues whose manifests the background thread keeps
-        fresh (the broker's tiered topics); ``observe(seconds, bytes)`` is told of every
+        fresh (the broker's tiered topics; with those ``archive_starts``, the local record of
+        where each archive starts, names); ``observe(seconds, bytes)`` is told of every
         segment read (metrics); ``runner`` runs the segment reads (the broker's cold worker;
         by default threads of this process); ``reply_encoder`` (a module-level function, run
         by the runner beside each segment read) writes each record as its reader's protocol
@@ -124,7 +182,8 @@ class ColdFetcher:
         self.read_timeout_s = read_timeout_s
         self.max_inflight = max_inflight
         self.reply_encoder = reply_encoder
-        self._tiered_queues = tiered_queues
+        self._listed_queues = tiered_queues
+        self.starts = ArchiveStarts(archive_starts)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tmq-cold-fetch")
         self._manifests: dict[tuple[str, int], tuple[float, QueueManifest]] = {}
         self._own_runner = runner is None
@@ -145,6 +204,11 @@ class ColdFetcher:
         self.bytes_fetched = 0
         self.unavailable = 0  # cold reads refused: deadline passed, store failed, or too busy
         self._observe = observe
+
+    def _tiered_queues(self) -> set[tuple[str, int]]:
+        """The queues with (or meant to have) an archive: the tiered topics' queues, and every
+        queue the local record says has one (its topic may have been un-tiered since)."""
+        return set(self._listed_queues()) | self.starts.queues()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -234,6 +298,7 @@ class ColdFetcher:
                 self._manifests[key] = (loaded_at, manifest)
             else:
                 manifest = current[1]
+        self.starts.note(topic, queue_id, manifest)
         return manifest
 
     def manifest(self, topic: str, queue_id: int, *, refresh: bool = False) -> QueueManifest:
@@ -248,6 +313,7 @@ class ColdFetcher:
         """A manifest this process just committed: newer than anything cached."""
         with self._lock:
             self._manifests[(topic, queue_id)] = (time.monotonic(), manifest)
+        self.starts.note(topic, queue_id, manifest)
 
     def cached(self, topic: str, queue_id: int) -> QueueManifest | None:
         entry = self._manifests.get((topic, queue_id))
@@ -264,6 +330,40 @@ class ColdFetcher:
         m = self.cached(topic, queue_id)
         return m.end_offset if m is not None else 0
 
+    def archive_start(self, topic: str, queue_id: int) -> int | None:
+        """Where the queue's archive starts (None: it has none), from the cached manifest, or
+        before one is loaded (the tier has been down since this broker started) from the local
+        record (``ArchiveStarts``). Never waits on the object store. A tiered queue known to
+        neither raises ``ColdTierUnavailableError`` (a retry) rather than answer None, which
+        would make the hot store's first offset the queue's (decision 520)."""
+        m = self.cached(topic, queue_id)
+        if m is not None:
+            return m.start_offset if m.segments else None
+        recorded = self.starts.get(topic, queue_id)
+        if recorded is not None:
+            self._wake.set()  # load the manifest: the record may be behind retention
+            return recorded
+        if self._unknown(topic, queue_id):
+            self.unavailable += 1
+            raise ColdTierUnavailableError(
+                f"{topic}/{queue_id}: where its archive starts is not known yet (the queue's "
+                "manifest could not be loaded from the cold tier); retry"
+            )
+        return None
+
+    def _unknown(self, topic: str, queue_id: int) -> bool:
+        """Whether ``(topic, queue_id)`` is a tiered queue with no manifest loaded yet; wakes
+        the refresher to load it. A list of tiered queues that cannot be read counts every
+        queue as tiered: an unknown state is never taken for "no archive"."""
+        try:
+            tiered = (topic, queue_id) in self._tiered_queues()
+        except Exception:
+            log.exception("cold manifests: cannot list the tiered queues")
+            tiered = True
+        if tiered:
+            self._wake.set()
+        return tiered
+
     def may_hold(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether a read of ``offset`` (below the hot store) should ask the tier: the cached
         manifest holds it, or no manifest is known yet for a tiered queue (the read loads it,
@@ -271,13 +371,7 @@ class ColdFetcher:
         m = self.cached(topic, queue_id)
         if m is not None:
             return bool(m.segments) and m.start_offset <= offset
-        try:
-            tiered = (topic, queue_id) in set(self._tiered_queues())
-        except Exception:
-            tiered = False
-        if tiered:
-            self._wake.set()
-        return tiered
+        return self._unknown(topic, queue_id)
 
     def _within_deadline(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the fetcher's pool and wait at most ``read_timeout_s`` for it."""
@@ -318,10 +412,11 @@ class ColdFetcher:
         max_bytes: int = 4 << 20,
     ) -> tuple[list[StoredMessage], int]:
         """Up to ``max_count`` messages from ``offset`` within one segment, and the next offset.
-        Raises ``SegmentError`` when the archive does not hold ``offset``, and
-        ``ColdTierUnavailableError`` when the object store does not answer in time. A segment
-        that retention removed while this read was under way is not an error: the answer is
-        no messages, and the archive's new start as the next offset."""
+        Raises ``SegmentError`` when the archive should hold ``offset`` and does not, and
+        ``ColdTierUnavailableError`` when the object store does not answer in time. An offset
+        below the archive (expired, or a queue with none), or a segment that retention removed
+        while this read was under way, is not an error: the answer is no messages, and the
+        archive's start as the next offset."""
 
         def step(batch: RecordSpan, i: int, count: int, room: int) -> Taken[StoredMessage]:
             if tag_filter is None:
@@ -388,6 +483,8 @@ class ColdFetcher:
         as ``get``."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest, info = self._segment(topic, queue_id, offset, what)
+        if info is None:  # below the archive: as if retention had just removed it
+            return [], max(offset, manifest.start_offset)
         out: list[T] = []
         size = 0
         next_offset = offset
@@ -429,15 +526,19 @@ class ColdFetcher:
 
     def _segment(
         self, topic: str, queue_id: int, offset: int, what: str
-    ) -> tuple[QueueManifest, SegmentInfo]:
+    ) -> tuple[QueueManifest, SegmentInfo | None]:
         """The queue's manifest (refreshed within the deadline when the cached one does not
-        reach ``offset``) and the segment that holds ``offset``; ``SegmentError`` if none."""
+        reach ``offset``) and the segment that holds ``offset``: None when ``offset`` is below
+        the archive (or the queue has none), ``SegmentError`` when the archive should hold it
+        and does not."""
         manifest = self.cached(topic, queue_id)
         if manifest is None or (manifest.find(offset) is None and offset >= manifest.end_offset):
             manifest = self._within_deadline(
                 what, lambda: self.manifest(topic, queue_id, refresh=True)
             )
         info = manifest.find(offset)
+        if info is None and (not manifest.segments or offset < manifest.start_offset):
+            return manifest, None  # below the archive: expired, or the queue has none
         if info is None:
             raise SegmentError(
                 f"{topic}/{queue_id}: offset {offset} is not in the archive "
