@@ -264,8 +264,6 @@ class MessageStore:
         self.config = config
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
-        if config.flush == "sync":
-            self.commitlog.group_commit.on_flushed = self._flushed
         self.queues = ConsumeQueueTable(
             config.consumequeue_dir, config.consumequeue_entries_per_file
         )
@@ -557,6 +555,7 @@ class MessageStore:
             index_from=index_from,
         )
         self.dispatcher.coalesce_s = self._dispatch_coalesce_s
+        self._route_flush_wakeups()
         return self.dispatcher
 
     def _check_room_for_a_commitlog_file(self) -> None:
@@ -752,8 +751,8 @@ class MessageStore:
         if self.config.flush != "sync":
             self.dispatcher.wakeup()
         elif len(results):
-            # The fsync that covers these records wakes the dispatcher (``_flushed``): once per
-            # batch of writers, not once per send.
+            # The fsync that covers these records wakes the dispatcher
+            # (``_route_flush_wakeups``): once per batch of writers, not once per send.
             self.commitlog.wait_flushed(results.end_offset)
         if len(results):
             for listener in self._append_listeners:
@@ -775,17 +774,19 @@ class MessageStore:
         """fsync the CommitLog; returns the flushed offset."""
         return self.commitlog.flush()
 
-    def _flushed(self) -> None:
-        """After each group commit fsync under SYNC: what it covered may be dispatched now. A
-        replica's dispatcher keeps its own cadence (decision 304)."""
+    def _route_flush_wakeups(self) -> None:
+        """Under SYNC each group commit fsync wakes the dispatcher (what it covered may be
+        dispatched now), set by the native flusher without the GIL. A replica's dispatcher
+        keeps its own cadence (decision 304)."""
         d = self.dispatcher
-        if d is not None and not self._replica:
-            d.wakeup()
+        wake = d.wakeup_event if d is not None and self.config.flush == "sync" else None
+        self.commitlog.group_commit.wake_after_flush(None if self._replica else wake)
 
     def set_replica(self, replica: bool) -> None:
         """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly
         its master's bytes, so nothing of its own (a producer, a pop revive) may be appended."""
         self._replica = replica
+        self._route_flush_wakeups()
 
     def set_dispatch_coalescing(self, seconds: float) -> None:
         """How long the dispatcher lets appends gather before a pass (1 ms by default, like

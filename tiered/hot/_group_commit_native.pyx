@@ -10,8 +10,10 @@ and a second lock (the condition's) that every woken writer takes again in turn:
 cores that churn, not the fsync, bounded single SYNC sends (decision 420).
 """
 
-from libc.errno cimport ETIMEDOUT
+from libc.errno cimport EINTR, ETIMEDOUT, errno
 from libc.stdint cimport int64_t
+from posix.fcntl cimport F_DUPFD_CLOEXEC, fcntl
+from posix.unistd cimport close
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -42,7 +44,114 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_signal(pthread_cond_t* c)
     int pthread_cond_broadcast(pthread_cond_t* c)
 
+cdef extern from "<unistd.h>" nogil:
+    int fdatasync(int fd)
+
 name = "native"
+
+
+cdef class NativeWakeup:
+    """``threading.Event``'s ``set``/``wait``/``clear``/``is_set`` on a pthread condition: a
+    wait sleeps with the GIL released, and a group commit flusher sets it without the GIL.
+    ``sets`` counts the calls of ``set`` (the flusher's included)."""
+
+    cdef pthread_mutex_t _mutex
+    cdef pthread_cond_t _cond
+    cdef bint _flag
+    cdef public int64_t sets
+
+    def __cinit__(self):
+        cdef pthread_condattr_t attr
+        pthread_mutex_init(&self._mutex, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self._cond, &attr)
+        pthread_condattr_destroy(&attr)
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self._cond)
+        pthread_mutex_destroy(&self._mutex)
+
+    cdef void fire(self) noexcept nogil:
+        pthread_mutex_lock(&self._mutex)
+        self.sets += 1
+        if not self._flag:
+            self._flag = 1
+            pthread_cond_broadcast(&self._cond)
+        pthread_mutex_unlock(&self._mutex)
+
+    def set(self):
+        # Holding the GIL: the mutex is only ever held for a few instructions, and releasing
+        # the GIL here would let another thread take it (a producer's ``wakeup`` per send).
+        self.fire()
+
+    def clear(self):
+        self._flag = 0
+
+    def is_set(self):
+        return bool(self._flag)
+
+    def wait(self, timeout=None):
+        """Sleep until set (or ``timeout`` seconds); returns whether it is set."""
+        cdef timespec deadline
+        cdef long ns
+        cdef bint forever = timeout is None
+        cdef double seconds = 0 if forever else timeout
+        cdef bint flag
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+            if not forever:
+                clock_gettime(CLOCK_MONOTONIC, &deadline)
+                ns = deadline.tv_nsec + <long>(seconds * 1e9)
+                deadline.tv_sec += ns // 1000000000
+                deadline.tv_nsec = ns % 1000000000
+            while not self._flag:
+                if forever:
+                    pthread_cond_wait(&self._cond, &self._mutex)
+                elif pthread_cond_timedwait(&self._cond, &self._mutex, &deadline) == ETIMEDOUT:
+                    break
+            flag = self._flag
+            pthread_mutex_unlock(&self._mutex)
+        return flag
+
+
+cdef class NativeFlushLock:
+    """The CommitLog's flush lock: every ``fdatasync`` of it, the native flusher's and Python's,
+    runs holding this, so a failure one of them sees is known before the other starts (an
+    error is reported once per open file, and the flusher's descriptor shares the file's)."""
+
+    cdef pthread_mutex_t _mutex
+
+    def __cinit__(self):
+        pthread_mutex_init(&self._mutex, NULL)
+
+    def __dealloc__(self):
+        pthread_mutex_destroy(&self._mutex)
+
+    def __enter__(self):
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+        return self
+
+    def __exit__(self, *exc):
+        pthread_mutex_unlock(&self._mutex)
+        return False
+
+
+# The flusher waits at least this long for the writers of its last round to come back, even
+# when its fsync took less (a page-cache-only or battery-backed disk): each fsync also costs a
+# dispatch pass and a wake-up of every writer, which a batch of 4 instead of 60 pays 15 times.
+DEF _MIN_WAIT_S = 0.0002
+
+# What ``serve`` returns (with the batch and how many writers it holds).
+cdef enum:
+    _STOPPED = 0  # stopping, nothing queued: the flusher ends
+    _IN_PYTHON = 1  # the batch is closed but not fsynced: Python flushes, then ``finish``
+    _FAILED = 2  # the batch's fdatasync failed (errno given): Python fails it, then ``finish``
+
+SERVE_STOPPED = _STOPPED
+SERVE_IN_PYTHON = _IN_PYTHON
+SERVE_FAILED = _FAILED
 
 
 cdef class NativeBatchGate:
@@ -59,6 +168,21 @@ cdef class NativeBatchGate:
     cdef bint _idle  # the flusher waits for a first request
     cdef bint _stopping
     cdef bint _closed  # the flusher has ended: writers flush for themselves
+    # The native flusher's view of the CommitLog (decision 580), all under ``_mutex``.
+    cdef int64_t _appended  # the largest end offset a request has joined with
+    cdef int64_t _flushed  # every byte below this is durable
+    cdef int _fd  # our own dup of the descriptor of the file appends go to, or -1
+    cdef int64_t _file_from  # that file's first offset
+    cdef int64_t _file_end  # just past its last byte
+    cdef int _retired_fd  # a replaced descriptor the flusher still syncs: it closes it
+    cdef bint _syncing  # the flusher is inside fdatasync on ``_fd``
+    cdef bint _failed  # the store has failed: only Python may answer writers now
+    cdef double _fsync_s  # how long the last fsync took
+    cdef NativeFlushLock _flush_lock
+    cdef NativeWakeup _wake  # set after every fsync (the dispatcher's), or None
+    cdef public int64_t native_flushes  # fsyncs run by ``serve`` itself
+    cdef public int64_t native_requests  # the requests they covered
+    cdef public double native_fsync_seconds  # the time spent in those fsyncs
 
     def __cinit__(self):
         cdef pthread_condattr_t attr
@@ -72,12 +196,81 @@ cdef class NativeBatchGate:
         self._open = 1
         self._finished = 0
         self._closed = 1
+        self._fd = -1
+        self._retired_fd = -1
+        self._flush_lock = NativeFlushLock()
 
     def __dealloc__(self):
+        if self._fd >= 0:
+            close(self._fd)
+        if self._retired_fd >= 0:
+            close(self._retired_fd)
         pthread_cond_destroy(&self._work)
         pthread_cond_destroy(&self._done[0])
         pthread_cond_destroy(&self._done[1])
         pthread_mutex_destroy(&self._mutex)
+
+    @property
+    def flush_lock(self):
+        return self._flush_lock
+
+    @property
+    def flushed(self):
+        return self._flushed
+
+    def publish_flushed(self, int64_t offset):
+        """Everything below ``offset`` is durable (a flush made in Python)."""
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+            if offset > self._flushed:
+                self._flushed = offset
+            pthread_mutex_unlock(&self._mutex)
+
+    def reset_flushed(self, int64_t offset):
+        """The flushed offset is ``offset`` (recovery, a truncation), lower or not."""
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+            self._flushed = offset
+            if self._appended > offset:
+                self._appended = offset
+            pthread_mutex_unlock(&self._mutex)
+
+    def mark_failed(self):
+        """The store has failed: ``serve`` syncs nothing more itself."""
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+            self._failed = 1
+            pthread_mutex_unlock(&self._mutex)
+
+    def wake_after_flush(self, NativeWakeup wake):
+        """Set ``wake`` after every fsync ``serve`` runs (None: nothing). ``serve`` sets it
+        holding ``_mutex``, so the one replaced here is never in use when it goes."""
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+        old, self._wake = self._wake, wake  # no holder of ``_mutex`` ever waits for the GIL
+        pthread_mutex_unlock(&self._mutex)
+        del old
+
+    def track_file(self, int fd, int64_t from_offset, int64_t size):
+        """Appends go to the file ``fd`` (a dup is kept) from ``from_offset``; -1: none."""
+        cdef int mine = -1
+        if fd >= 0:
+            mine = fcntl(fd, F_DUPFD_CLOEXEC, 0)  # not inherited by a child, as Python's own
+            if mine < 0:
+                raise OSError(errno, "dup of the CommitLog file's descriptor failed")
+        with nogil:
+            pthread_mutex_lock(&self._mutex)
+            if self._fd >= 0:
+                if self._syncing:
+                    if self._retired_fd >= 0:
+                        close(self._retired_fd)
+                    self._retired_fd = self._fd
+                else:
+                    close(self._fd)
+            self._fd = mine
+            self._file_from = from_offset
+            self._file_end = from_offset + size if mine >= 0 else from_offset
+            pthread_mutex_unlock(&self._mutex)
 
     def open(self):
         """A flusher runs from now on: requests queue for it."""
@@ -96,15 +289,20 @@ cdef class NativeBatchGate:
             pthread_cond_signal(&self._work)
             pthread_mutex_unlock(&self._mutex)
 
-    def join_and_wait(self):
-        """Join the open batch and sleep until it is finished; returns its number, or -1 at
-        once when no flusher runs (the caller flushes for itself)."""
+    def join_and_wait(self, int64_t end=0):
+        """Join the open batch with bytes up to ``end`` appended, and sleep until the batch is
+        finished; returns its number, 0 when an earlier flush covered ``end`` already, or -1
+        at once when no flusher runs (the caller flushes for itself)."""
         cdef int64_t batch = -1
         with nogil:
             pthread_mutex_lock(&self._mutex)
-            if not self._closed:
+            if 0 < end <= self._flushed:
+                batch = 0
+            elif not self._closed:
                 batch = self._open
                 self._pending += 1
+                if end > self._appended:
+                    self._appended = end
                 # Wake the flusher only when it can act: a first request, or the number it is
                 # waiting for reached; not once per writer.
                 if self._idle or (self._want > 0 and self._pending >= self._want):
@@ -114,34 +312,47 @@ cdef class NativeBatchGate:
             pthread_mutex_unlock(&self._mutex)
         return batch
 
+    cdef int64_t _take(self, double max_wait) noexcept nogil:
+        """Close the open batch (``_mutex`` held): wait for a first request, then up to
+        ``max_wait`` seconds for as many as the last round served. Returns the batch's number
+        (its size left in ``_pending``'s old value, see ``take``), or -1 when stopping with
+        nothing queued (no request can join after that)."""
+        cdef timespec deadline
+        cdef long ns
+        while self._pending == 0 and not self._stopping:
+            self._idle = 1
+            pthread_cond_wait(&self._work, &self._mutex)
+            self._idle = 0
+        if self._pending == 0:
+            self._closed = 1
+            return -1
+        if self._pending < self._population and not self._stopping and max_wait > 0:
+            clock_gettime(CLOCK_MONOTONIC, &deadline)
+            ns = deadline.tv_nsec + <long>(max_wait * 1e9)
+            deadline.tv_sec += ns // 1000000000
+            deadline.tv_nsec = ns % 1000000000
+            self._want = self._population
+            while self._pending < self._want and not self._stopping:
+                if pthread_cond_timedwait(&self._work, &self._mutex, &deadline) == ETIMEDOUT:
+                    break
+            self._want = 0
+        self._open += 1
+        return self._open - 1
+
+    cdef void _finish(self, int64_t batch, int64_t served) noexcept nogil:
+        self._finished = batch
+        self._population = served + self._pending
+        pthread_cond_broadcast(&self._done[batch & 1])
+
     def take(self, double max_wait):
         """The flusher closes the open batch: waits for a first request, then up to
         ``max_wait`` seconds for as many as the last round served. Returns ``(number, served)``,
         or -1 when stopping with nothing queued (no request can join after that)."""
-        cdef int64_t batch = -1, served = 0
-        cdef timespec deadline
-        cdef long ns
+        cdef int64_t batch, served = 0
         with nogil:
             pthread_mutex_lock(&self._mutex)
-            while self._pending == 0 and not self._stopping:
-                self._idle = 1
-                pthread_cond_wait(&self._work, &self._mutex)
-                self._idle = 0
-            if self._pending == 0:
-                self._closed = 1
-            else:
-                if self._pending < self._population and not self._stopping and max_wait > 0:
-                    clock_gettime(CLOCK_MONOTONIC, &deadline)
-                    ns = deadline.tv_nsec + <long>(max_wait * 1e9)
-                    deadline.tv_sec += ns // 1000000000
-                    deadline.tv_nsec = ns % 1000000000
-                    self._want = self._population
-                    while self._pending < self._want and not self._stopping:
-                        if pthread_cond_timedwait(&self._work, &self._mutex, &deadline) == ETIMEDOUT:
-                            break
-                    self._want = 0
-                batch = self._open
-                self._open += 1
+            batch = self._take(max_wait)
+            if batch >= 0:
                 served = self._pending
                 self._pending = 0
             pthread_mutex_unlock(&self._mutex)
@@ -153,7 +364,70 @@ cdef class NativeBatchGate:
         """Batch ``batch`` is fsynced (or failed): wake its writers, all with one broadcast."""
         with nogil:
             pthread_mutex_lock(&self._mutex)
-            self._finished = batch
-            self._population = served + self._pending
-            pthread_cond_broadcast(&self._done[batch & 1])
+            self._finish(batch, served)
             pthread_mutex_unlock(&self._mutex)
+
+    def serve(self):
+        """The flusher's loop, without the GIL: close a batch, ``fdatasync`` the file its bytes
+        are in, publish the flushed offset, wake the batch and ``wake_after_flush``'s event;
+        again. Returns ``(SERVE_STOPPED, 0, 0, 0)``, or ``(code, batch, served, errno)`` for a
+        closed batch it leaves to Python (see the SERVE_ constants)."""
+        cdef int64_t batch = 0, served = 0, target, flushed
+        cdef int code = _STOPPED, fd, rc, err = 0
+        cdef timespec t0, t1
+        with nogil:
+            while True:
+                pthread_mutex_lock(&self._mutex)
+                batch = self._take(self._fsync_s if self._fsync_s > _MIN_WAIT_S else _MIN_WAIT_S)
+                if batch < 0:
+                    pthread_mutex_unlock(&self._mutex)
+                    code = _STOPPED
+                    break
+                served = self._pending
+                self._pending = 0
+                target = self._appended
+                flushed = self._flushed
+                fd = self._fd
+                # Only when every byte not yet durable lies in the tracked file.
+                if self._failed or fd < 0 or flushed < self._file_from or target > self._file_end:
+                    pthread_mutex_unlock(&self._mutex)
+                    code = _IN_PYTHON
+                    break
+                self._syncing = 1
+                pthread_mutex_unlock(&self._mutex)
+                # Requests keep queueing into the next batch meanwhile.
+                pthread_mutex_lock(&self._flush_lock._mutex)
+                rc = 0
+                if target > flushed:
+                    if self._failed:
+                        rc = -2
+                    else:
+                        clock_gettime(CLOCK_MONOTONIC, &t0)
+                        rc = fdatasync(fd)
+                        while rc != 0 and errno == EINTR:
+                            rc = fdatasync(fd)
+                        if rc != 0:
+                            err = errno
+                            self._failed = 1
+                        clock_gettime(CLOCK_MONOTONIC, &t1)
+                        self._fsync_s = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9
+                        self.native_fsync_seconds += self._fsync_s
+                pthread_mutex_unlock(&self._flush_lock._mutex)
+                pthread_mutex_lock(&self._mutex)
+                self._syncing = 0
+                if self._retired_fd >= 0:
+                    close(self._retired_fd)
+                    self._retired_fd = -1
+                if rc != 0:
+                    pthread_mutex_unlock(&self._mutex)
+                    code = _IN_PYTHON if rc == -2 else _FAILED
+                    break
+                if target > self._flushed:
+                    self._flushed = target
+                self.native_flushes += 1
+                self.native_requests += served
+                self._finish(batch, served)
+                if self._wake is not None:
+                    self._wake.fire()
+                pthread_mutex_unlock(&self._mutex)
+        return code, batch, served, err

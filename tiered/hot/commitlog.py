@@ -150,18 +150,19 @@ class CommitLog:
         self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
         self._encoder = RecordEncoder(config.store_host)
         self._put_lock = threading.Lock()
-        self._flush_lock = threading.Lock()
         # Next queue offset per (topic, queue): RocketMQ's topicQueueTable. Owned by the put lock.
         self.queue_offsets: dict[tuple[str, int], int] = {}
-        self._flushed_offset = 0
         self.last_store_timestamp = 0
         # The first fsync failure; once set, no write and no flush is ever accepted again.
         self.failed: OSError | None = None
         # Free bytes a roll must leave beside the new file, for the ConsumeQueue and IndexFile
         # files its messages will need (set by the store from its geometry).
         self.roll_reserve_bytes = 0
-        # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``.
-        self.group_commit = GroupCommitService(self.flush, lambda: self._flushed_offset)
+        # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``, and the flushed
+        # offset; its native flusher fdatasyncs the file appends go to (``_tracked``) itself.
+        self.group_commit = GroupCommitService(self.flush, fail=self._fsync_failed)
+        self._flush_lock = self.group_commit.flush_lock
+        self._tracked: MappedFile | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -171,7 +172,24 @@ class CommitLog:
 
     def close(self) -> None:
         self.group_commit.stop()
+        self._track(None)
         self.files.close()
+
+    def _track(self, f: MappedFile | None) -> None:
+        """Tell group commit which file appends go to now (None: none it may sync alone)."""
+        self._tracked = f
+        if f is None:
+            self.group_commit.track_file(-1, 0, 0)
+        else:
+            self.group_commit.track_file(f.fileno(), f.from_offset, f.size)
+
+    @property
+    def _flushed_offset(self) -> int:
+        return self.group_commit.flushed
+
+    @_flushed_offset.setter
+    def _flushed_offset(self, offset: int) -> None:
+        self.group_commit.reset_flushed(offset)
 
     @property
     def min_offset(self) -> int:
@@ -265,6 +283,8 @@ class CommitLog:
                 self.queue_offsets.update(published)
                 if batch.offsets and self.on_append is not None:
                     self.on_append(batch)
+            if f is not self._tracked:
+                self._track(f)
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
 
@@ -399,12 +419,15 @@ class CommitLog:
                 last.append(data)
             except OSError as e:
                 raise self._write_failed(last, e) from e
+            if last is not self._tracked:
+                self._track(last)
 
     def truncate(self, offset: int) -> RecoveryReport:
         """Make ``offset`` (a record boundary) the end of the log; the bytes cut are copied to
         the quarantine directory first, so a divergent tail can still be inspected."""
         with self._put_lock, self._flush_lock:
             report = RecoveryReport(scanned_from=offset, end_offset=offset)
+            self._track(None)  # the file may go; the next append tracks the one it writes
             self._cut(offset, report)
             self._flushed_offset = min(self._flushed_offset, offset)
             return report
@@ -419,14 +442,12 @@ class CommitLog:
     def flush(self) -> int:
         """fsync (msync) everything appended so far; returns the flushed offset."""
         with self._flush_lock:
-            self._flushed_offset = max(self._flushed_offset, self._flush_files())
-            return self._flushed_offset
+            self.group_commit.publish_flushed(self._flush_files())
+            return self.group_commit.flushed
 
     def wait_flushed(self, offset: int) -> None:
         """Group commit: return once bytes up to ``offset`` are on disk; one fsync serves every
         writer waiting when it starts. Raises ``DurabilityLostError`` if that fsync failed."""
-        if self._flushed_offset >= offset:
-            return
         try:
             self.group_commit.wait_flushed(offset)
         except DurabilityLostError as e:
@@ -441,9 +462,15 @@ class CommitLog:
             self.fail(e)
             raise self.durability_lost() from e
 
+    def _fsync_failed(self, error: OSError) -> DurabilityLostError:
+        """What the writers of a batch whose native fdatasync failed raise."""
+        self.fail(error)
+        return self.durability_lost()
+
     def fail(self, error: OSError) -> None:
         """Record an fsync failure (of this log or of data derived from it): from now on every
         append and flush is refused."""
+        self.group_commit.mark_failed()
         if self.failed is None:
             self.failed = error
             log.critical(

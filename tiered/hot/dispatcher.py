@@ -30,6 +30,7 @@ import numpy as np
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
+from tiered.hot.group_commit import Wakeup, new_wakeup
 from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
     DispatchColumns,
@@ -98,7 +99,8 @@ class Dispatcher:
         # ``_COALESCE_BYTES`` wait): a pass has a fixed cost of about 200 us, so this sets how
         # many records share it. A SYNC-replicating master raises it (decision 370).
         self.coalesce_s = 0.001
-        self._wakeup = threading.Event()
+        # Set by producers (ASYNC) and by the group commit's flusher (SYNC, without the GIL).
+        self._wakeup = new_wakeup()
         self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -461,6 +463,11 @@ class Dispatcher:
 
     def wakeup(self) -> None:
         self._wakeup.set()
+
+    @property
+    def wakeup_event(self) -> Wakeup:
+        """What ``wakeup`` sets, for a flusher to set directly."""
+        return self._wakeup
 
     def _run(self) -> None:
         while not self._stop.is_set():

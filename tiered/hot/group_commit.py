@@ -29,9 +29,18 @@ interface: ``PythonBatchGate`` (the reference, on ``threading.Condition``) and t
 released and are woken by one broadcast made without it (decision 420). ``TMQ_PURE_PYTHON=1``
 picks the reference, as it does for the record engine.
 
+The native gate also runs the flusher's loop itself (``serve``, decision 580): writers join with
+the offset their bytes end at, the CommitLog tells it the file appends go to (``track_file``),
+and for a batch whose unflushed bytes all lie in that file it runs ``fdatasync``, publishes the
+flushed offset, wakes the batch's writers and the dispatcher (``wake_after_flush``), with no
+Python and no GIL per fsync. Anything else (a roll left bytes in the previous file, the store
+failed, an fsync failed, the stop) comes back here, to ``flush`` and ``fail``.
+
 Invariant: a request joins a batch only after its bytes are appended (its append published
 ``wrote``), and the batch's fsync starts after the batch is closed, so that fsync covers every
 request in it. A writer is woken with success only by an fsync that returned without error.
+Every fsync of the CommitLog, native or Python, runs under one flush lock, and none runs once
+the store has failed (an error is reported once per open file: a retry would "succeed").
 """
 
 from __future__ import annotations
@@ -40,19 +49,39 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 
+class Wakeup(Protocol):
+    """What the flusher sets after each fsync (``threading.Event``'s shape; ``sets`` counts
+    the calls of ``set``)."""
+
+    sets: int
+
+    def set(self) -> None: ...
+    def clear(self) -> None: ...
+    def is_set(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
 class BatchGate(Protocol):
-    """The numbered batches of writers of one ``GroupCommitService``.
+    """The numbered batches of writers of one ``GroupCommitService``, and the flushed offset.
 
     Writers ``join_and_wait``; the flusher loops ``take`` (close the open batch), fsync,
     ``finish`` (wake its writers). ``stop`` makes ``take`` return -1 once nothing is queued;
     from then on ``join_and_wait`` returns -1 at once, until ``open``."""
 
+    @property
+    def flushed(self) -> int: ...
+    @property
+    def flush_lock(self) -> AbstractContextManager[Any]: ...
+    def publish_flushed(self, offset: int) -> None: ...
+    def reset_flushed(self, offset: int) -> None: ...
+    def mark_failed(self) -> None: ...
     def open(self) -> None: ...
     def stop(self) -> None: ...
-    def join_and_wait(self) -> int: ...
+    def join_and_wait(self, end: int = 0) -> int: ...
     def take(self, max_wait: float) -> tuple[int, int] | int: ...
     def finish(self, batch: int, served: int) -> None: ...
 
@@ -73,6 +102,23 @@ class PythonBatchGate:
         self._idle = False  # the flusher waits for a first request
         self._stopping = False
         self._closed = True
+        self._flushed = 0
+        self.flush_lock = threading.Lock()
+
+    @property
+    def flushed(self) -> int:
+        return self._flushed
+
+    def publish_flushed(self, offset: int) -> None:
+        with self._lock:
+            self._flushed = max(self._flushed, offset)
+
+    def reset_flushed(self, offset: int) -> None:
+        with self._lock:
+            self._flushed = offset
+
+    def mark_failed(self) -> None:
+        """Nothing to do: the reference flusher always flushes through Python."""
 
     def open(self) -> None:
         with self._lock:
@@ -84,8 +130,10 @@ class PythonBatchGate:
             self._stopping = True
             self._work.notify()
 
-    def join_and_wait(self) -> int:
+    def join_and_wait(self, end: int = 0) -> int:
         with self._lock:
+            if 0 < end <= self._flushed:
+                return 0
             if self._closed:
                 return -1
             batch = self._open
@@ -127,42 +175,60 @@ class PythonBatchGate:
             self._done[batch & 1].notify_all()
 
 
-def _native_gate() -> type[Any] | None:
+def _native_module() -> Any:
     if os.environ.get("TMQ_PURE_PYTHON", "") not in ("", "0"):
         return None
     try:
         from tiered.hot import _group_commit_native  # type: ignore[attr-defined]
     except ImportError:
         return None
-    gate: type[Any] = _group_commit_native.NativeBatchGate
-    return gate
+    return _group_commit_native
 
 
-_NATIVE_GATE = _native_gate()
-GATE_NAME = "native" if _NATIVE_GATE is not None else "python"
+_NATIVE = _native_module()
+GATE_NAME = "native" if _NATIVE is not None else "python"
 
 
 def new_gate() -> BatchGate:
     """The native batch gate when it is built (and not disabled), else the reference."""
-    return _NATIVE_GATE() if _NATIVE_GATE is not None else PythonBatchGate()
+    return _NATIVE.NativeBatchGate() if _NATIVE is not None else PythonBatchGate()
+
+
+class CountedEvent(threading.Event):
+    """The reference wake-up: a ``threading.Event`` that counts its ``set`` calls, as the
+    native one does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def new_wakeup() -> Wakeup:
+    """An event a native flusher sets without the GIL (a ``CountedEvent`` without it)."""
+    return _NATIVE.NativeWakeup() if _NATIVE is not None else CountedEvent()
 
 
 class GroupCommitService:
     """Wakes SYNC writers once an fsync covers their bytes; one fsync per batch of writers.
 
     ``flush`` fsyncs everything appended so far and returns the flushed offset; it raises once
-    an fsync has failed (and forever after: see ``DurabilityLostError``). ``flushed`` reads the
-    flushed offset without flushing."""
+    an fsync has failed (and forever after: see ``DurabilityLostError``). The gate keeps the
+    flushed offset (``flushed``). ``fail`` turns a failed ``fdatasync`` of the native
+    flusher into what its writers raise (and fails the store)."""
 
     def __init__(
         self,
         flush: Callable[[], int],
-        flushed: Callable[[], int],
         name: str = "tmq-group-commit",
         gate: BatchGate | None = None,
+        fail: Callable[[OSError], BaseException] | None = None,
     ) -> None:
         self._flush = flush
-        self._flushed = flushed
+        self._fail = fail
         self._name = name
         self._gate = gate if gate is not None else new_gate()
         self._lock = threading.Lock()  # start/stop, and the errors below
@@ -171,12 +237,62 @@ class GroupCommitService:
         self._errors: dict[int, BaseException] = {}
         self._unread: dict[int, int] = {}
         self._thread: threading.Thread | None = None
-        # Called once per fsync that moved the flushed offset, after its writers are woken: the
-        # store wakes its dispatcher here under SYNC, once per batch instead of once per send.
-        self.on_flushed: Callable[[], None] | None = None
-        # Counters for benches and metrics: fsyncs run and the requests they covered.
-        self.flushes = 0
-        self.requests = 0
+        # Set once per fsync that moved the flushed offset, after its writers are woken: the
+        # store's dispatcher under SYNC, once per batch instead of once per send.
+        self._wake: Wakeup | None = None
+        # Fsyncs run and requests served in Python (the native loop counts its own).
+        self._flushes = 0
+        self._requests = 0
+
+    @property
+    def flushes(self) -> int:
+        """Fsyncs run for writers (a counter for benches and metrics)."""
+        return self._flushes + getattr(self._gate, "native_flushes", 0)
+
+    @property
+    def requests(self) -> int:
+        """Writers those fsyncs covered."""
+        return self._requests + getattr(self._gate, "native_requests", 0)
+
+    @property
+    def fsync_seconds(self) -> float:
+        """Time spent in the native flusher's fsyncs (0 with the reference gate)."""
+        return float(getattr(self._gate, "native_fsync_seconds", 0.0))
+
+    @property
+    def flushed(self) -> int:
+        """Every byte below this offset is durable (as far as this service knows)."""
+        return self._gate.flushed
+
+    @property
+    def flush_lock(self) -> AbstractContextManager[Any]:
+        """Held across every fsync of the flushed stream, the native flusher's included."""
+        return self._gate.flush_lock
+
+    def publish_flushed(self, offset: int) -> None:
+        self._gate.publish_flushed(offset)
+
+    def reset_flushed(self, offset: int) -> None:
+        self._gate.reset_flushed(offset)
+
+    def mark_failed(self) -> None:
+        """The stream has failed: from now on only ``flush`` (which raises) answers writers."""
+        self._gate.mark_failed()
+
+    def track_file(self, fd: int, from_offset: int, size: int) -> None:
+        """Appends go to file ``fd`` from ``from_offset`` on: the native flusher may fdatasync
+        it alone while every unflushed byte lies there. ``fd`` -1: no such file."""
+        track = getattr(self._gate, "track_file", None)
+        if track is not None:
+            track(fd, from_offset, size)
+
+    def wake_after_flush(self, wake: Wakeup | None) -> None:
+        """Set ``wake`` after every fsync that served writers (None: nothing); a native
+        wake-up is set by the native flusher without the GIL."""
+        self._wake = wake
+        native = getattr(self._gate, "wake_after_flush", None)
+        if native is not None:
+            native(wake if _NATIVE is not None and isinstance(wake, _NATIVE.NativeWakeup) else None)
 
     def start(self) -> None:
         with self._lock:
@@ -199,13 +315,12 @@ class GroupCommitService:
         """Return once an fsync covers ``offset`` (a writer an earlier fsync covered does not
         wait at all); raise what that fsync raised. The exception object is shared by every
         writer of the batch: callers raise their own, chained to it."""
-        if self._flushed() >= offset:
-            return
-        batch = self._gate.join_and_wait()
+        batch = self._gate.join_and_wait(offset)
+        if batch == 0:
+            return  # covered by a flush that ended while this writer joined
         if batch < 0:
-            self._flush()  # no flusher (stopped): this writer is the only one left
-            if self.on_flushed is not None:
-                self.on_flushed()
+            self._gate.publish_flushed(self._flush())  # no flusher (stopped): the only one left
+            self._woken()
             return
         if not self._errors:
             return
@@ -218,25 +333,55 @@ class GroupCommitService:
                 del self._errors[batch], self._unread[batch]
         raise error
 
+    def _woken(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            wake.set()
+
     def _run(self) -> None:
+        serve = getattr(self._gate, "serve", None)
+        if serve is None:
+            self._run_python()
+            return
+        while True:
+            # Returns only for what the native loop leaves to Python: see its docstring.
+            code, batch, served, err = serve()
+            if code == _NATIVE.SERVE_STOPPED:
+                return
+            if code == _NATIVE.SERVE_FAILED:
+                error = OSError(err, os.strerror(err))
+                self._serve_in_python(
+                    batch,
+                    served,
+                    lambda: self._raise(error),  # noqa: B023 (called at once)
+                )
+            else:
+                self._serve_in_python(batch, served, self._flush)
+
+    def _raise(self, error: OSError) -> int:
+        raise self._fail(error) if self._fail is not None else error
+
+    def _run_python(self) -> None:
         fsync_s = 0.0
         gate = self._gate
         while True:
             taken = gate.take(fsync_s)
             if isinstance(taken, int):
                 return  # stopping, nothing queued
-            batch, served = taken
-            self.requests += served
             # Writers keep queueing into the next batch during the fsync.
             started = time.monotonic()
-            try:
-                self._flush()
-            except BaseException as e:  # whatever it is, never leave a writer waiting
-                with self._lock:
-                    self._errors[batch] = e
-                    self._unread[batch] = served
+            self._serve_in_python(*taken, self._flush)
             fsync_s = time.monotonic() - started
-            self.flushes += 1
-            gate.finish(batch, served)
-            if self.on_flushed is not None:
-                self.on_flushed()
+
+    def _serve_in_python(self, batch: int, served: int, flush: Callable[[], int]) -> None:
+        """Flush for a closed batch and wake its writers."""
+        self._requests += served
+        try:
+            self._gate.publish_flushed(flush())
+        except BaseException as e:  # whatever it is, never leave a writer waiting
+            with self._lock:
+                self._errors[batch] = e
+                self._unread[batch] = served
+        self._flushes += 1
+        self._gate.finish(batch, served)
+        self._woken()

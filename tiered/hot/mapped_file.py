@@ -88,6 +88,9 @@ class MappedFile:
         """Offset just past the end of the file."""
         return self.from_offset + self.size
 
+    def fileno(self) -> int:
+        return self._fd
+
     def append(self, data: bytes | memoryview) -> None:
         self.write_at(self.wrote, data)
         self.wrote += len(data)
