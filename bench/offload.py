@@ -37,6 +37,7 @@ import botocore.config
 import google_crc32c
 
 from offload.offloader import Offloader, OffloadPolicy
+from tiered.cold.counting import CountingObjectStore
 from tiered.cold.storage import open_store
 from tiered.cold.worker import ColdWorker, run_job, warm_up
 from tiered.config import StoreConfig
@@ -108,13 +109,23 @@ def drop_prefix(s3: Any, bucket: str, prefix: str) -> None:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
+def worker_memory_mib(pid: int | None) -> int:
+    """The cold worker's peak resident memory (``VmHWM``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def offload_round(
     store: MessageStore, endpoint: str, bucket: str, prefix: str
-) -> tuple[float, int, list[bytes]]:
+) -> tuple[float, int, list[bytes], dict[str, int], int]:
     """One offload of every queue under ``prefix`` by a cold worker started for it: seconds,
-    bytes uploaded, and the segment objects' bytes (read back after the clock stopped)."""
+    bytes uploaded, the segment objects' bytes (read back after the clock stopped), the
+    requests the broker's side made during the pass (the manifest commits; each segment is one
+    PUT of the worker besides), and the worker's peak memory."""
     options = {"endpoint_url": endpoint}
-    tier = open_store(f"s3://{bucket}/{prefix}", options)
+    tier = CountingObjectStore(open_store(f"s3://{bucket}/{prefix}", options))
     worker = ColdWorker(f"s3://{bucket}/{prefix}", options)
     worker.start()
     try:
@@ -125,9 +136,12 @@ def offload_round(
             # Loaded and claimed first (the claim sweeps the queue's prefix once per process),
             # as the broker's first pass does long before the steady state measured here.
             offloader.claim("bench", q)
+        tier.calls.clear()
         t0 = time.perf_counter()
         results = offloader.offload_queues([("bench", q) for q in range(QUEUES)])
         seconds = time.perf_counter() - t0
+        requests = dict(tier.calls)
+        memory = worker_memory_mib(worker.pid)
         uploaded = 0
         for r in results:
             if isinstance(r, BaseException):
@@ -137,7 +151,7 @@ def offload_round(
     finally:
         worker.close()
     segments = [s for q in range(QUEUES) for s in offloader.manifest("bench", q).segments]
-    return seconds, uploaded, [tier.get(s.key) for s in segments]
+    return seconds, uploaded, [tier.get(s.key) for s in segments], requests, memory
 
 
 def drop_bucket(s3: Any, bucket: str) -> None:
@@ -175,7 +189,9 @@ def main() -> None:
         fill(store)
         for n in range(ROUNDS):
             load = os.getloadavg()[0]
-            offload_s, uploaded, blobs = offload_round(store, manage.endpoint(), bucket, f"r{n}")
+            offload_s, uploaded, blobs, requests, memory = offload_round(
+                store, manage.endpoint(), bucket, f"r{n}"
+            )
             raw_bytes = sum(len(b) for b in blobs)
             raw_runs = {
                 t: raw_put_seconds(s3, bucket, blobs, t, f"r{n}-raw") for t in RAW_PUT_THREADS
@@ -195,6 +211,8 @@ def main() -> None:
                     "ratio": offload_mb_s / raw_mb_s,
                     "ratio_lean": offload_mb_s * lean_s / raw_bytes * 1e6,
                     "load": load,
+                    "commit_requests": sum(requests.values()),
+                    "worker_mib": memory,
                 }
             )
         store.shutdown()
@@ -229,6 +247,10 @@ def main() -> None:
                 "lean_raw_put_mb_per_s": round(median("lean_raw_mb_per_s"), 1),
                 "ratio_offload_vs_lean_raw_put": round(median("ratio_lean"), 3),
                 "load_average_runs": [round(r["load"], 1) for r in rounds],
+                # Requests per pass besides the segments' PUTs: the manifest commits' (a PUT,
+                # a LIST and, past ten versions, a prune each).
+                "commit_requests_per_pass_runs": [r["commit_requests"] for r in rounds],
+                "worker_peak_rss_mib_runs": [r["worker_mib"] for r in rounds],
                 "target_ratio": 0.8,
             }
         )

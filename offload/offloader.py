@@ -12,7 +12,8 @@ For one (topic, queue) the pipeline is:
 3. the worker verifies it: the stored object has the expected size and its footer is the one it
    wrote;
 4. the broker commits the next manifest version (``_commit``: atomic, fenced, under the queue's
-   lock), one segment at a time in offset order, whatever order the uploads finish in;
+   lock) in offset order, whatever order the uploads finish in: one version for every upload
+   landed when nothing more of the queue is in flight, or a pipeline's worth has landed;
 5. only now does the watermark move, and with it what local release may delete.
 
 A crash of the broker between 2 and 4 leaves an orphaned object, never a gap or a duplicate: the
@@ -413,43 +414,93 @@ class Offloader:
                 manifest.log_start_offset = hot_min
                 self._commit(topic, queue_id, manifest)
             plans = self._plan_segments(topic, queue_id, manifest.end_offset, target)
+            parallel = max(1, self.policy.parallel_uploads)
             uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]] = deque()
+            # Uploaded and verified, not committed yet: offset order, each continuing the last.
+            landed: list[SegmentInfo] = []
             try:
                 while True:
-                    while len(uploads) < max(1, self.policy.parallel_uploads):
-                        job = next(plans, None)
-                        if job is None:
-                            break
-                        uploads.append((job, self.runner.submit(upload_segment, job)))
+                    self._fill(uploads, plans, parallel)
                     if not uploads:
                         break
-                    job, future = uploads.popleft()
-                    done = [self._uploaded(job, future)]
-                    # The uploads behind it that have landed too join the same manifest
-                    # version: one commit (a PUT, a LIST, a prune) for all of them, and still
-                    # in offset order (decision 411).
+                    job, future = uploads[0]
+                    info = self._uploaded(job, future)
+                    uploads.popleft()
+                    landed.append(info)
+                    # The uploads behind it that have landed too join the same batch, still in
+                    # offset order (decision 411).
                     while uploads and _landed(uploads[0][1]):
-                        job, future = uploads.popleft()
-                        done.append(future.result())
-                    manifest = manifest.with_segments(done)
-                    failpoints.hit("offload.before_commit")
+                        landed.append(uploads.popleft()[1].result())
+                    self._fill(uploads, plans, parallel)
+                    # One manifest version (a PUT, a LIST, a prune) when nothing more of the
+                    # queue is in flight or a pipeline's worth has landed, not one per batch
+                    # that happened to land together: a pass of a few segments per queue makes
+                    # one commit per queue (decision 560).
+                    if uploads and len(landed) < parallel:
+                        continue
+                    batch, landed = landed, []
+                    manifest = self._commit_uploads(topic, queue_id, manifest, batch, result)
+            except BaseException:
+                if landed:
+                    # What landed before the failure is committed all the same, as it was when
+                    # every landed upload was committed at once: the next pass starts after it.
+                    batch, landed = landed, []
                     try:
-                        self._commit(topic, queue_id, manifest)
-                    except CommitRefusedError:
-                        for info in done:
-                            self._discard(info.key)
-                        raise
-                    for info in done:
-                        result.segments += 1
-                        result.messages += info.count
-                        result.bytes += info.size
-                        self.stats.uploaded_segments += 1
-                        self.stats.uploaded_messages += info.count
-                        self.stats.uploaded_bytes += info.size
+                        manifest = self._commit_uploads(topic, queue_id, manifest, batch, result)
+                    except Exception as e:
+                        log.warning(
+                            "%s/%d: %d upload(s) before a failure not committed: %s",
+                            topic,
+                            queue_id,
+                            len(batch),
+                            e,
+                        )
+                raise
             finally:
                 self._abandon(uploads)
             result.watermark = manifest.end_offset
             return result
+
+    def _fill(
+        self,
+        uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]],
+        plans: Iterator[SegmentJob],
+        parallel: int,
+    ) -> None:
+        """Hand the worker the next planned segments until ``parallel`` are in flight."""
+        while len(uploads) < parallel:
+            job = next(plans, None)
+            if job is None:
+                return
+            uploads.append((job, self.runner.submit(upload_segment, job)))
+
+    def _commit_uploads(
+        self,
+        topic: str,
+        queue_id: int,
+        manifest: QueueManifest,
+        batch: list[SegmentInfo],
+        result: OffloadResult,
+    ) -> QueueManifest:
+        """Commit ``batch`` (landed uploads continuing ``manifest``) as the next version and
+        count it; a refused commit deletes the batch's objects (keys unique to their plans)."""
+        manifest = manifest.with_segments(batch)
+        failpoints.hit("offload.before_commit")
+        try:
+            self._commit(topic, queue_id, manifest)
+        except CommitRefusedError:
+            for info in batch:
+                self._discard(info.key)
+            raise
+        for info in batch:
+            result.segments += 1
+            result.messages += info.count
+            result.bytes += info.size
+            self.stats.uploaded_segments += 1
+            self.stats.uploaded_messages += info.count
+            self.stats.uploaded_bytes += info.size
+        result.watermark = manifest.end_offset
+        return manifest
 
     def offload_queues(
         self, queues: Sequence[tuple[str, int]]

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from broker.metadata import TopicConfig
-from offload.offloader import Offloader, OffloadPolicy
+from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
 from tiered.cold.faults import FaultyObjectStore
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import ManifestLog, queue_prefix, segment_key
 from tiered.cold.segment import SegmentError, SegmentReader, build
-from tiered.cold.storage import ObjectStore, RetryingObjectStore, RetryPolicy, open_store
+from tiered.cold.storage import (
+    ObjectStore,
+    RetryingObjectStore,
+    RetryPolicy,
+    StorageError,
+    open_store,
+)
 from tiered.config import StoreConfig
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -140,6 +148,110 @@ def test_uploads_that_landed_together_are_committed_in_one_manifest_version(
     offloader.close()
 
 
+class GatedRunner:
+    """Runs each cold job on a thread of its own once the test opens its gate (jobs numbered in
+    the order they are submitted): the test decides when, and in which order, uploads land.
+    A job in ``fail`` fails like an upload the tier's retries gave up on."""
+
+    def __init__(self, tier: ObjectStore, fail: frozenset[int] = frozenset()) -> None:
+        self.tier = tier
+        self.fail = fail
+        self.gates = [threading.Event() for _ in range(32)]
+        self.futures: list[Future[Any]] = []
+
+    def submit(self, fn: Callable[..., T], *args: Any, block: bool = True) -> Future[T]:
+        number = len(self.futures)
+        future: Future[T] = Future()
+        self.futures.append(future)
+
+        def run() -> None:
+            self.gates[number].wait(60)
+            try:
+                if number in self.fail:
+                    raise StorageError(f"job {number}: 503 SlowDown (failed 6 attempts)")
+                future.set_result(fn(self.tier, *args))
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    def land(self, number: int) -> None:
+        """Open job ``number``'s gate and wait until it has landed (or failed), then give the
+        offloader time to act on it."""
+        while len(self.futures) <= number:
+            time.sleep(0.01)
+        self.gates[number].set()
+        with contextlib.suppress(Exception):
+            self.futures[number].result(60)
+        time.sleep(0.3)
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.set()
+
+
+def test_a_pass_commits_one_manifest_version_for_uploads_that_land_one_by_one(
+    hot: MessageStore, tier: ObjectStore
+) -> None:
+    """Three segments in flight land one after the other: one commit when the last has landed
+    (a PUT, a LIST and a prune), not one per upload as they come in (decision 560)."""
+    fill(hot, "orders", 900, queues=1)
+    before = snapshot(hot, "orders", 0)
+    runner = GatedRunner(tier)
+    policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
+    offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=runner)
+    log = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0))
+    start = offloader.manifest("orders", 0).version
+    with ThreadPoolExecutor(1) as pool:
+        passing = pool.submit(offloader.offload_queue, "orders", 0)
+        try:
+            for number in (0, 1):
+                runner.land(number)
+                assert log.load().version == start, "nothing committed while uploads are in flight"
+            runner.land(2)
+            result = passing.result(60)
+        finally:
+            runner.close()
+    manifest = log.load()
+    assert result.segments == len(manifest.segments) == 3 and result.watermark == len(before)
+    assert manifest.version - start == 1
+    assert read_tier(tier, "orders", 0) == before
+    offloader.close()
+
+
+def test_uploads_landed_before_a_failed_one_are_committed_and_nothing_is_left_unnamed(
+    hot: MessageStore, tier: ObjectStore
+) -> None:
+    """The second of three uploads fails for good: the first, landed before it, is committed
+    (the next pass starts after it, as when every landed upload was committed at once), the
+    third is deleted, and every object under the queue's prefix is one the manifest names."""
+    fill(hot, "orders", 900, queues=1)
+    before = snapshot(hot, "orders", 0)
+    runner = GatedRunner(tier, fail=frozenset({1}))
+    policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
+    offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=runner)
+    prefix = queue_prefix("c1", "broker-a", "orders", 0)
+    with ThreadPoolExecutor(1) as pool:
+        passing = pool.submit(offloader.offload_queue, "orders", 0)
+        try:
+            runner.land(0)
+            runner.land(2)  # lands behind the one that will fail
+            runner.land(1)
+            with pytest.raises(OffloadError, match="503 SlowDown"):
+                passing.result(60)
+        finally:
+            runner.close()
+    manifest = ManifestLog(tier, prefix).load()
+    assert [(s.base_offset, s.end_offset) for s in manifest.segments] == [(0, 300)]
+    assert {o.key for o in tier.list(f"{prefix}segments/")} == {s.key for s in manifest.segments}
+    # The next pass goes on from there, and the archive is whole.
+    offloader.runner = InlineRunner(tier)
+    assert offloader.offload_queue("orders", 0).watermark == len(before)
+    assert read_tier(tier, "orders", 0) == before
+    offloader.close()
+
+
 def test_untiered_topics_in_the_same_files_keep_the_file_reserved_time(hot, tier) -> None:
     fill(hot, "orders", 1500, seed=2)
     fill(hot, "audit", 100, queues=1, seed=3)  # in the last files only
@@ -176,7 +288,9 @@ def test_offload_survives_failing_storage_without_loss_or_duplicates(hot, tier) 
     retrying = RetryingObjectStore(
         faulty, RetryPolicy(attempts=30, base_delay_s=0.05, max_delay_s=0.2)
     )
-    offloader = Offloader(hot, retrying, "c1", "broker-a", OffloadPolicy(segment_max_messages=300))
+    # Ten segments a queue: with one manifest commit per pipeline's worth of uploads (decision
+    # 560), the writes that draw faults are mostly segment PUTs.
+    offloader = Offloader(hot, retrying, "c1", "broker-a", OffloadPolicy(segment_max_messages=150))
     offloader.offload_queue("orders", 0)
     faulty.blackhole(0.5)  # every call times out for a while, then the store comes back
     offloader.offload_queue("orders", 1)

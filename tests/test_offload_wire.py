@@ -13,7 +13,14 @@ from conftest import S3Endpoint
 from test_segment_upload import _planned_jobs
 
 from offload.segment_upload import upload_segment
-from tiered.cold.storage import PermanentStorageError, RetryPolicy, StorageError, open_store
+from tiered.cold.segment import verify
+from tiered.cold.storage import (
+    FsspecObjectStore,
+    PermanentStorageError,
+    RetryPolicy,
+    StorageError,
+    open_store,
+)
 
 
 def _b64(crc: int) -> str:
@@ -81,3 +88,25 @@ def test_payload_signing_comes_back_when_the_operator_asks_for_it(
     )
     tier.put_if_absent("seg/1", b"abc", crc32c=google_crc32c.value(b"abc"))
     assert sent and sent[0] not in ("UNSIGNED-PAYLOAD", b"UNSIGNED-PAYLOAD")
+
+
+def test_the_s3fs_backend_puts_a_segment_with_its_crc32c_which_the_store_checks(
+    tmp_path: Path, s3: S3Endpoint, bucket: str
+) -> None:
+    """A tier whose options name something only s3fs knows is served by s3fs
+    (``FsspecObjectStore``): its segment PUT carries the seal's CRC32C too. The store keeps that
+    checksum, the object reads back whole against its footer, and a CRC32C that does not match
+    the body is refused (transient, as on the botocore path) and stores nothing."""
+    options = {**s3.storage_options(), "default_block_size": 8 << 20}  # an s3fs-only option
+    tier = open_store(f"s3://{bucket}/tier", options, RetryPolicy(attempts=1))
+    assert isinstance(tier.inner, FsspecObjectStore)  # type: ignore[attr-defined]
+    job = _planned_jobs(tmp_path, 400_000)[0]
+    info = upload_segment(tier, job)
+    verify(tier, info)
+    stored = tier.get(info.key)
+    head = s3.client().head_object(Bucket=bucket, Key=f"tier/{info.key}", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == _b64(google_crc32c.value(stored)) == _b64(info.object_crc32c())
+    with pytest.raises(StorageError) as refused:
+        tier.put_if_absent("seg/bad", stored, crc32c=google_crc32c.value(stored) ^ 1)
+    assert not isinstance(refused.value, PermanentStorageError), refused.value
+    assert tier.size("seg/bad") is None

@@ -120,7 +120,9 @@ def crc32c(data):
     if n == 0:
         return 0
     with nogil:
-        c = tmq_crc32c_extend(0, &v[0], n)
+        # Three lanes at once (a segment object's CRC: 16 MiB and more): three times one chain's
+        # rate, faster than google-crc32c here (decision 561).
+        c = tmq_crc32c_extend3(0, &v[0], n)
     return c
 
 
@@ -147,7 +149,7 @@ cdef inline void _put_crc_pair(unsigned char* o, uint32_t crc) noexcept nogil:
 cdef inline bint _record_crc_ok(const unsigned char* rec, int64_t total) noexcept nogil:
     """``record.record_crc_matches`` for the record of ``total`` bytes at ``rec``."""
     cdef unsigned char pair[CRC_PAIR]
-    _put_crc_pair(pair, tmq_crc32c_extend(0, rec, total - CRC_PAIR))
+    _put_crc_pair(pair, tmq_crc32c_extend3(0, rec, total - CRC_PAIR))
     return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
 
 
@@ -552,7 +554,7 @@ cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
     props_len = tmq_be16(b + p + 2 + topic_len)
     if p + 4 + topic_len + props_len - pos != total:
         return -1
-    if check_crc and tmq_crc32c_extend(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
+    if check_crc and tmq_crc32c_extend3(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
         return -2
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_PAIR:
