@@ -18,7 +18,7 @@ from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_Next
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcmp, memcpy, memmove
 
 from tiered._protowire cimport varint_len, write_varint
@@ -788,13 +788,17 @@ cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out) except
     cdef uint32_t base
     cdef const char* kp
     cdef const char* hit
+    cdef PyObject* last_topic = NULL
     for i in range(n):
         uniq = uniq_keys[i]
         k = keys[i]
         if not uniq and not k:
             continue
-        base = _str_crc(0, (<tuple>queues[i])[0])
-        base = tmq_crc32c_extend(base, <const unsigned char*>b"#", 1)
+        topic = (<tuple>queues[i])[0]
+        if <PyObject*>topic != last_topic:  # a pass's records mostly share their topic
+            base = _str_crc(0, topic)
+            base = tmq_crc32c_extend(base, <const unsigned char*>b"#", 1)
+            last_topic = <PyObject*>topic
         if uniq:
             _pair(out, _str_crc(base, uniq) & 0x7FFFFFFF, i)
         if k:
@@ -1820,3 +1824,205 @@ cdef int _set_sizes(int failed, object between, unsigned char* m, Py_ssize_t pos
     for i in range(k):
         memcpy(m + pos + starts[i], d + starts[i], 4)
     return 0
+
+
+# -- the dispatch's ConsumeQueue and IndexFile entries (decision 540) ---------------------------
+
+DEF CQ_ENTRY_BYTES = 20
+DEF KEY_CACHE = 64  # queue keys of a pass remembered by address (``cq_blocks``)
+
+
+cdef struct CqRun:
+    Py_ssize_t record  # the run's first record
+    int64_t first_q
+    Py_ssize_t count
+    Py_ssize_t at
+    int64_t end
+
+
+def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
+    """``record.cq_blocks_py``: the fields are read with the GIL (a tag's code from
+    ``tag_codes``, a queue's number found by the key's address, else by equality), then the
+    entries are sorted by queue, packed and cut into runs without it."""
+    cdef list offs = list(offsets), szs = list(sizes), qoffs = list(queue_offsets)
+    cdef list keys = list(queues), tag_list = list(tags)
+    cdef Py_ssize_t n = len(offs), i, j, k = 0, at, r = 0
+    if not len(szs) == len(qoffs) == len(keys) == len(tag_list) == n:
+        raise ValueError("cq_blocks: the field lists differ in length")
+    cdef dict numbers = {}  # queue key -> its number in this pass (first appearance)
+    cdef PyObject* cache_key[KEY_CACHE]
+    cdef int cache_num[KEY_CACHE]
+    cdef PyObject* last_tag = NULL
+    cdef int64_t last_code = 0
+    cdef size_t h
+    cdef int64_t* fields = NULL  # offset, size, queue offset, tag code per record
+    cdef int* qnum = NULL
+    cdef Py_ssize_t* starts = NULL
+    cdef Py_ssize_t* order = NULL
+    cdef CqRun* runs = NULL
+    cdef unsigned char* o
+    cdef int64_t q, prev_q
+    cdef int num, prev_num
+    for j in range(KEY_CACHE):
+        cache_key[j] = NULL
+    out = PyBytes_FromStringAndSize(NULL, n * CQ_ENTRY_BYTES)
+    try:
+        fields = <int64_t*>malloc((n * 4 + 1) * sizeof(int64_t))
+        qnum = <int*>malloc((n + 1) * sizeof(int))
+        order = <Py_ssize_t*>malloc((n + 1) * sizeof(Py_ssize_t))
+        runs = <CqRun*>malloc((n + 1) * sizeof(CqRun))
+        if fields == NULL or qnum == NULL or order == NULL or runs == NULL:
+            raise MemoryError()
+        for i in range(n):
+            fields[4 * i] = offs[i]
+            fields[4 * i + 1] = <int32_t>szs[i]
+            fields[4 * i + 2] = qoffs[i]
+            t = tag_list[i]
+            if <PyObject*>t != last_tag:
+                found = tag_codes.get(t)
+                if found is None:
+                    found = _str_crc(0, t) if t else 0
+                    tag_codes[t] = found
+                last_tag = <PyObject*>t
+                last_code = found
+            fields[4 * i + 3] = last_code
+            key = keys[i]
+            h = (<size_t><PyObject*>key >> 4) % KEY_CACHE
+            if cache_key[h] == <PyObject*>key:
+                qnum[i] = cache_num[h]
+                continue
+            found = numbers.get(key)
+            if found is None:
+                found = numbers[key] = k
+                k += 1
+            qnum[i] = found
+            cache_key[h] = <PyObject*>key  # alive in ``keys`` for the whole call
+            cache_num[h] = found
+        starts = <Py_ssize_t*>calloc(k + 1, sizeof(Py_ssize_t))
+        if starts == NULL:
+            raise MemoryError()
+        o = <unsigned char*>PyBytes_AS_STRING(out)
+        with nogil:
+            # A counting sort by queue number: each queue's records together, in record order.
+            for i in range(n):
+                starts[qnum[i] + 1] += 1
+            for j in range(k):
+                starts[j + 1] += starts[j]
+            for i in range(n):
+                order[starts[qnum[i]]] = i
+                starts[qnum[i]] += 1
+            prev_num = -1
+            prev_q = -2
+            for at in range(n):
+                i = order[at]
+                num = qnum[i]
+                q = fields[4 * i + 2]
+                tmq_put64(o + at * CQ_ENTRY_BYTES, <uint64_t>fields[4 * i])
+                tmq_put32(o + at * CQ_ENTRY_BYTES + 8, <uint32_t>fields[4 * i + 1])
+                tmq_put64(o + at * CQ_ENTRY_BYTES + 12, <uint64_t>fields[4 * i + 3])
+                if num == prev_num and q == prev_q + 1:
+                    runs[r - 1].count += 1
+                    runs[r - 1].end = fields[4 * i] + fields[4 * i + 1]
+                else:
+                    runs[r].record = i
+                    runs[r].first_q = q
+                    runs[r].count = 1
+                    runs[r].at = at * CQ_ENTRY_BYTES
+                    runs[r].end = fields[4 * i] + fields[4 * i + 1]
+                    r += 1
+                prev_num = num
+                prev_q = q
+        result = [
+            (keys[runs[j].record], runs[j].first_q, runs[j].count, runs[j].at, runs[j].end)
+            for j in range(r)
+        ]
+    finally:
+        free(fields)
+        free(qnum)
+        free(order)
+        free(runs)
+        free(starts)
+    return out, result
+
+
+DEF INDEX_HEADER = 40
+DEF INDEX_ENTRY = 20
+
+
+cdef inline int64_t _slot_find(int64_t* table, Py_ssize_t mask, int64_t slot) noexcept nogil:
+    """The position of ``slot`` in the open-addressing ``table`` (pairs: slot, newest entry
+    number; a free pair's slot is -1), or of the free pair where it goes."""
+    cdef Py_ssize_t p = <Py_ssize_t>((<uint64_t>slot * 0x9E3779B97F4A7C15ULL) >> 32) & mask
+    while table[2 * p] != -1 and table[2 * p] != slot:
+        p = (p + 1) & mask
+    return p
+
+
+def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_timestamp,
+              hashes, offsets, timestamps):
+    """``record.index_put_py`` in one release of the GIL: the entries are built and written by
+    ``pwrite``, then the slots are stored through the mapping."""
+    cdef unsigned char[::1] m = mm
+    cdef const int64_t[::1] hv = np.ascontiguousarray(hashes, np.int64)
+    cdef const int64_t[::1] ov = np.ascontiguousarray(offsets, np.int64)
+    cdef const int64_t[::1] tv = np.ascontiguousarray(timestamps, np.int64)
+    cdef Py_ssize_t n = hv.shape[0], i, p, mask = 15
+    cdef int64_t slot, prev, held, seconds, empty = 0
+    cdef unsigned char* slots
+    cdef unsigned char* buf = NULL
+    cdef int64_t* table = NULL
+    cdef iovec iov
+    cdef int failed = 0
+    if ov.shape[0] != n or tv.shape[0] != n:
+        raise ValueError("index_put: hashes, offsets and timestamps differ in length")
+    if slot_count <= 0 or INDEX_HEADER + slot_count * 4 > m.shape[0]:
+        raise ValueError(f"index_put: {slot_count} slots do not fit the mapping")
+    if n == 0:
+        return 0
+    while mask + 1 < 2 * n:
+        mask = mask * 2 + 1
+    slots = &m[0] + INDEX_HEADER
+    try:
+        buf = <unsigned char*>malloc(n * INDEX_ENTRY)
+        table = <int64_t*>malloc((mask + 1) * 2 * sizeof(int64_t))
+        if buf == NULL or table == NULL:
+            raise MemoryError()
+        with nogil:
+            for p in range(mask + 1):
+                table[2 * p] = -1
+            for i in range(n):
+                slot = hv[i] % slot_count
+                if slot < 0:
+                    slot += slot_count
+                p = _slot_find(table, mask, slot)
+                if table[2 * p] == slot:
+                    prev = table[2 * p + 1]
+                else:
+                    held = <int32_t>tmq_be32(slots + slot * 4)
+                    prev = 0 if held < 0 or held >= first else held  # ahead of the saved header
+                    if prev == 0:
+                        empty += 1
+                    table[2 * p] = slot
+                table[2 * p + 1] = first + i
+                seconds = tv[i] - begin_timestamp
+                seconds = 0 if seconds < 0 else seconds // 1000
+                if seconds > 0x7FFFFFFF:
+                    seconds = 0x7FFFFFFF
+                tmq_put32(buf + i * INDEX_ENTRY, <uint32_t>hv[i])
+                tmq_put64(buf + i * INDEX_ENTRY + 4, <uint64_t>ov[i])
+                tmq_put32(buf + i * INDEX_ENTRY + 12, <uint32_t>seconds)
+                tmq_put32(buf + i * INDEX_ENTRY + 16, <uint32_t>prev)
+            iov.iov_base = buf
+            iov.iov_len = n * INDEX_ENTRY
+            failed = _pwrite_all(fd, &iov, 1,
+                                 INDEX_HEADER + slot_count * 4 + first * INDEX_ENTRY) != 0
+            if not failed:
+                for p in range(mask + 1):
+                    if table[2 * p] != -1:
+                        tmq_put32(slots + table[2 * p] * 4, <uint32_t>table[2 * p + 1])
+        if failed:
+            PyErr_SetFromErrno(OSError)
+    finally:
+        free(buf)
+        free(table)
+    return empty

@@ -48,9 +48,9 @@ import numpy as np
 from google_crc32c import extend as crc32c_extend
 from google_crc32c import value as crc32c
 
+from tiered.record import CQ_ENTRY as CQ_ENTRY
 from tiered.record import Buffer, CorruptRecordError, RecordError, crc32c_of, segment_tables
 
-CQ_ENTRY = struct.Struct(">qiq")
 CQ_ENTRY_SIZE = CQ_ENTRY.size  # 20
 CQ_DTYPE = np.dtype([("offset", ">i8"), ("size", ">i4"), ("tag", ">i8")])
 

@@ -102,6 +102,21 @@ _TOTAL_AND_MAGIC = struct.Struct(">ii")
 _OFFSET_OF_SYSFLAG = 36
 _OFFSET_OF_BORNHOST = 48
 
+# The dispatch's outputs (decision 540). A ConsumeQueue entry: CommitLog offset, size, tag hash
+# (``tiered/formats.py`` names it for its readers). An IndexFile's header, hash slots and
+# entries (``tiered/hot/index_file.py`` describes the layout).
+CQ_ENTRY = struct.Struct(">qiq")
+INDEX_HEADER_SIZE = 40
+INDEX_SLOT_SIZE = 4
+INDEX_ENTRY_SIZE = 20
+INDEX_ENTRY_DTYPE = np.dtype(
+    [("hash", ">i4"), ("offset", ">i8"), ("seconds", ">i4"), ("prev", ">i4")]
+)
+_INDEX_SLOT = struct.Struct(">i")
+_INDEX_ENTRY = struct.Struct(">iqii")
+# ``index_put_py`` of at most this many entries runs entry by entry.
+_INDEX_SCALAR_MAX = 16
+
 
 def _tail_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
     born = "16si" if born_v6 else "4si"
@@ -790,6 +805,126 @@ def index_keys_py(
     return np.asarray(hashes, np.int64), np.asarray(numbers, np.int64)
 
 
+CqRun = tuple[tuple[str, int], int, int, int, int]
+
+
+def cq_blocks_py(
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    queue_offsets: Sequence[int],
+    queues: Sequence[tuple[str, int]],
+    tags: Sequence[str | None],
+    tag_codes: dict[str | None, int],
+) -> tuple[bytes, list[CqRun]]:
+    """The ConsumeQueue entries of a dispatch pass, grouped for one write per run: ``(entries,
+    runs)``, where ``entries`` holds every record's 20-byte entry (``formats.CQ_ENTRY``), the
+    records of each queue together in record order, queues in order of first appearance, and a
+    run ``(queue key, first queue offset, count, byte position in entries, CommitLog end of its
+    last record)`` covers consecutive queue offsets of one queue. ``tag_codes`` caches
+    ``tag_hash`` by tag (new tags are added)."""
+    slot: dict[tuple[str, int], int] = {}
+    members: list[list[int]] = []
+    for i, key in enumerate(queues):
+        j = slot.setdefault(key, len(members))
+        if j == len(members):
+            members.append([])
+        members[j].append(i)
+    parts: list[bytes] = []
+    runs: list[CqRun] = []
+    at = 0
+    for idx in members:
+        last_q = -2
+        for i in idx:
+            tag = tags[i]
+            code = tag_codes.get(tag)
+            if code is None:
+                code = tag_codes[tag] = tag_hash(tag)
+            parts.append(CQ_ENTRY.pack(offsets[i], sizes[i], code))
+            q, end = queue_offsets[i], offsets[i] + sizes[i]
+            if q == last_q + 1:
+                key, first_q, count, pos, _ = runs[-1]
+                runs[-1] = (key, first_q, count + 1, pos, end)
+            else:
+                runs.append((queues[i], q, 1, at, end))
+            last_q = q
+            at += CQ_ENTRY.size
+    return b"".join(parts), runs
+
+
+def index_put_py(
+    mm: mmap.mmap,
+    fd: int,
+    slot_count: int,
+    first: int,
+    begin_timestamp: int,
+    hashes: np.ndarray,
+    offsets: np.ndarray,
+    timestamps: np.ndarray,
+) -> int:
+    """Write IndexFile entries ``first, first + 1, ...`` (``hashes``, CommitLog ``offsets``,
+    store ``timestamps``, in order, as if one at a time) and their hash slots; returns how many
+    slots were empty before. Each entry links to the newest earlier entry of its slot: within
+    this call the previous entry with the same slot, else what the slot held (0 where the slot
+    is ahead of ``first``: written after the header was saved). Entries are written first (by
+    ``pwrite``: their pages are not allocated, so a full disk is an error, not a SIGBUS), then
+    the slots through the mapping; the caller saves the header last. The layout is
+    ``tiered/hot/index_file.py``'s."""
+    n = len(hashes)
+    entries_at = INDEX_HEADER_SIZE + slot_count * INDEX_SLOT_SIZE + first * INDEX_ENTRY_SIZE
+    if n <= _INDEX_SCALAR_MAX:
+        # Entry by entry, in the same order of writes: the same bytes without numpy's fixed
+        # cost, which a SYNC pass of a few records paid (decision 322).
+        newest: dict[int, int] = {}  # slot -> the newest entry number this call gave it
+        parts = []
+        empty = 0
+        for i, (khash, offset, stamp) in enumerate(
+            zip(hashes.tolist(), offsets.tolist(), timestamps.tolist(), strict=True)
+        ):
+            slot = khash % slot_count
+            link = newest.get(slot)
+            if link is None:
+                (link,) = _INDEX_SLOT.unpack_from(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE)
+                if link < 0 or link >= first:
+                    link = 0  # written after the header was saved
+                if link == 0:
+                    empty += 1
+            newest[slot] = first + i
+            seconds = min(max((stamp - begin_timestamp) // 1000, 0), 0x7FFFFFFF)
+            parts.append(_INDEX_ENTRY.pack(khash, offset, seconds, link))
+        os.pwrite(fd, b"".join(parts), entries_at)
+        for slot, number in newest.items():
+            _INDEX_SLOT.pack_into(mm, INDEX_HEADER_SIZE + slot * INDEX_SLOT_SIZE, number)
+        return empty
+    slots_arr = np.frombuffer(mm, dtype=">i4", count=slot_count, offset=INDEX_HEADER_SIZE)
+    numbers = np.arange(first, first + n, dtype=np.int64)
+    slot_of = np.asarray(hashes, np.int64) % slot_count
+    order = np.argsort(slot_of, kind="stable")
+    sorted_slots = slot_of[order]
+    sorted_numbers = numbers[order]
+    head = np.ones(n, dtype=bool)
+    head[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    tail = np.ones(n, dtype=bool)
+    tail[:-1] = head[1:]
+    prev_sorted = np.empty(n, dtype=np.int64)
+    prev_sorted[1:] = sorted_numbers[:-1]
+    held = slots_arr[sorted_slots[head]].astype(np.int64)
+    held[(held < 0) | (held >= first)] = 0  # written after the header was saved
+    prev_sorted[head] = held
+    prev = np.empty(n, dtype=np.int64)
+    prev[order] = prev_sorted
+    entries = np.empty(n, dtype=INDEX_ENTRY_DTYPE)
+    entries["hash"] = hashes
+    entries["offset"] = offsets
+    entries["seconds"] = np.clip(
+        (np.asarray(timestamps, np.int64) - begin_timestamp) // 1000, 0, 0x7FFFFFFF
+    )
+    entries["prev"] = prev
+    os.pwrite(fd, entries.tobytes(), entries_at)
+    slots_arr[sorted_slots[tail]] = sorted_numbers[tail]
+    del slots_arr  # the mapping may be closed once this returns
+    return int(np.count_nonzero(held == 0))
+
+
 @dataclass(slots=True)
 class DispatchColumns:
     """The dispatch fields of a run of records as flat int64 columns (``dispatch_columns``):
@@ -1107,6 +1242,8 @@ class _PythonEngine:
     check_span = staticmethod(check_span_py)
     gather = staticmethod(gather_py)
     dispatch_columns = staticmethod(dispatch_columns_py)
+    cq_blocks = staticmethod(cq_blocks_py)
+    index_put = staticmethod(index_put_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -1238,3 +1375,32 @@ def dispatch_columns(
     if not isinstance(cols, DispatchColumns):
         cols = DispatchColumns(*cols)
     return int(end), int(status), cols
+
+
+def cq_blocks(
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    queue_offsets: Sequence[int],
+    queues: Sequence[tuple[str, int]],
+    tags: Sequence[str | None],
+    tag_codes: dict[str | None, int],
+) -> tuple[bytes, list[CqRun]]:
+    """See ``cq_blocks_py`` (the dispatch's ConsumeQueue entries of a pass, in one call)."""
+    entries, runs = _engine.cq_blocks(offsets, sizes, queue_offsets, queues, tags, tag_codes)
+    return entries, runs
+
+
+def index_put(
+    mm: mmap.mmap,
+    fd: int,
+    slot_count: int,
+    first: int,
+    begin_timestamp: int,
+    hashes: np.ndarray,
+    offsets: np.ndarray,
+    timestamps: np.ndarray,
+) -> int:
+    """See ``index_put_py`` (the dispatch's IndexFile entries and slots, in one call)."""
+    return int(
+        _engine.index_put(mm, fd, slot_count, first, begin_timestamp, hashes, offsets, timestamps)
+    )

@@ -116,7 +116,7 @@ class ConsumeQueue:
             queue_offset, CQ_ENTRY.pack(commitlog_offset, size, tag_hash), commitlog_offset + size
         )
 
-    def put_block(self, queue_offset: int, entries: bytes, physical_end: int) -> bool:
+    def put_block(self, queue_offset: int, entries: bytes | memoryview, physical_end: int) -> bool:
         """Store consecutive entries from ``queue_offset``, skipping any already here (a
         re-dispatch); False when all of them were."""
         count = len(entries) // CQ_ENTRY_SIZE

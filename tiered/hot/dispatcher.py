@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tiered.formats import CQ_DTYPE
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
 from tiered.hot.group_commit import Wakeup, new_wakeup
@@ -35,10 +35,10 @@ from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
     DispatchColumns,
     EncodedBatch,
+    cq_blocks,
     dispatch_columns,
     index_keys,
     read_dispatch_run,
-    tag_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,8 @@ _PARSE_BYTES = 4 << 20
 _PENDING_LIMIT_BYTES = 64 << 20
 # Below this much pending, a woken dispatcher waits 1 ms for more before a pass.
 _COALESCE_BYTES = 256 << 10
-# A queue's run of entries in one chunk shorter than this is written entry by entry.
-_BLOCK_MIN = 4
 # CommitLog bytes read per step as columns (dispatch from the file: restart, catch-up).
 _COLUMNS_BYTES = 64 << 20
-# A pass of at most this many records writes its ConsumeQueue entries one by one: the numpy
-# path's fixed cost (about 100 us) is what each SYNC fsync's few records paid (decision 322).
-_SCALAR_PASS = 16
 
 
 def _by_queue(numbers: np.ndarray, queues: int) -> list[tuple[int, np.ndarray]]:
@@ -97,8 +92,6 @@ class Dispatcher:
         # submit (a producer, under the put lock) and _pop (this thread) both move the count.
         self._pending_lock = threading.Lock()
         self._tag_codes: dict[str | None, int] = {None: 0}
-        self._queue_id_map: dict[tuple[str, int], int] = {}
-        self._queue_keys: list[tuple[str, int]] = []
         # Runs of records the recovery scan read as columns, by CommitLog offset of their first
         # record: dispatch takes them instead of reading those bytes again (``preload``).
         self._preloaded: dict[int, DispatchColumns] = {}
@@ -326,67 +319,25 @@ class Dispatcher:
     def apply(self, batch: EncodedBatch) -> None:
         """Write the ConsumeQueue and IndexFile entries for every record in ``batch``.
 
-        Per-record work is done by C-level iteration (``map``, comprehensions) and numpy;
-        Python-level loops run only over queues and over the rare records with several keys.
+        The record engine packs every entry of the pass in one call (``cq_blocks``; natively
+        without a Python object per record, decision 540): Python loops only over runs of
+        consecutive queue offsets of a queue, one write each.
         """
-        n = len(batch.offsets)
-        codes = self._tag_codes
-        try:
-            tag_codes = list(map(codes.__getitem__, batch.tags))
-        except KeyError:
-            for t in batch.tags:
-                if t not in codes:
-                    codes[t] = tag_hash(t)
-            tag_codes = list(map(codes.__getitem__, batch.tags))
-        if n <= _SCALAR_PASS:  # entry by entry is the same bytes (see _BLOCK_MIN)
-            get = self.queues.get_or_create
-            for key, q, offset, size, code in zip(
-                batch.queues,
-                batch.queue_offsets,
-                batch.offsets,
-                batch.sizes,
-                tag_codes,
-                strict=True,
-            ):
-                get(*key).put(q, offset, size, code)
-            self._index(batch, np.fromiter(batch.offsets, np.int64, n))
-            return
-        ids = self._queue_id_map
-        try:
-            queue_ids = list(map(ids.__getitem__, batch.queues))
-        except KeyError:
-            for key in batch.queues:
-                if key not in ids:
-                    ids[key] = len(self._queue_keys)
-                    self._queue_keys.append(key)
-            queue_ids = list(map(ids.__getitem__, batch.queues))
-        # fromiter: a list of ints into an array without numpy's type discovery per element.
-        offsets = np.fromiter(batch.offsets, np.int64, n)
-        sizes = np.fromiter(batch.sizes, np.int32, n)
-        qoffs = np.fromiter(batch.queue_offsets, np.int64, n)
-        tags = np.fromiter(tag_codes, np.int64, n)
-        qids = np.fromiter(queue_ids, np.int64, n)
-        order = np.argsort(qids, kind="stable")
-        sorted_ids = qids[order]
-        bounds = np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1
-        starts = [0, *bounds.tolist()]
-        ends = [*bounds.tolist(), n]
-        for lo, hi in zip(starts, ends, strict=True):
-            idx = order[lo:hi]
-            topic, queue_id = self._queue_keys[int(sorted_ids[lo])]
-            cq = self.queues.get_or_create(topic, queue_id)
-            first_q = int(qoffs[idx[0]])
-            if hi - lo < _BLOCK_MIN or int(qoffs[idx[-1]]) - first_q != hi - lo - 1:
-                for i in idx.tolist():
-                    cq.put(batch.queue_offsets[i], batch.offsets[i], batch.sizes[i], tag_codes[i])
-                continue
-            block = np.empty(hi - lo, CQ_DTYPE)
-            block["offset"] = offsets[idx]
-            block["size"] = sizes[idx]
-            block["tag"] = tags[idx]
-            last = int(idx[-1])
-            cq.put_block(first_q, block.tobytes(), batch.offsets[last] + batch.sizes[last])
-        self._index(batch, offsets)
+        entries, runs = cq_blocks(
+            batch.offsets,
+            batch.sizes,
+            batch.queue_offsets,
+            batch.queues,
+            batch.tags,
+            self._tag_codes,
+        )
+        view = memoryview(entries)
+        get = self.queues.get_or_create
+        for (topic, queue_id), first_q, count, at, physical_end in runs:
+            get(topic, queue_id).put_block(
+                first_q, view[at : at + count * CQ_ENTRY_SIZE], physical_end
+            )
+        self._index(batch, np.fromiter(batch.offsets, np.int64, len(batch.offsets)))
 
     def _index(self, batch: EncodedBatch, record_offsets: np.ndarray) -> None:
         index_from = self.index_from

@@ -36,6 +36,7 @@ import numpy as np
 
 from tiered.durable import fsync_dir, make_dirs
 from tiered.formats import key_hash
+from tiered.record import index_put
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,8 @@ HEADER_SIZE = _HEADER.size  # 40
 _SLOT = struct.Struct(">i")
 _ENTRY = struct.Struct(">iqii")
 ENTRY_SIZE = _ENTRY.size  # 20
-_ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("offset", ">i8"), ("seconds", ">i4"), ("prev", ">i4")])
 # A chain longer than this is corrupt (entries always point to strictly older ones).
 _MAX_CHAIN = 1_000_000
-# ``put_many`` of at most this many entries runs entry by entry: numpy's fixed cost per call
-# (about 25 calls, 150 us) is what a SYNC dispatch pass of a few records paid (decision 322).
-_SCALAR_MAX = 16
 
 
 @dataclass(slots=True)
@@ -88,10 +85,6 @@ class IndexFile:
             os.close(fd)
             raise
         self._fd = fd
-        # The hash slots as an array over the mapping (released before the mapping is closed).
-        self._slots: np.ndarray | None = np.frombuffer(
-            self.mm, dtype=">i4", count=slots, offset=HEADER_SIZE
-        )
         if create:
             self.header = IndexHeader(begin_offset=begin_offset, end_offset=begin_offset)
             self._write_header()
@@ -140,77 +133,29 @@ class IndexFile:
         Each entry links to the newest earlier entry of its slot: within this call that is the
         previous entry with the same slot, else what the slot held. Entries are written first,
         then slots, then the header, so a crash leaves slots that point at most to entries that
-        exist (and a slot ahead of the saved header is detected and ignored).
+        exist (and a slot ahead of the saved header is detected and ignored). The record
+        engine's ``index_put`` writes the entries and slots (natively: one call without the GIL,
+        decision 540).
         """
         n = len(hashes)
         if n == 0:
             return
         h = self.header
-        slots_arr = self._slots
-        assert slots_arr is not None and n <= self.space
+        assert n <= self.space
         if h.begin_timestamp == 0:
             h.begin_timestamp = int(timestamps[0])
-        if n <= _SCALAR_MAX:
-            self._put_each(hashes, offsets, timestamps)
-            return
-        numbers = np.arange(h.next_entry, h.next_entry + n, dtype=np.int64)
-        slot_of = hashes % self.slots
-        order = np.argsort(slot_of, kind="stable")
-        sorted_slots = slot_of[order]
-        sorted_numbers = numbers[order]
-        first = np.ones(n, dtype=bool)
-        first[1:] = sorted_slots[1:] != sorted_slots[:-1]
-        last = np.ones(n, dtype=bool)
-        last[:-1] = first[1:]
-        prev_sorted = np.empty(n, dtype=np.int64)
-        prev_sorted[1:] = sorted_numbers[:-1]
-        held = slots_arr[sorted_slots[first]].astype(np.int64)
-        held[(held < 0) | (held >= h.next_entry)] = 0  # written after the header was saved
-        prev_sorted[first] = held
-        prev = np.empty(n, dtype=np.int64)
-        prev[order] = prev_sorted
-        entries = np.empty(n, dtype=_ENTRY_DTYPE)
-        entries["hash"] = hashes
-        entries["offset"] = offsets
-        entries["seconds"] = np.clip((timestamps - h.begin_timestamp) // 1000, 0, 0x7FFFFFFF)
-        entries["prev"] = prev
-        at = self._entries_at + h.next_entry * ENTRY_SIZE
-        os.pwrite(self._fd, entries.tobytes(), at)  # see MappedFile.write_at
-        slots_arr[sorted_slots[last]] = sorted_numbers[last]
-        h.used_slots += int(np.count_nonzero(held == 0))
+        h.used_slots += index_put(
+            self.mm,
+            self._fd,
+            self.slots,
+            h.next_entry,
+            h.begin_timestamp,
+            hashes,
+            offsets,
+            timestamps,
+        )
         h.next_entry += n
         h.end_timestamp = max(h.end_timestamp, int(timestamps.max()))
-        self._write_header()
-
-    def _put_each(self, hashes: np.ndarray, offsets: np.ndarray, timestamps: np.ndarray) -> None:
-        """``put_many`` one entry at a time, in the same order of writes (entries, slots,
-        header): the same bytes, without numpy's fixed cost for a few entries."""
-        h = self.header
-        slots_arr = self._slots
-        assert slots_arr is not None
-        first = h.next_entry
-        begin = h.begin_timestamp
-        newest: dict[int, int] = {}  # slot -> the newest entry number this call gave it
-        parts = []
-        for i, (khash, offset, stamp) in enumerate(
-            zip(hashes.tolist(), offsets.tolist(), timestamps.tolist(), strict=True)
-        ):
-            slot = khash % self.slots
-            prev = newest.get(slot)
-            if prev is None:
-                prev = int(slots_arr[slot])
-                if prev < 0 or prev >= first:
-                    prev = 0  # written after the header was saved
-                if prev == 0:
-                    h.used_slots += 1
-            newest[slot] = first + i
-            seconds = min(max((stamp - begin) // 1000, 0), 0x7FFFFFFF)
-            parts.append(_ENTRY.pack(khash, offset, seconds, prev))
-        os.pwrite(self._fd, b"".join(parts), self._entries_at + first * ENTRY_SIZE)
-        for slot, number in newest.items():
-            slots_arr[slot] = number
-        h.next_entry += len(parts)
-        h.end_timestamp = max(h.end_timestamp, max(timestamps.tolist()))
         self._write_header()
 
     def advance(self, end_offset: int, store_timestamp: int) -> None:
@@ -252,13 +197,11 @@ class IndexFile:
     def close(self) -> None:
         if not self.mm.closed:
             self._write_header()
-            self._slots = None  # drop the array's hold on the mapping
             self.mm.close()
             os.close(self._fd)
 
     def destroy(self) -> None:
         if not self.mm.closed:
-            self._slots = None
             self.mm.close()
             os.close(self._fd)
         self.path.unlink(missing_ok=True)

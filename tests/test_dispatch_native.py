@@ -1,0 +1,171 @@
+"""The dispatch's ConsumeQueue and IndexFile writes: the native engine's ``cq_blocks`` and
+``index_put`` (decision 540) give the reference's bytes, down to every file of a store.
+
+The file-level test appends adversarial batches to a real store with its dispatcher stopped, then
+applies the very same appended chunks (and the same records read back from the CommitLog) to two
+empty ConsumeQueue and IndexFile directories, one per engine, and compares every file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.test_record_engine import SETTINGS
+from tiered import record
+from tiered.config import StoreConfig
+from tiered.hot.consume_queue import ConsumeQueueTable
+from tiered.hot.dispatcher import Dispatcher
+from tiered.hot.index_file import IndexService
+from tiered.record import NATIVE_ENGINE, PYTHON_ENGINE, EncodedBatch, Message
+from tiered.store import MessageStore
+
+pytestmark = pytest.mark.skipif(NATIVE_ENGINE is None, reason="native engine not built")
+NATIVE: Any = NATIVE_ENGINE
+
+KEYS = [("a", 0), ("a", 1), ("b", 0), ("topic with space", 3)]
+TAGS = st.one_of(st.none(), st.sampled_from(["", "x", "pay ment", "ünï", "a" * 300]))
+
+
+@st.composite
+def passes(draw: Any) -> tuple[list[int], list[int], list[int], list[tuple[str, int]], list[Any]]:
+    n = draw(st.integers(0, 70))
+    sizes = draw(st.lists(st.integers(1, 1 << 22), min_size=n, max_size=n))
+    offsets, at = [], draw(st.integers(0, 1 << 40))
+    for s in sizes:
+        offsets.append(at)
+        at += s
+    # Equal keys as the same object (the encoder's cache) and as new tuples (read from a file).
+    queues = [
+        k if draw(st.booleans()) else (k[0] + "", k[1])
+        for k in draw(st.lists(st.sampled_from(KEYS), min_size=n, max_size=n))
+    ]
+    queues = [(str(t), int(q)) if draw(st.booleans()) else (t, q) for t, q in queues]
+    # Queue offsets mostly consecutive per queue, with gaps and repeats (a re-dispatch).
+    next_q: dict[tuple[str, int], int] = {}
+    qoffs = []
+    for key in queues:
+        q = next_q.get(key, draw(st.integers(0, 1 << 33)))
+        q += draw(st.sampled_from([0, 0, 0, 0, 1, -1, 5]))
+        qoffs.append(max(q, 0))
+        next_q[key] = max(q, 0) + 1
+    tags = draw(st.lists(TAGS, min_size=n, max_size=n))
+    return offsets, sizes, qoffs, queues, tags
+
+
+@SETTINGS
+@given(passes())
+def test_cq_blocks_is_identical(fields: Any) -> None:
+    py_codes: dict[str | None, int] = {None: 0, "x": 77}  # a cached code is used as it is
+    native_codes = dict(py_codes)
+    py = PYTHON_ENGINE.cq_blocks(*fields, py_codes)
+    native = NATIVE.cq_blocks(*fields, native_codes)
+    assert native == py
+    assert native_codes == py_codes
+    entries, runs = native
+    assert len(entries) == 20 * len(fields[0])
+    assert sum(r[2] for r in runs) == len(fields[0])
+
+
+def _store(root: Path) -> MessageStore:
+    config = StoreConfig(
+        data_dir=root,
+        flush="async",
+        commitlog_file_size=1 << 20,  # batches roll the CommitLog
+        consumequeue_entries_per_file=7,  # a pass's run of a queue crosses file ends
+        index_hash_slots=13,
+        index_max_entries=50,  # the IndexFile rolls inside a pass
+        max_message_size=256 << 10,
+        max_dispatch_lag_bytes=1 << 40,
+    )
+    store = MessageStore(config)
+    store.start()
+    return store
+
+
+def _batches() -> list[list[Message]]:
+    big = b"\xab" * (256 << 10)  # the largest body the store takes
+    mixed = [
+        Message(
+            topic=["orders", "pay_ments", "t%|x"][i % 3],
+            queue_id=(i * 5) % 4,
+            body=bytes([i % 256]) * (i * 37 % 3000),
+            properties={
+                **({"TAGS": ["", "vip", "ünï code", "a b"][i % 4]} if i % 5 else {}),
+                **(
+                    {"KEYS": ["k1 k2", " lead", "trail ", "a  b", "", "one"][i % 6]}
+                    if i % 2
+                    else {}
+                ),
+                **({"UNIQ_KEY": f"ID{i:030d}"} if i % 3 else {}),
+            },
+        )
+        for i in range(300)
+    ]
+    single_queue = [
+        Message(topic="orders", queue_id=1, body=b"s" * 100, properties={"KEYS": f"k{i}"})
+        for i in range(40)
+    ]
+    largest = [Message(topic="orders", queue_id=2, body=big, properties={"TAGS": "big"})] * 5
+    return [mixed[:17], mixed[17:256], largest, single_queue, mixed[256:], mixed[:3]]
+
+
+def _apply(
+    root: Path, batches: list[EncodedBatch], store: MessageStore, engine: Any, mp: Any
+) -> dict[str, bytes]:
+    mp.setattr(record, "_engine", engine)
+    queues = ConsumeQueueTable(root / "cq", 7)
+    index = IndexService(root / "index", 13, 50)
+    d = Dispatcher(store.commitlog, queues, index, reput_offset=0, index_from=0)
+    d.unindexed_topics = frozenset({"t%|x"})
+    for batch in batches:
+        d.apply(batch)
+    files = {
+        str(p.relative_to(root / "cq")): p.read_bytes()
+        for p in sorted((root / "cq").rglob("*"))
+        if p.is_file()
+    }
+    index.close()
+    queues.close()
+    # IndexFile names start with the wall clock: compare them by their CommitLog begin offset.
+    for n, f in enumerate(index.files):
+        files[f"index {n} {f.path.name.split('-')[1]}"] = f.path.read_bytes()
+    return files
+
+
+def test_dispatch_writes_the_same_files_with_either_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(tmp_path / "store")
+    try:
+        assert store.dispatcher is not None
+        store.dispatcher.stop()
+        for batch in _batches():
+            store.put_messages(batch)
+        chunks = list(store.dispatcher._pending)
+        end = store.commitlog.max_offset
+        # The same records read back from the CommitLog (new key objects, per-record times).
+        parsed = []
+        offset = 0
+        while True:
+            got = store.dispatcher._parse(store.commitlog.skip_blank(offset), end)
+            if got is None:
+                break
+            parsed.append(got)
+            offset = got.end_offset
+        assert len(store.commitlog.files.files) > 1  # a roll happened
+        assert sum(len(c.offsets) for c in chunks) == sum(len(b) for b in _batches())
+        for name, batches in (("chunks", chunks), ("parsed", parsed)):
+            py = _apply(tmp_path / f"{name}-py", batches, store, PYTHON_ENGINE, monkeypatch)
+            native = _apply(tmp_path / f"{name}-native", batches, store, NATIVE, monkeypatch)
+            assert py.keys() == native.keys()
+            for key in py:
+                assert native[key] == py[key], key
+            assert sum(1 for k in py if k.startswith("index")) > 2  # the IndexFile rolled
+            assert sum(1 for k in py if k.startswith("orders/2/")) >= 1
+    finally:
+        store.shutdown()
