@@ -205,6 +205,4 @@ def test_uploads_wait_for_the_in_sync_slave_which_releases_only_below_the_waterm
             first = store.hot_min_offset(TOPIC, q)
             assert first <= watermark
             kept = store.get_messages(TOPIC, q, first, max_count=2000).messages
-            assert [m.queue_offset for m in kept] == list(
-                range(first, store.max_offset(TOPIC, q))
-            )
+            assert [m.queue_offset for m in kept] == list(range(first, store.max_offset(TOPIC, q)))
