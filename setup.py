@@ -21,7 +21,7 @@ class OptionalBuildExt(build_ext):
     one C file, the record engine's the largest, and a fresh clone's install (CI's, and the
     README test's) otherwise waits for them one after the other. They compile without debug
     information (``-g0`` after Python's own ``-g``): it adds nothing at run time and costs 40% of
-    the record engine's compile, the longest of the four (decision 573)."""
+    the record engine's compile, the longest of the four (decision 572)."""
 
     def finalize_options(self) -> None:
         super().finalize_options()

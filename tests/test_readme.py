@@ -64,7 +64,7 @@ def test_the_quickstart_runs_from_a_fresh_clone(tmp_path: Path) -> None:
     """The README's first command from a fresh clone. In CI the suite's own checkout is that
     clone, and its virtualenv was just made by the same install line: the test runs the rest of
     the command there, instead of a second clone installing everything again beside the running
-    suite (decision 572). Elsewhere it clones into a temporary directory and runs the whole
+    suite (decision 570). Elsewhere it clones into a temporary directory and runs the whole
     command, install included."""
     in_place = ci_fresh_clone()
     if in_place:
