@@ -1,5 +1,5 @@
-"""The README's first command, run as a newcomer runs it: from a fresh clone in a temporary
-directory, creating its own virtualenv. It must show the whole flow and keep serving.
+"""The README's first command, run as a newcomer runs it: from a fresh clone, in a virtualenv the
+README's install line made. It must show the whole flow and keep serving.
 
 (The second command runs this suite; running it from here would recurse.)"""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,10 +30,56 @@ def test_the_readme_opens_with_exactly_two_commands() -> None:
     assert "tmq standalone" in commands[0] and "pytest" in commands[1]
 
 
+def split_install(command: str) -> tuple[str, str]:
+    """A README command as (its virtualenv and install, what it runs with them)."""
+    install, run = command.rsplit(" && ", 1)
+    return install, run
+
+
+def test_ci_installs_with_the_readmes_own_line() -> None:
+    """``.ci/run`` installs with the README's line, verbatim, and both README commands share it:
+    what lets the quickstart test below run in CI's fresh clone without installing again."""
+    (install, _), (again, tests) = map(split_install, readme_commands())
+    assert install == again
+    assert f"{install} && {tests}" in (REPO / ".ci" / "run").read_text()
+
+
+def ci_fresh_clone() -> bool:
+    """This suite runs from ``.ci/run`` in a fresh clone, in the virtualenv that the README's own
+    install line made there (the test above holds .ci/run to that line): the clone's tracked
+    files are its commit's, and no quickstart has run in it yet."""
+    if os.environ.get("CI") != "true" or Path(sys.prefix).resolve() != REPO / ".venv":
+        return False
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return changed.returncode == 0 and changed.stdout == "" and not (REPO / "tmq-data").exists()
+
+
 def test_the_quickstart_runs_from_a_fresh_clone(tmp_path: Path) -> None:
-    clone = tmp_path / "tmq"
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
-    log = tmp_path / "quickstart.log"
+    """The README's first command from a fresh clone. In CI the suite's own checkout is that
+    clone, and its virtualenv was just made by the same install line: the test runs the rest of
+    the command there, instead of a second clone installing everything again beside the running
+    suite (decision 570). Elsewhere it clones into a temporary directory and runs the whole
+    command, install included."""
+    in_place = ci_fresh_clone()
+    if in_place:
+        clone, command = REPO, split_install(readme_commands()[0])[1]
+    else:
+        clone, command = tmp_path / "tmq", readme_commands()[0]
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    try:
+        run_quickstart(clone, command, tmp_path / "quickstart.log")
+    finally:
+        if in_place:
+            shutil.rmtree(REPO / "tmq-data", ignore_errors=True)
+
+
+def run_quickstart(clone: Path, command: str, log: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     # The README's command, exactly; only its ports come from the environment, so a busy
     # machine (another broker on 8081/9876/5557) cannot break the test.
@@ -42,7 +90,7 @@ def test_the_quickstart_runs_from_a_fresh_clone(tmp_path: Path) -> None:
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["bash", "-c", readme_commands()[0]],
+            ["bash", "-c", command],
             cwd=clone,
             stdout=out,
             stderr=subprocess.STDOUT,
