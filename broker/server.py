@@ -702,7 +702,11 @@ class Broker:
         """The continuous Delta export as a child process (lakehouse/runner.py), and a thread
         that measures its freshness for metrics and ``tmq status`` once per trigger, at least
         5 s apart (a scrape never reads the lake or the tier itself)."""
-        self._export = ContinuousExport(self.config.lakehouse, tier_url, self.config.tier_options)
+        lakehouse = self.config.lakehouse
+        if not lakehouse.log_path:  # the child's log lives in the data dir, not the cwd
+            log_path = self.config.store.data_dir / "lakehouse-export.log"
+            lakehouse = replace(lakehouse, log_path=str(log_path))
+        self._export = ContinuousExport(lakehouse, tier_url, self.config.tier_options)
         self._export.start()
         self.export_freshness = lambda: dict(self._freshness)
 

@@ -56,7 +56,7 @@ class LakehouseConfig:
     checkpoint_dir: str | None = None
     # Extra Spark settings for the child (spark-submit's --conf), e.g. driver memory.
     spark_conf: dict[str, str] = field(default_factory=dict)
-    # Where the child's output goes (default: ./tmq-data/lakehouse-export.log).
+    # Where the child's output goes (the broker's default: {data_dir}/lakehouse-export.log).
     log_path: str | None = None
 
 

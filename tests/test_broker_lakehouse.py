@@ -48,5 +48,7 @@ def test_the_broker_runs_the_export_and_reports_its_freshness(tmp_path: Path) ->
             if "lake-orders" in freshness:
                 seen.append(freshness["lake-orders"])
         assert all(s >= 0 for s in seen), "seconds behind: the export is caught up at 0"
+        # The child's log lives in the broker's data dir, not in its working directory.
+        assert (tmp_path / "data" / "lakehouse-export.log").is_file()
     finally:
         node.stop()
