@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.metadata import BrokerMetadata
-from broker.stored_properties import int_property
+from broker.stored_properties import INT32_MAX, int_property
 from tiered import failpoints
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -416,7 +416,7 @@ class TransactionService:
     def _real(self, stored: StoredMessage, half: Half) -> Message:
         props = {k: v for k, v in stored.properties.items() if k not in _HALF_ONLY}
         props[PROPERTY_HALF_OFFSET] = str(half.offset)
-        queue_id = int_property(stored.properties, PROPERTY_REAL_QUEUE_ID, 0, 0, 2**31 - 1)
+        queue_id = int_property(stored.properties, PROPERTY_REAL_QUEUE_ID, 0, 0, INT32_MAX)
         return copy_to(stored, half.topic, queue_id, props)
 
     @staticmethod
