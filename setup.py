@@ -75,7 +75,7 @@ extensions = [
     Extension(
         "broker._reply_native",
         ["broker/_reply_native.pyx"],
-        depends=["broker/_md5.h"],
+        depends=["broker/_md5.h", "broker/_md5_mb.h"],
         include_dirs=["broker"],
         extra_compile_args=["-O3"],
     ),

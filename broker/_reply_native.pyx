@@ -26,6 +26,11 @@ cdef extern from "Python.h":
 cdef extern from "_md5.h":
     void tmq_md5(const unsigned char* p, size_t n, unsigned char* out) noexcept nogil
 
+cdef extern from "_md5_mb.h":
+    void tmq_md5_many(
+        const unsigned char** ptrs, const size_t* lens, size_t n, unsigned char* out
+    ) noexcept nogil
+
 import hashlib
 
 cdef object _md5 = hashlib.md5
@@ -383,12 +388,13 @@ cdef Py_ssize_t _ipv4(unsigned char* out, const unsigned char* ip) noexcept nogi
 
 cdef int _record(
     Buf* out, Buf* msg, Buf* sp, const unsigned char* data, Py_ssize_t length, int64_t pos,
-    Names* names, Py_ssize_t* body_size
+    Names* names, Py_ssize_t* body_size, const unsigned char* body_md5
 ) noexcept nogil:
     """The reply of the record at ``pos``, written from its bytes: 0. 1 when the record is one
     this writer does not take as it is (an IPv6 host, properties that are not UTF-8 or name a
     property twice, a delivery time that is not plain digits, anything malformed): the
-    caller's fallback writes it then, or raises what the decode raises."""
+    caller's fallback writes it then, or raises what the decode raises. ``body_md5``: the
+    body's MD5 computed already (``_body_digests``), or NULL to compute it here."""
     cdef const unsigned char* r
     cdef const unsigned char* body
     cdef const unsigned char* topic
@@ -502,8 +508,10 @@ cdef int _record(
         for k in range(32):  # f"{commitlog_offset:032X}"
             text[31 - k] = b"0123456789ABCDEF"[(<uint64_t>physical >> (4 * k)) & 15] if k < 16 else 48
         _bytes_field(sp, 3, <const char*>text, 32)
-    tmq_md5(body, body_len, digest)
-    _digest(sp, digest)
+    if body_md5 == NULL:
+        tmq_md5(body, body_len, digest)
+        body_md5 = digest
+    _digest(sp, body_md5)
     _int_field(sp, 5, 1)  # body_encoding = IDENTITY
     type_value = names.default_type
     for h in range(names.n_types):
@@ -558,6 +566,28 @@ cdef int _topic(Buf* msg, const unsigned char* p, Py_ssize_t size) noexcept nogi
     return _varint(msg, 0)
 
 
+cdef void _body_digests(
+    const unsigned char* data, Py_ssize_t length, const int64_t* pos, Py_ssize_t n,
+    const unsigned char** ptrs, size_t* lens, unsigned char* out
+) noexcept nogil:
+    """The MD5 of the body of each record at ``pos[i]`` into ``out[16 * i:]``, all of them at
+    once (``tmq_md5_many``: eight bodies side by side, decision 640). A record whose bounds do
+    not hold gets the empty body's digest, unused: ``_record`` hands it to the fallback."""
+    cdef Py_ssize_t i
+    cdef int64_t p, total, body_len
+    for i in range(n):
+        p = pos[i]
+        ptrs[i] = <const unsigned char*>""
+        lens[i] = 0
+        if p >= 0 and p + HEAD <= length:
+            total = <int32_t>_u32(data + p)
+            body_len = <int32_t>_u32(data + p + 84)
+            if total >= HEAD + 4 and p + total <= length and 0 <= body_len and HEAD + body_len + 2 <= total:
+                ptrs[i] = data + p + HEAD
+                lens[i] = <size_t>body_len
+    tmq_md5_many(ptrs, lens, <size_t>n, out)
+
+
 def encode_records(data, list positions, tuple hidden, tuple types, int default_type, fallback):
     """The replies of the records at ``positions`` of ``data`` (checked already), back to back:
     (bytes, ends, body sizes), written from the record bytes with the GIL released: no object
@@ -572,6 +602,9 @@ def encode_records(data, list positions, tuple hidden, tuple types, int default_
     cdef int64_t* pos_c = NULL
     cdef Py_ssize_t* ends_c = NULL
     cdef Py_ssize_t* bodies_c = NULL
+    cdef unsigned char* digests = NULL
+    cdef const unsigned char** body_ptrs = NULL
+    cdef size_t* body_lens = NULL
     cdef object reply
     out.p = msg.p = sp.p = NULL
     out.n = msg.n = sp.n = 0
@@ -588,10 +621,14 @@ def encode_records(data, list positions, tuple hidden, tuple types, int default_
     pos_c = <int64_t*>malloc(sizeof(int64_t) * (n + 1))
     ends_c = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * (n + 1))
     bodies_c = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * (n + 1))
+    digests = <unsigned char*>malloc(16 * (n + 1))
+    body_ptrs = <const unsigned char**>malloc(sizeof(unsigned char*) * (n + 1))
+    body_lens = <size_t*>malloc(sizeof(size_t) * (n + 1))
     try:
         if (names.hidden == NULL or names.hidden_n == NULL or names.types == NULL
                 or names.types_n == NULL or names.type_values == NULL or pos_c == NULL
-                or ends_c == NULL or bodies_c == NULL):
+                or ends_c == NULL or bodies_c == NULL or digests == NULL or body_ptrs == NULL
+                or body_lens == NULL):
             raise MemoryError()
         for h in range(names.n_hidden):  # the tuple keeps these bytes alive
             names.hidden[h] = PyBytes_AS_STRING(hidden[h])
@@ -606,11 +643,15 @@ def encode_records(data, list positions, tuple hidden, tuple types, int default_
         # room for all of them at once, so the buffer is not copied again and again as it grows
         # (four doublings of a 4 MiB run copied as many bytes as the run itself, decision 550).
         _reserve(&out, length + n * 128)
+        with nogil:
+            _body_digests(base, length, pos_c, n, body_ptrs, body_lens, digests)
         i = 0
         while i < n:
             with nogil:
                 while i < n:
-                    if _record(&out, &msg, &sp, base, length, pos_c[i], &names, &body):
+                    if _record(
+                        &out, &msg, &sp, base, length, pos_c[i], &names, &body, digests + 16 * i
+                    ):
                         break
                     ends_c[i] = out.n
                     bodies_c[i] = body
@@ -640,6 +681,34 @@ def encode_records(data, list positions, tuple hidden, tuple types, int default_
         free(pos_c)
         free(ends_c)
         free(bodies_c)
+        free(digests)
+        free(body_ptrs)
+        free(body_lens)
+
+
+def md5_many(list buffers):
+    """The MD5 digests of ``buffers`` (bytes) as the reply writer computes a run's bodies, eight
+    side by side (compared with hashlib by the tests)."""
+    cdef Py_ssize_t n = len(buffers), i
+    cdef const unsigned char** ptrs = <const unsigned char**>malloc(sizeof(unsigned char*) * (n + 1))
+    cdef size_t* lens = <size_t*>malloc(sizeof(size_t) * (n + 1))
+    cdef unsigned char* out = <unsigned char*>malloc(16 * (n + 1))
+    try:
+        for i in range(n):
+            if type(buffers[i]) is not bytes:
+                raise TypeError(f"md5_many takes bytes, not {type(buffers[i]).__name__}")
+        if ptrs == NULL or lens == NULL or out == NULL:
+            raise MemoryError()
+        for i in range(n):
+            ptrs[i] = <const unsigned char*>PyBytes_AS_STRING(buffers[i])
+            lens[i] = <size_t>PyBytes_GET_SIZE(buffers[i])
+        with nogil:
+            tmq_md5_many(ptrs, lens, <size_t>n, out)
+        return [PyBytes_FromStringAndSize(<const char*>out + 16 * i, 16) for i in range(n)]
+    finally:
+        free(ptrs)
+        free(lens)
+        free(out)
 
 
 def md5(const unsigned char[::1] data):

@@ -124,6 +124,24 @@ def test_the_native_md5_is_hashlibs() -> None:
         assert _reply_native.md5(data) == hashlib.md5(data).digest(), n
 
 
+def test_the_many_buffer_md5_is_hashlibs() -> None:
+    """The writer digests a run's bodies eight side by side (decision 640): every length around
+    the block and padding boundaries, shuffled among long ones so lanes end at different blocks
+    and take the next body mid-run, and every count from none to past two rounds of lanes."""
+    from broker import _reply_native  # type: ignore[attr-defined]
+
+    rng = random.Random(640)
+    lengths = [*range(0, 200), *[rng.randrange(0, 5000) for _ in range(300)], 1024, 4096, 1 << 20]
+    rng.shuffle(lengths)
+    buffers = [rng.randbytes(n) for n in lengths]
+    assert _reply_native.md5_many(buffers) == [hashlib.md5(b).digest() for b in buffers]
+    for count in range(18):
+        some = buffers[count * 7 : count * 8]
+        assert _reply_native.md5_many(some) == [hashlib.md5(b).digest() for b in some], count
+    with pytest.raises(TypeError, match="md5_many takes bytes"):
+        _reply_native.md5_many([b"a", bytearray(b"b")])
+
+
 def test_replies_from_record_bytes_are_those_from_decoded_messages() -> None:
     """The writer that reads records (decision 481) writes exactly the bytes of the one that
     reads decoded messages (decision 400), record order of user properties included, on the
