@@ -392,14 +392,13 @@ class Dispatcher:
         """
         n = len(hashes)
         o = np.asarray(offsets, np.int64)
-        order = np.argsort(o, kind="stable")
-        o = o[order]
-        h = np.asarray(hashes, np.int64)[order]
-        t = (
-            np.asarray(stamps, np.int64)[order]
-            if stamps is not None
-            else np.full(n, store_ts, np.int64)
-        )
+        h = np.asarray(hashes, np.int64)
+        t = np.asarray(stamps, np.int64) if stamps is not None else np.full(n, store_ts, np.int64)
+        # Entries come in CommitLog order from every caller but a hand-built one: a stable sort
+        # of sorted offsets is the identity, so it runs only when they are not (decision 601).
+        if n > 1 and not bool((o[1:] >= o[:-1]).all()):
+            order = np.argsort(o, kind="stable")
+            o, h, t = o[order], h[order], t[order]
         used = [writer_at(begin, 1)]
         done = 0
         while done < n:
