@@ -8,6 +8,7 @@ empty ConsumeQueue and IndexFile directories, one per engine, and compares every
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,10 @@ def test_cq_blocks_is_identical(fields: Any) -> None:
     entries, runs = native
     assert len(entries) == 20 * len(fields[0])
     assert sum(r[2] for r in runs) == len(fields[0])
+    # The native encoder's integer columns are int64 arrays, read in place (decision 600).
+    packed = [array("q", column) for column in fields[:3]]
+    assert NATIVE.cq_blocks(*packed, *fields[3:], dict(py_codes)) == py
+    assert PYTHON_ENGINE.cq_blocks(*packed, *fields[3:], dict(py_codes)) == py
 
 
 def _store(root: Path) -> MessageStore:
@@ -115,15 +120,28 @@ def _batches() -> list[list[Message]]:
 
 
 def _apply(
-    root: Path, batches: list[EncodedBatch], store: MessageStore, engine: Any, mp: Any
+    root: Path,
+    batches: list[EncodedBatch],
+    store: MessageStore,
+    engine: Any,
+    mp: Any,
+    merge: bool = False,
 ) -> dict[str, bytes]:
     mp.setattr(record, "_engine", engine)
     queues = ConsumeQueueTable(root / "cq", 7)
     index = IndexService(root / "index", 13, 50)
     d = Dispatcher(store.commitlog, queues, index, reput_offset=0, index_from=0)
     d.unindexed_topics = frozenset({"t%|x"})
-    for batch in batches:
-        d.apply(batch)
+    if merge:  # as the dispatcher's loop takes them: abutting chunks merged into one pass
+        for batch in batches:
+            d.submit(batch)
+        while d._pending:
+            merged = d._take_consecutive(store.commitlog.max_offset)
+            assert len(merged.offsets) == len(merged.store_timestamps or ())
+            d.apply(merged)
+    else:
+        for batch in batches:
+            d.apply(batch)
     files = {
         str(p.relative_to(root / "cq")): p.read_bytes()
         for p in sorted((root / "cq").rglob("*"))
@@ -159,12 +177,23 @@ def test_dispatch_writes_the_same_files_with_either_engine(
             offset = got.end_offset
         assert len(store.commitlog.files.files) > 1  # a roll happened
         assert sum(len(c.offsets) for c in chunks) == sum(len(b) for b in _batches())
-        for name, batches in (("chunks", chunks), ("parsed", parsed)):
-            py = _apply(tmp_path / f"{name}-py", batches, store, PYTHON_ENGINE, monkeypatch)
-            native = _apply(tmp_path / f"{name}-native", batches, store, NATIVE, monkeypatch)
+        # The native encoder's chunks carry int64 arrays (decision 600); TMQ_PURE_PYTHON=1's
+        # reference, lists.
+        assert all((type(c.offsets) is array) == (record.ENGINE_NAME == "native") for c in chunks)
+        first: dict[str, bytes] | None = None
+        for name, batches, merge in (
+            ("chunks", chunks, False),
+            ("parsed", parsed, False),
+            ("merged", chunks, True),
+            ("merged-parsed", parsed, True),
+        ):
+            py = _apply(tmp_path / f"{name}-py", batches, store, PYTHON_ENGINE, monkeypatch, merge)
+            native = _apply(tmp_path / f"{name}-native", batches, store, NATIVE, monkeypatch, merge)
             assert py.keys() == native.keys()
             for key in py:
                 assert native[key] == py[key], key
+            first = first or native
+            assert native == first, name  # however the records came, the same files
             assert sum(1 for k in py if k.startswith("index")) > 2  # the IndexFile rolled
             assert sum(1 for k in py if k.startswith("orders/2/")) >= 1
     finally:

@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,18 @@ def encode(engine: Any, messages: list[Message], space: int, store_host: Any) ->
     i, used = engine.encode_batch(
         RecordEncoder(store_host), messages, 0, 4096, space, next_offsets, base, out
     )
-    lists = (out.offsets, out.sizes, out.queue_offsets, out.queues, out.tags, out.keys)
-    return i, used, b"".join(out.parts), next_offsets, lists, out.uniq_keys
+    cols = columns(engine, out, bool(messages))
+    return i, used, b"".join(out.parts), next_offsets, cols, out.uniq_keys
+
+
+def columns(engine: Any, out: EncodedBatch, filled: bool) -> tuple[list[Any], ...]:
+    """``out``'s dispatch fields as lists. The native encoder gives the integer columns of a
+    call that had messages as int64 arrays (decision 600), the reference as lists: the values
+    must be the same."""
+    ints = (out.offsets, out.sizes, out.queue_offsets)
+    if engine is NATIVE and NATIVE is not PY and filled:
+        assert all(type(c) is array and c.typecode == "q" for c in ints), ints
+    return (*map(list, ints), out.queues, out.tags, out.keys)
 
 
 @SETTINGS
@@ -142,7 +153,7 @@ def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bo
                 encoder, messages, start, offset, space, next_offsets, base, out
             )
             offset += used
-            results.append((start, used, b"".join(out.parts), out.queue_offsets, out.queues))
+            results.append((start, used, b"".join(out.parts), list(out.queue_offsets), out.queues))
             results.append(dict(next_offsets))
         return tuple(results)
 
@@ -712,11 +723,11 @@ def test_encode_batch_into_the_file_writes_what_append_records_writes(
             lambda: seen.extend(direct.mm[at + o - 4096 : at + o - 4092] for o in out.offsets),
         )
         i, used = RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt, {}, out, sink)
-        assert (i, nxt, out.offsets, out.queue_offsets, out.keys) == (
+        assert (i, nxt, list(out.offsets), list(out.queue_offsets), out.keys) == (
             count,
             nxt_ref,
-            expected.offsets,
-            expected.queue_offsets,
+            list(expected.offsets),
+            list(expected.queue_offsets),
             expected.keys,
         )
         # The reference (TMQ_PURE_PYTHON=1) never writes: the caller does.

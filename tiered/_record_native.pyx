@@ -16,6 +16,7 @@ the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even wh
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_Next
 from cpython.list cimport PyList_Append
+from cpython cimport array as carray
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
@@ -23,9 +24,13 @@ from libc.string cimport memchr, memcmp, memcpy, memmove
 
 from tiered._protowire cimport varint_len, write_varint
 
+import array
 import struct
 
 import numpy as np
+
+# An empty ``array('q')``: what the dispatch's integer columns are cloned from (decision 600).
+cdef carray.array _I64 = array.array("q")
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
@@ -335,6 +340,17 @@ cdef inline int _queue_slot(PyObject** keys, int count, PyObject* key) noexcept:
     return count
 
 
+cdef int _put_column(object out, str name, carray.array column) except -1:
+    """``out.<name>`` becomes ``column`` when it holds nothing yet (the append path's fresh
+    ``EncodedBatch``); else ``column`` is added to what it holds."""
+    held = getattr(out, name)
+    if len(held):
+        held.extend(column)
+    else:
+        setattr(out, name, column)
+    return 0
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
                  dict next_offsets, dict base_offsets, out, sink=None):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
@@ -355,9 +371,9 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef dict born_cache = encoder._born_cache
     cdef dict queue_keys = encoder._queue_keys
     cdef int64_t store_ts = out.store_timestamp
-    cdef list offsets = out.offsets, sizes = out.sizes, qoffs = out.queue_offsets
     cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
     cdef list hold = []
+    cdef carray.array col_offsets, col_sizes, col_qoffs
     cdef PyObject* found
     cdef bytes buf
     cdef int64_t q
@@ -454,9 +470,6 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             hold.append(body)
             hold.append(born_ip)
             hold.append(tpart)
-            PyList_Append(offsets, r.physical_offset)
-            PyList_Append(sizes, size)
-            PyList_Append(qoffs, q)
             PyList_Append(queues, key)
             if props and PyDict_CheckExact(props):
                 found = PyDict_GetItem(props, _TAGS)
@@ -478,6 +491,18 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             i += 1
         for j in range(slots):
             next_offsets[<object>slot_key[j]] = slot_next[j]
+        # The integer columns dispatch and the send results read: packed int64 arrays filled
+        # from ``recs``, no int object or list append per record (decision 600).
+        col_offsets = carray.clone(_I64, n, False)
+        col_sizes = carray.clone(_I64, n, False)
+        col_qoffs = carray.clone(_I64, n, False)
+        for j in range(n):
+            col_offsets.data.as_longlongs[j] = recs[j].physical_offset
+            col_sizes.data.as_longlongs[j] = recs[j].size
+            col_qoffs.data.as_longlongs[j] = recs[j].queue_offset
+        _put_column(out, "offsets", col_offsets)
+        _put_column(out, "sizes", col_sizes)
+        _put_column(out, "queue_offsets", col_qoffs)
         if n and sink is not None and i == count and used >= _NOGIL_MIN:
             _encode_into(sink, recs, n, scratch.data, <const unsigned char*>PyBytes_AS_STRING(
                 store_ip), store_v6, store_port, store_ts, used, physical_offset)
@@ -1708,7 +1733,7 @@ cdef int _pwrite_all(int fd, iovec* iov, int count, int64_t at) noexcept nogil:
     return 0
 
 
-def append_records(int fd, mm, Py_ssize_t pos, data, list offsets, int64_t base,
+def append_records(int fd, mm, Py_ssize_t pos, data, offsets, int64_t base,
                    Py_ssize_t pwrite_min, between):
     """``MappedFile.append_records_py`` without the copies: ``data`` (whole records; record ``i``
     starts at ``offsets[i] - base``) goes to the file at ``pos`` with every record's 4-byte size
@@ -1844,10 +1869,23 @@ def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
     """``record.cq_blocks_py``: the fields are read with the GIL (a tag's code from
     ``tag_codes``, a queue's number found by the key's address, else by equality), then the
     entries are sorted by queue, packed and cut into runs without it."""
-    cdef list offs = list(offsets), szs = list(sizes), qoffs = list(queue_offsets)
+    # The encoder's columns are int64 arrays (decision 600), read in place; lists are copied.
+    cdef bint packed = (type(offsets) is array.array and type(sizes) is array.array
+                        and type(queue_offsets) is array.array and offsets.typecode == "q"
+                        and sizes.typecode == "q" and queue_offsets.typecode == "q")
+    cdef const int64_t[::1] v_off, v_size, v_q
+    cdef list offs = None, szs = None, qoffs = None
+    if packed:
+        v_off = offsets
+        v_size = sizes
+        v_q = queue_offsets
+    else:
+        offs = list(offsets)
+        szs = list(sizes)
+        qoffs = list(queue_offsets)
     cdef list keys = list(queues), tag_list = list(tags)
-    cdef Py_ssize_t n = len(offs), i, j, k = 0, at, r = 0
-    if not len(szs) == len(qoffs) == len(keys) == len(tag_list) == n:
+    cdef Py_ssize_t n = len(offsets), i, j, k = 0, at, r = 0
+    if not len(sizes) == len(queue_offsets) == len(keys) == len(tag_list) == n:
         raise ValueError("cq_blocks: the field lists differ in length")
     cdef dict numbers = {}  # queue key -> its number in this pass (first appearance)
     cdef PyObject* cache_key[KEY_CACHE]
@@ -1874,9 +1912,14 @@ def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
         if fields == NULL or qnum == NULL or order == NULL or runs == NULL:
             raise MemoryError()
         for i in range(n):
-            fields[4 * i] = offs[i]
-            fields[4 * i + 1] = <int32_t>szs[i]
-            fields[4 * i + 2] = qoffs[i]
+            if packed:
+                fields[4 * i] = v_off[i]
+                fields[4 * i + 1] = <int32_t>v_size[i]
+                fields[4 * i + 2] = v_q[i]
+            else:
+                fields[4 * i] = offs[i]
+                fields[4 * i + 1] = <int32_t>szs[i]
+                fields[4 * i + 2] = qoffs[i]
             t = tag_list[i]
             if <PyObject*>t != last_tag:
                 found = tag_codes.get(t)

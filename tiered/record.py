@@ -54,7 +54,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -513,16 +513,18 @@ class EncodedBatch:
     """
 
     parts: list[bytes] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # physical offset of each record
-    sizes: list[int] = field(default_factory=list)
-    queue_offsets: list[int] = field(default_factory=list)
+    # The integer columns: lists from the reference engine and the CommitLog readers, int64
+    # ``array('q')`` from the native encoder (decision 600); equal values either way.
+    offsets: MutableSequence[int] = field(default_factory=list)  # physical offset of each record
+    sizes: MutableSequence[int] = field(default_factory=list)
+    queue_offsets: MutableSequence[int] = field(default_factory=list)
     queues: list[tuple[str, int]] = field(default_factory=list)
     tags: list[str | None] = field(default_factory=list)
     keys: list[str | None] = field(default_factory=list)
     uniq_keys: list[str | None] = field(default_factory=list)
     store_timestamp: int = 0
     # Per record, when they differ (records read back from the CommitLog); else None.
-    store_timestamps: list[int] | None = None
+    store_timestamps: MutableSequence[int] | None = None
     # The native engine wrote the records into the CommitLog file itself (decision 452).
     written: bool = False
 

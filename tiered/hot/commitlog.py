@@ -112,7 +112,8 @@ class AppendBatch(Sequence[AppendResult]):
     @property
     def queue_offsets(self) -> list[int]:
         """The queue offset of every message, in order."""
-        return self._qoffs
+        q = self._qoffs
+        return q if isinstance(q, list) else list(q)
 
     @property
     def end_offset(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -159,18 +160,28 @@ class Dispatcher:
         self._pop()
         if not self._pending:
             return merged
-        out = EncodedBatch(store_timestamp=merged.store_timestamp)
-        stamps: list[int] = []
+        # The integer columns are int64 arrays, as the native encoder gives them (decision
+        # 600): extending one by another is a copy of bytes, not of int objects.
+        out = EncodedBatch(
+            offsets=array("q"),
+            sizes=array("q"),
+            queue_offsets=array("q"),
+            store_timestamp=merged.store_timestamp,
+        )
+        stamps = array("q")
         chunk: EncodedBatch | None = merged
         while chunk is not None:
-            out.offsets += chunk.offsets
-            out.sizes += chunk.sizes
-            out.queue_offsets += chunk.queue_offsets
+            out.offsets.extend(chunk.offsets)
+            out.sizes.extend(chunk.sizes)
+            out.queue_offsets.extend(chunk.queue_offsets)
             out.queues += chunk.queues
             out.tags += chunk.tags
             out.keys += chunk.keys
             out.uniq_keys += chunk.uniq_keys
-            stamps += chunk.store_timestamps or [chunk.store_timestamp] * len(chunk.offsets)
+            if chunk.store_timestamps:
+                stamps.extend(chunk.store_timestamps)
+            else:
+                stamps.extend(array("q", (chunk.store_timestamp,)) * len(chunk.offsets))
             out.store_timestamp = max(out.store_timestamp, chunk.store_timestamp)
             following = self._pending[0] if self._pending else None
             if (
@@ -337,7 +348,7 @@ class Dispatcher:
             get(topic, queue_id).put_block(
                 first_q, view[at : at + count * CQ_ENTRY_SIZE], physical_end
             )
-        self._index(batch, np.fromiter(batch.offsets, np.int64, len(batch.offsets)))
+        self._index(batch, np.asarray(batch.offsets, np.int64))
 
     def _index(self, batch: EncodedBatch, record_offsets: np.ndarray) -> None:
         index_from = self.index_from
@@ -381,14 +392,13 @@ class Dispatcher:
         """
         n = len(hashes)
         o = np.asarray(offsets, np.int64)
-        order = np.argsort(o, kind="stable")
-        o = o[order]
-        h = np.asarray(hashes, np.int64)[order]
-        t = (
-            np.asarray(stamps, np.int64)[order]
-            if stamps is not None
-            else np.full(n, store_ts, np.int64)
-        )
+        h = np.asarray(hashes, np.int64)
+        t = np.asarray(stamps, np.int64) if stamps is not None else np.full(n, store_ts, np.int64)
+        # Entries come in CommitLog order from every caller but a hand-built one: a stable sort
+        # of sorted offsets is the identity, so it runs only when they are not (decision 601).
+        if n > 1 and not bool((o[1:] >= o[:-1]).all()):
+            order = np.argsort(o, kind="stable")
+            o, h, t = o[order], h[order], t[order]
         used = [writer_at(begin, 1)]
         done = 0
         while done < n:

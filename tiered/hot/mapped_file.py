@@ -95,7 +95,7 @@ class MappedFile:
         self.write_at(self.wrote, data)
         self.wrote += len(data)
 
-    def append_records(self, data: Buffer, offsets: list[int], base: int) -> None:
+    def append_records(self, data: Buffer, offsets: Sequence[int], base: int) -> None:
         """Append whole records so that a crash in the middle never leaves one that looks whole.
 
         Record ``i`` of ``data`` starts at ``offsets[i] - base``. A write cut short by
