@@ -248,7 +248,9 @@ def decode_properties(raw: bytes) -> dict[str, str]:
     if not raw:
         return {}
     props: dict[str, str] = {}
-    for pair in raw.decode().split(_PROPERTY_SEPARATOR):
+    # Bytes that are not UTF-8 (an older writer, damage no record CRC guards) are read as
+    # U+FFFD: one such record must not fail its batch or stop dispatch (decision 660).
+    for pair in raw.decode("utf-8", "replace").split(_PROPERTY_SEPARATOR):
         if pair:
             name, _, value = pair.partition(_NAME_VALUE_SEPARATOR)
             props[name] = value
@@ -667,7 +669,7 @@ def _property(raw: bytes, name: bytes) -> str | None:
             return None
         start = at + 1 + len(name)
     end = raw.find(b"\x02", start)
-    return raw[start : end if end >= 0 else len(raw)].decode()
+    return raw[start : end if end >= 0 else len(raw)].decode("utf-8", "replace")
 
 
 _TAGS_NAME = (PROPERTY_TAGS + _NAME_VALUE_SEPARATOR).encode()
