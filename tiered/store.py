@@ -1143,9 +1143,14 @@ class MessageStore:
         begin_ms: int = 0,
         end_ms: int = 2**62,
         max_count: int = 64,
+        *,
+        complete: bool = False,
     ) -> list[StoredMessage]:
         """Messages of ``topic`` whose KEYS or unique id equal ``key``, stored in
-        [begin_ms, end_ms], newest first."""
+        [begin_ms, end_ms], newest first. With ``complete``, a tiered queue whose archive is
+        not known yet (a restart during an object-store outage) raises
+        ``ColdTierUnavailableError`` (a retry) instead of being left out of the answer
+        (decision 661); without, it is skipped, as the broker's own checks at start need."""
         found: list[StoredMessage] = []
         # Ask for more candidates than needed: hash collisions are filtered out below.
         for phys in self.index.query(topic, key, begin_ms, end_ms, max_count * 4):
@@ -1166,8 +1171,10 @@ class MessageStore:
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
-                if self.cold.start_offset(topic, queue_id) is None:
-                    continue  # no archive known for this queue: not a cold lookup
+                if self.cold.start_offset(topic, queue_id) is None and (
+                    not complete or self.cold.archive_start(topic, queue_id) is None
+                ):
+                    continue  # no archive (``archive_start`` raises when that is not known)
                 for m in self.cold.query_by_key(
                     topic, queue_id, key, begin_ms, end_ms, max_count - len(found)
                 ):
