@@ -603,7 +603,12 @@ class MessageStore:
         self.commitlog.flush()
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
-        self.dispatcher.dispatch(self.commitlog.max_offset)
+        try:
+            self.dispatcher.dispatch(self.commitlog.max_offset)
+        except OSError as e:
+            # A disk too full for a ConsumeQueue file or IndexFile entries: what is not
+            # dispatched is in the flushed CommitLog, and the next start re-dispatches it.
+            log.error("dispatch at shutdown failed (%s)", e)
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
         self.queues.flush()
         self.index.flush()
