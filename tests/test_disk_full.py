@@ -434,3 +434,24 @@ def _unlocked(data_dir: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def test_an_indexfile_the_full_disk_cannot_size_leaves_no_file_behind(small_disk: Path) -> None:
+    """The dispatcher retries a failed IndexFile roll every second while the disk is full: each
+    attempt left a sparse file with a zero header, which the next start logged as unusable,
+    removed and "rebuilt" a CommitLog range for (decision 662)."""
+    from tiered.hot.index_file import IndexService
+
+    index = IndexService(small_disk / "index", 100_000, 4000)
+    index.load()
+    filler = _fill(small_disk)
+    try:
+        for _ in range(3):
+            with pytest.raises(OSError) as e:
+                index.new_file(0)
+            assert e.value.errno == errno.ENOSPC
+        assert sorted(os.listdir(small_disk / "index")) == []
+    finally:
+        filler.unlink()
+    index.new_file(0).close()
+    assert len(os.listdir(small_disk / "index")) == 1
