@@ -22,6 +22,7 @@ from broker.status import BrokerStatus
 from broker.timer import TimerStats
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.verify import verify_queue, worst
+from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
 
@@ -384,13 +385,18 @@ class AdminServicer(pb_grpc.AdminServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.topic} does not exist")
         if not request.key:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a key is required")
-        found = self.store.query_by_key(
-            request.topic,
-            request.key,
-            request.begin_ms,
-            request.end_ms or 2**62,
-            min(request.max or 64, 1000),
-        )
+        try:
+            found = self.store.query_by_key(
+                request.topic,
+                request.key,
+                request.begin_ms,
+                request.end_ms or 2**62,
+                min(request.max or 64, 1000),
+                complete=True,
+            )
+        except ColdTierUnavailableError as e:
+            # Part of the topic's archive cannot be asked: "not found" would hide it.
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.QueryByKeyResponse(
             messages=[
                 pb.FoundMessage(

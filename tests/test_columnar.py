@@ -194,13 +194,21 @@ def test_random_damage_is_refused_as_the_reference_refuses_it(seed: int) -> None
         assert columnar(bytes(data), positions) == expected
 
 
-def test_truncated_data_and_invalid_utf8_are_refused_like_the_reference() -> None:
+def test_truncated_data_is_refused_like_the_reference() -> None:
     buf, positions = random_run(random.Random(5), 5)
     refusals(buf[: positions[-1] + 50], positions)
     refusals(buf, [*positions[:-1], positions[-1] + 3])  # not a record start
+
+
+def test_invalid_utf8_in_properties_decodes_as_the_reference_decodes_it() -> None:
+    """Read as U+FFFD, as ``decode`` reads it (decision 660); refused before."""
     record, _, _ = RecordEncoder().encode(Message("t", b"x"), 1, 2, 3)
-    refusals(with_raw_properties(record, b"a\x01\xff\x02"), [0])
-    refusals(with_raw_properties(record, b"a\x01\xc3\x02a\x01b\x02"), [0])
+    for raw in (b"a\x01\xff\x02", b"a\x01\xc3\x02a\x01b\x02", b"\xed\xa0\x80\x01v\x02"):
+        buf = with_raw_properties(record, raw)
+        assert columnar(buf, [0]) == reference(buf, [0])
+    assert columnar(with_raw_properties(record, b"a\x01\xff\x02"), [0])[0]["properties"] == [
+        ("a", "\ufffd")
+    ]
 
 
 def test_crc_is_not_checked_when_asked_not_to() -> None:

@@ -111,3 +111,61 @@ def test_a_read_that_meets_a_zeroed_entry_fails_at_once_and_names_it(tmp_path: P
         assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
     finally:
         store.shutdown()
+
+
+def garble_entries(config: StoreConfig, queue_id: int, first: int, count: int) -> None:
+    """Overwrite entries with non-zero garbage that points outside the CommitLog (past its end,
+    or a negative offset), as random bytes over a ConsumeQueue page almost always do."""
+    import struct
+
+    per_file = config.consumequeue_entries_per_file * 20
+    for i, q in enumerate(range(first, first + count)):
+        pos = q * 20
+        path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
+        phys = -(7 + i) * 4096 if i % 2 else 0x5E5E5E5E5E5E + i
+        with path.open("r+b") as fh:
+            fh.seek(pos % per_file)
+            fh.write(struct.pack(">qiq", phys, 0x5E5E + i, 0x5E5E5E5E))
+
+
+@pytest.mark.parametrize("first", [100, 250])  # inside a file, across a file end
+def test_consumequeue_entries_overwritten_with_garbage_are_rebuilt_at_start(
+    tmp_path: Path, first: int
+) -> None:
+    """Entries with non-zero sizes pointing outside the CommitLog were not holes: the start kept
+    them, and a read at the first one found no CommitLog file there, took it for a released one
+    and answered NO_MATCHED_MESSAGE with the same offset as next, for ever: every later message
+    of the queue hidden, nothing said (decision 663)."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    garble_entries(config, 1, first, 9)
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.cq_entries_repaired == 9
+        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()
+
+
+def test_a_read_that_meets_a_garbage_entry_fails_at_once_and_names_it(tmp_path: Path) -> None:
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    store = MessageStore(config)
+    store.start()
+    try:
+        garble_entries(config, 0, 40, 2)  # the mapping is shared: the store sees the garbage
+        result = store.get_messages("t", 0, 0, 64)
+        assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
+        assert result.next_offset == 40
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*restart"):
+            store.get_messages("t", 0, 40, 32)
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    assert store.start().cq_entries_repaired == 2
+    try:
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()

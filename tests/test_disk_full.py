@@ -359,3 +359,99 @@ def test_delay_messages_the_wheel_could_not_write_on_a_full_disk_are_delivered_a
         assert len(got.messages) == 175, f"{175 - len(got.messages)} of 175 delay messages lost"
     finally:
         store.shutdown()
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_shutdown_while_the_disk_is_too_full_to_dispatch_ends_as_a_crash_and_loses_nothing(
+    small_disk: Path, flush: str
+) -> None:
+    """Appends the preallocated CommitLog file has room for are acknowledged (the native group
+    commit's fdatasync under SYNC) while the disk is too full for the ConsumeQueue files and
+    IndexFile entries of their new queues: the dispatcher retries, nothing is readable yet. A
+    shutdown then must end as a crash would (no clean-exit marker, every file closed, the data
+    dir unlocked), not raise the dispatch's ENOSPC out of ``shutdown`` (it did, leaving the
+    store half shut and the broker's stop failing), and the next start, once there is room,
+    recovers every acknowledged message (decision 662)."""
+    config = StoreConfig(
+        data_dir=small_disk / "data",
+        flush=flush,  # type: ignore[arg-type]
+        flush_interval_ms=20,
+        **GEOMETRY,  # type: ignore[arg-type]
+    )
+    store = MessageStore(config)
+    store.start()
+    acked: dict[int, list[str]] = {}
+
+    def put(queue: int, n: int) -> None:
+        msg_id = f"q{queue:02d}-m{n}"
+        store.put_messages(
+            [
+                Message(
+                    topic="full",
+                    queue_id=queue,
+                    body=b"x" * 100,
+                    properties={PROPERTY_UNIQ_KEY: msg_id, "KEYS": f"key-{queue}-{n}"},
+                )
+            ]
+        )
+        acked.setdefault(queue, []).append(msg_id)
+
+    for n in range(5):
+        put(0, n)
+    assert store.wait_dispatched(10)
+    filler = _fill(small_disk)
+    try:
+        for queue in range(1, 41):  # each a new ConsumeQueue file: no room for one
+            put(queue, 0)
+        assert not store.wait_dispatched(0.5), "dispatched although the disk is full"
+        store.shutdown()
+    finally:
+        filler.unlink()
+    assert _unlocked(small_disk / "data")
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert not report.clean_exit
+        assert store.wait_dispatched(10)
+        for queue, ids in acked.items():
+            got = store.get_messages("full", queue, 0, 100)
+            assert got.status is GetStatus.FOUND, (queue, got.status)
+            assert [m.msg_id for m in got.messages] == ids
+        assert [m.msg_id for m in store.query_by_key("full", "key-40-0")] == ["q40-m0"]
+    finally:
+        store.shutdown()
+
+
+def _unlocked(data_dir: Path) -> bool:
+    """Whether another process could take ``data_dir``'s lock now."""
+    import fcntl
+
+    fd = os.open(data_dir / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_an_indexfile_the_full_disk_cannot_size_leaves_no_file_behind(small_disk: Path) -> None:
+    """The dispatcher retries a failed IndexFile roll every second while the disk is full: each
+    attempt left a sparse file with a zero header, which the next start logged as unusable,
+    removed and "rebuilt" a CommitLog range for (decision 662)."""
+    from tiered.hot.index_file import IndexService
+
+    index = IndexService(small_disk / "index", 100_000, 4000)
+    index.load()
+    filler = _fill(small_disk)
+    try:
+        for _ in range(3):
+            with pytest.raises(OSError) as e:
+                index.new_file(0)
+            assert e.value.errno == errno.ENOSPC
+        assert sorted(os.listdir(small_disk / "index")) == []
+    finally:
+        filler.unlink()
+    index.new_file(0).close()
+    assert len(os.listdir(small_disk / "index")) == 1

@@ -142,9 +142,21 @@ def test_text_that_is_not_utf8_stops_the_columns_at_its_record(
     for engine in (NATIVE, PY):
         pos, status, arrays, _ = columns(engine, data, validate)
         assert (pos, status, len(arrays[0])) == (second, 2, 1), where
-    # The record-by-record path refuses the same record, so dispatch reports it as before.
-    with pytest.raises(record.RecordError):
-        PY.read_dispatch_run(bytes(data), second, len(data), BASE, record.EncodedBatch(), [])
+    # The record-by-record path refuses a topic that is not UTF-8, so dispatch reports it as
+    # before; a tag or key it reads as U+FFFD, as decode does (decision 660), in both engines.
+    for engine in (NATIVE, PY):
+        if where == "topic":
+            with pytest.raises(record.RecordError):
+                engine.read_dispatch_run(
+                    bytes(data), second, len(data), BASE, record.EncodedBatch(), []
+                )
+            continue
+        out = record.EncodedBatch()
+        end = engine.read_dispatch_run(bytes(data), second, len(data), BASE, out, [])
+        assert end == len(data) - 8  # the damaged record and the last, up to the BLANK
+        field = {"tags": out.tags, "keys": out.keys, "uniq": out.uniq_keys}[where]
+        value = text.split(b"\x01")[1].decode()
+        assert field[0] == value[:-1] + "\ufffd", where
 
 
 # -- a whole store -----------------------------------------------------------------------------

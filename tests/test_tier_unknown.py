@@ -116,6 +116,15 @@ def query(stub: Any, topic: str, policy: int, at_ms: int = 0) -> tuple[int, int]
     return reply.status.code, int(reply.offset)
 
 
+def key_lookup(node: Standalone, key: str) -> tuple[grpc.StatusCode, list[int]]:
+    """``tmq query``'s RPC for ``key`` in "kept": its status and the queue offsets found."""
+    try:
+        found = node.admin().QueryByKey(apb.QueryByKeyRequest(topic="kept", key=key), timeout=30)
+    except grpc.RpcError as e:
+        return e.code(), []
+    return grpc.StatusCode.OK, [m.queue_offset for m in found.messages]
+
+
 def offset_of(message: Any) -> int:
     """The queue offset a ``body_of`` body names (the client's Message does not carry it)."""
     return int(message.body[:7])
@@ -167,11 +176,14 @@ def test_a_broker_restarted_during_an_outage_without_its_record_answers_retry_no
         assert code == d.PROXY_TIMEOUT, f"told the archive's time maps to {at}"
         cold = pull(stub, "kept", 0, 0)
         assert cold.code == d.PROXY_TIMEOUT, cold
+        # An archived key is not "not found" while the archive cannot be asked (decision 661).
+        assert key_lookup(node, "k0") == (grpc.StatusCode.UNAVAILABLE, [])
         plain_reads_as_always(stub)
         consumer = new_group_during_outage(node, "late-joiner")
 
         fault_proxy.heal()
         assert replay(stub, "kept", ARCHIVED) == list(range(ARCHIVED))
+        assert key_lookup(node, "k0") == (grpc.StatusCode.OK, [0])
         assert query(stub, "kept", d.BEGINNING) == (d.OK, 0)
         assert receive_all(consumer, ARCHIVED) == list(range(ARCHIVED))
     finally:
@@ -196,12 +208,15 @@ def test_a_broker_restarted_during_an_outage_answers_the_archive_start_from_its_
         assert query(stub, "kept", d.BEGINNING) == (d.OK, 0)
         cold = pull(stub, "kept", 0, 0)
         assert cold.code == d.PROXY_TIMEOUT, cold
+        assert key_lookup(node, "k0") == (grpc.StatusCode.UNAVAILABLE, [])
+        assert key_lookup(node, f"k{ARCHIVED - 1}") == (grpc.StatusCode.UNAVAILABLE, [])
         plain_reads_as_always(stub)
         consumer = new_group_during_outage(node, "late-joiner")
 
         fault_proxy.heal()
         assert receive_all(consumer, ARCHIVED) == list(range(ARCHIVED))
         assert replay(stub, "kept", ARCHIVED) == list(range(ARCHIVED))
+        assert key_lookup(node, "k0") == (grpc.StatusCode.OK, [0])
     finally:
         fault_proxy.heal()
         if consumer is not None:

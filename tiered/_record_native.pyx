@@ -688,7 +688,12 @@ cdef inline object _find_property(const unsigned char* p, Py_ssize_t n, const ch
     """``record._property``: the first pair named ``name`` (``name`` includes its \\x01)."""
     cdef Py_ssize_t value_len = 0
     cdef const unsigned char* value = _prop_value(p, n, name, name_len, &value_len)
-    return None if value == NULL else _utf8(value, value_len)
+    return None if value == NULL else _utf8_replace(value, value_len)
+
+
+cdef inline object _utf8_replace(const unsigned char* p, Py_ssize_t n):
+    """A property's bytes as ``bytes.decode("utf-8", "replace")`` reads them (decision 660)."""
+    return PyUnicode_DecodeUTF8(<const char*>p, n, "replace")
 
 
 cdef inline object _utf8(const unsigned char* p, Py_ssize_t n):
@@ -1280,9 +1285,9 @@ cdef object _host_tuple(const unsigned char* p, bint v6, dict cache):
 cdef dict _properties(const unsigned char* p, Py_ssize_t n):
     """``record.decode_properties`` of ``n`` bytes at ``p``: ``name\\x01value`` pairs separated
     by ``\\x02``, empty pairs skipped, a pair without ``\\x01`` a name with an empty value, a
-    later name replacing an earlier one. Both separators are ASCII, so decoding each part on its
-    own accepts exactly the UTF-8 the reference's decode of the whole accepts (and raises
-    ``UnicodeDecodeError`` where it does)."""
+    later name replacing an earlier one, bytes that are not UTF-8 read as U+FFFD. Both
+    separators are ASCII, so decoding each part on its own replaces exactly what the
+    reference's decode of the whole replaces."""
     cdef dict props = {}
     cdef Py_ssize_t at = 0, end, eq
     while at < n:
@@ -1293,9 +1298,10 @@ cdef dict _properties(const unsigned char* p, Py_ssize_t n):
             eq = at
             while eq < end and p[eq] != 1:
                 eq += 1
-            name = PyUnicode_DecodeUTF8(<const char*>p + at, eq - at, NULL)
+            name = PyUnicode_DecodeUTF8(<const char*>p + at, eq - at, "replace")
             if eq < end:
-                props[name] = PyUnicode_DecodeUTF8(<const char*>p + eq + 1, end - eq - 1, NULL)
+                props[name] = PyUnicode_DecodeUTF8(<const char*>p + eq + 1, end - eq - 1,
+                                                   "replace")
             else:
                 props[name] = ""
         at = end + 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +55,7 @@ from tiered.record import (
     V4_HEAD_SIZE,
     Buffer,
     RecordError,
+    StoredMessage,
     decode,
     record_crc_matches,
 )
@@ -110,7 +111,7 @@ def decode_run(
     try:
         result: pa.RecordBatch = NATIVE_ENGINE.decode_run(buf, at, check_crc)
     except NATIVE_ENGINE.Anomaly as anomaly:
-        _refuse(buf, at, check_crc, anomaly)
+        return _refuse(buf, at, check_crc, anomaly)
     return result
 
 
@@ -123,14 +124,31 @@ def decode_run_py(
     try:
         return _decode(data, at, check_crc)
     except _Anomaly as anomaly:
-        _refuse(buf, at, check_crc, anomaly)
+        return _refuse(buf, at, check_crc, anomaly)
 
 
-def _refuse(buf: Buffer, at: np.ndarray, check_crc: bool, anomaly: Exception) -> NoReturn:
-    """Raise ``decode``'s own error for the first record of ``at`` it refuses."""
-    for pos in at.tolist():
-        decode(buf, pos, check_crc=check_crc)
-    raise RecordError(f"records at {at[:3].tolist()}…: {anomaly}") from None
+def _refuse(buf: Buffer, at: np.ndarray, check_crc: bool, anomaly: Exception) -> pa.RecordBatch:
+    """Raise ``decode``'s own error for the first record of ``at`` it refuses. A run that
+    ``decode`` takes whole (property bytes that are not UTF-8, which it reads as U+FFFD and the
+    columns refuse: decision 660) is built from its decoded records instead."""
+    messages = [decode(buf, pos, check_crc=check_crc) for pos in at.tolist()]
+    if not messages:
+        raise RecordError(f"records at {at[:3].tolist()}…: {anomaly}") from None
+    return decoded_batch(messages)
+
+
+def decoded_batch(messages: Sequence[StoredMessage]) -> pa.RecordBatch:
+    """``messages`` as a ``RECORD_SCHEMA`` batch, one Python object per field: the slow path."""
+    columns: dict[str, list[Any]] = {name: [] for name in RECORD_SCHEMA.names}
+    for m in messages:
+        for name in RECORD_SCHEMA.names:
+            value = getattr(m, name)
+            if name in ("born_host", "store_host"):
+                value = host_string(value[0], value[1])
+            elif name == "properties":
+                value = list(value.items())
+            columns[name].append(value)
+    return pa.RecordBatch.from_pydict(columns, schema=RECORD_SCHEMA)
 
 
 def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch:

@@ -248,7 +248,9 @@ def decode_properties(raw: bytes) -> dict[str, str]:
     if not raw:
         return {}
     props: dict[str, str] = {}
-    for pair in raw.decode().split(_PROPERTY_SEPARATOR):
+    # Bytes that are not UTF-8 (an older writer, damage no record CRC guards) are read as
+    # U+FFFD: one such record must not fail its batch or stop dispatch (decision 660).
+    for pair in raw.decode("utf-8", "replace").split(_PROPERTY_SEPARATOR):
         if pair:
             name, _, value = pair.partition(_NAME_VALUE_SEPARATOR)
             props[name] = value
@@ -659,7 +661,7 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
     return int(total)
 
 
-def _property(raw: bytes, name: bytes) -> str | None:
+def _property(raw: bytes, name: bytes, errors: str = "replace") -> str | None:
     """One property's value from encoded properties, without decoding the others."""
     if raw.startswith(name):
         start = len(name)
@@ -669,7 +671,7 @@ def _property(raw: bytes, name: bytes) -> str | None:
             return None
         start = at + 1 + len(name)
     end = raw.find(b"\x02", start)
-    return raw[start : end if end >= 0 else len(raw)].decode()
+    return raw[start : end if end >= 0 else len(raw)].decode("utf-8", errors)
 
 
 _TAGS_NAME = (PROPERTY_TAGS + _NAME_VALUE_SEPARATOR).encode()
@@ -700,6 +702,7 @@ def _read_dispatch_run(
     base_offset: int,
     out: EncodedBatch,
     stamps: list[int],
+    errors: str = "replace",
 ) -> int:
     """Append the dispatch fields of every record from ``pos`` up to ``limit`` (or a BLANK
     record) to ``out``; return the position after the last one. ``base_offset`` is the CommitLog
@@ -728,9 +731,9 @@ def _read_dispatch_run(
         (props_len,) = _U16.unpack_from(buf, p)
         if props_len:
             props = bytes(buf[p + 2 : p + 2 + props_len])
-            tags.append(_property(props, _TAGS_NAME))
-            keys.append(_property(props, _KEYS_NAME))
-            uniqs.append(_property(props, _UNIQ_NAME))
+            tags.append(_property(props, _TAGS_NAME, errors))
+            keys.append(_property(props, _KEYS_NAME, errors))
+            uniqs.append(_property(props, _UNIQ_NAME, errors))
         else:
             tags.append(None)
             keys.append(None)
@@ -1062,8 +1065,10 @@ def dispatch_columns_py(
             status = 2  # a field runs past the bytes at hand: the record-by-record path says why
             break
         try:
-            after = read_dispatch_run_py(buf, pos, pos + 1, base_offset, one, one_stamps)
-        except RecordError:
+            # Strict UTF-8, as the native columns: a value that is not UTF-8 goes to the
+            # record-by-record path, which reads it as U+FFFD (decision 660).
+            after = _read_dispatch_run(buf, pos, pos + 1, base_offset, one, one_stamps, "strict")
+        except (RecordError, struct.error, UnicodeDecodeError):
             status = 2
             break
         if after == pos:

@@ -463,15 +463,16 @@ class MessageStore:
         records, if any, precede the queue's first surviving entry in the CommitLog. One pass
         over the CommitLog up to the furthest such entry finds them, for every queue at once."""
         self._repair_leading_slots(dispatcher, report)
+        cl_end = self.commitlog.max_offset
         for (topic, queue_id), cq in list(self.queues.queues.items()):
-            for first, end in cq.holes():
+            for first, end in cq.holes(cl_end):
                 before, after = cq.get_entry(first - 1), cq.get_entry(end)
                 lo = before[0] + before[1] if before else self.commitlog.min_offset
                 hi = after[0] if after else self.commitlog.max_offset
                 found = 0
                 for key, qoff, phys, size, tag in dispatcher.records(lo, hi):
                     if key == (topic, queue_id) and first <= qoff < end:
-                        found += cq.fill(qoff, phys, size, tag_hash(tag))
+                        found += cq.fill(qoff, phys, size, tag_hash(tag), cl_end)
                 report.cq_entries_repaired += found
                 if found == end - first:
                     log.warning(
@@ -603,7 +604,12 @@ class MessageStore:
         self.commitlog.flush()
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
-        self.dispatcher.dispatch(self.commitlog.max_offset)
+        try:
+            self.dispatcher.dispatch(self.commitlog.max_offset)
+        except OSError as e:
+            # A disk too full for a ConsumeQueue file or IndexFile entries: what is not
+            # dispatched is in the flushed CommitLog, and the next start re-dispatches it.
+            log.error("dispatch at shutdown failed (%s)", e)
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
         self.queues.flush()
         self.index.flush()
@@ -937,11 +943,19 @@ class MessageStore:
         # Scan at most this many entries per call, so a filter that matches nothing still returns.
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
+        cl_end = self.commitlog.max_offset
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
-            if length <= 0:
-                # A zeroed entry (a torn write, bit rot): never read CommitLog offset 0 for it,
-                # nor let a tag filter skip it. What precedes it is returned; a read that starts
-                # at it fails at once, naming it, until a restart rebuilds it (_repair_holes).
+            if (
+                length <= 0
+                or phys < 0
+                or (phys > cl_end - length and phys > self.commitlog.max_offset - length)
+            ):
+                # A zeroed entry (a torn write, bit rot), or one pointing past the CommitLog
+                # (garbage; the end is read again: the entry may be newer than ``cl_end``):
+                # never read CommitLog offset 0 for it, nor let a tag filter skip it, nor take
+                # it for a released file (decision 663). What precedes it is returned; a read
+                # that starts at it fails at once, naming it, until a restart rebuilds it
+                # (_repair_holes).
                 if messages or qoff > offset:
                     break
                 raise DamagedEntryError(topic, queue_id, qoff)
@@ -1143,9 +1157,14 @@ class MessageStore:
         begin_ms: int = 0,
         end_ms: int = 2**62,
         max_count: int = 64,
+        *,
+        complete: bool = False,
     ) -> list[StoredMessage]:
         """Messages of ``topic`` whose KEYS or unique id equal ``key``, stored in
-        [begin_ms, end_ms], newest first."""
+        [begin_ms, end_ms], newest first. With ``complete``, a tiered queue whose archive is
+        not known yet (a restart during an object-store outage) raises
+        ``ColdTierUnavailableError`` (a retry) instead of being left out of the answer
+        (decision 661); without, it is skipped, as the broker's own checks at start need."""
         found: list[StoredMessage] = []
         # Ask for more candidates than needed: hash collisions are filtered out below.
         for phys in self.index.query(topic, key, begin_ms, end_ms, max_count * 4):
@@ -1166,8 +1185,10 @@ class MessageStore:
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
-                if self.cold.start_offset(topic, queue_id) is None:
-                    continue  # no archive known for this queue: not a cold lookup
+                if self.cold.start_offset(topic, queue_id) is None and (
+                    not complete or self.cold.archive_start(topic, queue_id) is None
+                ):
+                    continue  # no archive (``archive_start`` raises when that is not known)
                 for m in self.cold.query_by_key(
                     topic, queue_id, key, begin_ms, end_ms, max_count - len(found)
                 ):

@@ -157,7 +157,14 @@ class ConsumeQueue:
         self.max_physical_end = physical_end
         return True
 
-    def fill(self, queue_offset: int, commitlog_offset: int, size: int, tag_hash: int) -> bool:
+    def fill(
+        self,
+        queue_offset: int,
+        commitlog_offset: int,
+        size: int,
+        tag_hash: int,
+        commitlog_end: int | None = None,
+    ) -> bool:
         """Write the entry of ``queue_offset``, a hole below ``max_offset`` (``holes``, or an
         empty slot before ``min_offset`` in the first file: ``leading_slots``), in place; False
         when that slot is not a hole. Only while the dispatcher is not running."""
@@ -166,7 +173,10 @@ class ConsumeQueue:
         if f is None or not queue_offset < self.max_offset:
             return False
         rel = pos - f.from_offset
-        if CQ_ENTRY.unpack(f.read(rel, CQ_ENTRY_SIZE))[1] > 0:
+        held_at, held_size, _ = CQ_ENTRY.unpack(f.read(rel, CQ_ENTRY_SIZE))
+        if held_size > 0 and (
+            commitlog_end is None or in_commitlog(held_at, held_size, commitlog_end)
+        ):
             return False
         f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
         f.flushed = 0  # the next flush fsyncs the file again
@@ -193,10 +203,12 @@ class ConsumeQueue:
             return None
         return first_slot, self.min_offset, entry[0]
 
-    def holes(self) -> list[tuple[int, int]]:
+    def holes(self, commitlog_end: int | None = None) -> list[tuple[int, int]]:
         """``[first, end)`` runs of entries in ``[min_offset, max_offset)`` whose size is zero:
-        entries a torn write or bit rot zeroed, between entries that survived. A file at a
-        time with numpy, reading only what the extent map says may hold data."""
+        entries a torn write or bit rot zeroed, between entries that survived. With
+        ``commitlog_end``, also entries that point outside the CommitLog ``[0, commitlog_end)``
+        (bytes overwritten with garbage, decision 663). A file at a time with numpy, reading
+        only what the extent map says may hold data."""
         out: list[tuple[int, int]] = []
         for f in self.files.files:
             base = f.from_offset // CQ_ENTRY_SIZE
@@ -206,7 +218,11 @@ class ConsumeQueue:
             )
             if lo >= hi:
                 continue
-            empty = _sizes(f)[lo - base : hi - base] <= 0
+            at, sizes = _fields(f)
+            at, sizes = at[lo - base : hi - base], sizes[lo - base : hi - base]
+            empty = sizes <= 0
+            if commitlog_end is not None:
+                empty |= (at < 0) | (at > commitlog_end - sizes)
             if not empty.any():
                 continue
             edges = np.flatnonzero(np.diff(np.concatenate(([0], empty.view(np.int8), [0]))))
@@ -367,6 +383,27 @@ class ConsumeQueue:
     def destroy(self) -> None:
         self.files.destroy()
         self._tail = None
+
+
+def in_commitlog(commitlog_offset: int, size: int, commitlog_end: int) -> bool:
+    """Whether an entry's record lies inside CommitLog ``[0, commitlog_end)``."""
+    return size > 0 and 0 <= commitlog_offset <= commitlog_end - size
+
+
+def _fields(f: MappedFile) -> tuple[np.ndarray, np.ndarray]:
+    """``_sizes`` with the CommitLog offsets beside them (zero where ``_sizes`` reads none)."""
+    count = f.size // CQ_ENTRY_SIZE
+    offsets = np.zeros(count, np.int64)
+    sizes = np.zeros(count, np.int64)
+    view = np.frombuffer(f.mm, dtype=CQ_DTYPE, count=count)
+    try:
+        for start, end in f.data_regions(0):
+            lo, hi = start // CQ_ENTRY_SIZE, min(count, -(-end // CQ_ENTRY_SIZE))
+            sizes[lo:hi] = view["size"][lo:hi]
+            offsets[lo:hi] = view["offset"][lo:hi]
+    finally:
+        del view  # release the mapping's buffer at once
+    return offsets, sizes
 
 
 def _sizes(f: MappedFile) -> np.ndarray:

@@ -83,6 +83,10 @@ class IndexFile:
             self.mm = mmap.mmap(fd, self.size)
         except BaseException:
             os.close(fd)
+            if create:
+                # A file this call made and could not size (a full disk): a start would find it
+                # with a zero header, log it as unusable and rebuild a range for it.
+                path.unlink(missing_ok=True)
             raise
         self._fd = fd
         if create:
