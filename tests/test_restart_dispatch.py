@@ -99,6 +99,19 @@ def test_both_engines_give_the_same_columns(
         assert native[2][5] == hashes.tolist() and native[2][6] == numbers.tolist()
 
 
+@pytest.mark.parametrize("magic", [1, -626843477 ^ 1])
+def test_an_unknown_magic_in_the_last_few_bytes_ends_the_run_in_both_engines(magic: int) -> None:
+    """A damaged BLANK record (fewer than a record head's bytes left) with a magic code that is
+    neither V2 nor BLANK: the native columns ended the run (status 0), the reference asked for
+    the record-by-record path (status 2). Hypothesis found it; both now end the run there."""
+    data = bytearray(run_of([Message("q", b"body")]) + blank_record(24))
+    end = len(data) - 24
+    struct.pack_into(">i", data, end + 4, magic)
+    native = columns(NATIVE, data, False, 8)
+    assert native == columns(PY, data, False, 8)
+    assert native[:2] == (end, 0) and len(native[3]) == 1
+
+
 @pytest.mark.parametrize("queue_id", [0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])
 def test_a_queue_id_field_with_its_high_bit_set_is_read_as_the_reference_reads_it(
     queue_id: int,

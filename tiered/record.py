@@ -1009,9 +1009,11 @@ ColumnsRun = tuple[int, int, DispatchColumns]
 def _fields_within(buf: Buffer, pos: int) -> bool:
     """Whether the record at ``pos`` (not a BLANK one) has a positive size and its body, topic
     and properties lie within ``buf``: what the native column reader checks before it reads
-    them (a slice past the end would quietly be shorter)."""
+    them (a slice past the end would quietly be shorter). A record whose magic code is not
+    ``MAGIC_CODE_V2`` (BLANK padding, or damage) ends the run in both engines, however few
+    bytes follow it, so it counts as within."""
     n = len(buf)
-    if pos + 8 <= n and _I32.unpack_from(buf, pos + 4)[0] == BLANK_MAGIC_CODE:
+    if pos + 8 <= n and _I32.unpack_from(buf, pos + 4)[0] != MAGIC_CODE_V2:
         return True
     if pos + 48 > n:
         return False
