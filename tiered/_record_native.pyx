@@ -40,6 +40,7 @@ cdef extern from "_record_native.h" nogil:
     uint32_t tmq_crc32c_extend3(uint32_t crc, const unsigned char* p, size_t n)
     uint32_t tmq_crc32c_zeros_op(uint64_t n)
     uint32_t tmq_crc32c_combine_op(uint32_t a, uint32_t b, uint32_t op)
+    uint32_t tmq_multmodp(uint32_t a, uint32_t b)
     uint16_t tmq_be16(const unsigned char* p)
     uint32_t tmq_be32(const unsigned char* p)
     uint64_t tmq_be64(const unsigned char* p)
@@ -522,12 +523,86 @@ def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue
 
 # -- scans ----------------------------------------------------------------------------------------
 
+cdef struct CrcShift:
+    # The scan's record CRC joins the body's CRC instead of reading the body again (decision
+    # 650): shifting a CRC over ``length`` bytes is a linear map, applied with four lookups in
+    # ``table``, built for one body length at a time once ``SHIFT_AFTER`` records in a row had it.
+    int64_t length  # what ``table`` shifts over; -1: none yet
+    int64_t seen_length  # the last body length seen, and how many records in a row had it
+    int64_t seen
+    uint32_t table[4][256]
+
+
+DEF SHIFT_AFTER = 8
+
+
+cdef inline void _shift_init(CrcShift* s) noexcept nogil:
+    s.length = -1
+    s.seen_length = -1
+    s.seen = 0
+
+
+cdef void _shift_build(CrcShift* s, int64_t length) noexcept nogil:
+    """``table[k][v]`` = ``v << 8k`` shifted over ``length`` zero bytes: eight products a row,
+    the rest by linearity (about 2,000 operations, a few records' CRC)."""
+    cdef uint32_t op = tmq_crc32c_zeros_op(<uint64_t>length)
+    cdef int k, i
+    cdef uint32_t v
+    for k in range(4):
+        s.table[k][0] = 0
+        for i in range(8):
+            s.table[k][1 << i] = tmq_multmodp(op, (<uint32_t>1 << i) << (8 * k))
+        for v in range(3, 256):
+            if v & (v - 1):
+                s.table[k][v] = s.table[k][v & (v - 1)] ^ s.table[k][v & (~v + 1)]
+    s.length = length
+
+
+cdef inline bint _shift_ready(CrcShift* s, int64_t length) noexcept nogil:
+    """Whether ``s`` shifts over ``length`` bytes, building it when enough records in a row had
+    that length (records of one size are the common case; mixed sizes keep the second read)."""
+    if s.length == length:
+        return True
+    if s.seen_length != length:
+        s.seen_length = length
+        s.seen = 0
+    s.seen += 1
+    if s.seen < SHIFT_AFTER:
+        return False
+    _shift_build(s, length)
+    return True
+
+
+cdef inline bint _record_crc_joined(const unsigned char* b, Py_ssize_t pos, int64_t total,
+                                    Py_ssize_t body_at, int64_t body_len, uint32_t body_crc,
+                                    CrcShift* s) noexcept nogil:
+    """``_record_crc_ok`` from the body's CRC: the header's CRC shifted over the body and
+    joined with it, extended over topic and properties (as the encoder computes it)."""
+    cdef uint32_t whole = tmq_crc32c_extend(0, b + pos, body_at - pos)
+    cdef unsigned char pair[CRC_PAIR]
+    cdef Py_ssize_t tail = body_at + body_len
+    whole = (s.table[0][whole & 0xFF] ^ s.table[1][(whole >> 8) & 0xFF]
+             ^ s.table[2][(whole >> 16) & 0xFF] ^ s.table[3][whole >> 24]) ^ body_crc
+    whole = tmq_crc32c_extend(whole, b + tail, pos + total - CRC_PAIR - tail)
+    _put_crc_pair(pair, whole)
+    return memcmp(pair, b + pos + total - CRC_PAIR, CRC_PAIR) == 0
+
+
 cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
                            bint check_phys, bint check_crc) noexcept nogil:
     """``record.validate``: the record's total size, -1 if malformed, -2 if its body fails its
     CRC, -3 if the record fails its record CRC."""
+    return _check_shift(b, n, pos, phys, check_phys, check_crc, NULL)
+
+
+cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
+                                 int64_t phys, bint check_phys, bint check_crc,
+                                 CrcShift* shift) noexcept nogil:
+    """``_check``; with ``shift``, the record CRC of a run of same-sized bodies reads each
+    body once (the scans)."""
     cdef int64_t total, body_len, p, topic_len, props_len, body_at
     cdef int32_t sys_flag
+    cdef uint32_t body_crc = 0
     if pos < 0 or pos + 48 > n:
         return -1
     if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
@@ -554,13 +629,19 @@ cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
     props_len = tmq_be16(b + p + 2 + topic_len)
     if p + 4 + topic_len + props_len - pos != total:
         return -1
-    if check_crc and tmq_crc32c_extend3(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
-        return -2
+    if check_crc:
+        body_crc = tmq_crc32c_extend3(0, b + body_at, body_len)
+        if body_crc != tmq_be32(b + pos + 8):
+            return -2
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_PAIR:
             return -1
-        if check_crc and not _record_crc_ok(b + pos, total):
-            return -3
+        if check_crc:
+            if shift != NULL and _shift_ready(shift, body_len):
+                if not _record_crc_joined(b, pos, total, body_at, body_len, body_crc, shift):
+                    return -3
+            elif not _record_crc_ok(b + pos, total):
+                return -3
     return total
 
 
@@ -571,6 +652,8 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
     cdef int64_t total
     cdef int32_t magic
     cdef const unsigned char* b = &v[0] if n else NULL
+    cdef CrcShift shift
+    _shift_init(&shift)
     if limit > n:
         limit = n
     if pos < 0:
@@ -581,7 +664,7 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
             magic = <int32_t>tmq_be32(b + pos + 4)
             if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
                 break
-            if _check(b, n, pos, physical_offset, True, check_crc) < 0:
+            if _check_shift(b, n, pos, physical_offset, True, check_crc, &shift) < 0:
                 break
             pos += total
             physical_offset += total
@@ -1360,6 +1443,7 @@ cdef struct ColBuf:
     int64_t queue_slot_key[COL_QUEUE_SLOTS]
     int32_t queue_slot[COL_QUEUE_SLOTS]  # queue number + 1, 0 empty
     Py_ssize_t queues
+    CrcShift shift  # the validating scan's record CRC (decision 650)
 
 
 cdef inline bint _col_key(ColBuf* c, int64_t h, int64_t number) noexcept nogil:
@@ -1559,6 +1643,7 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
     if c == NULL:
         raise MemoryError()
     memset(c, 0, sizeof(ColBuf))
+    _shift_init(&c.shift)
     # The columns are written straight into numpy arrays (untouched pages cost nothing); when
     # they are full the call returns early (status 1). A record is at least 90 bytes, and its
     # properties hold at most 32,769 keys: the encoder writes 32 KiB of them, but the length
@@ -1588,7 +1673,8 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
                     magic = <int32_t>tmq_be32(b + pos + 4)
                     if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
                         break
-                    if _check(b, n, pos, base_offset + pos, True, check_crc) < 0:
+                    if _check_shift(b, n, pos, base_offset + pos, True, check_crc,
+                                    &c.shift) < 0:
                         break
                     if c.len == max_records:
                         status = 1
