@@ -1438,6 +1438,7 @@ cdef struct ColBuf:
     uint32_t topic_crc[COL_MAX_TOPICS]  # CRC32C of ``topic#``, the start of every key hash
     int32_t topic_slot[COL_TOPIC_SLOTS]  # open addressing: topic number + 1, 0 empty
     Py_ssize_t topics
+    int32_t last_topic  # the previous record's topic number: checked before hashing
     # distinct (topic number, queue id) pairs
     int64_t queue_key[COL_MAX_QUEUES]
     int64_t queue_slot_key[COL_QUEUE_SLOTS]
@@ -1458,6 +1459,12 @@ cdef bint _utf8_ok(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     surrogates, nothing past U+10FFFF)."""
     cdef Py_ssize_t i = 0
     cdef unsigned int c, c1
+    cdef uint64_t w
+    while i + 8 <= n:  # ASCII eight bytes at a time (keys and tags mostly are)
+        memcpy(&w, s + i, 8)
+        if w & <uint64_t>0x8080808080808080:
+            break
+        i += 8
     while i < n:
         c = s[i]
         if c < 0x80:
@@ -1522,6 +1529,30 @@ cdef int64_t _col_queue(ColBuf* c, int64_t key, Py_ssize_t* slot_out) noexcept n
         slot = (slot + 1) & (COL_QUEUE_SLOTS - 1)
 
 
+cdef inline void _col_props(const unsigned char* p, Py_ssize_t n,
+                            const unsigned char** tags, Py_ssize_t* tags_n,
+                            const unsigned char** uniq, Py_ssize_t* uniq_n,
+                            const unsigned char** keys, Py_ssize_t* keys_n) noexcept nogil:
+    """``_prop_value`` for TAGS, UNIQ_KEY and KEYS in one pass over the pairs: the first pair
+    of each name (a name includes its \\x01)."""
+    cdef Py_ssize_t at = 0, end, m
+    cdef const unsigned char* hit
+    while at <= n:
+        hit = <const unsigned char*>memchr(p + at, 2, n - at) if at < n else NULL
+        end = (hit - p) if hit != NULL else n
+        m = end - at
+        if m >= 5 and keys[0] == NULL and memcmp(p + at, b"KEYS\x01", 5) == 0:
+            keys[0] = p + at + 5
+            keys_n[0] = m - 5
+        elif m >= 5 and tags[0] == NULL and memcmp(p + at, b"TAGS\x01", 5) == 0:
+            tags[0] = p + at + 5
+            tags_n[0] = m - 5
+        elif m >= 9 and uniq[0] == NULL and memcmp(p + at, b"UNIQ_KEY\x01", 9) == 0:
+            uniq[0] = p + at + 9
+            uniq_n[0] = m - 9
+        at = end + 1
+
+
 cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
                      int64_t base_offset) noexcept nogil:
     """Append the record at ``pos`` to the columns: 0 done, 1 a table is full (nothing
@@ -1555,8 +1586,11 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
     if p + 4 + topic_len + props_len > n:
         return 2
     # Everything that can refuse the record is checked before anything is taken.
-    h = tmq_crc32c_extend(0, tp, topic_len) if topic_len else 0
-    topic = _col_topic(c, tp, topic_len, h, &topic_at)
+    h = 0
+    topic = c.last_topic
+    if topic < 0 or c.topic_n[topic] != topic_len or memcmp(c.topic_p[topic], tp, topic_len):
+        h = tmq_crc32c_extend(0, tp, topic_len) if topic_len else 0
+        topic = _col_topic(c, tp, topic_len, h, &topic_at)
     if topic < 0:
         if c.topics == COL_MAX_TOPICS:
             return 1
@@ -1571,9 +1605,7 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
         return 1
     if props_len:
         p += 4 + topic_len
-        tags = _prop_value(b + p, props_len, b"TAGS\x01", 5, &tags_n)
-        uniq = _prop_value(b + p, props_len, b"UNIQ_KEY\x01", 9, &uniq_n)
-        keys = _prop_value(b + p, props_len, b"KEYS\x01", 5, &keys_n)
+        _col_props(b + p, props_len, &tags, &tags_n, &uniq, &uniq_n, &keys, &keys_n)
         if ((tags != NULL and not _utf8_ok(tags, tags_n))
                 or (uniq != NULL and not _utf8_ok(uniq, uniq_n))
                 or (keys != NULL and not _utf8_ok(keys, keys_n))):
@@ -1622,6 +1654,7 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
             return 3
         at = end + 1
     c.len += 1
+    c.last_topic = topic
     return 0
 
 
@@ -1644,6 +1677,7 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
         raise MemoryError()
     memset(c, 0, sizeof(ColBuf))
     _shift_init(&c.shift)
+    c.last_topic = -1
     # The columns are written straight into numpy arrays (untouched pages cost nothing); when
     # they are full the call returns early (status 1). A record is at least 90 bytes, and its
     # properties hold at most 32,769 keys: the encoder writes 32 KiB of them, but the length
