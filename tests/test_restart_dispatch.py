@@ -172,6 +172,33 @@ def test_text_that_is_not_utf8_stops_the_columns_at_its_record(
         assert field[0] == value[:-1] + "\ufffd", where
 
 
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("KEYS", b"\xff"), ("TAGS", b"\xed\xa0\x80"), ("UNIQ_KEY", b"\xc3"), ("KEYS", b"\xf4\x90")],
+)
+@pytest.mark.parametrize("after", [0, 7, 8, 9, 16, 23])
+def test_text_not_utf8_past_a_run_of_ascii_stops_the_columns(
+    field: str, bad: bytes, after: int
+) -> None:
+    """The native UTF-8 check passes ASCII eight bytes at a time (decision 651): a bad sequence
+    after any number of ASCII bytes stops the columns at its record, as the reference does."""
+    value = "v" * 30
+    props = {"TAGS": value, "KEYS": value, "UNIQ_KEY": value}
+    messages = [Message(topic="ok", body=b"b", properties=props) for _ in range(3)]
+    data = bytearray(run_of(messages) + blank_record(8))
+    second = len(run_of(messages[:1]))
+    at = data.index(field.encode() + b"\x01", second) + len(field) + 1 + after
+    data[at : at + len(bad)] = bad
+    (total,) = struct.unpack_from(">i", data, second)
+    end = second + total
+    data[end - record.CRC_TRAILER_SIZE : end] = record.crc_trailer(
+        crc32c(bytes(data[second : end - record.CRC_TRAILER_SIZE]))
+    )
+    for engine in (NATIVE, PY):
+        pos, status, arrays, _ = columns(engine, data, True)
+        assert (pos, status, len(arrays[0])) == (second, 2, 1), engine
+
+
 # -- a whole store -----------------------------------------------------------------------------
 
 

@@ -45,6 +45,7 @@ cdef extern from "_record_native.h" nogil:
     uint32_t tmq_crc32c_extend3(uint32_t crc, const unsigned char* p, size_t n)
     uint32_t tmq_crc32c_zeros_op(uint64_t n)
     uint32_t tmq_crc32c_combine_op(uint32_t a, uint32_t b, uint32_t op)
+    uint32_t tmq_multmodp(uint32_t a, uint32_t b)
     uint16_t tmq_be16(const unsigned char* p)
     uint32_t tmq_be32(const unsigned char* p)
     uint64_t tmq_be64(const unsigned char* p)
@@ -547,12 +548,86 @@ def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue
 
 # -- scans ----------------------------------------------------------------------------------------
 
+cdef struct CrcShift:
+    # The scan's record CRC joins the body's CRC instead of reading the body again (decision
+    # 650): shifting a CRC over ``length`` bytes is a linear map, applied with four lookups in
+    # ``table``, built for one body length at a time once ``SHIFT_AFTER`` records in a row had it.
+    int64_t length  # what ``table`` shifts over; -1: none yet
+    int64_t seen_length  # the last body length seen, and how many records in a row had it
+    int64_t seen
+    uint32_t table[4][256]
+
+
+DEF SHIFT_AFTER = 8
+
+
+cdef inline void _shift_init(CrcShift* s) noexcept nogil:
+    s.length = -1
+    s.seen_length = -1
+    s.seen = 0
+
+
+cdef void _shift_build(CrcShift* s, int64_t length) noexcept nogil:
+    """``table[k][v]`` = ``v << 8k`` shifted over ``length`` zero bytes: eight products a row,
+    the rest by linearity (about 2,000 operations, a few records' CRC)."""
+    cdef uint32_t op = tmq_crc32c_zeros_op(<uint64_t>length)
+    cdef int k, i
+    cdef uint32_t v
+    for k in range(4):
+        s.table[k][0] = 0
+        for i in range(8):
+            s.table[k][1 << i] = tmq_multmodp(op, (<uint32_t>1 << i) << (8 * k))
+        for v in range(3, 256):
+            if v & (v - 1):
+                s.table[k][v] = s.table[k][v & (v - 1)] ^ s.table[k][v & (~v + 1)]
+    s.length = length
+
+
+cdef inline bint _shift_ready(CrcShift* s, int64_t length) noexcept nogil:
+    """Whether ``s`` shifts over ``length`` bytes, building it when enough records in a row had
+    that length (records of one size are the common case; mixed sizes keep the second read)."""
+    if s.length == length:
+        return True
+    if s.seen_length != length:
+        s.seen_length = length
+        s.seen = 0
+    s.seen += 1
+    if s.seen < SHIFT_AFTER:
+        return False
+    _shift_build(s, length)
+    return True
+
+
+cdef inline bint _record_crc_joined(const unsigned char* b, Py_ssize_t pos, int64_t total,
+                                    Py_ssize_t body_at, int64_t body_len, uint32_t body_crc,
+                                    CrcShift* s) noexcept nogil:
+    """``_record_crc_ok`` from the body's CRC: the header's CRC shifted over the body and
+    joined with it, extended over topic and properties (as the encoder computes it)."""
+    cdef uint32_t whole = tmq_crc32c_extend(0, b + pos, body_at - pos)
+    cdef unsigned char pair[CRC_PAIR]
+    cdef Py_ssize_t tail = body_at + body_len
+    whole = (s.table[0][whole & 0xFF] ^ s.table[1][(whole >> 8) & 0xFF]
+             ^ s.table[2][(whole >> 16) & 0xFF] ^ s.table[3][whole >> 24]) ^ body_crc
+    whole = tmq_crc32c_extend(whole, b + tail, pos + total - CRC_PAIR - tail)
+    _put_crc_pair(pair, whole)
+    return memcmp(pair, b + pos + total - CRC_PAIR, CRC_PAIR) == 0
+
+
 cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos, int64_t phys,
                            bint check_phys, bint check_crc) noexcept nogil:
     """``record.validate``: the record's total size, -1 if malformed, -2 if its body fails its
     CRC, -3 if the record fails its record CRC."""
+    return _check_shift(b, n, pos, phys, check_phys, check_crc, NULL)
+
+
+cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
+                                 int64_t phys, bint check_phys, bint check_crc,
+                                 CrcShift* shift) noexcept nogil:
+    """``_check``; with ``shift``, the record CRC of a run of same-sized bodies reads each
+    body once (the scans)."""
     cdef int64_t total, body_len, p, topic_len, props_len, body_at
     cdef int32_t sys_flag
+    cdef uint32_t body_crc = 0
     if pos < 0 or pos + 48 > n:
         return -1
     if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
@@ -579,13 +654,19 @@ cdef inline int64_t _check(const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
     props_len = tmq_be16(b + p + 2 + topic_len)
     if p + 4 + topic_len + props_len - pos != total:
         return -1
-    if check_crc and tmq_crc32c_extend3(0, b + body_at, body_len) != tmq_be32(b + pos + 8):
-        return -2
+    if check_crc:
+        body_crc = tmq_crc32c_extend3(0, b + body_at, body_len)
+        if body_crc != tmq_be32(b + pos + 8):
+            return -2
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_PAIR:
             return -1
-        if check_crc and not _record_crc_ok(b + pos, total):
-            return -3
+        if check_crc:
+            if shift != NULL and _shift_ready(shift, body_len):
+                if not _record_crc_joined(b, pos, total, body_at, body_len, body_crc, shift):
+                    return -3
+            elif not _record_crc_ok(b + pos, total):
+                return -3
     return total
 
 
@@ -596,6 +677,8 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
     cdef int64_t total
     cdef int32_t magic
     cdef const unsigned char* b = &v[0] if n else NULL
+    cdef CrcShift shift
+    _shift_init(&shift)
     if limit > n:
         limit = n
     if pos < 0:
@@ -606,7 +689,7 @@ def scan_records(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t physical_offset,
             magic = <int32_t>tmq_be32(b + pos + 4)
             if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
                 break
-            if _check(b, n, pos, physical_offset, True, check_crc) < 0:
+            if _check_shift(b, n, pos, physical_offset, True, check_crc, &shift) < 0:
                 break
             pos += total
             physical_offset += total
@@ -1386,11 +1469,13 @@ cdef struct ColBuf:
     uint32_t topic_crc[COL_MAX_TOPICS]  # CRC32C of ``topic#``, the start of every key hash
     int32_t topic_slot[COL_TOPIC_SLOTS]  # open addressing: topic number + 1, 0 empty
     Py_ssize_t topics
+    int32_t last_topic  # the previous record's topic number: checked before hashing
     # distinct (topic number, queue id) pairs
     int64_t queue_key[COL_MAX_QUEUES]
     int64_t queue_slot_key[COL_QUEUE_SLOTS]
     int32_t queue_slot[COL_QUEUE_SLOTS]  # queue number + 1, 0 empty
     Py_ssize_t queues
+    CrcShift shift  # the validating scan's record CRC (decision 650)
 
 
 cdef inline bint _col_key(ColBuf* c, int64_t h, int64_t number) noexcept nogil:
@@ -1405,6 +1490,12 @@ cdef bint _utf8_ok(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     surrogates, nothing past U+10FFFF)."""
     cdef Py_ssize_t i = 0
     cdef unsigned int c, c1
+    cdef uint64_t w
+    while i + 8 <= n:  # ASCII eight bytes at a time (keys and tags mostly are)
+        memcpy(&w, s + i, 8)
+        if w & <uint64_t>0x8080808080808080:
+            break
+        i += 8
     while i < n:
         c = s[i]
         if c < 0x80:
@@ -1469,6 +1560,30 @@ cdef int64_t _col_queue(ColBuf* c, int64_t key, Py_ssize_t* slot_out) noexcept n
         slot = (slot + 1) & (COL_QUEUE_SLOTS - 1)
 
 
+cdef inline void _col_props(const unsigned char* p, Py_ssize_t n,
+                            const unsigned char** tags, Py_ssize_t* tags_n,
+                            const unsigned char** uniq, Py_ssize_t* uniq_n,
+                            const unsigned char** keys, Py_ssize_t* keys_n) noexcept nogil:
+    """``_prop_value`` for TAGS, UNIQ_KEY and KEYS in one pass over the pairs: the first pair
+    of each name (a name includes its \\x01)."""
+    cdef Py_ssize_t at = 0, end, m
+    cdef const unsigned char* hit
+    while at <= n:
+        hit = <const unsigned char*>memchr(p + at, 2, n - at) if at < n else NULL
+        end = (hit - p) if hit != NULL else n
+        m = end - at
+        if m >= 5 and keys[0] == NULL and memcmp(p + at, b"KEYS\x01", 5) == 0:
+            keys[0] = p + at + 5
+            keys_n[0] = m - 5
+        elif m >= 5 and tags[0] == NULL and memcmp(p + at, b"TAGS\x01", 5) == 0:
+            tags[0] = p + at + 5
+            tags_n[0] = m - 5
+        elif m >= 9 and uniq[0] == NULL and memcmp(p + at, b"UNIQ_KEY\x01", 9) == 0:
+            uniq[0] = p + at + 9
+            uniq_n[0] = m - 9
+        at = end + 1
+
+
 cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t pos,
                      int64_t base_offset) noexcept nogil:
     """Append the record at ``pos`` to the columns: 0 done, 1 a table is full (nothing
@@ -1502,8 +1617,11 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
     if p + 4 + topic_len + props_len > n:
         return 2
     # Everything that can refuse the record is checked before anything is taken.
-    h = tmq_crc32c_extend(0, tp, topic_len) if topic_len else 0
-    topic = _col_topic(c, tp, topic_len, h, &topic_at)
+    h = 0
+    topic = c.last_topic
+    if topic < 0 or c.topic_n[topic] != topic_len or memcmp(c.topic_p[topic], tp, topic_len):
+        h = tmq_crc32c_extend(0, tp, topic_len) if topic_len else 0
+        topic = _col_topic(c, tp, topic_len, h, &topic_at)
     if topic < 0:
         if c.topics == COL_MAX_TOPICS:
             return 1
@@ -1518,9 +1636,7 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
         return 1
     if props_len:
         p += 4 + topic_len
-        tags = _prop_value(b + p, props_len, b"TAGS\x01", 5, &tags_n)
-        uniq = _prop_value(b + p, props_len, b"UNIQ_KEY\x01", 9, &uniq_n)
-        keys = _prop_value(b + p, props_len, b"KEYS\x01", 5, &keys_n)
+        _col_props(b + p, props_len, &tags, &tags_n, &uniq, &uniq_n, &keys, &keys_n)
         if ((tags != NULL and not _utf8_ok(tags, tags_n))
                 or (uniq != NULL and not _utf8_ok(uniq, uniq_n))
                 or (keys != NULL and not _utf8_ok(keys, keys_n))):
@@ -1569,6 +1685,7 @@ cdef int _col_record(ColBuf* c, const unsigned char* b, Py_ssize_t n, Py_ssize_t
             return 3
         at = end + 1
     c.len += 1
+    c.last_topic = topic
     return 0
 
 
@@ -1590,6 +1707,8 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
     if c == NULL:
         raise MemoryError()
     memset(c, 0, sizeof(ColBuf))
+    _shift_init(&c.shift)
+    c.last_topic = -1
     # The columns are written straight into numpy arrays (untouched pages cost nothing); when
     # they are full the call returns early (status 1). A record is at least 90 bytes, and its
     # properties hold at most 32,769 keys: the encoder writes 32 KiB of them, but the length
@@ -1619,7 +1738,8 @@ def dispatch_columns(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset,
                     magic = <int32_t>tmq_be32(b + pos + 4)
                     if magic != MAGIC_V2 or not (0 < total <= limit - pos - BLANK):
                         break
-                    if _check(b, n, pos, base_offset + pos, True, check_crc) < 0:
+                    if _check_shift(b, n, pos, base_offset + pos, True, check_crc,
+                                    &c.shift) < 0:
                         break
                     if c.len == max_records:
                         status = 1
