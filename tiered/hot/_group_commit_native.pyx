@@ -2,9 +2,9 @@
 """The native twin of group commit's batch bookkeeping (``tiered.hot.group_commit``).
 
 The pure-Python ``PythonBatchGate`` there is the reference; ``NativeBatchGate`` has the same
-methods and the same numbering, but its writers sleep on a pthread condition variable with the
-GIL released, and the flusher wakes a whole batch with one ``pthread_cond_broadcast`` made
-without the GIL. A Python ``threading.Condition`` costs, per writer and per batch, a lock
+methods and the same numbering, but its writers sleep on a futex word with the GIL released,
+and the flusher wakes a whole batch with one ``FUTEX_WAKE`` made without the GIL and without
+the gate's mutex (decision 610). A Python ``threading.Condition`` costs, per writer and per batch, a lock
 allocated for the wait, a deque entry, one ``release`` in ``notify_all`` made holding the GIL,
 and a second lock (the condition's) that every woken writer takes again in turn: on two busy
 cores that churn, not the fsync, bounded single SYNC sends (decision 420).
@@ -46,6 +46,47 @@ cdef extern from "<pthread.h>" nogil:
 
 cdef extern from "<unistd.h>" nogil:
     int fdatasync(int fd)
+
+# A batch's writers sleep on a futex word of their own (one per parity of the batch number) and
+# check the finished batch number with an atomic load: woken, they return without taking the
+# gate's mutex again. ``pthread_cond_wait`` re-takes it, so one broadcast to a batch of N
+# writers made them queue on that mutex one after another, each unlock waking the next: about
+# a third of the process's futex calls (decision 610).
+cdef extern from *:
+    """
+    #include <limits.h>
+    #include <linux/futex.h>
+    #include <stdint.h>
+    #include <sys/syscall.h>
+    #include <unistd.h>
+
+    static inline int64_t tmq_load64(const int64_t *p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    }
+    static inline void tmq_store64(int64_t *p, int64_t v) {
+        __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+    }
+    static inline uint32_t tmq_load32(const uint32_t *p) {
+        return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    }
+    /* Sleep while *word == expected (returns at once if it differs; spurious returns too). */
+    static inline void tmq_futex_wait(uint32_t *word, uint32_t expected) {
+        syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+    }
+    static inline void tmq_bump32(uint32_t *word) {
+        __atomic_add_fetch(word, 1, __ATOMIC_SEQ_CST);
+    }
+    /* Wake every thread sleeping on the word (after it changed). */
+    static inline void tmq_futex_wake_all(uint32_t *word) {
+        syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
+    """
+    int64_t tmq_load64(const int64_t* p) noexcept nogil
+    void tmq_store64(int64_t* p, int64_t v) noexcept nogil
+    unsigned int tmq_load32(const unsigned int* p) noexcept nogil
+    void tmq_futex_wait(unsigned int* word, unsigned int expected) noexcept nogil
+    void tmq_bump32(unsigned int* word) noexcept nogil
+    void tmq_futex_wake_all(unsigned int* word) noexcept nogil
 
 name = "native"
 
@@ -159,9 +200,13 @@ cdef class NativeBatchGate:
 
     cdef pthread_mutex_t _mutex
     cdef pthread_cond_t _work  # the flusher waits here for requests
-    cdef pthread_cond_t _done[2]  # writers of a batch, by the batch number's parity
+    # Writers of a batch sleep on the futex word of its number's parity; the flusher bumps it
+    # after raising ``_finished`` (only the batch being fsynced and the open one have writers).
+    cdef unsigned int _done[2]
     cdef int64_t _open  # the batch requests join now
-    cdef int64_t _finished  # every batch up to this one has been fsynced (or failed)
+    # Every batch up to this one has been fsynced (or failed). Written under ``_mutex`` with
+    # atomic stores; a woken writer reads it with an atomic load, without ``_mutex``.
+    cdef int64_t _finished
     cdef int64_t _pending  # requests in the open batch
     cdef int64_t _population  # writers the last round served: the flusher waits for as many
     cdef int64_t _want  # > 0 while the flusher waits for that many requests
@@ -190,8 +235,6 @@ cdef class NativeBatchGate:
         pthread_condattr_init(&attr)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
         pthread_cond_init(&self._work, &attr)
-        pthread_cond_init(&self._done[0], NULL)
-        pthread_cond_init(&self._done[1], NULL)
         pthread_condattr_destroy(&attr)
         self._open = 1
         self._finished = 0
@@ -206,8 +249,6 @@ cdef class NativeBatchGate:
         if self._retired_fd >= 0:
             close(self._retired_fd)
         pthread_cond_destroy(&self._work)
-        pthread_cond_destroy(&self._done[0])
-        pthread_cond_destroy(&self._done[1])
         pthread_mutex_destroy(&self._mutex)
 
     @property
@@ -294,6 +335,8 @@ cdef class NativeBatchGate:
         finished; returns its number, 0 when an earlier flush covered ``end`` already, or -1
         at once when no flusher runs (the caller flushes for itself)."""
         cdef int64_t batch = -1
+        cdef unsigned int* word
+        cdef unsigned int seen
         with nogil:
             pthread_mutex_lock(&self._mutex)
             if 0 < end <= self._flushed:
@@ -307,9 +350,16 @@ cdef class NativeBatchGate:
                 # waiting for reached; not once per writer.
                 if self._idle or (self._want > 0 and self._pending >= self._want):
                     pthread_cond_signal(&self._work)
-                while self._finished < batch:
-                    pthread_cond_wait(&self._done[batch & 1], &self._mutex)
             pthread_mutex_unlock(&self._mutex)
+            if batch > 0:
+                word = &self._done[batch & 1]
+                while True:
+                    # The word is read before ``_finished``: a finish after that read changes
+                    # the word first, so the wait returns at once (no lost wake-up).
+                    seen = tmq_load32(word)
+                    if tmq_load64(&self._finished) >= batch:
+                        break
+                    tmq_futex_wait(word, seen)
         return batch
 
     cdef int64_t _take(self, double max_wait) noexcept nogil:
@@ -340,9 +390,15 @@ cdef class NativeBatchGate:
         return self._open - 1
 
     cdef void _finish(self, int64_t batch, int64_t served) noexcept nogil:
-        self._finished = batch
+        """Mark ``batch`` finished (``_mutex`` held); the caller wakes its writers with
+        ``_wake_batch`` once it has let go of ``_mutex``, so that joining writers do not queue
+        on it behind the wake-up's system call."""
+        tmq_store64(&self._finished, batch)
         self._population = served + self._pending
-        pthread_cond_broadcast(&self._done[batch & 1])
+        tmq_bump32(&self._done[batch & 1])
+
+    cdef void _wake_batch(self, int64_t batch) noexcept nogil:
+        tmq_futex_wake_all(&self._done[batch & 1])
 
     def take(self, double max_wait):
         """The flusher closes the open batch: waits for a first request, then up to
@@ -361,11 +417,12 @@ cdef class NativeBatchGate:
         return batch, served
 
     def finish(self, int64_t batch, int64_t served):
-        """Batch ``batch`` is fsynced (or failed): wake its writers, all with one broadcast."""
+        """Batch ``batch`` is fsynced (or failed): wake its writers, all with one wake-up."""
         with nogil:
             pthread_mutex_lock(&self._mutex)
             self._finish(batch, served)
             pthread_mutex_unlock(&self._mutex)
+            self._wake_batch(batch)
 
     def serve(self):
         """The flusher's loop, without the GIL: close a batch, ``fdatasync`` the file its bytes
@@ -430,4 +487,5 @@ cdef class NativeBatchGate:
                 if self._wake is not None:
                     self._wake.fire()
                 pthread_mutex_unlock(&self._mutex)
+                self._wake_batch(batch)
         return code, batch, served, err

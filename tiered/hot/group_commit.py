@@ -26,7 +26,8 @@ one ever have writers, so a wake-up never reaches the other's). No object is mad
 per send (decision 321). The bookkeeping is a *batch gate* with two implementations of one
 interface: ``PythonBatchGate`` (the reference, on ``threading.Condition``) and the native
 ``NativeBatchGate`` (``tiered/hot/_group_commit_native.pyx``), whose writers sleep with the GIL
-released and are woken by one broadcast made without it (decision 420). ``TMQ_PURE_PYTHON=1``
+released and are woken by one broadcast made without it (decision 420), on a futex word they
+leave without taking the gate's mutex again (decision 610). ``TMQ_PURE_PYTHON=1``
 picks the reference, as it does for the record engine.
 
 The native gate also runs the flusher's loop itself (``serve``, decision 580): writers join with
