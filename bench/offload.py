@@ -37,6 +37,7 @@ import botocore.config
 import google_crc32c
 
 from offload.offloader import Offloader, OffloadPolicy
+from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from tiered.cold.counting import CountingObjectStore
 from tiered.cold.storage import open_store
 from tiered.cold.worker import ColdWorker, run_job, warm_up
@@ -126,11 +127,19 @@ def offload_round(
     PUT of the worker besides), and the worker's peak memory."""
     options = {"endpoint_url": endpoint}
     tier = CountingObjectStore(open_store(f"s3://{bucket}/{prefix}", options))
-    worker = ColdWorker(f"s3://{bucket}/{prefix}", options)
+    policy = OffloadPolicy(segment_max_bytes=SEGMENT_BYTES)
+    # As the broker makes it (broker/server.py): a thread per PUT and one to build ahead, and
+    # the upload job's modules imported at its start.
+    worker = ColdWorker(
+        f"s3://{bucket}/{prefix}",
+        options,
+        threads=worker_threads(policy.parallel_uploads),
+        preload=WORKER_PRELOAD,
+    )
     worker.start()
     try:
-        run_job(worker, warm_up)  # started and connected, as a broker's is long before
-        policy = OffloadPolicy(segment_max_bytes=SEGMENT_BYTES)
+        # Started, connected and its modules imported, as a broker's is long before.
+        run_job(worker, warm_up)
         offloader = Offloader(store, tier, "bench", "broker-a", policy, runner=worker)
         for q in range(QUEUES):
             # Loaded and claimed first (the claim sweeps the queue's prefix once per process),

@@ -44,6 +44,7 @@ from lakehouse.runner import ContinuousExport
 from offload.leadership import Term
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
+from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
 from remoting.auth import Authenticator, AuthInterceptor
 from remoting.grpc_server import listen, new_server
@@ -99,7 +100,9 @@ class Broker:
                 config.tier_url,
                 config.tier_options,
                 config.retry,
+                threads=worker_threads(config.offload.parallel_uploads),
                 max_inflight=max(16, 4 * config.offload.parallel_uploads),
+                preload=WORKER_PRELOAD,
             )
             self.fetcher = ColdFetcher(
                 self.tier,

@@ -48,7 +48,7 @@ from typing import TypeVar
 import numpy as np
 
 from offload.leadership import Leadership, Term, single_broker
-from offload.segment_upload import SegmentJob, upload_segment
+from offload.segment_upload import SegmentJob, upload_segment, worker_threads
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
@@ -84,8 +84,9 @@ class OffloadPolicy:
     upload_min_messages: int = 10_000
     segment_max_bytes: int = 64 * 1024 * 1024
     segment_max_messages: int = 100_000
-    # Segments being built and uploaded at once (the worker's queue is bounded by this too):
-    # one PUT at a time leaves the link idle while the next segment is built.
+    # Segment PUTs at once (one queue's, and the cold worker's across queues); one segment more
+    # per queue is handed over, to be built while they run (decision 630): one PUT at a time
+    # leaves the link idle while the next segment is built.
     parallel_uploads: int = 4
 
 
@@ -197,7 +198,9 @@ class Offloader:
         self._guard = threading.Lock()
         parallel = max(1, self.policy.parallel_uploads)
         self._own_runner = runner is None
-        self.runner = runner or LocalRunner(tier, threads=parallel, max_inflight=parallel)
+        self.runner = runner or LocalRunner(
+            tier, threads=worker_threads(parallel), max_inflight=worker_threads(parallel)
+        )
         self._queues_pool = ThreadPoolExecutor(parallel, thread_name_prefix="tmq-offload")
 
     def manifests(self, topic: str, queue_id: int) -> ManifestLog:
@@ -415,12 +418,15 @@ class Offloader:
                 self._commit(topic, queue_id, manifest)
             plans = self._plan_segments(topic, queue_id, manifest.end_offset, target)
             parallel = max(1, self.policy.parallel_uploads)
+            # One job more than the PUTs at once: the worker builds it while they run and
+            # starts its PUT the moment one ends (decision 630).
+            in_flight = parallel + 1
             uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]] = deque()
             # Uploaded and verified, not committed yet: offset order, each continuing the last.
             landed: list[SegmentInfo] = []
             try:
                 while True:
-                    self._fill(uploads, plans, parallel)
+                    self._fill(uploads, plans, in_flight)
                     if not uploads:
                         break
                     job, future = uploads[0]
@@ -431,7 +437,7 @@ class Offloader:
                     # offset order (decision 411).
                     while uploads and _landed(uploads[0][1]):
                         landed.append(uploads.popleft()[1].result())
-                    self._fill(uploads, plans, parallel)
+                    self._fill(uploads, plans, in_flight)
                     # One manifest version (a PUT, a LIST, a prune) when nothing more of the
                     # queue is in flight or a pipeline's worth has landed, not one per batch
                     # that happened to land together: a pass of a few segments per queue makes
@@ -601,6 +607,7 @@ class Offloader:
                 entries=entries[:count].tobytes(),
                 commitlog_dir=str(config.commitlog_dir),
                 commitlog_file_size=config.commitlog_file_size,
+                put_slots=max(1, self.policy.parallel_uploads),
             )
             start += count
 

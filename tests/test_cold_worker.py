@@ -179,3 +179,25 @@ def test_the_worker_runs_below_the_brokers_cpu_priority(tmp_path: Path) -> None:
         assert run_job(unniced, _priority) == mine
     finally:
         unniced.close()
+
+
+def _maps(pid: int | None) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_worker_imports_its_preload_modules_before_its_first_job(tmp_path: Path) -> None:
+    """The upload job's modules (numpy, the record engine) are loaded at the worker's start,
+    not by the first upload's unpickling in the loop that receives every job (decision 631);
+    without ``preload`` they are not (the first job pays for them)."""
+    from offload.segment_upload import WORKER_PRELOAD
+    from tiered.cold.worker import warm_up
+
+    numpy_core = "_multiarray_umath"
+    for preload, loaded in ((WORKER_PRELOAD, True), ((), False)):
+        w = ColdWorker(f"file://{tmp_path}/tier", preload=preload)
+        w.start()
+        try:
+            run_job(w, warm_up)  # received after the preload: the child's loop runs it first
+            assert (numpy_core in _maps(w.pid)) is loaded
+        finally:
+            w.close()

@@ -135,14 +135,15 @@ def test_uploads_that_landed_together_are_committed_in_one_manifest_version(
 ) -> None:
     fill(hot, "orders", 3000)
     before = snapshot(hot, "orders", 0)
-    policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
+    policy = OffloadPolicy(segment_max_messages=250, parallel_uploads=4)
     offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=InlineRunner(tier))
     start = offloader.manifest("orders", 0).version
     result = offloader.offload_queue("orders", 0)
     manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0)).load()
-    assert result.segments == len(manifest.segments) == 5 and result.watermark == len(before)
-    # Four uploads in flight had landed when the first was waited for: one version for them,
-    # one for the fifth; not a version (a PUT, a LIST and a prune) per segment.
+    assert result.segments == len(manifest.segments) == 6 and result.watermark == len(before)
+    # Five uploads in flight (four PUTs and one built ahead, decision 630) had landed when the
+    # first was waited for: one version for them, one for the sixth; not a version (a PUT, a
+    # LIST and a prune) per segment.
     assert manifest.version - start == 2
     assert read_tier(tier, "orders", 0) == before
     offloader.close()
@@ -216,6 +217,73 @@ def test_a_pass_commits_one_manifest_version_for_uploads_that_land_one_by_one(
     manifest = log.load()
     assert result.segments == len(manifest.segments) == 3 and result.watermark == len(before)
     assert manifest.version - start == 1
+    assert read_tier(tier, "orders", 0) == before
+    offloader.close()
+
+
+class PutGate:
+    """The tier, with every segment PUT held until ``open`` is set; counts the PUTs under way
+    and the most seen at once. Manifest commits pass straight through."""
+
+    def __init__(self, tier: ObjectStore) -> None:
+        self.tier = tier
+        self.open = threading.Event()
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.most = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tier, name)
+
+    def put_if_absent(self, key: str, data: bytes, **kwargs: Any) -> bool:
+        if "/segments/" not in key:
+            return self.tier.put_if_absent(key, data, **kwargs)
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            assert self.open.wait(60), "the test never opened the gate"
+            return self.tier.put_if_absent(key, data, **kwargs)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_the_next_segment_is_built_while_the_puts_run_and_puts_stay_bounded(
+    hot: MessageStore, tier: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``parallel_uploads`` PUTs held open, one more segment of the queue is built (sealed)
+    meanwhile, ready for the first slot that frees, and no further PUT starts (decision 630)."""
+    import offload.segment_upload as segment_upload
+
+    sealed: list[str] = []
+    real_seal = segment_upload.seal
+
+    def counting_seal(*args: Any, **kwargs: Any) -> Any:
+        info = real_seal(*args, **kwargs)
+        sealed.append(info.key)
+        return info
+
+    monkeypatch.setattr(segment_upload, "seal", counting_seal)
+    fill(hot, "orders", 1200, queues=1)
+    before = snapshot(hot, "orders", 0)
+    gate = PutGate(tier)
+    policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=2)
+    offloader = Offloader(hot, gate, "c1", "broker-a", policy)  # type: ignore[arg-type]
+    with ThreadPoolExecutor(1) as pool:
+        passing = pool.submit(offloader.offload_queue, "orders", 0)
+        try:
+            deadline = time.monotonic() + 30
+            while (gate.inside < 2 or len(sealed) < 3) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # a third PUT or a fourth build would have started by now
+            assert gate.inside == 2 and gate.most == 2, "PUTs at once: parallel_uploads"
+            assert len(sealed) == 3, "one segment built ahead while both PUTs are held"
+        finally:
+            gate.open.set()
+        result = passing.result(60)
+    assert result.segments == 4 and result.watermark == len(before)
+    assert gate.most == 2
     assert read_tier(tier, "orders", 0) == before
     offloader.close()
 
