@@ -179,9 +179,14 @@ class LiveTopic:
                 )
                 for i in range(per_tick)
             ]
-            store.put_messages(batch)
+            stored = store.put_messages(batch)
             n += per_tick
-            ends = {q: store.max_offset(self.topic, q) for q in range(queues)}
+            # The batch's own queue offsets: ``max_offset`` is what the dispatcher has reached,
+            # which under ASYNC flush may not include this batch yet, and an end read from it
+            # let the freshness loop stop before the batch's last messages were exported.
+            ends: dict[int, int] = {}
+            for msg, queue_offset in zip(batch, stored.queue_offsets, strict=True):
+                ends[msg.queue_id] = max(ends.get(msg.queue_id, 0), queue_offset + 1)
             self.produced.append((time.monotonic(), ends))
 
     def _offload(self) -> None:
