@@ -26,7 +26,6 @@ from broker.metadata import BrokerMetadata, GroupConfig
 from broker.timer import ENTRY as TIMER_ENTRY
 from broker.timer import PROPERTY_DELIVER_TIME, TimerLog, TimerService, as_timer_message
 from tiered.config import StoreConfig
-from tiered.hot.commitlog import DiskFullError
 from tiered.record import PROPERTY_UNIQ_KEY, Message
 from tiered.store import GetStatus, MessageStore, StoreLoadError
 
@@ -456,60 +455,3 @@ def test_an_indexfile_the_full_disk_cannot_size_leaves_no_file_behind(small_disk
         filler.unlink()
     index.new_file(0).close()
     assert len(os.listdir(small_disk / "index")) == 1
-
-
-@pytest.mark.parametrize("flush", ["sync", "async"])
-def test_small_records_the_index_cannot_keep_up_with_are_refused_not_acknowledged(
-    small_disk: Path, flush: str
-) -> None:
-    """Small records with ten keys each need more ConsumeQueue and IndexFile bytes than the
-    roll's fixed reserve (decision 63) leaves: the broker filled its own disk, kept
-    acknowledging appends into its open CommitLog file, and the dispatcher failed with ENOSPC,
-    so acknowledged messages were readable by no consumer while the disk stayed full
-    (decision 662's "left open"). A roll now reserves what the records not yet dispatched and
-    the next file's will need, at the measured rates (decision 670): the appends are refused
-    as "the disk is full" first, and every acknowledged one is readable and found by key."""
-    config = StoreConfig(
-        data_dir=small_disk / "data",
-        flush=flush,  # type: ignore[arg-type]
-        flush_interval_ms=20,
-        commitlog_file_size=2 << 20,
-        consumequeue_entries_per_file=1000,
-        index_hash_slots=1000,
-        index_max_entries=4000,
-    )
-    store = MessageStore(config)
-    store.start()
-    acked = 0
-    refusal = ""
-    try:
-        while acked < 200_000:
-            batch = [
-                Message(
-                    topic="t",
-                    queue_id=0,
-                    body=b"x",
-                    properties={"KEYS": " ".join(f"k{n}-{j}" for j in range(10))},
-                )
-                for n in range(acked, acked + 50)
-            ]
-            try:
-                store.put_messages(batch)
-            except DiskFullError as e:
-                refusal = str(e)
-                break
-            acked += len(batch)
-        assert "the disk is full" in refusal, "a 12 MiB disk should fill up"
-        assert store.wait_dispatched(10), (
-            f"acknowledged but not dispatched: {store.commitlog.max_offset} CommitLog bytes, "
-            f"{store.dispatched_offset} dispatched"
-        )
-        got = store.get_messages("t", 0, acked - 1, 1)
-        assert got.status is GetStatus.FOUND, got.status
-        assert [m.properties["KEYS"] for m in got.messages] == [
-            " ".join(f"k{acked - 1}-{j}" for j in range(10))
-        ]
-        assert store.max_offset("t", 0) == acked
-        assert len(store.query_by_key("t", f"k{acked - 1}-9")) == 1
-    finally:
-        store.shutdown()

@@ -57,7 +57,6 @@ from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryErro
 from tiered.hot.data_dir import DataDir
 from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
 from tiered.hot.dispatcher import Dispatcher
-from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
 from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
@@ -278,7 +277,6 @@ class MessageStore:
             + IndexFile.file_size(config.index_hash_slots, 0)
             + (1 << 20)
         )
-        self.commitlog.backlog_reserve = self._backlog_reserve_bytes
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
         self.corrupt_records: list[int] = []
@@ -560,30 +558,6 @@ class MessageStore:
         self.dispatcher.coalesce_s = self._dispatch_coalesce_s
         self._route_flush_wakeups()
         return self.dispatcher
-
-    def _backlog_reserve_bytes(self) -> int:
-        """The ConsumeQueue and IndexFile bytes that the records appended but not yet
-        dispatched, and a next CommitLog file's records, will need: their CommitLog bytes at
-        the mean record size and the IndexFile entries per CommitLog byte measured on what was
-        appended and indexed (decision 670). Called by a roll, under the put lock."""
-        cl = self.commitlog
-        if cl.appended_records == 0 or cl.appended_bytes == 0:
-            return 0
-        d = self.dispatcher
-        behind = max(0, cl.max_offset - d.reput_offset) if d is not None else 0
-        span = behind + self.config.commitlog_file_size
-        need = -(-span * cl.appended_records // cl.appended_bytes) * CQ_ENTRY_SIZE
-        covered = entries = 0
-        for f in list(self.index.files):
-            covered += f.header.end_offset - f.header.begin_offset
-            entries += f.header.next_entry - 1
-        if covered > 0 and entries > 0:
-            keys = -(-span * entries // covered)
-            new_files = keys // self.config.index_max_entries + 1
-            need += keys * INDEX_ENTRY_SIZE + new_files * IndexFile.file_size(
-                self.config.index_hash_slots, 0
-            )
-        return need
 
     def _check_room_for_a_commitlog_file(self) -> None:
         """Refuse to start a store that could never store a message: no CommitLog file yet,

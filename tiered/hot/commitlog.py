@@ -159,12 +159,6 @@ class CommitLog:
         # Free bytes a roll must leave beside the new file, for the ConsumeQueue and IndexFile
         # files its messages will need (set by the store from its geometry).
         self.roll_reserve_bytes = 0
-        # And the ConsumeQueue and IndexFile bytes the records not yet dispatched and the next
-        # file's records will need, estimated by the store from measured rates (decision 670).
-        self.backlog_reserve: Callable[[], int] = lambda: 0
-        # Records and their bytes appended since load: the mean record size for that estimate.
-        self.appended_records = 0
-        self.appended_bytes = 0
         # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``, and the flushed
         # offset; its native flusher fdatasyncs the file appends go to (``_tracked``) itself.
         self.group_commit = GroupCommitService(self.flush, fail=self._fsync_failed)
@@ -288,9 +282,6 @@ class CommitLog:
                 else:
                     self._write(f, batch)
                 self.queue_offsets.update(published)
-                if batch.offsets:
-                    self.appended_records += len(batch.offsets)
-                    self.appended_bytes += batch.end_offset - batch.offsets[0]
                 if batch.offsets and self.on_append is not None:
                     self.on_append(batch)
             if f is not self._tracked:
@@ -332,15 +323,13 @@ class CommitLog:
             raise
 
     def _check_room(self) -> None:
-        reserve = self.roll_reserve_bytes + self.backlog_reserve()
-        need = self.files.file_size + reserve
+        need = self.files.file_size + self.roll_reserve_bytes
         free = free_bytes(self.files.directory)
         if free < need:
             raise DiskFullError(
                 f"the disk is full: {free} bytes free in {self.files.directory}, a new "
-                f"CommitLog file needs {self.files.file_size} and {reserve} more for the "
-                "ConsumeQueue and IndexFile entries of its records and of those not yet "
-                "dispatched; release or free space"
+                f"CommitLog file needs {self.files.file_size} and {self.roll_reserve_bytes} "
+                "more for its ConsumeQueue and IndexFile entries; release or free space"
             )
 
     def durability_lost(self) -> DurabilityLostError:
