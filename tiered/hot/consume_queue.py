@@ -390,37 +390,34 @@ def in_commitlog(commitlog_offset: int, size: int, commitlog_end: int) -> bool:
     return size > 0 and 0 <= commitlog_offset <= commitlog_end - size
 
 
-def _fields(f: MappedFile) -> tuple[np.ndarray, np.ndarray]:
-    """``_sizes`` with the CommitLog offsets beside them (zero where ``_sizes`` reads none)."""
-    count = f.size // CQ_ENTRY_SIZE
-    offsets = np.zeros(count, np.int64)
-    sizes = np.zeros(count, np.int64)
-    view = np.frombuffer(f.mm, dtype=CQ_DTYPE, count=count)
-    try:
-        for start, end in f.data_regions(0):
-            lo, hi = start // CQ_ENTRY_SIZE, min(count, -(-end // CQ_ENTRY_SIZE))
-            sizes[lo:hi] = view["size"][lo:hi]
-            offsets[lo:hi] = view["offset"][lo:hi]
-    finally:
-        del view  # release the mapping's buffer at once
-    return offsets, sizes
-
-
-def _sizes(f: MappedFile) -> np.ndarray:
-    """The size field of every entry slot in ``f``, as a copy (so the mapping can be closed).
+def _columns(f: MappedFile, *names: str) -> list[np.ndarray]:
+    """The named int64 fields of every entry slot in ``f``, as copies (so the mapping can be
+    closed), zero where nothing was read.
 
     Read in place from the mapping, and only where the extent map says data may be: a file is
     preallocated, and recovery would otherwise fault in every never-written page of it."""
     count = f.size // CQ_ENTRY_SIZE
-    sizes = np.zeros(count, np.int64)
+    columns = [np.zeros(count, np.int64) for _ in names]
     view = np.frombuffer(f.mm, dtype=CQ_DTYPE, count=count)
     try:
         for start, end in f.data_regions(0):
             lo, hi = start // CQ_ENTRY_SIZE, min(count, -(-end // CQ_ENTRY_SIZE))
-            sizes[lo:hi] = view["size"][lo:hi]
+            for column, name in zip(columns, names, strict=True):
+                column[lo:hi] = view[name][lo:hi]
     finally:
         del view  # release the mapping's buffer at once
-    return sizes
+    return columns
+
+
+def _fields(f: MappedFile) -> tuple[np.ndarray, np.ndarray]:
+    """``_sizes`` with the CommitLog offsets beside them (zero where ``_sizes`` reads none)."""
+    offsets, sizes = _columns(f, "offset", "size")
+    return offsets, sizes
+
+
+def _sizes(f: MappedFile) -> np.ndarray:
+    """The size field of every entry slot in ``f`` (``_columns``)."""
+    return _columns(f, "size")[0]
 
 
 class ConsumeQueueTable:
