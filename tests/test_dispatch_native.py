@@ -8,6 +8,7 @@ empty ConsumeQueue and IndexFile directories, one per engine, and compares every
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,177 @@ def test_dispatch_writes_the_same_files_with_either_engine(
             assert sum(1 for k in py if k.startswith("orders/2/")) >= 1
     finally:
         store.shutdown()
+
+
+# -- a whole pass in one call (decision 695) ----------------------------------------------------
+
+KEY_TEXT = st.one_of(st.none(), st.sampled_from(["", "k1", "k1 k2", " lead", "a  b", "ünï"]))
+
+
+@st.composite
+def pass_runs(draw: Any) -> tuple[Any, ...]:
+    """A run of records as consecutive passes: the fields of ``passes()`` with keys, unique ids
+    and per-record times, cut into one to three passes, and the store's dispatch settings."""
+    offsets, sizes, qoffs, queues, tags = draw(passes())
+    n = len(offsets)
+    # Directory names: a topic with a space is refused by the ConsumeQueue table.
+    valid = {("topic with space", 3): ("c%|x", 3)}
+    queues = [valid.get(k, k) if k[0] == "topic with space" else k for k in queues]
+    keys = draw(st.lists(KEY_TEXT, min_size=n, max_size=n))
+    uniq = draw(
+        st.lists(st.one_of(st.none(), st.text("0123ABC", max_size=6)), min_size=n, max_size=n)
+    )
+    stamps = draw(st.one_of(st.none(), st.lists(st.integers(0, 1 << 42), min_size=n, max_size=n)))
+    cuts = sorted(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=2, unique=True)))
+    bounds = [b for b in [0, *cuts, n] if b <= n]
+    index_from = draw(st.sampled_from([0, offsets[n // 2] if n else 0, 1 << 50]))
+    entries_per_file = draw(st.sampled_from([3, 7, 1 << 20]))
+    max_entries = draw(st.sampled_from([5, 50, 1000]))
+    packed = draw(st.booleans())
+    return (
+        offsets,
+        sizes,
+        qoffs,
+        queues,
+        tags,
+        keys,
+        uniq,
+        stamps,
+        bounds,
+        index_from,
+        entries_per_file,
+        max_entries,
+        packed,
+    )
+
+
+def _state(queues: ConsumeQueueTable, index: IndexService) -> Any:
+    return (
+        sorted(
+            (key, cq.min_offset, cq.max_offset, cq.max_physical_end, cq._tail and cq._tail.wrote)
+            for key, cq in queues.queues.items()
+        ),
+        [(f.header, f.path.name.split("-")[1]) for f in index.files],
+    )
+
+
+def _run_passes(root: Path, engine: Any, run: tuple[Any, ...], mp: Any) -> tuple[Any, Any]:
+    (
+        offsets,
+        sizes,
+        qoffs,
+        queues_,
+        tags,
+        keys,
+        uniq,
+        stamps,
+        bounds,
+        index_from,
+        entries_per_file,
+        max_entries,
+        packed,
+    ) = run
+    mp.setattr(record, "_engine", engine)
+    queues = ConsumeQueueTable(root / "cq", entries_per_file)
+    index = IndexService(root / "index", 13, max_entries)
+    d = Dispatcher(None, queues, index, reput_offset=0, index_from=index_from)  # type: ignore[arg-type]
+    d.unindexed_topics = frozenset({"b"})
+    column = (lambda v: array("q", v)) if packed else list
+    for a, b in itertools.pairwise(bounds):
+        if a == b:
+            continue
+        batch = EncodedBatch(
+            offsets=column(offsets[a:b]),
+            sizes=column(sizes[a:b]),
+            queue_offsets=column(qoffs[a:b]),
+            queues=queues_[a:b],
+            tags=tags[a:b],
+            keys=keys[a:b],
+            uniq_keys=uniq[a:b],
+            store_timestamp=max(stamps[a:b]) if stamps else 1_700_000_000_000,
+            store_timestamps=column(stamps[a:b]) if stamps else None,
+        )
+        d.apply(batch)
+    state = _state(queues, index)
+    files = {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+    index.close()
+    queues.close()
+    # IndexFile names start with the wall clock: named by their CommitLog begin offset.
+    named = {}
+    for name, data in files.items():
+        if name.startswith("index"):
+            name = "index " + name.split("-")[1]
+        named[name] = data
+    return state, named
+
+
+@SETTINGS
+@given(pass_runs())
+def test_a_dispatch_pass_writes_the_same_files_and_state_with_either_engine(
+    run: tuple[Any, ...],
+) -> None:
+    """``dispatch_pass``: every ConsumeQueue and IndexFile byte, each queue's bounds and its
+    tail's ``wrote``, and every IndexFile header the same as the reference's, on passes with
+    gaps, repeats (re-dispatch), rolls of both kinds, ``index_from`` and an unindexed topic."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        py = _run_passes(Path(tmp) / "py", PYTHON_ENGINE, run, mp)
+        native = _run_passes(Path(tmp) / "native", NATIVE, run, mp)
+    assert native[0] == py[0]
+    assert native[1].keys() == py[1].keys()
+    for name in py[1]:
+        assert native[1][name] == py[1][name], name
+
+
+def test_a_pass_that_continues_its_queues_takes_no_python_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native pass copies a queue's next entries into its tail file itself: after a queue's
+    first pass (which creates its file through ``put_block``), passes that continue it call no
+    ``put_block`` and no ``put_many``, and read back as the reference wrote them."""
+    from tiered.hot.consume_queue import ConsumeQueue
+    from tiered.hot.index_file import IndexFile
+
+    calls: list[str] = []
+    put_block, put_many = ConsumeQueue.put_block, IndexFile.put_many
+
+    def counted_put_block(self: ConsumeQueue, *a: Any) -> bool:
+        calls.append(f"put_block {self.topic}/{self.queue_id}")
+        return put_block(self, *a)
+
+    def counted_put_many(self: IndexFile, *a: Any) -> None:
+        calls.append("put_many")
+        put_many(self, *a)
+
+    monkeypatch.setattr(ConsumeQueue, "put_block", counted_put_block)
+    monkeypatch.setattr(IndexFile, "put_many", counted_put_many)
+    n = 64
+    queues_ = [("a", i % 4) for i in range(n)]
+    offsets = [1000 * i for i in range(n)]
+    run = (
+        offsets,
+        [900] * n,
+        [i // 4 for i in range(n)],
+        queues_,
+        ["t"] * n,
+        ["k"] * n,
+        [f"u{i}" for i in range(n)],
+        None,
+        [0, 16, 40, n],
+        0,
+        1000,
+        1000,
+        True,
+    )
+    state, files = _run_passes(tmp_path / "native", NATIVE, run, monkeypatch)
+    # The first pass creates the four files and the IndexFile (the roll path in Python).
+    assert calls == [f"put_block a/{q}" for q in range(4)]
+    calls.clear()
+    ref_state, ref_files = _run_passes(tmp_path / "py", PYTHON_ENGINE, run, monkeypatch)
+    assert len(calls) == 3 * 4 + 3  # the reference: every run and every pass
+    assert state == ref_state
+    assert files == ref_files
+    assert [s[2] for s in state[0]] == [16] * 4  # every queue holds its 16 entries

@@ -13,6 +13,7 @@ Build: ``pip install -e .`` compiles this module (setup.py); without it ``tiered
 the reference implementation. ``TMQ_PURE_PYTHON=1`` forces the reference even when it is built.
 """
 
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_Next
 from cpython.list cimport PyList_Append
@@ -896,7 +897,11 @@ cdef int _pair(Pairs* s, int64_t h, int64_t number) except -1:
     return 0
 
 
-cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out) except -1:
+cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out,
+                      const int64_t* fields=NULL, const int* qnum=NULL, const char* skipq=NULL,
+                      int64_t index_from=0) except -1:
+    """The pairs of ``index_keys``; with ``fields`` (``CqPass.fields``), only those of records at
+    or past ``index_from`` whose queue (``qnum``) ``skipq`` does not mark."""
     cdef Py_ssize_t n = len(queues), i, kn, at, end
     cdef uint32_t base
     cdef const char* kp
@@ -906,6 +911,8 @@ cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out) except
         uniq = uniq_keys[i]
         k = keys[i]
         if not uniq and not k:
+            continue
+        if fields != NULL and (fields[4 * i] < index_from or skipq[qnum[i]]):
             continue
         topic = (<tuple>queues[i])[0]
         if <PyObject*>topic != last_topic:  # a pass's records mostly share their topic
@@ -1991,10 +1998,35 @@ cdef struct CqRun:
     int64_t end
 
 
-def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
-    """``record.cq_blocks_py``: the fields are read with the GIL (a tag's code from
-    ``tag_codes``, a queue's number found by the key's address, else by equality), then the
-    entries are sorted by queue, packed and cut into runs without it."""
+cdef struct CqPass:
+    int64_t* fields  # offset, size, queue offset, tag code per record
+    int* qnum  # each record's queue number in this pass (first appearance)
+    Py_ssize_t* order  # records grouped by queue, in record order within each
+    Py_ssize_t* starts
+    CqRun* runs
+    Py_ssize_t n  # records
+    Py_ssize_t k  # queues
+    Py_ssize_t r  # runs
+
+
+cdef void _cq_free(CqPass* p) noexcept:
+    free(p.fields)
+    free(p.qnum)
+    free(p.order)
+    free(p.runs)
+    free(p.starts)
+    p.fields = NULL
+    p.qnum = NULL
+    p.order = NULL
+    p.runs = NULL
+    p.starts = NULL
+
+
+cdef object _cq_build(offsets, sizes, queue_offsets, list keys, list tag_list, dict tag_codes,
+                      list queue_keys, CqPass* p):
+    """``cq_blocks``' work: numbers the queues (their keys appended to ``queue_keys`` in order
+    of first appearance), packs every entry into the returned bytes, queue by queue, and cuts
+    the runs into ``p`` (the caller frees ``p`` with ``_cq_free``, also on error)."""
     # The encoder's columns are int64 arrays (decision 600), read in place; lists are copied.
     cdef bint packed = (type(offsets) is array.array and type(sizes) is array.array
                         and type(queue_offsets) is array.array and offsets.typecode == "q"
@@ -2009,7 +2041,6 @@ def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
         offs = list(offsets)
         szs = list(sizes)
         qoffs = list(queue_offsets)
-    cdef list keys = list(queues), tag_list = list(tags)
     cdef Py_ssize_t n = len(offsets), i, j, k = 0, at, r = 0
     if not len(sizes) == len(queue_offsets) == len(keys) == len(tag_list) == n:
         raise ValueError("cq_blocks: the field lists differ in length")
@@ -2019,98 +2050,115 @@ def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
     cdef PyObject* last_tag = NULL
     cdef int64_t last_code = 0
     cdef size_t h
-    cdef int64_t* fields = NULL  # offset, size, queue offset, tag code per record
-    cdef int* qnum = NULL
-    cdef Py_ssize_t* starts = NULL
-    cdef Py_ssize_t* order = NULL
-    cdef CqRun* runs = NULL
+    cdef int64_t* fields
+    cdef int* qnum
+    cdef Py_ssize_t* starts
+    cdef Py_ssize_t* order
+    cdef CqRun* runs
     cdef unsigned char* o
     cdef int64_t q, prev_q
     cdef int num, prev_num
     for j in range(KEY_CACHE):
         cache_key[j] = NULL
+    p.n = n
     out = PyBytes_FromStringAndSize(NULL, n * CQ_ENTRY_BYTES)
-    try:
-        fields = <int64_t*>malloc((n * 4 + 1) * sizeof(int64_t))
-        qnum = <int*>malloc((n + 1) * sizeof(int))
-        order = <Py_ssize_t*>malloc((n + 1) * sizeof(Py_ssize_t))
-        runs = <CqRun*>malloc((n + 1) * sizeof(CqRun))
-        if fields == NULL or qnum == NULL or order == NULL or runs == NULL:
-            raise MemoryError()
-        for i in range(n):
-            if packed:
-                fields[4 * i] = v_off[i]
-                fields[4 * i + 1] = <int32_t>v_size[i]
-                fields[4 * i + 2] = v_q[i]
-            else:
-                fields[4 * i] = offs[i]
-                fields[4 * i + 1] = <int32_t>szs[i]
-                fields[4 * i + 2] = qoffs[i]
-            t = tag_list[i]
-            if <PyObject*>t != last_tag:
-                found = tag_codes.get(t)
-                if found is None:
-                    found = _str_crc(0, t) if t else 0
-                    tag_codes[t] = found
-                last_tag = <PyObject*>t
-                last_code = found
-            fields[4 * i + 3] = last_code
-            key = keys[i]
-            h = (<size_t><PyObject*>key >> 4) % KEY_CACHE
-            if cache_key[h] == <PyObject*>key:
-                qnum[i] = cache_num[h]
-                continue
-            found = numbers.get(key)
+    p.fields = fields = <int64_t*>malloc((n * 4 + 1) * sizeof(int64_t))
+    p.qnum = qnum = <int*>malloc((n + 1) * sizeof(int))
+    p.order = order = <Py_ssize_t*>malloc((n + 1) * sizeof(Py_ssize_t))
+    p.runs = runs = <CqRun*>malloc((n + 1) * sizeof(CqRun))
+    if fields == NULL or qnum == NULL or order == NULL or runs == NULL:
+        raise MemoryError()
+    for i in range(n):
+        if packed:
+            fields[4 * i] = v_off[i]
+            fields[4 * i + 1] = <int32_t>v_size[i]
+            fields[4 * i + 2] = v_q[i]
+        else:
+            fields[4 * i] = offs[i]
+            fields[4 * i + 1] = <int32_t>szs[i]
+            fields[4 * i + 2] = qoffs[i]
+        t = tag_list[i]
+        if <PyObject*>t != last_tag:
+            found = tag_codes.get(t)
             if found is None:
-                found = numbers[key] = k
-                k += 1
-            qnum[i] = found
-            cache_key[h] = <PyObject*>key  # alive in ``keys`` for the whole call
-            cache_num[h] = found
-        starts = <Py_ssize_t*>calloc(k + 1, sizeof(Py_ssize_t))
-        if starts == NULL:
-            raise MemoryError()
-        o = <unsigned char*>PyBytes_AS_STRING(out)
-        with nogil:
-            # A counting sort by queue number: each queue's records together, in record order.
-            for i in range(n):
-                starts[qnum[i] + 1] += 1
-            for j in range(k):
-                starts[j + 1] += starts[j]
-            for i in range(n):
-                order[starts[qnum[i]]] = i
-                starts[qnum[i]] += 1
-            prev_num = -1
-            prev_q = -2
-            for at in range(n):
-                i = order[at]
-                num = qnum[i]
-                q = fields[4 * i + 2]
-                tmq_put64(o + at * CQ_ENTRY_BYTES, <uint64_t>fields[4 * i])
-                tmq_put32(o + at * CQ_ENTRY_BYTES + 8, <uint32_t>fields[4 * i + 1])
-                tmq_put64(o + at * CQ_ENTRY_BYTES + 12, <uint64_t>fields[4 * i + 3])
-                if num == prev_num and q == prev_q + 1:
-                    runs[r - 1].count += 1
-                    runs[r - 1].end = fields[4 * i] + fields[4 * i + 1]
-                else:
-                    runs[r].record = i
-                    runs[r].first_q = q
-                    runs[r].count = 1
-                    runs[r].at = at * CQ_ENTRY_BYTES
-                    runs[r].end = fields[4 * i] + fields[4 * i + 1]
-                    r += 1
-                prev_num = num
-                prev_q = q
+                found = _str_crc(0, t) if t else 0
+                tag_codes[t] = found
+            last_tag = <PyObject*>t
+            last_code = found
+        fields[4 * i + 3] = last_code
+        key = keys[i]
+        h = (<size_t><PyObject*>key >> 4) % KEY_CACHE
+        if cache_key[h] == <PyObject*>key:
+            qnum[i] = cache_num[h]
+            continue
+        found = numbers.get(key)
+        if found is None:
+            found = numbers[key] = k
+            queue_keys.append(key)
+            k += 1
+        qnum[i] = found
+        cache_key[h] = <PyObject*>key  # alive in ``keys`` for the whole call
+        cache_num[h] = found
+    p.k = k
+    p.starts = starts = <Py_ssize_t*>calloc(k + 1, sizeof(Py_ssize_t))
+    if starts == NULL:
+        raise MemoryError()
+    o = <unsigned char*>PyBytes_AS_STRING(out)
+    with nogil:
+        # A counting sort by queue number: each queue's records together, in record order.
+        for i in range(n):
+            starts[qnum[i] + 1] += 1
+        for j in range(k):
+            starts[j + 1] += starts[j]
+        for i in range(n):
+            order[starts[qnum[i]]] = i
+            starts[qnum[i]] += 1
+        prev_num = -1
+        prev_q = -2
+        for at in range(n):
+            i = order[at]
+            num = qnum[i]
+            q = fields[4 * i + 2]
+            tmq_put64(o + at * CQ_ENTRY_BYTES, <uint64_t>fields[4 * i])
+            tmq_put32(o + at * CQ_ENTRY_BYTES + 8, <uint32_t>fields[4 * i + 1])
+            tmq_put64(o + at * CQ_ENTRY_BYTES + 12, <uint64_t>fields[4 * i + 3])
+            if num == prev_num and q == prev_q + 1:
+                runs[r - 1].count += 1
+                runs[r - 1].end = fields[4 * i] + fields[4 * i + 1]
+            else:
+                runs[r].record = i
+                runs[r].first_q = q
+                runs[r].count = 1
+                runs[r].at = at * CQ_ENTRY_BYTES
+                runs[r].end = fields[4 * i] + fields[4 * i + 1]
+                r += 1
+            prev_num = num
+            prev_q = q
+    p.r = r
+    return out
+
+
+def cq_blocks(offsets, sizes, queue_offsets, queues, tags, dict tag_codes):
+    """``record.cq_blocks_py``: the fields are read with the GIL (a tag's code from
+    ``tag_codes``, a queue's number found by the key's address, else by equality), then the
+    entries are sorted by queue, packed and cut into runs without it."""
+    cdef CqPass p
+    cdef Py_ssize_t j
+    cdef list keys = list(queues)
+    p.fields = NULL
+    p.qnum = NULL
+    p.order = NULL
+    p.runs = NULL
+    p.starts = NULL
+    try:
+        out = _cq_build(offsets, sizes, queue_offsets, keys, list(tags), tag_codes, [], &p)
         result = [
-            (keys[runs[j].record], runs[j].first_q, runs[j].count, runs[j].at, runs[j].end)
-            for j in range(r)
+            (keys[p.runs[j].record], p.runs[j].first_q, p.runs[j].count, p.runs[j].at,
+             p.runs[j].end)
+            for j in range(p.r)
         ]
     finally:
-        free(fields)
-        free(qnum)
-        free(order)
-        free(runs)
-        free(starts)
+        _cq_free(&p)
     return out, result
 
 
@@ -2127,6 +2175,58 @@ cdef inline int64_t _slot_find(int64_t* table, Py_ssize_t mask, int64_t slot) no
     return p
 
 
+cdef int64_t _index_put_raw(unsigned char* slots, int fd, Py_ssize_t slot_count, int64_t first,
+                            int64_t begin_timestamp, const int64_t* hv, const int64_t* ov,
+                            const int64_t* tv, Py_ssize_t n, unsigned char* buf, int64_t* table,
+                            Py_ssize_t mask, int* failed) noexcept nogil:
+    """``index_put``'s work without the GIL: the entries built in ``buf`` and written by
+    ``pwrite``, then the slots stored at ``slots`` (the mapping's slot table); ``table`` holds
+    ``2 * (mask + 1)`` int64. Returns how many slots were empty; ``failed`` (errno set) when the
+    ``pwrite`` failed, and then no slot is stored."""
+    cdef Py_ssize_t i, p
+    cdef int64_t slot, prev, held, seconds, empty = 0
+    cdef iovec iov
+    for p in range(mask + 1):
+        table[2 * p] = -1
+    for i in range(n):
+        slot = hv[i] % slot_count
+        if slot < 0:
+            slot += slot_count
+        p = _slot_find(table, mask, slot)
+        if table[2 * p] == slot:
+            prev = table[2 * p + 1]
+        else:
+            held = <int32_t>tmq_be32(slots + slot * 4)
+            prev = 0 if held < 0 or held >= first else held  # ahead of the saved header
+            if prev == 0:
+                empty += 1
+            table[2 * p] = slot
+        table[2 * p + 1] = first + i
+        seconds = tv[i] - begin_timestamp
+        seconds = 0 if seconds < 0 else seconds // 1000
+        if seconds > 0x7FFFFFFF:
+            seconds = 0x7FFFFFFF
+        tmq_put32(buf + i * INDEX_ENTRY, <uint32_t>hv[i])
+        tmq_put64(buf + i * INDEX_ENTRY + 4, <uint64_t>ov[i])
+        tmq_put32(buf + i * INDEX_ENTRY + 12, <uint32_t>seconds)
+        tmq_put32(buf + i * INDEX_ENTRY + 16, <uint32_t>prev)
+    iov.iov_base = buf
+    iov.iov_len = n * INDEX_ENTRY
+    failed[0] = _pwrite_all(fd, &iov, 1, INDEX_HEADER + slot_count * 4 + first * INDEX_ENTRY) != 0
+    if not failed[0]:
+        for p in range(mask + 1):
+            if table[2 * p] != -1:
+                tmq_put32(slots + table[2 * p] * 4, <uint32_t>table[2 * p + 1])
+    return empty
+
+
+cdef inline Py_ssize_t _index_mask(Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t mask = 15
+    while mask + 1 < 2 * n:
+        mask = mask * 2 + 1
+    return mask
+
+
 def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_timestamp,
               hashes, offsets, timestamps):
     """``record.index_put_py`` in one release of the GIL: the entries are built and written by
@@ -2135,12 +2235,10 @@ def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_ti
     cdef const int64_t[::1] hv = np.ascontiguousarray(hashes, np.int64)
     cdef const int64_t[::1] ov = np.ascontiguousarray(offsets, np.int64)
     cdef const int64_t[::1] tv = np.ascontiguousarray(timestamps, np.int64)
-    cdef Py_ssize_t n = hv.shape[0], i, p, mask = 15
-    cdef int64_t slot, prev, held, seconds, empty = 0
-    cdef unsigned char* slots
+    cdef Py_ssize_t n = hv.shape[0], mask
+    cdef int64_t empty = 0
     cdef unsigned char* buf = NULL
     cdef int64_t* table = NULL
-    cdef iovec iov
     cdef int failed = 0
     if ov.shape[0] != n or tv.shape[0] != n:
         raise ValueError("index_put: hashes, offsets and timestamps differ in length")
@@ -2148,50 +2246,307 @@ def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_ti
         raise ValueError(f"index_put: {slot_count} slots do not fit the mapping")
     if n == 0:
         return 0
-    while mask + 1 < 2 * n:
-        mask = mask * 2 + 1
-    slots = &m[0] + INDEX_HEADER
+    mask = _index_mask(n)
     try:
         buf = <unsigned char*>malloc(n * INDEX_ENTRY)
         table = <int64_t*>malloc((mask + 1) * 2 * sizeof(int64_t))
         if buf == NULL or table == NULL:
             raise MemoryError()
         with nogil:
-            for p in range(mask + 1):
-                table[2 * p] = -1
-            for i in range(n):
-                slot = hv[i] % slot_count
-                if slot < 0:
-                    slot += slot_count
-                p = _slot_find(table, mask, slot)
-                if table[2 * p] == slot:
-                    prev = table[2 * p + 1]
-                else:
-                    held = <int32_t>tmq_be32(slots + slot * 4)
-                    prev = 0 if held < 0 or held >= first else held  # ahead of the saved header
-                    if prev == 0:
-                        empty += 1
-                    table[2 * p] = slot
-                table[2 * p + 1] = first + i
-                seconds = tv[i] - begin_timestamp
-                seconds = 0 if seconds < 0 else seconds // 1000
-                if seconds > 0x7FFFFFFF:
-                    seconds = 0x7FFFFFFF
-                tmq_put32(buf + i * INDEX_ENTRY, <uint32_t>hv[i])
-                tmq_put64(buf + i * INDEX_ENTRY + 4, <uint64_t>ov[i])
-                tmq_put32(buf + i * INDEX_ENTRY + 12, <uint32_t>seconds)
-                tmq_put32(buf + i * INDEX_ENTRY + 16, <uint32_t>prev)
-            iov.iov_base = buf
-            iov.iov_len = n * INDEX_ENTRY
-            failed = _pwrite_all(fd, &iov, 1,
-                                 INDEX_HEADER + slot_count * 4 + first * INDEX_ENTRY) != 0
-            if not failed:
-                for p in range(mask + 1):
-                    if table[2 * p] != -1:
-                        tmq_put32(slots + table[2 * p] * 4, <uint32_t>table[2 * p + 1])
+            empty = _index_put_raw(&m[0] + INDEX_HEADER, fd, slot_count, first, begin_timestamp,
+                                   &hv[0], &ov[0], &tv[0], n, buf, table, mask, &failed)
         if failed:
             PyErr_SetFromErrno(OSError)
     finally:
         free(buf)
         free(table)
     return empty
+
+
+# -- a whole dispatch pass in one call (decision 695) -------------------------------------------
+
+cdef struct CqQueue:
+    int64_t max_off
+    int64_t min_off
+    int64_t phys_end
+    int64_t tail_from
+    int64_t tail_size
+    int64_t wrote
+    unsigned char* base  # the tail file's mapping (held as a buffer export), NULL for none
+    bint slow  # every run of this queue goes through ``ConsumeQueue.put_block``
+    bint touched
+
+
+cdef int _write_index_header(int fd, object h) except -1:
+    """``IndexFile._write_header``: the header's six fields, big-endian, by ``pwrite``."""
+    cdef unsigned char b[INDEX_HEADER]
+    cdef iovec iov
+    tmq_put64(b, <uint64_t><int64_t>h.begin_timestamp)
+    tmq_put64(b + 8, <uint64_t><int64_t>h.end_timestamp)
+    tmq_put64(b + 16, <uint64_t><int64_t>h.begin_offset)
+    tmq_put64(b + 24, <uint64_t><int64_t>h.end_offset)
+    tmq_put32(b + 32, <uint32_t><int32_t>h.used_slots)
+    tmq_put32(b + 36, <uint32_t><int32_t>h.next_entry)
+    iov.iov_base = b
+    iov.iov_len = INDEX_HEADER
+    if _pwrite_all(fd, &iov, 1, 0) != 0:
+        PyErr_SetFromErrno(OSError)
+        return -1
+    return 0
+
+
+def dispatch_pass(offsets, sizes, queue_offsets, queues, tags, keys, uniq_keys, stamps,
+                  int64_t store_ts, dict tag_codes, cq_table, int64_t index_from, unindexed,
+                  index, put_index):
+    """``record.dispatch_pass_py``: a pass's ConsumeQueue entries and IndexFile entries in one
+    call, with Python only where a file must be created or an entry is not the next one.
+
+    ConsumeQueue: every entry is packed as ``cq_blocks`` packs it; a queue whose runs all
+    continue its last entry inside its tail file (``ConsumeQueue._tail``) has them copied into
+    that file's mapping, then its ``max_offset``, ``min_offset``, ``max_physical_end`` and the
+    file's ``wrote`` set, as ``put_block`` sets them. Any other queue (no tail yet, a run that
+    crosses the file's end, a gap, a re-dispatch) has all its runs given to ``put_block``, in
+    order. IndexFile: the entries (``index_keys``, less those below ``index_from`` and those of
+    ``unindexed`` topics) go to the newest file by ``_index_put_raw`` without the GIL, and its
+    header is updated and written as ``IndexFile.put_many`` and ``advance`` do, when they are in
+    CommitLog order and fit it; else ``put_index`` (``Dispatcher._put_index_entries``) takes
+    them. The ConsumeQueues are done first: if one fails (a full disk on a roll), no IndexFile
+    entry of the pass is written, so a retried pass indexes each record once."""
+    cdef CqPass p
+    cdef list qkeys = list(queues), queue_keys = [], cqs = [], tails = []
+    cdef list key_list, uniq_list
+    cdef CqQueue* qs = NULL
+    cdef CqQueue* st
+    cdef Py_buffer* bufs = NULL
+    cdef char* held = NULL
+    cdef char* skipq = NULL
+    cdef Pairs pairs
+    cdef int64_t* io = NULL
+    cdef int64_t* it = NULL
+    cdef unsigned char* ibuf = NULL
+    cdef int64_t* table = NULL
+    cdef Py_buffer ib
+    cdef bint ib_held = False
+    cdef Py_ssize_t j, i, c, m, mask, num
+    cdef int64_t q, pos, end, begin, tmax, space, first, empty = 0, bt
+    cdef bint any_slow = False, ordered = True
+    cdef int failed = 0, fd
+    cdef Py_ssize_t slot_count
+    cdef const int64_t[::1] v_stamps
+    cdef bint packed_stamps = False
+    cdef unsigned char* o
+    p.fields = NULL
+    p.qnum = NULL
+    p.order = NULL
+    p.runs = NULL
+    p.starts = NULL
+    pairs.hashes = NULL
+    pairs.numbers = NULL
+    pairs.len = 0
+    pairs.cap = 0
+    try:
+        out = _cq_build(offsets, sizes, queue_offsets, qkeys, list(tags), tag_codes, queue_keys,
+                        &p)
+        if p.n == 0:
+            return None
+        qs = <CqQueue*>calloc(p.k, sizeof(CqQueue))
+        bufs = <Py_buffer*>calloc(p.k, sizeof(Py_buffer))
+        held = <char*>calloc(p.k, 1)
+        skipq = <char*>calloc(p.k, 1)
+        if qs == NULL or bufs == NULL or held == NULL or skipq == NULL:
+            raise MemoryError()
+        # -- ConsumeQueues: each queue's state, read once ---------------------------------------
+        table_of = cq_table.queues
+        for j in range(p.k):
+            key = queue_keys[j]
+            cq = table_of.get(key)
+            if cq is None:
+                cq = cq_table.get_or_create(key[0], key[1])
+            cqs.append(cq)
+            st = &qs[j]
+            st.max_off = cq.max_offset
+            st.min_off = cq.min_offset
+            st.phys_end = cq.max_physical_end
+            tail = cq._tail
+            tails.append(tail)
+            if tail is None:
+                st.slow = True
+                continue
+            st.tail_from = tail.from_offset
+            st.tail_size = tail.size
+            st.wrote = tail.wrote
+            # A buffer export: the mapping cannot be closed under the copy below.
+            PyObject_GetBuffer(tail.mm, &bufs[j], PyBUF_WRITABLE)
+            held[j] = 1
+            if bufs[j].len < st.tail_size:
+                st.slow = True
+                continue
+            st.base = <unsigned char*>bufs[j].buf
+        # Each run, in order, as ``put_block`` would take it: only the next entries of a queue,
+        # inside its tail file, are copied here.
+        for j in range(p.r):
+            st = &qs[p.qnum[p.runs[j].record]]
+            if st.slow:
+                continue
+            q = p.runs[j].first_q
+            c = p.runs[j].count
+            pos = q * CQ_ENTRY_BYTES
+            if (q < st.max_off or (q > st.max_off and st.max_off != st.min_off)
+                    or pos < st.tail_from or pos + c * CQ_ENTRY_BYTES > st.tail_from + st.tail_size):
+                st.slow = True
+                continue
+            if st.max_off == st.min_off:
+                st.min_off = q
+            st.max_off = q + c
+            st.phys_end = p.runs[j].end
+            st.wrote = pos + c * CQ_ENTRY_BYTES - st.tail_from
+            st.touched = True
+        # A pass's entries are a few KB: copied with the GIL held (a release would cost more).
+        o = <unsigned char*>PyBytes_AS_STRING(out)
+        for j in range(p.r):
+            st = &qs[p.qnum[p.runs[j].record]]
+            if st.slow:
+                any_slow = True
+                continue
+            memcpy(st.base + p.runs[j].first_q * CQ_ENTRY_BYTES - st.tail_from,
+                   o + p.runs[j].at, p.runs[j].count * CQ_ENTRY_BYTES)
+        for j in range(p.k):
+            if held[j]:
+                PyBuffer_Release(&bufs[j])
+                held[j] = 0
+        # Published once the bytes are in place: a reader never sees an entry before it.
+        for j in range(p.k):
+            st = &qs[j]
+            if st.slow or not st.touched:
+                continue
+            cq = cqs[j]
+            cq.min_offset = st.min_off
+            cq.max_offset = st.max_off
+            cq.max_physical_end = st.phys_end
+            (<object>tails[j]).wrote = st.wrote
+        if any_slow:
+            view = memoryview(out)
+            for j in range(p.r):
+                num = p.qnum[p.runs[j].record]
+                if qs[num].slow:
+                    (<object>cqs[num]).put_block(
+                        p.runs[j].first_q,
+                        view[p.runs[j].at:p.runs[j].at + p.runs[j].count * CQ_ENTRY_BYTES],
+                        p.runs[j].end)
+            view.release()
+        # -- IndexFile --------------------------------------------------------------------------
+        i = p.n - 1
+        end = p.fields[4 * i] + p.fields[4 * i + 1]
+        if end <= index_from:
+            return None
+        if unindexed:
+            for j in range(p.k):
+                skipq[j] = (<tuple>queue_keys[j])[0] in unindexed
+        key_list = list(keys)
+        uniq_list = list(uniq_keys)
+        if not len(key_list) == len(uniq_list) == p.n:
+            raise ValueError("dispatch_pass: the key lists differ in length from the records")
+        _index_pairs(qkeys, key_list, uniq_list, &pairs, p.fields, p.qnum, skipq, index_from)
+        m = pairs.len
+        if type(stamps) is array.array and stamps.typecode == "q" and len(stamps):
+            v_stamps = stamps
+            packed_stamps = True
+            if v_stamps.shape[0] != p.n:
+                raise ValueError("dispatch_pass: the timestamps differ in length from the records")
+        elif stamps:
+            stamps = array.array("q", stamps)
+            v_stamps = stamps
+            packed_stamps = True
+            if v_stamps.shape[0] != p.n:
+                raise ValueError("dispatch_pass: the timestamps differ in length from the records")
+        io = <int64_t*>malloc((m + 1) * sizeof(int64_t))
+        it = <int64_t*>malloc((m + 1) * sizeof(int64_t))
+        if io == NULL or it == NULL:
+            raise MemoryError()
+        tmax = store_ts
+        for j in range(m):
+            i = pairs.numbers[j]
+            io[j] = p.fields[4 * i]
+            it[j] = v_stamps[i] if packed_stamps else store_ts
+            if j == 0 or it[j] > tmax:
+                tmax = it[j]
+            if j and io[j] < io[j - 1]:
+                ordered = False
+        begin = p.fields[0] if p.fields[0] > index_from else index_from
+        writer = None
+        if ordered:
+            files = index.files
+            if files:
+                writer = files[len(files) - 1]  # (wraparound is off in this module)
+                if writer.max_entries + 1 - writer.header.next_entry < 1:
+                    writer = None
+            if writer is None:
+                writer = index.writer_at(begin, 1)
+            if writer.max_entries + 1 - writer.header.next_entry < m:
+                writer = None  # the file rolls inside this pass
+        if writer is None:
+            hashes = np.empty(m, np.int64)
+            at = np.empty(m, np.int64)
+            times = np.empty(m, np.int64)
+            if m:
+                memcpy(<void*><size_t>hashes.ctypes.data, pairs.hashes, m * 8)
+                memcpy(<void*><size_t>at.ctypes.data, io, m * 8)
+                memcpy(<void*><size_t>times.ctypes.data, it, m * 8)
+            put_index(hashes, at, times, store_ts, begin, end)
+            return None
+        h = writer.header
+        if m:
+            # ``IndexFile.put_many``: the entries and slots, then the header.
+            if h.begin_timestamp == 0:
+                h.begin_timestamp = it[0]
+            bt = h.begin_timestamp
+            first = h.next_entry
+            slot_count = writer.slots
+            fd = writer._fd
+            PyObject_GetBuffer(writer.mm, &ib, PyBUF_WRITABLE)
+            ib_held = True
+            if slot_count <= 0 or INDEX_HEADER + slot_count * 4 > ib.len:
+                raise ValueError(f"dispatch_pass: {slot_count} slots do not fit the mapping")
+            mask = _index_mask(m)
+            ibuf = <unsigned char*>malloc(m * INDEX_ENTRY)
+            table = <int64_t*>malloc((mask + 1) * 2 * sizeof(int64_t))
+            if ibuf == NULL or table == NULL:
+                raise MemoryError()
+            with nogil:
+                empty = _index_put_raw(<unsigned char*>ib.buf + INDEX_HEADER, fd, slot_count,
+                                       first, bt, pairs.hashes, io, it, m, ibuf, table, mask,
+                                       &failed)
+            if failed:
+                PyErr_SetFromErrno(OSError)
+            PyBuffer_Release(&ib)
+            ib_held = False
+            h.used_slots += empty
+            h.next_entry = first + m
+            if tmax > h.end_timestamp:
+                h.end_timestamp = tmax
+            _write_index_header(fd, h)
+        # ``IndexFile.advance``.
+        h.end_offset = end
+        if tmax > h.end_timestamp:
+            h.end_timestamp = tmax
+            if h.begin_timestamp == 0:
+                h.begin_timestamp = tmax
+    finally:
+        if held != NULL:
+            for j in range(p.k):
+                if held[j]:
+                    PyBuffer_Release(&bufs[j])
+        if ib_held:
+            PyBuffer_Release(&ib)
+        _cq_free(&p)
+        free(qs)
+        free(bufs)
+        free(held)
+        free(skipq)
+        free(pairs.hashes)
+        free(pairs.numbers)
+        free(io)
+        free(it)
+        free(ibuf)
+        free(table)
+    return None

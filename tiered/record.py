@@ -930,6 +930,56 @@ def index_put_py(
     return int(np.count_nonzero(held == 0))
 
 
+def dispatch_pass_py(
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    queue_offsets: Sequence[int],
+    queues: Sequence[tuple[str, int]],
+    tags: Sequence[str | None],
+    keys: Sequence[str | None],
+    uniq_keys: Sequence[str | None],
+    stamps: Sequence[int] | None,
+    store_ts: int,
+    tag_codes: dict[str | None, int],
+    cq_table: Any,
+    index_from: int,
+    unindexed: frozenset[str],
+    index: Any,
+    put_index: Callable[..., Any],
+) -> None:
+    """A dispatch pass (``Dispatcher.apply``): the ConsumeQueue and IndexFile entries of a run of
+    records in CommitLog order (the ``EncodedBatch`` columns; ``stamps`` per record, or empty
+    for ``store_ts`` on all). Each run of ``cq_blocks_py`` goes to its queue's ``put_block``
+    (``cq_table``: a ``ConsumeQueueTable``); then, unless every record lies below
+    ``index_from``, the ``index_keys_py`` entries of records at or past ``index_from`` whose
+    topic is not in ``unindexed`` go to ``put_index`` (``Dispatcher._put_index_entries`` over
+    ``index``, an ``IndexService``) as (hashes, offsets, timestamps, store_ts, begin, end)."""
+    entries, runs = cq_blocks_py(offsets, sizes, queue_offsets, queues, tags, tag_codes)
+    view = memoryview(entries)
+    get = cq_table.get_or_create
+    for (topic, queue_id), first_q, count, at, physical_end in runs:
+        get(topic, queue_id).put_block(first_q, view[at : at + count * CQ_ENTRY.size], physical_end)
+    if not offsets:
+        return
+    end = offsets[-1] + sizes[-1]
+    if end <= index_from:
+        return
+    hashes, numbers = index_keys_py(queues, keys, uniq_keys)
+    record_offsets = np.asarray(offsets, np.int64)
+    at_offsets = record_offsets[numbers]
+    keep = at_offsets >= index_from
+    if unindexed:
+        keep &= np.array([q[0] not in unindexed for q in queues], bool)[numbers]
+    if not keep.all():
+        hashes, numbers, at_offsets = hashes[keep], numbers[keep], at_offsets[keep]
+    times = (
+        np.asarray(stamps, np.int64)[numbers]
+        if stamps
+        else np.full(len(numbers), store_ts, np.int64)
+    )
+    put_index(hashes, at_offsets, times, store_ts, max(offsets[0], index_from), end)
+
+
 @dataclass(slots=True)
 class DispatchColumns:
     """The dispatch fields of a run of records as flat int64 columns (``dispatch_columns``):
@@ -1253,6 +1303,7 @@ class _PythonEngine:
     dispatch_columns = staticmethod(dispatch_columns_py)
     cq_blocks = staticmethod(cq_blocks_py)
     index_put = staticmethod(index_put_py)
+    dispatch_pass = staticmethod(dispatch_pass_py)
 
 
 PYTHON_ENGINE: Any = _PythonEngine()
@@ -1412,4 +1463,35 @@ def index_put(
     """See ``index_put_py`` (the dispatch's IndexFile entries and slots, in one call)."""
     return int(
         _engine.index_put(mm, fd, slot_count, first, begin_timestamp, hashes, offsets, timestamps)
+    )
+
+
+def dispatch_pass(
+    batch: EncodedBatch,
+    tag_codes: dict[str | None, int],
+    cq_table: Any,
+    index_from: int,
+    unindexed: frozenset[str],
+    index: Any,
+    put_index: Callable[..., Any],
+) -> None:
+    """See ``dispatch_pass_py`` (a dispatch pass in one call: natively, the ConsumeQueue entries
+    copied into their files' mappings and the IndexFile entries put without the GIL, with Python
+    only for file rolls and out-of-line runs, decision 695)."""
+    _engine.dispatch_pass(
+        batch.offsets,
+        batch.sizes,
+        batch.queue_offsets,
+        batch.queues,
+        batch.tags,
+        batch.keys,
+        batch.uniq_keys,
+        batch.store_timestamps,
+        batch.store_timestamp,
+        tag_codes,
+        cq_table,
+        index_from,
+        unindexed,
+        index,
+        put_index,
     )

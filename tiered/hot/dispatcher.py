@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE
+from tiered.formats import CQ_DTYPE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
 from tiered.hot.group_commit import Wakeup, new_wakeup
@@ -36,8 +36,8 @@ from tiered.hot.index_file import IndexFile, IndexService
 from tiered.record import (
     DispatchColumns,
     EncodedBatch,
-    cq_blocks,
     dispatch_columns,
+    dispatch_pass,
     index_keys,
     read_dispatch_run,
 )
@@ -330,50 +330,32 @@ class Dispatcher:
     def apply(self, batch: EncodedBatch) -> None:
         """Write the ConsumeQueue and IndexFile entries for every record in ``batch``.
 
-        The record engine packs every entry of the pass in one call (``cq_blocks``; natively
-        without a Python object per record, decision 540): Python loops only over runs of
-        consecutive queue offsets of a queue, one write each.
+        One call of the record engine (``dispatch_pass``; natively, decision 695): every
+        entry packed, each queue's run copied into its tail file's mapping and the IndexFile
+        entries put without the GIL. Python runs only where a file must be created (a
+        ConsumeQueue's first or next file: ``put_block``; an IndexFile roll: ``_put_index``),
+        or a run is not its queue's next entries (a re-dispatch, a gap).
         """
-        entries, runs = cq_blocks(
-            batch.offsets,
-            batch.sizes,
-            batch.queue_offsets,
-            batch.queues,
-            batch.tags,
+        dispatch_pass(
+            batch,
             self._tag_codes,
+            self.queues,
+            self.index_from,
+            self.unindexed_topics,
+            self.index,
+            self._put_index,
         )
-        view = memoryview(entries)
-        get = self.queues.get_or_create
-        for (topic, queue_id), first_q, count, at, physical_end in runs:
-            get(topic, queue_id).put_block(
-                first_q, view[at : at + count * CQ_ENTRY_SIZE], physical_end
-            )
-        self._index(batch, np.asarray(batch.offsets, np.int64))
 
-    def _index(self, batch: EncodedBatch, record_offsets: np.ndarray) -> None:
-        index_from = self.index_from
-        end = batch.end_offset
-        if end <= index_from:
-            return
-        # Per record its unique id, then its keys, hashed by the record engine in one call.
-        hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
-        offsets = record_offsets[numbers]
-        keep = offsets >= index_from
-        if self.unindexed_topics:
-            skip = self.unindexed_topics
-            keep &= np.array([q[0] not in skip for q in batch.queues], bool)[numbers]
-        if not keep.all():
-            hashes, numbers, offsets = hashes[keep], numbers[keep], offsets[keep]
-        stamps = batch.store_timestamps
-        self._put_index_entries(
-            self.index.writer_at,
-            hashes,
-            offsets,
-            np.asarray(stamps, np.int64)[numbers] if stamps else None,
-            batch.store_timestamp,
-            max(batch.offsets[0], index_from),
-            end,
-        )
+    def _put_index(
+        self,
+        hashes: np.ndarray,
+        offsets: np.ndarray,
+        stamps: np.ndarray | None,
+        store_ts: int,
+        begin: int,
+        end: int,
+    ) -> None:
+        self._put_index_entries(self.index.writer_at, hashes, offsets, stamps, store_ts, begin, end)
 
     @staticmethod
     def _put_index_entries(
