@@ -37,6 +37,7 @@ BENCHES = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem not in 
 # whole set runs in a few minutes on this 2-core machine.
 SHORT: dict[str, tuple[dict[str, Any], list[str]]] = {
     "cold_read": ({"BASE": 5_000}, []),
+    "dispatch_pass": ({"ROUNDS": 3}, []),
     "export": ({"MESSAGES": 8_000, "RUNS": 1, "FRESHNESS_PROFILES": ["low"]}, []),
     "offload": ({"MESSAGES": 60_000}, []),
     "produce_grpc": ({"SECONDS": 3.0}, []),
