@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_record_engine import SETTINGS
@@ -305,7 +305,8 @@ def _run_passes(root: Path, engine: Any, run: tuple[Any, ...], mp: Any) -> tuple
     return state, named
 
 
-@SETTINGS
+# Each example creates and fsyncs real files: fewer examples than the codec tests.
+@settings(SETTINGS, max_examples=25)
 @given(pass_runs())
 def test_a_dispatch_pass_writes_the_same_files_and_state_with_either_engine(
     run: tuple[Any, ...],
