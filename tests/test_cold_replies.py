@@ -372,3 +372,34 @@ def test_a_damaged_segment_fails_replies_with_the_same_error_as_a_read(
         assert info.key in errors[0] and "record at" in errors[0]
     finally:
         path.write_bytes(original)
+
+
+def test_a_replay_by_replies_carries_no_records_and_a_read_still_decodes(
+    archive: tuple[Path, list[bytes]], worker: ColdWorker
+) -> None:
+    """Decision 705: the batches ``get_replies`` reads through the worker hold only replies
+    (the records stay in the worker: half the bytes through the pipe), and those ``get``
+    reads hold only records (no replies written for it); each read answers as before from
+    the same cache."""
+    root, expected = archive
+    tier = open_store(f"file://{root}/tier")
+    fetcher = ColdFetcher(
+        tier, "c", "b", runner=worker, reply_encoder=encode_pull_replies, read_timeout_s=60
+    )
+    try:
+        replies, nxt, _ = fetcher.get_replies("t", 0, 250, 100, 1 << 30)
+        assert nxt == 350
+        assert_same_replies(replies, expected[250:350])
+        with fetcher._lock:
+            cached = list(fetcher._cache.values())
+        assert cached and all(s.data == b"" and s.replies is not None for s in cached)
+        assert not any(s.has_records for s in cached)
+        assert fetcher.bytes_fetched == sum(s.size for s in cached)
+        decoded, nxt = fetcher.get("t", 0, 250, 100, max_bytes=1 << 30)
+        assert nxt == 350
+        assert_same_replies([pull_reply(m) for m in decoded], expected[250:350])
+        with fetcher._lock:
+            records = [s for k, s in fetcher._cache.items() if not k[-1]]
+        assert records and all(s.data and s.replies is None for s in records)
+    finally:
+        fetcher.close()

@@ -282,3 +282,35 @@ def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(
             assert got.replies[0] == bytes(alone.replies[0])
             assert got.replies[1:] == alone.replies[1:]
             assert got.messages(0, 100) == messages[i * 100 : (i + 1) * 100]
+
+
+def test_a_replies_only_run_keeps_positions_and_sizes_but_not_the_records(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> None:
+    """``read_spans(records=False)`` (decision 705): each batch carries its replies, positions
+    and the records' length, not the records; ``take`` answers as for the whole batch, the
+    replies are the same bytes, decoding refuses, and the pipe's pickling keeps all of that."""
+    tier = open_store(f"file://{tmp_path}/tier")
+    store, messages = hot
+    manifest = archive(tier, store, messages[:300], per_segment=300)
+    [info] = manifest.segments
+    table = tier.get_range(info.key, info.offsets_at, info.count * CQ_ENTRY_SIZE)
+    counts = [100, 100, 100]
+    whole = read_spans(tier, info, 0, table, counts, encode_pull_replies)
+    only = read_spans(tier, info, 0, table, counts, encode_pull_replies, records=False)
+    for full, span in zip(whole, only, strict=True):
+        for got in (span, pickle.loads(pickle.dumps(span, protocol=5)), span.owned()):
+            assert got.data == b"" and not got.has_records
+            assert full.has_records and got.size == len(full.data) == full.size
+            assert got.replies is not None and full.replies is not None
+            assert got.nbytes == len(full.replies[0]) < full.nbytes
+            assert bytes(got.replies[0]) == bytes(full.replies[0])
+            assert got.replies[1:] == full.replies[1:]
+            assert (got.base_offset, got.positions) == (full.base_offset, full.positions)
+            for start, count, room in ((0, 100, 1 << 30), (3, 50, 4000), (99, 10, 1), (40, 0, 9)):
+                assert got.take(start, count, room) == full.take(start, count, room)
+            assert got.reply_run(5, 60) == full.owned().reply_run(5, 60)
+            with pytest.raises(ValueError, match="replies-only"):
+                got.messages(0, 1)
+    with pytest.raises(ValueError, match="reply encoder"):
+        read_spans(tier, info, 0, table, counts, None, records=False)

@@ -188,13 +188,14 @@ class ColdFetcher:
         self._manifests: dict[tuple[str, int], tuple[float, QueueManifest]] = {}
         self._own_runner = runner is None
         self.runner = runner or LocalRunner(tier, threads=workers, max_inflight=workers)
-        self._cache: OrderedDict[tuple[str, int], RecordSpan] = OrderedDict()
+        # A batch is cached as records or as replies-only (the key's last item), decision 705.
+        self._cache: OrderedDict[tuple[str, int, bool], RecordSpan] = OrderedDict()
         self._cached_bytes = 0
         # Offset tables of the segments being read, most recent last (bytes bounded too).
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self._table_loads: dict[str, threading.Lock] = {}
-        self._inflight: dict[tuple[str, int], Future[RecordSpan]] = {}
+        self._inflight: dict[tuple[str, int, bool], Future[RecordSpan]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -444,7 +445,7 @@ class ColdFetcher:
                             break
             return out, size, next_offset
 
-        return self._read(topic, queue_id, offset, max_count, max_bytes, step)
+        return self._read(topic, queue_id, offset, max_count, max_bytes, step, replies=False)
 
     def get_replies(
         self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int = 4 << 20
@@ -463,7 +464,9 @@ class ColdFetcher:
             body_bytes += bodies
             return replies, taken, batch.base_offset + i + count
 
-        out, next_offset = self._read(topic, queue_id, offset, max_count, max_bytes, step)
+        out, next_offset = self._read(
+            topic, queue_id, offset, max_count, max_bytes, step, replies=True
+        )
         return out, next_offset, body_bytes
 
     def _read(
@@ -474,13 +477,16 @@ class ColdFetcher:
         max_count: int,
         max_bytes: int,
         step: Callable[[RecordSpan, int, int, int], Taken[T]],
+        *,
+        replies: bool,
     ) -> tuple[list[T], int]:
         """The loop of every read: batch after batch of the segment holding ``offset``, until
         ``max_count`` items, ``max_bytes`` or the segment's end. ``step(batch, i, count, room)``
         takes at most ``count`` items and about ``room`` bytes from record ``i`` of a batch on:
         the items, their bytes and the offset after the last record it looked at. Errors and the
         answer to a segment that retention removed meanwhile (no items, the archive's new start)
-        as ``get``."""
+        as ``get``. ``replies``: the batches are replies-only spans (``get_replies``), else
+        records without replies (decision 705)."""
         what = f"{topic}/{queue_id} offset {offset}"
         manifest, info = self._segment(topic, queue_id, offset, what)
         if info is None:  # below the archive: as if retention had just removed it
@@ -489,7 +495,9 @@ class ColdFetcher:
         size = 0
         next_offset = offset
         while next_offset < info.end_offset and len(out) < max_count and size < max_bytes:
-            batch = self._next_batch(topic, queue_id, manifest, info, next_offset, what, bool(out))
+            batch = self._next_batch(
+                topic, queue_id, manifest, info, next_offset, what, bool(out), replies
+            )
             if batch is None:
                 break  # what was read stands; the next read meets the error afresh
             if isinstance(batch, int):
@@ -510,12 +518,13 @@ class ColdFetcher:
         offset: int,
         what: str,
         have_some: bool,
+        replies: bool,
     ) -> RecordSpan | int | None:
         """The batch holding ``offset``. When its segment cannot be read: None if the read
         ``have_some`` messages already, the archive's new start if retention removed the
         segment meanwhile, else the ``SegmentError``."""
         try:
-            return self._batch(info, offset, what, manifest.find(info.end_offset))
+            return self._batch(info, offset, what, manifest.find(info.end_offset), replies)
         except SegmentError:
             if have_some:
                 return None
@@ -564,14 +573,22 @@ class ColdFetcher:
         return max(16, min(4096, BATCH_BYTES // average))
 
     def _batch(
-        self, info: SegmentInfo, offset: int, what: str, following: SegmentInfo | None = None
+        self,
+        info: SegmentInfo,
+        offset: int,
+        what: str,
+        following: SegmentInfo | None = None,
+        replies: bool = False,
     ) -> RecordSpan:
         """The cached batch holding ``offset``, fetched within the read deadline. The read-ahead
         runs on into ``following`` (the next segment), so a replay does not stall at each
-        segment's end for its successor's offset table and first batch."""
+        segment's end for its successor's offset table and first batch. ``replies``: the batch
+        as a replies-only span, else as records (two entries of the cache, decision 705)."""
+        if replies and self.reply_encoder is None:
+            raise ValueError("this cold fetcher has no reply encoder")
         n = self._batch_len(info)
         start = info.base_offset + (offset - info.base_offset) // n * n
-        key = (info.key, start)
+        key = (info.key, start, replies)
         with self._lock:
             batch = self._cache.get(key)
             if batch is not None:
@@ -581,23 +598,26 @@ class ColdFetcher:
         if batch is None:
             if future is None:
                 self.misses += 1
-                future = self._submit(info, [start])
+                future = self._submit(info, [start], replies)
                 if future is None:
                     self.unavailable += 1
                     raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
             batch = self._wait(what, future)
-        self._read_ahead(info, start, following)
+        self._read_ahead(info, start, following, replies)
         return batch
 
-    def _read_ahead(self, info: SegmentInfo, start: int, following: SegmentInfo | None) -> None:
+    def _read_ahead(
+        self, info: SegmentInfo, start: int, following: SegmentInfo | None, replies: bool
+    ) -> None:
         """Fetch the batches after ``start`` that a sequential reader meets next, up to
         ``READ_AHEAD`` of them (fewer when the cache could not hold them), in runs of
         ``GET_BATCHES`` consecutive batches, each run one GET (decision 333). A shorter run
         waits until it can be whole, unless the reader needs its first batch next or it ends
         its segment."""
-        # A batch with replies holds its records twice over (raw, and as replies): half the
-        # cache in batches ahead counts both, or the read-ahead evicts its own prefetch.
-        per_batch = BATCH_BYTES * (2 if self.reply_encoder is not None else 1)
+        # A batch holds its records or their replies, never both (decision 705); a reply is its
+        # record re-encoded plus ids, digest, times and hosts, a little longer: half the cache in
+        # batches ahead counts that, or the read-ahead evicts its own prefetch.
+        per_batch = BATCH_BYTES * 5 // 4 if replies else BATCH_BYTES
         limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
         window = min(GET_BATCHES, limit)
         ahead: list[tuple[SegmentInfo, int]] = []
@@ -611,7 +631,8 @@ class ColdFetcher:
             ahead.append((segment, nxt))
         with self._lock:
             wanted = [
-                (s.key, x) not in self._cache and (s.key, x) not in self._inflight for s, x in ahead
+                (s.key, x, replies) not in self._cache and (s.key, x, replies) not in self._inflight
+                for s, x in ahead
             ]
         i = 0
         while i < len(ahead):
@@ -625,31 +646,37 @@ class ColdFetcher:
             last = ahead[j - 1][1]
             ends_segment = last + self._batch_len(segment) >= segment.end_offset
             if j - i == window or i == 0 or ends_segment:
-                self._submit(segment, [x for _, x in ahead[i:j]])  # skipped when full
+                self._submit(segment, [x for _, x in ahead[i:j]], replies)  # skipped when full
             i = j
 
-    def _submit(self, info: SegmentInfo, starts: list[int]) -> Future[RecordSpan] | None:
+    def _submit(
+        self, info: SegmentInfo, starts: list[int], replies: bool
+    ) -> Future[RecordSpan] | None:
         """One fetch of the consecutive batches at ``starts`` (one GET), each joined if already
         in flight; the future of the first. None when ``max_inflight`` fetches are already
         queued (the pool's queue is bounded by this, not by the executor)."""
         with self._lock:
-            existing = self._inflight.get((info.key, starts[0]))
+            existing = self._inflight.get((info.key, starts[0], replies))
             if existing is not None:
                 return existing
             if len(self._inflight) >= self.max_inflight:
                 return None
             futures: list[Future[RecordSpan]] = []
             for start in starts:
-                if (info.key, start) in self._inflight:
+                if (info.key, start, replies) in self._inflight:
                     break  # the rest is under way already
                 future: Future[RecordSpan] = Future()
-                self._inflight[(info.key, start)] = future
+                self._inflight[(info.key, start, replies)] = future
                 futures.append(future)
-            self._pool.submit(self._fetch, info, starts[: len(futures)], futures)
+            self._pool.submit(self._fetch, info, starts[: len(futures)], futures, replies)
         return futures[0]
 
     def _fetch(
-        self, info: SegmentInfo, starts: list[int], futures: list[Future[RecordSpan]]
+        self,
+        info: SegmentInfo,
+        starts: list[int],
+        futures: list[Future[RecordSpan]],
+        replies: bool,
     ) -> None:
         try:
             started = time.perf_counter()
@@ -657,9 +684,11 @@ class ColdFetcher:
             n = self._batch_len(info)
             entries = self._table(info)[first : first + n * len(starts)]
             try:
-                if len(starts) == 1 and self.reply_encoder is None:
+                if len(starts) == 1 and not replies:
                     spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
                 else:
+                    # A replies-only span for a reader that sends replies: its records stay in
+                    # the worker (decision 705); a reader that decodes gets records alone.
                     counts = [n] * len(starts)
                     spans = run_job(
                         self.runner,
@@ -668,20 +697,21 @@ class ColdFetcher:
                         first,
                         entries.tobytes(),
                         counts,
-                        self.reply_encoder,
+                        self.reply_encoder if replies else None,
+                        not replies,
                     )
             except SegmentError:
                 # The table may be what was wrong: the next read of the segment fetches it again.
                 self._forget_table(info.key)
                 raise
             spans = [span.owned() for span in spans]  # as they came when read in this process
-            size = sum(len(span.data) for span in spans)
+            size = sum(span.size for span in spans)
             self.bytes_fetched += size
             if self._observe is not None:
                 self._observe(time.perf_counter() - started, size)
             with self._lock:
                 for start, span in zip(starts, spans, strict=False):
-                    self._cache[(info.key, start)] = span
+                    self._cache[(info.key, start, replies)] = span
                     self._cached_bytes += span.nbytes
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, evicted = self._cache.popitem(last=False)
@@ -697,7 +727,7 @@ class ColdFetcher:
         finally:
             with self._lock:
                 for start in starts:
-                    self._inflight.pop((info.key, start), None)
+                    self._inflight.pop((info.key, start, replies), None)
 
     def _table(self, info: SegmentInfo) -> np.ndarray:
         """The segment's offset table, from the cache or with one request (kept within a

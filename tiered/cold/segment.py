@@ -76,9 +76,22 @@ class RecordSpan:
     data: bytes
     positions: list[int]  # where each record starts in ``data``
     replies: Replies | None = None
+    # A replies-only span (``read_spans(records=False)``, decision 705) holds no records:
+    # ``data`` is empty and this is the length they had. None: the records are ``data``.
+    dropped: int | None = None
 
     def __len__(self) -> int:
         return len(self.positions)
+
+    @property
+    def size(self) -> int:
+        """The bytes of the span's records (held or dropped)."""
+        return len(self.data) if self.dropped is None else self.dropped
+
+    @property
+    def has_records(self) -> bool:
+        """Whether the span holds its records (a read that decodes needs them)."""
+        return self.dropped is None
 
     @property
     def nbytes(self) -> int:
@@ -92,11 +105,11 @@ class RecordSpan:
         replies = self.replies
         if replies is not None:
             replies = (pickle.PickleBuffer(replies[0]), replies[1], replies[2])  # type: ignore[assignment]
-        data = pickle.PickleBuffer(self.data)
-        return (_record_span, (self.base_offset, data, self.positions, replies))
+        data = pickle.PickleBuffer(self.data) if self.dropped is None else b""
+        return (_record_span, (self.base_offset, data, self.positions, replies, self.dropped))
 
     def _fields(self) -> tuple[Any, ...]:
-        return (self.data, self.positions, self.replies)
+        return (self.data, self.positions, self.replies, self.dropped)
 
     def owned(self) -> RecordSpan:
         """This span with its own bytes objects. ``read_spans`` cuts its spans as views of the
@@ -111,7 +124,7 @@ class RecordSpan:
         replies = self.replies
         if replies is not None:
             replies = (bytes(replies[0]), replies[1], replies[2])
-        return RecordSpan(self.base_offset, bytes(self.data), self.positions, replies)
+        return RecordSpan(self.base_offset, bytes(self.data), self.positions, replies, self.dropped)
 
     def reply_run(self, start: int, stop: int) -> tuple[list[bytes], int]:
         """The replies of records ``start`` up to ``stop``, one bytes object each, and their
@@ -127,10 +140,15 @@ class RecordSpan:
             begin = end
         return out, sum(bodies[start:stop])
 
+    def _records(self) -> bytes:
+        if self.dropped is not None:
+            raise ValueError("a replies-only span holds no records to decode")
+        return self.data
+
     def message(self, i: int) -> StoredMessage:
         """Record ``i`` (queue offset ``base_offset + i``), decoded. Its body CRC was checked
         when the span was read."""
-        return decode(self.data, self.positions[i], check_crc=False)
+        return decode(self._records(), self.positions[i], check_crc=False)
 
     def take(self, start: int, max_count: int, max_bytes: int) -> tuple[int, int]:
         """How many records from ``start`` a read of at most ``max_count`` messages and
@@ -144,12 +162,12 @@ class RecordSpan:
         by_bytes = bisect.bisect_left(positions, positions[start] + max_bytes, start + 1) - start
         count = min(max_count, by_bytes, len(positions) - start)
         stop = start + count
-        end = positions[stop] if stop < len(positions) else len(self.data)
+        end = positions[stop] if stop < len(positions) else self.size
         return count, end - positions[start]
 
     def messages(self, start: int, stop: int) -> list[StoredMessage]:
         """Records ``start`` up to ``stop``, decoded in one call of the record engine."""
-        return decode_many(self.data, self.positions[start:stop], check_crc=False)
+        return decode_many(self._records(), self.positions[start:stop], check_crc=False)
 
 
 def _as_bytes(data: Buffer) -> bytes:
@@ -169,10 +187,11 @@ def _record_span(
     data: Buffer,
     positions: list[int],
     replies: tuple[Buffer, list[int], list[int]] | None = None,
+    dropped: int | None = None,
 ) -> RecordSpan:
     """A ``RecordSpan`` unpickled."""
     out = None if replies is None else (_as_bytes(replies[0]), replies[1], replies[2])
-    return RecordSpan(base_offset, _as_bytes(data), positions, out)
+    return RecordSpan(base_offset, _as_bytes(data), positions, out, dropped)
 
 
 def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
@@ -208,11 +227,16 @@ def read_spans(
     entries: bytes,
     counts: list[int],
     encoder: ReplyEncoder | None = None,
+    records: bool = True,
 ) -> list[RecordSpan]:
     """``read_span`` of several consecutive batches with one ranged GET (a sequential reader's
     read-ahead: a few large requests cost the store far less than many small ones), cut into
     spans of ``counts`` records each: a cold job. With ``encoder``, each span also carries its
-    records' replies, written here, in the worker."""
+    records' replies, written here, in the worker. ``records=False`` (with ``encoder``): the
+    spans carry only the replies and the records' positions, for a reader that sends replies
+    (decision 705); the records are checked here all the same."""
+    if not records and encoder is None:
+        raise ValueError("a span without its records needs a reply encoder")
     whole = read_span(store, info, first, entries)
     replies = encoder(whole.data, whole.positions) if encoder is not None else None
     if replies is not None:
@@ -230,9 +254,10 @@ def read_spans(
         out.append(
             RecordSpan(
                 whole.base_offset + at,
-                data[begin:end],  # type: ignore[arg-type]
+                data[begin:end] if records else b"",  # type: ignore[arg-type]
                 positions,
                 _cut_replies(replies, at, stop),
+                None if records else end - begin,
             )
         )
         at = stop
