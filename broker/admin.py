@@ -354,6 +354,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                         deep=request.deep,
                         pool=pool,
                         deadline=deadline,
+                        foreign=o.foreign,
                     )
                     for cfg in cfgs
                     for q in range(cfg.queues)

@@ -29,7 +29,7 @@ body's CRC32 when the object was uploaded, decision 290, and objects are immutab
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,7 +114,11 @@ def verify_queue(
     deep: bool = False,
     pool: Executor | None = None,
     deadline: float | None = None,
+    foreign: Callable[[QueueManifest], str | None] = lambda _m: None,
 ) -> QueueVerdict:
+    """``foreign(manifest)``: why this broker does not own the queue's prefix, if it does not
+    (``Offloader.foreign``): then ``repair`` deletes nothing, since what looks orphaned may be
+    the other writer's upload in flight (decision 690)."""
     verdict = QueueVerdict(topic, queue_id)
     store = ManifestLog(tier, queue_prefix(cluster, broker, topic, queue_id))
     try:
@@ -182,9 +186,14 @@ def verify_queue(
             else:
                 # Nothing of this queue is being uploaded or expired now: what the current
                 # manifest does not name is left over from an interrupted run.
-                current = {s.key for s in store.load().segments}
+                loaded = store.load()
+                current = {s.key for s in loaded.segments}
                 still = {o.key for o in tier.list(f"{store.prefix}segments/")}
                 verdict.orphans = [k for k in candidates if k in still and k not in current]
+                not_ours = foreign(loaded) if repair and verdict.orphans else None
+                if not_ours is not None:
+                    verdict.notes.append(f"not repaired: {not_ours}")
+                    repair = False
                 if repair:
                     for key in verdict.orphans:
                         tier.delete(key)
