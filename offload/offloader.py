@@ -186,8 +186,10 @@ class Offloader:
         self.cluster = cluster
         self.broker = broker
         self.policy = policy or OffloadPolicy()
-        # Told every committed manifest (the broker's cold fetcher), so no reader in this
-        # process ever sees an older archive than the one local release relies on.
+        # Told every manifest this offloader commits or loads (the broker's cold fetcher), so
+        # no reader in this process ever sees an older archive than the one local release
+        # relies on: release trusts the manifest last committed or loaded here, and a commit
+        # whose answer was lost is learnt by a load (decision 691).
         self.on_commit = on_commit
         # Whether, and in which epoch, this broker may write the tier (a single broker: always,
         # epoch 0).
@@ -223,6 +225,8 @@ class Offloader:
                     f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
                 )
                 self._manifests[key] = manifest
+                if self.on_commit is not None:
+                    self.on_commit(topic, queue_id, manifest)
         return self._manifests[key]
 
     def _leading(self) -> Term:
