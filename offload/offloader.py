@@ -375,6 +375,8 @@ class Offloader:
             return None
         archived = sum(s.size for s in manifest.segments)
         start = manifest.end_offset
+        if self.foreign(manifest) is not None:
+            archived, start = 0, 0  # none of this queue's messages is archived (decision 690)
         end = self.store.max_offset(topic, queue_id)
         if end <= start:
             return UploadLag(0, 0, 0.0, archived)

@@ -81,6 +81,16 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
             "the new messages were released as if the old archive held them"
         )
         assert replayed(second) == new, "every new message, and none of the old ones"
+        status = tmq("offload", "status", TOPIC, "-n", second.namesrv, "--json")
+        assert status.returncode == 0, status.stderr
+        assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [0], (
+            "status says nothing of this broker's is archived, not the old archive's end"
+        )
+        check = tmq("verify", TOPIC, "-n", second.namesrv, "--json")
+        assert check.returncode == 1, "not OK: none of this broker's messages is archived"
+        (queue,) = json.loads(check.stdout)["queues"]
+        assert queue["status"] == "WARNING"
+        assert any("another data directory" in a for a in queue["anomalies"])
         log = second.log_path.read_text()
         assert "another data directory" in log, "the refusal is said, not silent"
         after = manifest(tier)
