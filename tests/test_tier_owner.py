@@ -11,10 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from broker_harness import Standalone, body_bytes, send_batches, tmq
 
-from tiered.cold.manifest import ManifestLog, queue_prefix
+from offload.leadership import Term
+from offload.offloader import FencedError, ForeignPrefixError, Offloader
+from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
+from tiered.config import StoreConfig
+from tiered.record import Message
+from tiered.store import MessageStore, store_identity
 
 TOPIC = "owned-orders"
 
@@ -135,3 +141,62 @@ def test_a_second_broker_of_the_same_name_deletes_nothing_of_the_first(
         assert tier.size(in_flight) is not None, "verify --repair deleted another's upload"
     finally:
         second.stop()
+
+
+def _store(path: Path) -> MessageStore:
+    store = MessageStore(StoreConfig(data_dir=path, commitlog_file_size=64 << 10))
+    store.start()
+    for i in range(20):
+        store.put_message(Message(topic="t", queue_id=0, body=b"m%03d" % i))
+    assert store.wait_dispatched()
+    return store
+
+
+def test_who_owns_a_prefix_in_which_epoch(tmp_path: Path) -> None:
+    """Decision 690's rule in process, on file://: the same epoch from another directory is
+    refused (upload and release); a higher epoch (a replica group's new master) takes the prefix
+    over and fences the old one; a manifest committed before the rule (no ``store``) is adopted.
+    """
+    tier = open_store(f"file://{tmp_path}/tier")
+    a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
+    assert a.store_id != b.store_id
+    assert store_identity(tmp_path / "a") == a.store_id, "the identity stays with the directory"
+    offloaders: list[Offloader] = []
+
+    def offloader(store: MessageStore, epoch: int, who: str) -> Offloader:
+        o = Offloader(store, tier, "c", "broker-a", leadership=lambda: Term(epoch, who))
+        offloaders.append(o)
+        return o
+
+    try:
+        first = offloader(a, 1, "a")
+        assert first.offload_queue("t", 0).watermark == 20
+        assert first.manifest("t", 0).store == a.store_id
+
+        second = offloader(b, 1, "b")  # same epoch, another directory
+        with pytest.raises(ForeignPrefixError, match="another data directory"):
+            second.offload_queue("t", 0)
+        with pytest.raises(ForeignPrefixError):
+            second.release_watermark("t", 0)
+        lag = second.upload_lag("t", 0, 0)
+        assert lag is not None and lag.messages == 20 and lag.archived_bytes == 0
+
+        promoted = offloader(b, 2, "b")  # a new master of the replica group
+        promoted.claim("t", 0)
+        assert promoted.manifest("t", 0).store == b.store_id
+        assert promoted.release_watermark("t", 0) == 20
+        with pytest.raises(FencedError):
+            offloader(a, 1, "a").offload_queue("t", 0)
+
+        # Committed before the rule: no ``store``; its writer's successor adopts it.
+        legacy = ManifestLog(tier, queue_prefix("c", "broker-a", "t", 1))
+        legacy.commit(QueueManifest(legacy.prefix, 1, [], 0, epoch=2, writer="old"))
+        raw = tier.get(f"{legacy.prefix}manifests/{1:020d}.json")
+        assert "store" not in json.loads(raw)["manifest"], "encoded as before the rule"
+        assert promoted.release_watermark("t", 1) == 0
+        promoted.claim("t", 1)
+    finally:
+        for o in offloaders:
+            o.close()
+        a.shutdown()
+        b.shutdown()
