@@ -647,6 +647,14 @@ class Offloader:
             count = min(
                 len(entries), int(np.searchsorted(reach, self.policy.segment_max_bytes)) + 1
             )
+            last = entries[count - 1]
+            if int(last["offset"]) + int(last["size"]) > self.store.flushed_offset:
+                # Never archive a record this broker's own disk may still lose (ASYNC flush:
+                # the page cache only): after a power loss its queue would reuse the offsets
+                # the archive holds, and release would take the new messages for archived
+                # ones. One fsync, and only for records younger than the flush interval
+                # (decision 693).
+                self.store.flush_commitlog()
             yield SegmentJob(
                 key=segment_key(prefix, start),
                 base_offset=start,

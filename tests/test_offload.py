@@ -518,3 +518,27 @@ def test_release_after_a_commit_whose_reply_was_lost_leaves_readers_the_archive(
             offloader.close()
         store.shutdown()
         fetcher.close()
+
+
+def test_nothing_is_archived_before_it_is_on_the_local_disk(
+    tmp_path: Path, tier: ObjectStore
+) -> None:
+    """ASYNC flush: a record is in the page cache before it is on disk. An archive holding a
+    record the local disk may still lose would, after a power loss, hold other messages at the
+    offsets the queue reuses (decision 693): the offloader flushes first."""
+    store = MessageStore(
+        StoreConfig(data_dir=tmp_path / "hot", flush="async", flush_interval_ms=3_600_000)
+    )
+    store.start()
+    offloader = Offloader(store, tier, "c1", "broker-a")
+    try:
+        for i in range(50):
+            store.put_message(Message(topic="orders", queue_id=0, body=b"m%03d" % i))
+        assert store.wait_dispatched()
+        end = store.max_physical_offset
+        assert store.flushed_offset < end, "the flusher has not run: the records are unflushed"
+        assert offloader.offload_queue("orders", 0).watermark == 50
+        assert store.flushed_offset >= end, "archived while the local disk could still lose it"
+    finally:
+        offloader.close()
+        store.shutdown()

@@ -810,6 +810,11 @@ class MessageStore:
         """fsync the CommitLog; returns the flushed offset."""
         return self.commitlog.flush()
 
+    @property
+    def flushed_offset(self) -> int:
+        """Just past the last CommitLog byte known to be on disk (fsynced)."""
+        return self.commitlog.flushed_offset
+
     def _route_flush_wakeups(self) -> None:
         """Under SYNC each group commit fsync wakes the dispatcher (what it covered may be
         dispatched now), set by the native flusher without the GIL. A replica's dispatcher
