@@ -60,6 +60,18 @@ def manifest(tier: ObjectStore) -> Any:
     return ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", TOPIC, 0)).load()
 
 
+def uploaded(node: Standalone, tier: ObjectStore, count: int) -> Any:
+    """The manifest once ``count`` messages are archived (``tmq offload`` uploads what is
+    dispatched when it asks; the periodic pass, every second, the rest)."""
+    assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+    deadline = time.monotonic() + 60
+    while (archived := manifest(tier)).end_offset < count:
+        assert time.monotonic() < deadline, f"{archived.end_offset} of {count} archived"
+        time.sleep(0.5)
+    assert archived.end_offset == count
+    return archived
+
+
 def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
     tmp_path: Path, s3: Any, bucket: str
 ) -> None:
@@ -68,11 +80,9 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
     first = start(tmp_path / "disk1", url, env)
     try:
         old = produce(first, "old", 240)
-        assert tmq("offload", TOPIC, "-n", first.namesrv).returncode == 0
+        archived = uploaded(first, tier, len(old))
     finally:
         first.stop()
-    archived = manifest(tier)
-    assert archived.end_offset == len(old)
 
     # The disk is replaced: same broker name, same bucket, an empty data directory.
     second = start(tmp_path / "disk2", url, env)
@@ -118,10 +128,9 @@ def test_a_second_broker_of_the_same_name_deletes_nothing_of_the_first(
     first = start(tmp_path / "disk1", url, env)
     try:
         produce(first, "old", 60)
-        assert tmq("offload", TOPIC, "-n", first.namesrv).returncode == 0
+        archived = uploaded(first, tier, 60)
     finally:
         first.stop()
-    archived = manifest(tier)
     # The first broker's next upload, written and not committed yet (a copy of a segment).
     in_flight = f"{archived.prefix}segments/{archived.end_offset:020d}-0123456789ab.seg"
     assert tier.put_if_absent(in_flight, tier.get(archived.segments[0].key))
