@@ -115,7 +115,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         def watermark(q: int) -> int:
             if self.offloader is None or not cfg.tiered:
                 return 0
-            return self.offloader.watermark(cfg.name, q)
+            manifest = self.offloader.manifest(cfg.name, q)
+            # An archive another data directory wrote holds none of this broker's messages
+            # (decision 690): its end is not this queue's watermark.
+            return 0 if self.offloader.foreign(manifest) else manifest.end_offset
 
         timers = self.timers() if cfg.message_type == "DELAY" else None
         return pb.TopicDescription(
@@ -354,6 +357,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                         deep=request.deep,
                         pool=pool,
                         deadline=deadline,
+                        foreign=o.foreign,
                     )
                     for cfg in cfgs
                     for q in range(cfg.queues)

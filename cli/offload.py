@@ -137,6 +137,10 @@ def offload(
         )
 
 
+# `tmq verify`'s exit code when nothing could be judged (0-2 are the verdicts).
+NOT_VERIFIED = 3
+
+
 def verify(
     topic: Annotated[
         str | None, typer.Argument(help="Topic (default: every tiered topic).")
@@ -153,17 +157,29 @@ def verify(
     """Compare manifests with the bucket: OK, WARNING (orphans, or not all checked in time) or
     FAILURE (missing, damaged).
 
-    Example: tmq verify orders --json; exit code 0 OK, 1 WARNING, 2 FAILURE.
+    Example: tmq verify orders --json; exit code 0 OK, 1 WARNING, 2 FAILURE, 3 not verified
+    (a broker, the NameServer or the object store did not answer).
     """
     statuses = []
     rows = []
-    for broker_name, stub in brokers(namesrv):
-        reply = call(
-            f"broker {broker_name}",
-            stub.Verify,
-            pb.VerifyRequest(topic=topic or "", repair=repair, deep=deep),
-            timeout=timeout,
-        )
+    try:
+        replies = [
+            (
+                broker_name,
+                call(
+                    f"broker {broker_name}",
+                    stub.Verify,
+                    pb.VerifyRequest(topic=topic or "", repair=repair, deep=deep),
+                    timeout=timeout,
+                ),
+            )
+            for broker_name, stub in brokers(namesrv)
+        ]
+    except typer.Exit:
+        # Said on stderr already. Not exit 1: that is WARNING, and a check that could not run
+        # must not read as "orphans only" to a script (decision 692).
+        raise typer.Exit(NOT_VERIFIED) from None
+    for broker_name, reply in replies:
         statuses.append(reply.status)
         rows += [
             {

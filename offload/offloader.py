@@ -141,6 +141,13 @@ class FencedError(CommitRefusedError):
     writes nothing there any more."""
 
 
+class ForeignPrefixError(CommitRefusedError):
+    """The queue's manifest was committed in this broker's epoch from another data directory:
+    a broker started on a wiped or replaced disk, or a second broker given this one's name,
+    against the same bucket. Its queues restart at offsets the archive already holds with other
+    messages, so this broker writes nothing there and release keeps its files (decision 690)."""
+
+
 @dataclass(slots=True)
 class OffloadStats:
     """What this process has moved into and out of the tier since it started (metrics read it;
@@ -179,8 +186,10 @@ class Offloader:
         self.cluster = cluster
         self.broker = broker
         self.policy = policy or OffloadPolicy()
-        # Told every committed manifest (the broker's cold fetcher), so no reader in this
-        # process ever sees an older archive than the one local release relies on.
+        # Told every manifest this offloader commits or loads (the broker's cold fetcher), so
+        # no reader in this process ever sees an older archive than the one local release
+        # relies on: release trusts the manifest last committed or loaded here, and a commit
+        # whose answer was lost is learnt by a load (decision 691).
         self.on_commit = on_commit
         # Whether, and in which epoch, this broker may write the tier (a single broker: always,
         # epoch 0).
@@ -192,6 +201,8 @@ class Offloader:
         self.fenced_by: Term | None = None
         # The epoch in which each queue's manifest was claimed (and its orphans swept).
         self._claimed: dict[tuple[str, int], int] = {}
+        # Queues whose prefix another data directory wrote, once logged (``foreign``).
+        self._foreign_reported: set[tuple[str, int]] = set()
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
         self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
@@ -214,6 +225,8 @@ class Offloader:
                     f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load
                 )
                 self._manifests[key] = manifest
+                if self.on_commit is not None:
+                    self.on_commit(topic, queue_id, manifest)
         return self._manifests[key]
 
     def _leading(self) -> Term:
@@ -273,6 +286,12 @@ class Offloader:
         manifest = self.manifest(topic, queue_id, refresh=True)
         if manifest.epoch > term.epoch:
             raise self._fence(manifest)
+        foreign = self.foreign(manifest, term)
+        if foreign is not None:
+            if key not in self._foreign_reported:
+                self._foreign_reported.add(key)
+                log.error("%s", foreign)
+            raise ForeignPrefixError(foreign)
         if manifest.end_offset > self.store.max_offset(topic, queue_id):
             # Only after an unclean failover (an ASYNC master died with messages it had
             # archived but not replicated): this master will write other messages at those
@@ -297,6 +316,27 @@ class Offloader:
         self._sweep_orphans(manifest)
         self._claimed[key] = term.epoch
         return manifest
+
+    def foreign(self, manifest: QueueManifest, term: Term | None = None) -> str | None:
+        """Why this broker does not own ``manifest``'s prefix (None: it does): the manifest was
+        committed in this broker's epoch by a broker on another data directory. A higher epoch
+        is a fence (``_fence``); a lower one is a term this broker's claim takes over (a new
+        master of the replica group); a manifest without a directory identity (committed before
+        decision 690) is taken as this directory's."""
+        term = term or self.leadership()
+        if term is None or not manifest.store or manifest.epoch != term.epoch:
+            return None
+        if manifest.store == self.store.store_id:
+            return None
+        return (
+            f"{manifest.prefix}: this tier prefix was written from another data directory "
+            f"(store {manifest.store}, by {manifest.writer or 'unknown'} in epoch "
+            f"{manifest.epoch}; this broker's store is {self.store.store_id}): a wiped or "
+            "replaced disk, or a second broker with this broker's name and bucket. Its queues "
+            "would reuse offsets the archive holds other messages at, so this broker uploads "
+            "nothing there and keeps its local files. Give this broker another name, or move "
+            "the old archive out of the prefix (docs/operations.md)"
+        )
 
     def _sweep_orphans(self, manifest: QueueManifest) -> None:
         """Delete segment objects the manifest does not name: uploads a crash (or a deposed
@@ -335,6 +375,8 @@ class Offloader:
             return None
         archived = sum(s.size for s in manifest.segments)
         start = manifest.end_offset
+        if self.foreign(manifest) is not None:
+            archived, start = 0, 0  # none of this queue's messages is archived (decision 690)
         end = self.store.max_offset(topic, queue_id)
         if end <= start:
             return UploadLag(0, 0, 0.0, archived)
@@ -357,7 +399,11 @@ class Offloader:
         master's at the offsets that master archived (it keeps everything)."""
         if self.fenced:
             raise FencedError(f"{topic}/{queue_id}: fenced; local files are kept")
-        return self.watermark(topic, queue_id)
+        manifest = self.manifest(topic, queue_id)
+        foreign = self.foreign(manifest)
+        if foreign is not None:
+            raise ForeignPrefixError(foreign)
+        return manifest.end_offset
 
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:
         """Why this queue should be uploaded now (a trigger of the policy), or None."""
@@ -601,6 +647,14 @@ class Offloader:
             count = min(
                 len(entries), int(np.searchsorted(reach, self.policy.segment_max_bytes)) + 1
             )
+            last = entries[count - 1]
+            if int(last["offset"]) + int(last["size"]) > self.store.flushed_offset:
+                # Never archive a record this broker's own disk may still lose (ASYNC flush:
+                # the page cache only): after a power loss its queue would reuse the offsets
+                # the archive holds, and release would take the new messages for archived
+                # ones. One fsync, and only for records younger than the flush interval
+                # (decision 693).
+                self.store.flush_commitlog()
             yield SegmentJob(
                 key=segment_key(prefix, start),
                 base_offset=start,
@@ -651,6 +705,7 @@ class Offloader:
         higher epoch committed first; then this broker writes the tier no more."""
         term = self._leading()
         manifest.epoch, manifest.writer = term.epoch, term.writer
+        manifest.store = self.store.store_id
         store = self.manifests(topic, queue_id)
         try:
             self._step(

@@ -29,7 +29,7 @@ body's CRC32 when the object was uploaded, decision 290, and objects are immutab
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,7 +114,12 @@ def verify_queue(
     deep: bool = False,
     pool: Executor | None = None,
     deadline: float | None = None,
+    foreign: Callable[[QueueManifest], str | None] = lambda _m: None,
 ) -> QueueVerdict:
+    """``foreign(manifest)``: why this broker does not own the queue's prefix, if it does not
+    (``Offloader.foreign``): the verdict is then a WARNING at best, since none of the queue's
+    messages is archived, and ``repair`` deletes nothing, since what looks orphaned may be the
+    other writer's upload in flight (decision 690)."""
     verdict = QueueVerdict(topic, queue_id)
     store = ManifestLog(tier, queue_prefix(cluster, broker, topic, queue_id))
     try:
@@ -123,6 +128,10 @@ def verify_queue(
         verdict.anomalies.append(f"manifest: {e}")
         verdict.status = FAILURE
         return verdict
+    not_ours = foreign(first)
+    if not_ours is not None:
+        verdict.notes.append(not_ours)
+        repair = False
     listed = {o.key: o.size for o in tier.list(f"{store.prefix}segments/")}
 
     suspects = {s.key: "missing" for s in first.segments if s.key not in listed}
@@ -182,9 +191,15 @@ def verify_queue(
             else:
                 # Nothing of this queue is being uploaded or expired now: what the current
                 # manifest does not name is left over from an interrupted run.
-                current = {s.key for s in store.load().segments}
+                loaded = store.load()
+                current = {s.key for s in loaded.segments}
                 still = {o.key for o in tier.list(f"{store.prefix}segments/")}
                 verdict.orphans = [k for k in candidates if k in still and k not in current]
+                if repair and verdict.orphans:
+                    not_ours = foreign(loaded)
+                    if not_ours is not None:
+                        verdict.notes.append(f"not repaired: {not_ours}")
+                        repair = False
                 if repair:
                     for key in verdict.orphans:
                         tier.delete(key)
@@ -193,6 +208,6 @@ def verify_queue(
         verdict.notes.append(f"{verdict.unchecked} segment(s) not checked before the deadline")
     if verdict.missing or verdict.damaged or verdict.anomalies:
         verdict.status = FAILURE
-    elif (verdict.orphans and not repair) or verdict.unchecked:
+    elif (verdict.orphans and not repair) or verdict.unchecked or not_ours is not None:
         verdict.status = WARNING
     return verdict

@@ -27,6 +27,7 @@ from tiered.cold.storage import (
     StorageError,
     open_store,
 )
+from tiered.cold.worker import LocalRunner
 from tiered.config import StoreConfig
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore
@@ -452,3 +453,92 @@ def test_a_cold_read_racing_retention_is_told_offset_too_small_not_an_error(hot,
             fetcher.get("orders", 0, manifest.segments[1].base_offset, 10)
     finally:
         fetcher.close()
+
+
+class _CommitReplyLost:
+    """The tier as the offloader sees it when the answer to a manifest PUT is lost: the PUT
+    lands, the caller is told it failed (every retry's answer lost too)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.armed = True
+
+    def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
+        written = self.inner.put_if_absent(key, data, crc32c=crc32c)
+        if self.armed and "/manifests/" in key:
+            self.armed = False
+            raise StorageError(f"put {key}: connection reset after the write landed (injected)")
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_release_after_a_commit_whose_reply_was_lost_leaves_readers_the_archive(
+    tmp_path: Path, tier: ObjectStore
+) -> None:
+    """The first commit of a queue whose answer was lost (it landed): the next pass learns it
+    from the tier and releases the files below it. Readers must learn it no later than release
+    does: a reader that still knew "no archive" was told the hot store's first offset, past
+    every released message (OFFSET_TOO_SMALL to a new start: the archive skipped). Decision
+    691."""
+    fetcher = ColdFetcher(tier, "c1", "broker-a", tiered_queues=lambda: [("orders", 0)])
+    store = MessageStore(
+        StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=64 << 10), cold=fetcher
+    )
+    store.start()
+    offloader = None
+    try:
+        for i in range(200):
+            store.put_message(Message(topic="orders", queue_id=0, body=b"%05d" % i + b"x" * 900))
+        assert store.wait_dispatched()
+        fetcher.prime()  # the reader knows the queue has no archive yet (refresher not running)
+        assert fetcher.cached("orders", 0) is not None and store.min_offset("orders", 0) == 0
+        offloader = Offloader(
+            store,
+            _CommitReplyLost(tier),  # type: ignore[arg-type]
+            "c1",
+            "broker-a",
+            on_commit=fetcher.set_manifest,
+            runner=LocalRunner(tier, threads=2, max_inflight=2),
+        )
+        with pytest.raises(OffloadError):
+            offloader.offload_queue("orders", 0)  # landed, but the answer was lost
+        topics = {"orders": TopicConfig(name="orders", tiered=True)}
+        released = store.release_commitlog_files(release_predicate(store, offloader, topics))
+        assert released > 0, "the next pass releases below the commit that landed"
+        assert store.hot_min_offset("orders", 0) > 0
+        assert store.min_offset("orders", 0) == 0, "the archive is the queue's start"
+        result = store.get_messages("orders", 0, 0, 10)
+        assert result.status is GetStatus.FOUND
+        assert [m.body[:5] for m in result.messages] == [b"%05d" % i for i in range(10)]
+    finally:
+        if offloader is not None:
+            offloader.close()
+        store.shutdown()
+        fetcher.close()
+
+
+def test_nothing_is_archived_before_it_is_on_the_local_disk(
+    tmp_path: Path, tier: ObjectStore
+) -> None:
+    """ASYNC flush: a record is in the page cache before it is on disk. An archive holding a
+    record the local disk may still lose would, after a power loss, hold other messages at the
+    offsets the queue reuses (decision 693): the offloader flushes first."""
+    store = MessageStore(
+        StoreConfig(data_dir=tmp_path / "hot", flush="async", flush_interval_ms=3_600_000)
+    )
+    store.start()
+    offloader = Offloader(store, tier, "c1", "broker-a")
+    try:
+        for i in range(50):
+            store.put_message(Message(topic="orders", queue_id=0, body=b"m%03d" % i))
+        assert store.wait_dispatched()
+        end = store.max_physical_offset
+        assert store.flushed_offset < end, "the flusher has not run: the records are unflushed"
+        assert offloader.offload_queue("orders", 0).watermark == 50
+        assert store.flushed_offset >= end, "archived while the local disk could still lose it"
+    finally:
+        offloader.close()
+        store.shutdown()

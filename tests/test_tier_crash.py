@@ -133,6 +133,33 @@ def test_kill9_between_manifest_commit_and_local_release(tmp_path: Path, tier_en
         node.stop()
 
 
+def test_kill9_between_routing_readers_and_deleting_files(tmp_path: Path, tier_env) -> None:
+    """Release's two steps (queue minimums moved past the files, then the files deleted): a
+    kill -9 between them leaves files the restarted broker still holds and releases again, and
+    every message readable from one tier or the other."""
+    url, env, tier = tier_env
+    node = start(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "release.mid_switch"})
+    sent = produce(node)
+    died_by_sigkill(node)
+    commitlog = tmp_path / "data" / "commitlog"
+    assert (commitlog / f"{0:020d}").exists(), "the kill came before the files were deleted"
+    assert "failpoint release.mid_switch" in node.log_path.read_text()
+
+    node = start(tmp_path / "data", url, env)
+    try:
+        deadline = time.monotonic() + 90
+        while (commitlog / f"{0:020d}").exists():
+            assert time.monotonic() < deadline, "the restarted broker releases them again"
+            time.sleep(0.5)
+        assert sorted(replayed_bodies(node)) == sorted(b for b, _, _ in sent)
+        named = {s.key for m in manifests(tier) for s in m.segments}
+        assert segment_objects(tier) == named
+        check = tmq("verify", TOPIC, "-n", node.namesrv, "--json")
+        assert check.returncode == 0 and json.loads(check.stdout)["status"] == "OK"
+    finally:
+        node.stop()
+
+
 def test_kill9_between_retention_commit_and_object_deletes(tmp_path: Path, tier_env) -> None:
     url, env, tier = tier_env
     node = start(tmp_path / "data", url, env)

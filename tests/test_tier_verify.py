@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from broker_harness import Standalone, send_batches
+from broker_harness import Standalone, send_batches, tmq
 from conftest import S3Endpoint
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -211,3 +211,12 @@ def test_verify_checks_six_hundred_segments_fast_and_answers_by_its_deadline(
     assert deep.status == FAILURE and deep.missing == [lost.key], deep
     assert [d.split(":")[0] for d in deep.damaged] == [victim.key]
     assert verify_queue(tier, "c", "b", "many", 0, lock=lock).missing == [lost.key]
+
+
+def test_a_verify_that_could_not_run_exits_3_not_warning() -> None:
+    """Exit 1 is WARNING (orphans only): a check that never ran must not read as one to a
+    script (decision 692). One line on stderr, no traceback."""
+    done = tmq("verify", "-n", "127.0.0.1:1", "--json")
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert done.stdout == ""
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr

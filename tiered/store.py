@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -180,6 +181,10 @@ def check_topic(topic: str) -> None:
 
 
 GEOMETRY_FILE = "store.json"
+# The data directory's identity: a random id made when the directory is first used, and stamped
+# by the offloader in every manifest it commits, so that a broker on another (or a wiped) data
+# directory knows a tier prefix it did not write (decision 690).
+STORE_ID_FILE = "store-id"
 _GEOMETRY_KEYS = (
     "commitlog_file_size",
     "consumequeue_entries_per_file",
@@ -195,6 +200,22 @@ def recorded_geometry(data_dir: Path) -> dict[str, int] | None:
         return None
     raw = json.loads(path.read_text())
     return {k: int(raw[k]) for k in _GEOMETRY_KEYS}
+
+
+def store_identity(data_dir: Path) -> str:
+    """The data directory's identity (``STORE_ID_FILE``), made durably on first use. It stays
+    with the directory's files (a copy of the directory is the same store), and a new, wiped or
+    other directory has another."""
+    path = data_dir / STORE_ID_FILE
+    try:
+        found = path.read_text().strip()
+    except FileNotFoundError:
+        found = ""
+    if found:
+        return found
+    made = uuid.uuid4().hex
+    write_file(path, (made + "\n").encode())
+    return made
 
 
 def check_geometry(config: StoreConfig) -> None:
@@ -262,6 +283,7 @@ class MessageStore:
 
     def __init__(self, config: StoreConfig, cold: ColdReader | None = None) -> None:
         self.config = config
+        self._store_id: str | None = None
         self.data_dir = DataDir(config.data_dir)
         self.commitlog = CommitLog(config)
         self.queues = ConsumeQueueTable(
@@ -338,8 +360,16 @@ class MessageStore:
         )
         return report
 
+    @property
+    def store_id(self) -> str:
+        """This data directory's identity (``store_identity``)."""
+        if self._store_id is None:
+            self._store_id = store_identity(self.config.data_dir)
+        return self._store_id
+
     def _load_and_recover(self) -> StartReport:
         check_geometry(self.config)
+        self._store_id = store_identity(self.config.data_dir)
         self._check_room_for_a_commitlog_file()
         clean = self.data_dir.last_exit_was_clean
         cp = load_checkpoint(self.checkpoint_path)
@@ -779,6 +809,11 @@ class MessageStore:
     def flush_commitlog(self) -> int:
         """fsync the CommitLog; returns the flushed offset."""
         return self.commitlog.flush()
+
+    @property
+    def flushed_offset(self) -> int:
+        """Just past the last CommitLog byte known to be on disk (fsynced)."""
+        return self.commitlog.flushed_offset
 
     def _route_flush_wakeups(self) -> None:
         """Under SYNC each group commit fsync wakes the dispatcher (what it covered may be

@@ -82,6 +82,10 @@ class QueueManifest:
     # the broker name for a single broker); the offloader stamps both at commit.
     epoch: int = 0
     writer: str = ""
+    # The identity of the data directory whose broker committed this version
+    # (``MessageStore.store_id``; "" before decision 690): a broker of the same epoch on another
+    # directory (a wiped disk, a second broker of the same name) does not own this prefix.
+    store: str = ""
 
     @property
     def end_offset(self) -> int:
@@ -126,13 +130,16 @@ class QueueManifest:
             self.log_start_offset,
             self.epoch,
             self.writer,
+            self.store,
         )
 
     def without_segments_before(self, queue_offset: int) -> QueueManifest:
         """The next version without the segments wholly below ``queue_offset`` (retention)."""
         kept = [s for s in self.segments if s.end_offset > queue_offset]
         start = kept[0].base_offset if kept else max(self.end_offset, self.log_start_offset)
-        return QueueManifest(self.prefix, self.version + 1, kept, start, self.epoch, self.writer)
+        return QueueManifest(
+            self.prefix, self.version + 1, kept, start, self.epoch, self.writer, self.store
+        )
 
     def next_version(self) -> QueueManifest:
         """The next version with the same archive (a new master's first commit: it claims the
@@ -148,6 +155,7 @@ class QueueManifest:
                 "log_start_offset": self.log_start_offset,
                 "epoch": self.epoch,
                 "writer": self.writer,
+                **({"store": self.store} if self.store else {}),
                 "segments": [s.to_dict() for s in self.segments],
             },
             sort_keys=True,
@@ -172,6 +180,7 @@ class QueueManifest:
                 inner["log_start_offset"],
                 inner.get("epoch", 0),  # versions written before replica groups: epoch 0
                 inner.get("writer", ""),
+                inner.get("store", ""),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {e}") from e
