@@ -699,7 +699,9 @@ def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -
         store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL))
         store.start()
         for n in range(20):
-            store.put_message(Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"}))
+            store.put_message(
+                Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"})
+            )
         assert store.wait_dispatched()
         fs.crash()
         with pytest.raises(DurabilityLostError):
