@@ -31,6 +31,7 @@ from test_crash import Ack, collect, verify
 from broker.metadata import BrokerMetadata
 from broker.timer import TimerService
 from tiered.config import StoreConfig
+from tiered.hot.commitlog import DurabilityLostError
 from tiered.record import Message
 from tiered.store import GetStatus, MessageStore
 
@@ -683,3 +684,34 @@ def test_a_power_loss_during_the_consumequeue_repair_at_start_leaves_a_whole_que
         assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
     finally:
         store.shutdown()
+
+
+def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -> None:
+    """The power goes out under a running store; its periodic flush meets the dead disk and
+    fails the store (what raced `shutdown` in a loaded run of the group commit power-loss test).
+    Shutdown then leaves the abort marker and closes every file: an IndexFile whose header
+    cannot be written any more (EIO) is still unmapped and closed, and no raw `OSError` escapes
+    from `shutdown` (it used to, leaving the rest of the store's files and its lock open)."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL))
+        store.start()
+        for n in range(20):
+            store.put_message(
+                Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"})
+            )
+        assert store.wait_dispatched()
+        fs.crash()
+        with pytest.raises(DurabilityLostError):
+            store.flush()  # the periodic flush: ConsumeQueue and IndexFile fsyncs fail (EIO)
+        assert store.commitlog.failed is not None
+        index_files = list(store.index.files)
+        assert index_files
+        store.shutdown()
+        assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
+        assert all(f.mm.closed for f in store.commitlog.files.files)
+        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+    finally:
+        fs.close()

@@ -626,9 +626,14 @@ class MessageStore:
             # Nothing more may be claimed durable: leave the abort marker, so the next start
             # recovers from what the disk really holds.
             self.dispatcher.stop()
-            self.commitlog.close()
-            self.queues.close()
-            self.index.close()
+            # The disk that failed may fail these too (an IndexFile's header write meets EIO):
+            # every part is still closed and the lock released, and the error only logged,
+            # since the store has already refused everything it could not make durable.
+            for close in (self.commitlog.close, self.queues.close, self.index.close):
+                try:
+                    close()
+                except OSError as e:
+                    log.error("closing a failed store: %s", e)
             self.data_dir.unlock()
             return
         self.commitlog.flush()

@@ -36,6 +36,7 @@ import numpy as np
 
 from tiered.durable import fsync_dir, make_dirs
 from tiered.formats import key_hash
+from tiered.hot.mapped_file import close_all
 from tiered.record import index_put
 
 log = logging.getLogger(__name__)
@@ -200,9 +201,11 @@ class IndexFile:
 
     def close(self) -> None:
         if not self.mm.closed:
-            self._write_header()
-            self.mm.close()
-            os.close(self._fd)
+            try:
+                self._write_header()
+            finally:  # a dead disk (EIO) must not leave the mapping and descriptor open
+                self.mm.close()
+                os.close(self._fd)
 
     def destroy(self) -> None:
         if not self.mm.closed:
@@ -331,8 +334,7 @@ class IndexService:
             f.flush()
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        close_all(self.files)
 
     def destroy_all(self) -> None:
         for f in self.files:

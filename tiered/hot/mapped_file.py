@@ -18,9 +18,9 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -400,8 +400,23 @@ class MappedFileQueue:
             f.destroy()
 
     def close(self) -> None:
-        for f in self.files:
+        close_all(self.files)
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def close_all(files: Iterable[Closable]) -> None:
+    """Close every file, even when one fails (EIO from a dead disk); raise the first error."""
+    first: OSError | None = None
+    for f in files:
+        try:
             f.close()
+        except OSError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def all_zero(path: Path) -> bool:
