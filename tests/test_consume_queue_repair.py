@@ -169,3 +169,52 @@ def test_a_read_that_meets_a_garbage_entry_fails_at_once_and_names_it(tmp_path: 
         assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
     finally:
         store.shutdown()
+
+
+def cq_file(config: StoreConfig, queue_id: int, index: int) -> Path:
+    per_file = config.consumequeue_entries_per_file * 20
+    return config.consumequeue_dir / "t" / str(queue_id) / f"{index * per_file:020d}"
+
+
+@pytest.mark.parametrize(
+    ("index", "keep"),
+    [
+        (1, 1010),  # a middle file, cut inside an entry: holes between surviving entries
+        (2, 30 * 20 + 7),  # the last file, cut inside an entry: the queue's end is cut
+        (2, 0),  # the last file emptied: the queue's end is cut
+        (0, 100),  # the first file
+    ],
+)
+@pytest.mark.parametrize("exit_was", ["crash", "clean"])
+def test_a_consumequeue_file_cut_short_is_rebuilt_from_the_commitlog_at_start(
+    tmp_path: Path, index: int, keep: int, exit_was: str
+) -> None:
+    """A ConsumeQueue file of the wrong size refused the start (decision 663 left it so); the
+    operator had to move the consumequeue directory aside. Derived data is rebuilt instead
+    (decision 685): every message reads back, and the queue's next message takes the next
+    queue offset, not one the CommitLog already holds."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    import os
+
+    # Queue 0: queue 1's records come last in the CommitLog, so re-dispatch after a clean
+    # exit starts past every record of queue 0.
+    os.truncate(cq_file(config, 0, index), keep)
+    if exit_was == "crash":
+        (config.data_dir / "abort").write_text("1\n")
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+        assert store.put_message(Message("t", b"next", queue_id=0)).queue_offset == PER_QUEUE
+        assert store.wait_dispatched()
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.cq_entries_repaired == 0
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)] + [b"next"]
+    finally:
+        store.shutdown()

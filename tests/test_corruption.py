@@ -275,3 +275,19 @@ def test_a_lost_checkpoint_redispatches_queues_whose_tail_was_never_flushed(
     store = start_store(config)
     assert store.max_offset(*victim) == lost[-1].queue_offset + 1
     assert_all_readable(store, msgs)
+
+
+def test_consumequeue_files_cut_short_after_a_crash_are_rebuilt(crashed, start_store) -> None:
+    """kill -9, then every queue's last ConsumeQueue file cut inside an entry: the start used to
+    refuse (a wrong-size file); it rebuilds them from the CommitLog and every queue goes on at
+    its next offset (decision 685)."""
+    config, msgs = crashed
+    for queue_dir in sorted(p for p in config.consumequeue_dir.glob("*/*") if p.is_dir()):
+        last = sorted(queue_dir.iterdir())[-1]
+        os.truncate(last, last.stat().st_size // 3 + 7)
+    store = start_store(config)
+    assert_all_readable(store, msgs)
+    for topic, qid in {(m.topic, m.queue_id) for m in msgs}:
+        count = sum(1 for m in msgs if (m.topic, m.queue_id) == (topic, qid))
+        assert store.max_offset(topic, qid) == count
+        assert store.put_message(Message(topic, b"next", queue_id=qid)).queue_offset == count

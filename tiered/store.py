@@ -417,6 +417,7 @@ class MessageStore:
                         self.config.consumequeue_dir,
                         "is empty" if cq_dir_present else "is missing",
                     )
+            reput = self._redispatch_cut_tails(reput, cl_min)
             reput = min(max(reput, cl_min), end)
             dispatcher = self._new_dispatcher(reput, end)
             index_from = dispatcher.index_from
@@ -451,6 +452,32 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
+        """Where re-dispatch must start so that the entries loading cut off a queue's end come
+        back (decision 685). Re-dispatch starts at the furthest queue's end after a clean exit,
+        and at the checkpoint after a crash: both count a queue's entries as written, so a
+        queue whose file was cut short (or torn) by damage kept a shorter end, and its next
+        message took a queue offset the CommitLog already held. After a crash a cut tail is
+        usually a torn write or a roll the crash cut short, whose records lie past the
+        checkpoint, so this costs little; but the checkpoint cannot tell that apart from damage
+        to entries it counts, so every cut tail is re-dispatched. Re-dispatch is idempotent for
+        every other queue."""
+        for cq in self.queues.cut_tails:
+            held = cq.max_offset > cq.min_offset and cq in self.queues.queues.values()
+            resume = cq.max_physical_end if held else cl_min
+            if resume < reput:
+                log.warning(
+                    "ConsumeQueue %s/%d: %s; its entries from queue offset %d are rebuilt by "
+                    "re-dispatching the CommitLog from offset %d",
+                    cq.topic,
+                    cq.queue_id,
+                    cq.tail_cut,
+                    cq.max_offset,
+                    resume,
+                )
+                reput = resume
+        return reput
 
     def _repair_holes(self, dispatcher: Dispatcher, report: StartReport) -> None:
         """Rebuild ConsumeQueue entries zeroed inside a queue (a torn write, bit rot) from the

@@ -11,6 +11,7 @@ holds is a no-op.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
-from tiered.hot.mapped_file import MappedFile, MappedFileQueue
+from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
 from tiered.names import is_valid_name
 from tiered.record import CorruptRecordError
 
@@ -58,12 +59,61 @@ class ConsumeQueue:
         self.max_offset = 0  # next queue offset to be written
         self.max_physical_end = 0  # CommitLog end of the last entry (offset + size)
         self._tail: MappedFile | None = None
+        # Why loading cut entries off this queue's end that the checkpoint may claim (a file of
+        # the wrong size, torn entries, an empty last file): the store re-dispatches them from
+        # the CommitLog (decision 685). None when nothing was cut.
+        self.tail_cut: str | None = None
 
     # -- load and recover ----------------------------------------------------------------------
+
+    def _repair_sizes(self) -> None:
+        """Give every file of the wrong size (a file cut short or grown by damage, an operator,
+        a copy that stopped) the configured size before mapping it, instead of refusing to
+        start (decision 685). A shorter file loses its partial last entry and is padded with
+        zeros: its missing entries read as holes, which the start rebuilds from the CommitLog
+        (``holes``) or re-dispatches (a cut tail, ``tail_cut``). An all-zero last file is what
+        a crash during a roll leaves; ``MappedFileQueue.load`` removes it."""
+        directory = self.files.directory
+        if not directory.exists():
+            return
+        size = self.files.file_size
+        names = sorted(
+            p.name
+            for p in directory.iterdir()
+            if len(p.name) == OFFSET_NAME_DIGITS and p.name.isdigit()
+        )
+        for i, name in enumerate(names):
+            path = directory / name
+            length = path.stat().st_size
+            if length == size:
+                continue
+            if i == len(names) - 1 and all_zero(path):
+                self.tail_cut = self.tail_cut or f"an empty last file {name} ({length} bytes)"
+                continue
+            keep = min(length, size) // CQ_ENTRY_SIZE * CQ_ENTRY_SIZE
+            log.error(
+                "ConsumeQueue %s-%d: %s has %d bytes, not %d; it keeps its first %d whole "
+                "entries and the rest is rebuilt from the CommitLog",
+                self.topic,
+                self.queue_id,
+                path,
+                length,
+                size,
+                keep // CQ_ENTRY_SIZE,
+            )
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.ftruncate(fd, keep)
+                os.ftruncate(fd, size)  # sparse zeros: holes
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.tail_cut = f"file {name} had {length} bytes, not {size}"
 
     def load_and_recover(self) -> None:
         """Map the files and find the valid entries: from the first non-empty entry of the first
         file, up to the first empty entry after it (a crash may leave a torn tail)."""
+        self._repair_sizes()
         self.files.load()
         files = self.files.files
         sizes_of: dict[int, np.ndarray] = {}  # a one-file queue reads its sizes once
@@ -71,6 +121,7 @@ class ConsumeQueue:
             last = files[-1]
             valid = sizes_of.setdefault(last.from_offset, _sizes(last)) > 0
             if not valid.any():  # an empty last file: a roll that a crash cut short
+                self.tail_cut = self.tail_cut or f"an empty last file {last.path.name}"
                 if len(files) == 1:
                     self.files.destroy()
                 else:
@@ -86,6 +137,7 @@ class ConsumeQueue:
                 count = last_valid + 1
             else:
                 count = first + hole
+                self.tail_cut = self.tail_cut or "torn entries"
                 log.warning(
                     "ConsumeQueue %s-%d: torn entries after offset %d are dropped",
                     self.topic,
@@ -428,6 +480,9 @@ class ConsumeQueueTable:
         self.root = root
         self.entries_per_file = entries_per_file
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        # Queues whose loading cut entries off their end (``ConsumeQueue.tail_cut``), kept even
+        # when nothing of them is left: the store re-dispatches what was cut.
+        self.cut_tails: list[ConsumeQueue] = []
 
     def load_and_recover(self) -> None:
         if not self.root.exists():
@@ -444,6 +499,8 @@ class ConsumeQueueTable:
                 cq.load_and_recover()
                 if cq.max_offset > cq.min_offset or cq.files.files:
                     self.queues[(cq.topic, cq.queue_id)] = cq
+                if cq.tail_cut is not None:
+                    self.cut_tails.append(cq)
 
     def _new(self, topic: str, queue_id: int) -> ConsumeQueue:
         if not is_valid_name(topic) or queue_id < 0:
