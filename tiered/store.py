@@ -51,7 +51,7 @@ from tiered.hot.commitlog import (
     StoreUnwritableError,
     free_bytes,
 )
-from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable
+from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable, DamageNotes
 from tiered.hot.consume_queue import DamagedEntryError as DamagedEntryError
 from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryError
 from tiered.hot.data_dir import DataDir
@@ -64,6 +64,7 @@ from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
+    CorruptRecordError,
     DispatchColumns,
     Message,
     RecordError,
@@ -279,6 +280,7 @@ class MessageStore:
         )
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
+        self._damage_notes = DamageNotes(config.data_dir / "damaged_entries")
         self.corrupt_records: list[int] = []
         self.start_report: StartReport | None = None
         # The cold tier's reader when topics are tiered: reads below the hot tier go there.
@@ -491,20 +493,28 @@ class MessageStore:
         over the CommitLog up to the furthest such entry finds them, for every queue at once."""
         self._repair_leading_slots(dispatcher, report)
         cl_end = self.commitlog.max_offset
+        suspects = self._damage_notes.load()
         for (topic, queue_id), cq in list(self.queues.queues.items()):
-            for first, end in cq.holes(cl_end):
+
+            def verify(
+                qoff: int, at: int, size: int, topic: str = topic, qid: int = queue_id
+            ) -> bool:
+                return self._entry_names_its_record(topic, qid, qoff, at, size)
+
+            runs = cq.holes(cl_end, verify, suspects.get((topic, queue_id), ()))
+            for first, end in runs:
                 before, after = cq.get_entry(first - 1), cq.get_entry(end)
                 lo = before[0] + before[1] if before else self.commitlog.min_offset
                 hi = after[0] if after else self.commitlog.max_offset
                 found = 0
                 for key, qoff, phys, size, tag in dispatcher.records(lo, hi):
                     if key == (topic, queue_id) and first <= qoff < end:
-                        found += cq.fill(qoff, phys, size, tag_hash(tag), cl_end)
+                        found += cq.fill(qoff, phys, size, tag_hash(tag), overwrite=True)
                 report.cq_entries_repaired += found
                 if found == end - first:
                     log.warning(
-                        "ConsumeQueue %s/%d: rebuilt the zeroed entries [%d, %d) from the "
-                        "CommitLog",
+                        "ConsumeQueue %s/%d: rebuilt the damaged entries [%d, %d) (zeroed, or "
+                        "naming no record of theirs) from the CommitLog",
                         topic,
                         queue_id,
                         first,
@@ -513,7 +523,7 @@ class MessageStore:
                     continue
                 report.cq_entries_unrepaired += end - first - found
                 log.error(
-                    "ConsumeQueue %s/%d: %d of the zeroed entries [%d, %d) have no record in "
+                    "ConsumeQueue %s/%d: %d of the damaged entries [%d, %d) have no record in "
                     "CommitLog [%d, %d): those messages are lost, and a read of them fails",
                     topic,
                     queue_id,
@@ -523,6 +533,25 @@ class MessageStore:
                     lo,
                     hi,
                 )
+
+        self._damage_notes.clear()
+
+    def _entry_names_its_record(
+        self, topic: str, queue_id: int, queue_offset: int, at: int, size: int
+    ) -> bool:
+        """Whether CommitLog ``[at, at + size)`` holds the record of ``topic``/``queue_id`` at
+        ``queue_offset``: one whole record of that size, with that queue and queue offset."""
+        try:
+            msg = self.commitlog.read_message(at, size, check_crc=False)
+        except RecordError:
+            return False
+        return (
+            msg is not None
+            and msg.size == size
+            and msg.queue_offset == queue_offset
+            and msg.queue_id == queue_id
+            and msg.topic == topic
+        )
 
     def _repair_leading_slots(self, dispatcher: Dispatcher, report: StartReport) -> None:
         """Rebuild a queue's zeroed first entries from the records before its first entry."""
@@ -971,6 +1000,7 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
+        wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
                 length <= 0
@@ -989,9 +1019,39 @@ class MessageStore:
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
                 continue
-            msg = self.commitlog.read_message(phys, length, check_crc=check)
+            try:
+                msg = self.commitlog.read_message(phys, length, check_crc=check)
+            except CorruptRecordError:
+                raise  # a whole record of that size whose CRC fails: the record is damaged
+            except RecordError as e:
+                # No whole record of the entry's size there: the entry is garbage that points
+                # inside the CommitLog (decision 686).
+                msg, wrong = None, f" (CommitLog {phys} + {length} is no record: {e})"
+            else:
+                # The header just decoded must be the entry's own record: a few compares.
+                wrong = None
+                if msg is None:
+                    # The CommitLog file went away (released) between the entry and the read,
+                    # or the entry's range runs past its file's data (garbage).
+                    if self.commitlog.files.find_file(phys) is not None:
+                        wrong = f" (CommitLog {phys} + {length} runs past its file's data)"
+                elif (
+                    msg.queue_offset != qoff
+                    or msg.size != length
+                    or msg.queue_id != queue_id
+                    or msg.topic != topic
+                ):
+                    wrong = (
+                        f" (CommitLog {phys} holds {msg.topic}/{msg.queue_id} queue offset "
+                        f"{msg.queue_offset}, {msg.size} bytes, not {length})"
+                    )
+            if wrong is not None:
+                self._damage_notes.note(topic, queue_id, qoff)
+                if messages or qoff > offset:
+                    nxt = qoff
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff, wrong)
             if msg is None:
-                # The CommitLog file went away (released) between the entry and the read.
                 nxt = qoff
                 break
             messages.append(msg)
