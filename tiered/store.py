@@ -39,7 +39,7 @@ import numpy as np
 from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.durable import write_file
-from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry, key_hash
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import (
     AppendBatch,
@@ -167,6 +167,14 @@ class StartReport:
     index_gaps_rebuilt: list[tuple[int, int]] = field(default_factory=list)
     consumequeue_rebuilt: bool = False
     seconds: float = 0.0
+
+
+def record_key_hashes(msg: StoredMessage) -> set[int]:
+    """The IndexFile hashes of a record: its unique id's and each key's (``index_keys``)."""
+    out = {key_hash(msg.topic, k) for k in split_keys(msg.properties.get("KEYS"))}
+    if msg.msg_id:
+        out.add(key_hash(msg.topic, msg.msg_id))
+    return out
 
 
 def check_topic(topic: str) -> None:
@@ -639,6 +647,8 @@ class MessageStore:
                 f.destroy()
             elif f.header.end_offset > end:
                 f.header.end_offset = end
+                # Its entries past ``end`` would name the records written there next.
+                f.cut_entries_from(end)
 
     def shutdown(self) -> None:
         if not self._running:
@@ -1253,17 +1263,30 @@ class MessageStore:
         ``ColdTierUnavailableError`` (a retry) instead of being left out of the answer
         (decision 661); without, it is skipped, as the broker's own checks at start need."""
         found: list[StoredMessage] = []
+        khash = key_hash(topic, key)
         # Ask for more candidates than needed: hash collisions are filtered out below.
-        for phys in self.index.query(topic, key, begin_ms, end_ms, max_count * 4):
-            raw = self.commitlog.read(phys, 4)
-            if raw is None:
+        candidates = self.index.query(
+            topic, key, begin_ms, end_ms, max_count * 4, self._scan_key_hash
+        )
+        named = {phys for phys, _ in candidates}
+        rescanned: set[str] = set()
+        for phys, source in candidates:  # grows when a damaged file is read by a scan
+            msg, has_key = self._record_with_key_hash(phys, khash)
+            if not has_key and source.path.name not in rescanned:
+                # An entry of ``source`` names a record without the key: its offset is
+                # damaged, and the record it stood for is found by a scan of the file's range,
+                # as for a damaged chain (decision 687).
+                rescanned.add(source.path.name)
+                self.index.damaged(
+                    source, f"an entry of hash {khash} names CommitLog offset {phys}"
+                )
+                h = source.header
+                more = self._scan_key_hash(h.begin_offset, h.end_offset, khash)
+                candidates += [(o, source) for o in sorted(more, reverse=True) if o not in named]
+                named.update(more)
+            if msg is None:
                 continue
-            size = int.from_bytes(raw, "big", signed=True)
-            try:
-                msg = self.read_message(phys, size) if size > 0 else None
-            except RecordError:
-                continue
-            if msg is None or msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
+            if msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
                 continue
             if key in split_keys(msg.properties.get("KEYS")) or msg.msg_id == key:
                 found.append(msg)
@@ -1283,6 +1306,32 @@ class MessageStore:
                         seen.add((m.queue_id, m.queue_offset))
                         found.append(m)
         return found
+
+    def _scan_key_hash(self, start: int, end: int, khash: int) -> list[int]:
+        """``Dispatcher.key_offsets`` over what the CommitLog still holds of ``[start, end)``."""
+        d = self.dispatcher
+        start = max(start, self.commitlog.min_offset)
+        end = min(end, self.commitlog.confirmed_offset)
+        return d.key_offsets(start, end, khash) if d is not None and start < end else []
+
+    def _record_with_key_hash(self, phys: int, khash: int) -> tuple[StoredMessage | None, bool]:
+        """The record at ``phys``, named by an IndexFile entry of ``khash`` (None when it is
+        released or unreadable), and whether it is one with a key of that hash. Not is damage
+        (decision 687): stale entries are cut at start (``IndexFile.cut_entries_from``)."""
+        raw = self.commitlog.read(phys, 4)
+        if raw is None:
+            return None, True  # released, or past what is written
+        size = int.from_bytes(raw, "big", signed=True)
+        msg: StoredMessage | None = None
+        try:
+            msg = self.read_message(phys, size) if size > 0 else None
+        except CorruptRecordError:
+            return None, True  # a whole record whose CRC fails: a read of it says so
+        except RecordError:
+            msg = None
+        if msg is not None and khash in record_key_hashes(msg):
+            return msg, True
+        return None, False
 
     # -- progress ------------------------------------------------------------------------------
 
