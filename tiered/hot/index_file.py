@@ -220,6 +220,14 @@ class IndexFile:
         million entries under load, so a full file of 20M costs seconds. Without ``full``
         only the slots' entry numbers are checked (milliseconds). Run at start, after
         ``settle_slots``."""
+        # The views of the mapping live in ``_damage``'s frame only: an exception's traceback
+        # would keep them, and the mapping could not be closed.
+        problem = self._damage(full)
+        if problem is not None:
+            raise IndexDamagedError(f"{self.path}: {problem}")
+
+    def _damage(self, full: bool) -> str | None:
+        """What ``check`` finds wrong, or None."""
         h = self.header
         n = h.next_entry
         slots = np.frombuffer(self.mm, np.dtype(">i4"), self.slots, HEADER_SIZE)
@@ -229,17 +237,15 @@ class IndexFile:
             bad = np.flatnonzero((heads < 0) | (heads >= n))
             if len(bad):
                 s = int(bad[0])
-                raise IndexDamagedError(f"{self.path}: slot {s} names entry {heads[s]} of {n}")
+                return f"slot {s} names entry {heads[s]} of {n}"
             if not full:
-                return
+                return None
             used = np.flatnonzero(heads)
             head_hashes = entries["hash"][heads[used]].astype(np.int64)
             wrong = np.flatnonzero(head_hashes % self.slots != used)
             if len(wrong):
                 s = int(used[wrong[0]])
-                raise IndexDamagedError(
-                    f"{self.path}: slot {s} names entry {heads[s]} of hash {head_hashes[wrong[0]]}"
-                )
+                return f"slot {s} names entry {heads[s]} of hash {head_hashes[wrong[0]]}"
             del heads, used, head_hashes
             for lo in range(1, n, _CHECK_STEP):
                 hi = min(n, lo + _CHECK_STEP)
@@ -257,10 +263,11 @@ class IndexFile:
                 if not ok.all():
                     i = int(np.argmin(ok))
                     e = part[i]
-                    raise IndexDamagedError(
-                        f"{self.path}: entry {lo + i} holds hash {e['hash']}, offset "
+                    return (
+                        f"entry {lo + i} holds hash {e['hash']}, offset "
                         f"{e['offset']}, seconds {e['seconds']}, link {e['prev']}"
                     )
+            return None
         finally:
             del slots, entries
 
