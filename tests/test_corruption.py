@@ -369,3 +369,38 @@ def test_a_query_that_meets_a_damaged_index_file_finds_every_key_and_a_start_reb
         assert_every_key_found(store, msgs)
     finally:
         store.shutdown()
+
+
+def test_index_entries_past_a_commitlog_cut_are_dropped_not_taken_for_damage(
+    crashed, start_store
+) -> None:
+    """kill -9, then a zero-filled tail cuts the CommitLog: the IndexFile entries of the cut
+    records are dropped with it (decision 687). Kept, they named the records appended there
+    next, which a query now takes for damage: it would scan the file's range and have the next
+    start rebuild it."""
+    config, msgs = crashed
+    cut = msgs[280]
+    path, pos = file_of(config, cut.commitlog_offset)
+    patch(path, pos, bytes(config.commitlog_file_size - pos))
+    for later in sorted(config.commitlog_dir.iterdir()):
+        if later.name > path.name:
+            patch(later, 0, bytes(config.commitlog_file_size))
+    store = start_store(config)
+    again = store.put_messages(
+        [
+            Message(
+                m.topic, b"again", queue_id=m.queue_id, properties={"KEYS": f"again-{m.msg_id}"}
+            )
+            for m in msgs[280:]
+        ]
+    )
+    assert again[0].commitlog_offset == cut.commitlog_offset
+    assert store.wait_dispatched()
+    for m in msgs[280:]:
+        assert store.query_by_key(m.topic, m.msg_id) == []
+        assert [x.body for x in store.query_by_key(m.topic, f"again-{m.msg_id}")] == [b"again"]
+    assert not (config.index_dir / ".damaged").exists()
+    for m in msgs[:280]:
+        assert [x.commitlog_offset for x in store.query_by_key(m.topic, m.msg_id)] == [
+            m.commitlog_offset
+        ]

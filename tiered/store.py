@@ -645,9 +645,11 @@ class MessageStore:
             if f.header.begin_offset >= end:
                 self.index.files.remove(f)
                 f.destroy()
-            elif f.header.end_offset > end:
-                f.header.end_offset = end
-                # Its entries past ``end`` would name the records written there next.
+            else:
+                if f.header.end_offset > end:
+                    f.header.end_offset = end
+                # Its entries past ``end`` (the header's end may lag them after a crash) would
+                # name the records written there next.
                 f.cut_entries_from(end)
 
     def shutdown(self) -> None:

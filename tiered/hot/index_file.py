@@ -306,14 +306,20 @@ class IndexFile:
         along their chains. Returns how many were dropped."""
         h = self.header
         n = h.next_entry
-        entries = np.frombuffer(self.mm, _ENTRY_DTYPE, n, self._entries_at)
-        try:
-            offsets = entries["offset"][1:].astype(np.int64)
-            cut = 1 + int(np.searchsorted(offsets, end_offset, "left"))
-        finally:
-            del entries
-        if cut >= n:
-            return 0
+
+        def offset_of(number: int) -> int:
+            return int(_ENTRY.unpack_from(self.mm, self._entries_at + number * ENTRY_SIZE)[1])
+
+        if n <= 1 or offset_of(n - 1) < end_offset:
+            return 0  # the usual case: one entry read
+        lo, hi = 1, n - 1  # the first entry at or past ``end_offset`` is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if offset_of(mid) < end_offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        cut = lo
         h.next_entry = cut
         self.settle_slots()
         self._write_header()
