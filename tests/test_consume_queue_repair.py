@@ -169,3 +169,131 @@ def test_a_read_that_meets_a_garbage_entry_fails_at_once_and_names_it(tmp_path: 
         assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
     finally:
         store.shutdown()
+
+
+def cq_file(config: StoreConfig, queue_id: int, index: int) -> Path:
+    per_file = config.consumequeue_entries_per_file * 20
+    return config.consumequeue_dir / "t" / str(queue_id) / f"{index * per_file:020d}"
+
+
+@pytest.mark.parametrize(
+    ("index", "keep"),
+    [
+        (1, 1010),  # a middle file, cut inside an entry: holes between surviving entries
+        (2, 30 * 20 + 7),  # the last file, cut inside an entry: the queue's end is cut
+        (2, 0),  # the last file emptied: the queue's end is cut
+        (0, 100),  # the first file
+    ],
+)
+@pytest.mark.parametrize("exit_was", ["crash", "clean"])
+def test_a_consumequeue_file_cut_short_is_rebuilt_from_the_commitlog_at_start(
+    tmp_path: Path, index: int, keep: int, exit_was: str
+) -> None:
+    """A ConsumeQueue file of the wrong size refused the start (decision 663 left it so); the
+    operator had to move the consumequeue directory aside. Derived data is rebuilt instead
+    (decision 685): every message reads back, and the queue's next message takes the next
+    queue offset, not one the CommitLog already holds."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    import os
+
+    # Queue 0: queue 1's records come last in the CommitLog, so re-dispatch after a clean
+    # exit starts past every record of queue 0.
+    os.truncate(cq_file(config, 0, index), keep)
+    if exit_was == "crash":
+        (config.data_dir / "abort").write_text("1\n")
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+        assert store.put_message(Message("t", b"next", queue_id=0)).queue_offset == PER_QUEUE
+        assert store.wait_dispatched()
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.cq_entries_repaired == 0
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)] + [b"next"]
+    finally:
+        store.shutdown()
+
+
+def entries_of(config: StoreConfig, queue_id: int) -> list[tuple[int, int, int]]:
+    """The (CommitLog offset, size, tag hash) entries of queue ``queue_id`` of topic t, read
+    from its files (the store is stopped)."""
+    import struct
+
+    out = []
+    for path in sorted((config.consumequeue_dir / "t" / str(queue_id)).iterdir()):
+        out += [e for e in struct.iter_unpack(">qiq", path.read_bytes()) if e[1] > 0]
+    return out
+
+
+def write_entry(config: StoreConfig, queue_id: int, q: int, entry: tuple[int, int, int]) -> None:
+    import struct
+
+    per_file = config.consumequeue_entries_per_file * 20
+    pos = q * 20
+    path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
+    with path.open("r+b") as fh:
+        fh.seek(pos % per_file)
+        fh.write(struct.pack(">qiq", *entry))
+
+
+@pytest.mark.parametrize("first", [100, 250, 590])  # inside a file, across a file end, the end
+def test_consumequeue_entries_pointing_inside_the_commitlog_at_other_bytes_are_rebuilt(
+    tmp_path: Path, first: int
+) -> None:
+    """Garbage that names CommitLog bytes inside its range (another queue's record, the middle
+    of a record) was kept by the start (decision 663 left it): a read returned the other
+    queue's message as this one's, or failed on a record that is not there. The start finds
+    such entries where they break the queue's CommitLog order and rebuilds them (686)."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    other = entries_of(config, 0)
+    for i, q in enumerate(range(first, min(first + 9, PER_QUEUE))):
+        at, size, tag = other[(q * 7 + 300) % PER_QUEUE]
+        # Another queue's whole record, or bytes inside one, far from this entry's place.
+        write_entry(config, 1, q, (at, size, tag) if i % 2 else (at + 24, 90, 0x5E5E))
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.cq_entries_repaired == min(9, PER_QUEUE - first)
+        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()
+
+
+def test_a_read_that_meets_an_entry_naming_another_record_fails_and_the_start_rebuilds_it(
+    tmp_path: Path,
+) -> None:
+    """An entry naming another queue's record that lies in order between its neighbours: no
+    order check can see it, but the read decodes that record's header anyway, and refuses a
+    record that is not the entry's own (686): a consumer is never handed another queue's
+    message. The read notes it, and the next start checks and rebuilds it."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    theirs = entries_of(config, 1)[40]  # written between queue 0's messages 40 and 41
+    store = MessageStore(config)
+    store.start()
+    try:
+        write_entry(config, 0, 40, theirs)  # the mapping is shared: the store sees it
+        result = store.get_messages("t", 0, 0, 64)
+        assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
+        assert result.next_offset == 40
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*t/1.*restart"):
+            store.get_messages("t", 0, 40, 32)
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    assert store.start().cq_entries_repaired == 1
+    try:
+        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    assert store.start().cq_entries_repaired == 0
+    store.shutdown()

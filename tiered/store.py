@@ -40,7 +40,7 @@ import numpy as np
 from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.durable import write_file
-from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry
+from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry, key_hash
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import (
     AppendBatch,
@@ -52,7 +52,7 @@ from tiered.hot.commitlog import (
     StoreUnwritableError,
     free_bytes,
 )
-from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable
+from tiered.hot.consume_queue import ConsumeQueue, ConsumeQueueTable, DamageNotes
 from tiered.hot.consume_queue import DamagedEntryError as DamagedEntryError
 from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryError
 from tiered.hot.data_dir import DataDir
@@ -65,6 +65,7 @@ from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
 from tiered.record import (
+    CorruptRecordError,
     DispatchColumns,
     Message,
     RecordError,
@@ -167,6 +168,14 @@ class StartReport:
     index_gaps_rebuilt: list[tuple[int, int]] = field(default_factory=list)
     consumequeue_rebuilt: bool = False
     seconds: float = 0.0
+
+
+def record_key_hashes(msg: StoredMessage) -> set[int]:
+    """The IndexFile hashes of a record: its unique id's and each key's (``index_keys``)."""
+    out = {key_hash(msg.topic, k) for k in split_keys(msg.properties.get("KEYS"))}
+    if msg.msg_id:
+        out.add(key_hash(msg.topic, msg.msg_id))
+    return out
 
 
 def check_topic(topic: str) -> None:
@@ -301,6 +310,7 @@ class MessageStore:
         )
         self.dispatcher: Dispatcher | None = None
         self.checkpoint_path = config.data_dir / "checkpoint"
+        self._damage_notes = DamageNotes(config.data_dir / "damaged_entries")
         self.corrupt_records: list[int] = []
         self.start_report: StartReport | None = None
         # The cold tier's reader when topics are tiered: reads below the hot tier go there.
@@ -447,6 +457,7 @@ class MessageStore:
                         self.config.consumequeue_dir,
                         "is empty" if cq_dir_present else "is missing",
                     )
+            reput = self._redispatch_cut_tails(reput, cl_min)
             reput = min(max(reput, cl_min), end)
             dispatcher = self._new_dispatcher(reput, end)
             index_from = dispatcher.index_from
@@ -482,6 +493,32 @@ class MessageStore:
         self._save_checkpoint()
         return report
 
+    def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
+        """Where re-dispatch must start so that the entries loading cut off a queue's end come
+        back (decision 685). Re-dispatch starts at the furthest queue's end after a clean exit,
+        and at the checkpoint after a crash: both count a queue's entries as written, so a
+        queue whose file was cut short (or torn) by damage kept a shorter end, and its next
+        message took a queue offset the CommitLog already held. After a crash a cut tail is
+        usually a torn write or a roll the crash cut short, whose records lie past the
+        checkpoint, so this costs little; but the checkpoint cannot tell that apart from damage
+        to entries it counts, so every cut tail is re-dispatched. Re-dispatch is idempotent for
+        every other queue."""
+        for cq in self.queues.cut_tails:
+            held = cq.max_offset > cq.min_offset and cq in self.queues.queues.values()
+            resume = cq.max_physical_end if held else cl_min
+            if resume < reput:
+                log.warning(
+                    "ConsumeQueue %s/%d: %s; its entries from queue offset %d are rebuilt by "
+                    "re-dispatching the CommitLog from offset %d",
+                    cq.topic,
+                    cq.queue_id,
+                    cq.tail_cut,
+                    cq.max_offset,
+                    resume,
+                )
+                reput = resume
+        return reput
+
     def _repair_holes(self, dispatcher: Dispatcher, report: StartReport) -> None:
         """Rebuild ConsumeQueue entries zeroed inside a queue (a torn write, bit rot) from the
         CommitLog. Re-dispatch cannot: it writes only past a queue's end. A run of holes lies
@@ -494,20 +531,28 @@ class MessageStore:
         over the CommitLog up to the furthest such entry finds them, for every queue at once."""
         self._repair_leading_slots(dispatcher, report)
         cl_end = self.commitlog.max_offset
+        suspects = self._damage_notes.load()
         for (topic, queue_id), cq in list(self.queues.queues.items()):
-            for first, end in cq.holes(cl_end):
+
+            def verify(
+                qoff: int, at: int, size: int, topic: str = topic, qid: int = queue_id
+            ) -> bool:
+                return self._entry_names_its_record(topic, qid, qoff, at, size)
+
+            runs = cq.holes(cl_end, verify, suspects.get((topic, queue_id), ()))
+            for first, end in runs:
                 before, after = cq.get_entry(first - 1), cq.get_entry(end)
                 lo = before[0] + before[1] if before else self.commitlog.min_offset
                 hi = after[0] if after else self.commitlog.max_offset
                 found = 0
                 for key, qoff, phys, size, tag in dispatcher.records(lo, hi):
                     if key == (topic, queue_id) and first <= qoff < end:
-                        found += cq.fill(qoff, phys, size, tag_hash(tag), cl_end)
+                        found += cq.fill(qoff, phys, size, tag_hash(tag), overwrite=True)
                 report.cq_entries_repaired += found
                 if found == end - first:
                     log.warning(
-                        "ConsumeQueue %s/%d: rebuilt the zeroed entries [%d, %d) from the "
-                        "CommitLog",
+                        "ConsumeQueue %s/%d: rebuilt the damaged entries [%d, %d) (zeroed, or "
+                        "naming no record of theirs) from the CommitLog",
                         topic,
                         queue_id,
                         first,
@@ -516,7 +561,7 @@ class MessageStore:
                     continue
                 report.cq_entries_unrepaired += end - first - found
                 log.error(
-                    "ConsumeQueue %s/%d: %d of the zeroed entries [%d, %d) have no record in "
+                    "ConsumeQueue %s/%d: %d of the damaged entries [%d, %d) have no record in "
                     "CommitLog [%d, %d): those messages are lost, and a read of them fails",
                     topic,
                     queue_id,
@@ -526,6 +571,25 @@ class MessageStore:
                     lo,
                     hi,
                 )
+
+        self._damage_notes.clear()
+
+    def _entry_names_its_record(
+        self, topic: str, queue_id: int, queue_offset: int, at: int, size: int
+    ) -> bool:
+        """Whether CommitLog ``[at, at + size)`` holds the record of ``topic``/``queue_id`` at
+        ``queue_offset``: one whole record of that size, with that queue and queue offset."""
+        try:
+            msg = self.commitlog.read_message(at, size, check_crc=False)
+        except RecordError:
+            return False
+        return (
+            msg is not None
+            and msg.size == size
+            and msg.queue_offset == queue_offset
+            and msg.queue_id == queue_id
+            and msg.topic == topic
+        )
 
     def _repair_leading_slots(self, dispatcher: Dispatcher, report: StartReport) -> None:
         """Rebuild a queue's zeroed first entries from the records before its first entry."""
@@ -611,8 +675,12 @@ class MessageStore:
             if f.header.begin_offset >= end:
                 self.index.files.remove(f)
                 f.destroy()
-            elif f.header.end_offset > end:
-                f.header.end_offset = end
+            else:
+                if f.header.end_offset > end:
+                    f.header.end_offset = end
+                # Its entries past ``end`` (the header's end may lag them after a crash) would
+                # name the records written there next.
+                f.cut_entries_from(end)
 
     def shutdown(self) -> None:
         if not self._running:
@@ -984,6 +1052,7 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
+        wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
                 length <= 0
@@ -1002,9 +1071,39 @@ class MessageStore:
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
                 continue
-            msg = self.commitlog.read_message(phys, length, check_crc=check)
+            try:
+                msg = self.commitlog.read_message(phys, length, check_crc=check)
+            except CorruptRecordError:
+                raise  # a whole record of that size whose CRC fails: the record is damaged
+            except RecordError as e:
+                # No whole record of the entry's size there: the entry is garbage that points
+                # inside the CommitLog (decision 686).
+                msg, wrong = None, f" (CommitLog {phys} + {length} is no record: {e})"
+            else:
+                # The header just decoded must be the entry's own record: a few compares.
+                wrong = None
+                if msg is None:
+                    # The CommitLog file went away (released) between the entry and the read,
+                    # or the entry's range runs past its file's data (garbage).
+                    if self.commitlog.files.find_file(phys) is not None:
+                        wrong = f" (CommitLog {phys} + {length} runs past its file's data)"
+                elif (
+                    msg.queue_offset != qoff
+                    or msg.size != length
+                    or msg.queue_id != queue_id
+                    or msg.topic != topic
+                ):
+                    wrong = (
+                        f" (CommitLog {phys} holds {msg.topic}/{msg.queue_id} queue offset "
+                        f"{msg.queue_offset}, {msg.size} bytes, not {length})"
+                    )
+            if wrong is not None:
+                self._damage_notes.note(topic, queue_id, qoff)
+                if messages or qoff > offset:
+                    nxt = qoff
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff, wrong)
             if msg is None:
-                # The CommitLog file went away (released) between the entry and the read.
                 nxt = qoff
                 break
             messages.append(msg)
@@ -1206,17 +1305,30 @@ class MessageStore:
         ``ColdTierUnavailableError`` (a retry) instead of being left out of the answer
         (decision 661); without, it is skipped, as the broker's own checks at start need."""
         found: list[StoredMessage] = []
+        khash = key_hash(topic, key)
         # Ask for more candidates than needed: hash collisions are filtered out below.
-        for phys in self.index.query(topic, key, begin_ms, end_ms, max_count * 4):
-            raw = self.commitlog.read(phys, 4)
-            if raw is None:
+        candidates = self.index.query(
+            topic, key, begin_ms, end_ms, max_count * 4, self._scan_key_hash
+        )
+        named = {phys for phys, _ in candidates}
+        rescanned: set[str] = set()
+        for phys, source in candidates:  # grows when a damaged file is read by a scan
+            msg, has_key = self._record_with_key_hash(phys, khash)
+            if not has_key and source.path.name not in rescanned:
+                # An entry of ``source`` names a record without the key: its offset is
+                # damaged, and the record it stood for is found by a scan of the file's range,
+                # as for a damaged chain (decision 687).
+                rescanned.add(source.path.name)
+                self.index.damaged(
+                    source, f"an entry of hash {khash} names CommitLog offset {phys}"
+                )
+                h = source.header
+                more = self._scan_key_hash(h.begin_offset, h.end_offset, khash)
+                candidates += [(o, source) for o in sorted(more, reverse=True) if o not in named]
+                named.update(more)
+            if msg is None:
                 continue
-            size = int.from_bytes(raw, "big", signed=True)
-            try:
-                msg = self.read_message(phys, size) if size > 0 else None
-            except RecordError:
-                continue
-            if msg is None or msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
+            if msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
                 continue
             if key in split_keys(msg.properties.get("KEYS")) or msg.msg_id == key:
                 found.append(msg)
@@ -1236,6 +1348,32 @@ class MessageStore:
                         seen.add((m.queue_id, m.queue_offset))
                         found.append(m)
         return found
+
+    def _scan_key_hash(self, start: int, end: int, khash: int) -> list[int]:
+        """``Dispatcher.key_offsets`` over what the CommitLog still holds of ``[start, end)``."""
+        d = self.dispatcher
+        start = max(start, self.commitlog.min_offset)
+        end = min(end, self.commitlog.confirmed_offset)
+        return d.key_offsets(start, end, khash) if d is not None and start < end else []
+
+    def _record_with_key_hash(self, phys: int, khash: int) -> tuple[StoredMessage | None, bool]:
+        """The record at ``phys``, named by an IndexFile entry of ``khash`` (None when it is
+        released or unreadable), and whether it is one with a key of that hash. Not is damage
+        (decision 687): stale entries are cut at start (``IndexFile.cut_entries_from``)."""
+        raw = self.commitlog.read(phys, 4)
+        if raw is None:
+            return None, True  # released, or past what is written
+        size = int.from_bytes(raw, "big", signed=True)
+        msg: StoredMessage | None = None
+        try:
+            msg = self.read_message(phys, size) if size > 0 else None
+        except CorruptRecordError:
+            return None, True  # a whole record whose CRC fails: a read of it says so
+        except RecordError:
+            msg = None
+        if msg is not None and khash in record_key_hashes(msg):
+            return msg, True
+        return None, False
 
     # -- progress ------------------------------------------------------------------------------
 

@@ -10,15 +10,18 @@ holds is a no-op.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import struct
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
-from tiered.hot.mapped_file import MappedFile, MappedFileQueue
+from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
 from tiered.names import is_valid_name
 from tiered.record import CorruptRecordError
 
@@ -37,16 +40,60 @@ class UnreadableEntryError(Exception):
 
 class DamagedEntryError(CorruptRecordError):
     """A ConsumeQueue entry between the queue's minimum and maximum is zero (or names no
-    record): a torn write or bit rot. The next start rebuilds it from the CommitLog."""
+    record, or another record): a torn write or bit rot. The next start rebuilds it from the
+    CommitLog."""
 
-    def __init__(self, topic: str, queue_id: int, offset: int) -> None:
+    def __init__(self, topic: str, queue_id: int, offset: int, detail: str = "") -> None:
         super().__init__(
-            f"ConsumeQueue {topic}/{queue_id}: the entry at queue offset {offset} is damaged; "
-            "restart the broker to rebuild it from the CommitLog"
+            f"ConsumeQueue {topic}/{queue_id}: the entry at queue offset {offset} is damaged"
+            f"{detail}; restart the broker to rebuild it from the CommitLog"
         )
         self.topic = topic
         self.queue_id = queue_id
         self.offset = offset
+
+
+class DamageNotes:
+    """ConsumeQueue entries a read found naming the wrong record, kept in a file for the next
+    start, which checks them and rebuilds the bad ones (decision 686): the start's own check
+    looks only where entries are out of order, and an entry may name a record in order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._noted: set[tuple[str, int, int]] = set()
+
+    def note(self, topic: str, queue_id: int, offset: int) -> None:
+        with self._lock:
+            if (topic, queue_id, offset) in self._noted:
+                return
+            self._noted.add((topic, queue_id, offset))
+            try:
+                with self.path.open("a") as fh:
+                    fh.write(json.dumps([topic, queue_id, offset]) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError as e:  # the read still fails, naming the entry
+                log.error("cannot note the damaged ConsumeQueue entry in %s: %s", self.path, e)
+
+    def load(self) -> dict[tuple[str, int], list[int]]:
+        out: dict[tuple[str, int], list[int]] = {}
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return out
+        for line in lines:
+            try:
+                topic, queue_id, offset = json.loads(line)
+                out.setdefault((str(topic), int(queue_id)), []).append(int(offset))
+            except (ValueError, TypeError):
+                continue  # a line a crash tore: the read that found it will find it again
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self.path.unlink(missing_ok=True)
+            self._noted.clear()
 
 
 class ConsumeQueue:
@@ -58,12 +105,61 @@ class ConsumeQueue:
         self.max_offset = 0  # next queue offset to be written
         self.max_physical_end = 0  # CommitLog end of the last entry (offset + size)
         self._tail: MappedFile | None = None
+        # Why loading cut entries off this queue's end that the checkpoint may claim (a file of
+        # the wrong size, torn entries, an empty last file): the store re-dispatches them from
+        # the CommitLog (decision 685). None when nothing was cut.
+        self.tail_cut: str | None = None
 
     # -- load and recover ----------------------------------------------------------------------
+
+    def _repair_sizes(self) -> None:
+        """Give every file of the wrong size (a file cut short or grown by damage, an operator,
+        a copy that stopped) the configured size before mapping it, instead of refusing to
+        start (decision 685). A shorter file loses its partial last entry and is padded with
+        zeros: its missing entries read as holes, which the start rebuilds from the CommitLog
+        (``holes``) or re-dispatches (a cut tail, ``tail_cut``). An all-zero last file is what
+        a crash during a roll leaves; ``MappedFileQueue.load`` removes it."""
+        directory = self.files.directory
+        if not directory.exists():
+            return
+        size = self.files.file_size
+        names = sorted(
+            p.name
+            for p in directory.iterdir()
+            if len(p.name) == OFFSET_NAME_DIGITS and p.name.isdigit()
+        )
+        for i, name in enumerate(names):
+            path = directory / name
+            length = path.stat().st_size
+            if length == size:
+                continue
+            if i == len(names) - 1 and all_zero(path):
+                self.tail_cut = self.tail_cut or f"an empty last file {name} ({length} bytes)"
+                continue
+            keep = min(length, size) // CQ_ENTRY_SIZE * CQ_ENTRY_SIZE
+            log.error(
+                "ConsumeQueue %s-%d: %s has %d bytes, not %d; it keeps its first %d whole "
+                "entries and the rest is rebuilt from the CommitLog",
+                self.topic,
+                self.queue_id,
+                path,
+                length,
+                size,
+                keep // CQ_ENTRY_SIZE,
+            )
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.ftruncate(fd, keep)
+                os.ftruncate(fd, size)  # sparse zeros: holes
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.tail_cut = f"file {name} had {length} bytes, not {size}"
 
     def load_and_recover(self) -> None:
         """Map the files and find the valid entries: from the first non-empty entry of the first
         file, up to the first empty entry after it (a crash may leave a torn tail)."""
+        self._repair_sizes()
         self.files.load()
         files = self.files.files
         sizes_of: dict[int, np.ndarray] = {}  # a one-file queue reads its sizes once
@@ -71,6 +167,7 @@ class ConsumeQueue:
             last = files[-1]
             valid = sizes_of.setdefault(last.from_offset, _sizes(last)) > 0
             if not valid.any():  # an empty last file: a roll that a crash cut short
+                self.tail_cut = self.tail_cut or f"an empty last file {last.path.name}"
                 if len(files) == 1:
                     self.files.destroy()
                 else:
@@ -86,6 +183,7 @@ class ConsumeQueue:
                 count = last_valid + 1
             else:
                 count = first + hole
+                self.tail_cut = self.tail_cut or "torn entries"
                 log.warning(
                     "ConsumeQueue %s-%d: torn entries after offset %d are dropped",
                     self.topic,
@@ -164,18 +262,24 @@ class ConsumeQueue:
         size: int,
         tag_hash: int,
         commitlog_end: int | None = None,
+        *,
+        overwrite: bool = False,
     ) -> bool:
         """Write the entry of ``queue_offset``, a hole below ``max_offset`` (``holes``, or an
         empty slot before ``min_offset`` in the first file: ``leading_slots``), in place; False
-        when that slot is not a hole. Only while the dispatcher is not running."""
+        when that slot is not a hole. ``overwrite``: the caller has found the entry there
+        wrong (``holes`` with ``verify``), whatever it holds. Only while the dispatcher is not
+        running."""
         pos = queue_offset * CQ_ENTRY_SIZE
         f = self.files.find_file(pos)
         if f is None or not queue_offset < self.max_offset:
             return False
         rel = pos - f.from_offset
         held_at, held_size, _ = CQ_ENTRY.unpack(f.read(rel, CQ_ENTRY_SIZE))
-        if held_size > 0 and (
-            commitlog_end is None or in_commitlog(held_at, held_size, commitlog_end)
+        if (
+            not overwrite
+            and held_size > 0
+            and (commitlog_end is None or in_commitlog(held_at, held_size, commitlog_end))
         ):
             return False
         f.write_at(rel, CQ_ENTRY.pack(commitlog_offset, size, tag_hash))
@@ -203,13 +307,38 @@ class ConsumeQueue:
             return None
         return first_slot, self.min_offset, entry[0]
 
-    def holes(self, commitlog_end: int | None = None) -> list[tuple[int, int]]:
+    def holes(
+        self,
+        commitlog_end: int | None = None,
+        verify: Callable[[int, int, int], bool] | None = None,
+        suspects: Iterable[int] = (),
+    ) -> list[tuple[int, int]]:
         """``[first, end)`` runs of entries in ``[min_offset, max_offset)`` whose size is zero:
         entries a torn write or bit rot zeroed, between entries that survived. With
         ``commitlog_end``, also entries that point outside the CommitLog ``[0, commitlog_end)``
         (bytes overwritten with garbage, decision 663). A file at a time with numpy, reading
-        only what the extent map says may hold data."""
-        out: list[tuple[int, int]] = []
+        only what the extent map says may hold data.
+
+        With ``verify(queue offset, CommitLog offset, size)`` (whether that record is this
+        queue's record at that offset), also entries that point inside the CommitLog at
+        something else (decision 686): records are in CommitLog order within a queue, so an
+        entry is checked only where it is out of order with its neighbours (one numpy
+        comparison per file), or where it is among ``suspects`` (entries a read found
+        wrong)."""
+        runs: list[tuple[int, int]] = []
+        checked: dict[int, bool] = {}
+        wanted = sorted(set(suspects))
+        # The last good entries before a file (queue offset, CommitLog offset, size): a run of
+        # garbage across a file end shows only against the next file's entries.
+        context = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+
+        def good(qoff: int, at: int, size: int) -> bool:
+            assert verify is not None
+            ok = checked.get(qoff)
+            if ok is None:
+                ok = checked[qoff] = verify(qoff, at, size)
+            return ok
+
         for f in self.files.files:
             base = f.from_offset // CQ_ENTRY_SIZE
             lo, hi = (
@@ -223,15 +352,54 @@ class ConsumeQueue:
             empty = sizes <= 0
             if commitlog_end is not None:
                 empty |= (at < 0) | (at > commitlog_end - sizes)
+            if verify is not None:
+                for q in wanted:
+                    i = q - lo
+                    if 0 <= i < len(at) and not empty[i] and not good(q, int(at[i]), int(sizes[i])):
+                        empty[i] = True
+                n = len(context[0])
+                qoffs = np.concatenate((context[0], np.arange(lo, hi, dtype=np.int64)))
+                all_at = np.concatenate((context[1], at))
+                all_sizes = np.concatenate((context[2], sizes))
+                bad = np.concatenate((np.zeros(n, bool), empty))
+                _check_order(qoffs, all_at, all_sizes, bad, good)
+                runs += [(q, q + 1) for q in qoffs[:n][bad[:n]].tolist()]
+                empty = bad[n:]
+                keep = np.flatnonzero(~bad)[-_ORDER_CONTEXT:]
+                context = (qoffs[keep], all_at[keep], all_sizes[keep])
             if not empty.any():
                 continue
             edges = np.flatnonzero(np.diff(np.concatenate(([0], empty.view(np.int8), [0]))))
-            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
-                if out and out[-1][1] == lo + a:  # a run across a file boundary
-                    out[-1] = (out[-1][0], lo + b)
-                else:
-                    out.append((lo + a, lo + b))
+            runs += zip((lo + edges[0::2]).tolist(), (lo + edges[1::2]).tolist(), strict=True)
+        if verify is not None:
+            runs += self._around(runs, good)
+        out: list[tuple[int, int]] = []
+        for a, b in sorted(runs):
+            if out and out[-1][1] >= a:  # a run across a file boundary
+                out[-1] = (out[-1][0], max(out[-1][1], b))
+            else:
+                out.append((a, b))
         return out
+
+    def _around(
+        self, runs: list[tuple[int, int]], good: Callable[[int, int, int], bool]
+    ) -> list[tuple[int, int]]:
+        """Damage comes in runs of bytes: the entries on both sides of each damaged run are
+        checked one by one until ``_AROUND`` in a row are good, which finds garbage that
+        happens to name a record in order (another queue's, between this one's)."""
+        found: list[tuple[int, int]] = []
+        for a, b in runs:
+            for start, step in ((a - 1, -1), (b, 1)):
+                q, fine = start, 0
+                while fine < _AROUND and self.min_offset <= q < self.max_offset:
+                    entry = self.get_entry(q)
+                    if entry is None or good(q, entry[0], entry[1]):
+                        fine += 1
+                    else:
+                        found.append((q, q + 1))
+                        fine = 0
+                    q += step
+        return found
 
     def flush(self) -> None:
         self.files.flush()
@@ -390,6 +558,41 @@ def in_commitlog(commitlog_offset: int, size: int, commitlog_end: int) -> bool:
     return size > 0 and 0 <= commitlog_offset <= commitlog_end - size
 
 
+_ORDER_CONTEXT = 1024  # good entries of the previous file that a file's order check sees
+_AROUND = 16  # good entries in a row that end the check around a damaged run
+
+
+def _check_order(
+    qoffs: np.ndarray,
+    at: np.ndarray,
+    sizes: np.ndarray,
+    bad: np.ndarray,
+    good: Callable[[int, int, int], bool],
+) -> None:
+    """Mark in ``bad`` the entries (queue offsets ``qoffs``, ascending) that are out of
+    CommitLog order with their neighbours and fail ``good``: a record must start at or after
+    the previous one's end. Only the two entries at each disorder are checked, again after
+    dropping the bad ones, until none is left; genuine entries out of order (which the order
+    cannot place) are left to the read check."""
+    if not bad.any() and not (at[1:] < at[:-1] + sizes[:-1]).any():
+        return  # the usual case: no gathers
+    idx = np.flatnonzero(~bad)
+    while len(idx) > 1:
+        starts = at[idx]
+        disorder = (np.flatnonzero(starts[1:] < (starts + sizes[idx])[:-1]) + 1).tolist()
+        if not disorder:
+            return
+        drop = np.zeros(len(idx), bool)
+        for k in disorder:
+            for j in (int(idx[k - 1]), int(idx[k])):
+                if not good(int(qoffs[j]), int(at[j]), int(sizes[j])):
+                    drop[np.searchsorted(idx, j)] = True
+        if not drop.any():
+            return  # genuine entries out of order: nothing here can say which is wrong
+        bad[idx[drop]] = True
+        idx = idx[~drop]
+
+
 def _columns(f: MappedFile, *names: str) -> list[np.ndarray]:
     """The named int64 fields of every entry slot in ``f``, as copies (so the mapping can be
     closed), zero where nothing was read.
@@ -428,6 +631,9 @@ class ConsumeQueueTable:
         self.root = root
         self.entries_per_file = entries_per_file
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        # Queues whose loading cut entries off their end (``ConsumeQueue.tail_cut``), kept even
+        # when nothing of them is left: the store re-dispatches what was cut.
+        self.cut_tails: list[ConsumeQueue] = []
 
     def load_and_recover(self) -> None:
         if not self.root.exists():
@@ -444,6 +650,8 @@ class ConsumeQueueTable:
                 cq.load_and_recover()
                 if cq.max_offset > cq.min_offset or cq.files.files:
                     self.queues[(cq.topic, cq.queue_id)] = cq
+                if cq.tail_cut is not None:
+                    self.cut_tails.append(cq)
 
     def _new(self, topic: str, queue_id: int) -> ConsumeQueue:
         if not is_valid_name(topic) or queue_id < 0:

@@ -248,6 +248,22 @@ class Dispatcher:
             )
             offset = self.commitlog.skip_blank(batch.end_offset)
 
+    def key_offsets(self, start: int, end: int, khash: int) -> list[int]:
+        """CommitLog offsets of the records in ``[start, end)`` (``start`` a record boundary)
+        with an IndexFile entry of hash ``khash``, read from the file: what a damaged IndexFile
+        would have answered (decision 687). Touches no dispatch state: any thread may call it."""
+        out: list[int] = []
+        offset = self.commitlog.skip_blank(start)
+        while offset < end:
+            batch = self._parse(offset, end)
+            if batch is None:
+                break
+            hashes, numbers = index_keys(batch.queues, batch.keys, batch.uniq_keys)
+            offsets = np.asarray(batch.offsets, np.int64)[numbers]
+            out += offsets[hashes == khash].tolist()
+            offset = self.commitlog.skip_blank(batch.end_offset)
+        return out
+
     def preload(self, runs: list[DispatchColumns]) -> None:
         """Take runs the recovery scan already read as columns (``CommitLog.recover``), so that
         dispatch does not read those bytes again; ``preload([])`` drops what is left."""

@@ -29,6 +29,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,13 @@ _ENTRY = struct.Struct(">iqii")
 ENTRY_SIZE = _ENTRY.size  # 20
 # A chain longer than this is corrupt (entries always point to strictly older ones).
 _MAX_CHAIN = 1_000_000
+_ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("offset", ">i8"), ("seconds", ">i4"), ("prev", ">i4")])
+_CHECK_STEP = 1 << 20  # entries a structure check reads at a time
+
+
+class IndexDamagedError(ValueError):
+    """An IndexFile's slots or entries are not what ``put_many`` writes: garbage (decision
+    687). The file is rebuilt from its CommitLog range at the next start."""
 
 
 @dataclass(slots=True)
@@ -174,26 +182,149 @@ class IndexFile:
 
     def lookup(self, khash: int, begin_ms: int, end_ms: int, limit: int) -> list[int]:
         """Physical offsets of entries with ``khash`` stored within [begin_ms, end_ms], newest
-        first (candidates: the caller checks each record)."""
+        first (candidates: the caller checks each record). Raises ``IndexDamagedError`` where
+        the chain is not one ``put_many`` writes: an entry of another slot, a link forward or
+        below zero (decision 687)."""
         h = self.header
         if h.next_entry <= 1 or end_ms < h.begin_timestamp - 1000 or begin_ms > h.end_timestamp:
             return []
-        (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + (khash % self.slots) * _SLOT.size)
+        slot = khash % self.slots
+        (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + slot * _SLOT.size)
         found: list[int] = []
         steps = 0
+        # A slot at or past the header's count is an entry being added right now (the header is
+        # written last): the chain is read as empty, as before.
         while 0 < number < h.next_entry and len(found) < limit and steps < _MAX_CHAIN:
             steps += 1
             entry_hash, offset, seconds, prev = _ENTRY.unpack_from(
                 self.mm, self._entries_at + number * ENTRY_SIZE
             )
+            if entry_hash < 0 or entry_hash % self.slots != slot or not 0 <= prev < number:
+                raise IndexDamagedError(
+                    f"{self.path}: entry {number} in the chain of slot {slot} holds hash "
+                    f"{entry_hash} and link {prev}"
+                )
             stored = h.begin_timestamp + seconds * 1000
             # Seconds resolution: the record's own timestamp decides at the edges.
             if entry_hash == khash and begin_ms - 1000 <= stored <= end_ms:
                 found.append(offset)
-            if prev >= number:
-                break  # a chain must go back in time; anything else is damage
             number = prev
+        if number < 0:
+            raise IndexDamagedError(f"{self.path}: slot {slot} holds entry number {number}")
         return found
+
+    def check(self, *, full: bool = True) -> None:
+        """Raise ``IndexDamagedError`` unless the slots and entries are what ``put_many``
+        writes (decision 687): every slot empty or naming an entry of its own hash, and every
+        entry's hash, link (to an older entry of the same slot) and offset (in the file's
+        range) well formed. Numpy over the used entries, a step at a time: about 0.1 s per
+        million entries under load, so a full file of 20M costs seconds. Without ``full``
+        only the slots' entry numbers are checked (milliseconds). Run at start, after
+        ``settle_slots``."""
+        # The views of the mapping live in ``_damage``'s frame only: an exception's traceback
+        # would keep them, and the mapping could not be closed.
+        problem = self._damage(full)
+        if problem is not None:
+            raise IndexDamagedError(f"{self.path}: {problem}")
+
+    def _damage(self, full: bool) -> str | None:
+        """What ``check`` finds wrong, or None."""
+        h = self.header
+        n = h.next_entry
+        slots = np.frombuffer(self.mm, np.dtype(">i4"), self.slots, HEADER_SIZE)
+        entries = np.frombuffer(self.mm, _ENTRY_DTYPE, n, self._entries_at)
+        try:
+            heads = slots.astype(np.int64)
+            bad = np.flatnonzero((heads < 0) | (heads >= n))
+            if len(bad):
+                s = int(bad[0])
+                return f"slot {s} names entry {heads[s]} of {n}"
+            if not full:
+                return None
+            used = np.flatnonzero(heads)
+            head_hashes = entries["hash"][heads[used]].astype(np.int64)
+            wrong = np.flatnonzero(head_hashes % self.slots != used)
+            if len(wrong):
+                s = int(used[wrong[0]])
+                return f"slot {s} names entry {heads[s]} of hash {head_hashes[wrong[0]]}"
+            del heads, used, head_hashes
+            for lo in range(1, n, _CHECK_STEP):
+                hi = min(n, lo + _CHECK_STEP)
+                part = entries[lo:hi]
+                hashes = part["hash"].astype(np.int64)
+                prev = part["prev"].astype(np.int64)
+                numbers = np.arange(lo, hi, dtype=np.int64)
+                linked = prev > 0
+                ok = (hashes >= 0) & (prev >= 0) & (prev < numbers)
+                ok &= part["offset"] >= h.begin_offset
+                ok &= part["seconds"] >= 0
+                if ok.all():
+                    targets = entries["hash"][prev[linked]].astype(np.int64)
+                    ok[linked] = targets % self.slots == hashes[linked] % self.slots
+                if not ok.all():
+                    i = int(np.argmin(ok))
+                    e = part[i]
+                    return (
+                        f"entry {lo + i} holds hash {e['hash']}, offset "
+                        f"{e['offset']}, seconds {e['seconds']}, link {e['prev']}"
+                    )
+            return None
+        finally:
+            del slots, entries
+
+    def settle_slots(self) -> int:
+        """Slots naming entries past the saved header: a crash between ``index_put`` and the
+        header's write (entries are written before slots, so the page cache holds them). Each
+        is set back to its chain's newest entry under the header, following the links of those
+        entries; returns how many. One that cannot be followed is left for ``check``."""
+        n = self.header.next_entry
+        slots = np.frombuffer(self.mm, np.dtype(">i4"), self.slots, HEADER_SIZE)
+        try:
+            ahead = np.flatnonzero(slots >= n).tolist()
+        finally:
+            del slots
+        settled = 0
+        for s in ahead:
+            (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + s * _SLOT.size)
+            steps = 0
+            while n <= number <= self.max_entries and steps < _MAX_CHAIN:
+                steps += 1
+                entry_hash, _, _, prev = _ENTRY.unpack_from(
+                    self.mm, self._entries_at + number * ENTRY_SIZE
+                )
+                if entry_hash < 0 or entry_hash % self.slots != s or not 0 <= prev < number:
+                    break
+                number = prev
+            if 0 <= number < n:
+                _SLOT.pack_into(self.mm, HEADER_SIZE + s * _SLOT.size, number)
+                settled += 1
+        return settled
+
+    def cut_entries_from(self, end_offset: int) -> int:
+        """Drop the entries for records at or past CommitLog ``end_offset`` (recovery or a
+        replica cut the CommitLog there, and new records will be written at those offsets):
+        entries are in CommitLog order, so they are the newest ones; slots naming them go back
+        along their chains. Returns how many were dropped."""
+        h = self.header
+        n = h.next_entry
+
+        def offset_of(number: int) -> int:
+            return int(_ENTRY.unpack_from(self.mm, self._entries_at + number * ENTRY_SIZE)[1])
+
+        if n <= 1 or offset_of(n - 1) < end_offset:
+            return 0  # the usual case: one entry read
+        lo, hi = 1, n - 1  # the first entry at or past ``end_offset`` is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if offset_of(mid) < end_offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        cut = lo
+        h.next_entry = cut
+        self.settle_slots()
+        self._write_header()
+        return n - cut
 
     def flush(self) -> None:
         self._write_header()
@@ -225,11 +356,22 @@ class IndexService:
         # The dispatcher adds files while release deletes old ones: each replaces the list
         # under this lock, so neither loses the other's change.
         self._lock = threading.Lock()
+        # Files a query found damaged (decision 687): the next start rebuilds them.
+        self._notes_path = directory / ".damaged"
+        self._noted: set[str] = set()
 
     def load(self) -> None:
+        """Map the files; remove (for the start to rebuild) those of the wrong size or with a
+        damaged header, slots or entries (decision 687), and those a query found damaged."""
         if not self.directory.exists():
             return
+        try:
+            noted = set(self._notes_path.read_text().split())
+        except FileNotFoundError:
+            noted = set()
         files = []
+        paths = [p for p in self.directory.iterdir() if not p.name.startswith(".")]
+        newest = max(paths, key=lambda p: p.name.split("-")[1:], default=None)
         for path in sorted(self.directory.iterdir()):
             if path.name.startswith("."):
                 continue
@@ -245,13 +387,49 @@ class IndexService:
                 path.unlink()
                 continue
             try:
-                files.append(IndexFile(path, self.slots, self.max_entries, create=False))
+                f = IndexFile(path, self.slots, self.max_entries, create=False)
             except ValueError as e:
                 # Derived data: a damaged header costs a rebuild from the CommitLog, nothing more.
                 log.error("IndexFile %s is unusable (%s); it is removed and rebuilt", path, e)
                 path.unlink()
+                continue
+            try:
+                if path.name in noted:
+                    raise IndexDamagedError(f"{path}: a query found it damaged")
+                settled = f.settle_slots()
+                if settled:
+                    log.warning(
+                        "IndexFile %s: %d slot(s) named entries past its header (a crash while "
+                        "adding them); set back along their chains",
+                        path,
+                        settled,
+                    )
+                # Every file's slots; the entries of the newest file only, the one a crash can
+                # tear (older files are checked by the queries that read them).
+                f.check(full=path == newest)
+            except IndexDamagedError as e:
+                log.error("IndexFile %s is damaged (%s); it is removed and rebuilt", path, e)
+                f.destroy()
+                continue
+            files.append(f)
         files.sort(key=lambda f: (f.header.begin_offset, f.header.end_offset))
         self.files = files
+        self._notes_path.unlink(missing_ok=True)
+        self._noted.clear()
+
+    def _note(self, f: IndexFile) -> None:
+        """Keep the name of a file a query found damaged, for the next start to rebuild."""
+        with self._lock:
+            if f.path.name in self._noted:
+                return
+            self._noted.add(f.path.name)
+            try:
+                with self._notes_path.open("a") as fh:
+                    fh.write(f.path.name + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError as e:
+                log.error("cannot note the damaged IndexFile in %s: %s", self._notes_path, e)
 
     @property
     def end_offset(self) -> int:
@@ -298,23 +476,64 @@ class IndexService:
         with self._lock:
             self.files = sorted([*self.files, *files], key=lambda f: f.header.begin_offset)
 
-    def query(self, topic: str, key: str, begin_ms: int, end_ms: int, limit: int) -> list[int]:
-        """Candidate physical offsets for ``key`` in ``topic``, newest files first, deduplicated."""
+    def query(
+        self,
+        topic: str,
+        key: str,
+        begin_ms: int,
+        end_ms: int,
+        limit: int,
+        scan: Callable[[int, int, int], list[int]] | None = None,
+    ) -> list[tuple[int, IndexFile]]:
+        """Candidate physical offsets for ``key`` in ``topic``, newest files first, deduplicated,
+        each with the file whose entry named it.
+
+        A file found damaged (``IndexDamagedError``, or ``damaged`` called by the caller) is
+        noted for the next start to rebuild, and meanwhile answered by ``scan(start, end, hash)``:
+        the offsets of the records in its CommitLog range with that key hash (decision 687)."""
         khash = key_hash(topic, key)
         seen: set[int] = set()
-        result: list[int] = []
+        result: list[tuple[int, IndexFile]] = []
         for f in reversed(list(self.files)):
             try:
                 offsets = f.lookup(khash, begin_ms, end_ms, limit)
+            except IndexDamagedError as e:
+                offsets = self._answer_damaged(f, str(e), khash, scan)
             except ValueError:  # unmapped by cleanup meanwhile
                 continue
             for off in offsets:
                 if off not in seen:
                     seen.add(off)
-                    result.append(off)
+                    result.append((off, f))
             if len(result) >= limit:
                 break
         return result
+
+    def _answer_damaged(
+        self,
+        f: IndexFile,
+        why: str,
+        khash: int,
+        scan: Callable[[int, int, int], list[int]] | None,
+    ) -> list[int]:
+        if f.path.name not in self._noted:
+            log.error(
+                "IndexFile %s is damaged (%s); queries read its CommitLog range until a "
+                "restart rebuilds it",
+                f.path,
+                why,
+            )
+        self._note(f)
+        if scan is None:
+            raise IndexDamagedError(why)
+        h = f.header
+        return sorted(scan(h.begin_offset, h.end_offset, khash), reverse=True)
+
+    def damaged(self, f: IndexFile, why: str) -> None:
+        """A caller found an entry of ``f`` naming a record without its key (decision 687)."""
+        if f.path.name not in self._noted:
+            log.error("IndexFile %s is damaged (%s); a restart rebuilds it", f.path, why)
+        self._note(f)
 
     def delete_before(self, commitlog_min: int) -> int:
         """Delete files whose whole range lies below ``commitlog_min`` (never the newest)."""
