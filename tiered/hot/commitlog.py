@@ -429,9 +429,7 @@ class CommitLog:
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
 
-    def _charge(
-        self, chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]]
-    ) -> int:
+    def _charge(self, chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]]) -> int:
         """``DispatchRoom.charge`` for a batch's chunks: the ConsumeQueue files its queue
         offsets start (the multiples of the file's entry count in each queue's new range) and
         its IndexFile entries."""
