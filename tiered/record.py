@@ -1338,9 +1338,11 @@ def index_keys(
     return hashes, numbers
 
 
-def index_entry_count(keys: Sequence[str | None], uniq_keys: Sequence[str | None]) -> int:
-    """See ``index_entry_count_py`` (the append path's count of IndexFile entries)."""
-    return int(_engine.index_entry_count(keys, uniq_keys))
+# See ``index_entry_count_py`` (the append path's count of IndexFile entries): the engine's own
+# function, without a wrapper's call on the append path.
+index_entry_count: Callable[[Sequence[str | None], Sequence[str | None]], int] = (
+    _engine.index_entry_count
+)
 
 
 def segment_tables(records: Buffer, base_offset: int) -> SegmentTables:

@@ -155,8 +155,9 @@ _ROOM_MEASURE_MS = 100
 # Kept free beside the index side's need: the checkpoint and the broker's own small files.
 _ROOM_MARGIN = 1 << 20
 # Undispatched batches' marks past which they are dropped as dispatch passes them, between
-# measurements.
-_ROOM_MARKS = 4096
+# measurements (which drop them too, every 100 ms): a dispatcher behind by this many keeps its
+# marks, not one call per append.
+_ROOM_MARKS = 65536
 
 
 def _pages(n: int) -> int:
@@ -203,18 +204,16 @@ class DispatchRoom:
         self._base = 0  # ``_paid`` when ``_free`` was measured
         self._measured_ms = 0
 
-    def charge(self, queue_starts: int, entries: int) -> int:
-        """The bound, in bytes, for records that start ``queue_starts`` ConsumeQueue files and
-        make ``entries`` IndexFile entries."""
-        return queue_starts * self.cq_file_cost + entries * self.entry_cost
-
     def vouches(self, messages: int, space: int, ms: int) -> bool:
         """Whether the last measurement, recent enough, vouches for any batch of ``messages``
         that fits in ``space`` bytes of the open file: each record may start a ConsumeQueue
         file, and makes fewer IndexFile entries than half its bytes (a key takes a byte and a
         separator, a record far more than its keys)."""
         bound = messages * self.cq_file_cost + (space // 2) * self.entry_cost
-        return ms - self._measured_ms < _ROOM_MEASURE_MS and self.roomy(bound)
+        return (
+            ms - self._measured_ms < _ROOM_MEASURE_MS
+            and self.appended + bound - self._base + self.fixed <= self._free
+        )
 
     def roomy(self, charge: int) -> bool:
         """Whether the last measurement vouches for ``charge`` more (no system call)."""
@@ -235,6 +234,20 @@ class DispatchRoom:
                 )
         if files:
             self._measured_ms = 0  # the files are about to take space: measure next time
+
+    def take(self, charge: int, end_offset: int, ms: int) -> None:
+        """``admit`` then ``add``, for a batch that needs no new CommitLog file: one call on
+        the append path, and no other while the cached figure vouches for it."""
+        appended = self.appended + charge
+        if (
+            ms - self._measured_ms >= _ROOM_MEASURE_MS
+            or appended - self._base + self.fixed > self._free
+        ):
+            self.admit(charge, 0, ms)
+        self.appended = appended
+        self._marks.append((end_offset, appended))
+        if len(self._marks) >= _ROOM_MARKS:
+            self._pay()
 
     def add(self, charge: int, end_offset: int) -> None:
         """A batch ending at ``end_offset`` was written: its charge is owed until dispatched."""
@@ -399,18 +412,32 @@ class CommitLog:
                 chunks.append((file_from, batch, next_offsets))
                 break
             # The disk must have room for what the batch's records, and every record appended
-            # but not yet dispatched, will take on the index side (decision 680).
-            charge = self._charge(chunks)
-            if not chunks[0][1].written:  # else ``vouches`` took it: nothing may refuse now
-                rolls = len(chunks) if last is None else (chunks[-1][0] - last.from_offset) // size
-                files = rolls * size + (self.roll_reserve_bytes if rolls else 0)
-                room.admit(charge, files, store_ts)
-            # Every file the batch needs exists before its first byte is written: a full disk
-            # refuses the whole batch, never stores the part before the roll.
+            # but not yet dispatched, will take on the index side (decision 680): the batch is
+            # charged the ConsumeQueue files its queue offsets start (the multiples of the
+            # file's entry count in each queue's new range) and its IndexFile entries.
+            # Inline, not a call per step: this runs for every single send.
+            per_file = room.cq_entries
+            held = self.queue_offsets
+            starts = 0
+            for key, after in chunks[-1][2].items():
+                starts += (after - 1) // per_file - (held.get(key, 0) - 1) // per_file
+            if len(chunks) == 1:
+                entries = index_entry_count(chunks[0][1].keys, chunks[0][1].uniq_keys)
+            else:
+                entries = sum(index_entry_count(c[1].keys, c[1].uniq_keys) for c in chunks)
+            charge = starts * room.cq_file_cost + entries * room.entry_cost
             if last is None or chunks[-1][0] > last.from_offset:
+                rolls = len(chunks) if last is None else (chunks[-1][0] - last.from_offset) // size
+                room.admit(charge, rolls * size + self.roll_reserve_bytes, store_ts)
+                # Every file the batch needs exists before its first byte is written: a full
+                # disk refuses the whole batch, never stores the part before the roll.
                 self._create_files([c[0] for c in chunks])
-            if charge:
+                if charge:
+                    room.add(charge, chunks[-1][1].end_offset)
+            elif chunks[0][1].written:  # ``vouches`` took it: nothing may refuse it now
                 room.add(charge, chunks[-1][1].end_offset)
+            elif charge:
+                room.take(charge, chunks[-1][1].end_offset, store_ts)
             for chunk_from, batch, published in chunks:
                 # Most appends land in the last file: no lookup for it.
                 if last is not None and chunk_from == last.from_offset:
@@ -428,20 +455,6 @@ class CommitLog:
                 self._track(f)
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
-
-    def _charge(self, chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]]) -> int:
-        """``DispatchRoom.charge`` for a batch's chunks: the ConsumeQueue files its queue
-        offsets start (the multiples of the file's entry count in each queue's new range) and
-        its IndexFile entries."""
-        per_file = self.room.cq_entries
-        held = self.queue_offsets
-        starts = 0
-        for key, after in chunks[-1][2].items():
-            starts += (after - 1) // per_file - (held.get(key, 0) - 1) // per_file
-        entries = 0
-        for _, batch, _ in chunks:
-            entries += index_entry_count(batch.keys, batch.uniq_keys)
-        return self.room.charge(starts, entries)
 
     def _write(self, f: MappedFile, batch: EncodedBatch) -> None:
         """Write an encoded chunk at the end of ``f``."""
