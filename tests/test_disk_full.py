@@ -16,18 +16,19 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from broker_harness import Standalone
+from broker_harness import Standalone, pull_all
 from conftest import SMALL, crash_after_writing
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker import admin_pb2 as apb
 from broker.metadata import BrokerMetadata, GroupConfig
 from broker.timer import ENTRY as TIMER_ENTRY
 from broker.timer import PROPERTY_DELIVER_TIME, TimerLog, TimerService, as_timer_message
 from tiered.config import StoreConfig
 from tiered.record import PROPERTY_UNIQ_KEY, Message
-from tiered.store import GetStatus, MessageStore, StoreLoadError
+from tiered.store import DiskFullError, GetStatus, MessageStore, StoreLoadError
 
 GEOMETRY = {
     "commitlog_file_size": 1 << 20,
@@ -144,14 +145,15 @@ def _stored_ids(store: MessageStore, topic: str) -> list[str]:
 
 
 @pytest.mark.parametrize("flush", ["sync", "async"])
-def test_a_disk_filled_by_another_writer_stops_no_append_the_commitlog_has_room_for(
+def test_a_disk_filled_by_another_writer_refuses_appends_only_while_it_is_full(
     small_disk: Path, flush: str
 ) -> None:
-    """The CommitLog file is preallocated, so a disk that another writer fills leaves appends
-    into it possible and durable. Only the checkpoint cannot be written then, which costs a
-    longer recovery scan and nothing else: it is no failed fsync, and must not turn the store
+    """A disk that another writer fills cannot take the checkpoint, which costs a longer
+    recovery scan and nothing else: it is no failed fsync, and must not turn the store
     read-only until a restart (it did: every send was refused as "an fsync failed", even after
-    the space came back)."""
+    the space came back; decision 295). Appends are refused while it is full, as the disk being
+    full, since their IndexFile entries would have no room (decision 680; the preallocated
+    CommitLog file took them before), and taken again once space is freed."""
     config = StoreConfig(
         data_dir=small_disk / "data",
         flush=flush,  # type: ignore[arg-type]
@@ -173,16 +175,23 @@ def test_a_disk_filled_by_another_writer_stops_no_append_the_commitlog_has_room_
         )
         return msg_id
 
+    def refused(n: int) -> None:
+        with pytest.raises(DiskFullError) as e:
+            put(n)
+        assert "the disk is full" in str(e.value), e.value
+
     store = MessageStore(config)
     store.start()
     acked = [put(n) for n in range(5)]
     filler = _fill(small_disk)
     try:
         time.sleep(0.2)  # several flushes, each of which fails to write the checkpoint
-        acked += [put(n) for n in range(5, 10)]
+        for n in range(5, 10):
+            refused(n)
         time.sleep(0.2)
         store.flush()
-        acked += [put(n) for n in range(10, 15)]
+        for n in range(10, 15):
+            refused(n)
     finally:
         filler.unlink()
     time.sleep(0.1)
@@ -300,13 +309,14 @@ def test_timer_entries_a_full_disk_cuts_short_are_refused_and_later_ones_stay_al
 
 
 def test_delay_messages_the_wheel_could_not_write_on_a_full_disk_are_delivered_after_a_restart(
-    small_disk: Path,
+    small_disk: Path, tmp_path: Path
 ) -> None:
     """The wheel enqueues delay messages into a bucket file; on a full disk that write fails
     and the wheel retries a second later. The retry must write them: it skipped the ones due
     in the current bucket as already scheduled (they were in memory only), then moved its
-    checkpoint past them, so after a restart they were never delivered."""
-    config = StoreConfig(data_dir=small_disk / "store", flush="sync", **SMALL)
+    checkpoint past them, so after a restart they were never delivered. (The store is on
+    another disk: on the full one it refuses the messages, decision 680.)"""
+    config = StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL)
     clock = (time.time_ns() // 1_000_000) // 60_000 * 60_000 + 1_000
     due = str(clock + 30_000)  # in the clock's bucket: the current one
 
@@ -365,13 +375,14 @@ def test_delay_messages_the_wheel_could_not_write_on_a_full_disk_are_delivered_a
 def test_a_shutdown_while_the_disk_is_too_full_to_dispatch_ends_as_a_crash_and_loses_nothing(
     small_disk: Path, flush: str
 ) -> None:
-    """Appends the preallocated CommitLog file has room for are acknowledged (the native group
-    commit's fdatasync under SYNC) while the disk is too full for the ConsumeQueue files and
-    IndexFile entries of their new queues: the dispatcher retries, nothing is readable yet. A
-    shutdown then must end as a crash would (no clean-exit marker, every file closed, the data
-    dir unlocked), not raise the dispatch's ENOSPC out of ``shutdown`` (it did, leaving the
-    store half shut and the broker's stop failing), and the next start, once there is room,
-    recovers every acknowledged message (decision 662)."""
+    """Appends are acknowledged (the native group commit's fdatasync under SYNC) while the disk
+    has room for the ConsumeQueue files and IndexFile entries of their new queues, and another
+    writer takes that room before the dispatcher (held back here) writes them: the dispatcher
+    retries, nothing is readable yet. (The store itself no longer acknowledges appends whose
+    entries do not fit, decision 680.) A shutdown then must end as a crash would (no clean-exit
+    marker, every file closed, the data dir unlocked), not raise the dispatch's ENOSPC out of
+    ``shutdown`` (it did, leaving the store half shut and the broker's stop failing), and the
+    next start, once there is room, recovers every acknowledged message (decision 662)."""
     config = StoreConfig(
         data_dir=small_disk / "data",
         flush=flush,  # type: ignore[arg-type]
@@ -399,10 +410,12 @@ def test_a_shutdown_while_the_disk_is_too_full_to_dispatch_ends_as_a_crash_and_l
     for n in range(5):
         put(0, n)
     assert store.wait_dispatched(10)
-    filler = _fill(small_disk)
+    assert store.dispatcher is not None
+    store.dispatcher.stop()  # behind, as under load
+    for queue in range(1, 41):  # each a new ConsumeQueue file
+        put(queue, 0)
+    filler = _fill(small_disk)  # no room left for one
     try:
-        for queue in range(1, 41):  # each a new ConsumeQueue file: no room for one
-            put(queue, 0)
         assert not store.wait_dispatched(0.5), "dispatched although the disk is full"
         store.shutdown()
     finally:
@@ -455,3 +468,132 @@ def test_an_indexfile_the_full_disk_cannot_size_leaves_no_file_behind(small_disk
         filler.unlink()
     index.new_file(0).close()
     assert len(os.listdir(small_disk / "index")) == 1
+
+
+class _Node(Standalone):
+    """A broker whose log is kept off the small disk: the test fills that disk with the
+    store's own data alone."""
+
+    log_dir: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / "standalone.log"
+
+
+def _keyed_request(first: int, count: int) -> tuple[s.SendMessageRequest, dict[str, list[str]]]:
+    """``count`` small records with 60 keys each (one of them the record's own, the rest short
+    and shared): their ConsumeQueue and IndexFile entries take about twice the room of their
+    CommitLog bytes."""
+    request = s.SendMessageRequest()
+    keys: dict[str, list[str]] = {}
+    for n in range(first, first + count):
+        m = request.messages.add(topic=d.Resource(name="keyed"), body=os.urandom(8))
+        m.system_properties.message_id = f"{n:08X}{os.urandom(12).hex().upper()}"
+        m.system_properties.message_type = d.NORMAL
+        mine = [f"own-{n:x}", *(f"k{j}" for j in range(59))]
+        m.system_properties.keys.extend(mine)
+        keys[m.system_properties.message_id] = mine
+    return request, keys
+
+
+def _send_until_refused(
+    node: Standalone, first: int, acked: dict[str, list[str]], refused: set[str]
+) -> tuple[int, list[d.Status]]:
+    """Send batches of 16 until five are refused; returns the next message number and the
+    refusals."""
+    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+    refusals: list[d.Status] = []
+    n = first
+    while len(refusals) < 5 and n < first + 200_000:
+        request, keys = _keyed_request(n, 16)
+        n += 16
+        reply = stub.SendMessage(request, timeout=60)
+        if reply.status.code == d.OK:
+            acked.update(keys)
+        else:
+            refused.update(keys)
+            refusals.append(reply.status)
+    return n, refusals
+
+
+def _readable(node: Standalone, acked: dict[str, list[str]], seconds: float) -> set[str]:
+    """The acknowledged messages the broker serves by PullMessage, waiting up to ``seconds``
+    for them all (dispatch may be behind)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        got = {m.system_properties.message_id for m in pull_all(node, "keyed", 4)}
+        if set(acked) <= got or time.monotonic() > deadline:
+            return got
+        time.sleep(1)
+
+
+def _found_by_key(node: Standalone, key: str) -> list[str]:
+    reply = node.admin().QueryByKey(apb.QueryByKeyRequest(topic="keyed", key=key), timeout=30)
+    return [m.message_id for m in reply.messages]
+
+
+@pytest.mark.parametrize(
+    ("flush", "engine"), [("sync", "native"), ("async", "native"), ("async", "python")]
+)
+def test_every_message_acknowledged_on_a_filling_disk_is_readable_without_freeing_space(
+    small_disk: Path, tmp_path: Path, flush: str, engine: str
+) -> None:
+    """Small records with many keys, a dispatcher kept behind the appends, and a disk the
+    store fills by itself: appends its open CommitLog file had room for were acknowledged
+    while the disk had no room left for their ConsumeQueue files and IndexFile entries, and
+    stayed unreadable until space was freed (decision 662's open lead; decision 680). Every
+    acknowledged message must be served, and found by key and by id, without freeing space,
+    live and after a ``kill -9`` and restart; every refusal must say the disk is full, and no
+    refused message may be stored."""
+    config = write_config(tmp_path / "tmq.toml")
+    node = _Node(
+        small_disk / "data",
+        flush=flush,
+        extra=["--config", str(config), "--commitlog-file-size", "1MiB"],
+        env={
+            "TMQ_FAILPOINTS": "dispatch.before_pass=sleep:0.05",
+            "TMQ_PURE_PYTHON": "1" if engine == "python" else "0",
+        },
+    )
+    node.log_dir = tmp_path
+    acked: dict[str, list[str]] = {}
+    refused: set[str] = set()
+    node.start()
+    try:
+        node.create_topic("keyed", queues=4)
+        node.create_group("g-replay")  # pull_all's, made while there is room for it
+        n, refusals = _send_until_refused(node, 0, acked, refused)
+        assert len(refusals) == 5, "a 12 MiB disk should fill up"
+        assert len(acked) > 1000, "the disk should take a few CommitLog files first"
+        for st in refusals:
+            assert st.code == d.INTERNAL_SERVER_ERROR, st
+            assert "disk is full" in st.message, st
+        served = _readable(node, acked, 60)
+        assert set(acked) <= served, (
+            f"{len(set(acked) - served)} of {len(acked)} acknowledged messages unreadable "
+            "while the disk is full"
+        )
+        assert not served & refused, f"{len(served & refused)} refused messages stored"
+        ids = list(acked)
+        sample = ids[-20:] + ids[:: max(1, len(ids) // 30)]
+        for msg_id in sample:
+            assert _found_by_key(node, acked[msg_id][0]) == [msg_id]
+            assert _found_by_key(node, msg_id) == [msg_id]
+        node.kill9()
+        node.start()  # on the same full disk
+        n, refusals = _send_until_refused(node, n, acked, refused)
+        for st in refusals:
+            assert st.code == d.INTERNAL_SERVER_ERROR, st
+            assert "disk is full" in st.message, st
+        served = _readable(node, acked, 60)
+        assert set(acked) <= served, (
+            f"{len(set(acked) - served)} of {len(acked)} acknowledged messages unreadable "
+            "after a restart on the full disk"
+        )
+        assert not served & refused, f"{len(served & refused)} refused messages stored"
+        for msg_id in ids[-20:] + list(acked)[-20:]:
+            assert _found_by_key(node, acked[msg_id][0]) == [msg_id]
+    finally:
+        if node.proc is not None and node.proc.poll() is None:
+            node.kill9()

@@ -77,6 +77,25 @@ def test_cq_blocks_is_identical(fields: Any) -> None:
     assert PYTHON_ENGINE.cq_blocks(*packed, *fields[3:], dict(py_codes)) == py
 
 
+KEY_TEXT = st.one_of(
+    st.none(),
+    st.sampled_from(["", " ", "k1 k2", " lead", "trail ", "a  b", "ünï code", "x" * 300]),
+    st.text(st.sampled_from(["a", " ", "é", "\u4e2d"]), max_size=12),
+)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(KEY_TEXT, KEY_TEXT), max_size=40))
+def test_index_entry_count_is_what_index_keys_makes(records: list[tuple[Any, Any]]) -> None:
+    """The append path's room check counts IndexFile entries without hashing (decision 680):
+    exactly as many as dispatch's ``index_keys`` makes, with either engine."""
+    keys = [k for k, _ in records]
+    uniq = [u for _, u in records]
+    made = len(PYTHON_ENGINE.index_keys([("t", 0)] * len(records), keys, uniq)[0])
+    assert PYTHON_ENGINE.index_entry_count(keys, uniq) == made
+    assert NATIVE.index_entry_count(keys, uniq) == made
+
+
 def _store(root: Path) -> MessageStore:
     config = StoreConfig(
         data_dir=root,

@@ -934,6 +934,32 @@ cdef int _index_pairs(list queues, list keys, list uniq_keys, Pairs* out,
     return 0
 
 
+def index_entry_count(keys, uniq_keys):
+    """``record.index_entry_count_py``: the keys of ``KEYS`` counted as ``_index_pairs`` splits
+    them, without hashing or allocating."""
+    cdef list ks = keys if type(keys) is list else list(keys)
+    cdef list us = uniq_keys if type(uniq_keys) is list else list(uniq_keys)
+    cdef Py_ssize_t count = 0, kn, at, end, i
+    cdef const char* kp
+    cdef const char* hit
+    for i in range(len(us)):
+        if us[i]:
+            count += 1
+    for i in range(len(ks)):
+        k = ks[i]
+        if not k:
+            continue
+        kp = PyUnicode_AsUTF8AndSize(k, &kn)
+        at = 0
+        while at < kn:
+            hit = <const char*>memchr(kp + at, 32, kn - at)
+            end = (hit - kp) if hit != NULL else kn
+            if end > at:
+                count += 1
+            at = end + 1
+    return count
+
+
 def index_keys(queues, keys, uniq_keys):
     """``record.index_keys_py``."""
     cdef Pairs pairs

@@ -17,6 +17,8 @@ Points:
   routed past them / the files are deleted).
 - ``commitlog.before_sizes``: a batch's bytes are in the CommitLog file with every record's
   size field still zero (they are set next, record by record).
+- ``dispatch.before_pass``: the dispatcher thread has records to dispatch; its pass has not
+  started (``sleep:`` keeps dispatch behind the appends, decision 680).
 - ``store.after_cq_repair``: at start, zeroed ConsumeQueue entries are rebuilt in the page
   cache; nothing of the repair is fsynced yet.
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op

@@ -789,6 +789,20 @@ def tag_hashes_py(tags: Sequence[str | None]) -> np.ndarray:
     return np.fromiter((tag_hash(t) for t in tags), np.int64, len(tags))
 
 
+def index_entry_count_py(keys: Sequence[str | None], uniq_keys: Sequence[str | None]) -> int:
+    """How many IndexFile entries ``index_keys`` makes for these records: one per unique id,
+    one per key of ``KEYS``. The append path's disk-room check counts with it (decision 680);
+    dispatch may write fewer (unindexed topics, records already indexed), never more."""
+    count = 0
+    for uniq in uniq_keys:
+        if uniq:
+            count += 1
+    for value in keys:
+        if value:
+            count += len(split_keys(value))
+    return count
+
+
 def index_keys_py(
     queues: Sequence[tuple[str, int]],
     keys: Sequence[str | None],
@@ -1295,6 +1309,7 @@ class _PythonEngine:
     scan_records = staticmethod(scan_records_py)
     tag_hashes = staticmethod(tag_hashes_py)
     index_keys = staticmethod(index_keys_py)
+    index_entry_count = staticmethod(index_entry_count_py)
     segment_tables = staticmethod(segment_tables_py)
     first_unchecked = staticmethod(first_unchecked_py)
     decode_many = staticmethod(decode_many_py)
@@ -1372,6 +1387,13 @@ def index_keys(
     """See ``index_keys_py`` (the dispatch's IndexFile entries)."""
     hashes, numbers = _engine.index_keys(queues, keys, uniq_keys)
     return hashes, numbers
+
+
+# See ``index_entry_count_py`` (the append path's count of IndexFile entries): the engine's own
+# function, without a wrapper's call on the append path.
+index_entry_count: Callable[[Sequence[str | None], Sequence[str | None]], int] = (
+    _engine.index_entry_count
+)
 
 
 def segment_tables(records: Buffer, base_offset: int) -> SegmentTables:

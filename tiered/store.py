@@ -309,6 +309,7 @@ class MessageStore:
             + (1 << 20)
         )
         self.dispatcher: Dispatcher | None = None
+        self.commitlog.room.dispatched_to = self._dispatched_to
         self.checkpoint_path = config.data_dir / "checkpoint"
         self._damage_notes = DamageNotes(config.data_dir / "damaged_entries")
         self.corrupt_records: list[int] = []
@@ -652,6 +653,12 @@ class MessageStore:
         self.dispatcher.coalesce_s = self._dispatch_coalesce_s
         self._route_flush_wakeups()
         return self.dispatcher
+
+    def _dispatched_to(self) -> int:
+        """Where dispatch has reached: every record before it has its ConsumeQueue and
+        IndexFile entries (what the append path's room check pays off, decision 680)."""
+        dispatcher = self.dispatcher
+        return dispatcher.reput_offset if dispatcher is not None else 0
 
     def _check_room_for_a_commitlog_file(self) -> None:
         """Refuse to start a store that could never store a message: no CommitLog file yet,

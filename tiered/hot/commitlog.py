@@ -17,6 +17,7 @@ import shutil
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from tiered.config import StoreConfig
+from tiered.formats import CQ_ENTRY_SIZE
 from tiered.hot.group_commit import GroupCommitService
+from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
+from tiered.hot.index_file import HEADER_SIZE as INDEX_HEADER_SIZE
 from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError, all_zero
 from tiered.record import (
     BLANK_MAGIC_CODE,
@@ -41,6 +45,7 @@ from tiered.record import (
     blank_record,
     decode,
     dispatch_columns,
+    index_entry_count,
     read_total_and_magic,
     scan_records,
     validate,
@@ -143,6 +148,136 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_PAGE = 4096
+# The free-space figure is measured again at least this often, so that space another writer
+# took, or retention freed, counts within 100 ms.
+_ROOM_MEASURE_MS = 100
+# Kept free beside the index side's need: the checkpoint and the broker's own small files.
+_ROOM_MARGIN = 1 << 20
+# Undispatched batches' marks past which they are dropped as dispatch passes them, between
+# measurements (which drop them too, every 100 ms): a dispatcher behind by this many keeps its
+# marks, not one call per append.
+_ROOM_MARKS = 65536
+
+
+def _pages(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+class DispatchRoom:
+    """Disk room for what appended records not yet dispatched will take on the index side
+    (decision 680): the append path refuses a batch the disk could not index, so no
+    acknowledged message waits unreadable for space.
+
+    Every batch is charged, from its own records, a strict upper bound of the bytes its
+    dispatch allocates: a preallocated ConsumeQueue file for every queue offset that starts one
+    (a multiple of ``consumequeue_entries_per_file``, the queue's first file included), and per
+    IndexFile entry (a unique id, a key) its 20 bytes plus twice its share of an IndexFile roll
+    (a file holds at least ``max_entries`` minus the entries of the record that did not fit,
+    which that record is charged again for). ``appended`` sums the charges; a batch's charge is
+    paid once the dispatcher has passed its last record (``dispatched_to``), read through a
+    mark per batch.
+
+    Free space is measured (``statvfs``) only when the cached figure cannot vouch for the
+    batch, on a CommitLog roll, and every 100 ms; between measurements the dispatcher's own
+    allocations are at most what was paid since (``paid`` at the measurement): a batch is
+    taken while ``appended`` after it, less ``paid`` at the last measurement, plus two rolls
+    (one per side of the measurement) and a margin, fits in what was measured free. Called
+    under the CommitLog's put lock only."""
+
+    def __init__(self, directory: Path, config: StoreConfig) -> None:
+        self.directory = directory
+        self.cq_entries = config.consumequeue_entries_per_file
+        # A new file is preallocated whole; a new queue's topic and queue directories (or a
+        # directory that grows) take a block each.
+        self.cq_file_cost = _pages(self.cq_entries * CQ_ENTRY_SIZE) + 2 * _PAGE
+        # A roll allocates the header and slots, a directory block, and the partly used
+        # first and last pages of its entries.
+        roll = _pages(INDEX_HEADER_SIZE + 4 * config.index_hash_slots) + 3 * _PAGE
+        self.entry_cost = INDEX_ENTRY_SIZE + -(-2 * roll // config.index_max_entries)
+        self.fixed = 2 * roll + _ROOM_MARGIN
+        self.dispatched_to: Callable[[], int] = lambda: 1 << 62
+        self.appended = 0
+        self._marks: deque[tuple[int, int]] = deque()
+        self._paid = 0
+        self._free = -1  # not measured yet
+        self._base = 0  # ``_paid`` when ``_free`` was measured
+        self._measured_ms = 0
+
+    def vouches(self, messages: int, space: int, ms: int) -> bool:
+        """Whether the last measurement, recent enough, vouches for any batch of ``messages``
+        that fits in ``space`` bytes of the open file: each record may start a ConsumeQueue
+        file, and makes fewer IndexFile entries than half its bytes (a key takes a byte and a
+        separator, a record far more than its keys)."""
+        bound = messages * self.cq_file_cost + (space // 2) * self.entry_cost
+        return (
+            ms - self._measured_ms < _ROOM_MEASURE_MS
+            and self.appended + bound - self._base + self.fixed <= self._free
+        )
+
+    def roomy(self, charge: int) -> bool:
+        """Whether the last measurement vouches for ``charge`` more (no system call)."""
+        return self.appended + charge - self._base + self.fixed <= self._free
+
+    def admit(self, charge: int, files: int, ms: int) -> None:
+        """Raise ``DiskFullError`` unless the disk has room for every undispatched batch's
+        charge, ``charge`` more and ``files`` bytes of new CommitLog files (created next)."""
+        if files or ms - self._measured_ms >= _ROOM_MEASURE_MS or not self.roomy(charge + files):
+            self._measure(ms)
+            if not self.roomy(charge + files):
+                debt = self.appended - self._paid
+                raise DiskFullError(
+                    f"the disk is full: {self._free} bytes free in {self.directory}, but the "
+                    f"ConsumeQueue and IndexFile entries of messages not yet dispatched need "
+                    f"up to {debt}, this batch's {charge}, new CommitLog files {files}, and "
+                    f"{self.fixed} are kept free; release or free space"
+                )
+        if files:
+            self._measured_ms = 0  # the files are about to take space: measure next time
+
+    def take(self, charge: int, end_offset: int, ms: int) -> None:
+        """``admit`` then ``add``, for a batch that needs no new CommitLog file: one call on
+        the append path, and no other while the cached figure vouches for it."""
+        appended = self.appended + charge
+        if (
+            ms - self._measured_ms >= _ROOM_MEASURE_MS
+            or appended - self._base + self.fixed > self._free
+        ):
+            self.admit(charge, 0, ms)
+        self.appended = appended
+        self._marks.append((end_offset, appended))
+        if len(self._marks) >= _ROOM_MARKS:
+            self._pay()
+
+    def add(self, charge: int, end_offset: int) -> None:
+        """A batch ending at ``end_offset`` was written: its charge is owed until dispatched."""
+        self.appended += charge
+        self._marks.append((end_offset, self.appended))
+        if len(self._marks) >= _ROOM_MARKS:
+            self._pay()
+
+    def reset(self) -> None:
+        """Nothing is owed (the log was cut, and dispatched to its end)."""
+        self._marks.clear()
+        self._paid = self._base = self.appended
+        self._measured_ms = 0
+
+    def _pay(self) -> None:
+        reput = self.dispatched_to()
+        marks = self._marks
+        while marks and marks[0][0] <= reput:
+            self._paid = marks.popleft()[1]
+
+    def _measure(self, ms: int) -> None:
+        # What was paid is read first: an allocation after it shows in the free figure and is
+        # still counted as owed, never the other way.
+        self._pay()
+        paid = self._paid
+        self._free = free_bytes(self.directory)
+        self._base = paid
+        self._measured_ms = ms
+
+
 class CommitLog:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
@@ -159,6 +294,8 @@ class CommitLog:
         # Free bytes a roll must leave beside the new file, for the ConsumeQueue and IndexFile
         # files its messages will need (set by the store from its geometry).
         self.roll_reserve_bytes = 0
+        # What undispatched records will take on the index side (decision 680).
+        self.room = DispatchRoom(config.data_dir, config)
         # Owns the thread ``tmq-group-commit`` from ``load`` to ``close``, and the flushed
         # offset; its native flusher fdatasyncs the file appends go to (``_tracked``) itself.
         self.group_commit = GroupCommitService(self.flush, fail=self._fsync_failed)
@@ -234,8 +371,15 @@ class CommitLog:
             chunks: list[tuple[int, EncodedBatch, dict[tuple[str, int], int]]] = []
             i = 0
             # A batch that fits whole in the open file may be written by the encoder in the same
-            # release of the GIL as its encoding (decision 452).
-            sink = last.append_sink() if last is not None else None
+            # release of the GIL as its encoding (decision 452), when the last free-space
+            # measurement vouches for whatever its index side could take: such a batch is
+            # written before its own charge is known (decision 680).
+            room = self.room
+            sink = (
+                last.append_sink()
+                if last is not None and room.vouches(len(messages), size - wrote, store_ts)
+                else None
+            )
             while True:
                 batch = EncodedBatch(store_timestamp=store_ts)
                 try:
@@ -267,10 +411,33 @@ class CommitLog:
                     continue
                 chunks.append((file_from, batch, next_offsets))
                 break
-            # Every file the batch needs exists before its first byte is written: a full disk
-            # refuses the whole batch, never stores the part before the roll.
+            # The disk must have room for what the batch's records, and every record appended
+            # but not yet dispatched, will take on the index side (decision 680): the batch is
+            # charged the ConsumeQueue files its queue offsets start (the multiples of the
+            # file's entry count in each queue's new range) and its IndexFile entries.
+            # Inline, not a call per step: this runs for every single send.
+            per_file = room.cq_entries
+            held = self.queue_offsets
+            starts = 0
+            for key, after in chunks[-1][2].items():
+                starts += (after - 1) // per_file - (held.get(key, 0) - 1) // per_file
+            if len(chunks) == 1:
+                entries = index_entry_count(chunks[0][1].keys, chunks[0][1].uniq_keys)
+            else:
+                entries = sum(index_entry_count(c[1].keys, c[1].uniq_keys) for c in chunks)
+            charge = starts * room.cq_file_cost + entries * room.entry_cost
             if last is None or chunks[-1][0] > last.from_offset:
+                rolls = len(chunks) if last is None else (chunks[-1][0] - last.from_offset) // size
+                room.admit(charge, rolls * size + self.roll_reserve_bytes, store_ts)
+                # Every file the batch needs exists before its first byte is written: a full
+                # disk refuses the whole batch, never stores the part before the roll.
                 self._create_files([c[0] for c in chunks])
+                if charge:
+                    room.add(charge, chunks[-1][1].end_offset)
+            elif chunks[0][1].written:  # ``vouches`` took it: nothing may refuse it now
+                room.add(charge, chunks[-1][1].end_offset)
+            elif charge:
+                room.take(charge, chunks[-1][1].end_offset, store_ts)
             for chunk_from, batch, published in chunks:
                 # Most appends land in the last file: no lookup for it.
                 if last is not None and chunk_from == last.from_offset:
@@ -431,6 +598,7 @@ class CommitLog:
             self._track(None)  # the file may go; the next append tracks the one it writes
             self._cut(offset, report)
             self._flushed_offset = min(self._flushed_offset, offset)
+            self.room.reset()  # the caller dispatches what is left before the next append
             return report
 
     def reset_queue_offsets(self, next_offsets: dict[tuple[str, int], int]) -> None:

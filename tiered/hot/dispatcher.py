@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from tiered import failpoints
 from tiered.formats import CQ_DTYPE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
@@ -481,6 +482,7 @@ class Dispatcher:
         while not self._stop.is_set():
             end = self.commitlog.confirmed_offset
             if self.reput_offset < end:
+                failpoints.hit("dispatch.before_pass")
                 try:
                     before = self.reput_offset
                     self.dispatch(end)
