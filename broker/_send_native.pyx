@@ -11,7 +11,11 @@ the request with protobuf and takes the reference path (``broker.protocol.to_sto
 which refuses exactly as the proxy does. ``SendBatch.messages`` then checks what depends on
 the topic and the limits (type, sizes, names, the characters the reference refuses; decision
 390) and builds the ``Message`` objects in C, with the slots set directly and the properties
-in the reference's order: no protobuf object and no Python bytecode per message. Every read of
+in the reference's order: no protobuf object and no Python bytecode per message.
+``SendBatch.spans`` makes the same checks and answers the batch as a ``tiered.record.RecordSpans``
+instead (decision 700): per message a ``tmq_span`` (the body's place in ``raw``, the properties'
+place in one buffer written in the order the ``Message``'s dict would hold them), which the record
+encoder reads in place, with no ``Message``, dict or body copy per message. Every read of
 ``raw`` is bounded by the span it lies in (``_varint``, ``_span``), in ``scan`` and again when
 ``messages`` walks the user properties and keys a second time.
 """
