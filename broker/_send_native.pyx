@@ -11,14 +11,18 @@ the request with protobuf and takes the reference path (``broker.protocol.to_sto
 which refuses exactly as the proxy does. ``SendBatch.messages`` then checks what depends on
 the topic and the limits (type, sizes, names, the characters the reference refuses; decision
 390) and builds the ``Message`` objects in C, with the slots set directly and the properties
-in the reference's order: no protobuf object and no Python bytecode per message. Every read of
+in the reference's order: no protobuf object and no Python bytecode per message.
+``SendBatch.spans`` makes the same checks and answers the batch as a ``tiered.record.RecordSpans``
+instead (decision 700): per message a ``tmq_span`` (the body's place in ``raw``, the properties'
+place in one buffer written in the order the ``Message``'s dict would hold them), which the record
+encoder reads in place, with no ``Message``, dict or body copy per message. Every read of
 ``raw`` is bounded by the span it lies in (``_varint``, ``_span``), in ``scan`` and again when
 ``messages`` walks the user properties and keys a second time.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_FromLongLong, PyLong_FromSsize_t
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
@@ -26,6 +30,7 @@ from libc.string cimport memcmp, memcpy, memset
 cdef extern from "Python.h":
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     object PyUnicode_DecodeASCII(const char* s, Py_ssize_t size, const char* errors)
+    const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
     void PyErr_Clear()
 
 cdef extern from "zlib.h":
@@ -33,6 +38,17 @@ cdef extern from "zlib.h":
 
 cdef extern from "_record_native.h":
     Py_ssize_t tmq_slot_offset(object descr) except? -2
+    ctypedef struct tmq_span:
+        int64_t body_at
+        int64_t body_len
+        int64_t props_at
+        int64_t props_len
+        int64_t born_timestamp
+        int64_t queue_id
+        int64_t host
+
+cdef extern from "stdio.h":
+    int snprintf(char* out, size_t n, const char* fmt, ...)
 
 DEF MAX_ID = 128  # broker.protocol.to_store_messages: a plain message id is at most 128 chars
 DEF GZIP = 2  # apache.rocketmq.v2.Encoding.GZIP
@@ -45,6 +61,7 @@ cdef int64_t TS_MAX_S = 253402300799LL
 cdef int64_t TS_MAX_MS = 253402300799999LL
 
 cdef type Message = None
+cdef object RecordSpans = None
 cdef Py_ssize_t[9] _OFF
 cdef tuple _FIELDS = ("topic", "body", "queue_id", "properties", "flag", "born_timestamp",
                       "born_host", "reconsume_times", "prepared_transaction_offset")
@@ -59,8 +76,11 @@ cdef object _ZERO = 0
 
 def bind(record_module):
     """Take ``tiered.record.Message`` and where its slots lie; False if they cannot be set."""
-    global Message
+    global Message, RecordSpans
     Message = record_module.Message
+    RecordSpans = record_module.RecordSpans
+    if record_module.SPAN_STRUCT.size != sizeof(tmq_span):
+        return False
     for i, field in enumerate(_FIELDS):
         _OFF[i] = tmq_slot_offset(Message.__dict__[field])
         if _OFF[i] < 0:
@@ -493,6 +513,45 @@ cdef inline bint _plain_group(const unsigned char* s, Py_ssize_t n) noexcept nog
     return n < 64 and _plain_id(s, n)
 
 
+cdef struct Buf:
+    char* data
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
+cdef int _grow(Buf* b, Py_ssize_t more) except -1:
+    cdef Py_ssize_t cap
+    cdef char* grown
+    if b.len + more <= b.cap:
+        return 0
+    cap = b.cap * 2 if b.cap * 2 > b.len + more else b.len + more + 4096
+    grown = <char*>PyMem_Realloc(b.data, cap)
+    if grown == NULL:
+        raise MemoryError()
+    b.data = grown
+    b.cap = cap
+    return 0
+
+
+cdef int _property(Buf* b, const char* k, Py_ssize_t kn, const char* v,
+                   Py_ssize_t vn) except -1:
+    """``name\\x01value\\x02``, as ``record.encode_properties`` writes each pair."""
+    _grow(b, kn + vn + 2)
+    memcpy(b.data + b.len, k, kn)
+    b.data[b.len + kn] = 1
+    memcpy(b.data + b.len + kn + 1, v, vn)
+    b.data[b.len + kn + 1 + vn] = 2
+    b.len += kn + vn + 2
+    return 0
+
+
+cdef int _str_property(Buf* b, str name, object value) except -1:
+    cdef Py_ssize_t kn, vn
+    cdef const char* k = PyUnicode_AsUTF8AndSize(name, &kn)
+    cdef const char* v = PyUnicode_AsUTF8AndSize(value, &vn)
+    return _property(b, k, kn, v, vn)
+
+
 cdef class SendBatch:
     """A scanned request: ``topic`` and ``count``, and where each message's fields lie."""
 
@@ -509,6 +568,24 @@ cdef class SendBatch:
                  Py_ssize_t max_properties, Py_ssize_t max_properties_bytes,
                  Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or,
                  reserved):
+        """``(messages, message_ids, body_bytes)``: see ``_build``."""
+        return self._build(False, type_code, type_name, max_body, max_properties,
+                           max_properties_bytes, first_queue, queues, peer_host, ip_or, reserved)
+
+    def spans(self, int32_t type_code, str type_name, Py_ssize_t max_body,
+              Py_ssize_t max_properties, Py_ssize_t max_properties_bytes,
+              Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or, reserved):
+        """``(record_spans, message_ids, body_bytes)``: what ``messages`` answers, with the
+        batch as a ``tiered.record.RecordSpans`` instead of ``Message`` objects (decision 700):
+        the bodies stay in the request's bytes, each message's properties are written as the
+        record holds them, in the order its ``Message``'s dict would hold them; the same
+        checks, so None exactly when ``messages`` answers None."""
+        return self._build(True, type_code, type_name, max_body, max_properties,
+                           max_properties_bytes, first_queue, queues, peer_host, ip_or, reserved)
+
+    cdef _build(self, bint spans, int32_t type_code, str type_name, Py_ssize_t max_body,
+                Py_ssize_t max_properties, Py_ssize_t max_properties_bytes,
+                Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or, reserved):
         """``(messages, message_ids, body_bytes)`` for a topic taking ``type_code`` messages
         of at most ``max_body`` bytes, at most ``max_properties`` user properties (none in
         ``reserved``) and ``max_properties_bytes`` of properties, tag and keys; message ``i``
@@ -549,6 +626,9 @@ cdef class SendBatch:
                     m.delivery_s > TS_MAX_MS if m.delivery_s > 100000000000  # ms, see below
                     else not _valid_timestamp(m.delivery_s, m.delivery_ns)):
                 return None
+        if spans:
+            return self._spans(p, type_name, max_properties_bytes, first_queue, queues,
+                               peer_host, ip_or, reserved)
         if self.max_props:
             props = <Prop*>PyMem_Malloc(self.max_props * sizeof(Prop))
             if props == NULL:
@@ -624,6 +704,117 @@ cdef class SendBatch:
         finally:
             PyMem_Free(props)
         return out, ids, total
+
+
+    cdef _spans(self, const unsigned char* p, str type_name, Py_ssize_t max_properties_bytes,
+                Py_ssize_t first_queue, Py_ssize_t queues, str peer_host, ip_or, reserved):
+        """``_build``'s second loop for ``spans``, once the first has checked every message:
+        the same properties in the same order, written as bytes (decision 700)."""
+        cdef Py_ssize_t i, j, total = 0, size, keys_size, queue
+        cdef Msg* m
+        cdef Prop* props = NULL
+        cdef Buf b
+        cdef bytes span_bytes = PyBytes_FromStringAndSize(
+            NULL, self.count * <Py_ssize_t>sizeof(tmq_span))
+        cdef tmq_span* sp = <tmq_span*>PyBytes_AS_STRING(span_bytes)
+        cdef list hosts = [], tags = [], key_column = [], ids = [], names = []
+        cdef const unsigned char* last_host = NULL
+        cdef Py_ssize_t last_host_n = -1
+        cdef const unsigned char* last_tag = NULL
+        cdef Py_ssize_t last_tag_n = -1
+        cdef object tag = None, keys, message_id, spans
+        cdef bytes name
+        cdef const char* type_p
+        cdef Py_ssize_t type_n
+        cdef char digits[32]
+        cdef int nd
+        cdef int64_t delivery
+        type_p = PyUnicode_AsUTF8AndSize(type_name, &type_n)
+        # The reserved names as UTF-8: a key is one of them when its bytes are (UTF-8 is 1:1).
+        for word in reserved:
+            names.append((<str>word).encode())
+        b.data = NULL
+        b.len = 0
+        b.cap = 0
+        if self.max_props:
+            props = <Prop*>PyMem_Malloc(self.max_props * sizeof(Prop))
+            if props == NULL:
+                raise MemoryError()
+        try:
+            for i in range(self.count):
+                m = &self.msgs[i]
+                sp[i].props_at = b.len
+                size = 0
+                if m.nprops:
+                    size = _user_properties(p, m, props)
+                    if size < 0:
+                        return None
+                    for j in range(m.nprops):
+                        for name in names:
+                            if (PyBytes_GET_SIZE(name) == props[j].key_n and memcmp(
+                                    PyBytes_AS_STRING(name), props[j].key, props[j].key_n) == 0):
+                                return None
+                        _property(&b, <const char*>props[j].key, props[j].key_n,
+                                  <const char*>props[j].value, props[j].value_n)
+                if m.tag_n >= 0:
+                    if tag is None or m.tag_n != last_tag_n or memcmp(m.tag, last_tag, m.tag_n):
+                        tag = PyUnicode_DecodeASCII(<const char*>m.tag, m.tag_n, NULL)
+                        last_tag = m.tag
+                        last_tag_n = m.tag_n
+                    _property(&b, "TAGS", 4, <const char*>m.tag, m.tag_n)
+                    size += m.tag_n
+                    tags.append(tag)
+                else:
+                    tags.append(None)
+                if m.nkeys:
+                    keys_size = 0
+                    keys = _keys(p, m, &keys_size)
+                    if keys is None:
+                        return None
+                    _str_property(&b, _KEYS, keys)
+                    size += keys_size
+                    key_column.append(keys)
+                else:
+                    key_column.append(None)
+                if size > max_properties_bytes:
+                    return None
+                message_id = PyUnicode_DecodeASCII(<const char*>m.mid, m.mid_n, NULL)
+                ids.append(message_id)
+                _property(&b, "UNIQ_KEY", 8, <const char*>m.mid, m.mid_n)
+                _property(&b, "__MESSAGE_TYPE", 14, type_p, type_n)
+                if m.group_n >= 0:
+                    _property(&b, "__SHARDINGKEY", 13, <const char*>m.group, m.group_n)
+                    queue = <Py_ssize_t>(crc32(0, m.group, <unsigned int>m.group_n)
+                                         % <uint64_t>queues)
+                else:
+                    queue = (first_queue + i) % queues
+                if m.delivery:
+                    if m.delivery_s > 100000000000:  # the Python client's seconds, unconverted
+                        delivery = m.delivery_s
+                    else:
+                        delivery = m.delivery_s * 1000 + _floor_ms(m.delivery_ns)
+                    nd = snprintf(digits, 32, "%lld", <long long>delivery)
+                    _property(&b, "__STARTDELIVERTIME", 18, digits, nd)
+                if last_host_n < 0 or m.host_n != last_host_n or (
+                        m.host_n and memcmp(m.host, last_host, m.host_n) != 0):
+                    hosts.append(ip_or(PyUnicode_DecodeUTF8(<const char*>m.host, m.host_n, NULL),
+                                       peer_host))
+                    last_host = m.host
+                    last_host_n = m.host_n
+                sp[i].props_len = b.len - sp[i].props_at
+                sp[i].body_at = m.body - p
+                sp[i].body_len = m.body_n
+                sp[i].born_timestamp = m.born_s * 1000 + _floor_ms(m.born_ns)
+                sp[i].queue_id = queue
+                sp[i].host = len(hosts) - 1
+                total += m.body_n
+            spans = RecordSpans(self.topic, self.raw, span_bytes,
+                                PyBytes_FromStringAndSize(b.data, b.len), hosts, tags,
+                                key_column, ids)
+        finally:
+            PyMem_Free(props)
+            PyMem_Free(b.data)
+        return spans, ids, total
 
 
 cdef inline bint _valid_timestamp(int64_t seconds, int32_t nanos) noexcept nogil:

@@ -57,6 +57,7 @@ from broker.protocol import (
     duration_ms,
     message_queue,
     scan_send_request,
+    scanned_record_spans,
     scanned_store_messages,
     send_response_bytes,
     status,
@@ -72,7 +73,7 @@ from remoting.servicers import decode_request, takes_bytes
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
-from tiered.record import CorruptRecordError, Message
+from tiered.record import CorruptRecordError, Message, RecordSpans
 from tiered.store import (
     GetStatus,
     InvalidMessageError,
@@ -413,6 +414,17 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return self._send(s.SendMessageRequest.FromString(raw), context)
         topic = self._topic(scanned.topic, need=PERM_WRITE)
         first_queue = self._reserve_queues(topic, scanned.count)
+        if topic.message_type in _SPAN_TYPES:
+            # Stored as they are: the encoder reads the batch's spans, no Message objects
+            # (decision 700).
+            spans = scanned_record_spans(
+                scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
+            )
+            if spans is None:
+                return self._convert(
+                    s.SendMessageRequest.FromString(raw), topic, first_queue, context
+                )
+            return self._store_plain(topic, *spans)
         made = scanned_store_messages(
             scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
         )
@@ -468,7 +480,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         return self._store_plain(topic, batch, ids, sum(map(len, (m.body for m in batch))))
 
     def _store_plain(
-        self, topic: TopicConfig, batch: list[Message], ids: list[str], body_bytes: int
+        self,
+        topic: TopicConfig,
+        batch: list[Message] | RecordSpans,
+        ids: list[str],
+        body_bytes: int,
     ) -> bytes:
         offsets = self._replicated(
             lambda: _appended(lambda: self.store.put_messages(batch)).queue_offsets
@@ -842,6 +858,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
             return s.GetOffsetResponse(status=status(), offset=offset)
 
         return self._guard(lambda st: s.GetOffsetResponse(status=st), work)
+
+
+# The topic types whose scanned batches are stored as RecordSpans: delay and transactional
+# messages are rewritten (timer records, half messages) and take Message objects (decision 700).
+_SPAN_TYPES = frozenset(("NORMAL", "FIFO"))
 
 
 def _overall(entries: list[s.AckMessageResultEntry]) -> d.Status:

@@ -22,10 +22,11 @@ from broker.protocol import (
     SEND_ENGINE,
     ProtocolError,
     scan_send_request,
+    scanned_record_spans,
     scanned_store_messages,
     to_store_messages,
 )
-from tiered.record import Message, RecordEncoder
+from tiered.record import NATIVE_ENGINE, EncodedBatch, Message, RecordEncoder, RecordSpans
 
 pytestmark = pytest.mark.skipif(SEND_ENGINE is None, reason="the native walker is not built")
 
@@ -71,6 +72,69 @@ def records(batch: list[Message]) -> list[tuple[bytes, ...]]:
     return [encoder.encode(m, 0, 0, 1_700_000_000_000) for m in batch]
 
 
+def encoded(
+    batch: list[Message] | RecordSpans,
+    engine: str,
+    space: int = 1 << 30,
+    store_host: tuple[str, int] = ("10.1.1.1", 10911),
+) -> tuple[Any, ...]:
+    """A CommitLog append's encoding of ``batch`` by the native engine or the reference, in
+    as many calls as ``space`` (the room left in a file, a fresh file after each) takes: the
+    record bytes of each call and every column dispatch reads."""
+    encoder = RecordEncoder(store_host)
+    base = {("orders", 1): 7, ("orders", 2): 1 << 40}
+    nexts: dict[tuple[str, int], int] = {}
+    calls, i, offset = [], 0, 4096
+    while i < len(batch):
+        out = EncodedBatch(store_timestamp=1_700_000_000_123)
+        if engine == "native":
+            got = NATIVE_ENGINE.encode_batch(encoder, batch, i, offset, space, nexts, base, out)
+        else:
+            got = encoder.encode_batch_py(batch, i, offset, space, nexts, base, out)
+        assert got[0] > i, "a record did not fit in an empty file"
+        i, used = got
+        offset += space
+        calls.append(
+            (
+                b"".join(out.parts),
+                used,
+                list(out.offsets),
+                list(out.sizes),
+                list(out.queue_offsets),
+                out.queues,
+                out.tags,
+                out.keys,
+                out.uniq_keys,
+            )
+        )
+    return tuple(calls), sorted(nexts.items())
+
+
+def check_spans(
+    scanned: Any, topic: TopicConfig, first_queue: int, raw: bytes, made: Any, ref: Any
+) -> None:
+    """The walker's ``RecordSpans`` of ``raw`` (decision 700): refused exactly when its
+    ``Message`` objects are, else the same ids and body bytes, and byte-identical CommitLog
+    records and dispatch columns, from the native encoder reading the spans in place and from
+    the reference encoding the reference path's ``Message`` objects."""
+    spans = scanned_record_spans(scanned, topic, first_queue, LIMITS, PEER, len(raw))
+    assert (spans is None) == (made is None)
+    if spans is None:
+        return
+    record_spans, ids, body_bytes = spans
+    assert isinstance(record_spans, RecordSpans)
+    assert (ids, body_bytes) == (made[1], made[2])
+    ref_batch = ref[0]
+    assert record_spans.messages() == ref_batch
+    want = encoded(ref_batch, "python")
+    assert encoded(record_spans, "native") == want
+    assert encoded(made[0], "native") == want
+    assert encoded(record_spans, "python") == want
+    # a file that takes two records at a time: the spans continue where a call stopped
+    space = max(want[0][0][3]) * 2 + 8
+    assert encoded(record_spans, "native", space) == encoded(ref_batch, "python", space)
+
+
 def check(raw: bytes, topic: TopicConfig, first_queue: int = 6) -> bool:
     """Native and reference agree on ``raw``; True when the native path took the batch."""
     ref = reference(raw, topic, first_queue)
@@ -88,6 +152,7 @@ def check(raw: bytes, topic: TopicConfig, first_queue: int = 6) -> bool:
         assert ref == "not one topic"
         return False
     if made is None:
+        check_spans(scanned, topic, first_queue, raw, made, ref)
         return False
     assert isinstance(ref, tuple), f"native built a batch the reference refuses ({ref})"
     batch, ids, body_bytes = made
@@ -100,6 +165,7 @@ def check(raw: bytes, topic: TopicConfig, first_queue: int = 6) -> bool:
     assert [type(m.queue_id) for m in batch] == [int] * len(batch)
     assert records(batch) == records(ref_batch)
     assert (ids, body_bytes) == (ref_ids, ref_bytes)
+    check_spans(scanned, topic, first_queue, raw, made, ref)
     return True
 
 
@@ -569,3 +635,68 @@ def test_a_broker_commits_half_messages_from_either_path_alike(tmp_path: Any) ->
         assert (sa.tag, list(sa.keys), sa.message_type) == (sb.tag, list(sb.keys), sb.message_type)
         assert (sa.tag, list(sa.keys), sa.message_type) == ("t", [f"k{i}"], d.TRANSACTION)
         assert (sa.born_timestamp, sa.born_host) == (sb.born_timestamp, sb.born_host)
+
+
+def test_spans_of_ipv6_hosts_and_many_queues_encode_as_their_messages() -> None:
+    """IPv6 born and store hosts widen the record header, and a batch over more queues than
+    the encoder tracks without its dict (32) takes the dict for the rest; FIFO messages go to
+    their group's queue: the spans' records are still the reference's, byte for byte
+    (decision 700)."""
+    normal = [plain(i, born_host="::1" if i % 3 else "10.0.0.8", tag="t") for i in range(90)]
+    fifo = [
+        plain(i, born_host="::1", message_type=d.FIFO, message_group=f"g{i % 7}") for i in range(50)
+    ]
+    for kind, pms in (("NORMAL", normal), ("FIFO", fifo)):
+        topic = TopicConfig(name="orders", queues=40, message_type=kind)
+        raw = request(*pms)
+        scanned = scan_send_request(raw)
+        assert scanned is not None
+        made = scanned_store_messages(scanned, topic, 3, LIMITS, PEER, len(raw))
+        spans = scanned_record_spans(scanned, topic, 3, LIMITS, PEER, len(raw))
+        assert made is not None and spans is not None
+        assert spans[0].messages() == made[0]
+        for host in (("10.1.1.1", 10911), ("fe80::2", 10911)):
+            want = encoded(made[0], "python", store_host=host)
+            assert encoded(spans[0], "native", store_host=host) == want
+            want = encoded(made[0], "python", 5000, host)
+            assert encoded(spans[0], "native", 5000, host) == want
+        queues = {m.queue_id for m in made[0]}
+        assert len(queues) == (40 if kind == "NORMAL" else 7)
+
+
+def test_the_store_checks_spans_as_it_checks_messages(tmp_path: Any) -> None:
+    """``put_messages`` refuses a ``RecordSpans`` batch with a bad topic, queue id or body size
+    with the error it gives the same ``Message`` objects, and stores nothing (decision 700)."""
+    import struct
+
+    from tiered.config import StoreConfig
+    from tiered.store import InvalidMessageError, MessageStore
+
+    store = MessageStore(StoreConfig(data_dir=tmp_path, max_message_size=64))
+    store.start()
+    try:
+
+        def spans(topic: str, queue_id: int, body: bytes) -> RecordSpans:
+            props = b"UNIQ_KEY\x01x\x02"
+            fields = struct.pack("=7q", 0, len(body), 0, len(props), 5, queue_id, 0)
+            return RecordSpans(
+                topic, body, fields * 2, props, ["10.0.0.1"], [None] * 2, [None] * 2, ["x", "x"]
+            )
+
+        for bad in (
+            spans("a b", 0, b"x"),
+            spans("t", -1, b"x"),
+            spans("t", 1 << 20, b"x"),
+            spans("t", 0, b"y" * 65),
+        ):
+            with pytest.raises(InvalidMessageError) as by_spans:
+                store.put_messages(bad)
+            with pytest.raises(InvalidMessageError) as by_messages:
+                store.put_messages(bad.messages())
+            assert str(by_spans.value) == str(by_messages.value)
+        assert store.max_physical_offset == 0
+        good = spans("t", 1, b"z" * 64)
+        offsets = store.put_messages(good).queue_offsets
+        assert list(offsets) == [0, 1]
+    finally:
+        store.shutdown()

@@ -233,4 +233,18 @@ static inline uint32_t tmq_crc32c_extend3(uint32_t crc, const unsigned char *p, 
     return ~tmq_crc32c_sw(~crc, p, n);
 }
 
+/* One message of a ``record.RecordSpans`` batch (decision 700): where its body lies in the
+ * batch's ``raw`` buffer and its encoded properties in ``props``, with the fields the record
+ * header takes from it. Seven int64 in native byte order, ``record.SPAN_STRUCT``: the SendMessage
+ * walker (broker/_send_native.pyx) writes them, the encoder reads them in place. */
+typedef struct {
+    int64_t body_at;
+    int64_t body_len;
+    int64_t props_at;
+    int64_t props_len;
+    int64_t born_timestamp;
+    int64_t queue_id;
+    int64_t host; /* index into ``RecordSpans.hosts`` */
+} tmq_span;
+
 #endif

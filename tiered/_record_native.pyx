@@ -55,6 +55,14 @@ cdef extern from "_record_native.h" nogil:
     void tmq_put64(unsigned char* p, uint64_t v)
 
 cdef extern from "_record_native.h":
+    ctypedef struct tmq_span:
+        int64_t body_at
+        int64_t body_len
+        int64_t props_at
+        int64_t props_len
+        int64_t born_timestamp
+        int64_t queue_id
+        int64_t host
     Py_ssize_t tmq_slot_offset(object descr) except? -2
     object tmq_slot(object obj, Py_ssize_t offset, object name)
 
@@ -85,6 +93,7 @@ cdef object SegmentTables = None
 cdef object EncodedBatch = None
 cdef object encode_properties = None
 cdef type Message = None
+cdef type RecordSpans = None
 # Where each field of a ``record.Message`` lives in its instances: the append path reads the
 # slots directly instead of through attribute lookups (the largest per-message cost).
 cdef Py_ssize_t[9] _OFF
@@ -101,7 +110,7 @@ def bind(record_module):
     """Take the record module's error classes and types (called once by ``tiered.record``)."""
     global RecordError, CorruptRecordError, RecordCrcError
     global SegmentTables, EncodedBatch, encode_properties
-    global Message, _slots_ok
+    global Message, RecordSpans, _slots_ok
     RecordError = record_module.RecordError
     CorruptRecordError = record_module.CorruptRecordError
     RecordCrcError = record_module.RecordCrcError
@@ -109,6 +118,9 @@ def bind(record_module):
     EncodedBatch = record_module.EncodedBatch
     encode_properties = record_module.encode_properties
     Message = record_module.Message
+    RecordSpans = record_module.RecordSpans
+    if record_module.SPAN_STRUCT.size != sizeof(tmq_span):
+        raise ImportError("record.SPAN_STRUCT does not match tmq_span")
     _slots_ok = True
     for i, field in enumerate(_FIELDS):
         _OFF[i] = tmq_slot_offset(Message.__dict__[field])
@@ -366,22 +378,15 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef Rec* recs
     cdef Rec* r
     cdef Scratch scratch
-    cdef bytes store_ip = encoder._store_ip
-    cdef int32_t store_port = encoder._store_port
     cdef bint store_v6 = encoder._store_v6
     cdef dict topic_parts = encoder._topic_parts
     cdef dict born_cache = encoder._born_cache
     cdef dict queue_keys = encoder._queue_keys
-    cdef int64_t store_ts = out.store_timestamp
     cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
     cdef list hold = []
-    cdef carray.array col_offsets, col_sizes, col_qoffs
     cdef PyObject* found
-    cdef bytes buf
     cdef int64_t q
     cdef bint fast
-    cdef unsigned char* dest
-    cdef const unsigned char* store_ip_p
     # The batch's queues and their next offsets (decision 450): a queue is found by the identity
     # of its cached key, so a message costs no tuple hash, dict store or int object for its
     # offset; ``next_offsets`` gets one store per queue at the end.
@@ -389,6 +394,9 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef int64_t slot_next[QUEUE_SLOTS]
     cdef int slots = 0, j
     cdef bint cached = False
+    if type(messages) is RecordSpans:
+        return _encode_spans(encoder, messages, start, physical_offset, space, next_offsets,
+                             base_offsets, out, sink)
     if count <= start:
         return start, 0
     recs = <Rec*>malloc(sizeof(Rec) * (count - start))
@@ -493,37 +501,182 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             i += 1
         for j in range(slots):
             next_offsets[<object>slot_key[j]] = slot_next[j]
-        # The integer columns dispatch and the send results read: packed int64 arrays filled
-        # from ``recs``, no int object or list append per record (decision 600).
-        col_offsets = carray.clone(_I64, n, False)
-        col_sizes = carray.clone(_I64, n, False)
-        col_qoffs = carray.clone(_I64, n, False)
-        for j in range(n):
-            col_offsets.data.as_longlongs[j] = recs[j].physical_offset
-            col_sizes.data.as_longlongs[j] = recs[j].size
-            col_qoffs.data.as_longlongs[j] = recs[j].queue_offset
-        _put_column(out, "offsets", col_offsets)
-        _put_column(out, "sizes", col_sizes)
-        _put_column(out, "queue_offsets", col_qoffs)
-        if n and sink is not None and i == count and used >= _NOGIL_MIN:
-            _encode_into(sink, recs, n, scratch.data, <const unsigned char*>PyBytes_AS_STRING(
-                store_ip), store_v6, store_port, store_ts, used, physical_offset)
-            out.written = True
-        elif n:
-            buf = PyBytes_FromStringAndSize(NULL, used)
-            dest = <unsigned char*>PyBytes_AS_STRING(buf)
-            store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
-            if used >= _NOGIL_MIN:
-                with nogil:
-                    _write_records(dest, recs, n, scratch.data, store_ip_p, store_v6,
-                                   store_port, store_ts)
-            else:  # a few records: see _NOGIL_MIN
-                _write_records(dest, recs, n, scratch.data, store_ip_p, store_v6, store_port,
-                               store_ts)
-            out.parts.append(buf)
+        _emit(recs, n, scratch.data, encoder, out, sink if i == count else None, used,
+              physical_offset)
     finally:
         free(recs)
         free(scratch.data)
+    return i, used
+
+
+cdef int _emit(Rec* recs, Py_ssize_t n, const unsigned char* props, encoder, out, sink,
+               Py_ssize_t used, int64_t physical_offset) except -1:
+    """The end of an encode call: the integer columns, then the ``n`` records written through
+    ``sink`` (a batch that fits whole, see ``encode_batch``) or into ``out.parts``."""
+    cdef carray.array col_offsets, col_sizes, col_qoffs
+    cdef bytes store_ip = encoder._store_ip
+    cdef int32_t store_port = encoder._store_port
+    cdef bint store_v6 = encoder._store_v6
+    cdef int64_t store_ts = out.store_timestamp
+    cdef bytes buf
+    cdef unsigned char* dest
+    cdef const unsigned char* store_ip_p = <const unsigned char*>PyBytes_AS_STRING(store_ip)
+    cdef Py_ssize_t j
+    # The integer columns dispatch and the send results read: packed int64 arrays filled
+    # from ``recs``, no int object or list append per record (decision 600).
+    col_offsets = carray.clone(_I64, n, False)
+    col_sizes = carray.clone(_I64, n, False)
+    col_qoffs = carray.clone(_I64, n, False)
+    for j in range(n):
+        col_offsets.data.as_longlongs[j] = recs[j].physical_offset
+        col_sizes.data.as_longlongs[j] = recs[j].size
+        col_qoffs.data.as_longlongs[j] = recs[j].queue_offset
+    _put_column(out, "offsets", col_offsets)
+    _put_column(out, "sizes", col_sizes)
+    _put_column(out, "queue_offsets", col_qoffs)
+    if n and sink is not None and used >= _NOGIL_MIN:
+        _encode_into(sink, recs, n, props, store_ip_p, store_v6, store_port, store_ts, used,
+                     physical_offset)
+        out.written = True
+    elif n:
+        buf = PyBytes_FromStringAndSize(NULL, used)
+        dest = <unsigned char*>PyBytes_AS_STRING(buf)
+        if used >= _NOGIL_MIN:
+            with nogil:
+                _write_records(dest, recs, n, props, store_ip_p, store_v6, store_port, store_ts)
+        else:  # a few records: see _NOGIL_MIN
+            _write_records(dest, recs, n, props, store_ip_p, store_v6, store_port, store_ts)
+        out.parts.append(buf)
+    return 0
+
+
+cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, int64_t space,
+                   dict next_offsets, dict base_offsets, out, sink):
+    """``encode_batch`` of a ``RecordSpans`` batch (decision 700): each record's body and
+    properties are read where they lie, in ``spans.raw`` and ``spans.props``; per record no
+    Python object is read or made but the queue key and the dispatch columns' entries (the
+    walker's tag, keys and id strings). The same records, columns and queue offsets as
+    ``encode_batch`` of ``spans.messages()``."""
+    cdef bytes raw = spans.raw
+    cdef bytes span_bytes = spans.spans
+    cdef bytes props = spans.props
+    cdef list hosts = spans.hosts
+    cdef list tags_in = spans.tags, keys_in = spans.keys, ids_in = spans.ids
+    cdef Py_ssize_t count = PyBytes_GET_SIZE(span_bytes) // sizeof(tmq_span)
+    cdef const tmq_span* sp = <const tmq_span*>PyBytes_AS_STRING(span_bytes)
+    cdef const tmq_span* s
+    cdef const unsigned char* raw_p = <const unsigned char*>PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t raw_n = PyBytes_GET_SIZE(raw), props_n = PyBytes_GET_SIZE(props)
+    cdef Py_ssize_t i = start, n = 0, used = 0, size, h
+    cdef bint store_v6 = encoder._store_v6
+    cdef dict queue_keys = encoder._queue_keys
+    cdef dict born_cache = encoder._born_cache
+    cdef list queues = out.queues, tags = out.tags, keys = out.keys, uniqs = out.uniq_keys
+    cdef list born_ips = []  # by host index, resolved once per call
+    cdef list born_v6 = []
+    cdef list hold = []
+    cdef Rec* recs
+    cdef Rec* r
+    cdef PyObject* found
+    cdef object topic = spans.topic
+    cdef object tpart, key, qo
+    cdef int64_t q, qid
+    cdef int64_t slot_qid[QUEUE_SLOTS]
+    cdef PyObject* slot_key[QUEUE_SLOTS]
+    cdef int64_t slot_next[QUEUE_SLOTS]
+    cdef int slots = 0, j
+    cdef bint cached = False
+    if len(ids_in) != count or len(tags_in) != count or len(keys_in) != count:
+        raise RecordError(f"{count} spans but {len(ids_in)} ids, {len(tags_in)} tags and "
+                          f"{len(keys_in)} keys")
+    if count <= start:
+        return start, 0
+    found = PyDict_GetItemWithError(encoder._topic_parts, topic)
+    tpart = <object>found if found != NULL else encoder._topic_part(topic)
+    for address in hosts:
+        found = PyDict_GetItemWithError(born_cache, address)
+        born = <object>found if found != NULL else encoder._born(address)
+        born_ips.append(born[0])
+        born_v6.append(born[1])
+    recs = <Rec*>malloc(sizeof(Rec) * (count - start))
+    if recs == NULL:
+        raise MemoryError()
+    try:
+        while i < count:
+            s = &sp[i]
+            r = &recs[n]
+            # The walker's spans, checked anyway: a bad one must not read outside the buffers.
+            if (s.body_at < 0 or s.body_len < 0 or s.body_at > raw_n - s.body_len
+                    or s.props_at < 0 or s.props_len < 0 or s.props_at > props_n - s.props_len
+                    or s.host < 0 or s.host >= len(hosts)):
+                raise RecordError(f"span {i} lies outside its batch")
+            if s.props_len > MAX_PROPS:
+                raise RecordError(
+                    f"properties are {s.props_len} bytes; the format allows {MAX_PROPS}"
+                )
+            h = <Py_ssize_t>s.host
+            r.born_v6 = 1 if born_v6[h] else 0
+            r.body = raw_p + s.body_at
+            r.body_len = s.body_len
+            r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
+            r.topic_part_len = PyBytes_GET_SIZE(tpart)
+            r.props_at = s.props_at
+            r.props_len = s.props_len
+            size = (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
+                    + r.topic_part_len + 2 + r.props_len + CRC_PAIR)
+            if used + size + BLANK > space:
+                break
+            if s.queue_id < -2147483648 or s.queue_id > 2147483647:
+                raise struct.error("'i' format requires -2147483648 <= number <= 2147483647")
+            r.size = <int32_t>size
+            r.born_ip = <const unsigned char*>PyBytes_AS_STRING(<bytes>born_ips[h])
+            r.born_port = 0
+            r.flag = 0
+            r.born_timestamp = s.born_timestamp
+            r.reconsume = 0
+            r.prepared = 0
+            qid = s.queue_id
+            r.queue_id = <int32_t>qid
+            # The batch's queues by their id (one topic): a queue's key and next offset are
+            # looked up once per call, as ``encode_batch`` does by the key's identity.
+            j = 0
+            while j < slots and slot_qid[j] != qid:
+                j += 1
+            if j < slots:
+                key = <object>slot_key[j]
+                q = slot_next[j]
+                slot_next[j] = q + 1
+            else:
+                key = _queue_key(queue_keys, topic, qid, &cached)
+                found = PyDict_GetItemWithError(next_offsets, key)
+                if found == NULL:
+                    qo = base_offsets.get(key, 0)
+                else:
+                    qo = <object>found
+                q = qo
+                if slots < QUEUE_SLOTS:
+                    hold.append(key)  # the slot borrows it
+                    slot_qid[slots] = qid
+                    slot_key[slots] = <PyObject*>key
+                    slot_next[slots] = q + 1
+                    slots += 1
+                else:  # more queues than slots in one batch: the dict keeps the rest
+                    next_offsets[key] = q + 1
+            r.queue_offset = q
+            r.physical_offset = physical_offset + used
+            PyList_Append(queues, key)
+            PyList_Append(tags, tags_in[i])
+            PyList_Append(keys, keys_in[i])
+            PyList_Append(uniqs, ids_in[i])
+            used += size
+            n += 1
+            i += 1
+        for j in range(slots):
+            next_offsets[<object>slot_key[j]] = slot_next[j]
+        _emit(recs, n, <const unsigned char*>PyBytes_AS_STRING(props), encoder, out,
+              sink if i == count else None, used, physical_offset)
+    finally:
+        free(recs)
     return i, used
 
 

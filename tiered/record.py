@@ -205,6 +205,62 @@ class StoredMessage:
         return self.properties.get(PROPERTY_UNIQ_KEY)
 
 
+# One message of a ``RecordSpans`` batch: body offset and length in ``raw``, properties offset
+# and length in ``props``, born timestamp, queue id, born host's index in ``hosts``; native byte
+# order, as ``tmq_span`` in tiered/_record_native.h (decision 700).
+SPAN_STRUCT = struct.Struct("=7q")
+
+
+@dataclass(slots=True)
+class RecordSpans:
+    """Messages of one topic handed to the append path as spans of buffers, not ``Message``
+    objects (decision 700): the SendMessage walker writes one ``SPAN_STRUCT`` per message into
+    ``spans``, the bodies stay where they lie in ``raw`` (the request's bytes) and the encoded
+    properties (``encode_properties``' bytes, in the order a ``Message``'s dict would hold
+    them) in ``props``. Flag, reconsume times, prepared offset and born port are 0. ``tags``,
+    ``keys`` and ``ids`` are each message's TAGS, KEYS and UNIQ_KEY property (dispatch reads
+    them as it reads a ``Message``'s). ``messages()`` is the reference: the ``Message`` objects
+    these spans stand for, which encode to the same bytes."""
+
+    topic: str
+    raw: bytes
+    spans: bytes
+    props: bytes
+    hosts: list[str]
+    tags: list[str | None]
+    keys: list[str | None]
+    ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def fields(self) -> np.ndarray:
+        """The spans as a (messages, 7) int64 array."""
+        return np.frombuffer(self.spans, dtype=np.int64).reshape(-1, SPAN_STRUCT.size // 8)
+
+    def messages(self) -> list[Message]:
+        out = []
+        for body_at, body_len, props_at, props_len, born, queue_id, host in SPAN_STRUCT.iter_unpack(
+            self.spans
+        ):
+            properties: dict[str, str] = {}
+            text = self.props[props_at : props_at + props_len].decode()
+            for pair in text.split(_PROPERTY_SEPARATOR)[:-1]:
+                name, _, value = pair.partition(_NAME_VALUE_SEPARATOR)
+                properties[name] = value
+            out.append(
+                Message(
+                    topic=self.topic,
+                    body=self.raw[body_at : body_at + body_len],
+                    queue_id=queue_id,
+                    properties=properties,
+                    born_timestamp=born,
+                    born_host=(self.hosts[host], 0),
+                )
+            )
+        return out
+
+
 def split_keys(value: str | None) -> list[str]:
     return [k for k in value.split(KEY_SEPARATOR) if k] if value else []
 
@@ -353,7 +409,7 @@ class RecordEncoder:
 
     def encode_batch(
         self,
-        messages: Sequence[Message],
+        messages: Sequence[Message] | RecordSpans,
         start: int,
         physical_offset: int,
         space: int,
@@ -369,6 +425,9 @@ class RecordEncoder:
         whole straight into that file, as ``MappedFile.append_records`` would, and set
         ``out.written`` (decision 452); the reference never does, and the caller writes
         ``out.parts`` as usual.
+
+        ``messages`` may be a ``RecordSpans`` batch (decision 700): the same records as from its
+        ``messages()``, with no ``Message`` object made by the native engine.
 
         Queue offsets come from ``next_offsets`` (this batch's), else ``base_offsets`` (the
         CommitLog's), and ``next_offsets`` is advanced. Returns (index of the first message not
@@ -387,7 +446,7 @@ class RecordEncoder:
 
     def encode_batch_py(
         self,
-        messages: Sequence[Message],
+        messages: Sequence[Message] | RecordSpans,
         start: int,
         physical_offset: int,
         space: int,
@@ -396,7 +455,10 @@ class RecordEncoder:
         out: EncodedBatch,
     ) -> tuple[int, int]:
         """The reference implementation of ``encode_batch``: one ``struct.pack`` and one CRC
-        call per record, everything else cached."""
+        call per record, everything else cached. ``RecordSpans`` are encoded as the ``Message``
+        objects they stand for (the native engine reads them in place)."""
+        if isinstance(messages, RecordSpans):
+            messages = messages.messages()
         pack = _V4_RECORD_HEAD.pack
         store_ts = out.store_timestamp
         store_ip, store_port = self._store_ip, self._store_port

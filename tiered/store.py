@@ -69,6 +69,7 @@ from tiered.record import (
     DispatchColumns,
     Message,
     RecordError,
+    RecordSpans,
     StoredMessage,
     first_unchecked,
     read_store_timestamp,
@@ -187,6 +188,26 @@ def check_topic(topic: str) -> None:
         )
     if len(_TOPIC_CHECK_CACHE) < 100_000:
         _TOPIC_CHECK_CACHE.add(topic)
+
+
+def _check_spans(spans: RecordSpans, max_body: int) -> int:
+    """``put_messages``' checks of a ``RecordSpans`` batch, in the order it makes them of a list
+    of ``Message``: the topic, then each message's queue id and body size. Returns the batch's
+    length (every message checked) or raises ``InvalidMessageError`` for the first failing."""
+    if not len(spans):
+        return 0
+    check_topic(spans.topic)
+    fields = spans.fields()
+    queue_ids, body_lengths = fields[:, 5], fields[:, 1]
+    bad = np.flatnonzero((queue_ids < 0) | (queue_ids > MAX_QUEUE_ID) | (body_lengths > max_body))
+    if len(bad):
+        i = int(bad[0])
+        if not 0 <= queue_ids[i] <= MAX_QUEUE_ID:
+            raise InvalidMessageError(f"queue id {int(queue_ids[i])} is out of range")
+        raise InvalidMessageError(
+            f"message body is {int(body_lengths[i])} bytes; the limit is {max_body}"
+        )
+    return len(spans)
 
 
 GEOMETRY_FILE = "store.json"
@@ -831,10 +852,11 @@ class MessageStore:
     def put_message(self, msg: Message) -> AppendResult:
         return self.put_messages([msg])[0]
 
-    def put_messages(self, messages: Sequence[Message]) -> AppendBatch:
+    def put_messages(self, messages: Sequence[Message] | RecordSpans) -> AppendBatch:
         """Append ``messages`` (atomically with respect to their queue offsets) and return once
         they are as durable as the flush mode promises: fsynced under SYNC, in the page cache
-        under ASYNC."""
+        under ASYNC. ``messages`` may be a ``RecordSpans`` batch (decision 700), checked as its
+        ``messages()`` would be."""
         if not self._running:
             raise StoreNotRunningError("the store is not running")
         if self.commitlog.failed is not None:
@@ -843,8 +865,13 @@ class MessageStore:
             raise ReplicaStoreError("this store follows a master; it takes no appends of its own")
         limit = self.config.max_message_size
         # The record engine passes the messages that need no check of their own in one call.
-        i = first_unchecked(messages, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
+        i = (
+            _check_spans(messages, limit)
+            if isinstance(messages, RecordSpans)
+            else first_unchecked(messages, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
+        )
         while i < len(messages):
+            assert not isinstance(messages, RecordSpans)
             msg = messages[i]
             check_topic(msg.topic)
             if not 0 <= msg.queue_id <= MAX_QUEUE_ID:

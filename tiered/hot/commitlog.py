@@ -41,6 +41,7 @@ from tiered.record import (
     Message,
     RecordEncoder,
     RecordError,
+    RecordSpans,
     StoredMessage,
     blank_record,
     decode,
@@ -348,7 +349,7 @@ class CommitLog:
 
     # -- append --------------------------------------------------------------------------------
 
-    def append(self, messages: Sequence[Message]) -> AppendBatch:
+    def append(self, messages: Sequence[Message] | RecordSpans) -> AppendBatch:
         """Append ``messages`` in order; all get consecutive queue offsets within their queue.
 
         Every record is encoded before any byte is written, so a message that cannot be encoded
