@@ -96,6 +96,69 @@ def test_index_entry_count_is_what_index_keys_makes(records: list[tuple[Any, Any
     assert NATIVE.index_entry_count(keys, uniq) == made
 
 
+def _expected_counts(
+    records: list[tuple[Any, Any, int]], qoffs: list[int], per_file: int
+) -> tuple[int, int]:
+    keys = [k for k, _, _ in records]
+    uniq = [u for _, u, _ in records]
+    entries = len(PYTHON_ENGINE.index_keys([("t", 0)] * len(records), keys, uniq)[0])
+    return entries, sum(1 for q in qoffs if q % per_file == 0)
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(KEY_TEXT, KEY_TEXT, st.integers(0, 3)), max_size=40),
+    st.integers(1, 5),
+    st.dictionaries(st.integers(0, 3), st.integers(0, 12), max_size=4),
+    st.integers(200, 6000),
+)
+def test_the_encoder_counts_what_the_room_check_charges(
+    records: list[tuple[Any, Any, int]], per_file: int, base: dict[int, int], space: int
+) -> None:
+    """The encoder counts each batch's IndexFile entries and ConsumeQueue file starts while it
+    encodes (decision 735): both engines, from ``Message`` objects and from ``RecordSpans``,
+    give what dispatch's ``index_keys`` makes and the queue offsets that are multiples of the
+    file's entry count, for the records that fit (a roll stops the batch)."""
+    import struct
+
+    from tiered.record import RecordEncoder, RecordSpans
+
+    messages = [
+        Message(
+            topic="t",
+            queue_id=q,
+            body=b"b",
+            properties={n: v for n, v in (("KEYS", k), ("UNIQ_KEY", u)) if v is not None},
+        )
+        for k, u, q in records
+    ]
+    props = [record.encode_properties(m.properties) for m in messages]
+    spans = RecordSpans(
+        "t",
+        b"b",
+        b"".join(
+            struct.pack("=7q", 0, 1, sum(map(len, props[:i])), len(p), 5, m.queue_id, 0)
+            for i, (m, p) in enumerate(zip(messages, props, strict=True))
+        ),
+        b"".join(props),
+        ["10.0.0.1"],
+        [None] * len(messages),
+        [m.properties.get("KEYS") for m in messages],
+        [m.properties.get("UNIQ_KEY") for m in messages],
+    )
+    bases = {("t", q): o for q, o in base.items()}
+    results = []
+    for engine, batch in itertools.product((PYTHON_ENGINE, NATIVE), (messages, spans)):
+        out = EncodedBatch()
+        i, _ = engine.encode_batch(
+            RecordEncoder(cq_entries_per_file=per_file), batch, 0, 0, space, {}, bases, out
+        )
+        want = _expected_counts(records[:i], list(out.queue_offsets), per_file)
+        assert (out.index_entries, out.cq_starts) == want
+        results.append((i, out.index_entries, out.cq_starts))
+    assert len(set(results)) == 1, results
+
+
 def _store(root: Path) -> MessageStore:
     config = StoreConfig(
         data_dir=root,

@@ -365,6 +365,23 @@ cdef int _put_column(object out, str name, carray.array column) except -1:
     return 0
 
 
+cdef inline Py_ssize_t _key_entries(k) except -1:
+    """The IndexFile entries a record's ``KEYS`` value makes: ``index_entry_count``'s split."""
+    cdef Py_ssize_t count = 0, kn, at = 0, end
+    cdef const char* kp
+    cdef const char* hit
+    if k is None or not k:
+        return 0
+    kp = PyUnicode_AsUTF8AndSize(k, &kn)
+    while at < kn:
+        hit = <const char*>memchr(kp + at, 32, kn - at)
+        end = (hit - kp) if hit != NULL else kn
+        if end > at:
+            count += 1
+        at = end + 1
+    return count
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
                  dict next_offsets, dict base_offsets, out, sink=None):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
@@ -387,6 +404,10 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef PyObject* found
     cdef int64_t q
     cdef bint fast
+    # Counted for the append path's room check (decision 735): IndexFile entries, and queue
+    # offsets that start a ConsumeQueue file.
+    cdef int64_t per_file = encoder._cq_per_file
+    cdef Py_ssize_t entries = 0, starts = 0
     # The batch's queues and their next offsets (decision 450): a queue is found by the identity
     # of its cached key, so a message costs no tuple hash, dict store or int object for its
     # offset; ``next_offsets`` gets one store per queue at the end.
@@ -477,6 +498,8 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                     next_offsets[key] = q + 1
             r.queue_offset = q
             r.physical_offset = physical_offset + used
+            if q % per_file == 0:
+                starts += 1
             hold.append(body)
             hold.append(born_ip)
             hold.append(tpart)
@@ -485,13 +508,27 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 found = PyDict_GetItem(props, _TAGS)
                 PyList_Append(tags, <object>found if found != NULL else None)
                 found = PyDict_GetItem(props, _KEYS)
-                PyList_Append(keys, <object>found if found != NULL else None)
+                if found != NULL:
+                    PyList_Append(keys, <object>found)
+                    entries += _key_entries(<object>found)
+                else:
+                    PyList_Append(keys, None)
                 found = PyDict_GetItem(props, _UNIQ)
-                PyList_Append(uniqs, <object>found if found != NULL else None)
+                if found != NULL:
+                    PyList_Append(uniqs, <object>found)
+                    if <object>found:
+                        entries += 1
+                else:
+                    PyList_Append(uniqs, None)
             elif props:
                 tags.append(props.get(_TAGS))
-                keys.append(props.get(_KEYS))
-                uniqs.append(props.get(_UNIQ))
+                kv = props.get(_KEYS)
+                keys.append(kv)
+                entries += _key_entries(kv)
+                uv = props.get(_UNIQ)
+                uniqs.append(uv)
+                if uv:
+                    entries += 1
             else:
                 PyList_Append(tags, None)
                 PyList_Append(keys, None)
@@ -501,6 +538,8 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             i += 1
         for j in range(slots):
             next_offsets[<object>slot_key[j]] = slot_next[j]
+        out.index_entries += entries
+        out.cq_starts += starts
         _emit(recs, n, scratch.data, encoder, out, sink if i == count else None, used,
               physical_offset)
     finally:
@@ -586,6 +625,8 @@ cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, in
     cdef int64_t slot_next[QUEUE_SLOTS]
     cdef int slots = 0, j
     cdef bint cached = False
+    cdef int64_t per_file = encoder._cq_per_file
+    cdef Py_ssize_t entries = 0, starts = 0
     if len(ids_in) != count or len(tags_in) != count or len(keys_in) != count:
         raise RecordError(f"{count} spans but {len(ids_in)} ids, {len(tags_in)} tags and "
                           f"{len(keys_in)} keys")
@@ -664,15 +705,24 @@ cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, in
                     next_offsets[key] = q + 1
             r.queue_offset = q
             r.physical_offset = physical_offset + used
+            if q % per_file == 0:
+                starts += 1
             PyList_Append(queues, key)
             PyList_Append(tags, tags_in[i])
-            PyList_Append(keys, keys_in[i])
-            PyList_Append(uniqs, ids_in[i])
+            kv = keys_in[i]
+            PyList_Append(keys, kv)
+            entries += _key_entries(kv)
+            uv = ids_in[i]
+            PyList_Append(uniqs, uv)
+            if uv:
+                entries += 1
             used += size
             n += 1
             i += 1
         for j in range(slots):
             next_offsets[<object>slot_key[j]] = slot_next[j]
+        out.index_entries += entries
+        out.cq_starts += starts
         _emit(recs, n, <const unsigned char*>PyBytes_AS_STRING(props), encoder, out,
               sink if i == count else None, used, physical_offset)
     finally:

@@ -330,8 +330,13 @@ def _unpack_host(raw: bytes, port: int) -> Host:
 class RecordEncoder:
     """Encodes messages for one broker (one store host), caching what does not change."""
 
-    def __init__(self, store_host: Host = LOCALHOST) -> None:
+    def __init__(self, store_host: Host = LOCALHOST, cq_entries_per_file: int = 300_000) -> None:
         self._store_ip, self._store_port, self._store_v6 = _pack_host(store_host)
+        if cq_entries_per_file < 1:
+            raise ValueError(f"cq_entries_per_file must be at least 1, got {cq_entries_per_file}")
+        # The encoder counts the queue offsets that start a ConsumeQueue file of this many
+        # entries (``EncodedBatch.cq_starts``, decision 735).
+        self._cq_per_file = cq_entries_per_file
         self._born_cache: dict[str, tuple[bytes, bool]] = {}
         self._topic_parts: dict[str, bytes] = {}
         # (topic, queue id) keys by topic and queue id: the native encoder reuses them rather
@@ -466,6 +471,8 @@ class RecordEncoder:
         born_cache = self._born_cache
         parts, offsets, sizes, qoffs = out.parts, out.offsets, out.sizes, out.queue_offsets
         queues, tags, keys, uniqs = out.queues, out.tags, out.keys, out.uniq_keys
+        per_file = self._cq_per_file
+        entries = starts = 0
         used = 0
         i = start
         count = len(messages)
@@ -537,16 +544,26 @@ class RecordEncoder:
             sizes.append(size)
             qoffs.append(q)
             queues.append(key)
+            if q % per_file == 0:
+                starts += 1
             if props:
                 tags.append(props.get(PROPERTY_TAGS))
-                keys.append(props.get(PROPERTY_KEYS))
-                uniqs.append(props.get(PROPERTY_UNIQ_KEY))
+                value = props.get(PROPERTY_KEYS)
+                keys.append(value)
+                uniq = props.get(PROPERTY_UNIQ_KEY)
+                uniqs.append(uniq)
+                if uniq:
+                    entries += 1
+                if value:
+                    entries += len(split_keys(value))
             else:
                 tags.append(None)
                 keys.append(None)
                 uniqs.append(None)
             used += size
             i += 1
+        out.index_entries += entries
+        out.cq_starts += starts
         return i, used
 
     def _topic_part(self, topic: str) -> bytes:
@@ -591,6 +608,12 @@ class EncodedBatch:
     store_timestamps: MutableSequence[int] | None = None
     # The native engine wrote the records into the CommitLog file itself (decision 452).
     written: bool = False
+    # Counted by the encoder for the append path's room check (decisions 680, 735): the
+    # IndexFile entries the records make (``index_entry_count`` of ``keys`` and ``uniq_keys``)
+    # and the queue offsets that start a ConsumeQueue file (multiples of the encoder's
+    # ``cq_entries_per_file``).
+    index_entries: int = 0
+    cq_starts: int = 0
 
     @property
     def end_offset(self) -> int:

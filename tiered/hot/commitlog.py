@@ -46,7 +46,6 @@ from tiered.record import (
     blank_record,
     decode,
     dispatch_columns,
-    index_entry_count,
     read_total_and_magic,
     scan_records,
     validate,
@@ -159,6 +158,9 @@ _ROOM_MARGIN = 1 << 20
 # measurements (which drop them too, every 100 ms): a dispatcher behind by this many keeps its
 # marks, not one call per append.
 _ROOM_MARKS = 65536
+# Batches share a mark until the charge since the last one reaches this (decision 735): a
+# charge is then paid at most this late, and a single send stores no mark of its own.
+_ROOM_MARK_BYTES = 64 << 10
 
 
 def _pages(n: int) -> int:
@@ -175,16 +177,18 @@ class DispatchRoom:
     (a multiple of ``consumequeue_entries_per_file``, the queue's first file included), and per
     IndexFile entry (a unique id, a key) its 20 bytes plus twice its share of an IndexFile roll
     (a file holds at least ``max_entries`` minus the entries of the record that did not fit,
-    which that record is charged again for). ``appended`` sums the charges; a batch's charge is
-    paid once the dispatcher has passed its last record (``dispatched_to``), read through a
-    mark per batch.
+    which that record is charged again for). ``appended`` sums the charges; a charge is paid
+    once the dispatcher has passed the end of its batch's mark (``dispatched_to``): batches
+    share the open mark (``open_end``, ``appended``) until their charges since the last closed
+    one reach ``_ROOM_MARK_BYTES`` (decision 735), a later end, so a charge is never paid early.
 
     Free space is measured (``statvfs``) only when the cached figure cannot vouch for the
     batch, on a CommitLog roll, and every 100 ms; between measurements the dispatcher's own
     allocations are at most what was paid since (``paid`` at the measurement): a batch is
-    taken while ``appended`` after it, less ``paid`` at the last measurement, plus two rolls
-    (one per side of the measurement) and a margin, fits in what was measured free. Called
-    under the CommitLog's put lock only."""
+    taken while ``appended`` after it is at most ``limit`` (what was measured free, plus
+    ``paid`` at the measurement, less two rolls, one per side of the measurement, and a
+    margin) and the measurement is fresh (``ms < fresh_until``). The append path does that
+    common case inline (``CommitLog.append``). Called under the CommitLog's put lock only."""
 
     def __init__(self, directory: Path, config: StoreConfig) -> None:
         self.directory = directory
@@ -200,10 +204,15 @@ class DispatchRoom:
         self.dispatched_to: Callable[[], int] = lambda: 1 << 62
         self.appended = 0
         self._marks: deque[tuple[int, int]] = deque()
+        # The open mark: the end of the last charged batch; its charge is ``appended``.
+        self.open_end = 0
+        self.next_mark = _ROOM_MARK_BYTES  # ``appended`` at which the open mark is closed
+        self._closed = 0  # ``appended`` at the last closed mark
         self._paid = 0
         self._free = -1  # not measured yet
         self._base = 0  # ``_paid`` when ``_free`` was measured
-        self._measured_ms = 0
+        self.limit = -1  # ``appended`` may reach this: ``_free + _base - fixed``
+        self.fresh_until = 0  # the measurement vouches for nothing from this ms on
 
     def vouches(self, messages: int, space: int, ms: int) -> bool:
         """Whether the last measurement, recent enough, vouches for any batch of ``messages``
@@ -211,19 +220,16 @@ class DispatchRoom:
         file, and makes fewer IndexFile entries than half its bytes (a key takes a byte and a
         separator, a record far more than its keys)."""
         bound = messages * self.cq_file_cost + (space // 2) * self.entry_cost
-        return (
-            ms - self._measured_ms < _ROOM_MEASURE_MS
-            and self.appended + bound - self._base + self.fixed <= self._free
-        )
+        return ms < self.fresh_until and self.appended + bound <= self.limit
 
     def roomy(self, charge: int) -> bool:
         """Whether the last measurement vouches for ``charge`` more (no system call)."""
-        return self.appended + charge - self._base + self.fixed <= self._free
+        return self.appended + charge <= self.limit
 
     def admit(self, charge: int, files: int, ms: int) -> None:
         """Raise ``DiskFullError`` unless the disk has room for every undispatched batch's
         charge, ``charge`` more and ``files`` bytes of new CommitLog files (created next)."""
-        if files or ms - self._measured_ms >= _ROOM_MEASURE_MS or not self.roomy(charge + files):
+        if files or ms >= self.fresh_until or not self.roomy(charge + files):
             self._measure(ms)
             if not self.roomy(charge + files):
                 debt = self.appended - self._paid
@@ -234,40 +240,48 @@ class DispatchRoom:
                     f"{self.fixed} are kept free; release or free space"
                 )
         if files:
-            self._measured_ms = 0  # the files are about to take space: measure next time
+            self.fresh_until = 0  # the files are about to take space: measure next time
 
     def take(self, charge: int, end_offset: int, ms: int) -> None:
-        """``admit`` then ``add``, for a batch that needs no new CommitLog file: one call on
-        the append path, and no other while the cached figure vouches for it."""
+        """``admit`` then ``add``, for a batch that needs no new CommitLog file (the append
+        path does the common case inline)."""
         appended = self.appended + charge
-        if (
-            ms - self._measured_ms >= _ROOM_MEASURE_MS
-            or appended - self._base + self.fixed > self._free
-        ):
+        if ms >= self.fresh_until or appended > self.limit:
             self.admit(charge, 0, ms)
-        self.appended = appended
-        self._marks.append((end_offset, appended))
-        if len(self._marks) >= _ROOM_MARKS:
-            self._pay()
+        self.add(charge, end_offset)
 
     def add(self, charge: int, end_offset: int) -> None:
         """A batch ending at ``end_offset`` was written: its charge is owed until dispatched."""
         self.appended += charge
-        self._marks.append((end_offset, self.appended))
+        self.open_end = end_offset
+        if self.appended >= self.next_mark:
+            self.close_mark()
+
+    def close_mark(self) -> None:
+        """The open mark becomes a mark of its own: later batches open the next."""
+        if self.appended != self._closed:
+            self._marks.append((self.open_end, self.appended))
+            self._closed = self.appended
+        self.next_mark = self.appended + _ROOM_MARK_BYTES
         if len(self._marks) >= _ROOM_MARKS:
             self._pay()
 
     def reset(self) -> None:
         """Nothing is owed (the log was cut, and dispatched to its end)."""
         self._marks.clear()
-        self._paid = self._base = self.appended
-        self._measured_ms = 0
+        self._paid = self._base = self._closed = self.appended
+        self.next_mark = self.appended + _ROOM_MARK_BYTES
+        self.fresh_until = 0
 
     def _pay(self) -> None:
         reput = self.dispatched_to()
         marks = self._marks
         while marks and marks[0][0] <= reput:
             self._paid = marks.popleft()[1]
+        if not marks and self.appended != self._closed and self.open_end <= reput:
+            # The open mark is dispatched too (the dispatcher keeps up).
+            self._paid = self._closed = self.appended
+            self.next_mark = self.appended + _ROOM_MARK_BYTES
 
     def _measure(self, ms: int) -> None:
         # What was paid is read first: an allocation after it shows in the free figure and is
@@ -276,7 +290,8 @@ class DispatchRoom:
         paid = self._paid
         self._free = free_bytes(self.directory)
         self._base = paid
-        self._measured_ms = ms
+        self.limit = self._free + paid - self.fixed
+        self.fresh_until = ms + _ROOM_MEASURE_MS
 
 
 class CommitLog:
@@ -285,7 +300,7 @@ class CommitLog:
         # Called under the put lock with each appended chunk, in CommitLog order (dispatch).
         self.on_append: Callable[[EncodedBatch], None] | None = None
         self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
-        self._encoder = RecordEncoder(config.store_host)
+        self._encoder = RecordEncoder(config.store_host, config.consumequeue_entries_per_file)
         self._put_lock = threading.Lock()
         # Next queue offset per (topic, queue): RocketMQ's topicQueueTable. Owned by the put lock.
         self.queue_offsets: dict[tuple[str, int], int] = {}
@@ -376,11 +391,17 @@ class CommitLog:
             # measurement vouches for whatever its index side could take: such a batch is
             # written before its own charge is known (decision 680).
             room = self.room
-            sink = (
-                last.append_sink()
-                if last is not None and room.vouches(len(messages), size - wrote, store_ts)
-                else None
-            )
+            sink = None
+            # ``room.vouches`` inline (decision 735).
+            if (
+                last is not None
+                and store_ts < room.fresh_until
+                and room.appended
+                + len(messages) * room.cq_file_cost
+                + (size - wrote) // 2 * room.entry_cost
+                <= room.limit
+            ):
+                sink = last.append_sink()
             while True:
                 batch = EncodedBatch(store_timestamp=store_ts)
                 try:
@@ -417,16 +438,14 @@ class CommitLog:
             # charged the ConsumeQueue files its queue offsets start (the multiples of the
             # file's entry count in each queue's new range) and its IndexFile entries.
             # Inline, not a call per step: this runs for every single send.
-            per_file = room.cq_entries
-            held = self.queue_offsets
-            starts = 0
-            for key, after in chunks[-1][2].items():
-                starts += (after - 1) // per_file - (held.get(key, 0) - 1) // per_file
             if len(chunks) == 1:
-                entries = index_entry_count(chunks[0][1].keys, chunks[0][1].uniq_keys)
+                batch = chunks[0][1]
+                charge = batch.cq_starts * room.cq_file_cost + batch.index_entries * room.entry_cost
             else:
-                entries = sum(index_entry_count(c[1].keys, c[1].uniq_keys) for c in chunks)
-            charge = starts * room.cq_file_cost + entries * room.entry_cost
+                charge = sum(
+                    c[1].cq_starts * room.cq_file_cost + c[1].index_entries * room.entry_cost
+                    for c in chunks
+                )
             if last is None or chunks[-1][0] > last.from_offset:
                 rolls = len(chunks) if last is None else (chunks[-1][0] - last.from_offset) // size
                 room.admit(charge, rolls * size + self.roll_reserve_bytes, store_ts)
@@ -438,7 +457,16 @@ class CommitLog:
             elif chunks[0][1].written:  # ``vouches`` took it: nothing may refuse it now
                 room.add(charge, chunks[-1][1].end_offset)
             elif charge:
-                room.take(charge, chunks[-1][1].end_offset, store_ts)
+                # ``room.take`` inline for the common case (decision 735): the measurement is
+                # fresh and vouches for the batch; the batch joins the open mark.
+                appended = room.appended + charge
+                if store_ts < room.fresh_until and appended <= room.limit:
+                    room.appended = appended
+                    room.open_end = chunks[-1][1].end_offset
+                    if appended >= room.next_mark:
+                        room.close_mark()
+                else:
+                    room.take(charge, chunks[-1][1].end_offset, store_ts)
             for chunk_from, batch, published in chunks:
                 # Most appends land in the last file: no lookup for it.
                 if last is not None and chunk_from == last.from_offset:
