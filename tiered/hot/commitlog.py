@@ -392,9 +392,11 @@ class CommitLog:
             # written before its own charge is known (decision 680).
             room = self.room
             sink = None
-            # ``room.vouches`` inline (decision 735).
+            # ``room.vouches`` inline (decision 735). A single message is not offered the file:
+            # the encoder writes through it only batches of 16 KiB or more.
             if (
                 last is not None
+                and len(messages) > 1
                 and store_ts < room.fresh_until
                 and room.appended
                 + len(messages) * room.cq_file_cost
