@@ -38,9 +38,10 @@ def start(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
     ).start()
 
 
-def produce(node: Standalone, tag: str, count: int) -> list[bytes]:
-    created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
-    assert created.returncode == 0, created.stderr
+def produce(node: Standalone, tag: str, count: int, *, create: bool = False) -> list[bytes]:
+    if create:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
     sent = [(f"{tag}-{i:05d}-".encode() + b"x" * 1000, f"k{i}", "t") for i in range(count)]
     send_batches(node.endpoint, TOPIC, sent, batch=20)
     return [b for b, _, _ in sent]
@@ -75,7 +76,7 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
 
     node = start(data, url, env)
     try:
-        first = produce(node, "a", 60)
+        first = produce(node, "a", 60, create=True)
         archived_to(node, tier, 60)
     finally:
         node.stop()
