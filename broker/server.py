@@ -226,6 +226,37 @@ class Broker:
         self._fence_reported = False
         self._threads: list[threading.Thread] = []
 
+    def _continue_above_archives(self) -> None:
+        """Start every queue whose archive ends above its local end at the archive's end
+        (decision 720): a data directory restored from an older copy, or one that lost
+        records the offloader had archived, would otherwise write its next messages at offsets
+        the archive holds other messages at, and release would delete them as uploaded. The
+        archived messages stay readable from the archive. Only a standalone broker: in a
+        replica group the master's log decides the offsets. A prefix written from another data
+        directory is decision 690's, left to its refusal."""
+        if self.fetcher is None or self.replication is not None or self.controller is not None:
+            return
+        for topic, queue_id in sorted(set(self._tiered_queues()) | self.fetcher.starts.queues()):
+            manifest = self.fetcher.cached(topic, queue_id)
+            if manifest is None:
+                continue  # not loaded (the tier is down): the claim's check logs it later
+            local = self.store.max_offset(topic, queue_id)
+            if manifest.end_offset <= local:
+                continue
+            if manifest.store and manifest.store != self.store.store_id:
+                continue
+            if self.store.start_queue_at(topic, queue_id, manifest.end_offset):
+                log.error(
+                    "%s/%d: the local queue ends at %d, below its archive's end %d (a data "
+                    "directory restored from an older copy, or records lost after they were "
+                    "archived): it continues at %d; offsets below are read from the archive",
+                    topic,
+                    queue_id,
+                    local,
+                    manifest.end_offset,
+                    manifest.end_offset,
+                )
+
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [
             (t.name, q)
@@ -249,6 +280,7 @@ class Broker:
             self.metadata.load()
             if self.fetcher is not None:
                 self.fetcher.prime()  # before serving: reads see the archive from the first
+                self._continue_above_archives()  # before serving: no append reuses an offset
                 self.fetcher.start()
             if self.replication is not None:
                 self.replication.start()

@@ -215,6 +215,9 @@ GEOMETRY_FILE = "store.json"
 # by the offloader in every manifest it commits, so that a broker on another (or a wiped) data
 # directory knows a tier prefix it did not write (decision 690).
 STORE_ID_FILE = "store-id"
+# Queues that continue above their local end, at the end of their archive (decision 720): a
+# queue offset below a queue's floor is never written in this directory again.
+QUEUE_FLOORS_FILE = "queue-floors.json"
 _GEOMETRY_KEYS = (
     "commitlog_file_size",
     "consumequeue_entries_per_file",
@@ -246,6 +249,25 @@ def store_identity(data_dir: Path) -> str:
     made = uuid.uuid4().hex
     write_file(path, (made + "\n").encode())
     return made
+
+
+def load_queue_floors(data_dir: Path) -> dict[tuple[str, int], int]:
+    """The queue floors recorded in ``data_dir`` (``QUEUE_FLOORS_FILE``; none if absent). An
+    unreadable file refuses the start: without it a queue could be written again at offsets
+    its archive holds (decision 720)."""
+    path = data_dir / QUEUE_FLOORS_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    try:
+        return {(str(t), int(q)): int(f) for t, q, f in json.loads(raw)["queues"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreLoadError(
+            f"{path} is unreadable ({e}): it says where queues continue above their local "
+            "end, at their archive's end. Restore it, or remove it only if no queue of this "
+            "directory is tiered"
+        ) from e
 
 
 def check_geometry(config: StoreConfig) -> None:
@@ -350,6 +372,8 @@ class MessageStore:
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
         self._dispatch_coalesce_s = 0.001
+        # Where queues continue above their local end (``start_queue_at``, decision 720).
+        self.queue_floors: dict[tuple[str, int], int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -459,6 +483,8 @@ class MessageStore:
             cl_min = self.commitlog.min_offset
             # Entries pointing below the CommitLog's first file were released (retention).
             self.queues.correct_min_offsets(cl_min)
+            self.queue_floors = load_queue_floors(self.config.data_dir)
+            self._apply_queue_floors()
             self.index.delete_before(cl_min)
             if self.queues.queues and cp is not None:
                 reput = self.queues.max_physical_end
@@ -514,6 +540,47 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _apply_queue_floors(self) -> None:
+        """Start every queue with a floor at or above it, before re-dispatch: a queue that ends
+        below its floor is emptied and starts at it (its records below are archived; re-dispatch
+        skips them, as it skips any offset below a queue's end), and one that holds entries
+        below it starts at it (reads below go to the archive)."""
+        for (topic, queue_id), floor in self.queue_floors.items():
+            cq = self.queues.get_or_create(topic, queue_id)
+            if cq.max_offset < floor:
+                cq.destroy()
+                cq.min_offset = cq.max_offset = floor
+                cq.max_physical_end = 0
+            elif cq.min_offset < floor:
+                cq.min_offset = floor
+
+    def start_queue_at(self, topic: str, queue_id: int, offset: int) -> bool:
+        """Make ``offset`` the queue's next offset when its local end is below it (False: it
+        is not), as Kafka's ``truncateFullyAndStartAt``: the queue's ConsumeQueue entries, all
+        below ``offset``, are dropped, and reads below ``offset`` go to the cold tier. For a
+        tiered queue whose archive ends above its local end (decision 720): its next messages
+        must not reuse offsets the archive holds. Recorded durably first, so a crash before the
+        next message still starts the queue there. Call it before any append can reach the
+        queue (the broker calls it before it serves)."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        key = (topic, queue_id)
+        with self._maintenance_lock:
+            self.wait_dispatched()
+            if self.max_offset(topic, queue_id) >= offset:
+                return False
+            if self.commitlog.queue_offsets.get(key, 0) >= offset:
+                return False
+            floors = {**self.queue_floors, key: offset}
+            rows = sorted([t, q, f] for (t, q), f in floors.items())
+            write_file(
+                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
+            )
+            self.queue_floors = floors
+            self._apply_queue_floors()
+            self.commitlog.reset_queue_offsets({**self.commitlog.queue_offsets, key: offset})
+            return True
 
     def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
         """Where re-dispatch must start so that the entries loading cut off a queue's end come
@@ -616,10 +683,14 @@ class MessageStore:
     def _repair_leading_slots(self, dispatcher: Dispatcher, report: StartReport) -> None:
         """Rebuild a queue's zeroed first entries from the records before its first entry."""
         cl_min = self.commitlog.min_offset
+        # Slots below a queue's floor are not the queue's any more: its records there (if
+        # any are left) are archived, and the queue starts at the floor (decision 720).
         leading = {
-            key: slots
+            key: (max(slots[0], self.queue_floors.get(key, 0)), slots[1], slots[2])
             for key, cq in self.queues.queues.items()
-            if (slots := cq.leading_slots()) is not None and slots[2] > cl_min
+            if (slots := cq.leading_slots()) is not None
+            and slots[2] > cl_min
+            and self.queue_floors.get(key, 0) < slots[1]
         }
         if not leading:
             return

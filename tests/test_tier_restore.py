@@ -1,0 +1,118 @@
+"""A broker's own data directory comes back with a tiered queue that ends below its archive: a
+data directory restored from an older copy (the same store id; decision 690 cannot tell it from
+the original), or a power loss that lost records the offloader had archived. Its next messages
+must not reuse archived offsets: written there, they were released as uploaded (the archive's
+end is the watermark) without ever being uploaded, and reads of those offsets returned the
+archive's older messages. Real broker processes, LocalStack S3, decision 720."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from broker_harness import Standalone, body_bytes, send_batches, tmq
+
+from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
+from tiered.cold.storage import ObjectStore, open_store
+
+TOPIC = "restored-orders"
+
+
+def start(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
+    return Standalone(
+        data,
+        extra=[
+            "--commitlog-file-size",
+            "64KiB",
+            "--offload-interval",
+            "1",
+            "--upload-after",
+            "1s",
+            "--tier-url",
+            tier_url,
+        ],
+        env=env,
+    ).start()
+
+
+def produce(node: Standalone, tag: str, count: int, *, create: bool = False) -> list[bytes]:
+    if create:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+    sent = [(f"{tag}-{i:05d}-".encode() + b"x" * 1000, f"k{i}", "t") for i in range(count)]
+    send_batches(node.endpoint, TOPIC, sent, batch=20)
+    return [b for b, _, _ in sent]
+
+
+def replayed(node: Standalone) -> list[tuple[int, bytes]]:
+    done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "0", "--json", timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    return [(int(r["offset"]), body_bytes(r["body"])) for r in rows]
+
+
+def manifest(tier: ObjectStore) -> QueueManifest:
+    return ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", TOPIC, 0)).load()
+
+
+def archived_to(node: Standalone, tier: ObjectStore, end: int) -> QueueManifest:
+    assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+    deadline = time.monotonic() + 90
+    while (m := manifest(tier)).end_offset < end:
+        assert time.monotonic() < deadline, f"{m.end_offset} of {end} archived"
+        time.sleep(0.5)
+    return m
+
+
+def test_a_restored_data_dir_never_reuses_an_archived_offset(
+    tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    url, env = f"s3://{bucket}/restore", s3.env()
+    tier = open_store(url, s3.storage_options())
+    data, backup = tmp_path / "data", tmp_path / "backup"
+
+    node = start(data, url, env)
+    try:
+        first = produce(node, "a", 60, create=True)
+        archived_to(node, tier, 60)
+    finally:
+        node.stop()
+    shutil.copytree(data, backup)  # the backup: 60 messages, all archived
+
+    node = start(data, url, env)
+    try:
+        second = produce(node, "b", 120)
+        archived_to(node, tier, 180)
+    finally:
+        node.stop()
+
+    # The data directory is restored from the backup: its queue ends at 60, the archive at 180.
+    shutil.rmtree(data)
+    shutil.copytree(backup, data)
+    node = start(data, url, env)
+    try:
+        third = produce(node, "c", 120)  # two 64 KiB CommitLog files' worth
+        want = list(enumerate(first + second + third))
+        assert replayed(node) == want, "every acknowledged message at its own offset"
+        # Uploaded and released: the new messages are read back from the archive.
+        archived_to(node, tier, len(want))
+        commitlog = data / "commitlog"
+        deadline = time.monotonic() + 60
+        while (commitlog / f"{0:020d}").exists():
+            assert time.monotonic() < deadline, "the first CommitLog file was never released"
+            time.sleep(0.5)
+        assert replayed(node) == want, "after release, from the archive"
+        assert "below its archive's end" in node.log_path.read_text()
+    finally:
+        node.stop()
+
+    # A restart keeps the queue where it continued (the floor is recorded in the directory).
+    node = start(data, url, env)
+    try:
+        fourth = produce(node, "d", 10)
+        assert replayed(node) == list(enumerate(first + second + third + fourth))
+    finally:
+        node.stop()
