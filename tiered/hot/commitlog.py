@@ -214,14 +214,6 @@ class DispatchRoom:
         self.limit = -1  # ``appended`` may reach this: ``_free + _base - fixed``
         self.fresh_until = 0  # the measurement vouches for nothing from this ms on
 
-    def vouches(self, messages: int, space: int, ms: int) -> bool:
-        """Whether the last measurement, recent enough, vouches for any batch of ``messages``
-        that fits in ``space`` bytes of the open file: each record may start a ConsumeQueue
-        file, and makes fewer IndexFile entries than half its bytes (a key takes a byte and a
-        separator, a record far more than its keys)."""
-        bound = messages * self.cq_file_cost + (space // 2) * self.entry_cost
-        return ms < self.fresh_until and self.appended + bound <= self.limit
-
     def roomy(self, charge: int) -> bool:
         """Whether the last measurement vouches for ``charge`` more (no system call)."""
         return self.appended + charge <= self.limit
@@ -392,8 +384,11 @@ class CommitLog:
             # written before its own charge is known (decision 680).
             room = self.room
             sink = None
-            # ``room.vouches`` inline (decision 735). A single message is not offered the file:
-            # the encoder writes through it only batches of 16 KiB or more.
+            # The measurement must be fresh and cover any batch of these messages that fits the
+            # open file: each record may start a ConsumeQueue file and makes fewer IndexFile
+            # entries than half its bytes (a key takes a byte and a separator, a record far more
+            # than its keys). Inline, not a method (decision 735). A single message is not
+            # offered the file: the encoder writes through it only batches of 16 KiB or more.
             if (
                 last is not None
                 and len(messages) > 1
@@ -456,7 +451,7 @@ class CommitLog:
                 self._create_files([c[0] for c in chunks])
                 if charge:
                     room.add(charge, chunks[-1][1].end_offset)
-            elif chunks[0][1].written:  # ``vouches`` took it: nothing may refuse it now
+            elif chunks[0][1].written:  # the bound above took it: nothing may refuse it now
                 room.add(charge, chunks[-1][1].end_offset)
             elif charge:
                 # ``room.take`` inline for the common case (decision 735): the measurement is
