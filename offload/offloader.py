@@ -48,7 +48,7 @@ from typing import TypeVar
 import numpy as np
 
 from offload.leadership import Leadership, Term, single_broker
-from offload.segment_upload import SegmentJob, upload_segment, worker_threads
+from offload.segment_upload import SegmentEntryError, SegmentJob, upload_segment, worker_threads
 from tiered import failpoints
 from tiered.cold.manifest import (
     ManifestConflictError,
@@ -124,6 +124,11 @@ class OffloadResult:
 
 class OffloadError(RuntimeError):
     pass
+
+
+class DamagedEntryOffloadError(OffloadError):
+    """A queue's offload is held at a ConsumeQueue entry that names another record (decision
+    730): no segment holding it is uploaded until a restart rebuilds the entry."""
 
 
 class CommitRefusedError(OffloadError):
@@ -662,6 +667,8 @@ class Offloader:
                 commitlog_dir=str(config.commitlog_dir),
                 commitlog_file_size=config.commitlog_file_size,
                 put_slots=max(1, self.policy.parallel_uploads),
+                topic=topic,
+                queue_id=queue_id,
             )
             start += count
 
@@ -672,11 +679,25 @@ class Offloader:
             try:
                 return self._step(f"upload {job.key}", future.result)
             except OffloadError as e:
+                if isinstance(e.__cause__, SegmentEntryError):
+                    raise self._damaged_entry(e.__cause__) from e
                 if not isinstance(e.__cause__, WorkerCrashedError) or attempt == 2:
                     raise
                 log.warning("%s: the cold worker crashed during the upload; again", job.key)
                 future = self.runner.submit(upload_segment, job)
         raise AssertionError("unreachable")
+
+    def _damaged_entry(self, e: SegmentEntryError) -> DamagedEntryOffloadError:
+        """A segment refused because one of its ConsumeQueue entries names another record: the
+        queue's offload stops at that entry (the archive keeps what is before it, the local
+        files stay, as release keeps everything above the watermark) and the entry is noted for
+        the next start, which rebuilds it from the CommitLog (decisions 686, 730)."""
+        self.store.note_damaged_entry(e.topic, e.queue_id, e.offset)
+        return DamagedEntryOffloadError(
+            f"{e.topic}/{e.queue_id}: offload held at queue offset {e.offset}: {e}; nothing of "
+            "that segment was uploaded and the local files are kept; restart the broker to "
+            "rebuild the entry from the CommitLog (noted in damaged_entries)"
+        )
 
     def _abandon(self, uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]]) -> None:
         """After a failed pass: wait for the uploads still under way and delete what they wrote

@@ -32,7 +32,7 @@ from tiered import failpoints
 from tiered.cold.segment import SegmentError, SegmentInfo, read_footer
 from tiered.cold.storage import ObjectStore
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, FOOTER_SIZE, seal
-from tiered.record import gather
+from tiered.record import MAGIC_CODE_V2, SYSFLAG_BORNHOST_V6, SYSFLAG_STOREHOST_V6, gather
 from tiered.store import commitlog_file_name
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,31 @@ log = logging.getLogger(__name__)
 
 class SegmentSourceError(SegmentError):
     """A record the segment needs is no longer (or not) in the local CommitLog."""
+
+
+class SegmentEntryError(SegmentError):
+    """A ConsumeQueue entry of the job does not name its own record: the CommitLog does not
+    hold at the entry's offset a record of the entry's size, with the queue's topic and queue
+    id and the entry's queue offset (decision 730). Nothing of the job is uploaded."""
+
+    def __init__(
+        self, key: str, topic: str, queue_id: int, offset: int, at: int, size: int, found: str
+    ) -> None:
+        super().__init__(
+            f"{key}: the ConsumeQueue entry {topic}/{queue_id} at queue offset {offset} names "
+            f"CommitLog [{at}, {at + size}), which holds {found}, not its record"
+        )
+        self.key, self.topic, self.queue_id, self.offset = key, topic, queue_id, offset
+        self.at, self.size, self.found = at, size, found
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[SegmentEntryError], tuple[str, str, int, int, int, int, str]]:
+        # Raised in the cold worker and pickled back to the broker.
+        return (
+            type(self),
+            (self.key, self.topic, self.queue_id, self.offset, self.at, self.size, self.found),
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +80,9 @@ class SegmentJob:
     # ``parallel_uploads``; 0: no bound but the worker's threads). The worker runs one more
     # thread than this, which builds the next segment while the PUTs are under way.
     put_slots: int = 0
+    # The queue the entries are of: every record is checked to be this queue's (decision 730).
+    topic: str = ""
+    queue_id: int = -1
 
 
 def read_records(job: SegmentJob, out: bytearray) -> int:
@@ -84,6 +112,103 @@ def read_records(job: SegmentJob, out: bytearray) -> int:
                 f"{job.key}: records of CommitLog file {path.name} are not local: {e}"
             ) from None
     return at
+
+
+# The fixed head of a V2 record: TOTALSIZE, MAGICCODE, BODYCRC, QUEUEID, FLAG, QUEUEOFFSET,
+# PHYSICALOFFSET (what an error says the bytes hold).
+_HEAD_DTYPE = np.dtype(
+    [
+        ("total", ">i4"),
+        ("magic", ">i4"),
+        ("crc", ">u4"),
+        ("queue_id", ">i4"),
+        ("flag", ">i4"),
+        ("queue_offset", ">i8"),
+        ("physical", ">i8"),
+    ]
+)
+# Every byte before the body when both hosts are IPv4, the body length, the topic and
+# properties lengths: no V2 record is shorter.
+_MIN_RECORD = 88 + 2 + 2
+
+
+def _first_wrong_entry(job: SegmentJob, buf: bytearray, records: int) -> tuple[int, str] | None:
+    """The index of the job's first entry whose gathered bytes are not its own record, and
+    why; None when every entry names its record. Vectorized over the whole job: the head's
+    five fields compared a column at a time, then each record's topic found through its host
+    flags and body length (a few numpy passes, no Python per record). The bytes are left to
+    ``seal``'s checks (structure, body CRC, queue offsets in sequence) once they are the
+    queue's."""
+    if not job.topic:
+        return None  # a job planned without its queue (an older broker's): seal's checks only
+    table = np.frombuffer(job.entries, dtype=CQ_DTYPE)
+    sizes = table["size"].astype(np.int64)
+    count = len(table)
+    short = np.flatnonzero(sizes < _MIN_RECORD)
+    if len(short):
+        return int(short[0]), f"{int(sizes[short[0]])} bytes, too few for a record"
+    starts = np.zeros(count, np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    raw = np.frombuffer(buf, np.uint8, records)
+    # A column at a time (a fancy index of count elements each), not one (count, 36) index.
+    bad = np.zeros(count, bool)
+    for at, width, want in (
+        (0, 4, sizes),  # TOTALSIZE
+        (4, 4, MAGIC_CODE_V2 & 0xFFFFFFFF),  # MAGICCODE, read unsigned
+        (12, 4, job.queue_id & 0xFFFFFFFF),  # QUEUEID
+        (20, 8, job.base_offset + np.arange(count, dtype=np.int64)),  # QUEUEOFFSET
+        (28, 8, table["offset"].astype(np.int64)),  # PHYSICALOFFSET
+    ):
+        bad |= _ints(raw, starts + at, width) != want
+    if bad.any():
+        return int(np.flatnonzero(bad)[0]), ""
+    # The topic: after the hosts (4 or 16 bytes of address, and a port, each) and the body.
+    flags = _ints(raw, starts + 36, 4)
+    born = np.where(flags & SYSFLAG_BORNHOST_V6, 20, 8)
+    stored = np.where(flags & SYSFLAG_STOREHOST_V6, 20, 8)
+    body_len_at = starts + 48 + born + 8 + stored + 12
+    ends = starts + sizes
+    body = _ints(raw, body_len_at, 4)
+    body = np.where(body & 0x80000000, -1, body)  # negative: not a record
+    topic_at = body_len_at + 4 + body
+    name = job.topic.encode()
+    fits = (body_len_at + 4 <= ends) & (body >= 0) & (topic_at + 2 + len(name) + 2 <= ends)
+    topic_at = np.where(fits, topic_at, starts)  # anywhere inside the record: judged by ``fits``
+    ok = fits & (_ints(raw, topic_at, 2) == len(name))
+    if len(name):
+        letters = raw[np.minimum(topic_at[:, None] + 2 + np.arange(len(name)), records - 1)]
+        ok &= (letters == np.frombuffer(name, np.uint8)).all(axis=1)
+    if ok.all():
+        return None
+    return int(np.flatnonzero(~ok)[0]), "another topic's record"
+
+
+def _ints(raw: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """The big-endian unsigned ``width``-byte integers of ``raw`` at each of ``at``."""
+    out = np.zeros(len(at), np.int64)
+    last = len(raw) - 1
+    for k in range(width):  # clipped: a garbage length may point past the bytes
+        out = (out << 8) | raw[np.minimum(at + k, last)]
+    return out
+
+
+def _entry_error(job: SegmentJob, buf: bytearray, index: int, why: str) -> SegmentEntryError:
+    """``SegmentEntryError`` for the job's entry ``index``, saying what its bytes hold."""
+    entry = np.frombuffer(job.entries, dtype=CQ_DTYPE)[index]
+    at, size = int(entry["offset"]), int(entry["size"])
+    start = int(np.frombuffer(job.entries, dtype=CQ_DTYPE)["size"][:index].sum(dtype=np.int64))
+    found = why
+    if not found:
+        head = np.frombuffer(bytes(buf[start : start + _HEAD_DTYPE.itemsize]), _HEAD_DTYPE)[0]
+        if int(head["magic"]) != MAGIC_CODE_V2 or int(head["physical"]) != at:
+            found = "no record starting there"
+        else:
+            found = (
+                f"a record of {int(head['total'])} bytes of queue id {int(head['queue_id'])} at "
+                f"queue offset {int(head['queue_offset'])}"
+            )
+    topic, queue_id, offset = job.topic, job.queue_id, job.base_offset + index
+    return SegmentEntryError(job.key, topic, queue_id, offset, at, size, found)
 
 
 # Each worker thread keeps the buffer its last segment was built in and builds the next one in
@@ -157,6 +282,9 @@ def upload_segment(tier: ObjectStore, job: SegmentJob) -> SegmentInfo:
     with _building:
         data, records = _object_buffer(job)
         read_records(job, data)
+        wrong = _first_wrong_entry(job, data, records)
+        if wrong is not None:
+            raise _entry_error(job, data, *wrong)
         info = seal(data, records, job.base_offset, job.key)
     # The store does not keep ``data`` past the call: this thread's next job reuses it.
     with _putting(job.put_slots):

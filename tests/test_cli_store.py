@@ -50,3 +50,53 @@ def test_check_on_a_locked_store_is_one_line_and_exit_1(small_config) -> None:
 def test_check_on_a_directory_without_a_store_is_exit_2(tmp_path) -> None:
     done = tmq("store", "check", "-d", str(tmp_path))
     assert done.returncode == 2 and "holds no tmq store" in done.stderr
+
+
+def test_check_finds_garbled_entries_in_an_older_index_file_rebuilds_it_and_exits_3(
+    small_config,
+) -> None:
+    """A start checks only the newest IndexFile's entries (decision 687): garbage over an older
+    file's entries passed ``tmq store check`` with exit 0 and kept losing keys. The check
+    checks every file in full, names the damaged one, rebuilds it and exits 3; every key is
+    found afterwards, and the next check is clean (decision 734)."""
+    import random
+
+    from conftest import brute_force_scan
+
+    from tiered.store import MessageStore
+
+    crash_after_writing(small_config.data_dir, 2500)  # kill -9: 3 IndexFiles
+    msgs = brute_force_scan(small_config.commitlog_dir)
+    files = sorted(
+        (p for p in small_config.index_dir.iterdir() if not p.name.startswith(".")),
+        key=lambda p: p.name.split("-")[1],
+    )
+    assert len(files) >= 3
+    victim = files[1]
+    with open(victim, "r+b") as f:  # entries 900-915 of a middle file
+        f.seek(40 + small_config.index_hash_slots * 4 + 900 * 20)
+        f.write(random.Random(734).randbytes(300))
+
+    done = tmq("store", "check", "-d", str(small_config.data_dir), "--json")
+    assert done.returncode == 3, done.stderr
+    report = json.loads(done.stdout)
+    assert len(report["index_files_damaged"]) == 1
+    assert victim.name in report["index_files_damaged"][0]
+    assert report["index_files_still_damaged"] == []
+    assert not victim.exists(), "removed and rebuilt"
+
+    again = tmq("store", "check", "-d", str(small_config.data_dir))
+    assert again.returncode == 0, again.stderr
+    assert "DAMAGED" not in again.stderr
+    store = MessageStore(small_config)
+    store.start()
+    try:
+        lost = [
+            m.msg_id
+            for m in msgs
+            if [x.commitlog_offset for x in store.query_by_key(m.topic, f"key-{m.msg_id}")]
+            != [m.commitlog_offset]
+        ]
+        assert not lost, f"{len(lost)} keys not found"
+    finally:
+        store.shutdown()

@@ -542,3 +542,95 @@ def test_nothing_is_archived_before_it_is_on_the_local_disk(
     finally:
         offloader.close()
         store.shutdown()
+
+
+@pytest.mark.parametrize("names", ["another queue", "another topic"])
+def test_an_entry_naming_another_record_holds_the_queue_and_nothing_wrong_is_archived(
+    tmp_path: Path, s3: Any, bucket: str, names: str
+) -> None:
+    """A ConsumeQueue entry of orders/0 rewritten on disk to name a real record in order (of
+    queue 1, or of another topic's queue 0, at the same queue offset: the segment build's
+    structure, CRC and queue-offset checks all pass it) is refused by the segment build in the
+    cold worker process: the queue's archive stops before it, every archived message is the
+    queue's own, the local files stay, the entry is noted, and the next start rebuilds it, after
+    which the queue is archived whole and right (decision 730)."""
+    from tiered.cold.worker import ColdWorker
+
+    tier_url = f"s3://{bucket}/tier"
+    tier = open_store(tier_url, s3.storage_options())
+    config = StoreConfig(
+        data_dir=tmp_path / "hot",
+        commitlog_file_size=128 << 10,
+        consumequeue_entries_per_file=256,
+        index_hash_slots=509,
+        index_max_entries=4000,
+    )
+    worker = ColdWorker(tier_url, s3.storage_options(), threads=2, max_inflight=4)
+    worker.start()
+    try:
+        _hold_then_rebuild(tier, config, worker, names)
+    finally:
+        worker.close()
+
+
+def _hold_then_rebuild(tier: ObjectStore, config: StoreConfig, worker: Any, names: str) -> None:
+    from offload.offloader import DamagedEntryOffloadError
+    from tiered.formats import CQ_DTYPE
+
+    store = MessageStore(config)
+    store.start()
+    policy = OffloadPolicy(segment_max_messages=100)
+    offloader = Offloader(store, tier, "c1", "broker-a", policy, runner=worker)
+    try:
+        fill(store, "orders", 1200)  # 600 a queue, queue offsets 0..599
+        fill(store, "audit", 1200, seed=2)
+        before = snapshot(store, "orders", 0)
+        assert len(before) == 600
+        damaged = 400  # the first entry of the fifth segment of 100
+        source = ("orders", 1) if names == "another queue" else ("audit", 0)
+        other = store.queue_entry_table(*source, damaged, 1)
+        ours = store.queue_entry_table("orders", 0, damaged, 1)
+        assert len(other) == 1 and other["offset"][0] != ours["offset"][0]
+        cq_file = config.data_dir / "consumequeue" / "orders" / "0" / f"{256 * 20:020d}"
+        assert cq_file.exists(), sorted((cq_file.parent).iterdir())
+        with open(cq_file, "r+b") as f:  # entry 400 is the 145th of the file from 256
+            f.seek((damaged - 256) * 20)
+            f.write(other.astype(CQ_DTYPE).tobytes())
+        assert store.queue_entry_table("orders", 0, damaged, 1).tobytes() == other.tobytes()
+
+        topics = {
+            "orders": TopicConfig("orders", queues=2, tiered=True),
+            "audit": TopicConfig("audit", queues=2, tiered=False),
+        }
+        can_release = release_predicate(store, offloader, topics)
+        for _attempt in range(2):  # held: a second pass is refused the same way
+            with pytest.raises(DamagedEntryOffloadError) as caught:
+                offloader.offload_queue("orders", 0)
+            message = str(caught.value)
+            assert f"orders/0: offload held at queue offset {damaged}" in message
+            assert f"CommitLog [{int(other['offset'][0])}," in message
+            assert "restart the broker" in message
+        watermark = offloader.watermark("orders", 0)
+        assert watermark == damaged, "the segments before it are archived"
+        archived = read_tier(tier, "orders", 0)
+        assert archived == before[:watermark], "only the queue's own messages, byte-identical"
+        assert all(m.queue_id == 0 and m.topic == "orders" for m in archived)
+        store.release_commitlog_files(can_release)
+        assert store.min_offset("orders", 0) <= watermark, "nothing unarchived was released"
+        noted = (config.data_dir / "damaged_entries").read_text().splitlines()
+        assert noted == [f'["orders", 0, {damaged}]']
+    finally:
+        offloader.close()
+        store.shutdown()
+
+    store = MessageStore(config)
+    store.start()  # checks the noted entry and rebuilds it from the CommitLog
+    offloader = Offloader(store, tier, "c1", "broker-a", policy, runner=worker)
+    try:
+        assert store.queue_entry_table("orders", 0, damaged, 1).tobytes() == ours.tobytes()
+        assert not (config.data_dir / "damaged_entries").exists()
+        assert offloader.offload_queue("orders", 0).watermark == 600
+        assert read_tier(tier, "orders", 0) == before
+    finally:
+        offloader.close()
+        store.shutdown()

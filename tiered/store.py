@@ -1324,6 +1324,18 @@ class MessageStore:
         cq = self._cq(topic, queue_id)
         return cq.entry_table(start, max_count) if cq is not None else np.empty(0, CQ_DTYPE)
 
+    def check_index_files(self) -> list[str]:
+        """Check every IndexFile in full (a start checks only the newest file's entries): the
+        damage found, one line a file, each file noted so that the next start rebuilds it
+        (decisions 687, 734)."""
+        return self.index.check_all()
+
+    def note_damaged_entry(self, topic: str, queue_id: int, queue_offset: int) -> None:
+        """Note a ConsumeQueue entry found naming the wrong record outside a read (the
+        offloader's segment build, decision 730) for the next start to check and rebuild,
+        as a read notes it (decision 686)."""
+        self._damage_notes.note(topic, queue_id, queue_offset)
+
     def read_record_bytes(self, commitlog_offset: int, size: int) -> bytes | None:
         """One whole CommitLog record, undecoded (what a segment object holds); None once its
         file is released."""
