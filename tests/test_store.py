@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tiered.config import StoreConfig, parse_duration_ms, parse_size
-from tiered.hot.mapped_file import StoreLoadError
+from tiered.hot.mapped_file import MappedFile, StoreLoadError
 from tiered.record import Message
-from tiered.store import GetStatus, InvalidMessageError, MessageStore
+from tiered.store import CommitLogFileInfo, GetStatus, InvalidMessageError, MessageStore
 
 
 def msg(topic: str = "t", qid: int = 0, body: bytes = b"x", **props: str) -> Message:
@@ -88,6 +91,75 @@ def test_sync_flush_acknowledges_only_fsynced_bytes(small_config, start_store) -
     store = start_store(small_config)
     result = store.put_messages([msg(body=b"a" * 100) for _ in range(50)])[-1]
     assert store.commitlog.flushed_offset >= result.commitlog_offset + result.size
+
+
+def _roll_hooked(store: MessageStore, hook: Callable[[], None]) -> None:
+    """Run ``hook`` once, on the appending thread, right after the next roll created a file:
+    the file the append started in is no longer the last, its tail not yet written."""
+    files = store.commitlog.files
+    create = files.create_file
+
+    def create_then_hook(start: int) -> MappedFile:
+        f = create(start)
+        files.create_file = create  # type: ignore[method-assign]
+        hook()
+        return f
+
+    files.create_file = create_then_hook  # type: ignore[method-assign]
+
+
+def _ids(store: MessageStore) -> list[str]:
+    out: list[str] = []
+    offset = store.min_offset("t", 0)
+    while True:
+        got = store.get_messages("t", 0, offset, 256)
+        if got.status is not GetStatus.FOUND:
+            return out
+        out += [m.properties["KEYS"] for m in got.messages]
+        offset = got.next_offset
+
+
+def test_a_release_during_a_roll_leaves_the_file_the_append_writes(
+    small_config, start_store
+) -> None:
+    """Found reading the send path after a SendMessage failed once under load while a tiered
+    topic filled (decision 725): a release pass that ran between a roll and the write of the
+    tail of the file the append started in deleted that file, no longer the last; the append
+    wrote into its closed mapping and the send was refused."""
+    store = start_store(small_config)
+    store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(100)])
+    assert store.wait_dispatched()
+    released: list[int] = []
+    _roll_hooked(store, lambda: released.append(store.release_commitlog_files(lambda i: True)))
+    store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(100, 300)])
+    assert released and released[0] >= 1, released  # the full files before it went
+    assert store.wait_dispatched()
+    assert _ids(store)[-200:] == [f"k{i}" for i in range(100, 300)]
+
+
+def test_a_release_decided_during_a_roll_loses_no_acknowledged_tail(
+    small_config, start_store
+) -> None:
+    """The same race, the other way round: the release saw the file the append started in
+    as it was before the roll (its records dispatched and, say, uploaded), decided, and
+    deleted it only after the append had written its tail there: acknowledged messages went
+    with it, never dispatched from the file nor uploaded."""
+    store = start_store(small_config)
+    store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(100)])
+    assert store.wait_dispatched()
+    appended = threading.Event()
+
+    def slow_yes(info: CommitLogFileInfo) -> bool:
+        appended.wait(10)  # a predicate that reads ConsumeQueues and asks the tier
+        return True
+
+    release = threading.Thread(target=store.release_commitlog_files, args=(slow_yes,))
+    _roll_hooked(store, lambda: (release.start(), time.sleep(0.2)))
+    store.put_messages([msg(body=os.urandom(2000), KEYS=f"k{i}") for i in range(100, 300)])
+    appended.set()
+    release.join(10)
+    assert store.wait_dispatched()
+    assert _ids(store)[-200:] == [f"k{i}" for i in range(100, 300)]
 
 
 def test_release_keeps_undispatched_and_current_files(small_config, start_store) -> None:

@@ -1519,14 +1519,25 @@ class MessageStore:
         """Delete the oldest CommitLog files while ``can_release`` says yes, then drop the
         ConsumeQueue and IndexFile data that pointed into them. Returns the files deleted.
 
-        Never deleted, whatever the predicate says: the file being written, and any file with
-        bytes not yet dispatched (their ConsumeQueue entries would be lost with them).
+        Never deleted, whatever the predicate says: the file being written, any file not yet
+        full, and any file with bytes not yet dispatched (their ConsumeQueue entries would be
+        lost with them). An append that rolls creates its new files before it writes the tail
+        of the one it started in (decision 725): that file is no longer the last, and what the
+        predicate saw of it is not what it will hold. Deleted then, the append wrote into a
+        closed mapping (the send refused) or, the write landing first, its acknowledged tail
+        went with the file, never dispatched nor uploaded. Only a file that is not the last
+        may be full, and once full it no longer changes.
         """
+        size = self.commitlog.files.file_size
         with self._maintenance_lock:
             files = self.commitlog_files()[:-1]
             count = 0
             for info in files:
-                if info.end_offset > self.dispatched_offset or not can_release(info):
+                if (
+                    info.end_offset - info.from_offset < size
+                    or info.end_offset > self.dispatched_offset
+                    or not can_release(info)
+                ):
                     break
                 count += 1
             if not count:
