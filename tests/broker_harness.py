@@ -271,6 +271,25 @@ class Standalone:
         self.proc.wait()
 
 
+def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
+    """A started broker that offloads to ``tier_url`` within about a second: 64 KiB CommitLog
+    files, an offload pass every second, segments uploaded once a second old."""
+    return Standalone(
+        data,
+        extra=[
+            "--commitlog-file-size",
+            "64KiB",
+            "--offload-interval",
+            "1",
+            "--upload-after",
+            "1s",
+            "--tier-url",
+            tier_url,
+        ],
+        env=env,
+    ).start()
+
+
 def body_bytes(text: str) -> bytes:
     """The inverse of the CLI's body rendering: UTF-8 text, or ``base64:`` and the bytes."""
     return base64.b64decode(text[7:]) if text.startswith("base64:") else text.encode()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import Standalone, body_bytes, send_batches, tmq
+from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
 
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
@@ -19,23 +19,6 @@ from tiered.cold.storage import ObjectStore, open_store
 TOPIC = "crash-orders"
 QUEUES = 2
 COUNT = 1200
-
-
-def start(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
-    return Standalone(
-        data,
-        extra=[
-            "--commitlog-file-size",
-            "64KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-            "--tier-url",
-            tier_url,
-        ],
-        env=env,
-    ).start()
 
 
 def produce(node: Standalone) -> list[tuple[bytes, str, str]]:
@@ -80,14 +63,14 @@ def tier_env(s3: Any, bucket: str) -> tuple[str, dict[str, str], ObjectStore]:
 
 def test_kill9_between_object_write_and_manifest_commit(tmp_path: Path, tier_env) -> None:
     url, env, tier = tier_env
-    node = start(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "offload.before_commit"})
+    node = start_tiered(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "offload.before_commit"})
     sent = produce(node)
     died_by_sigkill(node)
     written = segment_objects(tier)
     assert written, "the failpoint fires after an object is written"
     assert all(m.end_offset == 0 for m in manifests(tier)), "and before its manifest is committed"
 
-    node = start(tmp_path / "data", url, env)
+    node = start_tiered(tmp_path / "data", url, env)
     try:
         deadline = time.monotonic() + 90
         while any(m.end_offset < COUNT // QUEUES for m in manifests(tier)):
@@ -110,7 +93,7 @@ def test_kill9_between_object_write_and_manifest_commit(tmp_path: Path, tier_env
 
 def test_kill9_between_manifest_commit_and_local_release(tmp_path: Path, tier_env) -> None:
     url, env, tier = tier_env
-    node = start(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "offload.before_release"})
+    node = start_tiered(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "offload.before_release"})
     sent = produce(node)
     died_by_sigkill(node)
     commitlog = tmp_path / "data" / "commitlog"
@@ -118,7 +101,7 @@ def test_kill9_between_manifest_commit_and_local_release(tmp_path: Path, tier_en
     assert sum(m.end_offset for m in manifests(tier)) > 0, "a manifest was committed"
     assert files_at_crash[0].name == f"{0:020d}", "nothing was released"
 
-    node = start(tmp_path / "data", url, env)
+    node = start_tiered(tmp_path / "data", url, env)
     try:
         deadline = time.monotonic() + 90
         while (commitlog / f"{0:020d}").exists():
@@ -138,14 +121,14 @@ def test_kill9_between_routing_readers_and_deleting_files(tmp_path: Path, tier_e
     kill -9 between them leaves files the restarted broker still holds and releases again, and
     every message readable from one tier or the other."""
     url, env, tier = tier_env
-    node = start(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "release.mid_switch"})
+    node = start_tiered(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "release.mid_switch"})
     sent = produce(node)
     died_by_sigkill(node)
     commitlog = tmp_path / "data" / "commitlog"
     assert (commitlog / f"{0:020d}").exists(), "the kill came before the files were deleted"
     assert "failpoint release.mid_switch" in node.log_path.read_text()
 
-    node = start(tmp_path / "data", url, env)
+    node = start_tiered(tmp_path / "data", url, env)
     try:
         deadline = time.monotonic() + 90
         while (commitlog / f"{0:020d}").exists():
@@ -162,12 +145,14 @@ def test_kill9_between_routing_readers_and_deleting_files(tmp_path: Path, tier_e
 
 def test_kill9_between_retention_commit_and_object_deletes(tmp_path: Path, tier_env) -> None:
     url, env, tier = tier_env
-    node = start(tmp_path / "data", url, env)
+    node = start_tiered(tmp_path / "data", url, env)
     produce(node)
     assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
     before = manifests(tier)
     node.stop()
-    node = start(tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "retention.before_delete"})
+    node = start_tiered(
+        tmp_path / "data", url, {**env, "TMQ_FAILPOINTS": "retention.before_delete"}
+    )
     time.sleep(0.01)
     assert tmq("retain", TOPIC, "-n", node.namesrv, "--ttl", "1ms").returncode == 0
     tmq("retain", "--apply", "-n", node.namesrv)  # the broker dies answering it
@@ -179,7 +164,7 @@ def test_kill9_between_retention_commit_and_object_deletes(tmp_path: Path, tier_
     }
     assert expired <= segment_objects(tier), "their objects outlived the crash"
 
-    node = start(tmp_path / "data", url, env)
+    node = start_tiered(tmp_path / "data", url, env)
     try:
         assert tmq("offload", "status", TOPIC, "-n", node.namesrv).returncode == 0
         deadline = time.monotonic() + 30

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import Standalone, body_bytes, send_batches, tmq
+from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
 
 from offload.leadership import Term
 from offload.offloader import FencedError, ForeignPrefixError, Offloader
@@ -23,23 +23,6 @@ from tiered.record import Message
 from tiered.store import MessageStore, store_identity
 
 TOPIC = "owned-orders"
-
-
-def start(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
-    return Standalone(
-        data,
-        extra=[
-            "--commitlog-file-size",
-            "64KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-            "--tier-url",
-            tier_url,
-        ],
-        env=env,
-    ).start()
 
 
 def produce(node: Standalone, tag: str, count: int) -> list[bytes]:
@@ -77,7 +60,7 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
 ) -> None:
     url, env = f"s3://{bucket}/owner", s3.env()
     tier = open_store(url, s3.storage_options())
-    first = start(tmp_path / "disk1", url, env)
+    first = start_tiered(tmp_path / "disk1", url, env)
     try:
         old = produce(first, "old", 240)
         archived = uploaded(first, tier, len(old))
@@ -85,7 +68,7 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
         first.stop()
 
     # The disk is replaced: same broker name, same bucket, an empty data directory.
-    second = start(tmp_path / "disk2", url, env)
+    second = start_tiered(tmp_path / "disk2", url, env)
     try:
         new = produce(second, "new", 120)  # over one 64 KiB CommitLog file
         commitlog = tmp_path / "disk2" / "commitlog"
@@ -125,7 +108,7 @@ def test_a_second_broker_of_the_same_name_deletes_nothing_of_the_first(
     it."""
     url, env = f"s3://{bucket}/owner", s3.env()
     tier = open_store(url, s3.storage_options())
-    first = start(tmp_path / "disk1", url, env)
+    first = start_tiered(tmp_path / "disk1", url, env)
     try:
         produce(first, "old", 60)
         archived = uploaded(first, tier, 60)
@@ -135,7 +118,7 @@ def test_a_second_broker_of_the_same_name_deletes_nothing_of_the_first(
     in_flight = f"{archived.prefix}segments/{archived.end_offset:020d}-0123456789ab.seg"
     assert tier.put_if_absent(in_flight, tier.get(archived.segments[0].key))
 
-    second = start(tmp_path / "disk2", url, env)
+    second = start_tiered(tmp_path / "disk2", url, env)
     try:
         produce(second, "new", 10)
         time.sleep(3)  # offload passes: the claim (and, on main, its orphan sweep) runs

@@ -13,29 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_harness import Standalone, body_bytes, send_batches, tmq
+from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
 
 from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
 TOPIC = "restored-orders"
-
-
-def start(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
-    return Standalone(
-        data,
-        extra=[
-            "--commitlog-file-size",
-            "64KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-            "--tier-url",
-            tier_url,
-        ],
-        env=env,
-    ).start()
 
 
 def produce(node: Standalone, tag: str, count: int, *, create: bool = False) -> list[bytes]:
@@ -74,7 +57,7 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
     tier = open_store(url, s3.storage_options())
     data, backup = tmp_path / "data", tmp_path / "backup"
 
-    node = start(data, url, env)
+    node = start_tiered(data, url, env)
     try:
         first = produce(node, "a", 60, create=True)
         archived_to(node, tier, 60)
@@ -82,7 +65,7 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
         node.stop()
     shutil.copytree(data, backup)  # the backup: 60 messages, all archived
 
-    node = start(data, url, env)
+    node = start_tiered(data, url, env)
     try:
         second = produce(node, "b", 120)
         archived_to(node, tier, 180)
@@ -92,7 +75,7 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
     # The data directory is restored from the backup: its queue ends at 60, the archive at 180.
     shutil.rmtree(data)
     shutil.copytree(backup, data)
-    node = start(data, url, env)
+    node = start_tiered(data, url, env)
     try:
         third = produce(node, "c", 120)  # two 64 KiB CommitLog files' worth
         want = list(enumerate(first + second + third))
@@ -110,7 +93,7 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
         node.stop()
 
     # A restart keeps the queue where it continued (the floor is recorded in the directory).
-    node = start(data, url, env)
+    node = start_tiered(data, url, env)
     try:
         fourth = produce(node, "d", 10)
         assert replayed(node) == list(enumerate(first + second + third + fourth))
