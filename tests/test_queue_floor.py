@@ -5,6 +5,7 @@ leading zeroed entries (decision 503) and not a rebuild of every ConsumeQueue.""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from conftest import SMALL
 
 from tiered.config import StoreConfig
+from tiered.hot.commitlog import DurabilityLostError
 from tiered.record import Message
 from tiered.store import MessageStore, StoreLoadError
 
@@ -76,3 +78,96 @@ def test_an_unreadable_floor_record_refuses_the_start(tmp_path: Path) -> None:
     (config.data_dir / "queue-floors.json").write_text("{not json")
     with pytest.raises(StoreLoadError, match=r"queue-floors\.json is unreadable"):
         MessageStore(config).start()
+
+
+class _PowerCut(Exception):
+    """Raised where the test cut the power: the store's call stops there."""
+
+
+@pytest.mark.parametrize("floor", [FLOOR, 600])  # 600: in a later ConsumeQueue file
+@pytest.mark.parametrize(
+    "step", ["floor saved", "consumequeue dropped", "messages at the floor", "next start"]
+)
+def test_a_power_loss_at_each_step_of_starting_a_queue_at_a_floor_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str, floor: int
+) -> None:
+    """The power goes out (tests/powerloss_fs.py: only what was fsynced survives) after the
+    floor is saved and before the queue's ConsumeQueue files are dropped; after they are
+    dropped; after acknowledged (SYNC) messages at the floor; or in the next start, after it
+    applied the floor again and before it re-dispatched or saved a checkpoint. The store
+    recovered from what the disk holds keeps the floor: the queue's old entries never come
+    back under it, no acknowledged message at the floor is lost, and the next message takes
+    the next offset above them, not an offset below the floor."""
+    from test_power_loss import PowerLossMount, _need_fuse
+
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    armed: list[str] = []
+    mounts: list[PowerLossMount] = []
+    apply = MessageStore._apply_queue_floors
+
+    def cut(where: str) -> None:
+        if armed and armed[0] == where:
+            armed.clear()
+            mounts[-1].crash(f"floor-{step}-{floor}")
+            raise _PowerCut(where)
+
+    def applying(self: MessageStore) -> None:
+        cut("before apply")
+        apply(self)
+        cut("after apply")
+
+    monkeypatch.setattr(MessageStore, "_apply_queue_floors", applying)
+    config = StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL)
+    mounts.append(PowerLossMount(mountpoint, durable))
+    acked: list[tuple[int, bytes]] = []
+    try:
+        store = MessageStore(config)
+        store.start()
+        try:
+            store.put_messages([Message("t", body("old", n), queue_id=0) for n in range(20)])
+            store.put_messages([Message("t", body("other", n), queue_id=1) for n in range(5)])
+            assert store.wait_dispatched()
+            armed.append(
+                {"floor saved": "before apply", "next start": "before apply"}.get(
+                    step, "after apply" if step == "consumequeue dropped" else ""
+                )
+            )
+            try:
+                assert store.start_queue_at("t", 0, floor)
+            except _PowerCut:
+                pass
+            if step == "messages at the floor":
+                result = store.put_messages(
+                    [Message("t", body("new", n), queue_id=0) for n in range(10)]
+                )
+                acked = [(floor + n, body("new", n)) for n in range(10)]
+                assert result is not None
+                assert store.wait_dispatched()
+                mounts[-1].crash(f"floor-{step}-{floor}")
+        finally:
+            with contextlib.suppress(OSError, DurabilityLostError):
+                store.flush()  # on the dead disk: the store fails, and shuts down as failed
+            store.shutdown()
+    finally:
+        mounts[-1].close()
+    if step == "next start":
+        mounts.append(PowerLossMount(mountpoint, durable))
+        try:
+            armed.append("after apply")
+            with pytest.raises((_PowerCut, OSError)):  # its cleanup meets the dead disk
+                MessageStore(config).start()
+        finally:
+            mounts[-1].close()
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
+    store.start()
+    try:
+        assert store.queue_floors == {("t", 0): floor}, "the floor was saved before the cut"
+        assert store.hot_min_offset("t", 0) == floor
+        assert hot_queue(store) == acked, "old entries under the floor, or acknowledged lost"
+        store.put_messages([Message("t", body("next", 0), queue_id=0)])
+        assert store.wait_dispatched()
+        assert hot_queue(store) == [*acked, (floor + len(acked), body("next", 0))]
+        assert store.max_offset("t", 1) == 5
+    finally:
+        store.shutdown()
