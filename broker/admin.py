@@ -20,7 +20,7 @@ from broker.metadata import (
 )
 from broker.status import BrokerStatus
 from broker.timer import TimerStats
-from offload.offloader import Offloader, OffloadError, RetentionResult
+from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
 from offload.verify import verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.storage import StorageError
@@ -69,6 +69,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         cluster: str = "",
         timers: Callable[[], TimerStats | None] = lambda: None,
         transactions_pending: Callable[[], dict[str, int]] = dict,
+        before_put_topic: Callable[[TopicConfig, TopicConfig | None], None] = lambda _c, _e: None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -80,6 +81,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.cluster = cluster
         self.timers = timers
         self.transactions_pending = transactions_pending
+        # The broker's check of the queues a topic change makes tiered against their archives
+        # (decision 745): it raises to refuse the change.
+        self.before_put_topic = before_put_topic
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -98,6 +102,16 @@ class AdminServicer(pb_grpc.AdminServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"topic {cfg.name} has {existing.queues} queues; shrinking would strand "
                 "their messages",
+            )
+        try:
+            self.before_put_topic(cfg, existing)
+        except ArchiveAheadError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except OffloadError as e:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"topic {cfg.name} not changed: the archive of its queues could not be "
+                f"checked ({e}); retry",
             )
         self.metadata.put_topic(cfg)
         self.on_topics_changed()

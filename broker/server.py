@@ -42,7 +42,7 @@ from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
 from offload.leadership import Term
-from offload.offloader import Offloader, OffloadError, RetentionResult
+from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
 from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
@@ -53,6 +53,7 @@ from remoting.security import ChannelSecurity, server_credentials
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
+from tiered.cold.manifest import QueueManifest
 from tiered.cold.storage import (
     ObjectStore,
     PermanentStorageError,
@@ -224,6 +225,7 @@ class Broker:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._fence_reported = False
+        self._put_topic_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def _continue_above_archives(self) -> None:
@@ -240,22 +242,68 @@ class Broker:
             manifest = self.fetcher.cached(topic, queue_id)
             if manifest is None:
                 continue  # not loaded (the tier is down): the claim's check logs it later
-            local = self.store.max_offset(topic, queue_id)
-            if manifest.end_offset <= local:
-                continue
-            if manifest.store and manifest.store != self.store.store_id:
-                continue
-            if self.store.start_queue_at(topic, queue_id, manifest.end_offset):
-                log.error(
-                    "%s/%d: the local queue ends at %d, below its archive's end %d (a data "
-                    "directory restored from an older copy, or records lost after they were "
-                    "archived): it continues at %d; offsets below are read from the archive",
-                    topic,
-                    queue_id,
-                    local,
-                    manifest.end_offset,
-                    manifest.end_offset,
-                )
+            self._start_above_archive(topic, queue_id, manifest)
+
+    def _start_above_archive(self, topic: str, queue_id: int, manifest: QueueManifest) -> bool:
+        """Start the queue at ``manifest``'s end if its local end is below it (True: it was);
+        ``_continue_above_archives``. Only before any append can reach the queue."""
+        local = self.store.max_offset(topic, queue_id)
+        if manifest.end_offset <= local:
+            return False
+        if manifest.store and manifest.store != self.store.store_id:
+            return False
+        if not self.store.start_queue_at(topic, queue_id, manifest.end_offset):
+            return False
+        log.error(
+            "%s/%d: the local queue ends at %d, below its archive's end %d (a data "
+            "directory restored from an older copy, or records lost after they were "
+            "archived): it continues at %d; offsets below are read from the archive",
+            topic,
+            queue_id,
+            local,
+            manifest.end_offset,
+            manifest.end_offset,
+        )
+        return True
+
+    def before_put_topic(self, cfg: TopicConfig, existing: TopicConfig | None) -> None:
+        """Before a topic is created or updated while the broker serves: every queue that
+        becomes tiered by it (a new topic's, a new queue of a tiered one, every queue of a
+        topic made tiered) is checked against its archive, as the start checks the queues it
+        knows (decision 745). A data directory restored from a copy taken before the topic
+        existed does not know it, and the topic created again would write its new messages at
+        offsets the archive holds. A queue no message can reach yet (a new topic's or a new
+        queue's) continues at the archive's end. A queue of an existing topic that ends below
+        its archive is refused (``ArchiveAheadError``): messages may be reaching it, so it
+        cannot be started elsewhere safely, and made tiered, its messages at archived offsets
+        would be released as uploaded. The archive must answer (its ``OffloadError``
+        otherwise): the topic is not changed until it does."""
+        if (
+            not cfg.tiered
+            or self.offloader is None
+            or self.replication is not None
+            or self.controller is not None
+        ):
+            return
+        known = existing.queues if existing is not None else 0
+        first = known if existing is not None and existing.tiered else 0
+        with self._put_topic_lock:
+            for queue_id in range(first, cfg.queues):
+                manifest = self.offloader.manifest(cfg.name, queue_id, refresh=True)
+                if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
+                    continue
+                if manifest.store and manifest.store != self.store.store_id:
+                    continue  # decision 690's: the claim refuses it, release keeps its files
+                if queue_id < known:
+                    raise ArchiveAheadError(
+                        f"{cfg.name}/{queue_id} ends at offset "
+                        f"{self.store.max_offset(cfg.name, queue_id)}, below the end of its "
+                        f"archive ({manifest.end_offset}, {manifest.prefix}), left by an "
+                        "earlier tiered topic of this name: made tiered, its messages at "
+                        "archived offsets would be deleted as uploaded. Move the old archive "
+                        "out of the prefix first (docs/operations.md)"
+                    )
+                self._start_above_archive(cfg.name, queue_id, manifest)
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [
@@ -347,6 +395,7 @@ class Broker:
                     status=lambda: self.status(hot_bytes=True),
                     cluster=self.config.cluster,
                     timers=self.timers.stats,
+                    before_put_topic=self.before_put_topic,
                     transactions_pending=self.transactions.pending_by_topic,
                 ),
                 server,

@@ -131,6 +131,12 @@ class DamagedEntryOffloadError(OffloadError):
     730): no segment holding it is uploaded until a restart rebuilds the entry."""
 
 
+class ArchiveAheadError(OffloadError):
+    """A queue of an existing topic, about to be made tiered, ends below the end of an archive
+    already under its prefix (decision 745): made tiered as it is, its messages at archived
+    offsets would be released as uploaded."""
+
+
 class CommitRefusedError(OffloadError):
     """A manifest commit was not made: another writer committed that version first, or this
     broker must not write the tier. Nothing was committed (unlike a storage error, after which

@@ -19,6 +19,8 @@ from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
 TOPIC = "restored-orders"
+OTHER = "restored-audit"
+BROKER = ("DefaultCluster", "broker-a")
 
 
 def produce(node: Standalone, tag: str, count: int, *, create: bool = False) -> list[bytes]:
@@ -97,5 +99,66 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
     try:
         fourth = produce(node, "d", 10)
         assert replayed(node) == list(enumerate(first + second + third + fourth))
+    finally:
+        node.stop()
+
+
+def test_a_topic_created_again_on_a_restored_data_dir_continues_above_its_archive(
+    tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    """The copy was taken before the topic existed, so the restored directory does not know
+    it, and the start has no queue to check. The operator creates it again while the broker
+    runs (``tmq topic create``): its queue must continue at the archive's end as a queue the
+    start checked does, not take offsets 0.. again (where release deletes the new messages
+    as archived, and reads return the archive's older ones)."""
+    url, env = f"s3://{bucket}/recreated", s3.env()
+    tier = open_store(url, s3.storage_options())
+    data, backup = tmp_path / "data", tmp_path / "backup"
+
+    node = start_tiered(data, url, env)
+    try:
+        created = tmq("topic", "create", OTHER, "-n", node.namesrv, "-q", "1")
+        assert created.returncode == 0, created.stderr
+    finally:
+        node.stop()
+    shutil.copytree(data, backup)  # the backup: OTHER, not tiered and empty; no TOPIC yet
+
+    node = start_tiered(data, url, env)
+    try:
+        first = produce(node, "a", 60, create=True)
+        archived_to(node, tier, 60)
+        # OTHER is made tiered and archived too.
+        assert tmq("topic", "update", OTHER, "-n", node.namesrv, "--tiered").returncode == 0
+        send_batches(node.endpoint, OTHER, [(b"o" * 1000, "k", "t")] * 30, batch=10)
+        assert tmq("offload", OTHER, "-n", node.namesrv).returncode == 0
+        deadline = time.monotonic() + 90
+        while ManifestLog(tier, queue_prefix(*BROKER, OTHER, 0)).load().end_offset < 30:
+            assert time.monotonic() < deadline, "OTHER was never archived"
+            time.sleep(0.5)
+    finally:
+        node.stop()
+
+    shutil.rmtree(data)
+    shutil.copytree(backup, data)
+    node = start_tiered(data, url, env)
+    try:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+        node.wait_routed(TOPIC)
+        sent = [(f"c-{i:05d}-".encode() + b"x" * 1000, f"k{i}", "t") for i in range(60)]
+        offsets = [o for _, o in send_batches(node.endpoint, TOPIC, sent, batch=20)]
+        assert offsets == list(range(60, 120)), "the new messages reused archived offsets"
+        want = list(enumerate(first + [b for b, _, _ in sent]))
+        archived_to(node, tier, 120)
+        assert replayed(node) == want
+        assert "below its archive's end" in node.log_path.read_text()
+        # OTHER's queue exists, and messages may be reaching it: made tiered, the ones at
+        # offsets its archive holds would be released as uploaded. Refused, said why.
+        send_batches(node.endpoint, OTHER, [(b"p" * 1000, "k", "t")] * 5)
+        update = tmq("topic", "update", OTHER, "-n", node.namesrv, "--tiered")
+        assert update.returncode != 0
+        assert "below the end of its archive (30" in update.stderr, update.stderr
+        described = tmq("topic", "describe", OTHER, "-n", node.namesrv, "--json")
+        assert json.loads(described.stdout)[0]["tiered"] is False, described.stdout
     finally:
         node.stop()
