@@ -46,14 +46,16 @@ def _request(first: int, count: int) -> tuple[s.SendMessageRequest, list[bytes]]
     return request, bodies
 
 
-def _send(stub: Any, n: int, acked: dict[bytes, tuple[int, int]], refused: set[bytes]) -> Any:
+def _send(stub: Any, n: int, acked: dict[bytes, int], refused: set[bytes]) -> Any:
     """One batch of 16 from message ``n``; returns the reply's status."""
     request, bodies = _request(n, 16)
     reply = stub.SendMessage(request, timeout=60)
     if reply.status.code == d.OK:
-        by_id = {m.system_properties.message_id: b for m, b in zip(request.messages, bodies)}
+        by_id = {
+            m.system_properties.message_id: b for m, b in zip(request.messages, bodies, strict=True)
+        }
         for entry in reply.entries:
-            acked[by_id[entry.message_id]] = (entry.offset, 0)
+            acked[by_id[entry.message_id]] = entry.offset
     else:
         refused.update(bodies)
     return reply.status
@@ -82,7 +84,7 @@ def test_an_object_store_outage_fills_the_disk_refuses_cleanly_and_recovers_with
     )
     node.log_dir = tmp_path
     commitlog = small_disk / "data" / "commitlog"
-    acked: dict[bytes, tuple[int, int]] = {}
+    acked: dict[bytes, int] = {}
     refused: set[bytes] = set()
     node.start()
     try:
@@ -136,7 +138,7 @@ def test_an_object_store_outage_fills_the_disk_refuses_cleanly_and_recovers_with
         lost = set(acked) - served
         assert not lost, f"{len(lost)} of {len(acked)} acknowledged messages not served"
         for m in got:
-            assert acked[m.body][0] == m.system_properties.queue_offset, "served at another offset"
+            assert acked[m.body] == m.system_properties.queue_offset, "served at another offset"
     finally:
         if node.proc is not None and node.proc.poll() is None:
             node.kill9()
