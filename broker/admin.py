@@ -107,12 +107,6 @@ class AdminServicer(pb_grpc.AdminServicer):
             self.before_put_topic(cfg, existing)
         except ArchiveAheadError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except OffloadError as e:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"topic {cfg.name} not changed: the archive of its queues could not be "
-                f"checked ({e}); retry",
-            )
         self.metadata.put_topic(cfg)
         self.on_topics_changed()
         return pb.PutTopicResponse()

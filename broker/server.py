@@ -276,8 +276,8 @@ class Broker:
         queue's) continues at the archive's end. A queue of an existing topic that ends below
         its archive is refused (``ArchiveAheadError``): messages may be reaching it, so it
         cannot be started elsewhere safely, and made tiered, its messages at archived offsets
-        would be released as uploaded. The archive must answer (its ``OffloadError``
-        otherwise): the topic is not changed until it does."""
+        would be released as uploaded. A queue whose archive cannot be read is not checked, as
+        at a start while the tier is down."""
         if (
             not cfg.tiered
             or self.offloader is None
@@ -289,7 +289,19 @@ class Broker:
         first = known if existing is not None and existing.tiered else 0
         with self._put_topic_lock:
             for queue_id in range(first, cfg.queues):
-                manifest = self.offloader.manifest(cfg.name, queue_id, refresh=True)
+                try:
+                    manifest = self.offloader.manifest(cfg.name, queue_id, refresh=True)
+                except OffloadError as e:
+                    # As at a start while the tier is down (decision 720): not checked; the
+                    # claim logs an archive ahead of the queue once the tier answers.
+                    log.warning(
+                        "%s/%d: its archive could not be read, so it is not checked against "
+                        "the queue's end (%s)",
+                        cfg.name,
+                        queue_id,
+                        e,
+                    )
+                    continue
                 if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
                     continue
                 if manifest.store and manifest.store != self.store.store_id:
