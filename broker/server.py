@@ -14,6 +14,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
 import grpc
@@ -72,6 +74,10 @@ ADMIN_SERVICE = "tmq.admin.v1.Admin"
 ACL_SERVICE = "tmq.acl.v1.Acl"
 # Each client holds one worker for its Telemetry stream and one per long poll.
 _WORKERS = 128
+# How long a topic change waits for the archives of the queues it makes tiered (decision 785):
+# well inside the CLI's 10 s, so the answer comes before the client gives up. A queue whose
+# manifest is not loaded by then is not checked, as one whose archive cannot be read.
+PUT_TOPIC_CHECK_SECONDS = 5.0
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -226,6 +232,9 @@ class Broker:
         self._health = health.HealthServicer()
         self._fence_reported = False
         self._put_topic_lock = threading.Lock()
+        # The manifest loads of ``before_put_topic`` under way, bounded: against a tier that
+        # does not answer, each runs out its retries after the check has given up on it.
+        self._archive_loads = threading.BoundedSemaphore(8)
         self._threads: list[threading.Thread] = []
 
     def _continue_above_archives(self) -> None:
@@ -287,35 +296,83 @@ class Broker:
             return
         known = existing.queues if existing is not None else 0
         first = known if existing is not None and existing.tiered else 0
+        offloader = self.offloader
         with self._put_topic_lock:
-            for queue_id in range(first, cfg.queues):
-                try:
-                    manifest = self.offloader.manifest(cfg.name, queue_id, refresh=True)
-                except OffloadError as e:
-                    # As at a start while the tier is down (decision 720): not checked; the
-                    # claim logs an archive ahead of the queue once the tier answers.
-                    log.warning(
-                        "%s/%d: its archive could not be read, so it is not checked against "
-                        "the queue's end (%s)",
-                        cfg.name,
-                        queue_id,
-                        e,
-                    )
-                    continue
-                if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
-                    continue
-                if manifest.store and manifest.store != self.store.store_id:
-                    continue  # decision 690's: the claim refuses it, release keeps its files
-                if queue_id < known:
-                    raise ArchiveAheadError(
-                        f"{cfg.name}/{queue_id} ends at offset "
-                        f"{self.store.max_offset(cfg.name, queue_id)}, below the end of its "
-                        f"archive ({manifest.end_offset}, {manifest.prefix}), left by an "
-                        "earlier tiered topic of this name: made tiered, its messages at "
-                        "archived offsets would be deleted as uploaded. Move the old archive "
-                        "out of the prefix first (docs/operations.md)"
-                    )
-                self._start_above_archive(cfg.name, queue_id, manifest)
+            # Loaded together, with one deadline for them all (decision 785): one after the
+            # other, each through the tier's retries and request timeouts, eight queues on a
+            # black-holed tier held the call for minutes, long after the client gave up.
+            deadline = time.monotonic() + PUT_TOPIC_CHECK_SECONDS
+            loads: dict[int, Future[QueueManifest]] = {
+                q: self._load_archive(offloader, cfg.name, q) for q in range(first, cfg.queues)
+            }
+            unchecked: list[int] = []
+            try:
+                for queue_id, load in loads.items():
+                    try:
+                        manifest = load.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except FutureTimeout:
+                        unchecked.append(queue_id)
+                        continue
+                    except OffloadError as e:
+                        # As at a start while the tier is down (decision 720): not checked; the
+                        # claim logs an archive ahead of the queue once the tier answers.
+                        log.warning(
+                            "%s/%d: its archive could not be read, so it is not checked "
+                            "against the queue's end (%s)",
+                            cfg.name,
+                            queue_id,
+                            e,
+                        )
+                        continue
+                    if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
+                        continue
+                    if manifest.store and manifest.store != self.store.store_id:
+                        continue  # decision 690's: the claim refuses it, release keeps its files
+                    if queue_id < known:
+                        raise ArchiveAheadError(
+                            f"{cfg.name}/{queue_id} ends at offset "
+                            f"{self.store.max_offset(cfg.name, queue_id)}, below the end of "
+                            f"its archive ({manifest.end_offset}, {manifest.prefix}), left by "
+                            "an earlier tiered topic of this name: made tiered, its messages "
+                            "at archived offsets would be deleted as uploaded. Move the old "
+                            "archive out of the prefix first (docs/operations.md)"
+                        )
+                    self._start_above_archive(cfg.name, queue_id, manifest)
+            finally:
+                for load in loads.values():
+                    load.cancel()  # not started yet: no use once the check has answered
+            if unchecked:
+                log.warning(
+                    "%s: queues %s are not checked against their archives: the cold tier did "
+                    "not answer within %g s (as at a start while it is down, decision 720: an "
+                    "archive ahead of a queue is logged once the tier answers)",
+                    cfg.name,
+                    ",".join(map(str, unchecked)),
+                    PUT_TOPIC_CHECK_SECONDS,
+                )
+
+    def _load_archive(
+        self, offloader: Offloader, topic: str, queue_id: int
+    ) -> Future[QueueManifest]:
+        """The queue's manifest, loaded from the tier in a daemon thread (a load the check gave
+        up on must not hold the process's exit). With 8 loads already under way (a tier that
+        does not answer), none is started and the future never completes: the check's
+        deadline takes the queue as not answered."""
+        future: Future[QueueManifest] = Future()
+        if not self._archive_loads.acquire(blocking=False):
+            return future
+
+        def load() -> None:
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(offloader.manifest(topic, queue_id, refresh=True))
+            except BaseException as e:
+                future.set_exception(e)
+            finally:
+                self._archive_loads.release()
+
+        threading.Thread(target=load, name="tmq-archive-check", daemon=True).start()
+        return future
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [

@@ -162,3 +162,93 @@ def test_a_topic_created_again_on_a_restored_data_dir_continues_above_its_archiv
         assert json.loads(described.stdout)[0]["tiered"] is False, described.stdout
     finally:
         node.stop()
+
+
+def test_queues_added_to_a_tiered_topic_on_a_restored_data_dir_continue_above_their_archive(
+    tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    """The copy was taken while the tiered topic had one queue; a second queue was added and
+    archived after it. Restored, the directory knows queue 0 (the start checks it) but not queue
+    1, and the operator adds it again (``tmq topic update --queues 2``): it must continue at its
+    archive's end, as a new topic's queue does (decision 745), not take offsets 0.. again."""
+    url, env = f"s3://{bucket}/added", s3.env()
+    tier = open_store(url, s3.storage_options())
+    data, backup = tmp_path / "data", tmp_path / "backup"
+
+    def queue_end(queue_id: int) -> int:
+        return ManifestLog(tier, queue_prefix(*BROKER, TOPIC, queue_id)).load().end_offset
+
+    node = start_tiered(data, url, env)
+    try:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+    finally:
+        node.stop()
+    shutil.copytree(data, backup)  # the backup: TOPIC tiered with one queue, empty
+
+    node = start_tiered(data, url, env)
+    try:
+        added = tmq("topic", "update", TOPIC, "-n", node.namesrv, "--queues", "2")
+        assert added.returncode == 0, added.stderr
+        node.wait_routed(TOPIC)
+        # Round robin from queue 0: the odd messages go to queue 1.
+        send_batches(node.endpoint, TOPIC, [(b"a" * 1000, "k", "t")] * 40, batch=20)
+        assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+        deadline = time.monotonic() + 90
+        while queue_end(1) < 20:
+            assert time.monotonic() < deadline, f"{queue_end(1)} of queue 1's 20 archived"
+            time.sleep(0.5)
+    finally:
+        node.stop()
+
+    shutil.rmtree(data)
+    shutil.copytree(backup, data)
+    node = start_tiered(data, url, env)
+    try:
+        added = tmq("topic", "update", TOPIC, "-n", node.namesrv, "--queues", "2")
+        assert added.returncode == 0, added.stderr
+        node.wait_routed(TOPIC)
+        archived = queue_end(0)  # before any send: the offloader moves it on after them
+        offsets = [o for _, o in send_batches(node.endpoint, TOPIC, [(b"b" * 1000, "k", "t")] * 20)]
+        # Queue 0 was known at the start (decision 720), queue 1 only to the update.
+        assert offsets[0::2] == list(range(archived, archived + 10)), offsets
+        assert offsets[1::2] == list(range(20, 30)), f"queue 1 reused archived offsets: {offsets}"
+        log_text = node.log_path.read_text()
+        assert "1: the local queue ends at 0, below its archive's end 20" in log_text
+    finally:
+        node.stop()
+
+
+def test_a_tiered_topic_created_while_the_tier_does_not_answer_is_answered_in_seconds(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """With the S3 endpoint black-holed, creating an eight-queue tiered topic loads eight
+    manifests that never come. One after the other, each through the tier's retries and
+    request timeouts, the call outlived the CLI's 10 s (the command failed) and went on for
+    minutes before the topic was stored. The check has one deadline (decision 785): the topic
+    is created within it, each queue not checked is logged, and the broker serves it."""
+    from conftest import S3Endpoint
+
+    node = Standalone(
+        tmp_path / "data",
+        extra=["--tier-url", f"s3://{bucket}/outage"],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    ).start()
+    try:
+        fault_proxy.set(blackhole=True)
+        started = time.monotonic()
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "8", "--tiered")
+        took = time.monotonic() - started
+        print(f"tmq topic create --tiered -q 8 on a black-holed tier: {took:.1f} s")
+        assert created.returncode == 0, created.stderr  # its call's own timeout is 10 s
+        assert fault_proxy.snapshot()["counters"]["blackholed"] >= 1
+        log_text = node.log_path.read_text()
+        assert f"{TOPIC}: queues 0,1,2,3,4,5,6,7 are not checked against their archives" in (
+            log_text
+        ), log_text[-3000:]
+        node.wait_routed(TOPIC)
+        offsets = [o for _, o in send_batches(node.endpoint, TOPIC, [(b"x" * 100, "k", "t")] * 16)]
+        assert offsets == [0] * 8 + [1] * 8, offsets
+    finally:
+        fault_proxy.heal()
+        node.stop()
