@@ -631,6 +631,44 @@ def read_total_and_magic(buf: Buffer, pos: int) -> tuple[int, int]:
     return int(total), int(magic)
 
 
+_ENTRY_HEAD = struct.Struct(">iiiiiqqi")  # TOTALSIZE .. SYSFLAG, less BODYCRC's sign
+
+
+def record_named(
+    buf: Buffer, pos: int, size: int, topic: bytes, queue_id: int, queue_offset: int, at: int
+) -> str | None:
+    """None when ``buf[pos:pos + size]`` starts the V2 record of ``topic``/``queue_id`` at
+    ``queue_offset`` stored at CommitLog offset ``at``, of exactly ``size`` bytes; else what it
+    holds. The check a read makes of a ConsumeQueue entry it does not decode (one a tag filter
+    skips, decision 756): the fixed head and the topic, without the body or properties.
+    ``buf`` must hold at least ``pos + size`` bytes."""
+    if size < V4_HEAD_SIZE:
+        return f"{size} bytes, too few for a record"
+    total, magic, _crc, qid, _flag, qoff, phys, sys_flag = _ENTRY_HEAD.unpack_from(buf, pos)
+    if magic != MAGIC_CODE_V2 or phys != at:
+        return "no record starting there"
+    if total != size or qid != queue_id or qoff != queue_offset:
+        return f"a record of {total} bytes of queue id {qid} at queue offset {qoff}"
+    body_at = (
+        pos
+        + _OFFSET_OF_BORNHOST
+        + (20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8)
+        + (20 if sys_flag & SYSFLAG_STOREHOST_V6 else 8)
+        + 20  # STORETIMESTAMP, RECONSUMETIMES, PREPAREDTRANSACTIONOFFSET
+    )
+    end = pos + size
+    if body_at + 4 > end:
+        return "no record starting there"
+    (body_len,) = _I32.unpack_from(buf, body_at)
+    topic_at = body_at + 4 + body_len
+    if body_len < 0 or topic_at + 2 + len(topic) > end:
+        return "no record starting there"
+    (topic_len,) = _U16.unpack_from(buf, topic_at)
+    if topic_len != len(topic) or buf[topic_at + 2 : topic_at + 2 + topic_len] != topic:
+        return f"another topic's record of queue id {qid} at queue offset {qoff}"
+    return None
+
+
 def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:
     """Decode the record at ``pos``.
 

@@ -1157,6 +1157,7 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
+        topic_name = topic.encode()
         wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
@@ -1175,7 +1176,21 @@ class MessageStore:
                 raise DamagedEntryError(topic, queue_id, qoff)
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
-                continue
+                # Skipped unread, but not unchecked: the entry's tag hash is as much garbage as
+                # its offset may be, and a skip would drop the queue's own message silently.
+                # The record's fixed head and topic are compared instead (decision 756).
+                found = self.commitlog.record_named(phys, length, topic_name, queue_id, qoff)
+                if found is None:
+                    continue
+                if found == "released":
+                    nxt = qoff  # released under this read: as a read that finds it gone
+                    break
+                wrong = f" (CommitLog {phys} + {length} holds {found})"
+                self._damage_notes.note(topic, queue_id, qoff)
+                if messages or qoff > offset:
+                    nxt = qoff
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff, wrong)
             try:
                 msg = self.commitlog.read_message(phys, length, check_crc=check)
             except CorruptRecordError:

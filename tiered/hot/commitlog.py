@@ -47,6 +47,7 @@ from tiered.record import (
     decode,
     dispatch_columns,
     read_total_and_magic,
+    record_named,
     scan_records,
     validate,
 )
@@ -688,6 +689,23 @@ class CommitLog:
             return f.read(pos, size)
         except ValueError:  # the file was unmapped by retention while we looked it up
             return None
+
+    def record_named(
+        self, offset: int, size: int, topic: bytes, queue_id: int, queue_offset: int
+    ) -> str | None:
+        """``record.record_named`` at ``offset``: None when the ``size`` bytes there start the
+        record of ``topic``/``queue_id`` at ``queue_offset``, else what they hold; "released"
+        when that range is not (or no longer) here, as ``read`` would say None."""
+        f = self.files.find_file(offset)
+        if f is None:
+            return "released"
+        pos = offset - f.from_offset
+        if pos + size > f.wrote:
+            return "a range past its file's data"
+        try:
+            return record_named(f.mm, pos, size, topic, queue_id, queue_offset, offset)
+        except ValueError:  # the file was unmapped by retention while we looked it up
+            return "released"
 
     def read_message(self, offset: int, size: int, *, check_crc: bool) -> StoredMessage | None:
         raw = self.read(offset, size)
