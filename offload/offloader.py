@@ -138,7 +138,7 @@ class DamagedEntryOffloadError(OffloadError):
 
 
 # While a queue's offload stays held at the same entry, the offloader says so again this often
-# (every pass meets it again: once a second in a busy test setup, and a minute by default).
+# (every pass meets it again: every 10 s by default, every second in the tests).
 HELD_LOG_INTERVAL_S = 600.0
 
 
