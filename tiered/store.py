@@ -61,6 +61,7 @@ from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
+from tiered.hot.mapped_file import MappedFile
 from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
@@ -75,6 +76,7 @@ from tiered.record import (
     read_store_timestamp,
     split_keys,
     tag_hash,
+    topic_field,
 )
 
 log = logging.getLogger(__name__)
@@ -1157,7 +1159,8 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
-        topic_name = topic.encode()
+        topic_field_bytes = topic_field(topic)
+        skipped_in: MappedFile | None = None  # the CommitLog file of the last entry skipped
         wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
@@ -1179,7 +1182,9 @@ class MessageStore:
                 # Skipped unread, but not unchecked: the entry's tag hash is as much garbage as
                 # its offset may be, and a skip would drop the queue's own message silently.
                 # The record's fixed head and topic are compared instead (decision 756).
-                found = self.commitlog.record_named(phys, length, topic_name, queue_id, qoff)
+                found, skipped_in = self.commitlog.record_named(
+                    phys, length, topic_field_bytes, queue_id, qoff, skipped_in
+                )
                 if found is None:
                     continue
                 if found == "released":
