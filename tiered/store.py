@@ -737,6 +737,12 @@ class MessageStore:
         """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
         stop before it."""
         index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+        # The records from ``index_from`` on are indexed again. Entries a file already has for
+        # them (after kill -9 the header's end lags its entry count) would stay as duplicates
+        # at higher numbers with lower offsets, where a query takes a chain that is not in
+        # CommitLog order for damage (decision 757): drop them first.
+        for f in self.index.files:
+            f.cut_entries_from(index_from)
         self.dispatcher = Dispatcher(
             self.commitlog,
             self.queues,
@@ -1471,6 +1477,8 @@ class MessageStore:
                 found.append(msg)
                 if len(found) >= max_count:
                     break
+        # Newest first, also when a damaged file's scan added candidates at the end.
+        found.sort(key=lambda m: m.commitlog_offset, reverse=True)
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
