@@ -124,6 +124,7 @@ def offload(
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
 
     Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
+    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry).
     """
     if words[0] == "status":
         if len(words) != 2:
