@@ -42,7 +42,13 @@ from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
 from offload.leadership import Term
-from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
+from offload.offloader import (
+    ArchiveAheadError,
+    DamagedEntryOffloadError,
+    Offloader,
+    OffloadError,
+    RetentionResult,
+)
 from offload.release import release_predicate
 from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
@@ -789,6 +795,8 @@ class Broker:
 
     def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
         self.offload_failures += 1
+        if isinstance(e, DamagedEntryOffloadError):
+            return  # the offloader logs a hold when it starts, then at a low rate (decision 755)
         if isinstance(e, OffloadError):
             log.error("%s of %s/%d failed: %s", step, topic, queue_id, e)
         else:  # not a storage failure the offloader knows: keep the traceback

@@ -297,3 +297,79 @@ def test_a_read_that_meets_an_entry_naming_another_record_fails_and_the_start_re
     store = MessageStore(config)
     assert store.start().cq_entries_repaired == 0
     store.shutdown()
+
+
+def write_tagged(config: StoreConfig) -> None:
+    """t/0 (tag A), t/1 (tag C) and u/0 (tag C), interleaved in the CommitLog; a clean exit."""
+    store = MessageStore(config)
+    store.start()
+    try:
+        for i in range(0, PER_QUEUE, 20):
+            store.put_messages(
+                [
+                    Message(topic, body(q, n), queue_id=q, properties={"TAGS": tag})
+                    for n in range(i, i + 20)
+                    for topic, q, tag in (("t", 0, "A"), ("t", 1, "C"), ("u", 0, "C"))
+                ]
+            )
+        assert store.wait_dispatched()
+    finally:
+        store.shutdown()
+
+
+def read_filtered(store: MessageStore, tags: str, offset: int = 0) -> list[bytes]:
+    from broker.pop import TagFilter
+
+    tag_filter = TagFilter(tags)
+    out: list[bytes] = []
+    while offset < store.max_offset("t", 0):
+        result = store.get_messages("t", 0, offset, 32, tag_filter=tag_filter.code_matches)
+        assert result.next_offset > offset, (offset, result.status)
+        out += [m.body for m in result.messages if tag_filter.matches(m)]
+        offset = result.next_offset
+    return out
+
+
+@pytest.mark.parametrize("names", ["another queue", "another topic", "inside a record"])
+def test_a_tag_filtered_read_checks_the_entries_its_filter_skips(
+    tmp_path: Path, names: str
+) -> None:
+    """An entry that a tag filter skips is not read (its tag hash says "not for you"), but the
+    hash is as much garbage as the offset: t/0's entry 40 (tag A) rewritten to name a tag-C
+    record, or bytes inside one. Skipping it handed the tag-A consumer message 41 after 39 and
+    dropped 40 without a word. The read now compares the skipped entry's record head and topic
+    (decision 756): it stops before it, a read at it fails naming it, the entry is noted and
+    the next start rebuilds it."""
+    import struct
+
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_tagged(config)
+    theirs = entries_of(config, 1)[40]  # t/1's record 40: queue id 1, tag C
+    if names == "another topic":  # u/0's record 40: queue id 0 and queue offset 40 too
+        path = config.consumequeue_dir / "u" / "0" / f"{0:020d}"
+        theirs = struct.unpack_from(">qiq", path.read_bytes(), 40 * 20)
+    elif names == "inside a record":
+        theirs = (theirs[0] + 24, 90, theirs[2])
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert read_filtered(store, "A")[:41] == [body(0, n) for n in range(41)]
+        write_entry(config, 0, 40, theirs)  # the mapping is shared: the store sees it
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*restart"):
+            read_filtered(store, "A")
+        from broker.pop import TagFilter
+
+        code = TagFilter("A").code_matches
+        result = store.get_messages("t", 0, 30, 32, tag_filter=code)
+        assert [m.body for m in result.messages] == [body(0, n) for n in range(30, 40)]
+        assert result.next_offset == 40
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*holds"):
+            store.get_messages("t", 0, 40, 32, tag_filter=TagFilter("B").code_matches)
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    assert store.start().cq_entries_repaired == 1, "the read noted it for the start"
+    try:
+        assert read_filtered(store, "A") == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()

@@ -573,6 +573,58 @@ def test_an_entry_naming_another_record_holds_the_queue_and_nothing_wrong_is_arc
         worker.close()
 
 
+def test_a_hold_is_kept_for_the_status_logged_once_and_ended_by_a_commit_past_it(
+    tmp_path: Path, s3: Any, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The offloader keeps where a queue's offload is held (``held``: offset, reason, since)
+    for the admin status, logs it when it starts, not on every pass that meets it again, and
+    ends the hold when a commit passes the entry (decision 755)."""
+    from offload.offloader import DamagedEntryOffloadError
+    from tiered.formats import CQ_DTYPE
+
+    tier = open_store(f"s3://{bucket}/tier", s3.storage_options())
+    config = StoreConfig(data_dir=tmp_path / "hot", consumequeue_entries_per_file=256)
+    store = MessageStore(config)
+    store.start()
+    offloader = Offloader(store, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=100))
+    try:
+        fill(store, "orders", 400)  # 200 a queue
+        ours = store.queue_entry_table("orders", 0, 150, 1)
+        other = store.queue_entry_table("orders", 1, 150, 1)
+        cq_file = config.data_dir / "consumequeue" / "orders" / "0" / f"{0:020d}"
+
+        def put(entry: Any) -> None:
+            with open(cq_file, "r+b") as f:
+                f.seek(150 * 20)
+                f.write(entry.astype(CQ_DTYPE).tobytes())
+
+        put(other)
+        assert offloader.held("orders", 0) is None
+        with caplog.at_level("ERROR", logger="offload.offloader"):
+            for _ in range(3):
+                with pytest.raises(DamagedEntryOffloadError):
+                    offloader.offload_queue("orders", 0)
+        hold = offloader.held("orders", 0)
+        assert hold is not None and hold.offset == 150
+        assert f"names CommitLog [{int(other['offset'][0])}," in hold.reason
+        assert "queue id 1 at queue offset 150" in hold.reason
+        assert abs(hold.since_ms - time.time() * 1000) < 60_000
+        held_lines = [r for r in caplog.records if "offload held at queue offset 150" in r.message]
+        assert len(held_lines) == 1, "logged when it starts, not on every pass"
+        assert offloader.watermark("orders", 0) == 100
+        assert offloader.held("orders", 1) is None, "the other queue is not held"
+
+        put(ours)  # the entry is right again (as a restart's rebuild makes it)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="offload.offloader"):
+            assert offloader.offload_queue("orders", 0).watermark == 200
+        assert offloader.held("orders", 0) is None
+        assert any("no longer held at queue offset 150" in r.message for r in caplog.records)
+    finally:
+        offloader.close()
+        store.shutdown()
+
+
 def _hold_then_rebuild(tier: ObjectStore, config: StoreConfig, worker: Any, names: str) -> None:
     from offload.offloader import DamagedEntryOffloadError
     from tiered.formats import CQ_DTYPE

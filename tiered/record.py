@@ -126,6 +126,13 @@ def _tail_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
 
 
 _TAILS = {(b, s): _tail_struct(b, s) for b in (False, True) for s in (False, True)}
+# Where a record's BODY length is, by its SYSFLAG's host bits: after BORNHOST, STORETIMESTAMP,
+# STOREHOST, RECONSUMETIMES and PREPAREDTRANSACTIONOFFSET (``record_named``).
+_BODY_AT = {
+    born * (1 << 4) + store * (1 << 5): 48 + (20 if born else 8) + (20 if store else 8) + 20
+    for born in (0, 1)
+    for store in (0, 1)
+}
 # The common case (both hosts IPv4) as one struct, for the append path.
 _V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
 V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
@@ -629,6 +636,45 @@ def blank_record(size: int) -> bytes:
 def read_total_and_magic(buf: Buffer, pos: int) -> tuple[int, int]:
     total, magic = _TOTAL_AND_MAGIC.unpack_from(buf, pos)
     return int(total), int(magic)
+
+
+_ENTRY_HEAD = struct.Struct(">iiiiiqqi")  # TOTALSIZE .. SYSFLAG, less BODYCRC's sign
+
+
+def record_named(
+    buf: Buffer, pos: int, size: int, topic: bytes, queue_id: int, queue_offset: int, at: int
+) -> str | None:
+    """None when ``buf[pos:pos + size]`` starts the V2 record of ``queue_id`` at
+    ``queue_offset`` of the topic whose TOPIC field (``topic_field``: length and name) is
+    ``topic``, stored at CommitLog offset ``at``, of exactly ``size`` bytes; else what it
+    holds. The check a read makes of a ConsumeQueue entry it does not decode (one a tag filter
+    skips, decision 756): the fixed head and the topic, without the body or properties; two
+    unpacks and a compare.
+    ``buf`` must hold at least ``pos + size`` bytes."""
+    if size < V4_HEAD_SIZE:
+        return f"{size} bytes, too few for a record"
+    total, magic, _crc, qid, _flag, qoff, phys, sys_flag = _ENTRY_HEAD.unpack_from(buf, pos)
+    if magic != MAGIC_CODE_V2 or phys != at:
+        return "no record starting there"
+    if total != size or qid != queue_id or qoff != queue_offset:
+        return f"a record of {total} bytes of queue id {qid} at queue offset {qoff}"
+    body_at = pos + _BODY_AT[sys_flag & (SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6)]
+    end = pos + size
+    if body_at + 4 > end:
+        return "no record starting there"
+    (body_len,) = _I32.unpack_from(buf, body_at)
+    topic_at = body_at + 4 + body_len
+    if body_len < 0 or topic_at + len(topic) > end:
+        return "no record starting there"
+    if buf[topic_at : topic_at + len(topic)] != topic:
+        return f"another topic's record of queue id {qid} at queue offset {qoff}"
+    return None
+
+
+def topic_field(topic: str) -> bytes:
+    """A record's TOPIC field for ``topic``: its length (2 bytes) and its name."""
+    name = topic.encode()
+    return _U16.pack(len(name)) + name
 
 
 def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:

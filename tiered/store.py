@@ -61,6 +61,7 @@ from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
+from tiered.hot.mapped_file import MappedFile
 from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
@@ -75,6 +76,7 @@ from tiered.record import (
     read_store_timestamp,
     split_keys,
     tag_hash,
+    topic_field,
 )
 
 log = logging.getLogger(__name__)
@@ -735,6 +737,12 @@ class MessageStore:
         """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
         stop before it."""
         index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+        # The records from ``index_from`` on are indexed again. Entries a file already has for
+        # them (after kill -9 the header's end lags its entry count) would stay as duplicates
+        # at higher numbers with lower offsets, where a query takes a chain that is not in
+        # CommitLog order for damage (decision 757): drop them first.
+        for f in self.index.files:
+            f.cut_entries_from(index_from)
         self.dispatcher = Dispatcher(
             self.commitlog,
             self.queues,
@@ -1157,6 +1165,8 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
+        topic_field_bytes = topic_field(topic)
+        skipped_in: MappedFile | None = None  # the CommitLog file of the last entry skipped
         wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
@@ -1175,7 +1185,23 @@ class MessageStore:
                 raise DamagedEntryError(topic, queue_id, qoff)
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
-                continue
+                # Skipped unread, but not unchecked: the entry's tag hash is as much garbage as
+                # its offset may be, and a skip would drop the queue's own message silently.
+                # The record's fixed head and topic are compared instead (decision 756).
+                found, skipped_in = self.commitlog.record_named(
+                    phys, length, topic_field_bytes, queue_id, qoff, skipped_in
+                )
+                if found is None:
+                    continue
+                if found == "released":
+                    nxt = qoff  # released under this read: as a read that finds it gone
+                    break
+                wrong = f" (CommitLog {phys} + {length} holds {found})"
+                self._damage_notes.note(topic, queue_id, qoff)
+                if messages or qoff > offset:
+                    nxt = qoff
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff, wrong)
             try:
                 msg = self.commitlog.read_message(phys, length, check_crc=check)
             except CorruptRecordError:
@@ -1451,6 +1477,8 @@ class MessageStore:
                 found.append(msg)
                 if len(found) >= max_count:
                     break
+        # Newest first, also when a damaged file's scan added candidates at the end.
+        found.sort(key=lambda m: m.commitlog_offset, reverse=True)
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):
