@@ -346,7 +346,7 @@ class _RangedGetter:
 
     def _sign(self, url: str, headers: dict[str, str]) -> dict[str, str]:
         frozen = self.credentials.get_frozen_credentials()
-        if self._signer is None or frozen is not self._frozen:
+        if self._signer is None or frozen != self._frozen:  # new keys: a new signer
             self._signer, self._frozen = S3SigV4Auth(frozen, "s3", self.region), frozen
         request = AWSRequest("GET", url, headers=headers)
         self._signer.add_auth(request)
