@@ -308,6 +308,7 @@ def test_ranged_gets_bypass_botocore_and_answer_every_fault_as_it_does(
     with pytest.raises(ObjectNotFoundError):
         store.get_range("c/b/none.seg", 0, 10)
     assert len(botocore_gets) == 2  # the 404, answered by botocore's own call
+    assert store.inner._ranged is not None  # type: ignore[attr-defined]  # (a miss is a miss)
 
     def failure(of: ObjectStore, length: int = 100) -> StorageError:
         started = time.monotonic()
@@ -335,6 +336,24 @@ def test_ranged_gets_bypass_botocore_and_answer_every_fault_as_it_does(
     assert counters["truncated"] >= 1 and counters["reset"] >= 1
     fault_proxy.heal()
     assert store.get_range(keys[1], 5, 5) == data[5:10]
+    assert len(botocore_gets) == 2
+
+
+def test_a_ranged_get_refused_where_botocore_succeeds_hands_ranged_gets_to_botocore(
+    s3: S3Endpoint, bucket: str
+) -> None:
+    """A fast path that sends something botocore would not (here: another address; in the field
+    a region botocore corrects) answers with botocore's bytes, then leaves ranged GETs to
+    botocore rather than pay two requests a read."""
+    store = open_store(f"s3://{bucket}/tier", s3.storage_options(), RetryPolicy(attempts=1))
+    data = os.urandom(10_000)
+    store.put("c/b/k", data)
+    botocore_gets = _botocore_gets(store)
+    store.inner._ranged.path = f"/not-{bucket}/"  # type: ignore[attr-defined]
+    assert store.get_range("c/b/k", 100, 50) == data[100:150]
+    assert store.inner._ranged is None  # type: ignore[attr-defined]
+    assert len(botocore_gets) == 1
+    assert store.get_range("c/b/k", 0, 10) == data[:10]
     assert len(botocore_gets) == 2
 
 

@@ -17,6 +17,7 @@ threads and the fetcher's read-ahead use at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ from tiered.cold.storage import (
     put_checksum,
     translate,
 )
+
+log = logging.getLogger(__name__)
 
 # s3fs option names this backend maps onto botocore; a tier with any other option is served
 # by s3fs, which knows them all (``supports``).
@@ -141,10 +144,20 @@ class S3ObjectStore:
         if self._ranged is not None:
             try:
                 return self._ranged.get(self._key(key), start, length)
-            except _Delegate:
-                pass  # a 4xx other than 404/416: botocore's own call answers it (see _RangedGetter)
-            except ClientError as e:
-                raise self._translate(key, e) from e
+            except _Delegate as refused:
+                # A 4xx other than 416: botocore's own call answers it (see _RangedGetter). If
+                # that call succeeds, the fast path sends something botocore does not (a region
+                # or an address it would correct): it is switched off for this store, so that
+                # every read does not pay two requests.
+                data = self._botocore_range(key, start, length)
+                log.warning(
+                    "%s: a ranged GET was refused (HTTP %s) where botocore's call was not; "
+                    "ranged GETs go through botocore from now on",
+                    self.url,
+                    refused.status,
+                )
+                self._ranged = None
+                return data
             except Exception as e:
                 raise self._translate(key, e) from e
         return self._botocore_range(key, start, length)
@@ -228,6 +241,10 @@ class S3ObjectStore:
 class _Delegate(Exception):
     """The ranged GET met an answer that botocore's own call handles (see ``_RangedGetter``)."""
 
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
 
 class _RangedGetter:
     """Ranged ``GetObject`` through a urllib3 pool, signed by botocore's SigV4 signer, without
@@ -249,8 +266,10 @@ class _RangedGetter:
     XML), classified by ``translate`` like botocore's. Any other 4xx (not found, access denied, a
     bucket in another region that botocore would redirect to) is answered by botocore's own call
     instead: one more request on a path that fails anyway, and the error, its message and the
-    region redirect are exactly botocore's. Credentials never appear in an error: the signature is
-    a header, and neither the URL nor urllib3's messages carry headers."""
+    region redirect are exactly botocore's; when botocore's call succeeds where this one was
+    refused, the store leaves its ranged GETs to botocore from then on (logged). Credentials
+    never appear in an error: the signature is a header, and neither the URL nor urllib3's
+    messages carry headers."""
 
     def __init__(
         self,
