@@ -20,6 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
 
+try:  # tests/ on the path (most tests), or the repository root (tests/test_ha.py)
+    import process_logs
+except ImportError:
+    from tests import process_logs  # type: ignore[no-redef]
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -79,6 +84,8 @@ def wait_healthy(
     than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on the port:
     another server there (one handed the same port) answers too, while ``proc`` fails to bind
     it and exits."""
+    # Its log's tail goes into the report of a test that fails (tests/process_logs.py).
+    process_logs.track(what, log_path)
     channel = channel or grpc.insecure_channel(endpoint)
     health = health_pb2_grpc.HealthStub(channel)
     port = int(endpoint.rsplit(":", 1)[1])
@@ -175,6 +182,7 @@ class Standalone:
         return f"127.0.0.1:{self.namesrv_port}"
 
     def start(self) -> Standalone:
+        process_logs.track("standalone", self.log_path, self.env)
         self.proc = subprocess.Popen(
             [
                 sys.executable,

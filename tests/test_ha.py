@@ -28,6 +28,7 @@ from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
 from broker.metadata import BrokerMetadata
 from remoting.security import ChannelSecurity
+from tests import process_logs
 from tests.broker_harness import REPO, free_port, send_all, wait_healthy
 from tiered.config import StoreConfig
 from tiered.epoch_file import EpochEntry, EpochFile
@@ -152,6 +153,7 @@ lease_ttl_ms = {lease_ttl_ms}
 """
             + self.extra_toml
         )
+        process_logs.track(self.name, self.log_path, env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(config)],
             cwd=REPO,
@@ -653,6 +655,7 @@ def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
     from remoting.namesrv_client import NameServerClient
 
     port = free_port()
+    process_logs.track("namesrv", tmp_path / "namesrv.log")
     namesrv = subprocess.Popen(
         [
             sys.executable,
