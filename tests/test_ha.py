@@ -29,7 +29,7 @@ from broker import admin_pb2_grpc as apb_grpc
 from broker.metadata import BrokerMetadata
 from remoting.security import ChannelSecurity
 from tests import process_logs
-from tests.broker_harness import REPO, free_port, send_all, wait_healthy
+from tests.broker_harness import REPO, free_port, send_all, sigstop, wait_healthy
 from tiered.config import StoreConfig
 from tiered.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
@@ -388,7 +388,9 @@ def test_sync_send_fails_cleanly_without_enough_replicas_and_recovers(group) -> 
     # sync_timeout_ms for the slave, and fails; after max_lag_ms the slave leaves the set and
     # sends are refused up front.
     assert slave.proc is not None
-    os.kill(slave.proc.pid, signal.SIGSTOP)
+    # Stopped for real before the send: kill() returns before every thread of the slave has
+    # stopped, and one still running acknowledged the send this test means to time out.
+    sigstop(slave.proc.pid)
     try:
         timed_out = send(master.endpoint, 200, 20)
         assert [st.code for st in timed_out] == [d.SLAVE_PERSISTENCE_TIMEOUT]

@@ -6,6 +6,8 @@ and its start was taken as healthy because the NameServer answered there (decisi
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -106,3 +108,44 @@ def test_a_replica_group_wait_that_times_out_shows_each_members_state_and_log(
     finally:
         alive.proc.kill()
         alive.proc.wait(30)
+
+
+_ECHO_CHILD = """
+import socket, sys, threading
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+def echo():
+    while data := conn.recv(64):
+        conn.sendall(data)
+threading.Thread(target=echo, daemon=True).start()
+for _ in range(4):  # idle threads besides, as a broker has
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def test_a_stopped_child_answers_nothing_sent_after_sigstop_returns() -> None:
+    """A child whose thread echoes what it reads from a socket (as a slave acknowledges the
+    bytes its master streams) is stopped with ``sigstop``, then sent a byte: it must not answer
+    until SIGCONT. With a bare ``os.kill`` it answered in most tries on this loaded machine:
+    the kernel stops the other threads only once the one that takes the signal runs."""
+    from tests.broker_harness import sigstop
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])]
+        )
+        try:
+            listener.settimeout(60)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(30)
+                for n in range(15):
+                    sigstop(child.pid)
+                    conn.sendall(bytes([n]))
+                    ready, _, _ = select.select([conn], [], [], 0.3)
+                    assert not ready, f"try {n}: the stopped child answered"
+                    os.kill(child.pid, signal.SIGCONT)
+                    assert conn.recv(64) == bytes([n]), "it answers once continued"
+        finally:
+            child.kill()
+            child.wait()
