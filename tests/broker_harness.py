@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,23 @@ def wait_healthy(
     log_path: Path,
     what: str,
     seconds: float = 60,
-    channel: grpc.Channel | None = None,
+    connect: Callable[[], grpc.Channel] | None = None,
 ) -> None:
-    """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over ``channel``,
-    default a plaintext one); raise with the end of its log if it exits first or takes longer
-    than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on the port:
-    another server there (one handed the same port) answers too, while ``proc`` fails to bind
-    it and exits."""
+    """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over a channel from
+    ``connect``, default a plaintext one); raise with the end of its log if it exits first or
+    takes longer than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on
+    the port: another server there (one handed the same port) answers too, while ``proc`` fails
+    to bind it and exits.
+
+    Each failed check gets a new channel: a channel that found nothing listening retries
+    connecting with exponential backoff (1 s, 1.6 times more each time, with jitter), so its
+    attempts thin out to one in 17 s and then 27 s; a broker up at 28 s was seen SERVING 15 s
+    later over one channel, 0.2 s later with a channel per check. One that took 45 s to start
+    at load 30 then passed the 60 s deadline unseen (decision 744)."""
     # Its log's tail goes into the report of a test that fails (tests/process_logs.py).
     process_logs.track(what, log_path)
-    channel = channel or grpc.insecure_channel(endpoint)
-    health = health_pb2_grpc.HealthStub(channel)
+    connect = connect or (lambda: grpc.insecure_channel(endpoint))
+    channel = connect()
     port = int(endpoint.rsplit(":", 1)[1])
     deadline = time.monotonic() + seconds
     impostor = False
@@ -98,9 +105,12 @@ def wait_healthy(
                     f"{what} exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
                 )
             try:
+                health = health_pb2_grpc.HealthStub(channel)
                 serving = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
             except grpc.RpcError:
                 serving = False
+                channel.close()
+                channel = connect()
             if serving:
                 if listens_on(proc.pid, port) is not False:
                     return
@@ -249,7 +259,7 @@ class Standalone:
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone", channel=self.channel())
+        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone", connect=self.channel)
         return self
 
     def channel(self, target: str | None = None) -> grpc.Channel:

@@ -162,7 +162,7 @@ lease_ttl_ms = {lease_ttl_ms}
             # INFO: the log says when the link connected, streamed and joined the set.
             env={**os.environ, "TMQ_LOG_LEVEL": "INFO", **(env or {})},
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, self.name, channel=self.channel())
+        wait_healthy(self.proc, self.endpoint, self.log_path, self.name, connect=self.channel)
         return self
 
     def stop(self) -> None:

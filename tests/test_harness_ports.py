@@ -149,3 +149,48 @@ def test_a_stopped_child_answers_nothing_sent_after_sigstop_returns() -> None:
         finally:
             child.kill()
             child.wait()
+
+
+_FAILING_WITH_LOGS = """
+import process_logs
+
+SECRET = "NotARealKeyButLongEnough0123456789"
+
+
+def test_fails(tmp_path):
+    log = tmp_path / "broker-x.log"
+    log.write_text("".join(f"line {n}\\n" for n in range(300)) + f"raw stderr quoting {SECRET}\\n")
+    process_logs.track("broker-x", log, {"AWS_SECRET_ACCESS_KEY": SECRET})
+    assert False, "the test's own failure"
+
+
+def test_passes(tmp_path):
+    log = tmp_path / "broker-y.log"
+    log.write_text("nothing to see\\n")
+    process_logs.track("broker-y", log)
+"""
+
+
+def test_a_failed_tests_report_ends_with_its_servers_log_tails(tmp_path: Path) -> None:
+    """Decision 740: the report of a test that failed carries the last 200 lines of each server
+    log it tracked, with the secrets of the server's environment scrubbed; a test that passed
+    shows none, and the next test does not inherit the previous one's servers."""
+    (tmp_path / "test_inner.py").write_text(_FAILING_WITH_LOGS)
+    command = ["-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-o", "addopts="]
+    done = subprocess.run(
+        [sys.executable, *command, "-q", "test_inner.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
+    assert "broker-x log, last 200 lines" in out, out[-3000:]
+    assert "line 299" in out and "line 100\n" not in out  # the tail, not the whole log
+    assert "raw stderr quoting ***" in out
+    assert "NotARealKeyButLongEnough0123456789" not in out.replace(
+        'SECRET = "NotARealKeyButLongEnough0123456789"', ""
+    )
+    assert "broker-y" not in out
