@@ -137,10 +137,20 @@ def test_fifty_thousand_messages_round_trip_through_the_tier(
         for (topic, queue), expected in by_queue.items():
             got: list[d.Message] = []
             offset = 0
+            slow = 0
             while offset < len(expected):
-                code, why, messages, offset = pull(stub, topic, queue, offset)
+                code, why, messages, next_offset = pull(stub, topic, queue, offset)
+                if code == d.PROXY_TIMEOUT and slow < 10:
+                    # A cold read past the broker's 2.5 s deadline: the fetch goes on in the
+                    # background and the answer is a retry, as `tmq replay` does (at load 30
+                    # a batch's two GETs took longer). Never a message less or out of order:
+                    # the offset stays where it was.
+                    assert not messages and "cold tier" in why, why
+                    slow += 1
+                    continue
                 assert code == d.OK, why
                 got += messages
+                offset = next_offset
             assert [m.system_properties.queue_offset for m in got] == list(range(len(expected)))
             assert [
                 (m.body, list(m.system_properties.keys), m.system_properties.tag) for m in got
