@@ -259,7 +259,15 @@ class Standalone:
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone", connect=self.channel)
+        try:
+            wait_healthy(
+                self.proc, self.endpoint, self.log_path, "standalone", connect=self.channel
+            )
+        except BaseException:
+            # Not left running: the test's cleanup never stops a node whose start raised.
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def channel(self, target: str | None = None) -> grpc.Channel:
