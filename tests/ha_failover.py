@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import process_logs
 from tests.broker_harness import REPO, free_port, pull_all, tmq
 from tests.etcd_harness import EtcdCluster
 from tests.test_ha import QUEUES, TOPIC, GroupMember, describe_members
@@ -192,6 +193,7 @@ def start_namesrv(root: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], s
     """A NameServer on ``port`` (0: a free one), logging to ``root``/namesrv.log."""
     port = port or free_port()
     command = ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
+    process_logs.track("namesrv", root / "namesrv.log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.app", *command],
         cwd=REPO,
