@@ -30,6 +30,7 @@ from test_crash import Ack, collect, verify
 
 from broker.metadata import BrokerMetadata
 from broker.timer import TimerService
+from tiered import store as store_module
 from tiered.config import StoreConfig
 from tiered.hot.commitlog import DurabilityLostError
 from tiered.record import Message
@@ -711,6 +712,45 @@ def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -
         assert index_files
         store.shutdown()
         assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
+        assert all(f.mm.closed for f in store.commitlog.files.files)
+        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+    finally:
+        fs.close()
+
+
+def test_a_start_that_fails_on_a_dying_disk_raises_its_own_error_not_the_cleanups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start refused for a reason of its own (here an unreadable queue-floors file, decision
+    720) while the disk dies under it: closing what the start had opened then meets EIO (an
+    IndexFile's header write). The operator must see why the start failed, not the cleanup's
+    EIO, which used to replace it; the cleanup's error is kept as a note, every file is closed
+    and the lock released."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        config = StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL)
+        with MessageStore(config) as store:
+            for n in range(20):
+                store.put_message(
+                    Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"})
+                )
+        floors = config.data_dir / store_module.QUEUE_FLOORS_FILE
+        floors.write_bytes(b"{not json")
+        real_load = store_module.load_queue_floors
+
+        def power_cut_then_load(data_dir: Path) -> dict[tuple[str, int], int]:
+            fs.crash()  # the disk dies here, mid-start: every later write is EIO
+            return real_load(data_dir)
+
+        monkeypatch.setattr(store_module, "load_queue_floors", power_cut_then_load)
+        store = MessageStore(config)
+        with pytest.raises(store_module.StoreLoadError, match="queue-floors") as raised:
+            store.start()
+        assert any("Input/output error" in note for note in raised.value.__notes__)
+        assert store.index.files, "the start had opened its IndexFiles"
+        assert all(f.mm.closed for f in store.index.files), "an IndexFile was left mapped"
         assert all(f.mm.closed for f in store.commitlog.files.files)
         assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
     finally:

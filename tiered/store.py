@@ -386,9 +386,15 @@ class MessageStore:
             # The failed frames' locals may hold views of the mappings closed next, and a
             # mapping with a view cannot close: its BufferError would hide this error.
             traceback.clear_frames(e.__traceback__)
-            self.commitlog.close()
-            self.queues.close()
-            self.index.close()
+            # Every part is closed and the lock released even when the disk refuses a close
+            # (EIO writing an IndexFile's header on a dead disk): that error is logged and
+            # noted on this one, which stays the one raised, as it is why the start failed.
+            for close in (self.commitlog.close, self.queues.close, self.index.close):
+                try:
+                    close()
+                except Exception as cleanup:
+                    log.error("closing the store after its start failed: %s", cleanup)
+                    e.add_note(f"closing the store after this failed also failed: {cleanup!r}")
             self.data_dir.unlock()
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreLoadError(
