@@ -796,20 +796,16 @@ class MessageStore:
             self._flusher.join()
         assert self.dispatcher is not None
         if self.commitlog.failed is not None:
-            # Nothing more may be claimed durable: leave the abort marker, so the next start
-            # recovers from what the disk really holds.
-            self.dispatcher.stop()
-            # The disk that failed may fail these too (an IndexFile's header write meets EIO):
-            # every part is still closed and the lock released, and the error only logged,
-            # since the store has already refused everything it could not make durable.
-            for close in (self.commitlog.close, self.queues.close, self.index.close):
-                try:
-                    close()
-                except OSError as e:
-                    log.error("closing a failed store: %s", e)
-            self.data_dir.unlock()
+            # Failed before: whoever flushed was told then; nothing more to raise.
+            self._close_failed()
             return
-        self.commitlog.flush()
+        try:
+            self.commitlog.flush()
+        except DurabilityLostError:
+            # The disk died since the last flush: nobody was told yet. Close as a failed
+            # store, then raise, so the caller does not take this for a clean stop.
+            self._close_failed()
+            raise
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
         try:
@@ -819,10 +815,16 @@ class MessageStore:
             # dispatched is in the flushed CommitLog, and the next start re-dispatches it.
             log.error("dispatch at shutdown failed (%s)", e)
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
-        self.queues.flush()
-        self.index.flush()
-        # A checkpoint the full disk refused leaves the exit unclean: the next start recovers.
-        saved = self._save_checkpoint_if_room()
+        try:
+            self.queues.flush()
+            self.index.flush()
+            # A checkpoint the full disk refused leaves the exit unclean: the next start
+            # recovers.
+            saved = self._save_checkpoint_if_room()
+        except OSError as e:
+            self.commitlog.fail(e)
+            self._close_failed()
+            raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
         self.commitlog.close()
         self.queues.close()
         self.index.close()
@@ -834,6 +836,20 @@ class MessageStore:
             log.error(
                 "dispatch is behind at shutdown; the next start will recover as after a crash"
             )
+        self.data_dir.unlock()
+
+    def _close_failed(self) -> None:
+        """Shut down a store whose disk failed: nothing more may be claimed durable, so the
+        abort marker stays and the next start recovers from what the disk really holds. The
+        disk that failed may fail the closes too (an IndexFile's header write meets EIO):
+        every part is still closed and the lock released, and those errors only logged."""
+        assert self.dispatcher is not None
+        self.dispatcher.stop()
+        for close in (self.commitlog.close, self.queues.close, self.index.close):
+            try:
+                close()
+            except OSError as e:
+                log.error("closing a failed store: %s", e)
         self.data_dir.unlock()
 
     def __enter__(self) -> MessageStore:
