@@ -388,9 +388,15 @@ class MessageStore:
             # The failed frames' locals may hold views of the mappings closed next, and a
             # mapping with a view cannot close: its BufferError would hide this error.
             traceback.clear_frames(e.__traceback__)
-            self.commitlog.close()
-            self.queues.close()
-            self.index.close()
+            # Every part is closed and the lock released even when the disk refuses a close
+            # (EIO writing an IndexFile's header on a dead disk): that error is logged and
+            # noted on this one, which stays the one raised, as it is why the start failed.
+            for close in (self.commitlog.close, self.queues.close, self.index.close):
+                try:
+                    close()
+                except Exception as cleanup:
+                    log.error("closing the store after its start failed: %s", cleanup)
+                    e.add_note(f"closing the store after this failed also failed: {cleanup!r}")
             self.data_dir.unlock()
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreLoadError(
@@ -798,20 +804,16 @@ class MessageStore:
             self._flusher.join()
         assert self.dispatcher is not None
         if self.commitlog.failed is not None:
-            # Nothing more may be claimed durable: leave the abort marker, so the next start
-            # recovers from what the disk really holds.
-            self.dispatcher.stop()
-            # The disk that failed may fail these too (an IndexFile's header write meets EIO):
-            # every part is still closed and the lock released, and the error only logged,
-            # since the store has already refused everything it could not make durable.
-            for close in (self.commitlog.close, self.queues.close, self.index.close):
-                try:
-                    close()
-                except OSError as e:
-                    log.error("closing a failed store: %s", e)
-            self.data_dir.unlock()
+            # Failed before: whoever flushed was told then; nothing more to raise.
+            self._close_failed()
             return
-        self.commitlog.flush()
+        try:
+            self.commitlog.flush()
+        except DurabilityLostError:
+            # The disk died since the last flush: nobody was told yet. Close as a failed
+            # store, then raise, so the caller does not take this for a clean stop.
+            self._close_failed()
+            raise
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
         try:
@@ -821,10 +823,16 @@ class MessageStore:
             # dispatched is in the flushed CommitLog, and the next start re-dispatches it.
             log.error("dispatch at shutdown failed (%s)", e)
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
-        self.queues.flush()
-        self.index.flush()
-        # A checkpoint the full disk refused leaves the exit unclean: the next start recovers.
-        saved = self._save_checkpoint_if_room()
+        try:
+            self.queues.flush()
+            self.index.flush()
+            # A checkpoint the full disk refused leaves the exit unclean: the next start
+            # recovers.
+            saved = self._save_checkpoint_if_room()
+        except OSError as e:
+            self.commitlog.fail(e)
+            self._close_failed()
+            raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
         self.commitlog.close()
         self.queues.close()
         self.index.close()
@@ -836,6 +844,20 @@ class MessageStore:
             log.error(
                 "dispatch is behind at shutdown; the next start will recover as after a crash"
             )
+        self.data_dir.unlock()
+
+    def _close_failed(self) -> None:
+        """Shut down a store whose disk failed: nothing more may be claimed durable, so the
+        abort marker stays and the next start recovers from what the disk really holds. The
+        disk that failed may fail the closes too (an IndexFile's header write meets EIO):
+        every part is still closed and the lock released, and those errors only logged."""
+        assert self.dispatcher is not None
+        self.dispatcher.stop()
+        for close in (self.commitlog.close, self.queues.close, self.index.close):
+            try:
+                close()
+            except OSError as e:
+                log.error("closing a failed store: %s", e)
         self.data_dir.unlock()
 
     def __enter__(self) -> MessageStore:

@@ -111,6 +111,7 @@ class ArchiveStarts:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._starts: dict[tuple[str, int], int] = {}
+        self._unsaved = False  # the file is behind ``_starts``: a save failed
         self._lock = threading.Lock()
         if path is not None and path.exists():
             try:
@@ -133,10 +134,10 @@ class ArchiveStarts:
         key = (topic, queue_id)
         start = manifest.start_offset if manifest.segments else None
         with self._lock:
-            if self._starts.get(key) == start:
+            if self._starts.get(key) == start and not self._unsaved:
                 return
             if start is None:
-                self._starts.pop(key)
+                self._starts.pop(key, None)
             else:
                 self._starts[key] = start
             if self.path is None:
@@ -145,8 +146,18 @@ class ArchiveStarts:
             try:
                 make_dirs(self.path.parent)
                 write_file(self.path, json.dumps({"queues": rows}).encode())
-            except OSError as e:  # a full disk: the tier stays the truth; retried next change
-                log.warning("cannot save %s: %s", self.path, e)
+            except OSError as e:
+                # A full disk: the tier stays the truth while this process runs, but a file
+                # left stale would, after a restart, hide an un-tiered topic's archive or make
+                # a restart in an outage forget a queue has one. Retried at the next note of
+                # any queue, which the refresher makes every pass, changed or not.
+                if not self._unsaved:
+                    log.warning("cannot save %s (retried every manifest pass): %s", self.path, e)
+                self._unsaved = True
+            else:
+                if self._unsaved:
+                    log.info("saved %s again", self.path)
+                self._unsaved = False
 
 
 class ColdFetcher:

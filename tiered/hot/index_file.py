@@ -355,8 +355,12 @@ class IndexFile:
         return n - cut
 
     def flush(self) -> None:
-        self._write_header()
-        os.fdatasync(self._fd)  # releases the GIL, unlike mmap.flush
+        try:
+            self._write_header()
+            os.fdatasync(self._fd)  # releases the GIL, unlike mmap.flush
+        except OSError as e:  # name the file: the store's DurabilityLostError quotes it
+            e.filename = str(self.path)
+            raise
 
     def close(self) -> None:
         if not self.mm.closed:
