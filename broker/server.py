@@ -41,6 +41,7 @@ from broker.status import BrokerStatus, ExportFreshness, broker_status
 from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
+from offload.divergence import Divergence
 from offload.leadership import Term
 from offload.offloader import Offloader, OffloadError, RetentionResult
 from offload.release import release_predicate
@@ -115,6 +116,12 @@ class Broker:
                 archive_starts=config.config_dir / "archive-starts.json",
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
+        # A standalone broker's record of tiered queues not checked against their archive
+        # (decision 750); in a replica group the master's log decides offsets.
+        self.divergence: Divergence | None = None
+        if self.fetcher is not None and not config.ha.enabled:
+            self.divergence = Divergence(config.store.data_dir)
+            self.fetcher.local_from = self.divergence.local_from
         if self.tier is not None and self.fetcher is not None:
             self.offloader = Offloader(
                 self.store,
@@ -126,6 +133,7 @@ class Broker:
                 leadership=self._tier_term,
                 upload_limit=self._upload_limit,
                 runner=self.cold_worker,
+                divergence=self.divergence,
             )
         self._stop = threading.Event()
         self._register_now = threading.Event()
@@ -233,19 +241,33 @@ class Broker:
         the archive holds other messages at, and release would delete them as uploaded. The
         archived messages stay readable from the archive. Only a standalone broker: in a
         replica group the master's log decides the offsets. A prefix written from another data
-        directory is decision 690's, left to its refusal."""
-        if self.fetcher is None or self.replication is not None or self.controller is not None:
+        directory is decision 690's, left to its refusal.
+
+        A queue whose manifest did not load (the object store does not answer) is recorded as
+        unchecked, with its local end, before the broker serves (decision 750): its appends go
+        on, and none of it from there is uploaded, released or read from the archive until the
+        check has run. A queue that took messages unchecked at an earlier start keeps them at
+        their offsets: it is checked (``Divergence.check``), never moved."""
+        divergence = self.divergence
+        if self.fetcher is None or divergence is None:
             return
+        divergence.report()
+        unchecked: dict[tuple[str, int], int] = {}
         for topic, queue_id in sorted(set(self._tiered_queues()) | self.fetcher.starts.queues()):
             manifest = self.fetcher.cached(topic, queue_id)
-            if manifest is None:
-                continue  # not loaded (the tier is down): the claim's check logs it later
             local = self.store.max_offset(topic, queue_id)
-            if manifest.end_offset <= local:
+            if manifest is None:
+                unchecked[(topic, queue_id)] = local
                 continue
             if manifest.store and manifest.store != self.store.store_id:
                 continue
-            if self.store.start_queue_at(topic, queue_id, manifest.end_offset):
+            base = divergence.local_from(topic, queue_id)
+            if base is not None and local > base:
+                divergence.check(topic, queue_id, manifest, local)
+                continue
+            if manifest.end_offset > local and self.store.start_queue_at(
+                topic, queue_id, manifest.end_offset
+            ):
                 log.error(
                     "%s/%d: the local queue ends at %d, below its archive's end %d (a data "
                     "directory restored from an older copy, or records lost after they were "
@@ -256,6 +278,16 @@ class Broker:
                     manifest.end_offset,
                     manifest.end_offset,
                 )
+            if base is not None:
+                divergence.resolved(topic, queue_id)  # nothing was appended unchecked
+        if unchecked:
+            divergence.pend(unchecked)
+            log.warning(
+                "%d tiered queue(s) not checked against their archive (the object store did "
+                "not answer): they take messages, but none of them is uploaded, released or "
+                "read from the archive at or above its current end until the check has run",
+                len(unchecked),
+            )
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [

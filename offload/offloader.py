@@ -47,6 +47,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from offload.divergence import Divergence
 from offload.leadership import Leadership, Term, single_broker
 from offload.segment_upload import SegmentEntryError, SegmentJob, upload_segment, worker_threads
 from tiered import failpoints
@@ -183,9 +184,12 @@ class Offloader:
         leadership: Leadership | None = None,
         upload_limit: Callable[[], int | None] | None = None,
         runner: JobRunner | None = None,
+        divergence: Divergence | None = None,
     ) -> None:
         """``runner`` runs the segment builds and uploads: the broker's cold worker (a child
-        process); by default threads of this process against ``tier``."""
+        process); by default threads of this process against ``tier``. ``divergence``: the
+        queues whose local end could not be checked against their archive at start (a
+        standalone broker's; decision 750): each is checked when its manifest first loads."""
         self.store = store
         self.tier = tier
         self.cluster = cluster
@@ -202,6 +206,7 @@ class Offloader:
         # The CommitLog offset below which records may be uploaded (None: no limit): a
         # master's high watermark (every member of its SyncStateSet holds what is below).
         self.upload_limit = upload_limit or (lambda: None)
+        self.divergence = divergence
         # Set when a commit was refused for a higher epoch's: who took the prefix over.
         self.fenced_by: Term | None = None
         # The epoch in which each queue's manifest was claimed (and its orphans swept).
@@ -232,6 +237,12 @@ class Offloader:
                 self._manifests[key] = manifest
                 if self.on_commit is not None:
                     self.on_commit(topic, queue_id, manifest)
+                if self.divergence is not None and self.foreign(manifest) is None:
+                    # Before anything uses it: no upload, release or archive read of a queue
+                    # whose start could not be checked until it has been (decision 750).
+                    self.divergence.check(
+                        topic, queue_id, manifest, self.store.max_offset(topic, queue_id)
+                    )
         return self._manifests[key]
 
     def _leading(self) -> Term:
@@ -408,6 +419,15 @@ class Offloader:
         foreign = self.foreign(manifest)
         if foreign is not None:
             raise ForeignPrefixError(foreign)
+        if self.divergence is not None:
+            if (topic, queue_id) in self.divergence.pending:
+                raise OffloadError(
+                    f"{topic}/{queue_id}: not yet checked against its archive; local files kept"
+                )
+            local_from = self.divergence.local_from(topic, queue_id)
+            if local_from is not None:
+                # Offsets from there on hold messages the archive does not: kept locally.
+                return min(manifest.end_offset, local_from)
         return manifest.end_offset
 
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:

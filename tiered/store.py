@@ -1252,6 +1252,7 @@ class MessageStore:
             self.config.read_from_tier == "force"
             and start is not None
             and start <= offset < self.cold.end_offset(topic, queue_id)
+            and self.cold.may_hold(topic, queue_id, offset)
         )
 
     def _get_cold(

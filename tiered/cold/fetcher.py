@@ -205,6 +205,10 @@ class ColdFetcher:
         self.bytes_fetched = 0
         self.unavailable = 0  # cold reads refused: deadline passed, store failed, or too busy
         self._observe = observe
+        # From which offset a queue's messages are local only (None: no such offset): a queue
+        # whose start could not be checked against its archive, or that diverged from it
+        # (decision 750). No read at or above it is served from the archive.
+        self.local_from: Callable[[str, int], int | None] = lambda topic, queue_id: None
 
     def _tiered_queues(self) -> set[tuple[str, int]]:
         """The queues with (or meant to have) an archive: the tiered topics' queues, and every
@@ -368,7 +372,11 @@ class ColdFetcher:
     def may_hold(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether a read of ``offset`` (below the hot store) should ask the tier: the cached
         manifest holds it, or no manifest is known yet for a tiered queue (the read loads it,
-        within its deadline). Never waits on the object store."""
+        within its deadline). Never waits on the object store. Never for an offset the local
+        log holds other messages at than the archive (``local_from``)."""
+        local_from = self.local_from(topic, queue_id)
+        if local_from is not None and offset >= local_from:
+            return False
         m = self.cached(topic, queue_id)
         if m is not None:
             return bool(m.segments) and m.start_offset <= offset
