@@ -121,7 +121,6 @@ class Broker:
         self.divergence: Divergence | None = None
         if self.fetcher is not None and not config.ha.enabled:
             self.divergence = Divergence(config.store.data_dir)
-            self.fetcher.local_from = self.divergence.local_from
         if self.tier is not None and self.fetcher is not None:
             self.offloader = Offloader(
                 self.store,
@@ -135,6 +134,7 @@ class Broker:
                 runner=self.cold_worker,
                 divergence=self.divergence,
             )
+            self.fetcher.local_from = self._local_only_from
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
@@ -288,6 +288,18 @@ class Broker:
                 "read from the archive at or above its current end until the check has run",
                 len(unchecked),
             )
+
+    def _local_only_from(self, topic: str, queue_id: int) -> int | None:
+        """From which offset no read of the queue is served from its archive (None: every
+        offset the archive holds may be): the base of a queue not checked against its archive,
+        or that diverged from it (decision 750), and 0 for a prefix another data directory
+        wrote (decision 751: its archive is another log's, at the offsets of this one's).
+        Answers from cached state: reads below the hot store call it."""
+        if self.fetcher is not None and self.offloader is not None:
+            manifest = self.fetcher.cached(topic, queue_id)
+            if manifest is not None and self.offloader.foreign(manifest) is not None:
+                return 0
+        return self.divergence.local_from(topic, queue_id) if self.divergence else None
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [

@@ -80,6 +80,12 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
             "the new messages were released as if the old archive held them"
         )
         assert replayed(second) == new, "every new message, and none of the old ones"
+        # Nor by key (decision 751): the old archive's k5 is another log's offset 5.
+        found = tmq("query", "-t", TOPIC, "-k", "k5", "-n", second.namesrv, "--json")
+        assert found.returncode == 0, found.stderr
+        assert [body_bytes(json.loads(line)["body"]) for line in found.stdout.splitlines()] == [
+            new[5]
+        ]
         status = tmq("offload", "status", TOPIC, "-n", second.namesrv, "--json")
         assert status.returncode == 0, status.stderr
         assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [0], (

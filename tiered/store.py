@@ -1397,7 +1397,9 @@ class MessageStore:
                 topic, queue_id
             ) is not None:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
-                if cold < self.cold.end_offset(topic, queue_id):
+                if cold < self.cold.end_offset(topic, queue_id) and self.cold.may_hold(
+                    topic, queue_id, cold
+                ):
                     return cold
         return cq.bisect(lambda _, entry: self._stored_before(entry, timestamp_ms))
 

@@ -791,11 +791,18 @@ class ColdFetcher:
         self, topic: str, queue_id: int, key: str, begin_ms: int, end_ms: int, limit: int
     ) -> list[StoredMessage]:
         found: list[StoredMessage] = []
+        # Not the archive's messages at offsets the local log holds others at (decision 750),
+        # nor any of a prefix another data directory wrote (``local_from`` 0, decision 751).
+        local_from = self.local_from(topic, queue_id)
         for info in reversed(self.manifest(topic, queue_id).segments):
             if info.max_store_timestamp < begin_ms or info.min_store_timestamp > end_ms:
                 continue
+            if local_from is not None and info.base_offset >= local_from:
+                continue
             reader = SegmentReader(self.tier, info)
             for offset in reversed(reader.offsets_for_key(topic, key)):
+                if local_from is not None and offset >= local_from:
+                    continue
                 [msg] = reader.read(offset, 1)
                 if (
                     key in msg.keys or msg.msg_id == key
