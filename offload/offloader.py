@@ -319,7 +319,12 @@ class Offloader:
                 manifest.end_offset,
                 self.store.max_offset(topic, queue_id),
             )
-        if manifest.epoch < term.epoch:
+        if manifest.epoch < term.epoch or manifest.version == 0:
+            # A higher epoch takes the prefix over; an empty prefix (no manifest yet) is
+            # stamped with this directory's store before the sweep (decision 752): a second
+            # broker of this name starting on it at the same time then finds a foreign prefix
+            # (its own stamp is refused by the conditional create) and sweeps nothing, where
+            # before the first commit neither could tell the other's uploads from orphans.
             manifest = manifest.next_version()
             self._commit(topic, queue_id, manifest)
             log.info(
