@@ -48,6 +48,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from offload.divergence import Divergence
 from offload.leadership import Leadership, Term, single_broker
 from offload.segment_upload import SegmentEntryError, SegmentJob, upload_segment, worker_threads
 from tiered import failpoints
@@ -212,9 +213,12 @@ class Offloader:
         leadership: Leadership | None = None,
         upload_limit: Callable[[], int | None] | None = None,
         runner: JobRunner | None = None,
+        divergence: Divergence | None = None,
     ) -> None:
         """``runner`` runs the segment builds and uploads: the broker's cold worker (a child
-        process); by default threads of this process against ``tier``."""
+        process); by default threads of this process against ``tier``. ``divergence``: the
+        queues whose local end could not be checked against their archive at start (a
+        standalone broker's; decision 750): each is checked when its manifest first loads."""
         self.store = store
         self.tier = tier
         self.cluster = cluster
@@ -231,6 +235,7 @@ class Offloader:
         # The CommitLog offset below which records may be uploaded (None: no limit): a
         # master's high watermark (every member of its SyncStateSet holds what is below).
         self.upload_limit = upload_limit or (lambda: None)
+        self.divergence = divergence
         # Set when a commit was refused for a higher epoch's: who took the prefix over.
         self.fenced_by: Term | None = None
         # The epoch in which each queue's manifest was claimed (and its orphans swept).
@@ -264,6 +269,12 @@ class Offloader:
                 self._manifests[key] = manifest
                 if self.on_commit is not None:
                     self.on_commit(topic, queue_id, manifest)
+                if self.divergence is not None and self.foreign(manifest) is None:
+                    # Before anything uses it: no upload, release or archive read of a queue
+                    # whose start could not be checked until it has been (decision 750).
+                    self.divergence.check(
+                        topic, queue_id, manifest, self.store.max_offset(topic, queue_id)
+                    )
         return self._manifests[key]
 
     def _leading(self) -> Term:
@@ -340,7 +351,12 @@ class Offloader:
                 manifest.end_offset,
                 self.store.max_offset(topic, queue_id),
             )
-        if manifest.epoch < term.epoch:
+        if manifest.epoch < term.epoch or manifest.version == 0:
+            # A higher epoch takes the prefix over; an empty prefix (no manifest yet) is
+            # stamped with this directory's store before the sweep (decision 752): a second
+            # broker of this name starting on it at the same time then finds a foreign prefix
+            # (its own stamp is refused by the conditional create) and sweeps nothing, where
+            # before the first commit neither could tell the other's uploads from orphans.
             manifest = manifest.next_version()
             self._commit(topic, queue_id, manifest)
             log.info(
@@ -440,6 +456,15 @@ class Offloader:
         foreign = self.foreign(manifest)
         if foreign is not None:
             raise ForeignPrefixError(foreign)
+        if self.divergence is not None:
+            if (topic, queue_id) in self.divergence.pending:
+                raise OffloadError(
+                    f"{topic}/{queue_id}: not yet checked against its archive; local files kept"
+                )
+            local_from = self.divergence.local_from(topic, queue_id)
+            if local_from is not None:
+                # Offsets from there on hold messages the archive does not: kept locally.
+                return min(manifest.end_offset, local_from)
         return manifest.end_offset
 
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:

@@ -138,6 +138,7 @@ def test_uploads_that_landed_together_are_committed_in_one_manifest_version(
     before = snapshot(hot, "orders", 0)
     policy = OffloadPolicy(segment_max_messages=250, parallel_uploads=4)
     offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=InlineRunner(tier))
+    offloader.claim("orders", 0)  # an empty prefix is stamped at the claim (decision 752)
     start = offloader.manifest("orders", 0).version
     result = offloader.offload_queue("orders", 0)
     manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0)).load()
@@ -204,6 +205,7 @@ def test_a_pass_commits_one_manifest_version_for_uploads_that_land_one_by_one(
     policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
     offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=runner)
     log = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0))
+    offloader.claim("orders", 0)  # an empty prefix is stamped at the claim (decision 752)
     start = offloader.manifest("orders", 0).version
     with ThreadPoolExecutor(1) as pool:
         passing = pool.submit(offloader.offload_queue, "orders", 0)
@@ -495,14 +497,20 @@ def test_release_after_a_commit_whose_reply_was_lost_leaves_readers_the_archive(
         assert store.wait_dispatched()
         fetcher.prime()  # the reader knows the queue has no archive yet (refresher not running)
         assert fetcher.cached("orders", 0) is not None and store.min_offset("orders", 0) == 0
+        lossy = _CommitReplyLost(tier)
         offloader = Offloader(
             store,
-            _CommitReplyLost(tier),  # type: ignore[arg-type]
+            lossy,  # type: ignore[arg-type]
             "c1",
             "broker-a",
             on_commit=fetcher.set_manifest,
             runner=LocalRunner(tier, threads=2, max_inflight=2),
         )
+        # The claim stamps the empty prefix (decision 752): an empty archive, answered.
+        lossy.armed = False
+        offloader.claim("orders", 0)
+        lossy.armed = True
+        assert store.min_offset("orders", 0) == 0
         with pytest.raises(OffloadError):
             offloader.offload_queue("orders", 0)  # landed, but the answer was lost
         topics = {"orders": TopicConfig(name="orders", tiered=True)}

@@ -1300,6 +1300,7 @@ class MessageStore:
             self.config.read_from_tier == "force"
             and start is not None
             and start <= offset < self.cold.end_offset(topic, queue_id)
+            and self.cold.may_hold(topic, queue_id, offset)
         )
 
     def _get_cold(
@@ -1444,7 +1445,9 @@ class MessageStore:
                 topic, queue_id
             ) is not None:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
-                if cold < self.cold.end_offset(topic, queue_id):
+                if cold < self.cold.end_offset(topic, queue_id) and self.cold.may_hold(
+                    topic, queue_id, cold
+                ):
                     return cold
         return cq.bisect(lambda _, entry: self._stored_before(entry, timestamp_ms))
 
