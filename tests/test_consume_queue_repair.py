@@ -76,8 +76,9 @@ def restart_repairs(config: StoreConfig, repaired: int, *queue_ids: int) -> None
     """A start of the stopped store reports ``repaired`` ConsumeQueue entries rebuilt, and
     each of ``queue_ids`` reads back whole."""
     store = MessageStore(config)
-    assert store.start().cq_entries_repaired == repaired
+    report = store.start()
     try:
+        assert report.cq_entries_repaired == repaired
         for queue_id in queue_ids:
             assert read_queue(store, queue_id) == whole(queue_id)
     finally:
