@@ -317,19 +317,24 @@ class Standalone:
     def stop(self) -> int:
         """SIGTERM and wait; returns the exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
         return int(self.proc.returncode)
 
     def kill9(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def terminate(proc: subprocess.Popen[Any], seconds: float) -> None:
+    """SIGTERM ``proc`` if it still runs and wait for it; SIGKILL after ``seconds``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
@@ -349,6 +354,58 @@ def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
         ],
         env=env,
     ).start()
+
+
+def wait_until(why: str, done: Callable[[], object], seconds: float, every: float = 0.5) -> None:
+    """Polls ``done()`` every ``every`` seconds until it is true; an ``AssertionError`` saying
+    ``why`` once ``seconds`` have passed without."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, why
+        time.sleep(every)
+
+
+def start_namesrv(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``tmq namesrv start`` on 127.0.0.1:``port``, its own process, its stderr appended to
+    ``log``."""
+    process_logs.track("namesrv", log)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.app",
+            "namesrv",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+    )
+
+
+def drain(
+    consumer: Any,
+    want: int,
+    *,
+    ack: bool = True,
+    seconds: float = 60,
+    invisible: int = 30,
+    batch: int = 32,
+) -> list[Any]:
+    """What a started ``SimpleConsumer`` receives, ``batch`` at a time (each invisible for
+    ``invisible`` seconds, acknowledged if ``ack``), until ``want`` messages or ``seconds``."""
+    got: list[Any] = []
+    deadline = time.monotonic() + seconds
+    while len(got) < want and time.monotonic() < deadline:
+        for m in consumer.receive(batch, invisible):
+            got.append(m)
+            if ack:
+                consumer.ack(m)
+    return got
 
 
 def body_bytes(text: str) -> bytes:

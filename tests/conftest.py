@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -52,6 +53,21 @@ def start_store() -> Iterator[Callable[[StoreConfig], MessageStore]]:
     yield _open
     for store in opened:
         store.shutdown()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``mount -o size=``) mounted at the new directory ``mnt`` for
+    the block; the test is skipped where that needs root or is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mount -t tmpfs is refused here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def run_child(data_dir: Path, mode: str, flush: str, *args: object) -> subprocess.Popen[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tests import process_logs
-from tests.broker_harness import REPO, free_port, pull_all, tmq
+from tests.broker_harness import REPO, free_port, pull_all, terminate, tmq
 from tests.etcd_harness import EtcdCluster
 from tests.test_ha import QUEUES, TOPIC, GroupMember, describe_members
 
@@ -343,10 +342,5 @@ def run_failover(root: Path, kills: int, mode: str = "sync", producers: int = 1)
         if producer is not None:
             producer.stop()
         group.kill_all()
-        namesrv.send_signal(signal.SIGTERM)
-        try:
-            namesrv.wait(10)
-        except subprocess.TimeoutExpired:
-            namesrv.kill()
-            namesrv.wait()
+        terminate(namesrv, 10)
         etcd.stop()

@@ -34,6 +34,15 @@ def patch(path: Path, pos: int, data: bytes) -> None:
         fh.write(data)
 
 
+def zero_from(config: StoreConfig, offset: int) -> None:
+    """The CommitLog zero-filled from ``offset`` to the end of its last file."""
+    path, pos = file_of(config, offset)
+    patch(path, pos, bytes(config.commitlog_file_size - pos))
+    for later in sorted(config.commitlog_dir.iterdir()):
+        if later.name > path.name:
+            patch(later, 0, bytes(config.commitlog_file_size))
+
+
 def digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
@@ -114,11 +123,7 @@ def test_bit_rot_after_a_clean_exit_fails_the_read_loudly(small_config, start_st
 def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, start_store) -> None:
     config, msgs = crashed
     cut = msgs[280]
-    path, pos = file_of(config, cut.commitlog_offset)
-    patch(path, pos, bytes(config.commitlog_file_size - pos))
-    for later in sorted(config.commitlog_dir.iterdir()):
-        if later.name > path.name:
-            patch(later, 0, bytes(config.commitlog_file_size))
+    zero_from(config, cut.commitlog_offset)
 
     store = start_store(config)
     assert store.commitlog.max_offset == cut.commitlog_offset
@@ -382,11 +387,7 @@ def test_index_entries_past_a_commitlog_cut_are_dropped_not_taken_for_damage(
     start rebuild it."""
     config, msgs = crashed
     cut = msgs[280]
-    path, pos = file_of(config, cut.commitlog_offset)
-    patch(path, pos, bytes(config.commitlog_file_size - pos))
-    for later in sorted(config.commitlog_dir.iterdir()):
-        if later.name > path.name:
-            patch(later, 0, bytes(config.commitlog_file_size))
+    zero_from(config, cut.commitlog_offset)
     store = start_store(config)
     again = store.put_messages(
         [

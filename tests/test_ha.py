@@ -29,7 +29,15 @@ from broker import admin_pb2_grpc as apb_grpc
 from broker.metadata import BrokerMetadata
 from remoting.security import ChannelSecurity
 from tests import process_logs
-from tests.broker_harness import REPO, free_port, send_all, sigstop, wait_healthy
+from tests.broker_harness import (
+    REPO,
+    free_port,
+    send_all,
+    sigstop,
+    start_namesrv,
+    terminate,
+    wait_healthy,
+)
 from tiered.config import StoreConfig
 from tiered.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
@@ -166,13 +174,8 @@ lease_ttl_ms = {lease_ttl_ms}
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 30)
         assert self.proc is None or self.proc.returncode == 0, self.log_path.read_text()[-2000:]
 
     def kill9(self) -> None:
@@ -657,23 +660,7 @@ def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
     from remoting.namesrv_client import NameServerClient
 
     port = free_port()
-    process_logs.track("namesrv", tmp_path / "namesrv.log")
-    namesrv = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli.app",
-            "namesrv",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "namesrv.log").open("ab"),
-    )
+    namesrv = start_namesrv(port, tmp_path / "namesrv.log")
     client = NameServerClient([f"127.0.0.1:{port}"])
     try:
         master, slave = group("master"), group("slave")
