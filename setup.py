@@ -104,7 +104,7 @@ extensions = [
 
 SANITIZE = os.environ.get("TMQ_NATIVE_SANITIZE", "")
 if SANITIZE and not re.fullmatch(r"[a-z]+(,[a-z]+)*", SANITIZE):
-    raise SystemExit(f"TMQ_NATIVE_SANITIZE={SANITIZE!r}: expected e.g. address or address,undefined")
+    raise SystemExit(f"TMQ_NATIVE_SANITIZE={SANITIZE!r}: expected address or address,undefined")
 
 
 def _checked(ext: Extension) -> Extension:

@@ -1215,7 +1215,8 @@ def dispatch_columns_py(
     stamps: list[int] = []
     status = 0
     while pos < stop:
-        if not validate and pos + 8 <= len(buf) and _I32.unpack_from(buf, pos + 4)[0] != MAGIC_CODE_V2:
+        blank = pos + 8 <= len(buf) and _I32.unpack_from(buf, pos + 4)[0] != MAGIC_CODE_V2
+        if blank and not validate:
             break  # the end of the run before "max_records taken", as the native scan answers
         if len(out.offsets) == max_records:
             status = 1 if validate or pos + 8 <= len(buf) else 2
