@@ -296,10 +296,12 @@ def readers_agree(seed: int) -> None:
     def replies(encode: Any) -> Any:
         return outcome(encode, buf, [int(x) for x in at])
 
-    assert replies(reply.encode_pull_replies) == replies(reply.encode_pull_replies_decoded), (
-        seed,
-        at,
-    )
+    # The reply writer takes records a span check passed ("checked already": it does not look
+    # at the magic code or the CRCs), so it is held to the reference where ``decode`` takes every
+    # record whole; elsewhere it must only answer cleanly (``outcome`` lets nothing else by).
+    written = replies(reply.encode_pull_replies)
+    if isinstance(outcome(PY.decode_many, buf, at, True), list):
+        assert written == replies(reply.encode_pull_replies_decoded), (seed, at)
     assert outcome(NATIVE.segment_tables, buf, 7) == outcome(PY.segment_tables, buf, 7), seed
 
     room = rng.choice([n, 0, 100, sum(max(0, x) for x in sz if x < 1 << 20)])
