@@ -850,6 +850,8 @@ def _read_dispatch_run(
         )
         tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
         fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
+        if fields[7] < 0:  # a negative body length would read the topic from the header
+            raise RecordError(f"record at {pos}: body length {fields[7]}")
         p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
         (topic_len,) = _U16.unpack_from(buf, p)
         raw_topic = bytes(buf[p + 2 : p + 2 + topic_len])
@@ -860,6 +862,8 @@ def _read_dispatch_run(
                 topics[raw_topic] = topic
         p += 2 + topic_len
         (props_len,) = _U16.unpack_from(buf, p)
+        if p + 2 + props_len > len(buf):  # a slice past the end would quietly be shorter
+            raise RecordError(f"record at {pos}: properties run past the data")
         if props_len:
             props = bytes(buf[p + 2 : p + 2 + props_len])
             tags.append(_property(props, _TAGS_NAME, errors))
@@ -1248,13 +1252,20 @@ def dispatch_columns_py(
     ``base_offset``) as columns. With ``validate`` this is also the recovery scan: it takes
     exactly the records ``scan_records`` accepts and stops where it stops. Without, it takes the
     records that start before ``limit``, up to a BLANK record, as ``read_dispatch_run`` does."""
-    stop = scan_records_py(buf, pos, limit, base_offset + pos, check_crc)[0] if validate else limit
+    stop = (
+        scan_records_py(buf, pos, limit, base_offset + pos, check_crc)[0]
+        if validate
+        else min(limit, len(buf))  # as the native scan: nothing past the bytes at hand
+    )
     out = EncodedBatch()
     stamps: list[int] = []
     status = 0
     while pos < stop:
+        blank = pos + 8 <= len(buf) and _I32.unpack_from(buf, pos + 4)[0] != MAGIC_CODE_V2
+        if blank and not validate:
+            break  # the end of the run before "max_records taken", as the native scan answers
         if len(out.offsets) == max_records:
-            status = 1
+            status = 1 if validate or pos + 8 <= len(buf) else 2
             break
         one = EncodedBatch()
         one_stamps: list[int] = []
@@ -1384,7 +1395,7 @@ def check_span_py(
     record that fails its record CRC (decision 210), -1 for anything else."""
     for i, (pos, size) in enumerate(zip(positions, sizes, strict=True)):
         pos, size = int(pos), int(size)
-        if pos < 0:
+        if not 0 <= pos <= len(buf):  # past the end: and ``pos + 28`` overflows ssize_t near 2**63
             return i, -1
         try:
             (phys,) = _I64.unpack_from(buf, pos + 28)
