@@ -4,11 +4,25 @@
 ``[build-system] requires`` brings. If the compiler fails, the package still installs and
 ``tiered.record`` falls back to its pure-Python reference (decision 150): set
 ``TMQ_REQUIRE_NATIVE=1`` to make a failed build an error instead.
+
+Two build flags for hunting memory errors on hostile bytes (decision 766); a plain
+``pip install -e .`` sets neither and builds what it always built:
+
+- ``TMQ_NATIVE_CHECKED=1`` compiles copies of the ``.pyx`` files (under ``build/checked/``) whose
+  header turns ``boundscheck`` and ``initializedcheck`` on: every typed index is checked, and
+  with ``wraparound`` still off a negative index is an ``IndexError`` instead of a read from
+  the end. (A module's header comment overrides Cython's command-line directives, hence the
+  copies.)
+- ``TMQ_NATIVE_SANITIZE=address`` (or ``address,undefined``) compiles and links with
+  ``-fsanitize=...``: run it under ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)
+  PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0`` (docs/fuzzing.md).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -37,7 +51,14 @@ class OptionalBuildExt(build_ext):
             print(f"WARNING: tmq's native record engine was not built ({e}); using pure Python")
 
     def build_extension(self, ext: Extension) -> None:
-        ext.extra_compile_args = [*(ext.extra_compile_args or []), "-g0"]
+        if SANITIZE:
+            # Debug information and frame pointers for the reports; -O1 keeps them readable.
+            flags = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g", "-O1"]
+            args = [a for a in ext.extra_compile_args or [] if a != "-O3"]
+            ext.extra_compile_args = [*args, *flags]
+            ext.extra_link_args = [*(ext.extra_link_args or []), f"-fsanitize={SANITIZE}"]
+        else:
+            ext.extra_compile_args = [*(ext.extra_compile_args or []), "-g0"]
         try:
             super().build_extension(ext)
         except Exception as e:
@@ -80,6 +101,32 @@ extensions = [
         extra_compile_args=["-O3"],
     ),
 ]
+
+SANITIZE = os.environ.get("TMQ_NATIVE_SANITIZE", "")
+if SANITIZE and not re.fullmatch(r"[a-z]+(,[a-z]+)*", SANITIZE):
+    raise SystemExit(f"TMQ_NATIVE_SANITIZE={SANITIZE!r}: expected address or address,undefined")
+
+
+def _checked(ext: Extension) -> Extension:
+    """``ext`` built from a copy of its ``.pyx`` with bounds checks on (``TMQ_NATIVE_CHECKED``)."""
+    (source,) = ext.sources
+    text = Path(source).read_text()
+    header, rest = text.split("\n", 1)
+    header = header.replace("boundscheck=False", "boundscheck=True")
+    header = header.replace("initializedcheck=False", "initializedcheck=True")
+    if "boundscheck=True" not in header:
+        raise SystemExit(f"{source}: no boundscheck directive in its first line to turn on")
+    copy = Path("build", "checked", source)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(f"{header}\n{rest}")
+    ext.sources = [str(copy)]
+    # The copy's C file includes the headers beside the original.
+    ext.include_dirs = [*ext.include_dirs, str(Path(source).parent)]
+    return ext
+
+
+if os.environ.get("TMQ_NATIVE_CHECKED", "") not in ("", "0"):
+    extensions = [_checked(ext) for ext in extensions]
 
 setup(
     ext_modules=cythonize(extensions, language_level=3, quiet=True),

@@ -414,7 +414,7 @@ cdef int _record(
     cdef unsigned char digest[16]
     cdef int type_value
     cdef bint hidden
-    if pos < 0 or pos + HEAD > length:
+    if pos < 0 or pos > length - HEAD:  # not ``pos + HEAD``: overflow near 2**63
         return 1
     r = data + pos
     total = <int32_t>_u32(r)
@@ -579,7 +579,7 @@ cdef void _body_digests(
         p = pos[i]
         ptrs[i] = <const unsigned char*>""
         lens[i] = 0
-        if p >= 0 and p + HEAD <= length:
+        if p >= 0 and p <= length - HEAD:
             total = <int32_t>_u32(data + p)
             body_len = <int32_t>_u32(data + p + 84)
             if total >= HEAD + 4 and p + total <= length and 0 <= body_len and HEAD + body_len + 2 <= total:

@@ -128,6 +128,22 @@ class AdminServicer(pb_grpc.AdminServicer):
             # (decision 690): its end is not this queue's watermark.
             return 0 if self.offloader.foreign(manifest) else manifest.end_offset
 
+        def queue(q: int) -> pb.QueueStats:
+            stats = pb.QueueStats(
+                queue=q,
+                min_offset=self._min_offset(cfg.name, q),
+                max_offset=self.store.max_offset(cfg.name, q),
+                hot_min_offset=self.store.hot_min_offset(cfg.name, q),
+                tier_watermark=watermark(q),
+            )
+            hold = self.offloader.held(cfg.name, q) if self.offloader and cfg.tiered else None
+            if hold is not None:  # held at a damaged ConsumeQueue entry (decision 755)
+                stats.offload_held = True
+                stats.offload_held_offset = hold.offset
+                stats.offload_held_reason = hold.reason
+                stats.offload_held_since_ms = hold.since_ms
+            return stats
+
         timers = self.timers() if cfg.message_type == "DELAY" else None
         return pb.TopicDescription(
             timers_pending=timers.pending_by_topic.get(cfg.name, 0) if timers else 0,
@@ -136,16 +152,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             if cfg.message_type == "TRANSACTION"
             else 0,
             topic=topic_to_pb(cfg),
-            queues=[
-                pb.QueueStats(
-                    queue=q,
-                    min_offset=self._min_offset(cfg.name, q),
-                    max_offset=self.store.max_offset(cfg.name, q),
-                    hot_min_offset=self.store.hot_min_offset(cfg.name, q),
-                    tier_watermark=watermark(q),
-                )
-                for q in range(cfg.queues)
-            ],
+            queues=[queue(q) for q in range(cfg.queues)],
         )
 
     def GetTopic(

@@ -57,8 +57,7 @@ from broker.protocol import (
     duration_ms,
     message_queue,
     scan_send_request,
-    scanned_record_spans,
-    scanned_store_messages,
+    scanned_batch,
     send_response_bytes,
     status,
     to_proto_message,
@@ -417,16 +416,16 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         if topic.message_type in _SPAN_TYPES:
             # Stored as they are: the encoder reads the batch's spans, no Message objects
             # (decision 700).
-            spans = scanned_record_spans(
-                scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
+            spans: tuple[RecordSpans, list[str], int] | None = scanned_batch(
+                scanned.spans, topic, first_queue, self.limits, _peer_host(context), len(raw)
             )
             if spans is None:
                 return self._convert(
                     s.SendMessageRequest.FromString(raw), topic, first_queue, context
                 )
             return self._store_plain(topic, *spans)
-        made = scanned_store_messages(
-            scanned, topic, first_queue, self.limits, _peer_host(context), len(raw)
+        made: tuple[list[Message], list[str], int] | None = scanned_batch(
+            scanned.messages, topic, first_queue, self.limits, _peer_host(context), len(raw)
         )
         if made is None:
             return self._convert(s.SendMessageRequest.FromString(raw), topic, first_queue, context)

@@ -33,7 +33,6 @@ from tiered.record import (
     PROPERTY_UNIQ_KEY,
     Host,
     Message,
-    RecordSpans,
     StoredMessage,
 )
 
@@ -398,25 +397,28 @@ def scan_send_request(raw: bytes) -> Any:
     return None if SEND_ENGINE is None else SEND_ENGINE.scan(raw)
 
 
-def scanned_store_messages(
-    scanned: Any,
+def scanned_batch(
+    build: Any,
     topic: TopicConfig,
     first_queue: int,
     limits: Limits,
     peer_host: str,
     request_bytes: int,
-) -> tuple[list[Message], list[str], int] | None:
-    """What ``to_store_messages`` makes of a scanned request, built natively, with the message
-    ids and the total body bytes; None when a message is off the plain path for ``topic``
-    (its type, the body limit, its id; a tag, key, message group or user property the
-    reference would refuse, or that is outside what the walker proves cheaply: a non-ASCII tag,
-    key or group, a property name given twice), and the reference path must convert the
-    batch (decisions 310, 390)."""
+) -> Any:
+    """A scanned request's batch, built natively by ``build``, with the message ids and the
+    total body bytes; None when a message is off the plain path for ``topic`` (its type, the
+    body limit, its id; a tag, key, message group or user property the reference would refuse,
+    or that is outside what the walker proves cheaply: a non-ASCII tag, key or group, a property
+    name given twice), and the reference path must convert the batch (decisions 310, 390).
+
+    ``build`` is the scanned request's ``messages`` (a list of ``Message``, what
+    ``to_store_messages`` makes of it) or its ``spans`` (a ``RecordSpans``, decision 700: the
+    store encodes its records from the request's bytes with no ``Message`` object per
+    message). Both make the same checks, so the two answer None for the same requests."""
     if request_bytes + DELIVERY_ENVELOPE_RESERVE > CLIENT_RECEIVE_LIMIT:
         return None
-    type_code = MESSAGE_TYPE_VALUES.get(topic.message_type, -1)
-    made: tuple[list[Message], list[str], int] | None = scanned.messages(
-        type_code,
+    return build(
+        MESSAGE_TYPE_VALUES.get(topic.message_type, -1),
         topic.message_type,
         limits.max_body_bytes,
         limits.max_properties,
@@ -427,36 +429,6 @@ def scanned_store_messages(
         _ip_or,
         _RESERVED_KEYS,
     )
-    return made
-
-
-def scanned_record_spans(
-    scanned: Any,
-    topic: TopicConfig,
-    first_queue: int,
-    limits: Limits,
-    peer_host: str,
-    request_bytes: int,
-) -> tuple[RecordSpans, list[str], int] | None:
-    """``scanned_store_messages`` with the batch as ``RecordSpans`` (decision 700): the store
-    encodes its records from the request's bytes with no ``Message`` object per message. The
-    same checks, and None exactly when ``scanned_store_messages`` answers None."""
-    if request_bytes + DELIVERY_ENVELOPE_RESERVE > CLIENT_RECEIVE_LIMIT:
-        return None
-    type_code = MESSAGE_TYPE_VALUES.get(topic.message_type, -1)
-    made: tuple[RecordSpans, list[str], int] | None = scanned.spans(
-        type_code,
-        topic.message_type,
-        limits.max_body_bytes,
-        limits.max_properties,
-        limits.max_properties_bytes,
-        first_queue,
-        topic.queues,
-        peer_host,
-        _ip_or,
-        _RESERVED_KEYS,
-    )
-    return made
 
 
 def send_results_py(status_bytes: bytes, message_ids: list[str], offsets: list[int]) -> bytes:

@@ -43,8 +43,15 @@ from broker.status import BrokerStatus, ExportFreshness, broker_status
 from broker.timer import TIMER_TOPIC, TimerService
 from broker.transaction import HALF_TOPIC, OP_TOPIC, TransactionService
 from lakehouse.runner import ContinuousExport
+from offload.divergence import Divergence
 from offload.leadership import Term
-from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
+from offload.offloader import (
+    ArchiveAheadError,
+    DamagedEntryOffloadError,
+    Offloader,
+    OffloadError,
+    RetentionResult,
+)
 from offload.release import release_predicate
 from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
@@ -122,6 +129,11 @@ class Broker:
                 archive_starts=config.config_dir / "archive-starts.json",
             )
         self.store = MessageStore(config.store, cold=self.fetcher)
+        # A standalone broker's record of tiered queues not checked against their archive
+        # (decision 750); in a replica group the master's log decides offsets.
+        self.divergence: Divergence | None = None
+        if self.fetcher is not None and not config.ha.enabled:
+            self.divergence = Divergence(config.store.data_dir)
         if self.tier is not None and self.fetcher is not None:
             self.offloader = Offloader(
                 self.store,
@@ -133,7 +145,9 @@ class Broker:
                 leadership=self._tier_term,
                 upload_limit=self._upload_limit,
                 runner=self.cold_worker,
+                divergence=self.divergence,
             )
+            self.fetcher.local_from = self._local_only_from
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
@@ -244,14 +258,41 @@ class Broker:
         the archive holds other messages at, and release would delete them as uploaded. The
         archived messages stay readable from the archive. Only a standalone broker: in a
         replica group the master's log decides the offsets. A prefix written from another data
-        directory is decision 690's, left to its refusal."""
-        if self.fetcher is None or self.replication is not None or self.controller is not None:
+        directory is decision 690's, left to its refusal.
+
+        A queue whose manifest did not load (the object store does not answer) is recorded as
+        unchecked, with its local end, before the broker serves (decision 750): its appends go
+        on, and none of it from there is uploaded, released or read from the archive until the
+        check has run. A queue that took messages unchecked at an earlier start keeps them at
+        their offsets: it is checked (``Divergence.check``), never moved."""
+        divergence = self.divergence
+        if self.fetcher is None or divergence is None:
             return
+        divergence.report()
+        unchecked: dict[tuple[str, int], int] = {}
         for topic, queue_id in sorted(set(self._tiered_queues()) | self.fetcher.starts.queues()):
             manifest = self.fetcher.cached(topic, queue_id)
+            local = self.store.max_offset(topic, queue_id)
             if manifest is None:
-                continue  # not loaded (the tier is down): the claim's check logs it later
+                unchecked[(topic, queue_id)] = local
+                continue
+            if manifest.store and manifest.store != self.store.store_id:
+                continue
+            base = divergence.local_from(topic, queue_id)
+            if base is not None and local > base:
+                divergence.check(topic, queue_id, manifest, local)
+                continue
             self._start_above_archive(topic, queue_id, manifest)
+            if base is not None:
+                divergence.resolved(topic, queue_id)  # nothing was appended unchecked
+        if unchecked:
+            divergence.pend(unchecked)
+            log.warning(
+                "%d tiered queue(s) not checked against their archive (the object store did "
+                "not answer): they take messages, but none of them is uploaded, released or "
+                "read from the archive at or above its current end until the check has run",
+                len(unchecked),
+            )
 
     def _start_above_archive(self, topic: str, queue_id: int, manifest: QueueManifest) -> bool:
         """Start the queue at ``manifest``'s end if its local end is below it (True: it was);
@@ -373,6 +414,18 @@ class Broker:
 
         threading.Thread(target=load, name="tmq-archive-check", daemon=True).start()
         return future
+
+    def _local_only_from(self, topic: str, queue_id: int) -> int | None:
+        """From which offset no read of the queue is served from its archive (None: every
+        offset the archive holds may be): the base of a queue not checked against its archive,
+        or that diverged from it (decision 750), and 0 for a prefix another data directory
+        wrote (decision 751: its archive is another log's, at the offsets of this one's).
+        Answers from cached state: reads below the hot store call it."""
+        if self.fetcher is not None and self.offloader is not None:
+            manifest = self.fetcher.cached(topic, queue_id)
+            if manifest is not None and self.offloader.foreign(manifest) is not None:
+                return 0
+        return self.divergence.local_from(topic, queue_id) if self.divergence else None
 
     def _tiered_queues(self) -> list[tuple[str, int]]:
         return [
@@ -846,6 +899,8 @@ class Broker:
 
     def _queue_failed(self, step: str, topic: str, queue_id: int, e: Exception) -> None:
         self.offload_failures += 1
+        if isinstance(e, DamagedEntryOffloadError):
+            return  # the offloader logs a hold when it starts, then at a low rate (decision 755)
         if isinstance(e, OffloadError):
             log.error("%s of %s/%d failed: %s", step, topic, queue_id, e)
         else:  # not a storage failure the offloader knows: keep the traceback

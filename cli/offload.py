@@ -28,10 +28,27 @@ def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
                 "tier_watermark": q.tier_watermark,
                 "max_offset": q.max_offset,
                 "tiered": d.topic.tiered,
+                # Held at a damaged ConsumeQueue entry (decision 755); null when it is not.
+                "offload_held": {
+                    "offset": q.offload_held_offset,
+                    "reason": q.offload_held_reason,
+                    "since": _iso(q.offload_held_since_ms),
+                }
+                if q.offload_held
+                else None,
             }
             for q in d.queues
         ]
     return rows
+
+
+def _iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+# `tmq offload status`'s exit code when a queue's offload is held at a damaged ConsumeQueue
+# entry: 1 is "a broker did not answer" and 2 a usage error (decision 755).
+OFFLOAD_HELD = 3
 
 
 def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
@@ -52,21 +69,37 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                     completed=sum(r["tier_watermark"] for r in rows),
                     total=sum(r["max_offset"] for r in rows),
                 )
-                if all(r["tier_watermark"] >= r["max_offset"] for r in rows):
-                    break
+                if all(r["tier_watermark"] >= r["max_offset"] for r in rows) or any(
+                    r["offload_held"] for r in rows
+                ):
+                    break  # a held queue goes no further until the broker's restart
                 time.sleep(1)
                 rows = _status_rows(namesrv, topic)
+    held = [r for r in rows if r["offload_held"]]
     if as_json:
         typer.echo(json.dumps(rows))
-        return
-    for r in rows:
-        lag = r["max_offset"] - r["tier_watermark"]
+    else:
+        for r in rows:
+            lag = r["max_offset"] - r["tier_watermark"]
+            typer.echo(
+                f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark "
+                f"{r['tier_watermark']} of {r['max_offset']} (lag {lag}); hot from "
+                f"{r['hot_min_offset']}, readable from "
+                f"{r['min_offset'] if r['min_offset'] >= 0 else 'unknown (cold tier unavailable)'}"
+            )
+            if r["offload_held"]:
+                h = r["offload_held"]
+                typer.echo(
+                    f"  HELD at queue offset {h['offset']} since {h['since']}: {h['reason']}; "
+                    "restart the broker to rebuild the entry (docs/operations.md)"
+                )
+    if held:
         typer.echo(
-            f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark "
-            f"{r['tier_watermark']} of {r['max_offset']} (lag {lag}); hot from "
-            f"{r['hot_min_offset']}, readable from "
-            f"{r['min_offset'] if r['min_offset'] >= 0 else 'unknown (cold tier unavailable)'}"
+            f"error: offload held at a damaged ConsumeQueue entry in {len(held)} queue(s): "
+            + ", ".join(f"{r['topic']}/{r['queue']} on {r['broker']}" for r in held),
+            err=True,
         )
+        raise typer.Exit(OFFLOAD_HELD)
 
 
 def offload(
@@ -91,6 +124,7 @@ def offload(
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
 
     Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
+    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry).
     """
     if words[0] == "status":
         if len(words) != 2:

@@ -86,6 +86,9 @@ def check(
                 "quarantined": [str(p) for p in report.commitlog.quarantined],
                 "consumequeue_entries_dropped": report.cq_entries_dropped,
                 "consumequeue_rebuilt": report.consumequeue_rebuilt,
+                # Entries rebuilt from the CommitLog: holes, and entries naming another record
+                # (found by the order check, or noted by a read or the offloader; 686, 755).
+                "consumequeue_entries_repaired": report.cq_entries_repaired,
                 "index_gaps_rebuilt": report.index_gaps_rebuilt,
                 "redispatched_bytes": report.redispatched_bytes,
                 "seconds": round(report.seconds, 3),
@@ -130,6 +133,12 @@ def _print_summary(data_dir: Path, summary: dict[str, Any], clean_exit: bool) ->
     if r["corrupt_records"]:
         typer.echo(
             f"WARNING: records failing their CRC at offsets {r['corrupt_records']}", err=True
+        )
+    if r["consumequeue_entries_repaired"]:
+        typer.echo(
+            f"REPAIRED {r['consumequeue_entries_repaired']} ConsumeQueue entries from the "
+            "CommitLog",
+            err=True,
         )
     for problem in summary["index_files_damaged"]:
         typer.echo(

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from offload.divergence import Divergence
 from offload.leadership import Leadership, Term, single_broker
 from offload.segment_upload import SegmentEntryError, SegmentJob, upload_segment, worker_threads
 from tiered import failpoints
@@ -128,7 +130,29 @@ class OffloadError(RuntimeError):
 
 class DamagedEntryOffloadError(OffloadError):
     """A queue's offload is held at a ConsumeQueue entry that names another record (decision
-    730): no segment holding it is uploaded until a restart rebuilds the entry."""
+    730): no segment holding it is uploaded until a restart rebuilds the entry. The hold is
+    logged by the offloader (``Offloader.held``, decision 755), not by whoever catches this."""
+
+    def __init__(self, message: str, hold: OffloadHold) -> None:
+        super().__init__(message)
+        self.hold = hold
+
+
+# While a queue's offload stays held at the same entry, the offloader says so again this often
+# (every pass meets it again: every 10 s by default, every second in the tests).
+HELD_LOG_INTERVAL_S = 600.0
+
+
+@dataclass(slots=True)
+class OffloadHold:
+    """Where and why a queue's offload is held (decision 755): the queue offset of the damaged
+    ConsumeQueue entry, what the CommitLog holds where it points (no secrets: offsets, sizes
+    and the record's queue), and since when (milliseconds since the epoch)."""
+
+    offset: int
+    reason: str
+    since_ms: int
+    logged_at: float  # monotonic seconds of the last log line about it
 
 
 class ArchiveAheadError(OffloadError):
@@ -189,9 +213,12 @@ class Offloader:
         leadership: Leadership | None = None,
         upload_limit: Callable[[], int | None] | None = None,
         runner: JobRunner | None = None,
+        divergence: Divergence | None = None,
     ) -> None:
         """``runner`` runs the segment builds and uploads: the broker's cold worker (a child
-        process); by default threads of this process against ``tier``."""
+        process); by default threads of this process against ``tier``. ``divergence``: the
+        queues whose local end could not be checked against their archive at start (a
+        standalone broker's; decision 750): each is checked when its manifest first loads."""
         self.store = store
         self.tier = tier
         self.cluster = cluster
@@ -208,6 +235,7 @@ class Offloader:
         # The CommitLog offset below which records may be uploaded (None: no limit): a
         # master's high watermark (every member of its SyncStateSet holds what is below).
         self.upload_limit = upload_limit or (lambda: None)
+        self.divergence = divergence
         # Set when a commit was refused for a higher epoch's: who took the prefix over.
         self.fenced_by: Term | None = None
         # The epoch in which each queue's manifest was claimed (and its orphans swept).
@@ -215,6 +243,9 @@ class Offloader:
         # Queues whose prefix another data directory wrote, once logged (``foreign``).
         self._foreign_reported: set[tuple[str, int]] = set()
         self._manifests: dict[tuple[str, int], QueueManifest] = {}
+        # Queues whose offload is held at a damaged ConsumeQueue entry (decision 755), until a
+        # commit passes it (after the restart that rebuilds the entry: this is not persisted).
+        self._held: dict[tuple[str, int], OffloadHold] = {}
         self.stats = OffloadStats()
         self._locks: dict[tuple[str, int], threading.RLock] = {}
         self._guard = threading.Lock()
@@ -238,6 +269,12 @@ class Offloader:
                 self._manifests[key] = manifest
                 if self.on_commit is not None:
                     self.on_commit(topic, queue_id, manifest)
+                if self.divergence is not None and self.foreign(manifest) is None:
+                    # Before anything uses it: no upload, release or archive read of a queue
+                    # whose start could not be checked until it has been (decision 750).
+                    self.divergence.check(
+                        topic, queue_id, manifest, self.store.max_offset(topic, queue_id)
+                    )
         return self._manifests[key]
 
     def _leading(self) -> Term:
@@ -314,7 +351,12 @@ class Offloader:
                 manifest.end_offset,
                 self.store.max_offset(topic, queue_id),
             )
-        if manifest.epoch < term.epoch:
+        if manifest.epoch < term.epoch or manifest.version == 0:
+            # A higher epoch takes the prefix over; an empty prefix (no manifest yet) is
+            # stamped with this directory's store before the sweep (decision 752): a second
+            # broker of this name starting on it at the same time then finds a foreign prefix
+            # (its own stamp is refused by the conditional create) and sweeps nothing, where
+            # before the first commit neither could tell the other's uploads from orphans.
             manifest = manifest.next_version()
             self._commit(topic, queue_id, manifest)
             log.info(
@@ -414,6 +456,15 @@ class Offloader:
         foreign = self.foreign(manifest)
         if foreign is not None:
             raise ForeignPrefixError(foreign)
+        if self.divergence is not None:
+            if (topic, queue_id) in self.divergence.pending:
+                raise OffloadError(
+                    f"{topic}/{queue_id}: not yet checked against its archive; local files kept"
+                )
+            local_from = self.divergence.local_from(topic, queue_id)
+            if local_from is not None:
+                # Offsets from there on hold messages the archive does not: kept locally.
+                return min(manifest.end_offset, local_from)
         return manifest.end_offset
 
     def due(self, topic: str, queue_id: int, now_ms: int) -> str | None:
@@ -697,12 +748,55 @@ class Offloader:
         """A segment refused because one of its ConsumeQueue entries names another record: the
         queue's offload stops at that entry (the archive keeps what is before it, the local
         files stay, as release keeps everything above the watermark) and the entry is noted for
-        the next start, which rebuilds it from the CommitLog (decisions 686, 730)."""
+        the next start, which rebuilds it from the CommitLog (decisions 686, 730). The hold is
+        kept for ``held`` (the admin status) and logged when it starts or moves, then every
+        ``HELD_LOG_INTERVAL_S`` while it lasts, not on every pass (decision 755)."""
         self.store.note_damaged_entry(e.topic, e.queue_id, e.offset)
-        return DamagedEntryOffloadError(
-            f"{e.topic}/{e.queue_id}: offload held at queue offset {e.offset}: {e}; nothing of "
-            "that segment was uploaded and the local files are kept; restart the broker to "
+        reason = (
+            f"the ConsumeQueue entry names CommitLog [{e.at}, {e.at + e.size}), which holds "
+            f"{e.found}, not its record"
+        )
+        key, now = (e.topic, e.queue_id), time.monotonic()
+        with self._guard:
+            hold = self._held.get(key)
+            fresh = hold is None or hold.offset != e.offset or hold.reason != reason
+            if hold is None or fresh:
+                hold = OffloadHold(e.offset, reason, time.time_ns() // 1_000_000, now)
+                self._held[key] = hold
+            loud = fresh or now - hold.logged_at >= HELD_LOG_INTERVAL_S
+            if loud:
+                hold.logged_at = now
+        message = (
+            f"{e.topic}/{e.queue_id}: offload held at queue offset {e.offset}: {reason}; nothing "
+            "of that segment was uploaded and the local files are kept; restart the broker to "
             "rebuild the entry from the CommitLog (noted in damaged_entries)"
+        )
+        if fresh:
+            log.error("%s", message)
+        elif loud:
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(hold.since_ms / 1000))
+            log.error("%s (still, since %s)", message, since)
+        return DamagedEntryOffloadError(message, hold)
+
+    def held(self, topic: str, queue_id: int) -> OffloadHold | None:
+        """Where the queue's offload is held at a damaged ConsumeQueue entry; None when it is
+        not (decision 755)."""
+        with self._guard:
+            return self._held.get((topic, queue_id))
+
+    def _release_hold(self, topic: str, queue_id: int, manifest: QueueManifest) -> None:
+        """A commit past the held entry ends the hold (the entry was rebuilt: a restart)."""
+        with self._guard:
+            hold = self._held.get((topic, queue_id))
+            if hold is None or manifest.end_offset <= hold.offset:
+                return
+            del self._held[(topic, queue_id)]
+        log.warning(
+            "%s/%d: offload no longer held at queue offset %d; the tier watermark is %d",
+            topic,
+            queue_id,
+            hold.offset,
+            manifest.end_offset,
         )
 
     def _abandon(self, uploads: deque[tuple[SegmentJob, Future[SegmentInfo]]]) -> None:
@@ -758,6 +852,7 @@ class Offloader:
                 "broker offloading to the same prefix?"
             ) from None
         self._manifests[(topic, queue_id)] = manifest
+        self._release_hold(topic, queue_id, manifest)
         if self.on_commit is not None:
             self.on_commit(topic, queue_id, manifest)
 

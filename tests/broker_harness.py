@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
+
+try:  # tests/ on the path (most tests), or the repository root (tests/test_ha.py)
+    import process_logs
+except ImportError:
+    from tests import process_logs  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,15 +78,23 @@ def wait_healthy(
     log_path: Path,
     what: str,
     seconds: float = 60,
-    channel: grpc.Channel | None = None,
+    connect: Callable[[], grpc.Channel] | None = None,
 ) -> None:
-    """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over ``channel``,
-    default a plaintext one); raise with the end of its log if it exits first or takes longer
-    than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on the port:
-    another server there (one handed the same port) answers too, while ``proc`` fails to bind
-    it and exits."""
-    channel = channel or grpc.insecure_channel(endpoint)
-    health = health_pb2_grpc.HealthStub(channel)
+    """Wait until the server ``proc`` runs says SERVING on ``endpoint`` (over a channel from
+    ``connect``, default a plaintext one); raise with the end of its log if it exits first or
+    takes longer than ``seconds``. A SERVING answer counts only when ``proc`` itself listens on
+    the port: another server there (one handed the same port) answers too, while ``proc`` fails
+    to bind it and exits.
+
+    Each failed check gets a new channel: a channel that found nothing listening retries
+    connecting with exponential backoff (1 s, 1.6 times more each time, with jitter), so its
+    attempts thin out to one in 17 s and then 27 s; a broker up at 28 s was seen SERVING 15 s
+    later over one channel, 0.2 s later with a channel per check. One that took 45 s to start
+    at load 30 then passed the 60 s deadline unseen (decision 744)."""
+    # Its log's tail goes into the report of a test that fails (tests/process_logs.py).
+    process_logs.track(what, log_path)
+    connect = connect or (lambda: grpc.insecure_channel(endpoint))
+    channel = connect()
     port = int(endpoint.rsplit(":", 1)[1])
     deadline = time.monotonic() + seconds
     impostor = False
@@ -91,9 +105,12 @@ def wait_healthy(
                     f"{what} exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
                 )
             try:
+                health = health_pb2_grpc.HealthStub(channel)
                 serving = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
             except grpc.RpcError:
                 serving = False
+                channel.close()
+                channel = connect()
             if serving:
                 if listens_on(proc.pid, port) is not False:
                     return
@@ -137,6 +154,41 @@ def listens_on(pid: int, port: int) -> bool | None:
     return False
 
 
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter (R, S, D, T, t, ...) of every thread of process ``pid``, from
+    /proc; [] once it is gone."""
+    states = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        states.append(stat.rsplit(")", 1)[1].split()[0])  # the name, in (), may hold spaces
+    return states
+
+
+def sigstop(pid: int, seconds: float = 30) -> None:
+    """SIGSTOP process ``pid`` and return only once every thread of it is stopped. ``kill``
+    returns as soon as the signal is queued; the kernel stops a multi-threaded process's other
+    threads only when the one thread that takes the signal next runs, and on a loaded machine
+    the rest run on meanwhile: a child stopped this way and sent a byte at once still echoed it
+    in 53 of 100 tries at load 27, and a SIGSTOPped slave acknowledged a SYNC send it was meant
+    to time out (decision 742)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + seconds
+    while True:
+        states = thread_states(pid)
+        if states and all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pid {pid} did not stop in {seconds:.0f} s: threads {states}")
+        time.sleep(0.002)
+
+
 class Standalone:
     """A ``tmq standalone`` child process on free ports."""
 
@@ -175,6 +227,7 @@ class Standalone:
         return f"127.0.0.1:{self.namesrv_port}"
 
     def start(self) -> Standalone:
+        process_logs.track("standalone", self.log_path, self.env)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -206,7 +259,15 @@ class Standalone:
             # A file, not a pipe: nobody drains a pipe, and a full one would block the broker.
             stderr=self.log_path.open("ab"),
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, "standalone", channel=self.channel())
+        try:
+            wait_healthy(
+                self.proc, self.endpoint, self.log_path, "standalone", connect=self.channel
+            )
+        except BaseException:
+            # Not left running: the test's cleanup never stops a node whose start raised.
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def channel(self, target: str | None = None) -> grpc.Channel:
@@ -256,19 +317,24 @@ class Standalone:
     def stop(self) -> int:
         """SIGTERM and wait; returns the exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
         return int(self.proc.returncode)
 
     def kill9(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def terminate(proc: subprocess.Popen[Any], seconds: float) -> None:
+    """SIGTERM ``proc`` if it still runs and wait for it; SIGKILL after ``seconds``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
@@ -288,6 +354,58 @@ def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
         ],
         env=env,
     ).start()
+
+
+def wait_until(why: str, done: Callable[[], object], seconds: float, every: float = 0.5) -> None:
+    """Polls ``done()`` every ``every`` seconds until it is true; an ``AssertionError`` saying
+    ``why`` once ``seconds`` have passed without."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, why
+        time.sleep(every)
+
+
+def start_namesrv(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``tmq namesrv start`` on 127.0.0.1:``port``, its own process, its stderr appended to
+    ``log``."""
+    process_logs.track("namesrv", log)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.app",
+            "namesrv",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+    )
+
+
+def drain(
+    consumer: Any,
+    want: int,
+    *,
+    ack: bool = True,
+    seconds: float = 60,
+    invisible: int = 30,
+    batch: int = 32,
+) -> list[Any]:
+    """What a started ``SimpleConsumer`` receives, ``batch`` at a time (each invisible for
+    ``invisible`` seconds, acknowledged if ``ack``), until ``want`` messages or ``seconds``."""
+    got: list[Any] = []
+    deadline = time.monotonic() + seconds
+    while len(got) < want and time.monotonic() < deadline:
+        for m in consumer.receive(batch, invisible):
+            got.append(m)
+            if ack:
+                consumer.ack(m)
+    return got
 
 
 def body_bytes(text: str) -> bytes:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -7,11 +8,12 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import process_logs
 import pytest
 from hypothesis import settings
 from s3_buckets import bucket_name, delete_bucket, leftover_buckets, run_id
@@ -53,6 +55,21 @@ def start_store() -> Iterator[Callable[[StoreConfig], MessageStore]]:
         store.shutdown()
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``mount -o size=``) mounted at the new directory ``mnt`` for
+    the block; the test is skipped where that needs root or is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mount -t tmpfs is refused here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def run_child(data_dir: Path, mode: str, flush: str, *args: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(CHILD), str(data_dir), mode, flush, *map(str, args)],
@@ -84,6 +101,34 @@ def brute_force_scan(commitlog_dir: Path) -> list[StoredMessage]:
             out.append(msg)
             pos += total
     return out
+
+
+# -- the logs of the servers a test started ---------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A new test: the servers the harnesses track (tests/process_logs.py) are its own."""
+    process_logs.clear()
+
+
+_LOGS_SHOWN = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with the last lines of every server log it tracked (its
+    brokers', NameServers', etcd's), secrets scrubbed: what a failure seen once under load
+    needs to be explained. Read before the fixtures' teardown stops the servers; once per test
+    (a teardown that fails after the call did adds nothing new)."""
+    report = yield
+    if report.failed and not item.stash.get(_LOGS_SHOWN, False):
+        item.stash[_LOGS_SHOWN] = True
+        for title, text in process_logs.tails():
+            report.sections.append((title, text))
+    return report
 
 
 # -- S3 ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from broker.ha.etcd import EtcdClient, EtcdUnavailableError, find_etcd_binary
+from tests import process_logs
 from tests.broker_harness import free_port
 
 
@@ -36,6 +37,7 @@ class EtcdCluster:
             for name, peer in zip(self.names, self.peer_ports, strict=True)
         )
         for name, client, peer in zip(self.names, self.client_ports, self.peer_ports, strict=True):
+            process_logs.track(name, self.root / f"{name}.log")
             log = (self.root / f"{name}.log").open("ab")
             self.procs.append(
                 subprocess.Popen(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.broker_harness import REPO, free_port, pull_all, tmq
+from tests import process_logs
+from tests.broker_harness import REPO, free_port, pull_all, terminate, tmq
 from tests.etcd_harness import EtcdCluster
 from tests.test_ha import QUEUES, TOPIC, GroupMember, describe_members
 
@@ -192,6 +192,7 @@ def start_namesrv(root: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], s
     """A NameServer on ``port`` (0: a free one), logging to ``root``/namesrv.log."""
     port = port or free_port()
     command = ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
+    process_logs.track("namesrv", root / "namesrv.log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.app", *command],
         cwd=REPO,
@@ -341,10 +342,5 @@ def run_failover(root: Path, kills: int, mode: str = "sync", producers: int = 1)
         if producer is not None:
             producer.stop()
         group.kill_all()
-        namesrv.send_signal(signal.SIGTERM)
-        try:
-            namesrv.wait(10)
-        except subprocess.TimeoutExpired:
-            namesrv.kill()
-            namesrv.wait()
+        terminate(namesrv, 10)
         etcd.stop()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from broker_harness import Standalone, client_config, send_all
+from broker_harness import Standalone, client_config, drain, send_all
 from rocketmq import (
     ConsumeResult,
     FilterExpression,
@@ -42,24 +42,6 @@ def make(topic: str, i: int, tag: str | None = None, group: str | None = None) -
         m.message_group = group
     m.add_property("index", str(i))
     return m
-
-
-def drain(
-    consumer: SimpleConsumer,
-    want: int,
-    *,
-    ack: bool = True,
-    seconds: float = 60,
-    invisible: int = 30,
-) -> list[Message]:
-    got: list[Message] = []
-    deadline = time.monotonic() + seconds
-    while len(got) < want and time.monotonic() < deadline:
-        for m in consumer.receive(32, invisible):
-            got.append(m)
-            if ack:
-                consumer.ack(m)
-    return got
 
 
 def test_a_thousand_messages_are_received_and_acked_exactly_once(broker: Standalone) -> None:

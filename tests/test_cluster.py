@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_harness import REPO, free_port, tmq, wait_healthy
+from broker_harness import REPO, drain, free_port, tmq, wait_healthy
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -120,12 +120,7 @@ def test_a_topic_spread_over_two_brokers_is_routed_and_consumed(cluster) -> None
 
     consumer = SimpleConsumer(config, "g-spread", {"spread": FilterExpression()}, await_duration=1)
     consumer.startup()
-    got = []
-    deadline = time.monotonic() + 60
-    while len(got) < 100 and time.monotonic() < deadline:
-        for m in consumer.receive(32, 30):
-            got.append(m.message_id)
-            consumer.ack(m)
+    got = [m.message_id for m in drain(consumer, 100, seconds=60, invisible=30)]
     consumer.shutdown()
     assert Counter(got) == Counter(ids)
 

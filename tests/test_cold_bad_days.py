@@ -15,7 +15,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,8 @@ QUICK = RetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.1)
 
 
 @pytest.fixture
-def hot(tmp_path: Path) -> Iterator[MessageStore]:
-    store = MessageStore(StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=256 << 10))
-    store.start()
-    yield store
-    store.shutdown()
+def hot(tmp_path: Path, start_store: Callable[[StoreConfig], MessageStore]) -> MessageStore:
+    return start_store(StoreConfig(data_dir=tmp_path / "hot", commitlog_file_size=256 << 10))
 
 
 def fill(store: MessageStore, n: int, seed: int = 5) -> list[bytes]:

@@ -248,6 +248,18 @@ def test_keys_are_built_only_from_safe_names() -> None:
         queue_prefix("c1", "b", "t", -1)
 
 
+def one_segment(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> tuple[ObjectStore, Any, bytes]:
+    """The hot store's first 300 messages archived as one segment in a file tier: the tier,
+    the segment's manifest entry and its offset table."""
+    tier = open_store(f"file://{tmp_path}/tier")
+    store, messages = hot
+    manifest = archive(tier, store, messages[:300], per_segment=300)
+    [info] = manifest.segments
+    return tier, info, tier.get_range(info.key, info.offsets_at, info.count * CQ_ENTRY_SIZE)
+
+
 def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(
     tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
 ) -> None:
@@ -255,11 +267,8 @@ def test_a_read_ahead_run_is_cut_into_batches_without_a_copy(
     buffers (decision 550); what the broker receives (pickled as the worker sends it) and what
     a reader in this process keeps (``owned``) are bytes, identical to the records and replies
     of each batch read alone."""
-    tier = open_store(f"file://{tmp_path}/tier")
-    store, messages = hot
-    manifest = archive(tier, store, messages[:300], per_segment=300)
-    [info] = manifest.segments
-    table = tier.get_range(info.key, info.offsets_at, info.count * CQ_ENTRY_SIZE)
+    tier, info, table = one_segment(tmp_path, hot)
+    messages = hot[1]
     counts = [100, 100, 100]
     spans = read_spans(tier, info, 0, table, counts, encode_pull_replies)
     assert [len(s) for s in spans] == counts
@@ -290,11 +299,7 @@ def test_a_replies_only_run_keeps_positions_and_sizes_but_not_the_records(
     """``read_spans(records=False)`` (decision 705): each batch carries its replies, positions
     and the records' length, not the records; ``take`` answers as for the whole batch, the
     replies are the same bytes, decoding refuses, and the pipe's pickling keeps all of that."""
-    tier = open_store(f"file://{tmp_path}/tier")
-    store, messages = hot
-    manifest = archive(tier, store, messages[:300], per_segment=300)
-    [info] = manifest.segments
-    table = tier.get_range(info.key, info.offsets_at, info.count * CQ_ENTRY_SIZE)
+    tier, info, table = one_segment(tmp_path, hot)
     counts = [100, 100, 100]
     whole = read_spans(tier, info, 0, table, counts, encode_pull_replies)
     only = read_spans(tier, info, 0, table, counts, encode_pull_replies, records=False)

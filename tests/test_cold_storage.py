@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import S3Endpoint
 
 from tiered.cold.faults import FaultyObjectStore
 from tiered.cold.storage import (
@@ -259,3 +260,123 @@ def test_s3_goes_through_botocore_and_answers_every_call_as_s3fs_does(s3: Any, b
     ours.delete(keys[0])
     ours.delete(keys[0])  # idempotent
     assert theirs.size(keys[0]) is None
+
+
+# -- ranged GETs without botocore's per-request machinery (decision 770) -----------------------
+
+
+def _botocore_gets(store: ObjectStore) -> list[str]:
+    """The keys of the ``GetObject`` calls botocore's client of ``store`` makes from now on."""
+    calls: list[str] = []
+    client = store.inner.client  # type: ignore[attr-defined]
+    client.meta.events.register(
+        "before-call.s3.GetObject", lambda params, **_: calls.append(params["url_path"])
+    )
+    return calls
+
+
+def test_ranged_gets_bypass_botocore_and_answer_every_fault_as_it_does(
+    fault_proxy: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the fault proxy: the ranged GETs of a cold read go out through the urllib3 pool,
+    signed once each, and read the right bytes (also of a key that needs quoting); every fault
+    comes out as the same ``ObjectStore`` error botocore's call gave: a 503 and a cut-off body
+    transient, a reset transient, a blackhole a timeout within the configured deadline, a
+    missing key "not found" (answered by botocore's own call), past the end nothing."""
+    options = {
+        **S3Endpoint(fault_proxy.url, "proxy").storage_options(),
+        "config_kwargs": {"read_timeout": 1, "connect_timeout": 1},
+    }
+    store = open_store(f"s3://{bucket}/tier", options, RetryPolicy(attempts=1))
+    monkeypatch.setenv("TMQ_S3_BOTOCORE_GETS", "1")  # the same store on botocore's path
+    reference = open_store(f"s3://{bucket}/tier", options, RetryPolicy(attempts=1))
+    assert reference.inner._ranged is None  # type: ignore[attr-defined]
+    botocore_gets = _botocore_gets(store)
+    data = os.urandom(300_000)
+    keys = ["c/b/t/0/00000000000000000000.seg", "c/b/odd key+~é=&.seg"]
+    for key in keys:
+        assert store.put_if_absent(key, data) is True
+    for key in keys:
+        assert store.get_range(key, 0, 100) == data[:100]
+        assert store.get_range(key, 123_456, 65_536) == data[123_456 : 123_456 + 65_536]
+        assert store.get_range(key, 299_990, 100) == data[299_990:]  # fewer at the end
+        assert store.get_range(key, 300_000, 10) == b""  # nothing past the end
+    assert botocore_gets == [], "ranged GETs went through botocore's client"
+    assert store.get(keys[0]) == data  # a whole-object GET stays botocore's (its checksums)
+    assert len(botocore_gets) == 1
+
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range("c/b/none.seg", 0, 10)
+    assert len(botocore_gets) == 2  # the 404, answered by botocore's own call
+    assert store.inner._ranged is not None  # type: ignore[attr-defined]  # (a miss is a miss)
+
+    def failure(of: ObjectStore, length: int = 100) -> StorageError:
+        started = time.monotonic()
+        with pytest.raises(StorageError) as raised:
+            of.get_range(keys[0], 0, length)
+        assert time.monotonic() - started < 10, "the read deadline (1 s) was not applied"
+        assert not isinstance(raised.value, PermanentStorageError), raised.value
+        for error in (raised.value, raised.value.__cause__):
+            assert "Signature" not in str(error) and "Credential=" not in str(error)
+        return raised.value
+
+    fault_proxy.set(error_rate=1.0, error_status=503, methods=["GET"])
+    assert "SlowDown" in str(failure(store))
+    assert str(failure(store)) == str(failure(reference))  # botocore's words exactly
+    fault_proxy.set(error_rate=1.0, error_status=500, methods=["GET"])
+    assert str(failure(store)) == str(failure(reference))
+    fault_proxy.set(truncate=True, methods=["GET"])
+    failure(store, 200_000)
+    failure(reference, 200_000)
+    fault_proxy.set(reset=True)
+    failure(store)
+    fault_proxy.set(blackhole=True)
+    failure(store)
+    counters = fault_proxy.snapshot()["counters"]
+    assert counters["truncated"] >= 1 and counters["reset"] >= 1
+    fault_proxy.heal()
+    assert store.get_range(keys[1], 5, 5) == data[5:10]
+    assert len(botocore_gets) == 2
+
+
+def test_a_ranged_get_refused_where_botocore_succeeds_hands_ranged_gets_to_botocore(
+    s3: S3Endpoint, bucket: str
+) -> None:
+    """A fast path that sends something botocore would not (here: another address; in the field
+    a region botocore corrects) answers with botocore's bytes, then leaves ranged GETs to
+    botocore rather than pay two requests a read."""
+    store = open_store(f"s3://{bucket}/tier", s3.storage_options(), RetryPolicy(attempts=1))
+    data = os.urandom(10_000)
+    store.put("c/b/k", data)
+    botocore_gets = _botocore_gets(store)
+    store.inner._ranged.path = f"/not-{bucket}/"  # type: ignore[attr-defined]
+    assert store.get_range("c/b/k", 100, 50) == data[100:150]
+    assert store.inner._ranged is None  # type: ignore[attr-defined]
+    assert len(botocore_gets) == 1
+    assert store.get_range("c/b/k", 0, 10) == data[:10]
+    assert len(botocore_gets) == 2
+
+
+def test_ranged_gets_refused_for_credentials_fail_at_once_naming_the_fix(auth_s3: AuthS3) -> None:
+    """A ranged GET with an unknown key or without permission is the permanent error botocore's
+    call gives (the 403 is handed to it), never retried, the secret nowhere in it."""
+    cases = [
+        ("AKIANOSUCHKEY0000001", "whatever", "InvalidAccessKeyId", "check AWS_ACCESS_KEY_ID"),
+        (auth_s3.powerless_key, auth_s3.powerless_secret, "AccessDenied", "s3:GetObject"),
+    ]
+    for key, secret, code, fix in cases:
+        options = {"endpoint_url": auth_s3.url, "key": key, "secret": secret}
+        slept: list[float] = []
+        inner = open_store(f"s3://{auth_s3.bucket}/tier", options, RetryPolicy(attempts=1))
+        store = RetryingObjectStore(
+            inner.inner,  # type: ignore[attr-defined]
+            RetryPolicy(attempts=5, base_delay_s=0.01),
+            slept.append,
+        )
+        assert inner.inner._ranged is not None  # type: ignore[attr-defined]
+        with pytest.raises(PermanentStorageError) as raised:
+            store.get_range("c/b/t/0/x.seg", 0, 100)
+        assert slept == [], f"{code} is never retried"
+        message = str(raised.value)
+        assert message.startswith(f"s3://{auth_s3.bucket}: {code}: "), message
+        assert fix in message and secret not in message and "\n" not in message

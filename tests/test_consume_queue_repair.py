@@ -4,6 +4,7 @@ with an error naming it, and never sends a consumer to CommitLog offset 0."""
 
 from __future__ import annotations
 
+import struct
 import time
 from pathlib import Path
 
@@ -36,14 +37,23 @@ def write_two_queues(config: StoreConfig) -> None:
         store.shutdown()
 
 
-def zero_entries(config: StoreConfig, queue_id: int, first: int, count: int) -> None:
+def overwrite_entry(config: StoreConfig, queue_id: int, q: int, raw: bytes) -> None:
+    """Entry ``q`` of queue ``queue_id`` of topic t overwritten in its file with ``raw``."""
     per_file = config.consumequeue_entries_per_file * 20
+    pos = q * 20
+    path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
+    with path.open("r+b") as fh:
+        fh.seek(pos % per_file)
+        fh.write(raw)
+
+
+def write_entry(config: StoreConfig, queue_id: int, q: int, entry: tuple[int, int, int]) -> None:
+    overwrite_entry(config, queue_id, q, struct.pack(">qiq", *entry))
+
+
+def zero_entries(config: StoreConfig, queue_id: int, first: int, count: int) -> None:
     for q in range(first, first + count):
-        pos = q * 20
-        path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
-        with path.open("r+b") as fh:
-            fh.seek(pos % per_file)
-            fh.write(bytes(20))
+        overwrite_entry(config, queue_id, q, bytes(20))
 
 
 def read_queue(store: MessageStore, queue_id: int) -> list[bytes]:
@@ -55,6 +65,37 @@ def read_queue(store: MessageStore, queue_id: int) -> list[bytes]:
         out += [m.body for m in result.messages]
         offset = result.next_offset
     return out
+
+
+def whole(queue_id: int) -> list[bytes]:
+    """Every body written to queue ``queue_id`` by ``write_two_queues``, in order."""
+    return [body(queue_id, n) for n in range(PER_QUEUE)]
+
+
+def restart_repairs(config: StoreConfig, repaired: int, *queue_ids: int) -> None:
+    """A start of the stopped store reports ``repaired`` ConsumeQueue entries rebuilt, and
+    each of ``queue_ids`` reads back whole."""
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert report.cq_entries_repaired == repaired
+        for queue_id in queue_ids:
+            assert read_queue(store, queue_id) == whole(queue_id)
+    finally:
+        store.shutdown()
+
+
+def read_stops_at_40(store: MessageStore, match: str) -> float:
+    """Queue 0 of the running store, damaged at its entry 40: a read from 0 returns the 40
+    messages before it, and a read at 40 raises a ``DamagedEntryError`` matching ``match``.
+    The seconds that failing read took."""
+    result = store.get_messages("t", 0, 0, 64)
+    assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
+    assert result.next_offset == 40
+    started = time.monotonic()
+    with pytest.raises(DamagedEntryError, match=match):
+        store.get_messages("t", 0, 40, 32)
+    return time.monotonic() - started
 
 
 @pytest.mark.parametrize(
@@ -69,21 +110,9 @@ def test_a_zeroed_consumequeue_entry_is_rebuilt_from_the_commitlog_at_start(
     zero_entries(config, 1, first, 3)
     if exit_was == "crash":
         (config.data_dir / "abort").write_text("1\n")
-    store = MessageStore(config)
-    report = store.start()
-    try:
-        assert report.cq_entries_repaired == 3
-        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 3, 1, 0)
     # The repair was written and flushed: the next start finds nothing to repair.
-    store = MessageStore(config)
-    assert store.start().cq_entries_repaired == 0
-    try:
-        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 0, 1)
 
 
 def test_a_read_that_meets_a_zeroed_entry_fails_at_once_and_names_it(tmp_path: Path) -> None:
@@ -96,36 +125,18 @@ def test_a_read_that_meets_a_zeroed_entry_fails_at_once_and_names_it(tmp_path: P
     store.start()
     try:
         zero_entries(config, 0, 40, 1)  # the mapping is shared: the store sees the zeros
-        result = store.get_messages("t", 0, 0, 64)
-        assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
-        assert result.next_offset == 40
-        started = time.monotonic()
-        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*restart"):
-            store.get_messages("t", 0, 40, 32)
-        assert time.monotonic() - started < 1.0
+        assert read_stops_at_40(store, r"t/0.*queue offset 40.*restart") < 1.0
     finally:
         store.shutdown()
-    store = MessageStore(config)
-    assert store.start().cq_entries_repaired == 1
-    try:
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 1, 0)
 
 
 def garble_entries(config: StoreConfig, queue_id: int, first: int, count: int) -> None:
     """Overwrite entries with non-zero garbage that points outside the CommitLog (past its end,
     or a negative offset), as random bytes over a ConsumeQueue page almost always do."""
-    import struct
-
-    per_file = config.consumequeue_entries_per_file * 20
     for i, q in enumerate(range(first, first + count)):
-        pos = q * 20
-        path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
         phys = -(7 + i) * 4096 if i % 2 else 0x5E5E5E5E5E5E + i
-        with path.open("r+b") as fh:
-            fh.seek(pos % per_file)
-            fh.write(struct.pack(">qiq", phys, 0x5E5E + i, 0x5E5E5E5E))
+        write_entry(config, queue_id, q, (phys, 0x5E5E + i, 0x5E5E5E5E))
 
 
 @pytest.mark.parametrize("first", [100, 250])  # inside a file, across a file end
@@ -139,14 +150,7 @@ def test_consumequeue_entries_overwritten_with_garbage_are_rebuilt_at_start(
     config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
     write_two_queues(config)
     garble_entries(config, 1, first, 9)
-    store = MessageStore(config)
-    report = store.start()
-    try:
-        assert report.cq_entries_repaired == 9
-        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 9, 1, 0)
 
 
 def test_a_read_that_meets_a_garbage_entry_fails_at_once_and_names_it(tmp_path: Path) -> None:
@@ -156,19 +160,10 @@ def test_a_read_that_meets_a_garbage_entry_fails_at_once_and_names_it(tmp_path: 
     store.start()
     try:
         garble_entries(config, 0, 40, 2)  # the mapping is shared: the store sees the garbage
-        result = store.get_messages("t", 0, 0, 64)
-        assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
-        assert result.next_offset == 40
-        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*restart"):
-            store.get_messages("t", 0, 40, 32)
+        read_stops_at_40(store, r"t/0.*queue offset 40.*restart")
     finally:
         store.shutdown()
-    store = MessageStore(config)
-    assert store.start().cq_entries_repaired == 2
-    try:
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 2, 0)
 
 
 def cq_file(config: StoreConfig, queue_id: int, index: int) -> Path:
@@ -205,8 +200,8 @@ def test_a_consumequeue_file_cut_short_is_rebuilt_from_the_commitlog_at_start(
     store = MessageStore(config)
     store.start()
     try:
-        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
+        assert read_queue(store, 1) == whole(1)
+        assert read_queue(store, 0) == whole(0)
         assert store.put_message(Message("t", b"next", queue_id=0)).queue_offset == PER_QUEUE
         assert store.wait_dispatched()
     finally:
@@ -215,7 +210,7 @@ def test_a_consumequeue_file_cut_short_is_rebuilt_from_the_commitlog_at_start(
     report = store.start()
     try:
         assert report.cq_entries_repaired == 0
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)] + [b"next"]
+        assert read_queue(store, 0) == [*whole(0), b"next"]
     finally:
         store.shutdown()
 
@@ -223,23 +218,10 @@ def test_a_consumequeue_file_cut_short_is_rebuilt_from_the_commitlog_at_start(
 def entries_of(config: StoreConfig, queue_id: int) -> list[tuple[int, int, int]]:
     """The (CommitLog offset, size, tag hash) entries of queue ``queue_id`` of topic t, read
     from its files (the store is stopped)."""
-    import struct
-
     out = []
     for path in sorted((config.consumequeue_dir / "t" / str(queue_id)).iterdir()):
         out += [e for e in struct.iter_unpack(">qiq", path.read_bytes()) if e[1] > 0]
     return out
-
-
-def write_entry(config: StoreConfig, queue_id: int, q: int, entry: tuple[int, int, int]) -> None:
-    import struct
-
-    per_file = config.consumequeue_entries_per_file * 20
-    pos = q * 20
-    path = config.consumequeue_dir / "t" / str(queue_id) / f"{pos - pos % per_file:020d}"
-    with path.open("r+b") as fh:
-        fh.seek(pos % per_file)
-        fh.write(struct.pack(">qiq", *entry))
 
 
 @pytest.mark.parametrize("first", [100, 250, 590])  # inside a file, across a file end, the end
@@ -257,14 +239,7 @@ def test_consumequeue_entries_pointing_inside_the_commitlog_at_other_bytes_are_r
         at, size, tag = other[(q * 7 + 300) % PER_QUEUE]
         # Another queue's whole record, or bytes inside one, far from this entry's place.
         write_entry(config, 1, q, (at, size, tag) if i % 2 else (at + 24, 90, 0x5E5E))
-    store = MessageStore(config)
-    report = store.start()
-    try:
-        assert report.cq_entries_repaired == min(9, PER_QUEUE - first)
-        assert read_queue(store, 1) == [body(1, n) for n in range(PER_QUEUE)]
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, min(9, PER_QUEUE - first), 1, 0)
 
 
 def test_a_read_that_meets_an_entry_naming_another_record_fails_and_the_start_rebuilds_it(
@@ -281,19 +256,86 @@ def test_a_read_that_meets_an_entry_naming_another_record_fails_and_the_start_re
     store.start()
     try:
         write_entry(config, 0, 40, theirs)  # the mapping is shared: the store sees it
-        result = store.get_messages("t", 0, 0, 64)
-        assert [m.body for m in result.messages] == [body(0, n) for n in range(40)]
-        assert result.next_offset == 40
-        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*t/1.*restart"):
-            store.get_messages("t", 0, 40, 32)
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
     finally:
         store.shutdown()
-    store = MessageStore(config)
-    assert store.start().cq_entries_repaired == 1
-    try:
-        assert read_queue(store, 0) == [body(0, n) for n in range(PER_QUEUE)]
-    finally:
-        store.shutdown()
+    restart_repairs(config, 1, 0)
     store = MessageStore(config)
     assert store.start().cq_entries_repaired == 0
     store.shutdown()
+
+
+def write_tagged(config: StoreConfig) -> None:
+    """t/0 (tag A), t/1 (tag C) and u/0 (tag C), interleaved in the CommitLog; a clean exit."""
+    store = MessageStore(config)
+    store.start()
+    try:
+        for i in range(0, PER_QUEUE, 20):
+            store.put_messages(
+                [
+                    Message(topic, body(q, n), queue_id=q, properties={"TAGS": tag})
+                    for n in range(i, i + 20)
+                    for topic, q, tag in (("t", 0, "A"), ("t", 1, "C"), ("u", 0, "C"))
+                ]
+            )
+        assert store.wait_dispatched()
+    finally:
+        store.shutdown()
+
+
+def read_filtered(store: MessageStore, tags: str, offset: int = 0) -> list[bytes]:
+    from broker.pop import TagFilter
+
+    tag_filter = TagFilter(tags)
+    out: list[bytes] = []
+    while offset < store.max_offset("t", 0):
+        result = store.get_messages("t", 0, offset, 32, tag_filter=tag_filter.code_matches)
+        assert result.next_offset > offset, (offset, result.status)
+        out += [m.body for m in result.messages if tag_filter.matches(m)]
+        offset = result.next_offset
+    return out
+
+
+@pytest.mark.parametrize("names", ["another queue", "another topic", "inside a record"])
+def test_a_tag_filtered_read_checks_the_entries_its_filter_skips(
+    tmp_path: Path, names: str
+) -> None:
+    """An entry that a tag filter skips is not read (its tag hash says "not for you"), but the
+    hash is as much garbage as the offset: t/0's entry 40 (tag A) rewritten to name a tag-C
+    record, or bytes inside one. Skipping it handed the tag-A consumer message 41 after 39 and
+    dropped 40 without a word. The read now compares the skipped entry's record head and topic
+    (decision 756): it stops before it, a read at it fails naming it, the entry is noted and
+    the next start rebuilds it."""
+    import struct
+
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_tagged(config)
+    theirs = entries_of(config, 1)[40]  # t/1's record 40: queue id 1, tag C
+    if names == "another topic":  # u/0's record 40: queue id 0 and queue offset 40 too
+        path = config.consumequeue_dir / "u" / "0" / f"{0:020d}"
+        theirs = struct.unpack_from(">qiq", path.read_bytes(), 40 * 20)
+    elif names == "inside a record":
+        theirs = (theirs[0] + 24, 90, theirs[2])
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert read_filtered(store, "A")[:41] == [body(0, n) for n in range(41)]
+        write_entry(config, 0, 40, theirs)  # the mapping is shared: the store sees it
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*restart"):
+            read_filtered(store, "A")
+        from broker.pop import TagFilter
+
+        code = TagFilter("A").code_matches
+        result = store.get_messages("t", 0, 30, 32, tag_filter=code)
+        assert [m.body for m in result.messages] == [body(0, n) for n in range(30, 40)]
+        assert result.next_offset == 40
+        with pytest.raises(DamagedEntryError, match=r"t/0.*queue offset 40.*holds"):
+            store.get_messages("t", 0, 40, 32, tag_filter=TagFilter("B").code_matches)
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    assert store.start().cq_entries_repaired == 1, "the read noted it for the start"
+    try:
+        assert read_filtered(store, "A") == [body(0, n) for n in range(PER_QUEUE)]
+    finally:
+        store.shutdown()

@@ -4,9 +4,11 @@ loss of valid data. Each test crashes a real writer process, damages real files,
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,15 @@ def patch(path: Path, pos: int, data: bytes) -> None:
     with path.open("r+b") as fh:
         fh.seek(pos)
         fh.write(data)
+
+
+def zero_from(config: StoreConfig, offset: int) -> None:
+    """The CommitLog zero-filled from ``offset`` to the end of its last file."""
+    path, pos = file_of(config, offset)
+    patch(path, pos, bytes(config.commitlog_file_size - pos))
+    for later in sorted(config.commitlog_dir.iterdir()):
+        if later.name > path.name:
+            patch(later, 0, bytes(config.commitlog_file_size))
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -112,11 +123,7 @@ def test_bit_rot_after_a_clean_exit_fails_the_read_loudly(small_config, start_st
 def test_zero_filled_tail_is_cut_without_losing_what_precedes_it(crashed, start_store) -> None:
     config, msgs = crashed
     cut = msgs[280]
-    path, pos = file_of(config, cut.commitlog_offset)
-    patch(path, pos, bytes(config.commitlog_file_size - pos))
-    for later in sorted(config.commitlog_dir.iterdir()):
-        if later.name > path.name:
-            patch(later, 0, bytes(config.commitlog_file_size))
+    zero_from(config, cut.commitlog_offset)
 
     store = start_store(config)
     assert store.commitlog.max_offset == cut.commitlog_offset
@@ -380,11 +387,7 @@ def test_index_entries_past_a_commitlog_cut_are_dropped_not_taken_for_damage(
     start rebuild it."""
     config, msgs = crashed
     cut = msgs[280]
-    path, pos = file_of(config, cut.commitlog_offset)
-    patch(path, pos, bytes(config.commitlog_file_size - pos))
-    for later in sorted(config.commitlog_dir.iterdir()):
-        if later.name > path.name:
-            patch(later, 0, bytes(config.commitlog_file_size))
+    zero_from(config, cut.commitlog_offset)
     store = start_store(config)
     again = store.put_messages(
         [
@@ -404,3 +407,163 @@ def test_index_entries_past_a_commitlog_cut_are_dropped_not_taken_for_damage(
         assert [x.commitlog_offset for x in store.query_by_key(m.topic, m.msg_id)] == [
             m.commitlog_offset
         ]
+
+
+KEYS_PER_TOPIC = 40
+
+
+def write_keyed_eras(config: StoreConfig) -> list[StoredMessage]:
+    """2,400 messages of topics t and u sharing keys k0..k39 (one in three is u's), each with a
+    unique id: 4,800 IndexFile entries, three files of 2,000. Three eras of 800 a second apart,
+    so that time windows select whole eras. Every record, read back from the CommitLog."""
+    store = MessageStore(config)
+    store.start()
+    try:
+        for era in range(3):
+            if era:
+                time.sleep(1.2)
+            store.put_messages(
+                [
+                    Message(
+                        "u" if n % 3 == 0 else "t",
+                        f"m{n}".encode(),
+                        properties={"KEYS": f"k{n % KEYS_PER_TOPIC}", "UNIQ_KEY": f"id{n}"},
+                    )
+                    for n in range(era * 800, era * 800 + 800)
+                ]
+            )
+        assert store.wait_dispatched()
+    finally:
+        store.shutdown()
+    return brute_force_scan(config.commitlog_dir)
+
+
+def index_entry_naming(config: StoreConfig, path: Path, topic: str, key: str, at: int) -> int:
+    """The byte position in ``path`` of the entry of ``topic#key`` naming CommitLog ``at``."""
+    import struct
+
+    from tiered.formats import key_hash
+
+    data = path.read_bytes()
+    want = key_hash(topic, key)
+    for number in range(1, config.index_max_entries + 1):
+        pos = index_entry_at(config, number)
+        khash, offset, _seconds, _prev = struct.unpack_from(">iqii", data, pos)
+        if (khash, offset) == (want, at):
+            return pos
+    raise AssertionError(f"no entry of {topic}#{key} naming {at} in {path.name}")
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        "a record of another key",
+        "a record of another topic with the same key",
+        "a record inside the file's range",
+        "a newer file's record of the same key",
+        "an older record of the same key",
+        "the middle of a record",
+    ],
+)
+def test_a_damaged_entry_in_an_older_index_file_never_changes_a_key_query_answer(
+    small_config: StoreConfig, names: str
+) -> None:
+    """An older IndexFile's entries are checked only when a query meets them (decisions 687,
+    734). Whatever one is rewritten to name, no key query, over all time or a time window,
+    answers with a message of another key or topic, twice, or without one it should have:
+    the record an entry names must hold its key (687), and entries are in CommitLog order, so
+    a chain's offsets fall from newest to oldest and stay inside the file's range (756). A
+    damaged file is answered by a scan of its range and noted; the next start rebuilds it."""
+    import struct
+
+    config = small_config
+    msgs = write_keyed_eras(config)
+    assert len(msgs) == 2400
+    files = index_files_by_offset(config)
+    assert len(files) == 3
+    first, second = (struct.unpack_from(">q", f.read_bytes(), 16)[0] for f in files[1:])
+    older = [m for m in msgs if m.commitlog_offset < first]
+    victim = next(m for m in older[100:] if m.topic == "t")
+    key = victim.properties["KEYS"]
+    same_key = [m for m in msgs if m.topic == "t" and m.properties["KEYS"] == key]
+    target = {
+        "a record of another key": next(
+            m for m in older if m.topic == "t" and m.properties["KEYS"] != key
+        ),
+        "a record of another topic with the same key": next(
+            m for m in msgs if m.topic == "u" and m.properties["KEYS"] == key
+        ),
+        "a record inside the file's range": older[-1],
+        "a newer file's record of the same key": same_key[-1],
+        "an older record of the same key": same_key[0],
+        "the middle of a record": None,
+    }[names]
+    assert target is None or target.commitlog_offset != victim.commitlog_offset
+    at = victim.commitlog_offset + 24 if target is None else target.commitlog_offset
+    assert second > at or target is same_key[-1]
+    eras = [msgs[i * 800 : i * 800 + 800] for i in range(3)]
+    windows = [(0, 2**62)] + [(e[0].store_timestamp, e[-1].store_timestamp) for e in eras]
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(windows[1:]))
+
+    def expected(topic: str, k: str, lo: int, hi: int) -> list[int]:
+        return sorted(
+            (
+                m.commitlog_offset
+                for m in msgs
+                if m.topic == topic and m.properties["KEYS"] == k and lo <= m.store_timestamp <= hi
+            ),
+            reverse=True,
+        )
+
+    store = MessageStore(config)
+    store.start()
+    try:
+        pos = index_entry_naming(config, files[0], "t", key, victim.commitlog_offset)
+        patch(files[0], pos + 4, at.to_bytes(8, "big"))  # the mapping is shared
+        for topic in ("t", "u"):
+            for k in (key, f"k{(int(key[1:]) + 1) % KEYS_PER_TOPIC}"):
+                for lo, hi in windows:
+                    got = store.query_by_key(topic, k, lo, hi, max_count=1000)
+                    assert all(m.topic == topic and m.properties["KEYS"] == k for m in got)
+                    assert all(lo <= m.store_timestamp <= hi for m in got)
+                    assert [m.commitlog_offset for m in got] == expected(topic, k, lo, hi), (
+                        topic,
+                        k,
+                        (lo, hi),
+                    )
+        got = store.query_by_key("t", victim.msg_id or "")
+        assert [m.commitlog_offset for m in got] == [victim.commitlog_offset]
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    report = store.start()
+    try:
+        assert not files[0].exists(), "noted by the query and rebuilt at start"
+        assert report.index_gaps_rebuilt
+        got = store.query_by_key("t", key, max_count=1000)
+        assert [m.commitlog_offset for m in got] == expected("t", key, 0, 2**62)
+    finally:
+        store.shutdown()
+
+
+def test_after_kill_9_every_index_file_stays_in_commitlog_order(crashed, start_store) -> None:
+    """After kill -9 the newest IndexFile's header may count entries for records past its
+    range's end. The start indexes the records from that end again: the entries it had for
+    them stayed as duplicates at higher numbers with lower offsets, out of the CommitLog order
+    a query now checks chains against (decision 757). The start drops them first."""
+    import numpy as np
+
+    from tiered.hot.index_file import _ENTRY_DTYPE
+
+    config, msgs = crashed
+    store = start_store(config)
+    store.put_messages([Message("again", b"x", properties={"KEYS": "again"})])
+    assert store.wait_dispatched()
+    assert store.check_index_files() == []
+    for f in store.index.files:
+        n = f.header.next_entry
+        data = f.path.read_bytes()
+        entries = np.frombuffer(data, _ENTRY_DTYPE, n, 40 + config.index_hash_slots * 4)
+        offsets = entries["offset"][1:].astype(np.int64)
+        assert (offsets[1:] >= offsets[:-1]).all(), f"{f.path.name}: entries out of order"
+        assert len(offsets) == 2 * len(msgs) + 1  # a unique id and a key each, and "again"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from broker_harness import Standalone, pull_all
-from conftest import SMALL, crash_after_writing
+from conftest import SMALL, crash_after_writing, mounted_tmpfs
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
@@ -41,17 +40,8 @@ GEOMETRY = {
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 12 MiB tmpfs (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)])
-    if done.returncode != 0:
-        pytest.skip("mount -t tmpfs is refused here")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "12m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def write_config(path: Path) -> Path:
@@ -542,6 +532,25 @@ def _found_by_key(node: Standalone, key: str) -> list[str]:
     return [m.message_id for m in reply.messages]
 
 
+def _all_served(
+    node: Standalone,
+    refusals: list[d.Status],
+    acked: dict[str, list[str]],
+    refused: set[str],
+    when: str,
+) -> None:
+    """Every refusal says the disk is full; every acknowledged message is served (``when``:
+    the state of the broker, for the error), and no refused one."""
+    for st in refusals:
+        assert st.code == d.INTERNAL_SERVER_ERROR, st
+        assert "disk is full" in st.message, st
+    served = _readable(node, acked, 60)
+    assert set(acked) <= served, (
+        f"{len(set(acked) - served)} of {len(acked)} acknowledged messages unreadable {when}"
+    )
+    assert not served & refused, f"{len(served & refused)} refused messages stored"
+
+
 @pytest.mark.parametrize(
     ("flush", "engine"), [("sync", "native"), ("async", "native"), ("async", "python")]
 )
@@ -575,15 +584,7 @@ def test_every_message_acknowledged_on_a_filling_disk_is_readable_without_freein
         n, refusals = _send_until_refused(node, 0, acked, refused)
         assert len(refusals) == 5, "a 12 MiB disk should fill up"
         assert len(acked) > 1000, "the disk should take a few CommitLog files first"
-        for st in refusals:
-            assert st.code == d.INTERNAL_SERVER_ERROR, st
-            assert "disk is full" in st.message, st
-        served = _readable(node, acked, 60)
-        assert set(acked) <= served, (
-            f"{len(set(acked) - served)} of {len(acked)} acknowledged messages unreadable "
-            "while the disk is full"
-        )
-        assert not served & refused, f"{len(served & refused)} refused messages stored"
+        _all_served(node, refusals, acked, refused, "while the disk is full")
         ids = list(acked)
         sample = ids[-20:] + ids[:: max(1, len(ids) // 30)]
         for msg_id in sample:
@@ -592,15 +593,7 @@ def test_every_message_acknowledged_on_a_filling_disk_is_readable_without_freein
         node.kill9()
         node.start()  # on the same full disk
         n, refusals = _send_until_refused(node, n, acked, refused)
-        for st in refusals:
-            assert st.code == d.INTERNAL_SERVER_ERROR, st
-            assert "disk is full" in st.message, st
-        served = _readable(node, acked, 60)
-        assert set(acked) <= served, (
-            f"{len(set(acked) - served)} of {len(acked)} acknowledged messages unreadable "
-            "after a restart on the full disk"
-        )
-        assert not served & refused, f"{len(served & refused)} refused messages stored"
+        _all_served(node, refusals, acked, refused, "after a restart on the full disk")
         for msg_id in ids[-20:] + list(acked)[-20:]:
             assert _found_by_key(node, acked[msg_id][0]) == [msg_id]
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -288,8 +288,27 @@ def test_dispatch_writes_the_same_files_with_either_engine(
 KEY_TEXT = st.one_of(st.none(), st.sampled_from(["", "k1", "k1 k2", " lead", "a  b", "ünï"]))
 
 
+class PassRun(NamedTuple):
+    """Records as consecutive passes (the columns of ``passes()`` and their keys, unique ids
+    and per-record times; ``bounds`` cut them into passes) and the store's dispatch settings."""
+
+    offsets: list[int]
+    sizes: list[int]
+    qoffs: list[int]
+    queues: list[tuple[str, int]]
+    tags: list[Any]
+    keys: list[Any]
+    uniq: list[Any]
+    stamps: list[int] | None
+    bounds: list[int]
+    index_from: int
+    entries_per_file: int
+    max_entries: int
+    packed: bool
+
+
 @st.composite
-def pass_runs(draw: Any) -> tuple[Any, ...]:
+def pass_runs(draw: Any) -> PassRun:
     """A run of records as consecutive passes: the fields of ``passes()`` with keys, unique ids
     and per-record times, cut into one to three passes, and the store's dispatch settings."""
     offsets, sizes, qoffs, queues, tags = draw(passes())
@@ -308,7 +327,7 @@ def pass_runs(draw: Any) -> tuple[Any, ...]:
     entries_per_file = draw(st.sampled_from([3, 7, 1 << 20]))
     max_entries = draw(st.sampled_from([5, 50, 1000]))
     packed = draw(st.booleans())
-    return (
+    return PassRun(
         offsets,
         sizes,
         qoffs,
@@ -335,39 +354,25 @@ def _state(queues: ConsumeQueueTable, index: IndexService) -> Any:
     )
 
 
-def _run_passes(root: Path, engine: Any, run: tuple[Any, ...], mp: Any) -> tuple[Any, Any]:
-    (
-        offsets,
-        sizes,
-        qoffs,
-        queues_,
-        tags,
-        keys,
-        uniq,
-        stamps,
-        bounds,
-        index_from,
-        entries_per_file,
-        max_entries,
-        packed,
-    ) = run
+def _run_passes(root: Path, engine: Any, run: PassRun, mp: Any) -> tuple[Any, Any]:
     mp.setattr(record, "_engine", engine)
-    queues = ConsumeQueueTable(root / "cq", entries_per_file)
-    index = IndexService(root / "index", 13, max_entries)
-    d = Dispatcher(None, queues, index, reput_offset=0, index_from=index_from)  # type: ignore[arg-type]
+    queues = ConsumeQueueTable(root / "cq", run.entries_per_file)
+    index = IndexService(root / "index", 13, run.max_entries)
+    d = Dispatcher(None, queues, index, reput_offset=0, index_from=run.index_from)  # type: ignore[arg-type]
     d.unindexed_topics = frozenset({"b"})
-    column = (lambda v: array("q", v)) if packed else list
-    for a, b in itertools.pairwise(bounds):
+    column = (lambda v: array("q", v)) if run.packed else list
+    stamps = run.stamps
+    for a, b in itertools.pairwise(run.bounds):
         if a == b:
             continue
         batch = EncodedBatch(
-            offsets=column(offsets[a:b]),
-            sizes=column(sizes[a:b]),
-            queue_offsets=column(qoffs[a:b]),
-            queues=queues_[a:b],
-            tags=tags[a:b],
-            keys=keys[a:b],
-            uniq_keys=uniq[a:b],
+            offsets=column(run.offsets[a:b]),
+            sizes=column(run.sizes[a:b]),
+            queue_offsets=column(run.qoffs[a:b]),
+            queues=run.queues[a:b],
+            tags=run.tags[a:b],
+            keys=run.keys[a:b],
+            uniq_keys=run.uniq[a:b],
             store_timestamp=max(stamps[a:b]) if stamps else 1_700_000_000_000,
             store_timestamps=column(stamps[a:b]) if stamps else None,
         )
@@ -391,7 +396,7 @@ def _run_passes(root: Path, engine: Any, run: tuple[Any, ...], mp: Any) -> tuple
 @settings(SETTINGS, max_examples=25)
 @given(pass_runs())
 def test_a_dispatch_pass_writes_the_same_files_and_state_with_either_engine(
-    run: tuple[Any, ...],
+    run: PassRun,
 ) -> None:
     """``dispatch_pass``: every ConsumeQueue and IndexFile byte, each queue's bounds and its
     tail's ``wrote``, and every IndexFile header the same as the reference's, on passes with
@@ -432,20 +437,20 @@ def test_a_pass_that_continues_its_queues_takes_no_python_put(
     n = 64
     queues_ = [("a", i % 4) for i in range(n)]
     offsets = [1000 * i for i in range(n)]
-    run = (
-        offsets,
-        [900] * n,
-        [i // 4 for i in range(n)],
-        queues_,
-        ["t"] * n,
-        ["k"] * n,
-        [f"u{i}" for i in range(n)],
-        None,
-        [0, 16, 40, n],
-        0,
-        1000,
-        1000,
-        True,
+    run = PassRun(
+        offsets=offsets,
+        sizes=[900] * n,
+        qoffs=[i // 4 for i in range(n)],
+        queues=queues_,
+        tags=["t"] * n,
+        keys=["k"] * n,
+        uniq=[f"u{i}" for i in range(n)],
+        stamps=None,
+        bounds=[0, 16, 40, n],
+        index_from=0,
+        entries_per_file=1000,
+        max_entries=1000,
+        packed=True,
     )
     state, files = _run_passes(tmp_path / "native", NATIVE, run, monkeypatch)
     # The first pass creates the four files and the IndexFile (the roll path in Python).

@@ -28,7 +28,16 @@ from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
 from broker.metadata import BrokerMetadata
 from remoting.security import ChannelSecurity
-from tests.broker_harness import REPO, free_port, send_all, wait_healthy
+from tests import process_logs
+from tests.broker_harness import (
+    REPO,
+    free_port,
+    send_all,
+    sigstop,
+    start_namesrv,
+    terminate,
+    wait_healthy,
+)
 from tiered.config import StoreConfig
 from tiered.epoch_file import EpochEntry, EpochFile
 from tiered.store import MessageStore, recorded_geometry
@@ -152,6 +161,7 @@ lease_ttl_ms = {lease_ttl_ms}
 """
             + self.extra_toml
         )
+        process_logs.track(self.name, self.log_path, env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(config)],
             cwd=REPO,
@@ -160,17 +170,12 @@ lease_ttl_ms = {lease_ttl_ms}
             # INFO: the log says when the link connected, streamed and joined the set.
             env={**os.environ, "TMQ_LOG_LEVEL": "INFO", **(env or {})},
         )
-        wait_healthy(self.proc, self.endpoint, self.log_path, self.name, channel=self.channel())
+        wait_healthy(self.proc, self.endpoint, self.log_path, self.name, connect=self.channel)
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 30)
         assert self.proc is None or self.proc.returncode == 0, self.log_path.read_text()[-2000:]
 
     def kill9(self) -> None:
@@ -386,7 +391,9 @@ def test_sync_send_fails_cleanly_without_enough_replicas_and_recovers(group) -> 
     # sync_timeout_ms for the slave, and fails; after max_lag_ms the slave leaves the set and
     # sends are refused up front.
     assert slave.proc is not None
-    os.kill(slave.proc.pid, signal.SIGSTOP)
+    # Stopped for real before the send: kill() returns before every thread of the slave has
+    # stopped, and one still running acknowledged the send this test means to time out.
+    sigstop(slave.proc.pid)
     try:
         timed_out = send(master.endpoint, 200, 20)
         assert [st.code for st in timed_out] == [d.SLAVE_PERSISTENCE_TIMEOUT]
@@ -653,22 +660,7 @@ def test_slaves_register_under_their_id_and_clients_are_routed_to_the_master(
     from remoting.namesrv_client import NameServerClient
 
     port = free_port()
-    namesrv = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli.app",
-            "namesrv",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "namesrv.log").open("ab"),
-    )
+    namesrv = start_namesrv(port, tmp_path / "namesrv.log")
     client = NameServerClient([f"127.0.0.1:{port}"])
     try:
         master, slave = group("master"), group("slave")

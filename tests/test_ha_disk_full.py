@@ -4,12 +4,12 @@ and ends byte-identical to the master, without a gap."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import mounted_tmpfs
 from rocketmq.grpc_protocol import definition_pb2 as d
 
 from tests.broker_harness import free_port
@@ -23,16 +23,8 @@ STORE_TOML = "consumequeue_entries_per_file = 1000"
 @pytest.fixture
 def slave_disk(tmp_path: Path) -> Iterator[Path]:
     """A 6 MiB tmpfs for the slave's data dir (root only); grown by remounting."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "slave-disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("mount -t tmpfs is refused here")
-    try:
+    with mounted_tmpfs(tmp_path / "slave-disk", "6m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_slave_whose_disk_fills_blocks_sync_acks_and_catches_up_after_space_is_freed(

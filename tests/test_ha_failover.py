@@ -23,7 +23,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
 from broker.ha.etcd import Compare, EtcdClient, put_op
-from tests.broker_harness import pull_all
+from tests.broker_harness import pull_all, sigstop
 from tests.etcd_harness import EtcdCluster
 from tests.ha_failover import Group, is_master, run_failover, start_namesrv, wait_for
 from tests.test_ha import (
@@ -133,7 +133,7 @@ def test_async_old_master_truncates_its_divergent_tail_and_rejoins(tmp_path: Pat
         assert {st.code for st in send(a.endpoint, 0, 100)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
         assert b.proc is not None
-        os.kill(b.proc.pid, signal.SIGSTOP)
+        sigstop(b.proc.pid)
         try:
             # Acknowledged by the ASYNC master alone: b is stopped. ~25 MB, more than the
             # master's 16 MiB send window and the kernel's socket buffers hold for b.
@@ -186,7 +186,7 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
 
         assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
         for p in etcd.procs:
-            os.kill(p.pid, signal.SIGSTOP)
+            sigstop(p.pid)
         frozen_at = time.monotonic()
         wait_for("a is fenced", lambda: a.metric("tmq_replication_fenced") == 1, timeout=10)
         # Idle, its tick stuck in etcd calls that time out (2 s per endpoint, three of them),
@@ -221,7 +221,7 @@ def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
         # slave-read must serve everything its CommitLog holds all the same (decision 360).
         # (The wait that stood here pulled through b, which forwarded to a: it counted a's.)
         for p in etcd.procs:
-            os.kill(p.pid, signal.SIGSTOP)
+            sigstop(p.pid)
         a.kill9()
         assert sorted(m.system_properties.keys[0] for m in pull_all(b, TOPIC, QUEUES)) == sorted(
             f"key-{n}" for n in range(60)

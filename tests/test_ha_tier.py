@@ -17,6 +17,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 
 from broker import admin_pb2 as apb
 from broker import admin_pb2_grpc as apb_grpc
+from tests.broker_harness import sigstop
 from tests.test_ha import QUEUES, TOPIC, GroupMember, caught_up, open_store, send, wait_until
 from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentReader
@@ -174,7 +175,7 @@ def test_uploads_wait_for_the_in_sync_slave_which_releases_only_below_the_waterm
     a, b = replicated_tiered_topic(group, env, 1500)
     wait_until("a knows b holds everything", lambda: a.metric("tmq_replication_lag_bytes") == 0)
     assert b.proc is not None
-    os.kill(b.proc.pid, signal.SIGSTOP)
+    sigstop(b.proc.pid)
     try:
         assert all(st.code == d.OK for st in send(a.endpoint, 1500, 600))  # ASYNC: acked
         assert a.metric("tmq_replication_sync_state_set_size") == 2

@@ -6,6 +6,8 @@ and its start was taken as healthy because the NameServer answered there (decisi
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -106,3 +108,89 @@ def test_a_replica_group_wait_that_times_out_shows_each_members_state_and_log(
     finally:
         alive.proc.kill()
         alive.proc.wait(30)
+
+
+_ECHO_CHILD = """
+import socket, sys, threading
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+def echo():
+    while data := conn.recv(64):
+        conn.sendall(data)
+threading.Thread(target=echo, daemon=True).start()
+for _ in range(4):  # idle threads besides, as a broker has
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def test_a_stopped_child_answers_nothing_sent_after_sigstop_returns() -> None:
+    """A child whose thread echoes what it reads from a socket (as a slave acknowledges the
+    bytes its master streams) is stopped with ``sigstop``, then sent a byte: it must not answer
+    until SIGCONT. With a bare ``os.kill`` it answered in most tries on this loaded machine:
+    the kernel stops the other threads only once the one that takes the signal runs."""
+    from tests.broker_harness import sigstop
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_CHILD, str(listener.getsockname()[1])]
+        )
+        try:
+            listener.settimeout(60)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(30)
+                for n in range(15):
+                    sigstop(child.pid)
+                    conn.sendall(bytes([n]))
+                    ready, _, _ = select.select([conn], [], [], 0.3)
+                    assert not ready, f"try {n}: the stopped child answered"
+                    os.kill(child.pid, signal.SIGCONT)
+                    assert conn.recv(64) == bytes([n]), "it answers once continued"
+        finally:
+            child.kill()
+            child.wait()
+
+
+_FAILING_WITH_LOGS = """
+import process_logs
+
+SECRET = "NotARealKeyButLongEnough0123456789"
+
+
+def test_fails(tmp_path):
+    log = tmp_path / "broker-x.log"
+    log.write_text("".join(f"line {n}\\n" for n in range(300)) + f"raw stderr quoting {SECRET}\\n")
+    process_logs.track("broker-x", log, {"AWS_SECRET_ACCESS_KEY": SECRET})
+    assert False, "the test's own failure"
+
+
+def test_passes(tmp_path):
+    log = tmp_path / "broker-y.log"
+    log.write_text("nothing to see\\n")
+    process_logs.track("broker-y", log)
+"""
+
+
+def test_a_failed_tests_report_ends_with_its_servers_log_tails(tmp_path: Path) -> None:
+    """Decision 740: the report of a test that failed carries the last 200 lines of each server
+    log it tracked, with the secrets of the server's environment scrubbed; a test that passed
+    shows none, and the next test does not inherit the previous one's servers."""
+    (tmp_path / "test_inner.py").write_text(_FAILING_WITH_LOGS)
+    command = ["-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-o", "addopts="]
+    done = subprocess.run(
+        [sys.executable, *command, "-q", "test_inner.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
+    assert "broker-x log, last 200 lines" in out, out[-3000:]
+    assert "line 299" in out and "line 100\n" not in out  # the tail, not the whole log
+    assert "raw stderr quoting ***" in out
+    assert "NotARealKeyButLongEnough0123456789" not in out.replace(
+        'SECRET = "NotARealKeyButLongEnough0123456789"', ""
+    )
+    assert "broker-y" not in out

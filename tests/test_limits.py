@@ -87,6 +87,38 @@ def test_gzip_bombs_are_refused_without_inflating_them(tmp_path: Path) -> None:
         node.stop()
 
 
+def test_a_grpc_compressed_request_past_the_message_limit_is_refused_without_inflating_it(
+    tmp_path: Path,
+) -> None:
+    """gRPC's own message compression (``grpc-encoding: gzip``, the transport's, not the body's
+    ``GZIP`` encoding) is a second way to send a bomb: 160 MiB of zeros, 160 KiB on the wire,
+    against the broker's 64 MiB ``grpc.max_receive_message_length``. grpc-core must refuse it
+    with RESOURCE_EXHAUSTED, bounding its inflation by the limit, and the broker keeps serving
+    (decision 768)."""
+    node = Standalone(tmp_path / "data").start()
+    try:
+        node.create_topic("wire", queues=1)
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        assert node.proc is not None
+        assert send_one(stub, "wire", b"warm", gz=False).code == d.OK
+        before = peak_rss_bytes(node.proc.pid)
+        request = s.SendMessageRequest()
+        m = request.messages.add(topic=d.Resource(name="wire"), body=bytes(160 * MiB))
+        m.system_properties.message_id = os.urandom(16).hex().upper()
+        m.system_properties.message_type = d.NORMAL
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SendMessage(request, timeout=120, compression=grpc.Compression.Gzip)
+        del request, m
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        growth = peak_rss_bytes(node.proc.pid) - before
+        # grpc-core inflates up to the limit, then refuses: the peak grew by 68 MiB here (the
+        # limit's buffer). Inflated whole before the check, it would grow by 160 MiB at least.
+        assert growth < 128 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+        assert send_one(stub, "wire", b"after", gz=False).code == d.OK
+    finally:
+        node.stop()
+
+
 @pytest.mark.parametrize("limit", [4 * MiB])
 def test_a_body_at_the_limit_inflates_and_one_byte_more_is_refused(limit: int) -> None:
     from broker.protocol import ProtocolError, inflate

@@ -138,6 +138,7 @@ def test_uploads_that_landed_together_are_committed_in_one_manifest_version(
     before = snapshot(hot, "orders", 0)
     policy = OffloadPolicy(segment_max_messages=250, parallel_uploads=4)
     offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=InlineRunner(tier))
+    offloader.claim("orders", 0)  # an empty prefix is stamped at the claim (decision 752)
     start = offloader.manifest("orders", 0).version
     result = offloader.offload_queue("orders", 0)
     manifest = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0)).load()
@@ -204,6 +205,7 @@ def test_a_pass_commits_one_manifest_version_for_uploads_that_land_one_by_one(
     policy = OffloadPolicy(segment_max_messages=300, parallel_uploads=4)
     offloader = Offloader(hot, tier, "c1", "broker-a", policy, runner=runner)
     log = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0))
+    offloader.claim("orders", 0)  # an empty prefix is stamped at the claim (decision 752)
     start = offloader.manifest("orders", 0).version
     with ThreadPoolExecutor(1) as pool:
         passing = pool.submit(offloader.offload_queue, "orders", 0)
@@ -495,14 +497,20 @@ def test_release_after_a_commit_whose_reply_was_lost_leaves_readers_the_archive(
         assert store.wait_dispatched()
         fetcher.prime()  # the reader knows the queue has no archive yet (refresher not running)
         assert fetcher.cached("orders", 0) is not None and store.min_offset("orders", 0) == 0
+        lossy = _CommitReplyLost(tier)
         offloader = Offloader(
             store,
-            _CommitReplyLost(tier),  # type: ignore[arg-type]
+            lossy,  # type: ignore[arg-type]
             "c1",
             "broker-a",
             on_commit=fetcher.set_manifest,
             runner=LocalRunner(tier, threads=2, max_inflight=2),
         )
+        # The claim stamps the empty prefix (decision 752): an empty archive, answered.
+        lossy.armed = False
+        offloader.claim("orders", 0)
+        lossy.armed = True
+        assert store.min_offset("orders", 0) == 0
         with pytest.raises(OffloadError):
             offloader.offload_queue("orders", 0)  # landed, but the answer was lost
         topics = {"orders": TopicConfig(name="orders", tiered=True)}
@@ -571,6 +579,58 @@ def test_an_entry_naming_another_record_holds_the_queue_and_nothing_wrong_is_arc
         _hold_then_rebuild(tier, config, worker, names)
     finally:
         worker.close()
+
+
+def test_a_hold_is_kept_for_the_status_logged_once_and_ended_by_a_commit_past_it(
+    tmp_path: Path, s3: Any, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The offloader keeps where a queue's offload is held (``held``: offset, reason, since)
+    for the admin status, logs it when it starts, not on every pass that meets it again, and
+    ends the hold when a commit passes the entry (decision 755)."""
+    from offload.offloader import DamagedEntryOffloadError
+    from tiered.formats import CQ_DTYPE
+
+    tier = open_store(f"s3://{bucket}/tier", s3.storage_options())
+    config = StoreConfig(data_dir=tmp_path / "hot", consumequeue_entries_per_file=256)
+    store = MessageStore(config)
+    store.start()
+    offloader = Offloader(store, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=100))
+    try:
+        fill(store, "orders", 400)  # 200 a queue
+        ours = store.queue_entry_table("orders", 0, 150, 1)
+        other = store.queue_entry_table("orders", 1, 150, 1)
+        cq_file = config.data_dir / "consumequeue" / "orders" / "0" / f"{0:020d}"
+
+        def put(entry: Any) -> None:
+            with open(cq_file, "r+b") as f:
+                f.seek(150 * 20)
+                f.write(entry.astype(CQ_DTYPE).tobytes())
+
+        put(other)
+        assert offloader.held("orders", 0) is None
+        with caplog.at_level("ERROR", logger="offload.offloader"):
+            for _ in range(3):
+                with pytest.raises(DamagedEntryOffloadError):
+                    offloader.offload_queue("orders", 0)
+        hold = offloader.held("orders", 0)
+        assert hold is not None and hold.offset == 150
+        assert f"names CommitLog [{int(other['offset'][0])}," in hold.reason
+        assert "queue id 1 at queue offset 150" in hold.reason
+        assert abs(hold.since_ms - time.time() * 1000) < 60_000
+        held_lines = [r for r in caplog.records if "offload held at queue offset 150" in r.message]
+        assert len(held_lines) == 1, "logged when it starts, not on every pass"
+        assert offloader.watermark("orders", 0) == 100
+        assert offloader.held("orders", 1) is None, "the other queue is not held"
+
+        put(ours)  # the entry is right again (as a restart's rebuild makes it)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="offload.offloader"):
+            assert offloader.offload_queue("orders", 0).watermark == 200
+        assert offloader.held("orders", 0) is None
+        assert any("no longer held at queue offset 150" in r.message for r in caplog.records)
+    finally:
+        offloader.close()
+        store.shutdown()
 
 
 def _hold_then_rebuild(tier: ObjectStore, config: StoreConfig, worker: Any, names: str) -> None:

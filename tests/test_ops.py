@@ -233,7 +233,7 @@ JSON_SHAPES: list[tuple[list[str], str, set[str]]] = [
         ["offload", "status", "ops-json"],
         "list",
         {"broker", "topic", "queue", "min_offset", "hot_min_offset", "tier_watermark"}
-        | {"max_offset", "tiered"},
+        | {"max_offset", "tiered", "offload_held"},
     ),
     (
         ["retain", "ops-json"],

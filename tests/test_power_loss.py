@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from test_crash import Ack, collect, verify
 
 from broker.metadata import BrokerMetadata
 from broker.timer import TimerService
+from tiered import store as store_module
 from tiered.config import StoreConfig
 from tiered.hot.commitlog import DurabilityLostError
 from tiered.record import Message
@@ -709,6 +711,88 @@ def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -
         assert store.commitlog.failed is not None
         index_files = list(store.index.files)
         assert index_files
+        store.shutdown()
+        assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
+        assert all(f.mm.closed for f in store.commitlog.files.files)
+        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+    finally:
+        fs.close()
+
+
+def test_a_start_that_fails_on_a_dying_disk_raises_its_own_error_not_the_cleanups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start refused for a reason of its own (here an unreadable queue-floors file, decision
+    720) while the disk dies under it: closing what the start had opened then meets EIO (an
+    IndexFile's header write). The operator must see why the start failed, not the cleanup's
+    EIO, which used to replace it; the cleanup's error is kept as a note, every file is closed
+    and the lock released."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        config = StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL)
+        with MessageStore(config) as store:
+            for n in range(20):
+                store.put_message(
+                    Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"})
+                )
+        floors = config.data_dir / store_module.QUEUE_FLOORS_FILE
+        floors.write_bytes(b"{not json")
+        real_load = store_module.load_queue_floors
+
+        def power_cut_then_load(data_dir: Path) -> dict[tuple[str, int], int]:
+            fs.crash()  # the disk dies here, mid-start: every later write is EIO
+            return real_load(data_dir)
+
+        monkeypatch.setattr(store_module, "load_queue_floors", power_cut_then_load)
+        store = MessageStore(config)
+        with pytest.raises(store_module.StoreLoadError, match="queue-floors") as raised:
+            store.start()
+        assert any("Input/output error" in note for note in raised.value.__notes__)
+        assert store.index.files, "the start had opened its IndexFiles"
+        assert all(f.mm.closed for f in store.index.files), "an IndexFile was left mapped"
+        assert all(f.mm.closed for f in store.commitlog.files.files)
+        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+    finally:
+        fs.close()
+
+
+@pytest.mark.parametrize("first", ["flush", "shutdown"])
+def test_a_dead_disk_met_by_a_flush_or_a_shutdown_fails_the_store_naming_the_file(
+    tmp_path: Path, first: str
+) -> None:
+    """The power goes out under a healthy SYNC store (its CommitLog fsynced, its ConsumeQueue
+    and IndexFile not): whichever meets the dead disk first, the periodic or an explicit
+    ``flush`` or the ``shutdown``, raises ``DurabilityLostError`` naming the file whose fsync
+    failed and fails the store, and the shutdown still closes every file and releases the
+    lock. The flush's error used to name no file, and the shutdown raised the ConsumeQueue's
+    raw ``OSError``, leaving the IndexFiles mapped and the data directory locked."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        data_dir = mountpoint / "store"
+        # The periodic flush must not meet the dead disk first (decision 711's race): this
+        # test is the flush, or the shutdown, that does.
+        config = StoreConfig(data_dir=data_dir, flush="sync", flush_interval_ms=600_000, **SMALL)
+        store = MessageStore(config)
+        store.start()
+        for n in range(20):
+            store.put_message(
+                Message(topic="dead", queue_id=0, body=b"%d" % n, properties={"KEYS": "k"})
+            )
+        assert store.wait_dispatched()
+        store.flush_commitlog()  # the CommitLog is on disk: the derived files' fsyncs fail
+        fs.crash()
+        with pytest.raises(DurabilityLostError) as raised:
+            store.flush() if first == "flush" else store.shutdown()
+        named = re.search(rf"'{re.escape(str(data_dir))}/(\w+)/", str(raised.value))
+        assert named is not None and named[1] in ("consumequeue", "index"), raised.value
+        assert store.commitlog.failed is not None
+        with pytest.raises(DurabilityLostError):
+            store.flush()
+        index_files = list(store.index.files)
         store.shutdown()
         assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
         assert all(f.mm.closed for f in store.commitlog.files.files)

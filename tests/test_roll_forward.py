@@ -17,6 +17,7 @@ from broker_harness import (
     metric_sample,
     pull_all,
     send_batches,
+    wait_until,
 )
 from rocketmq import Producer, TransactionResolution
 from rocketmq.grpc_protocol import definition_pb2 as d
@@ -47,11 +48,8 @@ def commitlog_starts(data: Path) -> list[int]:
     return sorted(int(p.name) for p in (data / "commitlog").iterdir() if p.name.isdigit())
 
 
-def wait_for(predicate: object, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
+def wait_for(predicate: Callable[[], object], seconds: float, what: str) -> None:
+    wait_until(what, predicate, seconds, every=0.3)
 
 
 def test_a_long_pending_transaction_and_timer_do_not_keep_the_oldest_file(

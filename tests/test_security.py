@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from broker_harness import Standalone, free_port, metric_sample, tmq
+from broker_harness import Standalone, drain, free_port, metric_sample, tmq
 from node_harness import ensure_node_client
 from node_harness import node as node_client
 from rocketmq.grpc_protocol import definition_pb2 as d
@@ -113,17 +113,11 @@ def receive(config: Any, group: str, topic: str, want: int = 1, seconds: float =
     from rocketmq import FilterExpression, SimpleConsumer
 
     consumer = SimpleConsumer(config, group, {topic: FilterExpression("*")}, await_duration=2)
-    got: list[Any] = []
     try:
         consumer.startup()
-        deadline = time.monotonic() + seconds
-        while len(got) < want and time.monotonic() < deadline:
-            for m in consumer.receive(16, 30):
-                consumer.ack(m)
-                got.append(m)
+        return drain(consumer, want, seconds=seconds, invisible=30, batch=16)
     finally:
         consumer.shutdown()
-    return got
 
 
 # -- the signature itself ------------------------------------------------------------------------

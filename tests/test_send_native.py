@@ -22,8 +22,7 @@ from broker.protocol import (
     SEND_ENGINE,
     ProtocolError,
     scan_send_request,
-    scanned_record_spans,
-    scanned_store_messages,
+    scanned_batch,
     to_store_messages,
 )
 from tiered.record import NATIVE_ENGINE, EncodedBatch, Message, RecordEncoder, RecordSpans
@@ -64,7 +63,7 @@ def native(raw: bytes, topic: TopicConfig, first_queue: int) -> Any:
     scanned = scan_send_request(raw)
     if scanned is None:
         return None
-    return scanned, scanned_store_messages(scanned, topic, first_queue, LIMITS, PEER, len(raw))
+    return scanned, scanned_batch(scanned.messages, topic, first_queue, LIMITS, PEER, len(raw))
 
 
 def records(batch: list[Message]) -> list[tuple[bytes, ...]]:
@@ -117,7 +116,7 @@ def check_spans(
     ``Message`` objects are, else the same ids and body bytes, and byte-identical CommitLog
     records and dispatch columns, from the native encoder reading the spans in place and from
     the reference encoding the reference path's ``Message`` objects."""
-    spans = scanned_record_spans(scanned, topic, first_queue, LIMITS, PEER, len(raw))
+    spans = scanned_batch(scanned.spans, topic, first_queue, LIMITS, PEER, len(raw))
     assert (spans is None) == (made is None)
     if spans is None:
         return
@@ -340,7 +339,7 @@ def test_keys_properties_groups_and_delivery_times_are_built_natively() -> None:
     )
     assert check(delays, TOPICS["DELAY"])
     scanned = scan_send_request(fifo)
-    made = scanned_store_messages(scanned, TOPICS["FIFO"], 0, LIMITS, PEER, len(fifo))
+    made = scanned_batch(scanned.messages, TOPICS["FIFO"], 0, LIMITS, PEER, len(fifo))
     assert made is not None
     # a group's queue is its own, not the round robin's
     assert [m.queue_id for m in made[0][:3]] == [zlib.crc32(b"g%d" % i) % 4 for i in range(3)]
@@ -651,8 +650,8 @@ def test_spans_of_ipv6_hosts_and_many_queues_encode_as_their_messages() -> None:
         raw = request(*pms)
         scanned = scan_send_request(raw)
         assert scanned is not None
-        made = scanned_store_messages(scanned, topic, 3, LIMITS, PEER, len(raw))
-        spans = scanned_record_spans(scanned, topic, 3, LIMITS, PEER, len(raw))
+        made = scanned_batch(scanned.messages, topic, 3, LIMITS, PEER, len(raw))
+        spans = scanned_batch(scanned.spans, topic, 3, LIMITS, PEER, len(raw))
         assert made is not None and spans is not None
         assert spans[0].messages() == made[0]
         for host in (("10.1.1.1", 10911), ("fe80::2", 10911)):

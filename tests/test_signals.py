@@ -5,11 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from broker_harness import REPO, free_port, wait_healthy
+from broker_harness import free_port, start_namesrv, wait_healthy
 
 SYS_TGKILL = 234  # x86_64
 
@@ -17,22 +15,7 @@ SYS_TGKILL = 234  # x86_64
 def test_a_sigterm_delivered_to_a_grpc_thread_stops_the_name_server(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "namesrv.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli.app",
-            "namesrv",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-    )
+    proc = start_namesrv(port, log)
     try:
         wait_healthy(proc, f"127.0.0.1:{port}", log, "NameServer")
         others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
+from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq, wait_until
 
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
@@ -55,6 +55,28 @@ def died_by_sigkill(node: Standalone, seconds: float = 90) -> None:
     assert node.proc.returncode == -9, node.log_path.read_text()[-2000:]
 
 
+def verified(node: Standalone) -> None:
+    check = tmq("verify", TOPIC, "-n", node.namesrv, "--json")
+    assert check.returncode == 0 and json.loads(check.stdout)["status"] == "OK"
+
+
+def released_and_whole(
+    node: Standalone,
+    tier: ObjectStore,
+    commitlog: Path,
+    sent: list[tuple[bytes, str, str]],
+    why: str,
+) -> None:
+    """The restarted ``node`` releases the first CommitLog file (``why``: what that shows),
+    and then every message sent replays, every object is one a manifest names and ``tmq
+    verify`` finds the topic OK."""
+    wait_until(why, lambda: not (commitlog / f"{0:020d}").exists(), 90)
+    assert sorted(replayed_bodies(node)) == sorted(b for b, _, _ in sent)
+    named = {s.key for m in manifests(tier) for s in m.segments}
+    assert segment_objects(tier) == named
+    verified(node)
+
+
 @pytest.fixture
 def tier_env(s3: Any, bucket: str) -> tuple[str, dict[str, str], ObjectStore]:
     url = f"s3://{bucket}/crash"
@@ -72,21 +94,22 @@ def test_kill9_between_object_write_and_manifest_commit(tmp_path: Path, tier_env
 
     node = start_tiered(tmp_path / "data", url, env)
     try:
-        deadline = time.monotonic() + 90
-        while any(m.end_offset < COUNT // QUEUES for m in manifests(tier)):
-            assert time.monotonic() < deadline, "the restarted broker uploads everything"
-            time.sleep(0.5)
+        wait_until(
+            "the restarted broker uploads everything",
+            lambda: not any(m.end_offset < COUNT // QUEUES for m in manifests(tier)),
+            90,
+        )
         named = {s.key for m in manifests(tier) for s in m.segments}
         assert not written & named, "the interrupted upload is not reused..."
-        deadline = time.monotonic() + 30
-        while segment_objects(tier) != named:
-            assert time.monotonic() < deadline, "...and swept: no object left unaccounted"
-            time.sleep(0.5)
+        wait_until(
+            "...and swept: no object left unaccounted",
+            lambda: segment_objects(tier) == named,
+            30,
+        )
         assert sorted(replayed_bodies(node)) == sorted(b for b, _, _ in sent), (
             "nothing lost, nothing duplicated"
         )
-        check = tmq("verify", TOPIC, "-n", node.namesrv, "--json")
-        assert check.returncode == 0 and json.loads(check.stdout)["status"] == "OK"
+        verified(node)
     finally:
         node.stop()
 
@@ -103,15 +126,9 @@ def test_kill9_between_manifest_commit_and_local_release(tmp_path: Path, tier_en
 
     node = start_tiered(tmp_path / "data", url, env)
     try:
-        deadline = time.monotonic() + 90
-        while (commitlog / f"{0:020d}").exists():
-            assert time.monotonic() < deadline, "the restarted broker releases what is uploaded"
-            time.sleep(0.5)
-        assert sorted(replayed_bodies(node)) == sorted(b for b, _, _ in sent)
-        named = {s.key for m in manifests(tier) for s in m.segments}
-        assert segment_objects(tier) == named
-        check = tmq("verify", TOPIC, "-n", node.namesrv, "--json")
-        assert check.returncode == 0 and json.loads(check.stdout)["status"] == "OK"
+        released_and_whole(
+            node, tier, commitlog, sent, "the restarted broker releases what is uploaded"
+        )
     finally:
         node.stop()
 
@@ -130,15 +147,7 @@ def test_kill9_between_routing_readers_and_deleting_files(tmp_path: Path, tier_e
 
     node = start_tiered(tmp_path / "data", url, env)
     try:
-        deadline = time.monotonic() + 90
-        while (commitlog / f"{0:020d}").exists():
-            assert time.monotonic() < deadline, "the restarted broker releases them again"
-            time.sleep(0.5)
-        assert sorted(replayed_bodies(node)) == sorted(b for b, _, _ in sent)
-        named = {s.key for m in manifests(tier) for s in m.segments}
-        assert segment_objects(tier) == named
-        check = tmq("verify", TOPIC, "-n", node.namesrv, "--json")
-        assert check.returncode == 0 and json.loads(check.stdout)["status"] == "OK"
+        released_and_whole(node, tier, commitlog, sent, "the restarted broker releases them again")
     finally:
         node.stop()
 
@@ -167,9 +176,10 @@ def test_kill9_between_retention_commit_and_object_deletes(tmp_path: Path, tier_
     node = start_tiered(tmp_path / "data", url, env)
     try:
         assert tmq("offload", "status", TOPIC, "-n", node.namesrv).returncode == 0
-        deadline = time.monotonic() + 30
-        while expired & segment_objects(tier):
-            assert time.monotonic() < deadline, "the restarted broker deletes what expired"
-            time.sleep(0.5)
+        wait_until(
+            "the restarted broker deletes what expired",
+            lambda: not expired & segment_objects(tier),
+            30,
+        )
     finally:
         node.stop()

@@ -80,6 +80,13 @@ def test_a_wiped_data_dir_never_releases_its_messages_as_archived(
             "the new messages were released as if the old archive held them"
         )
         assert replayed(second) == new, "every new message, and none of the old ones"
+        # Nor by key (decision 751): the old archive's k5 and k200 are another log's offsets
+        # 5 and 200 (this queue's offset 5 holds new[5]; it has no offset 200).
+        for key, want in (("k5", [new[5]]), ("k200", [])):
+            found = tmq("query", "-t", TOPIC, "-k", key, "-n", second.namesrv, "--json")
+            assert found.returncode == 0, found.stderr
+            bodies = [body_bytes(json.loads(line)["body"]) for line in found.stdout.splitlines()]
+            assert bodies == want, key
         status = tmq("offload", "status", TOPIC, "-n", second.namesrv, "--json")
         assert status.returncode == 0, status.stderr
         assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [0], (
@@ -133,6 +140,40 @@ def test_a_second_broker_of_the_same_name_deletes_nothing_of_the_first(
         assert tier.size(in_flight) is not None, "verify --repair deleted another's upload"
     finally:
         second.stop()
+
+
+def test_two_brokers_of_one_name_on_an_empty_prefix_delete_nothing_of_each_other(
+    tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    """Decision 752: before any manifest exists, decision 690's check cannot tell a second
+    broker of this name that the prefix is not its own, and its claim's orphan sweep deleted
+    the first broker's upload written but not committed yet. The first claim now stamps the
+    empty prefix with its data directory before it uploads anything."""
+    url, env = f"s3://{bucket}/owner-empty", s3.env()
+    tier = open_store(url, s3.storage_options())
+    first = start_tiered(tmp_path / "disk1", url, env)
+    second = None
+    try:
+        created = tmq("topic", "create", TOPIC, "-n", first.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+        # Offload passes (every second): the first broker claims the (empty) queue. Waited for
+        # up to 10 s, not asserted: on main a claim leaves an empty prefix as it is.
+        prefix = queue_prefix("DefaultCluster", "broker-a", TOPIC, 0)
+        deadline = time.monotonic() + 10
+        while ManifestLog(tier, prefix).load().version == 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        # Its first upload, written and not committed yet.
+        in_flight = f"{prefix}segments/{0:020d}-0123456789ab.seg"
+        assert tier.put_if_absent(in_flight, b"a segment being uploaded")
+        second = start_tiered(tmp_path / "disk2", url, env)
+        produce(second, "new", 10)
+        time.sleep(3)  # the second broker's passes: its claim (and, on main, its sweep) runs
+        assert tier.size(in_flight) is not None, "the second broker swept the first's upload"
+        assert "another data directory" in second.log_path.read_text()
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
 
 
 def _store(path: Path) -> MessageStore:

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
+from conftest import S3Endpoint
 
+from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
@@ -43,8 +45,27 @@ def manifest(tier: ObjectStore) -> QueueManifest:
     return ManifestLog(tier, queue_prefix("DefaultCluster", "broker-a", TOPIC, 0)).load()
 
 
-def archived_to(node: Standalone, tier: ObjectStore, end: int) -> QueueManifest:
-    assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+def archived_bodies(tier: ObjectStore, start: int, end: int) -> list[bytes]:
+    """The archive's messages from ``start`` to ``end``, read straight from its segments."""
+    fetcher = ColdFetcher(tier, "DefaultCluster", "broker-a", read_timeout_s=30)
+    try:
+        out: list[bytes] = []
+        while start < end:
+            messages, start = fetcher.get(TOPIC, 0, start, end - start)
+            assert messages, f"nothing archived at {start}"
+            out += [m.body for m in messages]
+        return out
+    finally:
+        fetcher.close()
+
+
+def archived_to(
+    node: Standalone, tier: ObjectStore, end: int, ask: str | None = "yes"
+) -> QueueManifest:
+    """Wait for the archive to reach ``end``; ``ask``: run `tmq offload` first (None: leave it
+    to the broker's passes)."""
+    if ask is not None:
+        assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
     deadline = time.monotonic() + 90
     while (m := manifest(tier)).end_offset < end:
         assert time.monotonic() < deadline, f"{m.end_offset} of {end} archived"
@@ -251,4 +272,71 @@ def test_a_tiered_topic_created_while_the_tier_does_not_answer_is_answered_in_se
         assert offsets == [0] * 8 + [1] * 8, offsets
     finally:
         fault_proxy.heal()
+        node.stop()
+
+
+def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messages(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 750: the same restore, but the broker starts (twice) while the object store
+    does not answer, so nothing can check the queue before it takes messages at offsets the
+    archive holds. Those messages were acknowledged: once the store is back they must still be
+    read at their offsets, never released as uploaded nor shadowed by the archive's older
+    messages there; and the conflict must be said loudly. On main the replay after the store
+    came back returned the archive's 'b' messages at offsets 60-179 (the 'c' ones released)."""
+    url, env = f"s3://{bucket}/restore-outage", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data, backup = tmp_path / "data", tmp_path / "backup"
+
+    node = start_tiered(data, url, env)
+    try:
+        first = produce(node, "a", 60, create=True)
+        archived_to(node, tier, 60)
+    finally:
+        node.stop()
+    shutil.copytree(data, backup)
+    node = start_tiered(data, url, env)
+    try:
+        second = produce(node, "b", 120)
+        archived_to(node, tier, 180)
+    finally:
+        node.stop()
+    shutil.rmtree(data)
+    shutil.copytree(backup, data)
+
+    fault_proxy.set(reset=True)  # every request to the store: connection reset
+    node = start_tiered(data, url, env)
+    try:
+        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
+    finally:
+        node.stop()
+    pending = json.loads((data / "tier-divergence.json").read_text())["pending"]
+    assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
+    # A restart still in the outage: its queue now ends at 180, the archive's end. The check
+    # must still start from 60, where the unchecked messages began.
+    node = start_tiered(data, url, env)
+    try:
+        fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
+        fault_proxy.heal()
+        # The store answers: 180-199 are uploaded, and release runs after every pass.
+        m = archived_to(node, tier, 200, None)
+        assert m.end_offset == 200
+        time.sleep(5)  # several offload-and-release passes
+        want = list(enumerate(first + third + fourth))
+        assert replayed(node) == want, "the acknowledged messages at their own offsets"
+        assert "DIVERGED from its archive" in node.log_path.read_text()
+        conflicts = json.loads((data / "tier-divergence.json").read_text())
+        assert conflicts == {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
+        # The archive's older messages there are kept, not swept: the operator's to recover.
+        assert archived_bodies(tier, 60, 180) == second
+    finally:
+        node.stop()
+
+    # A restart with the store up keeps them there and says so again.
+    node = start_tiered(data, url, env)
+    try:
+        fifth = produce(node, "d", 10)
+        assert replayed(node) == list(enumerate(first + third + fourth + fifth))
+        assert node.log_path.read_text().count("DIVERGED from its archive") >= 2
+    finally:
         node.stop()

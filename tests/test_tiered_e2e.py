@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from broker_harness import Standalone, tmq
+from broker_harness import Standalone, drain, tmq, wait_until
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -20,10 +20,7 @@ from rocketmq import (
 
 
 def wait_for(what: str, predicate, seconds: float = 90) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+    wait_until(f"timed out waiting for {what}", predicate, seconds)
 
 
 def replay_all(node: Standalone, topic: str) -> list[dict]:
@@ -69,12 +66,7 @@ def test_released_messages_are_read_back_from_the_tier(tmp_path: Path) -> None:
             config, "g-archive", {"tiered-orders": FilterExpression()}, await_duration=2
         )
         consumer.startup()
-        got = []
-        deadline = time.monotonic() + 120
-        while len(got) < 1500 and time.monotonic() < deadline:
-            for m in consumer.receive(32, 60):
-                got.append(m.message_id)
-                consumer.ack(m)
+        got = [m.message_id for m in drain(consumer, 1500, seconds=120, invisible=60)]
         consumer.shutdown()
         assert Counter(got) == Counter(ids), "every message, served from the archive"
 

@@ -832,7 +832,7 @@ cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_
     cdef int64_t total, body_len, p, topic_len, props_len, body_at
     cdef int32_t sys_flag
     cdef uint32_t body_crc = 0
-    if pos < 0 or pos + 48 > n:
+    if pos < 0 or pos > n - 48:  # not ``pos + 48 > n``: it overflows near 2**63 (decision 765)
         return -1
     if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
         return -1
@@ -915,7 +915,8 @@ def gather(src, positions, sizes, out, Py_ssize_t at):
         raise ValueError("one size per position")
     with nogil:
         for i in range(count):
-            if p[i] < 0 or sz[i] <= 0 or p[i] + sz[i] > n or at < 0 or at + sz[i] > room:
+            # No ``p + sz > n``: a hostile position or ``at`` near 2**63 overflows it.
+            if p[i] < 0 or sz[i] <= 0 or p[i] > n - sz[i] or at < 0 or at > room - sz[i]:
                 bad = i
                 break
             memcpy(&o[0] + at, &v[0] + p[i], sz[i])
@@ -940,11 +941,12 @@ def check_span(buf, positions, sizes, int64_t first_queue_offset):
     with nogil:
         for i in range(count):
             pos = at[i]
-            if pos < 0 or pos + 48 > n:
+            if pos < 0 or pos > n - 48:
                 r = -1
             else:
                 r = _check(b, n, pos, 0, False, True)
-            if r != sz[i] or (r > 0 and <int64_t>tmq_be64(b + pos + 20) != first_queue_offset + i):
+            # ``r < 0`` first: a damaged table's size of -1 must not match "not a record" (765)
+            if r < 0 or r != sz[i] or <int64_t>tmq_be64(b + pos + 20) != first_queue_offset + i:
                 bad = i
                 break
     if bad < 0:
@@ -1007,11 +1009,11 @@ def read_dispatch_run(buf, Py_ssize_t pos, Py_ssize_t limit, int64_t base_offset
     cdef Py_ssize_t prev_len = -1
     cdef object topic = None
     while pos < limit:
-        if pos < 0 or pos + 8 > n:
+        if pos < 0 or pos > n - 8:
             raise RecordError(f"record at {pos}: runs past the data")
         if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:
             break
-        if pos + 48 > n:
+        if pos > n - 48:
             raise RecordError(f"record at {pos}: runs past the data")
         total = <int32_t>tmq_be32(b + pos)
         queue_id = <int32_t>tmq_be32(b + pos + 12)
@@ -1301,7 +1303,7 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
     """Where each part of the record at ``pos`` is; 0, or -1 for an anomaly."""
     cdef int64_t total, end, born_at, store_ts_at, reconsume_at, body_len_at, p
     cdef int32_t sys_flag
-    if pos < 0 or pos + V4_HEAD > length:
+    if pos < 0 or pos > length - V4_HEAD:  # not ``pos + V4_HEAD``: overflow (decision 765)
         return -1
     total = <int32_t>tmq_be32(b + pos)
     if <int32_t>tmq_be32(b + pos + 4) != MAGIC_V2:

@@ -156,12 +156,13 @@ def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch
     if n == 0:
         return pa.RecordBatch.from_pylist([], schema=RECORD_SCHEMA)
     length = len(data)
-    if (at < 0).any() or (at + V4_HEAD_SIZE > length).any():
+    # ``at > length - n``, not ``at + n > length``: int64 wraps near 2**63 (decision 765).
+    if (at < 0).any() or (at > length - V4_HEAD_SIZE).any():
         raise _Anomaly("a record runs past the data")
 
     def field(offset: np.ndarray, dtype: str) -> np.ndarray:
         width = np.dtype(dtype).itemsize
-        if (offset < 0).any() or (offset + width > length).any():
+        if (offset < 0).any() or (offset > length - width).any():
             raise _Anomaly("a field runs past the data")
         raw = data[offset[:, None] + np.arange(width)]
         return raw.view(dtype).ravel().astype(np.dtype(dtype).newbyteorder("="))

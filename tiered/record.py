@@ -126,6 +126,13 @@ def _tail_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
 
 
 _TAILS = {(b, s): _tail_struct(b, s) for b in (False, True) for s in (False, True)}
+# Where a record's BODY length is, by its SYSFLAG's host bits: after BORNHOST, STORETIMESTAMP,
+# STOREHOST, RECONSUMETIMES and PREPAREDTRANSACTIONOFFSET (``record_named``).
+_BODY_AT = {
+    born * (1 << 4) + store * (1 << 5): 48 + (20 if born else 8) + (20 if store else 8) + 20
+    for born in (0, 1)
+    for store in (0, 1)
+}
 # The common case (both hosts IPv4) as one struct, for the append path.
 _V4_RECORD_HEAD = struct.Struct(">iiIiiqqiq4siq4siiqi")
 V4_HEAD_SIZE = _V4_RECORD_HEAD.size  # 88: every byte before the body when both hosts are IPv4
@@ -631,6 +638,45 @@ def read_total_and_magic(buf: Buffer, pos: int) -> tuple[int, int]:
     return int(total), int(magic)
 
 
+_ENTRY_HEAD = struct.Struct(">iiiiiqqi")  # TOTALSIZE .. SYSFLAG, less BODYCRC's sign
+
+
+def record_named(
+    buf: Buffer, pos: int, size: int, topic: bytes, queue_id: int, queue_offset: int, at: int
+) -> str | None:
+    """None when ``buf[pos:pos + size]`` starts the V2 record of ``queue_id`` at
+    ``queue_offset`` of the topic whose TOPIC field (``topic_field``: length and name) is
+    ``topic``, stored at CommitLog offset ``at``, of exactly ``size`` bytes; else what it
+    holds. The check a read makes of a ConsumeQueue entry it does not decode (one a tag filter
+    skips, decision 756): the fixed head and the topic, without the body or properties; two
+    unpacks and a compare.
+    ``buf`` must hold at least ``pos + size`` bytes."""
+    if size < V4_HEAD_SIZE:
+        return f"{size} bytes, too few for a record"
+    total, magic, _crc, qid, _flag, qoff, phys, sys_flag = _ENTRY_HEAD.unpack_from(buf, pos)
+    if magic != MAGIC_CODE_V2 or phys != at:
+        return "no record starting there"
+    if total != size or qid != queue_id or qoff != queue_offset:
+        return f"a record of {total} bytes of queue id {qid} at queue offset {qoff}"
+    body_at = pos + _BODY_AT[sys_flag & (SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6)]
+    end = pos + size
+    if body_at + 4 > end:
+        return "no record starting there"
+    (body_len,) = _I32.unpack_from(buf, body_at)
+    topic_at = body_at + 4 + body_len
+    if body_len < 0 or topic_at + len(topic) > end:
+        return "no record starting there"
+    if buf[topic_at : topic_at + len(topic)] != topic:
+        return f"another topic's record of queue id {qid} at queue offset {qoff}"
+    return None
+
+
+def topic_field(topic: str) -> bytes:
+    """A record's TOPIC field for ``topic``: its length (2 bytes) and its name."""
+    name = topic.encode()
+    return _U16.pack(len(name)) + name
+
+
 def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessage:
     """Decode the record at ``pos``.
 
@@ -804,6 +850,8 @@ def _read_dispatch_run(
         )
         tail = _TAILS[(bool(sys_flag & SYSFLAG_BORNHOST_V6), bool(sys_flag & SYSFLAG_STOREHOST_V6))]
         fields = tail.unpack_from(buf, pos + _OFFSET_OF_BORNHOST)
+        if fields[7] < 0:  # a negative body length would read the topic from the header
+            raise RecordError(f"record at {pos}: body length {fields[7]}")
         p = pos + _OFFSET_OF_BORNHOST + tail.size + fields[7]
         (topic_len,) = _U16.unpack_from(buf, p)
         raw_topic = bytes(buf[p + 2 : p + 2 + topic_len])
@@ -814,6 +862,8 @@ def _read_dispatch_run(
                 topics[raw_topic] = topic
         p += 2 + topic_len
         (props_len,) = _U16.unpack_from(buf, p)
+        if p + 2 + props_len > len(buf):  # a slice past the end would quietly be shorter
+            raise RecordError(f"record at {pos}: properties run past the data")
         if props_len:
             props = bytes(buf[p + 2 : p + 2 + props_len])
             tags.append(_property(props, _TAGS_NAME, errors))
@@ -1202,13 +1252,20 @@ def dispatch_columns_py(
     ``base_offset``) as columns. With ``validate`` this is also the recovery scan: it takes
     exactly the records ``scan_records`` accepts and stops where it stops. Without, it takes the
     records that start before ``limit``, up to a BLANK record, as ``read_dispatch_run`` does."""
-    stop = scan_records_py(buf, pos, limit, base_offset + pos, check_crc)[0] if validate else limit
+    stop = (
+        scan_records_py(buf, pos, limit, base_offset + pos, check_crc)[0]
+        if validate
+        else min(limit, len(buf))  # as the native scan: nothing past the bytes at hand
+    )
     out = EncodedBatch()
     stamps: list[int] = []
     status = 0
     while pos < stop:
+        blank = pos + 8 <= len(buf) and _I32.unpack_from(buf, pos + 4)[0] != MAGIC_CODE_V2
+        if blank and not validate:
+            break  # the end of the run before "max_records taken", as the native scan answers
         if len(out.offsets) == max_records:
-            status = 1
+            status = 1 if validate or pos + 8 <= len(buf) else 2
             break
         one = EncodedBatch()
         one_stamps: list[int] = []
@@ -1338,7 +1395,7 @@ def check_span_py(
     record that fails its record CRC (decision 210), -1 for anything else."""
     for i, (pos, size) in enumerate(zip(positions, sizes, strict=True)):
         pos, size = int(pos), int(size)
-        if pos < 0:
+        if not 0 <= pos <= len(buf):  # past the end: and ``pos + 28`` overflows ssize_t near 2**63
             return i, -1
         try:
             (phys,) = _I64.unpack_from(buf, pos + 28)

@@ -61,6 +61,7 @@ from tiered.hot.dispatcher import Dispatcher
 from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
+from tiered.hot.mapped_file import MappedFile
 from tiered.hot.mapped_file import StoreLoadError as StoreLoadError
 from tiered.hot.mapped_file import offset_name as commitlog_file_name  # the cold worker reads
 from tiered.names import MAX_NAME_LENGTH, NAME_CHARS, is_valid_name
@@ -75,6 +76,7 @@ from tiered.record import (
     read_store_timestamp,
     split_keys,
     tag_hash,
+    topic_field,
 )
 
 log = logging.getLogger(__name__)
@@ -386,9 +388,15 @@ class MessageStore:
             # The failed frames' locals may hold views of the mappings closed next, and a
             # mapping with a view cannot close: its BufferError would hide this error.
             traceback.clear_frames(e.__traceback__)
-            self.commitlog.close()
-            self.queues.close()
-            self.index.close()
+            # Every part is closed and the lock released even when the disk refuses a close
+            # (EIO writing an IndexFile's header on a dead disk): that error is logged and
+            # noted on this one, which stays the one raised, as it is why the start failed.
+            for close in (self.commitlog.close, self.queues.close, self.index.close):
+                try:
+                    close()
+                except Exception as cleanup:
+                    log.error("closing the store after its start failed: %s", cleanup)
+                    e.add_note(f"closing the store after this failed also failed: {cleanup!r}")
             self.data_dir.unlock()
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreLoadError(
@@ -735,6 +743,12 @@ class MessageStore:
         """A new dispatcher (not started) resuming at ``reput``, or earlier where IndexFiles
         stop before it."""
         index_from = min(max(self.index.end_offset, self.commitlog.min_offset), end)
+        # The records from ``index_from`` on are indexed again. Entries a file already has for
+        # them (after kill -9 the header's end lags its entry count) would stay as duplicates
+        # at higher numbers with lower offsets, where a query takes a chain that is not in
+        # CommitLog order for damage (decision 757): drop them first.
+        for f in self.index.files:
+            f.cut_entries_from(index_from)
         self.dispatcher = Dispatcher(
             self.commitlog,
             self.queues,
@@ -790,20 +804,16 @@ class MessageStore:
             self._flusher.join()
         assert self.dispatcher is not None
         if self.commitlog.failed is not None:
-            # Nothing more may be claimed durable: leave the abort marker, so the next start
-            # recovers from what the disk really holds.
-            self.dispatcher.stop()
-            # The disk that failed may fail these too (an IndexFile's header write meets EIO):
-            # every part is still closed and the lock released, and the error only logged,
-            # since the store has already refused everything it could not make durable.
-            for close in (self.commitlog.close, self.queues.close, self.index.close):
-                try:
-                    close()
-                except OSError as e:
-                    log.error("closing a failed store: %s", e)
-            self.data_dir.unlock()
+            # Failed before: whoever flushed was told then; nothing more to raise.
+            self._close_failed()
             return
-        self.commitlog.flush()
+        try:
+            self.commitlog.flush()
+        except DurabilityLostError:
+            # The disk died since the last flush: nobody was told yet. Close as a failed
+            # store, then raise, so the caller does not take this for a clean stop.
+            self._close_failed()
+            raise
         # A clean exit means every CommitLog byte is also in the ConsumeQueues and IndexFiles.
         self.dispatcher.stop()
         try:
@@ -813,10 +823,16 @@ class MessageStore:
             # dispatched is in the flushed CommitLog, and the next start re-dispatches it.
             log.error("dispatch at shutdown failed (%s)", e)
         clean = self.dispatcher.reput_offset >= self.commitlog.max_offset
-        self.queues.flush()
-        self.index.flush()
-        # A checkpoint the full disk refused leaves the exit unclean: the next start recovers.
-        saved = self._save_checkpoint_if_room()
+        try:
+            self.queues.flush()
+            self.index.flush()
+            # A checkpoint the full disk refused leaves the exit unclean: the next start
+            # recovers.
+            saved = self._save_checkpoint_if_room()
+        except OSError as e:
+            self.commitlog.fail(e)
+            self._close_failed()
+            raise DurabilityLostError(f"the store refuses writes: an fsync failed ({e})") from e
         self.commitlog.close()
         self.queues.close()
         self.index.close()
@@ -828,6 +844,20 @@ class MessageStore:
             log.error(
                 "dispatch is behind at shutdown; the next start will recover as after a crash"
             )
+        self.data_dir.unlock()
+
+    def _close_failed(self) -> None:
+        """Shut down a store whose disk failed: nothing more may be claimed durable, so the
+        abort marker stays and the next start recovers from what the disk really holds. The
+        disk that failed may fail the closes too (an IndexFile's header write meets EIO):
+        every part is still closed and the lock released, and those errors only logged."""
+        assert self.dispatcher is not None
+        self.dispatcher.stop()
+        for close in (self.commitlog.close, self.queues.close, self.index.close):
+            try:
+                close()
+            except OSError as e:
+                log.error("closing a failed store: %s", e)
         self.data_dir.unlock()
 
     def __enter__(self) -> MessageStore:
@@ -1157,6 +1187,8 @@ class MessageStore:
         scan_limit = max(max_count, 16_000 if tag_filter else max_count)
         check = self.config.check_crc_on_read
         cl_end = self.commitlog.max_offset
+        topic_field_bytes = topic_field(topic)
+        skipped_in: MappedFile | None = None  # the CommitLog file of the last entry skipped
         wrong: str | None
         for qoff, (phys, length, code) in cq.iter_entries(offset, scan_limit):
             if (
@@ -1175,7 +1207,23 @@ class MessageStore:
                 raise DamagedEntryError(topic, queue_id, qoff)
             nxt = qoff + 1
             if tag_filter is not None and not tag_filter(code):
-                continue
+                # Skipped unread, but not unchecked: the entry's tag hash is as much garbage as
+                # its offset may be, and a skip would drop the queue's own message silently.
+                # The record's fixed head and topic are compared instead (decision 756).
+                found, skipped_in = self.commitlog.record_named(
+                    phys, length, topic_field_bytes, queue_id, qoff, skipped_in
+                )
+                if found is None:
+                    continue
+                if found == "released":
+                    nxt = qoff  # released under this read: as a read that finds it gone
+                    break
+                wrong = f" (CommitLog {phys} + {length} holds {found})"
+                self._damage_notes.note(topic, queue_id, qoff)
+                if messages or qoff > offset:
+                    nxt = qoff
+                    break
+                raise DamagedEntryError(topic, queue_id, qoff, wrong)
             try:
                 msg = self.commitlog.read_message(phys, length, check_crc=check)
             except CorruptRecordError:
@@ -1252,6 +1300,7 @@ class MessageStore:
             self.config.read_from_tier == "force"
             and start is not None
             and start <= offset < self.cold.end_offset(topic, queue_id)
+            and self.cold.may_hold(topic, queue_id, offset)
         )
 
     def _get_cold(
@@ -1396,7 +1445,9 @@ class MessageStore:
                 topic, queue_id
             ) is not None:
                 cold = self.cold.offset_for_timestamp(topic, queue_id, timestamp_ms)
-                if cold < self.cold.end_offset(topic, queue_id):
+                if cold < self.cold.end_offset(topic, queue_id) and self.cold.may_hold(
+                    topic, queue_id, cold
+                ):
                     return cold
         return cq.bisect(lambda _, entry: self._stored_before(entry, timestamp_ms))
 
@@ -1451,6 +1502,8 @@ class MessageStore:
                 found.append(msg)
                 if len(found) >= max_count:
                     break
+        # Newest first, also when a damaged file's scan added candidates at the end.
+        found.sort(key=lambda m: m.commitlog_offset, reverse=True)
         if self.cold is not None and len(found) < max_count:
             seen = {(m.queue_id, m.queue_offset) for m in found}
             for queue_id in self.queue_ids(topic):

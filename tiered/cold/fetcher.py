@@ -111,6 +111,7 @@ class ArchiveStarts:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._starts: dict[tuple[str, int], int] = {}
+        self._unsaved = False  # the file is behind ``_starts``: a save failed
         self._lock = threading.Lock()
         if path is not None and path.exists():
             try:
@@ -133,10 +134,10 @@ class ArchiveStarts:
         key = (topic, queue_id)
         start = manifest.start_offset if manifest.segments else None
         with self._lock:
-            if self._starts.get(key) == start:
+            if self._starts.get(key) == start and not self._unsaved:
                 return
             if start is None:
-                self._starts.pop(key)
+                self._starts.pop(key, None)
             else:
                 self._starts[key] = start
             if self.path is None:
@@ -145,8 +146,18 @@ class ArchiveStarts:
             try:
                 make_dirs(self.path.parent)
                 write_file(self.path, json.dumps({"queues": rows}).encode())
-            except OSError as e:  # a full disk: the tier stays the truth; retried next change
-                log.warning("cannot save %s: %s", self.path, e)
+            except OSError as e:
+                # A full disk: the tier stays the truth while this process runs, but a file
+                # left stale would, after a restart, hide an un-tiered topic's archive or make
+                # a restart in an outage forget a queue has one. Retried at the next note of
+                # any queue, which the refresher makes every pass, changed or not.
+                if not self._unsaved:
+                    log.warning("cannot save %s (retried every manifest pass): %s", self.path, e)
+                self._unsaved = True
+            else:
+                if self._unsaved:
+                    log.info("saved %s again", self.path)
+                self._unsaved = False
 
 
 class ColdFetcher:
@@ -205,6 +216,10 @@ class ColdFetcher:
         self.bytes_fetched = 0
         self.unavailable = 0  # cold reads refused: deadline passed, store failed, or too busy
         self._observe = observe
+        # From which offset a queue's messages are local only (None: no such offset): a queue
+        # whose start could not be checked against its archive, or that diverged from it
+        # (decision 750). No read at or above it is served from the archive.
+        self.local_from: Callable[[str, int], int | None] = lambda topic, queue_id: None
 
     def _tiered_queues(self) -> set[tuple[str, int]]:
         """The queues with (or meant to have) an archive: the tiered topics' queues, and every
@@ -368,7 +383,11 @@ class ColdFetcher:
     def may_hold(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether a read of ``offset`` (below the hot store) should ask the tier: the cached
         manifest holds it, or no manifest is known yet for a tiered queue (the read loads it,
-        within its deadline). Never waits on the object store."""
+        within its deadline). Never waits on the object store. Never for an offset the local
+        log holds other messages at than the archive (``local_from``)."""
+        local_from = self.local_from(topic, queue_id)
+        if local_from is not None and offset >= local_from:
+            return False
         m = self.cached(topic, queue_id)
         if m is not None:
             return bool(m.segments) and m.start_offset <= offset
@@ -783,11 +802,18 @@ class ColdFetcher:
         self, topic: str, queue_id: int, key: str, begin_ms: int, end_ms: int, limit: int
     ) -> list[StoredMessage]:
         found: list[StoredMessage] = []
+        # Not the archive's messages at offsets the local log holds others at (decision 750),
+        # nor any of a prefix another data directory wrote (``local_from`` 0, decision 751).
+        local_from = self.local_from(topic, queue_id)
         for info in reversed(self.manifest(topic, queue_id).segments):
             if info.max_store_timestamp < begin_ms or info.min_store_timestamp > end_ms:
                 continue
+            if local_from is not None and info.base_offset >= local_from:
+                continue
             reader = SegmentReader(self.tier, info)
             for offset in reversed(reader.offsets_for_key(topic, key)):
+                if local_from is not None and offset >= local_from:
+                    continue
                 [msg] = reader.read(offset, 1)
                 if (
                     key in msg.keys or msg.msg_id == key

@@ -47,6 +47,7 @@ from tiered.record import (
     decode,
     dispatch_columns,
     read_total_and_magic,
+    record_named,
     scan_records,
     validate,
 )
@@ -688,6 +689,33 @@ class CommitLog:
             return f.read(pos, size)
         except ValueError:  # the file was unmapped by retention while we looked it up
             return None
+
+    def record_named(
+        self,
+        offset: int,
+        size: int,
+        topic: bytes,
+        queue_id: int,
+        queue_offset: int,
+        hint: MappedFile | None = None,
+    ) -> tuple[str | None, MappedFile | None]:
+        """``record.record_named`` at ``offset`` (``topic``: the TOPIC field, ``topic_field``):
+        None when the ``size`` bytes there start the record of ``queue_id`` at
+        ``queue_offset``, else what they hold; "released" when that range is not (or no longer)
+        here, as ``read`` would say None. Also the file it looked in, to pass back as ``hint``
+        for the next entry: a run of entries of one queue mostly lies in one file."""
+        f = hint
+        if f is None or not f.from_offset <= offset < f.from_offset + f.wrote:
+            f = self.files.find_file(offset)
+            if f is None:
+                return "released", None
+        pos = offset - f.from_offset
+        if pos + size > f.wrote:
+            return "a range past its file's data", f
+        try:
+            return record_named(f.mm, pos, size, topic, queue_id, queue_offset, offset), f
+        except ValueError:  # the file was unmapped by retention while we looked it up
+            return "released", None
 
     def read_message(self, offset: int, size: int, *, check_crc: bool) -> StoredMessage | None:
         raw = self.read(offset, size)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">qqqqii")
 HEADER_SIZE = _HEADER.size  # 40
 _SLOT = struct.Struct(">i")
+_OFFSET = struct.Struct(">q")  # an entry's CommitLog offset, 4 bytes in
 _ENTRY = struct.Struct(">iqii")
 ENTRY_SIZE = _ENTRY.size  # 20
 # A chain longer than this is corrupt (entries always point to strictly older ones).
@@ -180,11 +181,17 @@ class IndexFile:
             if h.begin_timestamp == 0:
                 h.begin_timestamp = store_timestamp
 
-    def lookup(self, khash: int, begin_ms: int, end_ms: int, limit: int) -> list[int]:
+    def lookup(
+        self, khash: int, begin_ms: int, end_ms: int, limit: int, below: int | None = None
+    ) -> list[int]:
         """Physical offsets of entries with ``khash`` stored within [begin_ms, end_ms], newest
         first (candidates: the caller checks each record). Raises ``IndexDamagedError`` where
         the chain is not one ``put_many`` writes: an entry of another slot, a link forward or
-        below zero (decision 687)."""
+        below zero (decision 687), or an offset out of CommitLog order: entries are written in
+        record order, so along a chain offsets never rise, and none lies below the file's
+        range or at or past ``below`` (the next file's start, for a file that is not the
+        newest). An entry naming another record of the same key passes the caller's record
+        check, and it hid the record it stood for (decision 756)."""
         h = self.header
         if h.next_entry <= 1 or end_ms < h.begin_timestamp - 1000 or begin_ms > h.end_timestamp:
             return []
@@ -192,6 +199,7 @@ class IndexFile:
         (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + slot * _SLOT.size)
         found: list[int] = []
         steps = 0
+        newer = (1 << 63) - 1 if below is None else below - 1  # the highest offset allowed
         # A slot at or past the header's count is an entry being added right now (the header is
         # written last): the chain is read as empty, as before.
         while 0 < number < h.next_entry and len(found) < limit and steps < _MAX_CHAIN:
@@ -204,6 +212,18 @@ class IndexFile:
                     f"{self.path}: entry {number} in the chain of slot {slot} holds hash "
                     f"{entry_hash} and link {prev}"
                 )
+            # Its neighbours by number bound it too: an entry copying an older one of its chain
+            # (the same key's earlier record) passes the chain's order, not theirs.
+            low = self._offset_of(number - 1) if number > 1 else h.begin_offset
+            high = self._offset_of(number + 1) if number + 1 < h.next_entry else newer
+            if not max(low, h.begin_offset) <= offset <= min(high, newer):
+                raise IndexDamagedError(
+                    f"{self.path}: entry {number} in the chain of slot {slot} names CommitLog "
+                    f"offset {offset}, out of order (entries {number - 1} and {number + 1} name "
+                    f"{low} and {high}; the chain's newer entry {newer}; the file starts at "
+                    f"{h.begin_offset})"
+                )
+            newer = offset
             stored = h.begin_timestamp + seconds * 1000
             # Seconds resolution: the record's own timestamp decides at the edges.
             if entry_hash == khash and begin_ms - 1000 <= stored <= end_ms:
@@ -212,6 +232,11 @@ class IndexFile:
         if number < 0:
             raise IndexDamagedError(f"{self.path}: slot {slot} holds entry number {number}")
         return found
+
+    def _offset_of(self, number: int) -> int:
+        """The CommitLog offset entry ``number`` names."""
+        (offset,) = _OFFSET.unpack_from(self.mm, self._entries_at + number * ENTRY_SIZE + 4)
+        return int(offset)
 
     def check(self, *, full: bool = True) -> None:
         """Raise ``IndexDamagedError`` unless the slots and entries are what ``put_many``
@@ -248,6 +273,7 @@ class IndexFile:
                 s = int(used[wrong[0]])
                 return f"slot {s} names entry {heads[s]} of hash {head_hashes[wrong[0]]}"
             del heads, used, head_hashes
+            last = h.begin_offset  # entries are in record order: offsets never fall (756)
             for lo in range(1, n, _CHECK_STEP):
                 hi = min(n, lo + _CHECK_STEP)
                 part = entries[lo:hi]
@@ -256,7 +282,9 @@ class IndexFile:
                 numbers = np.arange(lo, hi, dtype=np.int64)
                 linked = prev > 0
                 ok = (hashes >= 0) & (prev >= 0) & (prev < numbers)
-                ok &= part["offset"] >= h.begin_offset
+                offsets = part["offset"].astype(np.int64)
+                ok &= offsets >= np.concatenate(([last], offsets[:-1]))
+                last = int(offsets[-1])
                 ok &= part["seconds"] >= 0
                 if ok.all():
                     targets = entries["hash"][prev[linked]].astype(np.int64)
@@ -327,8 +355,12 @@ class IndexFile:
         return n - cut
 
     def flush(self) -> None:
-        self._write_header()
-        os.fdatasync(self._fd)  # releases the GIL, unlike mmap.flush
+        try:
+            self._write_header()
+            os.fdatasync(self._fd)  # releases the GIL, unlike mmap.flush
+        except OSError as e:  # name the file: the store's DurabilityLostError quotes it
+            e.filename = str(self.path)
+            raise
 
     def close(self) -> None:
         if not self.mm.closed:
@@ -508,13 +540,16 @@ class IndexService:
         khash = key_hash(topic, key)
         seen: set[int] = set()
         result: list[tuple[int, IndexFile]] = []
+        below: int | None = None  # the next file's start: an older file's entries lie under it
         for f in reversed(list(self.files)):
             try:
-                offsets = f.lookup(khash, begin_ms, end_ms, limit)
+                offsets = f.lookup(khash, begin_ms, end_ms, limit, below)
             except IndexDamagedError as e:
                 offsets = self._answer_damaged(f, str(e), khash, scan)
             except ValueError:  # unmapped by cleanup meanwhile
                 continue
+            finally:
+                below = f.header.begin_offset
             for off in offsets:
                 if off not in seen:
                     seen.add(off)

@@ -170,7 +170,11 @@ class MappedFile:
         """
         wrote = self.wrote
         if wrote > self.flushed:
-            os.fdatasync(self._fd)
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:  # name the file: the store's DurabilityLostError quotes it
+                e.filename = str(self.path)
+                raise
             self.flushed = wrote
         return self.flushed
 

@@ -1,0 +1,156 @@
+"""CPU per MB of a cold replay, in the broker's process and in the cold worker's.
+
+On this machine (two cores, other sessions' work beside it) a replay's MB/s moves 2-3x between
+runs of one build; its CPU per MB does not, so that is what an A/B of the cold read path
+compares (decision 550's method, scripted here; decision 770). One process plays the broker:
+it fills 40,960 1 KiB messages, offloads them to LocalStack in 8 MiB segments and replays the
+48.4 MB three times through ``get_replies`` with ``bench/cold_read.py``'s fetcher settings,
+measuring its own ``process_time`` and the worker's CPU (``/proc``, clock ticks: 10 ms, about
+0.2 ms per MB here) around each replay.
+
+    python bench/cold_replay_cpu.py [--tree DIR] [--get-batches N]
+
+``--tree``: import tmq from another checkout (main's, for an A/B in one venv); ``--get-batches``:
+the fetcher's ``GET_BATCHES`` (consecutive 1 MiB batches per ranged GET). Prints one JSON
+object; about half a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
+    parser.add_argument("--get-batches", type=int, default=0)
+    parser.add_argument("--replays", type=int, default=3)
+    return parser.parse_known_args()[0]
+
+
+# At import, also in the spawned worker (it imports this module as its ``__main__``): the same
+# tree on both sides.
+sys.path.insert(0, _args().tree)
+
+MESSAGES = 40_960
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def main() -> None:
+    args = _args()
+    import boto3
+
+    import tiered.cold.fetcher as fetcher_module
+    from bench.offload import localstack
+    from broker.reply import encode_pull_replies
+    from offload.offloader import Offloader, OffloadPolicy
+    from tiered.cold.fetcher import ColdFetcher
+    from tiered.cold.storage import open_store
+    from tiered.cold.worker import ColdWorker, run_job, warm_up
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    if args.get_batches:
+        fetcher_module.GET_BATCHES = args.get_batches
+    manage = localstack()
+    started = manage.start()
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    endpoint = manage.endpoint()
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    root = Path(tempfile.mkdtemp(prefix="tmq-cold-cpu-"))
+    replays: list[dict[str, Any]] = []
+    try:
+        store = MessageStore(StoreConfig(data_dir=root / "hot"))
+        store.start()
+        body = os.urandom(1024)
+        batch = [
+            Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
+            for _ in range(256)
+        ]
+        for _ in range(MESSAGES // 256):
+            store.put_messages(batch)
+        store.wait_dispatched(120)
+        options = {"endpoint_url": endpoint}
+        tier = open_store(f"s3://{bucket}/tier", options)
+        # The read path's modules imported at the worker's start, not by the first replay's jobs
+        # (they would count as its CPU).
+        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
+        worker = ColdWorker(f"s3://{bucket}/tier", options, preload=preload)
+        worker.start()
+        run_job(worker, warm_up)
+        policy = OffloadPolicy(segment_max_bytes=8 << 20)
+        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
+        assert worker.pid is not None
+        for _ in range(args.replays):
+            fetcher = ColdFetcher(
+                tier,
+                "bench",
+                "broker-a",
+                cache_bytes=32 << 20,
+                runner=worker,
+                reply_encoder=encode_pull_replies,
+                read_timeout_s=60,
+            )
+            manifest = fetcher.manifest("cold", 1)
+            mb = sum(s.offsets_at for s in manifest.segments) / 1e6
+            w0, b0, t0 = process_cpu(worker.pid), time.process_time(), time.perf_counter()
+            offset = 0
+            while offset < manifest.end_offset:
+                _, offset, _ = fetcher.get_replies("cold", 1, offset, 256, max_bytes=1 << 30)
+            wall = time.perf_counter() - t0
+            broker_s, worker_s = time.process_time() - b0, process_cpu(worker.pid) - w0
+            fetcher.close()
+            replays.append(
+                {
+                    "mb": round(mb, 1),
+                    "broker_ms_per_mb": round(broker_s * 1e3 / mb, 2),
+                    "worker_ms_per_mb": round(worker_s * 1e3 / mb, 2),
+                    "mb_per_s": round(mb / wall, 1),
+                }
+            )
+        worker.close()
+        store.shutdown()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
+        resource.objects.delete()
+        resource.delete()
+        if started:
+            manage.stop()
+    print(
+        json.dumps(
+            {
+                "bench": "cold_replay_cpu",
+                "tree": args.tree,
+                "get_batches": fetcher_module.GET_BATCHES,
+                "replays": replays,
+                "load_average_1m": round(os.getloadavg()[0], 1),
+                "utc": time.strftime("%H:%M:%S", time.gmtime()),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
