@@ -382,6 +382,43 @@ cdef inline Py_ssize_t _key_entries(k) except -1:
     return count
 
 
+cdef inline Py_ssize_t _rec_sized(Rec* r, bint born_v6, const unsigned char* body,
+                                  Py_ssize_t body_len, object tpart, bint store_v6) noexcept:
+    """A record's born host kind, body and topic set (its properties already are), and its
+    size in the CommitLog: the part ``encode_batch`` and ``_encode_spans`` write before
+    checking that the record fits."""
+    r.born_v6 = 1 if born_v6 else 0
+    r.body = body
+    r.body_len = body_len
+    r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
+    r.topic_part_len = PyBytes_GET_SIZE(tpart)
+    return (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
+            + r.topic_part_len + 2 + r.props_len + CRC_PAIR)
+
+
+cdef inline void _rec_head(Rec* r, Py_ssize_t size, const unsigned char* born_ip,
+                           int32_t born_port, int32_t flag, int64_t born_timestamp,
+                           int32_t reconsume, int64_t prepared, int32_t queue_id) noexcept:
+    """The rest of a record's header fields, once it fits (its offsets come last)."""
+    r.size = <int32_t>size
+    r.born_ip = born_ip
+    r.born_port = born_port
+    r.flag = flag
+    r.born_timestamp = born_timestamp
+    r.reconsume = reconsume
+    r.prepared = prepared
+    r.queue_id = queue_id
+
+
+cdef inline int64_t _first_offset(dict next_offsets, dict base_offsets, key) except? -1:
+    """The next queue offset of ``key``'s queue as this call starts: ``next_offsets``', else
+    ``base_offsets``' (0 for a queue neither holds)."""
+    cdef PyObject* found = PyDict_GetItemWithError(next_offsets, key)
+    if found == NULL:
+        return base_offsets.get(key, 0)
+    return <object>found
+
+
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
                  dict next_offsets, dict base_offsets, out, sink=None):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
@@ -457,25 +494,15 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             found = PyDict_GetItemWithError(born_cache, address)
             born = <object>found if found != NULL else encoder._born(address)
             born_ip = born[0]
-            r.born_v6 = 1 if born[1] else 0
-            r.body = <const unsigned char*>PyBytes_AS_STRING(body)
-            r.body_len = PyBytes_GET_SIZE(body)
-            r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
-            r.topic_part_len = PyBytes_GET_SIZE(tpart)
-            size = (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
-                    + r.topic_part_len + 2 + r.props_len + CRC_PAIR)
+            size = _rec_sized(r, born[1], <const unsigned char*>PyBytes_AS_STRING(body),
+                              PyBytes_GET_SIZE(body), tpart, store_v6)
             if used + size + BLANK > space:
                 scratch.len = r.props_at
                 break
-            r.size = <int32_t>size
-            r.born_ip = <const unsigned char*>PyBytes_AS_STRING(born_ip)
-            r.born_port = _i32(host[1])
-            r.flag = _i32(_field(m, fast, 4))
-            r.born_timestamp = _field(m, fast, 5)
-            r.reconsume = _i32(_field(m, fast, 7))
-            r.prepared = _field(m, fast, 8)
             queue_id = _field(m, fast, 2)
-            r.queue_id = _i32(queue_id)
+            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), _i32(host[1]),
+                      _i32(_field(m, fast, 4)), _field(m, fast, 5), _i32(_field(m, fast, 7)),
+                      _field(m, fast, 8), _i32(queue_id))
             key = _queue_key(queue_keys, topic, queue_id, &cached)
             # A key the cache could not keep is a new object at every call: the dict path.
             j = _queue_slot(slot_key, slots, <PyObject*>key) if cached else QUEUE_SLOTS
@@ -483,12 +510,7 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 q = slot_next[j]
                 slot_next[j] = q + 1
             else:
-                found = PyDict_GetItemWithError(next_offsets, key)
-                if found == NULL:
-                    qo = base_offsets.get(key, 0)
-                else:
-                    qo = <object>found
-                q = qo
+                q = _first_offset(next_offsets, base_offsets, key)
                 if cached and slots < QUEUE_SLOTS:
                     hold.append(key)  # the slot borrows it
                     slot_key[slots] = <PyObject*>key
@@ -618,7 +640,7 @@ cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, in
     cdef Rec* r
     cdef PyObject* found
     cdef object topic = spans.topic
-    cdef object tpart, key, qo
+    cdef object tpart, key
     cdef int64_t q, qid
     cdef int64_t slot_qid[QUEUE_SLOTS]
     cdef PyObject* slot_key[QUEUE_SLOTS]
@@ -656,28 +678,16 @@ cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, in
                     f"properties are {s.props_len} bytes; the format allows {MAX_PROPS}"
                 )
             h = <Py_ssize_t>s.host
-            r.born_v6 = 1 if born_v6[h] else 0
-            r.body = raw_p + s.body_at
-            r.body_len = s.body_len
-            r.topic_part = <const unsigned char*>PyBytes_AS_STRING(tpart)
-            r.topic_part_len = PyBytes_GET_SIZE(tpart)
             r.props_at = s.props_at
             r.props_len = s.props_len
-            size = (V4_HEAD + (12 if r.born_v6 else 0) + (12 if store_v6 else 0) + r.body_len
-                    + r.topic_part_len + 2 + r.props_len + CRC_PAIR)
+            size = _rec_sized(r, born_v6[h], raw_p + s.body_at, s.body_len, tpart, store_v6)
             if used + size + BLANK > space:
                 break
             if s.queue_id < -2147483648 or s.queue_id > 2147483647:
                 raise struct.error("'i' format requires -2147483648 <= number <= 2147483647")
-            r.size = <int32_t>size
-            r.born_ip = <const unsigned char*>PyBytes_AS_STRING(<bytes>born_ips[h])
-            r.born_port = 0
-            r.flag = 0
-            r.born_timestamp = s.born_timestamp
-            r.reconsume = 0
-            r.prepared = 0
             qid = s.queue_id
-            r.queue_id = <int32_t>qid
+            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(<bytes>born_ips[h]), 0, 0,
+                      s.born_timestamp, 0, 0, <int32_t>qid)
             # The batch's queues by their id (one topic): a queue's key and next offset are
             # looked up once per call, as ``encode_batch`` does by the key's identity.
             j = 0
@@ -689,12 +699,7 @@ cdef _encode_spans(encoder, spans, Py_ssize_t start, int64_t physical_offset, in
                 slot_next[j] = q + 1
             else:
                 key = _queue_key(queue_keys, topic, qid, &cached)
-                found = PyDict_GetItemWithError(next_offsets, key)
-                if found == NULL:
-                    qo = base_offsets.get(key, 0)
-                else:
-                    qo = <object>found
-                q = qo
+                q = _first_offset(next_offsets, base_offsets, key)
                 if slots < QUEUE_SLOTS:
                     hold.append(key)  # the slot borrows it
                     slot_qid[slots] = qid
