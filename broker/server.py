@@ -326,8 +326,11 @@ class Broker:
         queue's) continues at the archive's end. A queue of an existing topic that ends below
         its archive is refused (``ArchiveAheadError``): messages may be reaching it, so it
         cannot be started elsewhere safely, and made tiered, its messages at archived offsets
-        would be released as uploaded. A queue whose archive cannot be read is not checked, as
-        at a start while the tier is down."""
+        would be released as uploaded. A queue whose archive cannot be read (or does not answer
+        within the check's deadline) is recorded as unchecked, with its local end, before the
+        change is stored, as at a start while the tier is down (decision 750): it takes
+        messages, but none of it from there is uploaded, released or read from the archive
+        until the check has run."""
         if (
             not cfg.tiered
             or self.offloader is None
@@ -359,11 +362,12 @@ class Broker:
                         # claim logs an archive ahead of the queue once the tier answers.
                         log.warning(
                             "%s/%d: its archive could not be read, so it is not checked "
-                            "against the queue's end (%s)",
+                            "against the queue's end yet (%s)",
                             cfg.name,
                             queue_id,
                             e,
                         )
+                        unchecked.append(queue_id)
                         continue
                     if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
                         continue
@@ -383,10 +387,18 @@ class Broker:
                 for load in loads.values():
                     load.cancel()  # not started yet: no use once the check has answered
             if unchecked:
+                # Recorded before the change is stored, so before any of them is tiered: the
+                # offloader, release and cold reads then hold off at their ends until the
+                # check has run, as for a queue a start could not check (decision 750).
+                if self.divergence is not None:
+                    self.divergence.pend(
+                        {(cfg.name, q): self.store.max_offset(cfg.name, q) for q in unchecked}
+                    )
                 log.warning(
                     "%s: queues %s are not checked against their archives: the cold tier did "
-                    "not answer within %g s (as at a start while it is down, decision 720: an "
-                    "archive ahead of a queue is logged once the tier answers)",
+                    "not answer within %g s or could not be read. None of them is uploaded, "
+                    "released or read from the archive at or above its current end until the "
+                    "check has run (decision 750)",
                     cfg.name,
                     ",".join(map(str, unchecked)),
                     PUT_TOPIC_CHECK_SECONDS,
