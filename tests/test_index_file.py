@@ -78,3 +78,38 @@ def test_native_index_put_on_a_full_disk_raises_and_sets_no_slot(tmp_path: Path)
         assert bytes(f.mm[: index_file.HEADER_SIZE + 7 * 4]) == slots_before
     finally:
         f.close()
+
+
+def test_a_record_indexed_again_in_the_next_file_is_found_in_both_without_damage(
+    tmp_path: Path,
+) -> None:
+    """A record indexed in a file and again in the next one, which starts at it, so the older
+    file names the next file's first offset. Seen in CI on the filling-disk test (decision
+    680's), whose key queries then answered nothing: decision 757's chain-order check took it
+    for damage. A dispatch pass retried from that record after its index write failed is the
+    likely way there. Both files are right: the query finds the record once."""
+    from tiered.formats import key_hash
+
+    service = index_file.IndexService(tmp_path / "index", slots=7, max_entries=4)
+    service.load()
+    t = 1_700_000_000_000
+    keys = ["a", "b", "c", "d"]
+    hashes = np.array([key_hash("T", k) for k in keys], np.int64)
+    first = service.new_file(100)
+    service.files = [first]
+    # Three entries of a record at 100, then the record at 200's first (the file is full).
+    first.put_many(hashes[:3], np.array([100, 100, 100], np.int64), np.full(3, t))
+    first.put_many(hashes[3:], np.array([200], np.int64), np.full(1, t))
+    first.advance(264, t)
+    # The pass is run again from 200: a new file starting there holds it again, and more.
+    second = service.new_file(200)
+    service.files = [first, second]
+    second.put_many(hashes[3:], np.array([200], np.int64), np.full(1, t))
+    second.put_many(hashes[:1], np.array([300], np.int64), np.full(1, t))
+    second.advance(364, t)
+    try:
+        assert [o for o, _ in service.query("T", "d", t - 1000, t + 1000, 10)] == [200]
+        assert [o for o, _ in service.query("T", "a", t - 1000, t + 1000, 10)] == [300, 100]
+        assert not service.check_all()
+    finally:
+        service.close()

@@ -189,9 +189,10 @@ class IndexFile:
         the chain is not one ``put_many`` writes: an entry of another slot, a link forward or
         below zero (decision 687), or an offset out of CommitLog order: entries are written in
         record order, so along a chain offsets never rise, and none lies below the file's
-        range or at or past ``below`` (the next file's start, for a file that is not the
-        newest). An entry naming another record of the same key passes the caller's record
-        check, and it hid the record it stood for (decision 756)."""
+        range or past ``below`` (the next file's start, for a file that is not the newest; a
+        record indexed in both files is named by both). An entry naming another record of the
+        same key passes the caller's record check, and it hid the record it stood for (decision
+        756)."""
         h = self.header
         if h.next_entry <= 1 or end_ms < h.begin_timestamp - 1000 or begin_ms > h.end_timestamp:
             return []
@@ -199,7 +200,10 @@ class IndexFile:
         (number,) = _SLOT.unpack_from(self.mm, HEADER_SIZE + slot * _SLOT.size)
         found: list[int] = []
         steps = 0
-        newer = (1 << 63) - 1 if below is None else below - 1  # the highest offset allowed
+        # The highest offset allowed. ``below`` itself is: a record whose entries did not all
+        # fit this file (``put_many`` fills it to ``space``) has the rest in the next file,
+        # which starts at that record, so both files name it.
+        newer = (1 << 63) - 1 if below is None else below
         # A slot at or past the header's count is an entry being added right now (the header is
         # written last): the chain is read as empty, as before.
         while 0 < number < h.next_entry and len(found) < limit and steps < _MAX_CHAIN:
