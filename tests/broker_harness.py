@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import random
 import resource
 import signal
 import socket
@@ -36,16 +37,34 @@ _RESERVED: dict[int, socket.socket] = {}
 _RESERVED_MAX = min(2000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
 
+def _listen_range() -> tuple[int, int]:
+    """Ports for test listeners: below the ephemeral range, above the well-known ones."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0  # not Linux: bind(0)
+    return min(15000, first), first
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, and that no test process of this machine was handed
     before (while it runs). The kernel's "free" holds only until the child given the port binds
     it, a second or more later for a Python child on a loaded machine; meanwhile ``bind(0)``
     hands the same port out again (here about once in 800 calls within the next ten), and two
     children were given one port: a broker then failed to start while the NameServer on its
-    port answered its health checks (decision 440)."""
+    port answered its health checks (decision 440).
+
+    The port comes from below the kernel's ephemeral range (``ip_local_port_range``), where
+    ``bind(0)`` finds its ports: there an outgoing connection of any process can take a
+    broker's port as its own local port while the broker is down for a restart (a torture run
+    in CI: `cannot listen on 127.0.0.1:60817: the port is already in use` after a kill -9)."""
+    low, high = _listen_range()
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if high > low else 0))
+            except OSError:  # something listens there, or holds it
+                continue
             port = int(s.getsockname()[1])
         claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -517,11 +517,14 @@ def test_a_commit_whose_answer_was_lost_is_not_uploaded_again(
     from the archive as it is, not upload the same range again under a new key (and have its
     commit refused as "another writer", a broker's only writer being itself)."""
     clean = open_store(f"file://{tmp_path}/tier")
-    tier = FaultyObjectStore(clean, fail_after_write_rate=1.0)
+    tier = FaultyObjectStore(clean)
     offloader = Offloader(
         hot, tier, "c", "b", OffloadPolicy(segment_max_messages=100), runner=LocalRunner(clean)
     )
-    offloader.claim("t", 0)  # the claim's own commit is not what this test is about
+    # The claim's own commit (the empty prefix's stamp, decision 752) is not what this test is
+    # about: it answers; the segment's commit below does not.
+    offloader.claim("t", 0)
+    tier.fail_after_write_rate = 1.0
     fill(hot, 100)
     with pytest.raises(OffloadError, match="commit manifest"):
         offloader.offload_queue("t", 0)
