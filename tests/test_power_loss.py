@@ -34,6 +34,7 @@ from broker.timer import TimerService
 from tiered import store as store_module
 from tiered.config import StoreConfig
 from tiered.hot.commitlog import DurabilityLostError
+from tiered.hot.index_file import IndexFile
 from tiered.record import Message
 from tiered.store import GetStatus, MessageStore
 
@@ -688,6 +689,13 @@ def test_a_power_loss_during_the_consumequeue_repair_at_start_leaves_a_whole_que
         store.shutdown()
 
 
+def assert_closed_all(store: MessageStore, index_files: list[IndexFile]) -> None:
+    """A shutdown on a dead disk closed every file and released the lock (decisions 711, 781)."""
+    assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
+    assert all(f.mm.closed for f in store.commitlog.files.files)
+    assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+
+
 def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -> None:
     """The power goes out under a running store; its periodic flush meets the dead disk and
     fails the store (what raced `shutdown` in a loaded run of the group commit power-loss test).
@@ -712,9 +720,7 @@ def test_a_store_whose_disk_died_shuts_down_closing_every_file(tmp_path: Path) -
         index_files = list(store.index.files)
         assert index_files
         store.shutdown()
-        assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
-        assert all(f.mm.closed for f in store.commitlog.files.files)
-        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+        assert_closed_all(store, index_files)
     finally:
         fs.close()
 
@@ -794,8 +800,6 @@ def test_a_dead_disk_met_by_a_flush_or_a_shutdown_fails_the_store_naming_the_fil
             store.flush()
         index_files = list(store.index.files)
         store.shutdown()
-        assert all(f.mm.closed for f in index_files), "an IndexFile was left mapped"
-        assert all(f.mm.closed for f in store.commitlog.files.files)
-        assert store.data_dir._lock_fd is None, "the data directory's lock was left held"
+        assert_closed_all(store, index_files)
     finally:
         fs.close()

@@ -73,13 +73,12 @@ def archived_to(
     return m
 
 
-def test_a_restored_data_dir_never_reuses_an_archived_offset(
-    tmp_path: Path, s3: Any, bucket: str
-) -> None:
-    url, env = f"s3://{bucket}/restore", s3.env()
-    tier = open_store(url, s3.storage_options())
-    data, backup = tmp_path / "data", tmp_path / "backup"
-
+def restored_behind_archive(
+    tmp_path: Path, data: Path, url: str, env: dict[str, str], tier: ObjectStore
+) -> tuple[list[bytes], list[bytes]]:
+    """60 messages archived, the directory copied, 120 more archived, the copy put back: the
+    queue ends at 60, its archive at 180. Returns the two runs of bodies."""
+    backup = tmp_path / "backup"
     node = start_tiered(data, url, env)
     try:
         first = produce(node, "a", 60, create=True)
@@ -87,17 +86,24 @@ def test_a_restored_data_dir_never_reuses_an_archived_offset(
     finally:
         node.stop()
     shutil.copytree(data, backup)  # the backup: 60 messages, all archived
-
     node = start_tiered(data, url, env)
     try:
         second = produce(node, "b", 120)
         archived_to(node, tier, 180)
     finally:
         node.stop()
-
-    # The data directory is restored from the backup: its queue ends at 60, the archive at 180.
     shutil.rmtree(data)
     shutil.copytree(backup, data)
+    return first, second
+
+
+def test_a_restored_data_dir_never_reuses_an_archived_offset(
+    tmp_path: Path, s3: Any, bucket: str
+) -> None:
+    url, env = f"s3://{bucket}/restore", s3.env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
     node = start_tiered(data, url, env)
     try:
         third = produce(node, "c", 120)  # two 64 KiB CommitLog files' worth
@@ -297,23 +303,8 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
     came back returned the archive's 'b' messages at offsets 60-179 (the 'c' ones released)."""
     url, env = f"s3://{bucket}/restore-outage", S3Endpoint(fault_proxy.url, "proxy").env()
     tier = open_store(url, s3.storage_options())
-    data, backup = tmp_path / "data", tmp_path / "backup"
-
-    node = start_tiered(data, url, env)
-    try:
-        first = produce(node, "a", 60, create=True)
-        archived_to(node, tier, 60)
-    finally:
-        node.stop()
-    shutil.copytree(data, backup)
-    node = start_tiered(data, url, env)
-    try:
-        second = produce(node, "b", 120)
-        archived_to(node, tier, 180)
-    finally:
-        node.stop()
-    shutil.rmtree(data)
-    shutil.copytree(backup, data)
+    data = tmp_path / "data"
+    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
 
     fault_proxy.set(reset=True)  # every request to the store: connection reset
     node = start_tiered(data, url, env)
