@@ -329,8 +329,14 @@ class Offloader:
         master's commits are refused), and only then sweep orphans. Under the queue's lock."""
         term = self._leading()
         key = (topic, queue_id)
-        if self._claimed.get(key) == term.epoch:
+        unchecked = self.divergence is not None and key in self.divergence.pending
+        if self._claimed.get(key) == term.epoch and not unchecked:
             return self.manifest(topic, queue_id)
+        # A queue not checked against its archive is loaded again, which checks it, even when
+        # claimed in this term: a topic made tiered again while the tier did not answer is
+        # recorded unchecked (decision 750) over a claim and a manifest cached while it was
+        # tiered before, and nothing of it may be uploaded until the check has run (decision
+        # 790).
         manifest = self.manifest(topic, queue_id, refresh=True)
         if manifest.epoch > term.epoch:
             raise self._fence(manifest)

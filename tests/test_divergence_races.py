@@ -1,0 +1,100 @@
+"""Operator commands racing decision 750's divergence record: a tiered queue recorded as not
+checked against its archive (``DATA_DIR/tier-divergence.json``), and decision 745's check of
+the queues a topic change makes tiered. Real broker processes, LocalStack S3, the fault proxy
+(decisions 790, 791)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from broker_harness import Standalone, send_batches, start_tiered, tmq, wait_until
+from conftest import S3Endpoint
+from test_tier_restore import BROKER, replayed
+
+from tiered.cold.manifest import ManifestLog, queue_prefix
+from tiered.cold.storage import ObjectStore, open_store
+
+TOPIC = "restored-orders"  # test_tier_restore's replay reads this topic
+
+
+def record(data: Path) -> dict[str, list[list[Any]]]:
+    path = data / "tier-divergence.json"
+    if not path.exists():
+        return {"pending": [], "conflicts": []}
+    loaded: dict[str, list[list[Any]]] = json.loads(path.read_text())
+    return loaded
+
+
+def archive_end(tier: ObjectStore, queue_id: int = 0) -> int:
+    return ManifestLog(tier, queue_prefix(*BROKER, TOPIC, queue_id)).load().end_offset
+
+
+def send(node: Standalone, tag: str, count: int) -> list[int]:
+    sent = [(f"{tag}-{i:05d}-".encode() + b"x" * 1000, f"k{i}", "t") for i in range(count)]
+    return [o for _, o in send_batches(node.endpoint, TOPIC, sent, batch=10)]
+
+
+def test_a_topic_tiered_again_during_an_outage_is_checked_before_anything_of_it_is_uploaded(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """A tiered topic, claimed and archived, is made untiered, then tiered again while the
+    tier fails every request: its queue is recorded unchecked at its end (decision 785's
+    ``pend``). Its claim and manifest were cached while it was tiered before, so on main the
+    offloader's passes trusted them once the tier answered: they uploaded the queue past the
+    record's base without the check (which runs only when a manifest is loaded), the record
+    stayed pending for the life of the process (release kept every file), and the next start
+    checked it against an archive this broker had itself moved past the base: a false
+    "DIVERGED" conflict, its files kept for good. The queue must be checked before anything of
+    it is uploaded (decision 790)."""
+    url, env = f"s3://{bucket}/retiered", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node = start_tiered(data, url, env)
+    try:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+        node.wait_routed(TOPIC)
+        assert send(node, "a", 10) == list(range(10))
+        assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+        wait_until("the first 10 never archived", lambda: archive_end(tier) == 10, 90)
+        untiered = tmq("topic", "update", TOPIC, "-n", node.namesrv, "--no-tiered")
+        assert untiered.returncode == 0, untiered.stderr
+        assert send(node, "b", 10) == list(range(10, 20))
+        # Every request fails at once (a reset), so the check's loads give up (their retries
+        # run out) rather than wait for the tier to come back and check the queue late.
+        fault_proxy.set(reset=True)
+        tiered = tmq("topic", "update", TOPIC, "-n", node.namesrv, "--tiered")
+        assert tiered.returncode == 0, tiered.stderr
+        assert record(data)["pending"] == [[TOPIC, 0, 20]], record(data)
+        time.sleep(12)  # the check's loads run out their six attempts (backoff up to ~9 s)
+        fault_proxy.heal()
+        assert send(node, "c", 10) == list(range(20, 30))
+        # The tier answers: the queue is checked (its archive ends at 10, below 20: cleared)
+        # before anything of it is uploaded, and its new messages are archived after.
+        wait_until(
+            f"never checked once the tier answered: {record(data)}",
+            lambda: record(data)["pending"] == [],
+            60,
+        )
+        assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+        wait_until("never archived to 30", lambda: archive_end(tier) == 30, 90)
+        assert record(data) == {"pending": [], "conflicts": []}
+    finally:
+        fault_proxy.heal()
+        node.stop()
+
+    node = start_tiered(data, url, env)
+    try:
+        assert record(data) == {"pending": [], "conflicts": []}, "a false conflict"
+        bodies = [b for _, b in replayed(node)]
+        assert [b[:7] for b in bodies] == (
+            [f"a-{i:05d}".encode() for i in range(10)]
+            + [f"b-{i:05d}".encode() for i in range(10)]
+            + [f"c-{i:05d}".encode() for i in range(10)]
+        )
+        assert "DIVERGED" not in node.log_path.read_text()
+    finally:
+        node.stop()
