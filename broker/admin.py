@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         # The broker's check of the queues a topic change makes tiered against their archives
         # (decision 745): it raises to refuse the change.
         self.before_put_topic = before_put_topic
+        # One topic change at a time, from reading the topic to storing it (decision 791): a
+        # change that read the topic before another stored it would check, and move, queues
+        # the other has already made tiered and messages may be reaching.
+        self._put_topic_lock = threading.Lock()
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -92,22 +97,23 @@ class AdminServicer(pb_grpc.AdminServicer):
             cfg = topic_from_pb(request.topic)
         except (InvalidNameError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        existing = self.metadata.topic(cfg.name)
-        if existing is not None and not request.update:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"topic {cfg.name} already exists")
-        if existing is None and request.update:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"topic {cfg.name} does not exist")
-        if existing is not None and cfg.queues < existing.queues:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"topic {cfg.name} has {existing.queues} queues; shrinking would strand "
-                "their messages",
-            )
-        try:
-            self.before_put_topic(cfg, existing)
-        except ArchiveAheadError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        self.metadata.put_topic(cfg)
+        with self._put_topic_lock:
+            existing = self.metadata.topic(cfg.name)
+            if existing is not None and not request.update:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"topic {cfg.name} already exists")
+            if existing is None and request.update:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"topic {cfg.name} does not exist")
+            if existing is not None and cfg.queues < existing.queues:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"topic {cfg.name} has {existing.queues} queues; shrinking would strand "
+                    "their messages",
+                )
+            try:
+                self.before_put_topic(cfg, existing)
+            except ArchiveAheadError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self.metadata.put_topic(cfg)
         self.on_topics_changed()
         return pb.PutTopicResponse()
 

@@ -6,14 +6,18 @@ the queues a topic change makes tiered. Real broker processes, LocalStack S3, th
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from broker_harness import Standalone, send_batches, start_tiered, tmq, wait_until
+from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq, wait_until
 from conftest import S3Endpoint
 from test_tier_restore import BROKER, replayed
 
+from broker import admin_pb2 as apb
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
 
@@ -97,4 +101,95 @@ def test_a_topic_tiered_again_during_an_outage_is_checked_before_anything_of_it_
         )
         assert "DIVERGED" not in node.log_path.read_text()
     finally:
+        node.stop()
+
+
+def test_two_topic_changes_at_once_never_move_a_queue_messages_reach(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Two `tmq topic update --queues 2` at once (a retry, two operators, automation) on a data
+    directory restored from before queue 1 existed, whose archive holds 20 of queue 1's old
+    messages. The first change cannot reach the tier: queue 1 is recorded unchecked at 0
+    (decision 785) and made tiered, and messages reach it. The second had read the topic
+    before the first stored it, so to it queue 1 was still new (decision 745): on main its
+    check, answered once the tier was back, found the queue below its archive's end and moved
+    it there (``start_queue_at``) under the messages already acknowledged at 0.., which then
+    answered no read. A topic change reads, checks and stores the topic under one lock
+    (decision 791)."""
+    url = f"s3://{bucket}/two-updates"
+    direct, proxied = s3.env(), S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data, backup = tmp_path / "data", tmp_path / "backup"
+
+    node = start_tiered(data, url, direct)
+    try:
+        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+    finally:
+        node.stop()
+    shutil.copytree(data, backup)  # the backup: the tiered topic with one queue, empty
+    node = start_tiered(data, url, direct)
+    try:
+        added = tmq("topic", "update", TOPIC, "-n", node.namesrv, "--queues", "2")
+        assert added.returncode == 0, added.stderr
+        node.wait_routed(TOPIC)
+        send(node, "old", 40)  # round robin: 20 to each queue
+        assert tmq("offload", TOPIC, "-n", node.namesrv).returncode == 0
+        wait_until("queue 1 never archived", lambda: archive_end(tier, 1) == 20, 90)
+    finally:
+        node.stop()
+    shutil.rmtree(data)
+    shutil.copytree(backup, data)
+
+    node = start_tiered(data, url, proxied)
+    acknowledged: list[bytes] = []
+    stop, reached_queue_1 = threading.Event(), threading.Event()
+
+    def keep_sending() -> None:
+        i = 0
+        while not stop.is_set():
+            body = f"new-{i:05d}-".encode() + b"x" * 100
+            [(_, offset)] = send_batches(node.endpoint, TOPIC, [(body, f"k{i}", "t")])
+            acknowledged.append(body)
+            if offset < 20:  # queue 0 continues at its archive's end, 20; queue 1 from 0
+                reached_queue_1.set()
+            i += 1
+            time.sleep(0.05)
+
+    def update() -> Future[Any]:
+        """`tmq topic update --queues 2`'s PutTopic, sent now (no CLI start in the timing)."""
+        topic = apb.Topic(name=TOPIC, queues=2, perm=6, message_type="NORMAL", tiered=True)
+        request = apb.PutTopicRequest(topic=topic, update=True)
+        return pool.submit(node.admin().PutTopic, request, timeout=30)
+
+    sender = threading.Thread(target=keep_sending, daemon=True)
+    pool = ThreadPoolExecutor(2)
+    try:
+        node.wait_routed(TOPIC)
+        sender.start()
+        fault_proxy.set(reset=True)  # the first change's check: the tier fails at once
+        first = update()
+        time.sleep(1)  # inside the first one's 5 s check
+        second = update()
+        # Once queue 1 has taken a message, the tier answers the second one's check.
+        reached_queue_1.wait(30)
+        fault_proxy.heal()
+        first.result(60)
+        assert reached_queue_1.is_set(), "no message reached queue 1"
+        second.result(60)
+        time.sleep(3)
+        stop.set()
+        sender.join(30)
+        log_text = node.log_path.read_text()
+        assert f"{TOPIC}: queues 1 are not checked" in log_text, log_text[-3000:]
+        done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "0", "--json")
+        assert done.returncode == 0, done.stderr
+        rows = [json.loads(line) for line in done.stdout.splitlines()]
+        replayed_bodies = {body_bytes(r["body"]) for r in rows}
+        lost = [b[:9] for b in acknowledged if b not in replayed_bodies]
+        assert not lost, f"{len(lost)} of {len(acknowledged)} acknowledged messages lost: {lost}"
+    finally:
+        stop.set()
+        fault_proxy.heal()
+        pool.shutdown()
         node.stop()
