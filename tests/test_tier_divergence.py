@@ -4,13 +4,17 @@ ones that diverged from it (``offload/divergence.py``, decision 750). The broker
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+from test_archive_starts import fill
 
 from offload.divergence import DIVERGENCE_FILE, Conflict, Divergence, DivergenceFileError
 from tiered.cold.manifest import QueueManifest
+
+pytest_plugins = ["tests.test_archive_starts"]  # the small_disk fixture
 
 
 def ending_at(end: int) -> QueueManifest:
@@ -52,3 +56,98 @@ def test_an_unreadable_record_refuses_the_start(tmp_path: Path) -> None:
     (tmp_path / DIVERGENCE_FILE).write_text('{"pending": [["t", 0]]')
     with pytest.raises(DivergenceFileError, match=r"tier-divergence\.json is unreadable"):
         Divergence(tmp_path)
+
+
+class _PowerCut(Exception):
+    pass
+
+
+@pytest.mark.parametrize("write", ["pend", "clear", "conflict"])
+@pytest.mark.parametrize("cut", ["before rename", "after rename", "after save"])
+def test_a_power_loss_while_the_record_is_saved_keeps_the_queue_pending_or_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str, cut: str
+) -> None:
+    """The power goes out (tests/powerloss_fs.py: only what was fsynced survives, unsynced
+    pages land at random) while ``tier-divergence.json`` is written: a queue recorded pending
+    at start, a late check that clears it, one that records a conflict; before the new file is
+    renamed over the old, after the rename (its directory not yet fsynced), and after the save
+    returned. The record read back is the old one or the new one, never neither: a queue whose
+    local messages may overlap its archive is never forgotten, and a save that returned is
+    never undone. Passed on main too (``write_file``: fsync, rename, fsync of the directory);
+    kept as a guard (decision 792)."""
+    from test_power_loss import PowerLossMount, _need_fuse
+
+    import tiered.durable
+
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    (durable / "data").mkdir(parents=True)
+    if write != "pend":  # the queue already pending, durably, before the power loss's mount
+        Divergence(durable / "data").pend({("t", 0): 60})
+    before = Divergence(durable / "data")
+    mount = PowerLossMount(mountpoint, durable)
+    rename, armed = tiered.durable.os.replace, [cut]
+
+    def replacing(src: Path, dst: Path) -> None:
+        if armed == ["before rename"]:
+            armed.clear()
+            mount.crash(f"{write}-{cut}")
+            raise _PowerCut
+        rename(src, dst)
+        if armed == ["after rename"]:
+            armed.clear()
+            mount.crash(f"{write}-{cut}")
+            raise _PowerCut
+
+    monkeypatch.setattr(tiered.durable.os, "replace", replacing)
+    try:
+        d = Divergence(mountpoint / "data")
+        with contextlib.suppress(_PowerCut):
+            if write == "pend":
+                d.pend({("t", 0): 60})
+            elif write == "clear":
+                assert d.check("t", 0, ending_at(40), 80) is None
+            else:
+                assert d.check("t", 0, ending_at(180), 200) == Conflict(60, 180)
+            if armed == ["after save"]:
+                mount.crash(f"{write}-{cut}")
+    finally:
+        mount.close()
+    monkeypatch.undo()
+    after = Divergence(durable / "data")
+    got = (after.pending, after.conflicts)
+    new = {
+        "pend": ({("t", 0): 60}, {}),
+        "clear": ({}, {}),
+        "conflict": ({}, {("t", 0): Conflict(60, 180)}),
+    }[write]
+    if cut == "after save":
+        assert got == new, "a save that returned was undone"
+    else:
+        assert got in ((before.pending, before.conflicts), new), got
+
+
+def test_a_check_the_full_disk_refused_keeps_the_queue_pending_until_space_returns(
+    small_disk: Path,
+) -> None:
+    """A real 1 MiB tmpfs, filled by another writer: the late check cannot save its verdict
+    (a clear or a conflict). It raises, and the queue stays pending, in memory (release, uploads
+    and archive reads keep holding) and on disk; once space returns the same process's next
+    check saves it, without a restart. Passed on main too (``_save`` writes before it changes
+    its memory); kept as a guard (decision 792)."""
+    disk = small_disk
+    d = Divergence(disk)
+    d.pend({("t", 0): 60, ("t", 1): 40})
+    filler = fill(disk)
+    with pytest.raises(OSError, match="No space left"):
+        d.check("t", 0, ending_at(180), 200)
+    with pytest.raises(OSError, match="No space left"):
+        d.check("t", 1, ending_at(40), 55)
+    assert d.pending == {("t", 0): 60, ("t", 1): 40} and d.conflicts == {}
+    assert d.local_from("t", 0) == 60 and d.local_from("t", 1) == 40
+    assert Divergence(disk).pending == {("t", 0): 60, ("t", 1): 40}, "on disk"
+    filler.unlink()
+    assert d.check("t", 0, ending_at(180), 200) == Conflict(60, 180)
+    assert d.check("t", 1, ending_at(40), 55) is None
+    reread = Divergence(disk)
+    assert reread.pending == {} and reread.conflicts == {("t", 0): Conflict(60, 180)}
