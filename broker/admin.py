@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable
@@ -111,9 +112,18 @@ class AdminServicer(pb_grpc.AdminServicer):
                 )
             try:
                 self.before_put_topic(cfg, existing)
+                self.metadata.put_topic(cfg)
             except ArchiveAheadError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            self.metadata.put_topic(cfg)
+            except OSError as e:
+                # The topic or the record of its unchecked queues (decision 750) could not be
+                # saved: nothing of the change was made (decision 793).
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
+                    if e.errno == errno.ENOSPC
+                    else grpc.StatusCode.INTERNAL,
+                    f"topic {cfg.name} not changed: the broker could not save it ({e})",
+                )
         self.on_topics_changed()
         return pb.PutTopicResponse()
 

@@ -177,8 +177,12 @@ class BrokerMetadata:
 
     def put_topic(self, cfg: TopicConfig) -> None:
         with self._lock:
+            # Saved before it is served (as a group is): a save the disk refused changes
+            # nothing, where a topic changed in memory only was served, and tiered, until the
+            # next restart forgot it (decision 793).
+            topics = {**self.topics, cfg.name: cfg}
+            _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
             self.topics[cfg.name] = cfg
-            _save(self.dir / "topics.json", [asdict(t) for t in self.topics.values()])
         self._changed()
 
     def delete_topic(self, name: str) -> bool:

@@ -15,11 +15,14 @@ from typing import Any
 
 from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq, wait_until
 from conftest import S3Endpoint
+from test_disk_full import _fill, _Node, small_disk, write_config
 from test_tier_restore import BROKER, replayed
 
 from broker import admin_pb2 as apb
 from tiered.cold.manifest import ManifestLog, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
+
+__all__ = ["small_disk"]  # the fixture, used by name
 
 TOPIC = "restored-orders"  # test_tier_restore's replay reads this topic
 
@@ -192,4 +195,55 @@ def test_two_topic_changes_at_once_never_move_a_queue_messages_reach(
         stop.set()
         fault_proxy.heal()
         pool.shutdown()
+        node.stop()
+
+
+def test_a_topic_change_the_full_disk_refuses_is_not_made(
+    tmp_path: Path, small_disk: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """The broker's disk is full (a real 12 MiB tmpfs, filled by another writer). A tiered
+    topic created while the tier does not answer must record its unchecked queues before it
+    is stored (decision 785), and cannot; a plain topic cannot save ``topics.json``. Both must
+    be refused clearly (RESOURCE_EXHAUSTED, naming the save) and change nothing: on main the
+    tiered one was refused with a bare ``Exception calling application`` (UNKNOWN), and the
+    plain one was refused yet served, from memory only, until a restart forgot it. Once space
+    returns, without a restart, both are created and the tiered one's queues recorded
+    (decision 793)."""
+    node = _Node(
+        small_disk / "data",
+        extra=[
+            *("--config", str(write_config(tmp_path / "tmq.toml"))),
+            *("--commitlog-file-size", "1MiB", "--offload-interval", "1"),
+            *("--tier-url", f"s3://{bucket}/full"),
+        ],
+        env=S3Endpoint(fault_proxy.url, "proxy").env(),
+    )
+    node.log_dir = tmp_path
+    node.start()
+    filler = None
+    try:
+        fault_proxy.set(reset=True)
+        filler = _fill(small_disk)
+        tiered = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered")
+        assert tiered.returncode != 0
+        assert "not changed: the broker could not save it" in tiered.stderr, tiered.stderr
+        assert "No space left on device" in tiered.stderr, tiered.stderr
+        plain = tmq("topic", "create", "plain", "-n", node.namesrv, "-q", "1")
+        assert plain.returncode != 0
+        assert "not changed: the broker could not save it" in plain.stderr, plain.stderr
+        for name in (TOPIC, "plain"):
+            described = tmq("topic", "describe", name, "-n", node.namesrv)
+            assert described.returncode != 0, f"{name}: refused, yet made: {described.stdout}"
+        assert record(small_disk / "data") == {"pending": [], "conflicts": []}
+        filler.unlink()
+        filler = None
+        tiered = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered")
+        assert tiered.returncode == 0, tiered.stderr
+        plain = tmq("topic", "create", "plain", "-n", node.namesrv, "-q", "1")
+        assert plain.returncode == 0, plain.stderr
+        assert record(small_disk / "data")["pending"] == [[TOPIC, 0, 0], [TOPIC, 1, 0]]
+    finally:
+        if filler is not None:
+            filler.unlink()
+        fault_proxy.heal()
         node.stop()
