@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq, wait_until
 from conftest import S3Endpoint
 from test_disk_full import _fill, _Node, small_disk, write_config
@@ -37,6 +38,10 @@ def record(data: Path) -> dict[str, list[list[Any]]]:
 
 def archive_end(tier: ObjectStore, queue_id: int = 0) -> int:
     return ManifestLog(tier, queue_prefix(*BROKER, TOPIC, queue_id)).load().end_offset
+
+
+def archive_start(tier: ObjectStore, queue_id: int = 0) -> int:
+    return ManifestLog(tier, queue_prefix(*BROKER, TOPIC, queue_id)).load().start_offset
 
 
 def send(node: Standalone, tag: str, count: int) -> list[int]:
@@ -246,4 +251,81 @@ def test_a_topic_change_the_full_disk_refuses_is_not_made(
         if filler is not None:
             filler.unlink()
         fault_proxy.heal()
+        node.stop()
+
+
+@pytest.mark.slow
+def test_operator_commands_racing_the_late_check_of_a_diverged_queue_lose_nothing(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 750's restore (the queue ends at 60, its archive at 180), started while the
+    tier resets every request: 120 messages acknowledged at 60-179, pending at 60. Then
+    `tmq offload`, `tmq retain --ttl 1s` and `--apply`, `tmq verify --repair` and a topic
+    update run over and over while the tier comes and goes, so the late check runs among them
+    and retention expires the archive (the older messages at 60-179 too) as they go. Nothing
+    may upload over the archive, release or delete the conflict's local files, drop the record,
+    or serve the archive's older messages at 60-179. A guard: it passed before decisions
+    790-793 too (decision 792)."""
+    from test_tier_restore import produce, restored_behind_archive
+
+    url, env = f"s3://{bucket}/race-late", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    restored_behind_archive(tmp_path, data, url, env, tier)
+    fault_proxy.set(reset=True)
+    node = start_tiered(data, url, env)
+    try:
+        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
+        assert record(data)["pending"] == [[TOPIC, 0, 60]]
+        ns = node.namesrv
+        commands = [
+            ("offload", TOPIC, "-n", ns),
+            ("retain", TOPIC, "-n", ns, "--ttl", "1s"),
+            ("verify", TOPIC, "-n", ns, "--repair"),
+            ("retain", TOPIC, "-n", ns, "--apply"),
+            ("topic", "update", TOPIC, "-n", ns, "--tiered"),
+        ]
+        more: list[bytes] = []
+        for i in range(15):
+            if i % 2:
+                fault_proxy.heal()
+            else:
+                fault_proxy.set(reset=True)
+            tmq(*commands[i % len(commands)], timeout=120)  # refusals under the outage: fine
+            more += produce(node, f"d{i}", 4)
+            conflicts = record(data)["conflicts"]
+            assert conflicts in ([], [[TOPIC, 0, 60, 180]]), conflicts
+        fault_proxy.heal()
+        wait_until(
+            f"never checked: {record(data)}",
+            lambda: record(data) == {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]},
+            60,
+        )
+        tmq(*commands[1], timeout=120)
+        tmq(*commands[3], timeout=120)
+        time.sleep(5)  # offload, retention and release passes
+        # Retention did reach the conflict: the archive's older messages there are expired.
+        assert archive_start(tier) > 60, archive_start(tier)
+        want = list(enumerate(third + more, start=60))
+        done = tmq("replay", TOPIC, "-n", ns, "--from-offset", "60", "--json", timeout=120)
+        assert done.returncode == 0, done.stderr
+        got = [
+            (int(r["offset"]), body_bytes(r["body"]))
+            for r in map(json.loads, done.stdout.splitlines())
+        ]
+        assert got == want, "the acknowledged messages at their own offsets"
+    finally:
+        fault_proxy.heal()
+        node.stop()
+    node = start_tiered(data, url, env)
+    try:
+        assert record(data) == {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
+        done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "60", "--json")
+        assert done.returncode == 0, done.stderr
+        got = [
+            (int(r["offset"]), body_bytes(r["body"]))
+            for r in map(json.loads, done.stdout.splitlines())
+        ]
+        assert got == want, "after a restart"
+    finally:
         node.stop()
