@@ -373,6 +373,8 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
+        # The native single send (decision 820) is there: the native group commit gate.
+        self._sync_native = self.commitlog.has_native_send
         self._dispatch_coalesce_s = 0.001
         # Where queues continue above their local end (``start_queue_at``, decision 720).
         self.queue_floors: dict[tuple[str, int], int] = {}
@@ -951,7 +953,36 @@ class MessageStore:
     # -- write ---------------------------------------------------------------------------------
 
     def put_message(self, msg: Message) -> AppendResult:
-        return self.put_messages([msg])[0]
+        one = [msg]
+        if (
+            self._sync_native
+            and self._running
+            and not self._replica
+            and self.config.flush == "sync"
+            and first_unchecked(
+                one, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, self.config.max_message_size
+            )
+            == 1
+        ):
+            # The native single send (decision 820): encode, append and the group commit's
+            # wait in one call. It declines what it does not do (see ``CommitLog.send_one``),
+            # and ``put_messages`` then does the whole send, its errors included.
+            dispatcher = self.dispatcher
+            assert dispatcher is not None
+            lag_limit = self.config.max_dispatch_lag_bytes
+            if self.commitlog.max_offset - dispatcher.reput_offset <= lag_limit:
+                batch = self.commitlog.send_one(one)
+                if batch is not None:
+                    end = batch.end_offset
+                    for listener in self._append_listeners:
+                        listener(end)
+                    return AppendResult(
+                        batch.offsets[0],
+                        batch.sizes[0],
+                        batch.queue_offsets[0],
+                        batch.store_timestamp,
+                    )
+        return self.put_messages(one)[0]
 
     def put_messages(self, messages: Sequence[Message] | RecordSpans) -> AppendBatch:
         """Append ``messages`` (atomically with respect to their queue offsets) and return once
