@@ -501,10 +501,11 @@ class CommitLog:
     def send_one(self, one: list[Message]) -> EncodedBatch | None:
         """The native single SYNC send (decision 820): append ``one`` (a list of one message)
         and return once an fsync covers it, as ``append`` then ``wait_flushed`` would, in one
-        native call that gives the GIL up once for the record's store and the wait. None when
-        it does not apply (the reference engine, a roll, a room measurement due, a record of
-        4 KiB or more, a message the encoder refuses, the store failed): nothing was appended,
-        and the caller sends through ``append``. Raises what ``wait_flushed`` raises."""
+        native call that gives the GIL up once for the record's store and the wait (the
+        record is encoded by whichever record engine is in use). None when it does not apply
+        (the reference gate, a roll, a room measurement due, a record of 4 KiB or more, a
+        message the encoder refuses, the store failed): nothing was appended, and the caller
+        sends through ``append``. Raises what ``wait_flushed`` raises."""
         send = self._native_send
         if send is None:
             return None
