@@ -11,7 +11,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, brokers, call, fail, time_ms, topic_on_brokers
+from cli.topic import (
+    NamesrvOption,
+    brokers,
+    call,
+    divergence_line,
+    fail,
+    queue_divergence,
+    time_ms,
+    topic_on_brokers,
+)
 from tiered.config import parse_size
 
 
@@ -36,6 +45,8 @@ def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
                 }
                 if q.offload_held
                 else None,
+                # Not checked against its archive yet, or diverged from it (decision 800).
+                "tier_divergence": queue_divergence(q),
             }
             for q in d.queues
         ]
@@ -47,7 +58,8 @@ def _iso(ms: int) -> str:
 
 
 # `tmq offload status`'s exit code when a queue's offload is held at a damaged ConsumeQueue
-# entry: 1 is "a broker did not answer" and 2 a usage error (decision 755).
+# entry, or the queue diverged from its archive: 1 is "a broker did not answer" and 2 a usage
+# error (decisions 755, 800).
 OFFLOAD_HELD = 3
 
 
@@ -70,12 +82,13 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                     total=sum(r["max_offset"] for r in rows),
                 )
                 if all(r["tier_watermark"] >= r["max_offset"] for r in rows) or any(
-                    r["offload_held"] for r in rows
+                    r["offload_held"] or _diverged(r) for r in rows
                 ):
-                    break  # a held queue goes no further until the broker's restart
+                    break  # a held or diverged queue goes no further until an operator acts
                 time.sleep(1)
                 rows = _status_rows(namesrv, topic)
     held = [r for r in rows if r["offload_held"]]
+    diverged = [r for r in rows if _diverged(r)]
     if as_json:
         typer.echo(json.dumps(rows))
     else:
@@ -93,13 +106,27 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                     f"  HELD at queue offset {h['offset']} since {h['since']}: {h['reason']}; "
                     "restart the broker to rebuild the entry (docs/operations.md)"
                 )
+            if r["tier_divergence"]:
+                typer.echo(divergence_line(r["tier_divergence"]))
     if held:
         typer.echo(
             f"error: offload held at a damaged ConsumeQueue entry in {len(held)} queue(s): "
             + ", ".join(f"{r['topic']}/{r['queue']} on {r['broker']}" for r in held),
             err=True,
         )
+    if diverged:
+        typer.echo(
+            f"error: diverged from its archive in {len(diverged)} queue(s): "
+            + ", ".join(f"{r['topic']}/{r['queue']} on {r['broker']}" for r in diverged),
+            err=True,
+        )
+    if held or diverged:
         raise typer.Exit(OFFLOAD_HELD)
+
+
+def _diverged(row: dict[str, Any]) -> bool:
+    d = row["tier_divergence"]
+    return d is not None and d["state"] == "diverged"
 
 
 def offload(
@@ -124,7 +151,8 @@ def offload(
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
 
     Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
-    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry).
+    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry, or the
+    queue diverged from its archive).
     """
     if words[0] == "status":
         if len(words) != 2:

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
+from broker_harness import (
+    Standalone,
+    body_bytes,
+    free_port,
+    metric_sample,
+    send_batches,
+    start_tiered,
+    tmq,
+)
 from conftest import S3Endpoint
 
 from tiered.cold.fetcher import ColdFetcher
@@ -95,6 +103,47 @@ def restored_behind_archive(
     shutil.rmtree(data)
     shutil.copytree(backup, data)
     return first, second
+
+
+def offload_status(node: Standalone, *extra: str) -> Any:
+    return tmq("offload", "status", TOPIC, "-n", node.namesrv, "--json", *extra, timeout=120)
+
+
+def assert_conflict_shown(node: Standalone, secrets: dict[str, str]) -> None:
+    """Decision 800: the conflict [60, 180) of ``TOPIC``/0 in `tmq offload status` (JSON, text,
+    exit 3), `tmq verify` (FAILURE), `tmq topic describe` and the metrics; no secret in any."""
+    conflict = {"state": "diverged", "from": 60, "archive_end": 180}
+    shown = offload_status(node)
+    assert shown.returncode == 3, (shown.stdout, shown.stderr)
+    (row,) = json.loads(shown.stdout)
+    assert row["tier_divergence"] == conflict and row["offload_held"] is None
+    assert f"diverged from its archive in 1 queue(s): {TOPIC}/0" in shown.stderr
+    text = tmq("offload", "status", TOPIC, "-n", node.namesrv, timeout=120)
+    assert text.returncode == 3
+    assert "DIVERGED from its archive: offsets 60..179" in text.stdout, text.stdout
+    assert "tmq offload resolve" in text.stdout
+    waited = offload_status(node, "--wait")  # returns: no watermark frees a conflict
+    assert waited.returncode == 3
+    checked = tmq("verify", TOPIC, "-n", node.namesrv, "--json", timeout=120)
+    assert checked.returncode == 2, (checked.stdout, checked.stderr)
+    verdict = json.loads(checked.stdout)
+    assert verdict["status"] == "FAILURE"
+    (q,) = verdict["queues"]
+    assert q["status"] == "FAILURE" and not q["missing"] and not q["damaged"]
+    assert any("DIVERGED from its archive: offsets 60..179" in a for a in q["anomalies"]), q
+    described = tmq("topic", "describe", TOPIC, "-n", node.namesrv, "--json")
+    assert described.returncode == 0
+    assert json.loads(described.stdout)[0]["queue_offsets"][0]["tier_divergence"] == conflict
+    described_text = tmq("topic", "describe", TOPIC, "-n", node.namesrv)
+    assert "DIVERGED from its archive: offsets 60..179" in described_text.stdout
+    assert metric_sample(node, f'tmq_tier_diverged_offsets{{queue="0",topic="{TOPIC}"}}') == 120
+    assert metric_sample(node, f'tmq_tier_check_pending{{queue="0",topic="{TOPIC}"}}') is None
+    everything = "".join(
+        r.stdout + r.stderr for r in (shown, text, waited, checked, described, described_text)
+    )
+    for secret in secrets.values():
+        if len(secret) >= 8:
+            assert secret not in everything
 
 
 def test_a_restored_data_dir_never_reuses_an_archived_offset(
@@ -316,9 +365,15 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
     assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
     # A restart still in the outage: its queue now ends at 180, the archive's end. The check
     # must still start from 60, where the unchecked messages began.
-    node = start_tiered(data, url, env)
+    node = start_tiered(data, url, env, metrics_port=free_port())
     try:
         fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
+        # Decision 800: the pending check shows where operators look, not only in the log.
+        pending_shown = offload_status(node)
+        assert pending_shown.returncode == 0, pending_shown.stderr  # it resolves on its own
+        (row,) = json.loads(pending_shown.stdout)
+        assert row["tier_divergence"] == {"state": "pending", "from": 60, "archive_end": None}
+        assert metric_sample(node, f'tmq_tier_check_pending{{queue="0",topic="{TOPIC}"}}') == 1
         fault_proxy.heal()
         # The store answers: 180-199 are uploaded, and release runs after every pass.
         m = archived_to(node, tier, 200, None)
@@ -331,6 +386,7 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
         assert conflicts == {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
         # The archive's older messages there are kept, not swept: the operator's to recover.
         assert archived_bodies(tier, 60, 180) == second
+        assert_conflict_shown(node, s3.env())
     finally:
         node.stop()
 
