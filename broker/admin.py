@@ -22,6 +22,8 @@ from broker.status import BrokerStatus
 from broker.timer import TimerStats
 from offload.divergence import Conflict
 from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
+from offload.resolve import ResolveRefusedError, TierUnavailableError
+from offload.resolve import resolve as resolve_divergence
 from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.storage import StorageError
@@ -440,6 +442,65 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for v in verdicts
             ],
         )
+
+    def ResolveDivergence(
+        self, request: pb.ResolveDivergenceRequest, context: grpc.ServicerContext
+    ) -> pb.ResolveDivergenceResponse:
+        """`tmq offload resolve` (decision 801, ``offload/resolve.py``)."""
+        cfg, offloader = self._tiered(request.topic, context)
+        divergence = offloader.divergence
+        if divergence is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this broker keeps no divergence record (only a standalone broker with a cold "
+                "tier does)",
+            )
+            raise AssertionError("abort raises")
+        if request.queue >= 0:
+            if request.queue >= cfg.queues:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{cfg.name} has {cfg.queues} queues; there is no queue {request.queue}",
+                )
+            targets = [request.queue]
+        else:
+            targets = sorted(q for t, q in divergence.conflicts if t == cfg.name)
+            if not targets:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"no queue of {cfg.name} has a conflict with its archive",
+                )
+        if request.discard_local and len(targets) != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "discarding names one queue (--queue)")
+        done = []
+        for q in targets:
+            try:
+                r = resolve_divergence(
+                    self.store,
+                    offloader,
+                    divergence,
+                    cfg.name,
+                    q,
+                    discard_local=request.discard_count if request.discard_local else None,
+                )
+            except TierUnavailableError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                raise AssertionError("abort raises") from None
+            except ResolveRefusedError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                raise AssertionError("abort raises") from None
+            done.append(
+                pb.ResolvedQueue(
+                    queue=q,
+                    base=r.base,
+                    archive_end=r.archive_end,
+                    copied=r.copied,
+                    copies_from=r.copies_from or 0,
+                    copies_end=r.copies_end or 0,
+                    discarded=r.copies_from is None,
+                )
+            )
+        return pb.ResolveDivergenceResponse(queues=done)
 
     def QueryByKey(
         self, request: pb.QueryByKeyRequest, context: grpc.ServicerContext

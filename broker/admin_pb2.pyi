@@ -309,6 +309,42 @@ class VerifyResponse(_message.Message):
     queues: _containers.RepeatedCompositeFieldContainer[QueueVerdict]
     def __init__(self, status: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueVerdict, _Mapping]]] = ...) -> None: ...
 
+class ResolveDivergenceRequest(_message.Message):
+    __slots__ = ("topic", "queue", "discard_local", "discard_count")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    discard_local: bool
+    discard_count: int
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., discard_local: _Optional[bool] = ..., discard_count: _Optional[int] = ...) -> None: ...
+
+class ResolvedQueue(_message.Message):
+    __slots__ = ("queue", "base", "archive_end", "copied", "copies_from", "copies_end", "discarded")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_END_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FROM_FIELD_NUMBER: _ClassVar[int]
+    COPIES_END_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    queue: int
+    base: int
+    archive_end: int
+    copied: int
+    copies_from: int
+    copies_end: int
+    discarded: bool
+    def __init__(self, queue: _Optional[int] = ..., base: _Optional[int] = ..., archive_end: _Optional[int] = ..., copied: _Optional[int] = ..., copies_from: _Optional[int] = ..., copies_end: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
+
+class ResolveDivergenceResponse(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[ResolvedQueue]
+    def __init__(self, queues: _Optional[_Iterable[_Union[ResolvedQueue, _Mapping]]] = ...) -> None: ...
+
 class QueryByKeyRequest(_message.Message):
     __slots__ = ("topic", "key", "begin_ms", "end_ms", "max")
     TOPIC_FIELD_NUMBER: _ClassVar[int]

@@ -147,13 +147,28 @@ def offload(
         float, typer.Option(help="Give up after this many seconds per broker.")
     ] = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    discard_local: Annotated[
+        bool,
+        typer.Option(
+            help="resolve: drop the queue's local messages in conflict instead of re-appending "
+            "them (they are lost; asks first).",
+        ),
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="resolve: do not ask.")] = False,
 ) -> None:
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
 
-    Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
+    Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait;
+    tmq offload resolve orders (a queue diverged from its archive: its local messages there are
+    re-appended at its end, and the archive is read below its end; decision 801)
     (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry, or the
     queue diverged from its archive).
     """
+    if words[0] == "resolve":
+        if len(words) != 2:
+            raise fail("usage: tmq offload resolve TOPIC [--queue Q] [--discard-local]", 2)
+        _resolve(namesrv, words[1], queue, discard_local, yes, as_json)
+        return
     if words[0] == "status":
         if len(words) != 2:
             raise fail("usage: tmq offload status TOPIC [--wait]", 2)
@@ -197,6 +212,69 @@ def offload(
             f"{r['topic']}/{r['queue']} on {r['broker']}: uploaded {r['messages']} "
             f"messages in {r['segments']} segment(s); tier watermark {r['watermark']}"
         )
+
+
+def _resolve(
+    namesrv: str, topic: str, queue: int, discard_local: bool, yes: bool, as_json: bool
+) -> None:
+    """`tmq offload resolve`: end each conflict of the topic's queues with their archive."""
+    if discard_local and queue < 0:
+        raise fail("--discard-local names one queue: give --queue", 2)
+    rows = []
+    for broker_name, stub, d in topic_on_brokers(namesrv, topic):
+        conflicts = {q.queue: q for q in d.queues if q.tier_diverged}
+        if queue >= 0 and queue not in conflicts:
+            raise fail(f"{topic}/{queue} on {broker_name} has no conflict with its archive", 1)
+        if not conflicts:
+            raise fail(f"no queue of {topic} on {broker_name} has a conflict with its archive", 1)
+        count = 0
+        if discard_local:
+            q = conflicts[queue]
+            count = q.tier_archive_end - q.tier_unchecked_from
+            question = (
+                f"Discard the {count} acknowledged local message(s) of {topic}/{queue} on "
+                f"{broker_name} at offsets {q.tier_unchecked_from}..{q.tier_archive_end - 1}? "
+                "They are not in the archive and cannot be read again"
+            )
+            if not yes and not typer.confirm(question, err=True):
+                raise fail("nothing discarded", 1)
+        reply = call(
+            f"broker {broker_name}",
+            stub.ResolveDivergence,
+            pb.ResolveDivergenceRequest(
+                topic=topic, queue=queue, discard_local=discard_local, discard_count=count
+            ),
+            timeout=600,
+        )
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": topic,
+                "queue": r.queue,
+                "from": r.base,
+                "archive_end": r.archive_end,
+                "discarded": r.discarded,
+                "copied": r.copied,
+                "copies": None if r.discarded else [r.copies_from, r.copies_end],
+            }
+            for r in reply.queues
+        ]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        where = f"{r['topic']}/{r['queue']} on {r['broker']}"
+        if r["discarded"]:
+            typer.echo(
+                f"{where}: resolved; the local messages at {r['from']}..{r['archive_end'] - 1} "
+                "were DISCARDED; the archive's are read there"
+            )
+        else:
+            typer.echo(
+                f"{where}: resolved; the local messages at {r['from']}..{r['archive_end'] - 1} "
+                f"are now at {r['copies'][0]}..{r['copies'][1] - 1} (same ids); the archive's "
+                "are read at their offsets"
+            )
 
 
 # `tmq verify`'s exit code when nothing could be judged (0-2 are the verdicts).

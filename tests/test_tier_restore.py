@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 from broker_harness import (
     Standalone,
     body_bytes,
@@ -21,9 +22,11 @@ from broker_harness import (
     send_batches,
     start_tiered,
     tmq,
+    wait_until,
 )
 from conftest import S3Endpoint
 
+from broker import admin_pb2 as apb
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
@@ -103,6 +106,33 @@ def restored_behind_archive(
     shutil.rmtree(data)
     shutil.copytree(backup, data)
     return first, second
+
+
+def diverging(
+    tmp_path: Path, data: Path, url: str, env: dict[str, str], tier: ObjectStore, fault_proxy: Any
+) -> tuple[Standalone, tuple[list[bytes], list[bytes], list[bytes], list[bytes]]]:
+    """Decision 750's conflict in the making: ``restored_behind_archive`` (the queue at 60, its
+    archive at 180), then two starts while the store resets every request, 120 messages at
+    60-179 and 20 at 180-199. Returns the second node, still in the outage (the store heals
+    when the caller says), with its metrics on, and the four runs of bodies."""
+    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
+    fault_proxy.set(reset=True)  # every request to the store: connection reset
+    node = start_tiered(data, url, env)
+    try:
+        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
+    finally:
+        node.stop()
+    pending = json.loads((data / "tier-divergence.json").read_text())["pending"]
+    assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
+    # A restart still in the outage: its queue now ends at 180, the archive's end. The check
+    # must still start from 60, where the unchecked messages began.
+    node = start_tiered(data, url, env, metrics_port=free_port())
+    try:
+        fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
+    except BaseException:
+        node.stop()
+        raise
+    return node, (first, second, third, fourth)
 
 
 def offload_status(node: Standalone, *extra: str) -> Any:
@@ -353,21 +383,8 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
     url, env = f"s3://{bucket}/restore-outage", S3Endpoint(fault_proxy.url, "proxy").env()
     tier = open_store(url, s3.storage_options())
     data = tmp_path / "data"
-    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
-
-    fault_proxy.set(reset=True)  # every request to the store: connection reset
-    node = start_tiered(data, url, env)
+    node, (first, second, third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
     try:
-        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
-    finally:
-        node.stop()
-    pending = json.loads((data / "tier-divergence.json").read_text())["pending"]
-    assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
-    # A restart still in the outage: its queue now ends at 180, the archive's end. The check
-    # must still start from 60, where the unchecked messages began.
-    node = start_tiered(data, url, env, metrics_port=free_port())
-    try:
-        fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
         # Decision 800: the pending check shows where operators look, not only in the log.
         pending_shown = offload_status(node)
         assert pending_shown.returncode == 0, pending_shown.stderr  # it resolves on its own
@@ -398,3 +415,113 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
         assert node.log_path.read_text().count("DIVERGED from its archive") >= 2
     finally:
         node.stop()
+
+
+def replay_rows(node: Standalone) -> list[dict[str, Any]]:
+    done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "0", "--json", timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 801: `tmq offload resolve` on decision 750's conflict (60-179 local 'c', the
+    archive's 'b' there). It refuses while the store does not answer; killed -9 after its first
+    batch of copies, the conflict stands with nothing lost, and the second run appends only
+    the rest: afterwards the archive's messages are read at 60-179 and every 'c' message once,
+    with its id, keys, tag and properties, at the queue's end, and the queue archives whole."""
+    url, env = f"s3://{bucket}/resolve", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node, (first, second, third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
+    record = data / "tier-divergence.json"
+    try:
+        fault_proxy.heal()
+        archived_to(node, tier, 200, None)
+        wait_until("the conflict found", lambda: 'conflicts": [[' in record.read_text(), 60)
+        before = replay_rows(node)
+        assert [body_bytes(r["body"]) for r in before] == first + third + fourth
+        local = before[60:180]  # the 'c' messages, as consumers read them
+        # The store stops answering: the resolve cannot see the archive, and changes nothing.
+        fault_proxy.set(reset=True)
+        refused = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, timeout=300)
+        assert refused.returncode == 1, (refused.stdout, refused.stderr)
+        assert "manifest could not be loaded" in refused.stderr and "nothing was changed" in (
+            refused.stderr
+        )
+        assert json.loads(record.read_text())["conflicts"] == [[TOPIC, 0, 60, 180]]
+        fault_proxy.heal()
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, {**env, "TMQ_FAILPOINTS": "resolve.mid_copy"})
+    killed = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, timeout=300)
+    assert killed.returncode == 1
+    assert node.proc is not None and node.proc.wait(60) == -9
+    # The conflict stands, with where its copies began: 200, the queue's end then.
+    assert json.loads(record.read_text())["conflicts"] == [[TOPIC, 0, 60, 180, 200]]
+
+    node = start_tiered(data, url, env, metrics_port=free_port())
+    try:
+        assert offload_status(node).returncode == 3, "still diverged after the kill"
+        shown = replay_rows(node)
+        assert [body_bytes(r["body"]) for r in shown[:200]] == first + third + fourth
+        assert len(shown) == 264, "the first batch of 64 copies was appended before the kill"
+        done = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--json", timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == [
+            {
+                "broker": "broker-a",
+                "topic": TOPIC,
+                "queue": 0,
+                "from": 60,
+                "archive_end": 180,
+                "discarded": False,
+                "copied": 56,  # only what the killed run had not appended
+                "copies": [200, 320],
+            }
+        ]
+        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        after = replay_rows(node)
+        bodies = [body_bytes(r["body"]) for r in after]
+        # The archive is the truth below its end; each local message once, at the end.
+        assert bodies == first + second + fourth + third
+        assert [r["offset"] for r in after] == list(range(320))
+        for old, new in zip(local, after[200:], strict=True):
+            assert new["message_id"] == old["message_id"]
+            assert (new["keys"], new["tag"]) == (old["keys"], old["tag"])
+            assert new["properties"] == {
+                **old["properties"],
+                "TMQ_DIVERGED_FROM": str(old["offset"]),
+                "TMQ_DIVERGED_RANGE": "60-180",
+            }
+        # Shown nowhere as diverged any more, and the copies are archived like any message.
+        archived_to(node, tier, 320)
+        status = offload_status(node)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)[0]["tier_divergence"] is None
+        checked = tmq("verify", TOPIC, "-n", node.namesrv, "--json", timeout=120)
+        assert checked.returncode == 0, checked.stdout
+        assert (
+            metric_sample(node, f'tmq_tier_diverged_offsets{{queue="0",topic="{TOPIC}"}}') is None
+        )
+        again = tmq("offload", "resolve", TOPIC, "-n", node.namesrv)
+        assert again.returncode == 1 and "has a conflict" in again.stderr, again.stderr
+        direct = node.admin().ResolveDivergence  # the broker refuses too, not only the CLI
+        try:
+            direct(apb.ResolveDivergenceRequest(topic=TOPIC, queue=0), timeout=30)
+            raise AssertionError("resolved a queue without a conflict")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "has no conflict with its archive" in (e.details() or "")
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, env)  # a restart keeps it resolved
+    try:
+        assert [body_bytes(r["body"]) for r in replay_rows(node)] == (
+            first + second + fourth + third
+        )
+    finally:
+        assert node.stop() == 0
