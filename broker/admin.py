@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
+
+log = logging.getLogger(__name__)
 
 # Segment checks of `tmq verify` in flight at once (ranged GETs of footers, or whole objects).
 VERIFY_WORKERS = 16
@@ -166,6 +169,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 else:
                     stats.tier_diverged = True
                     stats.tier_archive_end = conflict.archive_end
+                    stats.tier_resolve_copies_from = conflict.copies_from or 0
             return stats
 
         timers = self.timers() if cfg.message_type == "DELAY" else None
@@ -488,6 +492,14 @@ class AdminServicer(pb_grpc.AdminServicer):
                 raise AssertionError("abort raises") from None
             except ResolveRefusedError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                raise AssertionError("abort raises") from None
+            except (OSError, RuntimeError) as e:  # the store refused an append or a flush
+                log.exception("%s/%d: resolve failed", cfg.name, q)
+                context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"{cfg.name}/{q}: the resolve failed ({e}); `tmq offload status` says "
+                    "whether the conflict stands (then run it again)",
+                )
                 raise AssertionError("abort raises") from None
             done.append(
                 pb.ResolvedQueue(

@@ -291,9 +291,16 @@ def queue_divergence(q: pb.QueueStats) -> dict[str, Any] | None:
             "state": "diverged",
             "from": q.tier_unchecked_from,
             "archive_end": q.tier_archive_end,
+            # A resolve that began copying here and did not finish (decision 801).
+            "resolve_began_at": q.tier_resolve_copies_from or None,
         }
     if q.tier_check_pending:
-        return {"state": "pending", "from": q.tier_unchecked_from, "archive_end": None}
+        return {
+            "state": "pending",
+            "from": q.tier_unchecked_from,
+            "archive_end": None,
+            "resolve_began_at": None,
+        }
     return None
 
 
@@ -303,7 +310,13 @@ def divergence_line(d: dict[str, Any]) -> str:
         return (
             f"  DIVERGED from its archive: offsets {d['from']}..{d['archive_end'] - 1} hold "
             "acknowledged messages here and other, older ones in the archive; they are kept "
-            f"locally and not archived. Resolve with `tmq offload resolve` (docs/operations.md)"
+            "locally and not archived. Resolve with `tmq offload resolve` (docs/operations.md)"
+            + (
+                f"; a resolve began (its copies from offset {d['resolve_began_at']}) and did not "
+                "finish: run it again"
+                if d["resolve_began_at"] is not None
+                else ""
+            )
         )
     return (
         f"  NOT CHECKED against its archive yet (the object store did not answer): nothing from "

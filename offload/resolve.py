@@ -40,6 +40,7 @@ messages it discards (``E - base``), so a stale confirmation never discards anot
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from offload.divergence import Conflict, Divergence
@@ -235,50 +236,76 @@ def resolve(
 def _copy(
     store: MessageStore, divergence: Divergence, topic: str, queue_id: int, conflict: Conflict
 ) -> tuple[int, int, int]:
-    """Steps 2 and 3: (copies appended now, where the copies begin, the offset after them)."""
+    """Steps 2 and 3: (copies appended now, where the copies begin, the offset after them).
+    Streams in batches of ``BATCH``: memory does not grow with the range."""
     base, end = conflict.base, conflict.archive_end
     rng = f"{base}-{end}"
-    originals = _hot(store, topic, queue_id, base, end)
-    begun = divergence.begin_resolve(topic, queue_id, store.max_offset(topic, queue_id))
+    for _ in _originals(store, topic, queue_id, base, end):
+        pass  # every original readable before anything is recorded or appended
+    # Durable up to the queue's end before that end is recorded: a power loss after this
+    # never leaves the queue ending below where the copies begin.
+    top = store.max_offset(topic, queue_id)
+    store.flush()
+    begun = divergence.begin_resolve(topic, queue_id, top)
     assert begun.copies_from is not None
     # Copies a run before this one made: a prefix of the originals, in order.
-    made: list[StoredMessage] = []
-    scanned = begun.copies_from
-    while scanned < store.max_offset(topic, queue_id) and len(made) < len(originals):
-        top = store.max_offset(topic, queue_id)
-        for m in _hot(store, topic, queue_id, scanned, min(top, scanned + BATCH)):
-            if m.properties.get(PROPERTY_DIVERGED_RANGE) == rng:
-                made.append(m)
-        scanned = min(top, scanned + BATCH)
-    for i, m in enumerate(made):
-        if i >= len(originals) or not _same(m, originals[i], rng):
-            raise ResolveRefusedError(
-                f"{topic}/{queue_id}: the copy at offset {m.queue_offset} is not the local "
-                f"message at {base + i}; nothing more was changed"
-            )
-    rest = originals[len(made) :]
-    for i in range(0, len(rest), BATCH):
-        store.put_messages([copy_of(m, rng) for m in rest[i : i + BATCH]])
-        failpoints.hit("resolve.mid_copy")
+    made, _ = _check_copies(store, topic, queue_id, begun.copies_from, base, end, rng)
+    copied = 0
+    batch: list[Message] = []
+    for m in _originals(store, topic, queue_id, base + made, end):
+        batch.append(copy_of(m, rng))
+        if len(batch) == BATCH or m.queue_offset == end - 1:
+            store.put_messages(batch)
+            copied += len(batch)
+            batch = []
+            failpoints.hit("resolve.mid_copy")
     store.flush()  # fsynced before the commit point, whatever the flush mode
     store.wait_dispatched()
     # Read back every copy: the commit point drops the originals from reads.
-    copies: list[StoredMessage] = []
-    scanned = begun.copies_from
-    top = store.max_offset(topic, queue_id)
-    while scanned < top and len(copies) < len(originals):
-        for m in _hot(store, topic, queue_id, scanned, min(top, scanned + BATCH)):
-            if m.properties.get(PROPERTY_DIVERGED_RANGE) == rng:
-                copies.append(m)
-        scanned = min(top, scanned + BATCH)
-    if len(copies) != len(originals) or not all(
-        _same(c, o, rng) for c, o in zip(copies, originals, strict=True)
-    ):
+    n, last = _check_copies(store, topic, queue_id, begun.copies_from, base, end, rng)
+    if n != end - base:
         raise ResolveRefusedError(
-            f"{topic}/{queue_id}: {len(copies)} of {len(originals)} copies read back as "
-            "written; the conflict stands (run it again)"
+            f"{topic}/{queue_id}: {n} of {end - base} copies read back; the conflict stands "
+            "(run it again)"
         )
-    return len(rest), begun.copies_from, copies[-1].queue_offset + 1
+    return copied, begun.copies_from, last + 1
+
+
+def _originals(
+    store: MessageStore, topic: str, queue_id: int, start: int, end: int
+) -> Iterator[StoredMessage]:
+    for offset in range(start, end, BATCH):
+        yield from _hot(store, topic, queue_id, offset, min(end, offset + BATCH))
+
+
+def _copies(
+    store: MessageStore, topic: str, queue_id: int, start: int, rng: str
+) -> Iterator[StoredMessage]:
+    """The copies of this range in the queue from ``start`` on, in order."""
+    top = store.max_offset(topic, queue_id)
+    for offset in range(start, top, BATCH):
+        for m in _hot(store, topic, queue_id, offset, min(top, offset + BATCH)):
+            if m.properties.get(PROPERTY_DIVERGED_RANGE) == rng:
+                yield m
+
+
+def _check_copies(
+    store: MessageStore, topic: str, queue_id: int, start: int, base: int, end: int, rng: str
+) -> tuple[int, int]:
+    """How many copies there are from ``start``, each checked against its original (the
+    copies are a prefix of the originals, in order), and the offset of the last one (``start``
+    - 1 when none); ``ResolveRefusedError`` on one that is not its original's."""
+    originals = _originals(store, topic, queue_id, base, end)
+    n, last = 0, start - 1
+    for c in _copies(store, topic, queue_id, start, rng):
+        o = next(originals, None)
+        if o is None or not _same(c, o, rng):
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id}: the copy at offset {c.queue_offset} is not the local "
+                f"message at {base + n}; the conflict stands"
+            )
+        n, last = n + 1, c.queue_offset
+    return n, last
 
 
 def _raise_floor(

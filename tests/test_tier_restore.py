@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -142,7 +144,7 @@ def offload_status(node: Standalone, *extra: str) -> Any:
 def assert_conflict_shown(node: Standalone, secrets: dict[str, str]) -> None:
     """Decision 800: the conflict [60, 180) of ``TOPIC``/0 in `tmq offload status` (JSON, text,
     exit 3), `tmq verify` (FAILURE), `tmq topic describe` and the metrics; no secret in any."""
-    conflict = {"state": "diverged", "from": 60, "archive_end": 180}
+    conflict = {"state": "diverged", "from": 60, "archive_end": 180, "resolve_began_at": None}
     shown = offload_status(node)
     assert shown.returncode == 3, (shown.stdout, shown.stderr)
     (row,) = json.loads(shown.stdout)
@@ -389,7 +391,12 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
         pending_shown = offload_status(node)
         assert pending_shown.returncode == 0, pending_shown.stderr  # it resolves on its own
         (row,) = json.loads(pending_shown.stdout)
-        assert row["tier_divergence"] == {"state": "pending", "from": 60, "archive_end": None}
+        assert row["tier_divergence"] == {
+            "state": "pending",
+            "from": 60,
+            "archive_end": None,
+            "resolve_began_at": None,
+        }
         assert metric_sample(node, f'tmq_tier_check_pending{{queue="0",topic="{TOPIC}"}}') == 1
         fault_proxy.heal()
         # The store answers: 180-199 are uploaded, and release runs after every pass.
@@ -464,7 +471,11 @@ def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
 
     node = start_tiered(data, url, env, metrics_port=free_port())
     try:
-        assert offload_status(node).returncode == 3, "still diverged after the kill"
+        interrupted = offload_status(node)
+        assert interrupted.returncode == 3, "still diverged after the kill"
+        assert json.loads(interrupted.stdout)[0]["tier_divergence"]["resolve_began_at"] == 200
+        text = tmq("offload", "status", TOPIC, "-n", node.namesrv, timeout=120).stdout
+        assert "a resolve began (its copies from offset 200) and did not finish" in text
         shown = replay_rows(node)
         assert [body_bytes(r["body"]) for r in shown[:200]] == first + third + fourth
         assert len(shown) == 264, "the first batch of 64 copies was appended before the kill"
@@ -523,5 +534,86 @@ def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
         assert [body_bytes(r["body"]) for r in replay_rows(node)] == (
             first + second + fourth + third
         )
+    finally:
+        assert node.stop() == 0
+
+
+def test_discarding_a_divergence_is_confirmed_and_its_floor_survives_a_kill_after_the_commit(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 801's `--discard-local`, Kafka's unclean way, made explicit: without the exact
+    count the broker refuses, a "no" at the question changes nothing; confirmed, and killed -9
+    between the commit and the floor (the `resolve.before_floor` failpoint), the next start
+    raises the floor before it serves: the archive's messages are read at 60-179."""
+    url, env = f"s3://{bucket}/discard", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node, (first, second, _third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
+    record = data / "tier-divergence.json"
+    conflict = {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
+    try:
+        fault_proxy.heal()
+        archived_to(node, tier, 200, None)
+        wait_until("the conflict found", lambda: 'conflicts": [[' in record.read_text(), 60)
+        try:  # a stale or mistaken count: the broker refuses, whatever the client asked
+            node.admin().ResolveDivergence(
+                apb.ResolveDivergenceRequest(
+                    topic=TOPIC, queue=0, discard_local=True, discard_count=119
+                ),
+                timeout=60,
+            )
+            raise AssertionError("discarded with the wrong count")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds 120 local message(s) (offsets 60..179), not 119" in (e.details() or "")
+        unnamed = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--discard-local")
+        assert unnamed.returncode == 2 and "give --queue" in unnamed.stderr
+        asked = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cli.app",
+                "offload",
+                "resolve",
+                TOPIC,
+                "-n",
+                node.namesrv,
+                "--queue",
+                "0",
+                "--discard-local",
+            ],
+            input="n\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert asked.returncode == 1, (asked.stdout, asked.stderr)
+        assert "Discard the 120 acknowledged local message(s) of" in asked.stderr
+        assert "nothing discarded" in asked.stderr
+        assert json.loads(record.read_text()) == conflict
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, {**env, "TMQ_FAILPOINTS": "resolve.before_floor"})
+    cut = tmq(
+        "offload", "resolve", TOPIC, "-n", node.namesrv, "--queue", "0", "--discard-local", "--yes"
+    )
+    assert cut.returncode == 1, "the broker died under it"
+    assert node.proc is not None and node.proc.wait(60) == -9
+    # Committed: the conflict is gone, and the floor is still to be raised.
+    assert json.loads(record.read_text()) == {
+        "pending": [],
+        "conflicts": [],
+        "floors": [[TOPIC, 0, 180]],
+    }
+
+    node = start_tiered(data, url, env)
+    try:
+        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        assert "raising the floor of a resolved divergence to 180" in node.log_path.read_text()
+        bodies = [body_bytes(r["body"]) for r in replay_rows(node)]
+        assert bodies == first + second + fourth, "the archive's at 60-179; the local discarded"
+        assert offload_status(node).returncode == 0
     finally:
         assert node.stop() == 0
