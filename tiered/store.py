@@ -592,6 +592,32 @@ class MessageStore:
             self.commitlog.reset_queue_offsets({**self.commitlog.queue_offsets, key: offset})
             return True
 
+    def raise_queue_floor(self, topic: str, queue_id: int, offset: int) -> None:
+        """Make ``offset`` the queue's first local offset when its entries start below it (a
+        no-op when they do not): reads below go to the cold tier, as for a queue floor of
+        ``start_queue_at``, and the floor is recorded durably first, so a restart keeps it.
+        For a tiered queue whose archive is the truth below ``offset`` (a resolved divergence,
+        decision 800); the queue must reach ``offset`` already."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        key = (topic, queue_id)
+        with self._maintenance_lock:
+            self.wait_dispatched()
+            if self.max_offset(topic, queue_id) < offset:
+                raise ValueError(
+                    f"{topic}/{queue_id} ends at {self.max_offset(topic, queue_id)}, below the "
+                    f"floor {offset}"
+                )
+            if self.queue_floors.get(key, 0) >= offset:
+                return
+            floors = {**self.queue_floors, key: offset}
+            rows = sorted([t, q, f] for (t, q), f in floors.items())
+            write_file(
+                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
+            )
+            self.queue_floors = floors
+            self._apply_queue_floors()
+
     def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
         """Where re-dispatch must start so that the entries loading cut off a queue's end come
         back (decision 685). Re-dispatch starts at the furthest queue's end after a clean exit,
