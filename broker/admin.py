@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,11 +23,16 @@ from broker.metadata import (
 )
 from broker.status import BrokerStatus
 from broker.timer import TimerStats
+from offload.divergence import Conflict
 from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
-from offload.verify import verify_queue, worst
+from offload.resolve import ResolveRefusedError, TierUnavailableError
+from offload.resolve import resolve as resolve_divergence
+from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
+
+log = logging.getLogger(__name__)
 
 # Segment checks of `tmq verify` in flight at once (ranged GETs of footers, or whole objects).
 VERIFY_WORKERS = 16
@@ -135,10 +141,22 @@ class AdminServicer(pb_grpc.AdminServicer):
         except StorageError:
             return -1
 
+    def _divergence(self, topic: str, queue_id: int) -> tuple[int, Conflict | None] | None:
+        """The queue's pending check or conflict with its archive (decisions 750, 800)."""
+        divergence = self.offloader.divergence if self.offloader is not None else None
+        return divergence.state(topic, queue_id) if divergence is not None else None
+
     def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
         def watermark(q: int) -> int:
             if self.offloader is None or not cfg.tiered:
                 return 0
+            shown = self._divergence(cfg.name, q)
+            if shown is not None and shown[1] is None:
+                # Not checked against its archive: its manifest could not be loaded (the store
+                # did not answer), and a load here would wait out every retry. Nothing of it
+                # is trusted as archived until the check runs (decision 800).
+                cached = self.offloader.cached_manifest(cfg.name, q)
+                return min(cached.end_offset, shown[0]) if cached is not None else 0
             manifest = self.offloader.manifest(cfg.name, q)
             # An archive another data directory wrote holds none of this broker's messages
             # (decision 690): its end is not this queue's watermark.
@@ -158,6 +176,16 @@ class AdminServicer(pb_grpc.AdminServicer):
                 stats.offload_held_offset = hold.offset
                 stats.offload_held_reason = hold.reason
                 stats.offload_held_since_ms = hold.since_ms
+            shown = self._divergence(cfg.name, q) if cfg.tiered else None
+            if shown is not None:  # not checked against its archive, or diverged (800)
+                base, conflict = shown
+                stats.tier_unchecked_from = base
+                if conflict is None:
+                    stats.tier_check_pending = True
+                else:
+                    stats.tier_diverged = True
+                    stats.tier_archive_end = conflict.archive_end
+                    stats.tier_resolve_copies_from = conflict.copies_from or 0
             return stats
 
         timers = self.timers() if cfg.message_type == "DELAY" else None
@@ -396,6 +424,28 @@ class AdminServicer(pb_grpc.AdminServicer):
         except StorageError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the cold tier did not answer: {e}")
             raise AssertionError("abort raises") from None
+        for v in verdicts:
+            # The archive's objects may all be sound and still not be this queue's messages at
+            # some offsets (decision 800): a conflict is damage found, a pending check a
+            # queue not judged yet.
+            shown = self._divergence(v.topic, v.queue_id)
+            if shown is None:
+                continue
+            base, conflict = shown
+            if conflict is None:
+                v.status = worst([v.status, WARNING])
+                v.notes.append(
+                    f"not checked against its archive yet (the object store did not answer "
+                    f"when it started taking messages at {base}): nothing from {base} on is "
+                    "uploaded or released until the broker's next pass checks it"
+                )
+            else:
+                v.status = FAILURE
+                v.anomalies.append(
+                    f"DIVERGED from its archive: offsets {base}..{conflict.archive_end - 1} "
+                    "hold acknowledged messages locally and other, older ones in the archive; "
+                    "resolve with `tmq offload resolve` (docs/operations.md)"
+                )
         return pb.VerifyResponse(
             status=worst([v.status for v in verdicts]),
             queues=[
@@ -412,6 +462,73 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for v in verdicts
             ],
         )
+
+    def ResolveDivergence(
+        self, request: pb.ResolveDivergenceRequest, context: grpc.ServicerContext
+    ) -> pb.ResolveDivergenceResponse:
+        """`tmq offload resolve` (decision 801, ``offload/resolve.py``)."""
+        cfg, offloader = self._tiered(request.topic, context)
+        divergence = offloader.divergence
+        if divergence is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this broker keeps no divergence record (only a standalone broker with a cold "
+                "tier does)",
+            )
+            raise AssertionError("abort raises")
+        if request.queue >= 0:
+            if request.queue >= cfg.queues:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{cfg.name} has {cfg.queues} queues; there is no queue {request.queue}",
+                )
+            targets = [request.queue]
+        else:
+            targets = sorted(q for t, q in divergence.conflicts if t == cfg.name)
+            if not targets:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"no queue of {cfg.name} has a conflict with its archive",
+                )
+        if request.discard_local and len(targets) != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "discarding names one queue (--queue)")
+        done = []
+        for q in targets:
+            try:
+                r = resolve_divergence(
+                    self.store,
+                    offloader,
+                    divergence,
+                    cfg.name,
+                    q,
+                    discard_local=request.discard_count if request.discard_local else None,
+                )
+            except TierUnavailableError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                raise AssertionError("abort raises") from None
+            except ResolveRefusedError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                raise AssertionError("abort raises") from None
+            except (OSError, RuntimeError) as e:  # the store refused an append or a flush
+                log.exception("%s/%d: resolve failed", cfg.name, q)
+                context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"{cfg.name}/{q}: the resolve failed ({e}); `tmq offload status` says "
+                    "whether the conflict stands (then run it again)",
+                )
+                raise AssertionError("abort raises") from None
+            done.append(
+                pb.ResolvedQueue(
+                    queue=q,
+                    base=r.base,
+                    archive_end=r.archive_end,
+                    copied=r.copied,
+                    copies_from=r.copies_from or 0,
+                    copies_end=r.copies_end or 0,
+                    discarded=r.copies_from is None,
+                )
+            )
+        return pb.ResolveDivergenceResponse(queues=done)
 
     def QueryByKey(
         self, request: pb.QueryByKeyRequest, context: grpc.ServicerContext

@@ -27,7 +27,7 @@ class Topic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms")
+    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms", "tier_check_pending", "tier_diverged", "tier_unchecked_from", "tier_archive_end", "tier_resolve_copies_from")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,11 @@ class QueueStats(_message.Message):
     OFFLOAD_HELD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HELD_REASON_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HELD_SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CHECK_PENDING_FIELD_NUMBER: _ClassVar[int]
+    TIER_DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    TIER_UNCHECKED_FROM_FIELD_NUMBER: _ClassVar[int]
+    TIER_ARCHIVE_END_FIELD_NUMBER: _ClassVar[int]
+    TIER_RESOLVE_COPIES_FROM_FIELD_NUMBER: _ClassVar[int]
     queue: int
     min_offset: int
     max_offset: int
@@ -46,7 +51,12 @@ class QueueStats(_message.Message):
     offload_held_offset: int
     offload_held_reason: str
     offload_held_since_ms: int
-    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ...) -> None: ...
+    tier_check_pending: bool
+    tier_diverged: bool
+    tier_unchecked_from: int
+    tier_archive_end: int
+    tier_resolve_copies_from: int
+    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ..., tier_check_pending: _Optional[bool] = ..., tier_diverged: _Optional[bool] = ..., tier_unchecked_from: _Optional[int] = ..., tier_archive_end: _Optional[int] = ..., tier_resolve_copies_from: _Optional[int] = ...) -> None: ...
 
 class TopicDescription(_message.Message):
     __slots__ = ("topic", "queues", "timers_pending", "timer_delivery_lag_seconds", "transactions_pending")
@@ -300,6 +310,42 @@ class VerifyResponse(_message.Message):
     status: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueVerdict]
     def __init__(self, status: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueVerdict, _Mapping]]] = ...) -> None: ...
+
+class ResolveDivergenceRequest(_message.Message):
+    __slots__ = ("topic", "queue", "discard_local", "discard_count")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    queue: int
+    discard_local: bool
+    discard_count: int
+    def __init__(self, topic: _Optional[str] = ..., queue: _Optional[int] = ..., discard_local: _Optional[bool] = ..., discard_count: _Optional[int] = ...) -> None: ...
+
+class ResolvedQueue(_message.Message):
+    __slots__ = ("queue", "base", "archive_end", "copied", "copies_from", "copies_end", "discarded")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_END_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FROM_FIELD_NUMBER: _ClassVar[int]
+    COPIES_END_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    queue: int
+    base: int
+    archive_end: int
+    copied: int
+    copies_from: int
+    copies_end: int
+    discarded: bool
+    def __init__(self, queue: _Optional[int] = ..., base: _Optional[int] = ..., archive_end: _Optional[int] = ..., copied: _Optional[int] = ..., copies_from: _Optional[int] = ..., copies_end: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
+
+class ResolveDivergenceResponse(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[ResolvedQueue]
+    def __init__(self, queues: _Optional[_Iterable[_Union[ResolvedQueue, _Mapping]]] = ...) -> None: ...
 
 class QueryByKeyRequest(_message.Message):
     __slots__ = ("topic", "key", "begin_ms", "end_ms", "max")

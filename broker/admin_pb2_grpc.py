@@ -89,6 +89,11 @@ class AdminStub:
                 request_serializer=broker_dot_admin__pb2.QueryByKeyRequest.SerializeToString,
                 response_deserializer=broker_dot_admin__pb2.QueryByKeyResponse.FromString,
                 _registered_method=True)
+        self.ResolveDivergence = channel.unary_unary(
+                '/tmq.admin.v1.Admin/ResolveDivergence',
+                request_serializer=broker_dot_admin__pb2.ResolveDivergenceRequest.SerializeToString,
+                response_deserializer=broker_dot_admin__pb2.ResolveDivergenceResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -165,6 +170,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveDivergence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +233,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.QueryByKey,
                     request_deserializer=broker_dot_admin__pb2.QueryByKeyRequest.FromString,
                     response_serializer=broker_dot_admin__pb2.QueryByKeyResponse.SerializeToString,
+            ),
+            'ResolveDivergence': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveDivergence,
+                    request_deserializer=broker_dot_admin__pb2.ResolveDivergenceRequest.FromString,
+                    response_serializer=broker_dot_admin__pb2.ResolveDivergenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +537,33 @@ class Admin:
             '/tmq.admin.v1.Admin/QueryByKey',
             broker_dot_admin__pb2.QueryByKeyRequest.SerializeToString,
             broker_dot_admin__pb2.QueryByKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveDivergence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tmq.admin.v1.Admin/ResolveDivergence',
+            broker_dot_admin__pb2.ResolveDivergenceRequest.SerializeToString,
+            broker_dot_admin__pb2.ResolveDivergenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

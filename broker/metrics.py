@@ -319,6 +319,29 @@ class BrokerCollector(Collector):
                 "deposed master: it uploads and releases nothing), else 0.",
                 int(offloader.fenced),
             )
+            # Decision 800: queues not checked against their archive yet, and queues whose
+            # archive holds other messages at offsets this directory acknowledged. Both
+            # families are always there (empty when none), so an alert needs no absent().
+            pending = GaugeMetricFamily(
+                "tmq_tier_check_pending",
+                "1 for a tiered queue not checked against its archive yet (started while the "
+                "object store did not answer): nothing of it is uploaded or released meanwhile.",
+                labels=["topic", "queue"],
+            )
+            diverged = GaugeMetricFamily(
+                "tmq_tier_diverged_offsets",
+                "Offsets of a tiered queue that hold acknowledged messages locally and other "
+                "ones in its archive (decision 750); kept locally until `tmq offload resolve`.",
+                labels=["topic", "queue"],
+            )
+            divergence = offloader.divergence
+            if divergence is not None:
+                for (topic, queue_id), _base in sorted(divergence.pending.items()):
+                    pending.add_metric([topic, str(queue_id)], 1)
+                for (topic, queue_id), c in sorted(divergence.conflicts.items()):
+                    diverged.add_metric([topic, str(queue_id)], c.archive_end - c.base)
+            yield pending
+            yield diverged
         fetcher = self.sources.fetcher()
         if fetcher is not None:
             yield _counter(

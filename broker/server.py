@@ -53,6 +53,7 @@ from offload.offloader import (
     RetentionResult,
 )
 from offload.release import release_predicate
+from offload.resolve import apply_floors
 from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
 from remoting.auth import Authenticator, AuthInterceptor
@@ -269,6 +270,8 @@ class Broker:
         if self.fetcher is None or divergence is None:
             return
         divergence.report()
+        # A resolve that stopped after its commit point: its floor, before anything is read.
+        apply_floors(self.store, divergence)
         unchecked: dict[tuple[str, int], int] = {}
         for topic, queue_id in sorted(set(self._tiered_queues()) | self.fetcher.starts.queues()):
             manifest = self.fetcher.cached(topic, queue_id)

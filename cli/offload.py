@@ -11,7 +11,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from broker import admin_pb2 as pb
-from cli.topic import NamesrvOption, brokers, call, fail, time_ms, topic_on_brokers
+from cli.topic import (
+    NamesrvOption,
+    brokers,
+    call,
+    divergence_line,
+    fail,
+    queue_divergence,
+    time_ms,
+    topic_on_brokers,
+)
 from tiered.config import parse_size
 
 
@@ -36,6 +45,8 @@ def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
                 }
                 if q.offload_held
                 else None,
+                # Not checked against its archive yet, or diverged from it (decision 800).
+                "tier_divergence": queue_divergence(q),
             }
             for q in d.queues
         ]
@@ -47,7 +58,8 @@ def _iso(ms: int) -> str:
 
 
 # `tmq offload status`'s exit code when a queue's offload is held at a damaged ConsumeQueue
-# entry: 1 is "a broker did not answer" and 2 a usage error (decision 755).
+# entry, or the queue diverged from its archive: 1 is "a broker did not answer" and 2 a usage
+# error (decisions 755, 800).
 OFFLOAD_HELD = 3
 
 
@@ -70,12 +82,13 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                     total=sum(r["max_offset"] for r in rows),
                 )
                 if all(r["tier_watermark"] >= r["max_offset"] for r in rows) or any(
-                    r["offload_held"] for r in rows
+                    r["offload_held"] or _diverged(r) for r in rows
                 ):
-                    break  # a held queue goes no further until the broker's restart
+                    break  # a held or diverged queue goes no further until an operator acts
                 time.sleep(1)
                 rows = _status_rows(namesrv, topic)
     held = [r for r in rows if r["offload_held"]]
+    diverged = [r for r in rows if _diverged(r)]
     if as_json:
         typer.echo(json.dumps(rows))
     else:
@@ -93,13 +106,27 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                     f"  HELD at queue offset {h['offset']} since {h['since']}: {h['reason']}; "
                     "restart the broker to rebuild the entry (docs/operations.md)"
                 )
+            if r["tier_divergence"]:
+                typer.echo(divergence_line(r["tier_divergence"]))
     if held:
         typer.echo(
             f"error: offload held at a damaged ConsumeQueue entry in {len(held)} queue(s): "
             + ", ".join(f"{r['topic']}/{r['queue']} on {r['broker']}" for r in held),
             err=True,
         )
+    if diverged:
+        typer.echo(
+            f"error: diverged from its archive in {len(diverged)} queue(s): "
+            + ", ".join(f"{r['topic']}/{r['queue']} on {r['broker']}" for r in diverged),
+            err=True,
+        )
+    if held or diverged:
         raise typer.Exit(OFFLOAD_HELD)
+
+
+def _diverged(row: dict[str, Any]) -> bool:
+    d = row["tier_divergence"]
+    return d is not None and d["state"] == "diverged"
 
 
 def offload(
@@ -120,12 +147,28 @@ def offload(
         float, typer.Option(help="Give up after this many seconds per broker.")
     ] = 3600.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    discard_local: Annotated[
+        bool,
+        typer.Option(
+            help="resolve: drop the queue's local messages in conflict instead of re-appending "
+            "them (they are lost; asks first).",
+        ),
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="resolve: do not ask.")] = False,
 ) -> None:
     """Upload a tiered topic to the cold tier now, or show how far it is uploaded.
 
-    Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait
-    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry).
+    Examples: tmq offload orders --keep-local 1GiB; tmq offload status orders --wait;
+    tmq offload resolve orders (a queue diverged from its archive: its local messages there are
+    re-appended at its end, and the archive is read below its end; decision 801)
+    (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry, or the
+    queue diverged from its archive).
     """
+    if words[0] == "resolve":
+        if len(words) != 2:
+            raise fail("usage: tmq offload resolve TOPIC [--queue Q] [--discard-local]", 2)
+        _resolve(namesrv, words[1], queue, discard_local, yes, as_json)
+        return
     if words[0] == "status":
         if len(words) != 2:
             raise fail("usage: tmq offload status TOPIC [--wait]", 2)
@@ -169,6 +212,69 @@ def offload(
             f"{r['topic']}/{r['queue']} on {r['broker']}: uploaded {r['messages']} "
             f"messages in {r['segments']} segment(s); tier watermark {r['watermark']}"
         )
+
+
+def _resolve(
+    namesrv: str, topic: str, queue: int, discard_local: bool, yes: bool, as_json: bool
+) -> None:
+    """`tmq offload resolve`: end each conflict of the topic's queues with their archive."""
+    if discard_local and queue < 0:
+        raise fail("--discard-local names one queue: give --queue", 2)
+    rows = []
+    for broker_name, stub, d in topic_on_brokers(namesrv, topic):
+        conflicts = {q.queue: q for q in d.queues if q.tier_diverged}
+        if queue >= 0 and queue not in conflicts:
+            raise fail(f"{topic}/{queue} on {broker_name} has no conflict with its archive", 1)
+        if not conflicts:
+            raise fail(f"no queue of {topic} on {broker_name} has a conflict with its archive", 1)
+        count = 0
+        if discard_local:
+            q = conflicts[queue]
+            count = q.tier_archive_end - q.tier_unchecked_from
+            question = (
+                f"Discard the {count} acknowledged local message(s) of {topic}/{queue} on "
+                f"{broker_name} at offsets {q.tier_unchecked_from}..{q.tier_archive_end - 1}? "
+                "They are not in the archive and cannot be read again"
+            )
+            if not yes and not typer.confirm(question, err=True):
+                raise fail("nothing discarded", 1)
+        reply = call(
+            f"broker {broker_name}",
+            stub.ResolveDivergence,
+            pb.ResolveDivergenceRequest(
+                topic=topic, queue=queue, discard_local=discard_local, discard_count=count
+            ),
+            timeout=600,
+        )
+        rows += [
+            {
+                "broker": broker_name,
+                "topic": topic,
+                "queue": r.queue,
+                "from": r.base,
+                "archive_end": r.archive_end,
+                "discarded": r.discarded,
+                "copied": r.copied,
+                "copies": None if r.discarded else [r.copies_from, r.copies_end],
+            }
+            for r in reply.queues
+        ]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        where = f"{r['topic']}/{r['queue']} on {r['broker']}"
+        if r["discarded"]:
+            typer.echo(
+                f"{where}: resolved; the local messages at {r['from']}..{r['archive_end'] - 1} "
+                "were DISCARDED; the archive's are read there"
+            )
+        else:
+            typer.echo(
+                f"{where}: resolved; the local messages at {r['from']}..{r['archive_end'] - 1} "
+                f"are now at {r['copies'][0]}..{r['copies'][1] - 1} (same ids); the archive's "
+                "are read at their offsets"
+            )
 
 
 # `tmq verify`'s exit code when nothing could be judged (0-2 are the verdicts).

@@ -284,6 +284,46 @@ def update(
     _report(name, "updated", done, as_json)
 
 
+def queue_divergence(q: pb.QueueStats) -> dict[str, Any] | None:
+    """A queue's pending check or conflict with its archive, as the JSON shows it (null: none)."""
+    if q.tier_diverged:
+        return {
+            "state": "diverged",
+            "from": q.tier_unchecked_from,
+            "archive_end": q.tier_archive_end,
+            # A resolve that began copying here and did not finish (decision 801).
+            "resolve_began_at": q.tier_resolve_copies_from or None,
+        }
+    if q.tier_check_pending:
+        return {
+            "state": "pending",
+            "from": q.tier_unchecked_from,
+            "archive_end": None,
+            "resolve_began_at": None,
+        }
+    return None
+
+
+def divergence_line(d: dict[str, Any]) -> str:
+    """The text line under a queue's line in `tmq offload status` and `tmq topic describe`."""
+    if d["state"] == "diverged":
+        return (
+            f"  DIVERGED from its archive: offsets {d['from']}..{d['archive_end'] - 1} hold "
+            "acknowledged messages here and other, older ones in the archive; they are kept "
+            "locally and not archived. Resolve with `tmq offload resolve` (docs/operations.md)"
+            + (
+                f"; a resolve began (its copies from offset {d['resolve_began_at']}) and did not "
+                "finish: run it again"
+                if d["resolve_began_at"] is not None
+                else ""
+            )
+        )
+    return (
+        f"  NOT CHECKED against its archive yet (the object store did not answer): nothing from "
+        f"offset {d['from']} on is uploaded or released until the check runs"
+    )
+
+
 def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
     return {
         "broker": broker_name,
@@ -315,6 +355,7 @@ def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
                 "hot_min_offset": q.hot_min_offset,
                 "tier_watermark": q.tier_watermark,
                 "max_offset": q.max_offset,
+                "tier_divergence": queue_divergence(q),
             }
             for q in d.queues
         ],
@@ -374,3 +415,5 @@ def describe(
         for q in r["queue_offsets"]:
             first = "?" if q["min_offset"] < 0 else q["min_offset"]  # archive start unknown
             typer.echo(f"  queue {q['queue']}: offsets [{first}, {q['max_offset']})")
+            if q["tier_divergence"]:
+                typer.echo("  " + divergence_line(q["tier_divergence"]))

@@ -56,6 +56,9 @@ class DivergenceFileError(RuntimeError):
 class Conflict:
     base: int  # the queue's local end when it began to take offsets unchecked
     archive_end: int  # the archive's end when the check ran: it holds other messages below
+    # Set once `tmq offload resolve` began (decision 800): the queue offset from which it
+    # re-appends the local messages of [base, archive_end), recorded before the first copy.
+    copies_from: int | None = None
 
 
 class Divergence:
@@ -64,28 +67,81 @@ class Divergence:
         self._lock = threading.Lock()
         self.pending: dict[Key, int] = {}
         self.conflicts: dict[Key, Conflict] = {}
+        # Resolved conflicts whose queue floor (the archive's end) is not recorded in the store
+        # yet (decision 800): applied before the broker serves, then forgotten.
+        self.floors: dict[Key, int] = {}
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_bytes())
                 self.pending = {(t, int(q)): int(b) for t, q, b in data["pending"]}
                 self.conflicts = {
-                    (t, int(q)): Conflict(int(b), int(e)) for t, q, b, e in data["conflicts"]
+                    (row[0], int(row[1])): Conflict(
+                        int(row[2]), int(row[3]), int(row[4]) if len(row) > 4 else None
+                    )
+                    for row in data["conflicts"]
                 }
-            except (ValueError, KeyError, TypeError) as e:
+                self.floors = {(t, int(q)): int(f) for t, q, f in data.get("floors", [])}
+            except (ValueError, KeyError, TypeError, IndexError) as e:
                 raise DivergenceFileError(
                     f"{self.path} is unreadable ({e}): it names tiered queues whose local "
                     "messages must not be released or read from the archive. Restore it, or "
                     "remove it only once every queue it named has been checked by hand"
                 ) from e
 
-    def _save(self, pending: dict[Key, int], conflicts: dict[Key, Conflict]) -> None:
-        """Durably, then in memory: a crash never forgets a queue it named."""
-        data = {
+    def _save(
+        self,
+        pending: dict[Key, int],
+        conflicts: dict[Key, Conflict],
+        floors: dict[Key, int] | None = None,
+    ) -> None:
+        """Durably, then in memory: a crash never forgets a queue it named. One file, written
+        whole (``write_file``: a temporary file, fsync, rename): every change is atomic."""
+        floors = self.floors if floors is None else floors
+        data: dict[str, list[list[object]]] = {
             "pending": sorted([t, q, b] for (t, q), b in pending.items()),
-            "conflicts": sorted([t, q, c.base, c.archive_end] for (t, q), c in conflicts.items()),
+            "conflicts": sorted(_conflict_row(t, q, c) for (t, q), c in conflicts.items()),
         }
+        if floors:  # absent otherwise: the file stays what decision 750's brokers read
+            data["floors"] = sorted([t, q, f] for (t, q), f in floors.items())
         write_file(self.path, json.dumps(data).encode())
-        self.pending, self.conflicts = pending, conflicts
+        self.pending, self.conflicts, self.floors = pending, conflicts, floors
+
+    def begin_resolve(self, topic: str, queue_id: int, copies_from: int) -> Conflict:
+        """Record, before the first copy is appended, where the copies of the queue's local
+        messages in conflict begin (decision 800); a resolve begun already keeps its start,
+        so a second run after a crash finds the copies the first one made."""
+        key = (topic, queue_id)
+        with self._lock:
+            c = self.conflicts[key]
+            if c.copies_from is not None:
+                return c
+            begun = Conflict(c.base, c.archive_end, copies_from)
+            self._save(self.pending, {**self.conflicts, key: begun})
+            return begun
+
+    def commit_resolve(self, topic: str, queue_id: int) -> int:
+        """The resolve's commit point, one atomic write: the conflict is gone and the queue's
+        floor (the archive's end, returned) is to be raised, from now on or at the next start."""
+        key = (topic, queue_id)
+        with self._lock:
+            c = self.conflicts[key]
+            self._save(
+                self.pending,
+                {k: v for k, v in self.conflicts.items() if k != key},
+                {**self.floors, key: c.archive_end},
+            )
+            return c.archive_end
+
+    def floor_applied(self, topic: str, queue_id: int) -> None:
+        """The store has recorded the floor of a resolved queue durably: forget it here."""
+        key = (topic, queue_id)
+        with self._lock:
+            if key in self.floors:
+                self._save(
+                    self.pending,
+                    self.conflicts,
+                    {k: v for k, v in self.floors.items() if k != key},
+                )
 
     def pend(self, ends: dict[Key, int]) -> None:
         """Record these queues (their local ends now) as unchecked, before the broker serves;
@@ -106,6 +162,16 @@ class Divergence:
         if c is not None:
             return c.base
         return self.pending.get(key)
+
+    def state(self, topic: str, queue_id: int) -> tuple[int, Conflict | None] | None:
+        """What operators are shown (decision 800): None for a queue that is neither pending
+        nor in conflict, else its base and its conflict (None while only pending)."""
+        key = (topic, queue_id)
+        conflict = self.conflicts.get(key)
+        if conflict is not None:
+            return conflict.base, conflict
+        base = self.pending.get(key)
+        return None if base is None else (base, None)
 
     def report(self) -> None:
         """Log every standing conflict (once per start): loud until an operator resolves it."""
@@ -156,6 +222,11 @@ class Divergence:
                 )
 
 
+def _conflict_row(topic: str, queue_id: int, c: Conflict) -> list[object]:
+    row: list[object] = [topic, queue_id, c.base, c.archive_end]
+    return row if c.copies_from is None else [*row, c.copies_from]
+
+
 def _conflict_text(topic: str, queue_id: int, c: Conflict) -> str:
     return (
         f"{topic}/{queue_id}: DIVERGED from its archive: the broker started while the object "
@@ -165,5 +236,6 @@ def _conflict_text(topic: str, queue_id: int, c: Conflict) -> str:
         "restored from an older copy, or records lost after they were archived). The local "
         "messages keep those offsets: their CommitLog files are kept and those offsets are "
         "never read from the archive. The archive's objects there are kept, and its older "
-        "messages there are not readable by offset: see docs/operations.md"
+        "messages there are not readable by offset. `tmq offload resolve` ends it: see "
+        "docs/operations.md"
     )

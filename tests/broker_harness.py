@@ -356,11 +356,14 @@ def terminate(proc: subprocess.Popen[Any], seconds: float) -> None:
             proc.wait()
 
 
-def start_tiered(data: Path, tier_url: str, env: dict[str, str]) -> Standalone:
+def start_tiered(
+    data: Path, tier_url: str, env: dict[str, str], metrics_port: int = 0
+) -> Standalone:
     """A started broker that offloads to ``tier_url`` within about a second: 64 KiB CommitLog
     files, an offload pass every second, segments uploaded once a second old."""
     return Standalone(
         data,
+        metrics_port=metrics_port,
         extra=[
             "--commitlog-file-size",
             "64KiB",

@@ -143,16 +143,18 @@ def _stored_ids(store: MessageStore, topic: str) -> list[str]:
     return [str(m.msg_id) for m in got.messages]
 
 
-@pytest.mark.parametrize("flush", ["sync", "async"])
+@pytest.mark.parametrize(("flush", "single"), [("sync", False), ("async", False), ("sync", True)])
 def test_a_disk_filled_by_another_writer_refuses_appends_only_while_it_is_full(
-    small_disk: Path, flush: str
+    small_disk: Path, flush: str, single: bool
 ) -> None:
     """A disk that another writer fills cannot take the checkpoint, which costs a longer
     recovery scan and nothing else: it is no failed fsync, and must not turn the store
     read-only until a restart (it did: every send was refused as "an fsync failed", even after
     the space came back; decision 295). Appends are refused while it is full, as the disk being
     full, since their IndexFile entries would have no room (decision 680; the preallocated
-    CommitLog file took them before), and taken again once space is freed."""
+    CommitLog file took them before), and taken again once space is freed. ``single``: sent
+    by ``put_message``, the native single send under SYNC (decision 820), which must refuse
+    exactly as the Python path does."""
     config = StoreConfig(
         data_dir=small_disk / "data",
         flush=flush,  # type: ignore[arg-type]
@@ -162,16 +164,13 @@ def test_a_disk_filled_by_another_writer_refuses_appends_only_while_it_is_full(
 
     def put(n: int) -> str:
         msg_id = f"m{n:03d}"
-        store.put_messages(
-            [
-                Message(
-                    topic="full",
-                    queue_id=0,
-                    body=b"x" * 100,
-                    properties={PROPERTY_UNIQ_KEY: msg_id},
-                )
-            ]
+        msg = Message(
+            topic="full", queue_id=0, body=b"x" * 100, properties={PROPERTY_UNIQ_KEY: msg_id}
         )
+        if single:
+            store.put_message(msg)
+        else:
+            store.put_messages([msg])
         return msg_id
 
     def refused(n: int) -> None:

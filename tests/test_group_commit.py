@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -317,3 +318,119 @@ def test_native_batch_gate_is_built_and_used() -> None:
     assert used == expected, "tiered/hot/_group_commit_native was not built"
     service = GroupCommitService(lambda: 0)
     assert isinstance(service._gate, PythonBatchGate) == (expected == "python")
+
+
+def _adversarial_messages(rng: random.Random, count: int) -> list[Message]:
+    """Random messages and awkward ones: empty and large bodies (a record of 4 KiB or more
+    goes the Python way), odd topics, non-ASCII tags and keys, many properties, hosts v4 and v6."""
+    topics = ["gc", "gc-two", "T|%_-9", "x" * 120]
+    out = []
+    for i in range(count):
+        kind = i % 7
+        body = {
+            0: b"",
+            1: rng.randbytes(rng.randrange(1, 64)),
+            2: rng.randbytes(rng.randrange(3900, 4100)),  # around the 4 KiB record bound
+            3: rng.randbytes(rng.randrange(5000, 9000)),
+        }.get(kind, rng.randbytes(rng.randrange(100, 1500)))
+        props = {"UNIQ_KEY": f"u{i}"} if kind != 4 else {}
+        if kind in (1, 5):
+            props["KEYS"] = " ".join(f"k{rng.randrange(50)}é" for _ in range(rng.randrange(4)))
+            props["TAGS"] = rng.choice(["a", "ß", "tag-" * 10])
+        if kind == 6:
+            props.update({f"p{j}": "v" * rng.randrange(30) for j in range(12)})
+        out.append(
+            Message(
+                topic=topics[i % len(topics)],
+                queue_id=rng.randrange(3) if kind != 6 else 65535,
+                body=body,
+                properties=props,
+                flag=rng.randrange(4),
+                born_timestamp=1_700_000_000_000 + i,
+                born_host=("::1", 9) if kind == 5 else ("10.1.2.3", 10911),
+                reconsume_times=kind,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_native_single_send_writes_what_the_python_path_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """The native single send (decision 820) against the reference path (``put_messages`` of
+    one message: ``CommitLog.append`` then the group commit's wait), same messages, same
+    store timestamp, with either record engine: every CommitLog file byte-identical, the same
+    results and queue offsets, and the native send took the sends it can take (the rest, 4
+    KiB records and those that roll a file, went the Python way in the same store)."""
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    from tiered import record
+    from tiered.hot import commitlog as commitlog_module
+
+    if engine == "python":
+        monkeypatch.setattr(record, "_engine", record.PYTHON_ENGINE)
+    elif record.NATIVE_ENGINE is None:
+        pytest.skip("the native record engine is not built")
+    monkeypatch.setattr(commitlog_module, "now_ms", lambda: 1_700_000_123_456)
+    messages = _adversarial_messages(random.Random(820), 400)
+    stores = {}
+    results = {}
+    taken = 0
+    for way in ("native", "python"):
+        store = MessageStore(StoreConfig(data_dir=tmp_path / way, flush="sync", **SMALL))
+        store.start()
+        stores[way] = store
+        if way == "native":
+            assert store.commitlog.has_native_send
+            send = store.commitlog._native_send
+            assert send is not None
+
+            def counting(*args: object, send: Callable[..., int | None] = send) -> int | None:
+                nonlocal taken
+                joined = send(*args)
+                taken += joined is not None
+                return joined
+
+            store.commitlog._native_send = counting
+            results[way] = [store.put_message(m) for m in messages]
+        else:
+            results[way] = [store.put_messages([m])[0] for m in messages]
+    try:
+        assert results["native"] == results["python"]
+        assert 200 < taken < len(messages), taken
+        names = sorted(p.name for p in (tmp_path / "native" / "commitlog").iterdir())
+        assert len(names) > 3  # files rolled
+        assert names == sorted(p.name for p in (tmp_path / "python" / "commitlog").iterdir())
+        for name in names:
+            a = (tmp_path / "native" / "commitlog" / name).read_bytes()
+            b = (tmp_path / "python" / "commitlog" / name).read_bytes()
+            assert a == b, name
+        for way, store in stores.items():
+            got = store.get_messages("gc", 0, 0, 1000).messages
+            assert [m.body for m in got] == [
+                m.body for m in messages if m.topic == "gc" and m.queue_id == 0
+            ], way
+    finally:
+        for store in stores.values():
+            store.shutdown()
+
+
+def test_native_single_send_declines_a_failed_store_and_raises_as_before(tmp_path: Path) -> None:
+    """A store whose CommitLog failed: the native send declines and ``put_message`` raises
+    ``DurabilityLostError`` from the Python path, with nothing appended."""
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL))
+    store.start()
+    try:
+        store.put_message(Message(topic="gc", queue_id=0, body=b"before"))
+        end = store.commitlog.max_offset
+        store.commitlog.fail(OSError(errno.EIO, "dead disk"))
+        assert store.commitlog.send_one([Message(topic="gc", body=b"x")]) is None
+        with pytest.raises(DurabilityLostError):
+            store.put_message(Message(topic="gc", queue_id=0, body=b"after"))
+        assert store.commitlog.max_offset == end
+    finally:
+        with contextlib.suppress(DurabilityLostError):
+            store.shutdown()

@@ -58,6 +58,28 @@ def test_an_unreadable_record_refuses_the_start(tmp_path: Path) -> None:
         Divergence(tmp_path)
 
 
+def test_a_resolve_records_its_start_and_commits_the_floor_in_one_write(tmp_path: Path) -> None:
+    """Decision 801: where the copies begin is recorded before any; the commit removes the
+    conflict and records the floor in one write; both survive a restart's read."""
+    d = Divergence(tmp_path)
+    d.pend({("t", 0): 60})
+    d.check("t", 0, ending_at(180), 200)
+    assert d.begin_resolve("t", 0, 200) == Conflict(60, 180, 200)
+    assert d.begin_resolve("t", 0, 264) == Conflict(60, 180, 200), "a second run keeps it"
+    again = Divergence(tmp_path)
+    assert again.conflicts == {("t", 0): Conflict(60, 180, 200)}
+    assert again.local_from("t", 0) == 60, "still in conflict until the commit"
+    assert again.commit_resolve("t", 0) == 180
+    reread = Divergence(tmp_path)
+    assert reread.conflicts == {} and reread.floors == {("t", 0): 180}
+    assert reread.local_from("t", 0) is None
+    reread.floor_applied("t", 0)
+    assert json.loads((tmp_path / DIVERGENCE_FILE).read_text()) == {
+        "pending": [],
+        "conflicts": [],
+    }
+
+
 class _PowerCut(Exception):
     pass
 

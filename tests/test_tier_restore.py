@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from broker_harness import Standalone, body_bytes, send_batches, start_tiered, tmq
+import grpc
+from broker_harness import (
+    Standalone,
+    body_bytes,
+    free_port,
+    metric_sample,
+    send_batches,
+    start_tiered,
+    tmq,
+    wait_until,
+)
 from conftest import S3Endpoint
 
+from broker import admin_pb2 as apb
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.storage import ObjectStore, open_store
@@ -95,6 +108,74 @@ def restored_behind_archive(
     shutil.rmtree(data)
     shutil.copytree(backup, data)
     return first, second
+
+
+def diverging(
+    tmp_path: Path, data: Path, url: str, env: dict[str, str], tier: ObjectStore, fault_proxy: Any
+) -> tuple[Standalone, tuple[list[bytes], list[bytes], list[bytes], list[bytes]]]:
+    """Decision 750's conflict in the making: ``restored_behind_archive`` (the queue at 60, its
+    archive at 180), then two starts while the store resets every request, 120 messages at
+    60-179 and 20 at 180-199. Returns the second node, still in the outage (the store heals
+    when the caller says), with its metrics on, and the four runs of bodies."""
+    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
+    fault_proxy.set(reset=True)  # every request to the store: connection reset
+    node = start_tiered(data, url, env)
+    try:
+        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
+    finally:
+        node.stop()
+    pending = json.loads((data / "tier-divergence.json").read_text())["pending"]
+    assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
+    # A restart still in the outage: its queue now ends at 180, the archive's end. The check
+    # must still start from 60, where the unchecked messages began.
+    node = start_tiered(data, url, env, metrics_port=free_port())
+    try:
+        fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
+    except BaseException:
+        node.stop()
+        raise
+    return node, (first, second, third, fourth)
+
+
+def offload_status(node: Standalone, *extra: str) -> Any:
+    return tmq("offload", "status", TOPIC, "-n", node.namesrv, "--json", *extra, timeout=120)
+
+
+def assert_conflict_shown(node: Standalone, secrets: dict[str, str]) -> None:
+    """Decision 800: the conflict [60, 180) of ``TOPIC``/0 in `tmq offload status` (JSON, text,
+    exit 3), `tmq verify` (FAILURE), `tmq topic describe` and the metrics; no secret in any."""
+    conflict = {"state": "diverged", "from": 60, "archive_end": 180, "resolve_began_at": None}
+    shown = offload_status(node)
+    assert shown.returncode == 3, (shown.stdout, shown.stderr)
+    (row,) = json.loads(shown.stdout)
+    assert row["tier_divergence"] == conflict and row["offload_held"] is None
+    assert f"diverged from its archive in 1 queue(s): {TOPIC}/0" in shown.stderr
+    text = tmq("offload", "status", TOPIC, "-n", node.namesrv, timeout=120)
+    assert text.returncode == 3
+    assert "DIVERGED from its archive: offsets 60..179" in text.stdout, text.stdout
+    assert "tmq offload resolve" in text.stdout
+    waited = offload_status(node, "--wait")  # returns: no watermark frees a conflict
+    assert waited.returncode == 3
+    checked = tmq("verify", TOPIC, "-n", node.namesrv, "--json", timeout=120)
+    assert checked.returncode == 2, (checked.stdout, checked.stderr)
+    verdict = json.loads(checked.stdout)
+    assert verdict["status"] == "FAILURE"
+    (q,) = verdict["queues"]
+    assert q["status"] == "FAILURE" and not q["missing"] and not q["damaged"]
+    assert any("DIVERGED from its archive: offsets 60..179" in a for a in q["anomalies"]), q
+    described = tmq("topic", "describe", TOPIC, "-n", node.namesrv, "--json")
+    assert described.returncode == 0
+    assert json.loads(described.stdout)[0]["queue_offsets"][0]["tier_divergence"] == conflict
+    described_text = tmq("topic", "describe", TOPIC, "-n", node.namesrv)
+    assert "DIVERGED from its archive: offsets 60..179" in described_text.stdout
+    assert metric_sample(node, f'tmq_tier_diverged_offsets{{queue="0",topic="{TOPIC}"}}') == 120
+    assert metric_sample(node, f'tmq_tier_check_pending{{queue="0",topic="{TOPIC}"}}') is None
+    everything = "".join(
+        r.stdout + r.stderr for r in (shown, text, waited, checked, described, described_text)
+    )
+    for secret in secrets.values():
+        if len(secret) >= 8:
+            assert secret not in everything
 
 
 def test_a_restored_data_dir_never_reuses_an_archived_offset(
@@ -304,21 +385,19 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
     url, env = f"s3://{bucket}/restore-outage", S3Endpoint(fault_proxy.url, "proxy").env()
     tier = open_store(url, s3.storage_options())
     data = tmp_path / "data"
-    first, second = restored_behind_archive(tmp_path, data, url, env, tier)
-
-    fault_proxy.set(reset=True)  # every request to the store: connection reset
-    node = start_tiered(data, url, env)
+    node, (first, second, third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
     try:
-        third = produce(node, "c", 120)  # offsets 60-179, which the archive holds
-    finally:
-        node.stop()
-    pending = json.loads((data / "tier-divergence.json").read_text())["pending"]
-    assert pending == [[TOPIC, 0, 60]], "recorded before it served, with its end then"
-    # A restart still in the outage: its queue now ends at 180, the archive's end. The check
-    # must still start from 60, where the unchecked messages began.
-    node = start_tiered(data, url, env)
-    try:
-        fourth = produce(node, "e", 20)  # offsets 180-199: above the archive's end
+        # Decision 800: the pending check shows where operators look, not only in the log.
+        pending_shown = offload_status(node)
+        assert pending_shown.returncode == 0, pending_shown.stderr  # it resolves on its own
+        (row,) = json.loads(pending_shown.stdout)
+        assert row["tier_divergence"] == {
+            "state": "pending",
+            "from": 60,
+            "archive_end": None,
+            "resolve_began_at": None,
+        }
+        assert metric_sample(node, f'tmq_tier_check_pending{{queue="0",topic="{TOPIC}"}}') == 1
         fault_proxy.heal()
         # The store answers: 180-199 are uploaded, and release runs after every pass.
         m = archived_to(node, tier, 200, None)
@@ -331,6 +410,7 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
         assert conflicts == {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
         # The archive's older messages there are kept, not swept: the operator's to recover.
         assert archived_bodies(tier, 60, 180) == second
+        assert_conflict_shown(node, s3.env())
     finally:
         node.stop()
 
@@ -342,3 +422,198 @@ def test_a_restored_data_dir_started_while_the_store_is_down_keeps_its_new_messa
         assert node.log_path.read_text().count("DIVERGED from its archive") >= 2
     finally:
         node.stop()
+
+
+def replay_rows(node: Standalone) -> list[dict[str, Any]]:
+    done = tmq("replay", TOPIC, "-n", node.namesrv, "--from-offset", "0", "--json", timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 801: `tmq offload resolve` on decision 750's conflict (60-179 local 'c', the
+    archive's 'b' there). It refuses while the store does not answer; killed -9 after its first
+    batch of copies, the conflict stands with nothing lost, and the second run appends only
+    the rest: afterwards the archive's messages are read at 60-179 and every 'c' message once,
+    with its id, keys, tag and properties, at the queue's end, and the queue archives whole."""
+    url, env = f"s3://{bucket}/resolve", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node, (first, second, third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
+    record = data / "tier-divergence.json"
+    try:
+        fault_proxy.heal()
+        archived_to(node, tier, 200, None)
+        wait_until("the conflict found", lambda: 'conflicts": [[' in record.read_text(), 60)
+        before = replay_rows(node)
+        assert [body_bytes(r["body"]) for r in before] == first + third + fourth
+        local = before[60:180]  # the 'c' messages, as consumers read them
+        # The store stops answering: the resolve cannot see the archive, and changes nothing.
+        fault_proxy.set(reset=True)
+        refused = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, timeout=300)
+        assert refused.returncode == 1, (refused.stdout, refused.stderr)
+        assert "manifest could not be loaded" in refused.stderr and "nothing was changed" in (
+            refused.stderr
+        )
+        assert json.loads(record.read_text())["conflicts"] == [[TOPIC, 0, 60, 180]]
+        fault_proxy.heal()
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, {**env, "TMQ_FAILPOINTS": "resolve.mid_copy"})
+    killed = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, timeout=300)
+    assert killed.returncode == 1
+    assert node.proc is not None and node.proc.wait(60) == -9
+    # The conflict stands, with where its copies began: 200, the queue's end then.
+    assert json.loads(record.read_text())["conflicts"] == [[TOPIC, 0, 60, 180, 200]]
+
+    node = start_tiered(data, url, env, metrics_port=free_port())
+    try:
+        interrupted = offload_status(node)
+        assert interrupted.returncode == 3, "still diverged after the kill"
+        assert json.loads(interrupted.stdout)[0]["tier_divergence"]["resolve_began_at"] == 200
+        text = tmq("offload", "status", TOPIC, "-n", node.namesrv, timeout=120).stdout
+        assert "a resolve began (its copies from offset 200) and did not finish" in text
+        shown = replay_rows(node)
+        assert [body_bytes(r["body"]) for r in shown[:200]] == first + third + fourth
+        assert len(shown) == 264, "the first batch of 64 copies was appended before the kill"
+        done = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--json", timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == [
+            {
+                "broker": "broker-a",
+                "topic": TOPIC,
+                "queue": 0,
+                "from": 60,
+                "archive_end": 180,
+                "discarded": False,
+                "copied": 56,  # only what the killed run had not appended
+                "copies": [200, 320],
+            }
+        ]
+        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        after = replay_rows(node)
+        bodies = [body_bytes(r["body"]) for r in after]
+        # The archive is the truth below its end; each local message once, at the end.
+        assert bodies == first + second + fourth + third
+        assert [r["offset"] for r in after] == list(range(320))
+        for old, new in zip(local, after[200:], strict=True):
+            assert new["message_id"] == old["message_id"]
+            assert (new["keys"], new["tag"]) == (old["keys"], old["tag"])
+            assert new["properties"] == {
+                **old["properties"],
+                "TMQ_DIVERGED_FROM": str(old["offset"]),
+                "TMQ_DIVERGED_RANGE": "60-180",
+            }
+        # Shown nowhere as diverged any more, and the copies are archived like any message.
+        archived_to(node, tier, 320)
+        status = offload_status(node)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)[0]["tier_divergence"] is None
+        checked = tmq("verify", TOPIC, "-n", node.namesrv, "--json", timeout=120)
+        assert checked.returncode == 0, checked.stdout
+        assert (
+            metric_sample(node, f'tmq_tier_diverged_offsets{{queue="0",topic="{TOPIC}"}}') is None
+        )
+        again = tmq("offload", "resolve", TOPIC, "-n", node.namesrv)
+        assert again.returncode == 1 and "has a conflict" in again.stderr, again.stderr
+        direct = node.admin().ResolveDivergence  # the broker refuses too, not only the CLI
+        try:
+            direct(apb.ResolveDivergenceRequest(topic=TOPIC, queue=0), timeout=30)
+            raise AssertionError("resolved a queue without a conflict")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "has no conflict with its archive" in (e.details() or "")
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, env)  # a restart keeps it resolved
+    try:
+        assert [body_bytes(r["body"]) for r in replay_rows(node)] == (
+            first + second + fourth + third
+        )
+    finally:
+        assert node.stop() == 0
+
+
+def test_discarding_a_divergence_is_confirmed_and_its_floor_survives_a_kill_after_the_commit(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 801's `--discard-local`, Kafka's unclean way, made explicit: without the exact
+    count the broker refuses, a "no" at the question changes nothing; confirmed, and killed -9
+    between the commit and the floor (the `resolve.before_floor` failpoint), the next start
+    raises the floor before it serves: the archive's messages are read at 60-179."""
+    url, env = f"s3://{bucket}/discard", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node, (first, second, _third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
+    record = data / "tier-divergence.json"
+    conflict = {"pending": [], "conflicts": [[TOPIC, 0, 60, 180]]}
+    try:
+        fault_proxy.heal()
+        archived_to(node, tier, 200, None)
+        wait_until("the conflict found", lambda: 'conflicts": [[' in record.read_text(), 60)
+        try:  # a stale or mistaken count: the broker refuses, whatever the client asked
+            node.admin().ResolveDivergence(
+                apb.ResolveDivergenceRequest(
+                    topic=TOPIC, queue=0, discard_local=True, discard_count=119
+                ),
+                timeout=60,
+            )
+            raise AssertionError("discarded with the wrong count")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds 120 local message(s) (offsets 60..179), not 119" in (e.details() or "")
+        unnamed = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--discard-local")
+        assert unnamed.returncode == 2 and "give --queue" in unnamed.stderr
+        asked = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cli.app",
+                "offload",
+                "resolve",
+                TOPIC,
+                "-n",
+                node.namesrv,
+                "--queue",
+                "0",
+                "--discard-local",
+            ],
+            input="n\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert asked.returncode == 1, (asked.stdout, asked.stderr)
+        assert "Discard the 120 acknowledged local message(s) of" in asked.stderr
+        assert "nothing discarded" in asked.stderr
+        assert json.loads(record.read_text()) == conflict
+    finally:
+        assert node.stop() == 0
+
+    node = start_tiered(data, url, {**env, "TMQ_FAILPOINTS": "resolve.before_floor"})
+    cut = tmq(
+        "offload", "resolve", TOPIC, "-n", node.namesrv, "--queue", "0", "--discard-local", "--yes"
+    )
+    assert cut.returncode == 1, "the broker died under it"
+    assert node.proc is not None and node.proc.wait(60) == -9
+    # Committed: the conflict is gone, and the floor is still to be raised.
+    assert json.loads(record.read_text()) == {
+        "pending": [],
+        "conflicts": [],
+        "floors": [[TOPIC, 0, 180]],
+    }
+
+    node = start_tiered(data, url, env)
+    try:
+        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        assert "raising the floor of a resolved divergence to 180" in node.log_path.read_text()
+        bodies = [body_bytes(r["body"]) for r in replay_rows(node)]
+        assert bodies == first + second + fourth, "the archive's at 60-179; the local discarded"
+        assert offload_status(node).returncode == 0
+    finally:
+        assert node.stop() == 0

@@ -21,6 +21,9 @@ Points:
   started (``sleep:`` keeps dispatch behind the appends, decision 680).
 - ``store.after_cq_repair``: at start, zeroed ConsumeQueue entries are rebuilt in the page
   cache; nothing of the repair is fsynced yet.
+- ``resolve.mid_copy``: a divergence resolve (decision 801) has appended its first batch of
+  copies (64 messages); the rest are not appended.
+- ``resolve.before_floor``: a resolve's commit is written; the queue's floor is not raised.
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).
 """

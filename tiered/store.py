@@ -373,6 +373,8 @@ class MessageStore:
         self._checkpoint_lock = threading.Lock()
         self._append_listeners: list[Callable[[int], None]] = []
         self._replica = False
+        # The native single send (decision 820) is there: the native group commit gate.
+        self._sync_native = self.commitlog.has_native_send
         self._dispatch_coalesce_s = 0.001
         # Where queues continue above their local end (``start_queue_at``, decision 720).
         self.queue_floors: dict[tuple[str, int], int] = {}
@@ -589,6 +591,32 @@ class MessageStore:
             self._apply_queue_floors()
             self.commitlog.reset_queue_offsets({**self.commitlog.queue_offsets, key: offset})
             return True
+
+    def raise_queue_floor(self, topic: str, queue_id: int, offset: int) -> None:
+        """Make ``offset`` the queue's first local offset when its entries start below it (a
+        no-op when they do not): reads below go to the cold tier, as for a queue floor of
+        ``start_queue_at``, and the floor is recorded durably first, so a restart keeps it.
+        For a tiered queue whose archive is the truth below ``offset`` (a resolved divergence,
+        decision 800); the queue must reach ``offset`` already."""
+        if not self._running:
+            raise StoreNotRunningError("the store is not running")
+        key = (topic, queue_id)
+        with self._maintenance_lock:
+            self.wait_dispatched()
+            if self.max_offset(topic, queue_id) < offset:
+                raise ValueError(
+                    f"{topic}/{queue_id} ends at {self.max_offset(topic, queue_id)}, below the "
+                    f"floor {offset}"
+                )
+            if self.queue_floors.get(key, 0) >= offset:
+                return
+            floors = {**self.queue_floors, key: offset}
+            rows = sorted([t, q, f] for (t, q), f in floors.items())
+            write_file(
+                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
+            )
+            self.queue_floors = floors
+            self._apply_queue_floors()
 
     def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
         """Where re-dispatch must start so that the entries loading cut off a queue's end come
@@ -951,7 +979,36 @@ class MessageStore:
     # -- write ---------------------------------------------------------------------------------
 
     def put_message(self, msg: Message) -> AppendResult:
-        return self.put_messages([msg])[0]
+        one = [msg]
+        if (
+            self._sync_native
+            and self._running
+            and not self._replica
+            and self.config.flush == "sync"
+            and first_unchecked(
+                one, 0, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, self.config.max_message_size
+            )
+            == 1
+        ):
+            # The native single send (decision 820): encode, append and the group commit's
+            # wait in one call. It declines what it does not do (see ``CommitLog.send_one``),
+            # and ``put_messages`` then does the whole send, its errors included.
+            dispatcher = self.dispatcher
+            assert dispatcher is not None
+            lag_limit = self.config.max_dispatch_lag_bytes
+            if self.commitlog.max_offset - dispatcher.reput_offset <= lag_limit:
+                batch = self.commitlog.send_one(one)
+                if batch is not None:
+                    end = batch.end_offset
+                    for listener in self._append_listeners:
+                        listener(end)
+                    return AppendResult(
+                        batch.offsets[0],
+                        batch.sizes[0],
+                        batch.queue_offsets[0],
+                        batch.store_timestamp,
+                    )
+        return self.put_messages(one)[0]
 
     def put_messages(self, messages: Sequence[Message] | RecordSpans) -> AppendBatch:
         """Append ``messages`` (atomically with respect to their queue offsets) and return once

@@ -12,6 +12,7 @@ cores that churn, not the fsync, bounded single SYNC sends (decision 420).
 
 from libc.errno cimport EINTR, ETIMEDOUT, errno
 from libc.stdint cimport int64_t
+from libc.string cimport memcpy, memset
 from posix.fcntl cimport F_DUPFD_CLOEXEC, fcntl
 from posix.unistd cimport close
 
@@ -33,6 +34,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_mutex_init(pthread_mutex_t* m, void* attr)
     int pthread_mutex_destroy(pthread_mutex_t* m)
     int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_trylock(pthread_mutex_t* m)
     int pthread_mutex_unlock(pthread_mutex_t* m)
     int pthread_condattr_init(pthread_condattr_t* a)
     int pthread_condattr_setclock(pthread_condattr_t* a, int clock)
@@ -170,8 +172,10 @@ cdef class NativeFlushLock:
         pthread_mutex_destroy(&self._mutex)
 
     def __enter__(self):
-        with nogil:
-            pthread_mutex_lock(&self._mutex)
+        # Uncontended, no release of the GIL (the CommitLog's put lock is one of these too).
+        if pthread_mutex_trylock(&self._mutex) != 0:
+            with nogil:
+                pthread_mutex_lock(&self._mutex)
         return self
 
     def __exit__(self, *exc):
@@ -334,33 +338,74 @@ cdef class NativeBatchGate:
         """Join the open batch with bytes up to ``end`` appended, and sleep until the batch is
         finished; returns its number, 0 when an earlier flush covered ``end`` already, or -1
         at once when no flusher runs (the caller flushes for itself)."""
+        cdef int64_t batch
+        with nogil:
+            batch = self._join_wait(end)
+        return batch
+
+    cdef int64_t _join_wait(self, int64_t end) noexcept nogil:
+        """``join_and_wait`` without the GIL (``_mutex`` not held)."""
         cdef int64_t batch = -1
         cdef unsigned int* word
         cdef unsigned int seen
-        with nogil:
-            pthread_mutex_lock(&self._mutex)
-            if 0 < end <= self._flushed:
-                batch = 0
-            elif not self._closed:
-                batch = self._open
-                self._pending += 1
-                if end > self._appended:
-                    self._appended = end
-                # Wake the flusher only when it can act: a first request, or the number it is
-                # waiting for reached; not once per writer.
-                if self._idle or (self._want > 0 and self._pending >= self._want):
-                    pthread_cond_signal(&self._work)
-            pthread_mutex_unlock(&self._mutex)
-            if batch > 0:
-                word = &self._done[batch & 1]
-                while True:
-                    # The word is read before ``_finished``: a finish after that read changes
-                    # the word first, so the wait returns at once (no lost wake-up).
-                    seen = tmq_load32(word)
-                    if tmq_load64(&self._finished) >= batch:
-                        break
-                    tmq_futex_wait(word, seen)
+        pthread_mutex_lock(&self._mutex)
+        if 0 < end <= self._flushed:
+            batch = 0
+        elif not self._closed:
+            batch = self._open
+            self._pending += 1
+            if end > self._appended:
+                self._appended = end
+            # Wake the flusher only when it can act: a first request, or the number it is
+            # waiting for reached; not once per writer.
+            if self._idle or (self._want > 0 and self._pending >= self._want):
+                pthread_cond_signal(&self._work)
+        pthread_mutex_unlock(&self._mutex)
+        if batch > 0:
+            word = &self._done[batch & 1]
+            while True:
+                # The word is read before ``_finished``: a finish after that read changes
+                # the word first, so the wait returns at once (no lost wake-up).
+                seen = tmq_load32(word)
+                if tmq_load64(&self._finished) >= batch:
+                    break
+                tmq_futex_wait(word, seen)
         return batch
+
+    def send_one(self, NativeFlushLock put_lock, commitlog, list one, batch, int64_t store_ts,
+                 Py_ssize_t pwrite_min, between):
+        """The native single SYNC send (decision 820): append ``one`` (a list of one message)
+        to the CommitLog's open file and join the group commit, in one call that gives the
+        GIL up once, from the write of the record's bytes to the end of the wait.
+
+        Under the put lock (``put_lock``, the CommitLog's): encode the message into ``batch``
+        (an empty ``EncodedBatch``) with the CommitLog's encoder, take its charge of the room
+        check inline (decision 735), store the record through the open file's mapping with
+        its size field zero, call ``between`` (the failpoint), store the size field, then
+        publish as ``CommitLog.append`` does (``wrote``, the queue offsets, ``on_append``).
+        Then, without the GIL: let go of the put lock, join the open batch and sleep until it
+        is finished. Returns the batch's number as ``join_and_wait`` does, or None when it
+        declined before anything was published (no open file, a roll needed, a record of
+        ``pwrite_min`` bytes or more, a stale room measurement, the store failed, a message
+        the encoder refuses): ``CommitLog.append`` then does the whole send, and raises
+        what it raises."""
+        cdef pthread_mutex_t* pm = &put_lock._mutex
+        cdef int64_t end, nb
+        if pthread_mutex_trylock(pm) != 0:
+            with nogil:
+                pthread_mutex_lock(pm)
+        try:
+            end = _append_one(commitlog, one, batch, store_ts, pwrite_min, between)
+        except BaseException:
+            pthread_mutex_unlock(pm)
+            raise
+        if end == 0:
+            pthread_mutex_unlock(pm)
+            return None
+        with nogil:
+            pthread_mutex_unlock(pm)
+            nb = self._join_wait(end)
+        return nb
 
     cdef int64_t _take(self, double max_wait) noexcept nogil:
         """Close the open batch (``_mutex`` held): wait for a first request, then up to
@@ -489,3 +534,71 @@ cdef class NativeBatchGate:
                 pthread_mutex_unlock(&self._mutex)
                 self._wake_batch(batch)
         return code, batch, served, err
+
+
+cdef int64_t _append_one(commitlog, list one, batch, int64_t store_ts, Py_ssize_t pwrite_min,
+                         between) except -1:
+    """``NativeBatchGate.send_one``'s append, the put lock held: the end offset of the record
+    appended, or 0 when declined with nothing published."""
+    cdef int64_t file_from, wrote, size, end, charge, appended = 0
+    cdef Py_ssize_t n, pos
+    cdef unsigned char[::1] m
+    cdef const unsigned char* d
+    cdef bytes data
+    if commitlog.failed is not None:
+        return 0
+    last = commitlog.files.last_file()
+    if last is None:
+        return 0
+    file_from = last.from_offset
+    wrote = last.wrote
+    size = commitlog.files.file_size
+    next_offsets = {}
+    try:
+        done, used = commitlog._encoder.encode_batch(
+            one, 0, file_from + wrote, size - wrote, next_offsets, commitlog.queue_offsets, batch
+        )
+    except Exception:
+        return 0  # the Python path raises it, wrapped as it wraps it
+    if done != 1:
+        return 0  # a roll: the Python path pads the file and rolls
+    parts = batch.parts
+    # One buffer from the native engine, a record's pieces from the reference one.
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    n = len(data)
+    if n >= pwrite_min or n < 8 or n != batch.sizes[0]:
+        return 0
+    m = last.mm
+    pos = wrote
+    if pos < 0 or pos + n > m.shape[0]:
+        return 0
+    room = commitlog.room
+    charge = batch.cq_starts * room.cq_file_cost + batch.index_entries * room.entry_cost
+    end = file_from + wrote + n
+    if charge:
+        appended = room.appended + charge
+        if not (store_ts < room.fresh_until and appended <= room.limit):
+            return 0  # a measurement is due: ``room.take`` in the Python path
+        room.appended = appended
+        room.open_end = end
+        if appended >= room.next_mark:
+            room.close_mark()
+    d = <const unsigned char*>data
+    # The store may fault (a page an fsync cleaned): taken without the GIL. The size field
+    # stays zero until every other byte is in (``MappedFile.append_records``).
+    with nogil:
+        memset(&m[pos], 0, 4)
+        memcpy(&m[pos + 4], d + 4, n - 4)
+    if between is not None:
+        between()
+    memcpy(&m[pos], d, 4)
+    batch.parts = []
+    last.wrote = wrote + n
+    commitlog.queue_offsets.update(next_offsets)
+    on_append = commitlog.on_append
+    if on_append is not None:
+        on_append(batch)
+    if last is not commitlog._tracked:
+        commitlog._track(last)
+    commitlog.last_store_timestamp = store_ts
+    return end

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,10 +26,17 @@ import numpy as np
 
 from tiered.config import StoreConfig
 from tiered.formats import CQ_ENTRY_SIZE
-from tiered.hot.group_commit import GroupCommitService
+from tiered.hot.group_commit import GroupCommitService, new_put_lock
 from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
 from tiered.hot.index_file import HEADER_SIZE as INDEX_HEADER_SIZE
-from tiered.hot.mapped_file import MappedFile, MappedFileQueue, StoreLoadError, all_zero
+from tiered.hot.mapped_file import (
+    _PWRITE_MIN,
+    MappedFile,
+    MappedFileQueue,
+    StoreLoadError,
+    _before_sizes,
+    all_zero,
+)
 from tiered.record import (
     BLANK_MAGIC_CODE,
     BLANK_RECORD_SIZE,
@@ -294,7 +300,8 @@ class CommitLog:
         self.on_append: Callable[[EncodedBatch], None] | None = None
         self.files = MappedFileQueue(config.commitlog_dir, config.commitlog_file_size)
         self._encoder = RecordEncoder(config.store_host, config.consumequeue_entries_per_file)
-        self._put_lock = threading.Lock()
+        # A native mutex with the native gate: its single send lets go of it without the GIL.
+        self._put_lock = new_put_lock()
         # Next queue offset per (topic, queue): RocketMQ's topicQueueTable. Owned by the put lock.
         self.queue_offsets: dict[tuple[str, int], int] = {}
         self.last_store_timestamp = 0
@@ -310,6 +317,10 @@ class CommitLog:
         self.group_commit = GroupCommitService(self.flush, fail=self._fsync_failed)
         self._flush_lock = self.group_commit.flush_lock
         self._tracked: MappedFile | None = None
+        # The native gate's single send (decision 820); None with the reference gate.
+        self._native_send: Callable[..., int | None] | None = getattr(
+            self.group_commit.gate, "send_one", None
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -482,6 +493,33 @@ class CommitLog:
                 self._track(f)
             self.last_store_timestamp = store_ts
         return AppendBatch([b for _, b, _ in chunks])
+
+    @property
+    def has_native_send(self) -> bool:
+        return self._native_send is not None
+
+    def send_one(self, one: list[Message]) -> EncodedBatch | None:
+        """The native single SYNC send (decision 820): append ``one`` (a list of one message)
+        and return once an fsync covers it, as ``append`` then ``wait_flushed`` would, in one
+        native call that gives the GIL up once for the record's store and the wait (the
+        record is encoded by whichever record engine is in use). None when it does not apply
+        (the reference gate, a roll, a room measurement due, a record of 4 KiB or more, a
+        message the encoder refuses, the store failed): nothing was appended, and the caller
+        sends through ``append``. Raises what ``wait_flushed`` raises."""
+        send = self._native_send
+        if send is None:
+            return None
+        batch = EncodedBatch(store_timestamp=now_ms())
+        joined = send(
+            self._put_lock, self, one, batch, batch.store_timestamp, _PWRITE_MIN, _before_sizes
+        )
+        if joined is None:
+            return None
+        try:
+            self.group_commit.settle(joined)
+        except DurabilityLostError as e:
+            raise self.durability_lost() from e.__cause__
+        return batch
 
     def _write(self, f: MappedFile, batch: EncodedBatch) -> None:
         """Write an encoded chunk at the end of ``f``."""

@@ -208,6 +208,12 @@ class CountedEvent(threading.Event):
         super().set()
 
 
+def new_put_lock() -> AbstractContextManager[Any]:
+    """The CommitLog's put lock: a native mutex the native single send (decision 820) lets go
+    of without the GIL, else a ``threading.Lock``."""
+    return _NATIVE.NativeFlushLock() if _NATIVE is not None else threading.Lock()
+
+
 def new_wakeup() -> Wakeup:
     """An event a native flusher sets without the GIL (a ``CountedEvent`` without it)."""
     return _NATIVE.NativeWakeup() if _NATIVE is not None else CountedEvent()
@@ -244,6 +250,10 @@ class GroupCommitService:
         # Fsyncs run and requests served in Python (the native loop counts its own).
         self._flushes = 0
         self._requests = 0
+
+    @property
+    def gate(self) -> BatchGate:
+        return self._gate
 
     @property
     def flushes(self) -> int:
@@ -316,7 +326,12 @@ class GroupCommitService:
         """Return once an fsync covers ``offset`` (a writer an earlier fsync covered does not
         wait at all); raise what that fsync raised. The exception object is shared by every
         writer of the batch: callers raise their own, chained to it."""
-        batch = self._gate.join_and_wait(offset)
+        self.settle(self._gate.join_and_wait(offset))
+
+    def settle(self, batch: int) -> None:
+        """What ``wait_flushed`` does once its writer's wait returned ``batch`` (the gate's
+        ``join_and_wait``, or the native send's join, decision 820): flush alone when no
+        flusher runs, raise the error of a batch whose fsync failed."""
         if batch == 0:
             return  # covered by a flush that ended while this writer joined
         if batch < 0:

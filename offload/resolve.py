@@ -1,0 +1,330 @@
+"""``tmq offload resolve``: end a queue's divergence from its archive (decisions 750, 800).
+
+A conflict ``[base, archive_end)`` (``offload/divergence.py``) means two lineages hold those
+offsets: the archive's older messages, and messages this data directory acknowledged while it
+could not check its archive. Kafka's unclean leader election settles the same split by
+truncating one side, and the messages it truncates are gone. Here the archive is made the
+truth for its offsets, and the local messages are not dropped but **re-appended** at the
+queue's end: the same body, keys, tag, properties and message id (``UNIQ_KEY``), with two
+properties added, ``TMQ_DIVERGED_FROM`` (their old queue offset) and ``TMQ_DIVERGED_RANGE``
+(``base-archive_end``). Then the queue's floor is raised to the archive's end, so offsets below
+it are read from the archive, and the conflict is gone.
+
+Steps, each crash-safe (a kill at any point leaves the conflict, with nothing lost, or the
+resolved queue; a second run after a crash finishes the first):
+
+1. Under the queue's offload lock (no upload, commit, expiry or repair of the queue meanwhile,
+   and no second resolve), the manifest is loaded from the tier (it must answer: a resolve
+   that cannot see the archive refuses) and must still be this directory's and end at or
+   above the conflict's ``archive_end``.
+2. ``copies_from`` (the queue's end now) is recorded in ``tier-divergence.json`` before any
+   copy (``Divergence.begin_resolve``). A run that finds it set scans the queue from there for
+   copies already made (they carry ``TMQ_DIVERGED_RANGE``) and appends only the rest. Copies
+   are appended in offset order, and a crash keeps a prefix of what was appended, so that scan
+   finds exactly the copies made: none is made twice.
+3. The copies are appended and the store flushed (CommitLog and ConsumeQueues fsynced, whatever
+   the flush mode), and every copy is read back and compared with its original.
+4. The commit point, one atomic write of ``tier-divergence.json``: the conflict goes and the
+   queue's floor (``archive_end``) is recorded to be raised (``Divergence.commit_resolve``).
+5. The store raises the floor durably (``queue-floors.json``), then the record of it is
+   dropped. A start that finds a floor recorded and not dropped raises it before serving.
+
+Until step 4 the conflict stands and nothing changed for readers but the copies at the end
+(consumers receive them as new messages: the duplicates this design accepts, each with its
+original message id). Between steps 4 and 5, in a running broker, a read of an offset in the
+range may still be answered from the local files. With ``discard_local`` the local messages
+of the range are not copied: steps 2-3 are skipped, and the caller must name how many
+messages it discards (``E - base``), so a stale confirmation never discards another range.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from offload.divergence import Conflict, Divergence
+from offload.offloader import Offloader, OffloadError
+from tiered import failpoints
+from tiered.record import Message, StoredMessage
+from tiered.store import GetStatus, MessageStore
+
+log = logging.getLogger(__name__)
+
+PROPERTY_DIVERGED_FROM = "TMQ_DIVERGED_FROM"
+PROPERTY_DIVERGED_RANGE = "TMQ_DIVERGED_RANGE"
+# Copies appended (and originals read) per batch.
+BATCH = 64
+# How long a resolve waits for the queue's offload lock (an upload under way) before it refuses.
+LOCK_WAIT_S = 30.0
+
+
+class ResolveRefusedError(RuntimeError):
+    """The resolve cannot run now, and changed nothing: the reason says why."""
+
+
+class NoConflictError(ResolveRefusedError):
+    """The queue has no conflict with its archive to resolve."""
+
+
+class TierUnavailableError(ResolveRefusedError):
+    """The archive's manifest could not be loaded: the resolve needs to see it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    base: int
+    archive_end: int
+    copied: int  # copies appended by this run
+    copies_from: int | None  # where the copies begin (None: discarded)
+    copies_end: int | None  # the queue offset after the last copy
+
+
+def copy_of(original: StoredMessage, rng: str) -> Message:
+    """The re-appended copy of a local message: everything a consumer sees, and its id."""
+    return Message(
+        topic=original.topic,
+        body=original.body,
+        queue_id=original.queue_id,
+        properties={
+            **original.properties,
+            PROPERTY_DIVERGED_FROM: str(original.queue_offset),
+            PROPERTY_DIVERGED_RANGE: rng,
+        },
+        flag=original.flag,
+        born_timestamp=original.born_timestamp,
+        born_host=original.born_host,
+        reconsume_times=original.reconsume_times,
+    )
+
+
+def _hot(
+    store: MessageStore, topic: str, queue_id: int, start: int, end: int
+) -> list[StoredMessage]:
+    """The local messages of ``[start, end)``, every one of them, or ``ResolveRefusedError``."""
+    out: list[StoredMessage] = []
+    offset = start
+    while offset < end:
+        got = store.get_messages(topic, queue_id, offset, min(BATCH, end - offset), hot_only=True)
+        if got.status is not GetStatus.FOUND or not got.messages:
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id}: the local message at offset {offset} cannot be read "
+                f"({got.status.value}); nothing was changed"
+            )
+        for m in got.messages:
+            if m.queue_offset != offset:
+                raise ResolveRefusedError(
+                    f"{topic}/{queue_id}: expected the local message at offset {offset}, read "
+                    f"{m.queue_offset}; nothing was changed"
+                )
+            out.append(m)
+            offset += 1
+            if offset == end:
+                break
+    return out
+
+
+def _same(copy: StoredMessage, original: StoredMessage, rng: str) -> bool:
+    want = {
+        **original.properties,
+        PROPERTY_DIVERGED_FROM: str(original.queue_offset),
+        PROPERTY_DIVERGED_RANGE: rng,
+    }
+    return copy.body == original.body and copy.properties == want
+
+
+def resolve(
+    store: MessageStore,
+    offloader: Offloader,
+    divergence: Divergence,
+    topic: str,
+    queue_id: int,
+    *,
+    discard_local: int | None = None,
+) -> Resolved:
+    """Resolve the queue's conflict (module docstring). ``discard_local``: the number of local
+    messages the caller agreed to lose (must be ``archive_end - base``); None: copy them."""
+    lock = offloader.queue_lock(topic, queue_id)
+    if not lock.acquire(timeout=LOCK_WAIT_S):
+        raise ResolveRefusedError(
+            f"{topic}/{queue_id}: an upload of the queue did not finish within {LOCK_WAIT_S:g} s; "
+            "try again"
+        )
+    try:
+        conflict = divergence.conflicts.get((topic, queue_id))
+        if conflict is None:
+            why = (
+                " (its check has not run yet: the object store has not answered)"
+                if (topic, queue_id) in divergence.pending
+                else ""
+            )
+            raise NoConflictError(f"{topic}/{queue_id} has no conflict with its archive{why}")
+        try:
+            manifest = offloader.manifest(topic, queue_id, refresh=True)
+        except OffloadError as e:
+            raise TierUnavailableError(
+                f"{topic}/{queue_id}: the archive's manifest could not be loaded ({e}); "
+                "nothing was changed"
+            ) from e
+        foreign = offloader.foreign(manifest)
+        if foreign is not None:
+            raise ResolveRefusedError(f"{topic}/{queue_id}: {foreign}; nothing was changed")
+        base, end = conflict.base, conflict.archive_end
+        if manifest.end_offset < end:
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id}: the archive ends at {manifest.end_offset}, below the "
+                f"{end} the conflict was found with; nothing was changed"
+            )
+        local_end = store.max_offset(topic, queue_id)
+        if local_end < end:
+            # Its next messages would still take offsets the archive holds: the copies too.
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id} ends at {local_end}, below its archive's end {end}: "
+                "resolve it once it has taken messages past that end (its new messages at "
+                "archived offsets are in the conflict too); nothing was changed"
+            )
+        if store.hot_min_offset(topic, queue_id) > base:
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id}: its local files start at "
+                f"{store.hot_min_offset(topic, queue_id)}, above the conflict's {base}; "
+                "nothing was changed"
+            )
+        if discard_local is not None:
+            if conflict.copies_from is not None:
+                raise ResolveRefusedError(
+                    f"{topic}/{queue_id}: a resolve that copies began at offset "
+                    f"{conflict.copies_from}; run it again without discarding"
+                )
+            if discard_local != end - base:
+                raise ResolveRefusedError(
+                    f"{topic}/{queue_id}: the conflict holds {end - base} local message(s) "
+                    f"(offsets {base}..{end - 1}), not {discard_local}; nothing was changed"
+                )
+            divergence.commit_resolve(topic, queue_id)
+            log.warning(
+                "%s/%d: divergence resolved by DISCARDING the %d local message(s) at offsets "
+                "%d..%d, as the operator asked: the archive's messages are read there",
+                topic,
+                queue_id,
+                end - base,
+                base,
+                end - 1,
+            )
+            _raise_floor(store, divergence, topic, queue_id, end)
+            return Resolved(base, end, 0, None, None)
+        copied, copies_from, copies_end = _copy(store, divergence, topic, queue_id, conflict)
+        divergence.commit_resolve(topic, queue_id)
+        log.warning(
+            "%s/%d: divergence resolved: the %d local message(s) of offsets %d..%d re-appended "
+            "at %d..%d (%d by this run); offsets below %d are read from the archive",
+            topic,
+            queue_id,
+            end - base,
+            base,
+            end - 1,
+            copies_from,
+            copies_end - 1,
+            copied,
+            end,
+        )
+        _raise_floor(store, divergence, topic, queue_id, end)
+        return Resolved(base, end, copied, copies_from, copies_end)
+    finally:
+        lock.release()
+
+
+def _copy(
+    store: MessageStore, divergence: Divergence, topic: str, queue_id: int, conflict: Conflict
+) -> tuple[int, int, int]:
+    """Steps 2 and 3: (copies appended now, where the copies begin, the offset after them).
+    Streams in batches of ``BATCH``: memory does not grow with the range."""
+    base, end = conflict.base, conflict.archive_end
+    rng = f"{base}-{end}"
+    for _ in _originals(store, topic, queue_id, base, end):
+        pass  # every original readable before anything is recorded or appended
+    # Durable up to the queue's end before that end is recorded: a power loss after this
+    # never leaves the queue ending below where the copies begin.
+    top = store.max_offset(topic, queue_id)
+    store.flush()
+    begun = divergence.begin_resolve(topic, queue_id, top)
+    assert begun.copies_from is not None
+    # Copies a run before this one made: a prefix of the originals, in order.
+    made, _ = _check_copies(store, topic, queue_id, begun.copies_from, base, end, rng)
+    copied = 0
+    batch: list[Message] = []
+    for m in _originals(store, topic, queue_id, base + made, end):
+        batch.append(copy_of(m, rng))
+        if len(batch) == BATCH or m.queue_offset == end - 1:
+            store.put_messages(batch)
+            copied += len(batch)
+            batch = []
+            failpoints.hit("resolve.mid_copy")
+    store.flush()  # fsynced before the commit point, whatever the flush mode
+    store.wait_dispatched()
+    # Read back every copy: the commit point drops the originals from reads.
+    n, last = _check_copies(store, topic, queue_id, begun.copies_from, base, end, rng)
+    if n != end - base:
+        raise ResolveRefusedError(
+            f"{topic}/{queue_id}: {n} of {end - base} copies read back; the conflict stands "
+            "(run it again)"
+        )
+    return copied, begun.copies_from, last + 1
+
+
+def _originals(
+    store: MessageStore, topic: str, queue_id: int, start: int, end: int
+) -> Iterator[StoredMessage]:
+    for offset in range(start, end, BATCH):
+        yield from _hot(store, topic, queue_id, offset, min(end, offset + BATCH))
+
+
+def _copies(
+    store: MessageStore, topic: str, queue_id: int, start: int, rng: str
+) -> Iterator[StoredMessage]:
+    """The copies of this range in the queue from ``start`` on, in order."""
+    top = store.max_offset(topic, queue_id)
+    for offset in range(start, top, BATCH):
+        for m in _hot(store, topic, queue_id, offset, min(top, offset + BATCH)):
+            if m.properties.get(PROPERTY_DIVERGED_RANGE) == rng:
+                yield m
+
+
+def _check_copies(
+    store: MessageStore, topic: str, queue_id: int, start: int, base: int, end: int, rng: str
+) -> tuple[int, int]:
+    """How many copies there are from ``start``, each checked against its original (the
+    copies are a prefix of the originals, in order), and the offset of the last one (``start``
+    - 1 when none); ``ResolveRefusedError`` on one that is not its original's."""
+    originals = _originals(store, topic, queue_id, base, end)
+    n, last = 0, start - 1
+    for c in _copies(store, topic, queue_id, start, rng):
+        o = next(originals, None)
+        if o is None or not _same(c, o, rng):
+            raise ResolveRefusedError(
+                f"{topic}/{queue_id}: the copy at offset {c.queue_offset} is not the local "
+                f"message at {base + n}; the conflict stands"
+            )
+        n, last = n + 1, c.queue_offset
+    return n, last
+
+
+def _raise_floor(
+    store: MessageStore, divergence: Divergence, topic: str, queue_id: int, floor: int
+) -> None:
+    """Step 5 (also run at start for a floor a crash left recorded)."""
+    failpoints.hit("resolve.before_floor")
+    store.raise_queue_floor(topic, queue_id, floor)
+    divergence.floor_applied(topic, queue_id)
+
+
+def apply_floors(store: MessageStore, divergence: Divergence) -> None:
+    """At start, before serving: the floors of resolves that crashed after their commit."""
+    for (topic, queue_id), floor in sorted(divergence.floors.items()):
+        log.warning(
+            "%s/%d: raising the floor of a resolved divergence to %d (the resolve stopped "
+            "after its commit)",
+            topic,
+            queue_id,
+            floor,
+        )
+        _raise_floor(store, divergence, topic, queue_id, floor)
