@@ -127,6 +127,55 @@ def test_encode_batch_is_byte_identical(messages: list[Message], space: int, sto
         assert record.decode(data, native[4][0][n] - 4096).body == m.body
 
 
+class _OddHash(str):
+    """A property name equal to ``TAGS`` that a dict files under another hash: a lookup by
+    ``"TAGS"`` does not find it."""
+
+    def __hash__(self) -> int:
+        return 7
+
+
+class _Name(str):
+    """A ``str`` subclass property name with ``str``'s hash: a lookup by ``"TAGS"`` finds it."""
+
+
+def test_encode_batch_reuses_shared_objects_and_finds_property_names_as_lookups_do() -> None:
+    """The native encoder reuses the last topic and born host when a message carries the same
+    object, and picks ``TAGS``, ``KEYS`` and ``UNIQ_KEY`` out while it encodes the properties
+    (decision 851): runs of shared objects, objects equal but not the same, hosts that
+    alternate, and ``str`` subclass names a lookup would or would not find give the reference's
+    bytes and lists."""
+    topic = "shared"
+    a, b = ("10.0.0.1", 1), ("::1", 2)
+    c = ("10.0.0.1", 1 + int("0"))  # equal to a, another object
+    hosts = [a, a, b, a, c, c, b, b, a]
+    messages = [
+        Message(
+            topic=topic if i % 4 else "".join(["sha", "red"]),
+            queue_id=i % 3,
+            body=bytes([i]) * (i * 37 % 200),
+            born_host=hosts[i % len(hosts)],
+            properties=(
+                {_OddHash("TAGS"): "odd", "KEYS": f"k{i} j{i}", "UNIQ_KEY": f"u{i}"}
+                if i % 5 == 0
+                else {"UNIQ_KEY": f"u{i}", "TAGS": f"t{i}", "x": "y"}
+                if i % 5 == 1
+                else {"KEYS": "", "UNIQ_KEY": "", _Name("TAGS"): "sub"}
+                if i % 5 == 2
+                else {}
+                if i % 5 == 3
+                else {"TAGS": "t", "KEYS": " a  b ", "UNIQ_KEY": "u"}
+            ),
+        )
+        for i in range(60)
+    ]
+    for store in (("10.0.0.9", 10911), ("2001:db8::7", 8081)):
+        native = encode(NATIVE, messages, 1 << 20, store)
+        assert native == encode(PY, messages, 1 << 20, store)
+        tags = native[4][4]
+        assert tags[0] is None and tags[1] == "t1" and tags[2] == "sub" and tags[4] == "t"
+
+
 @pytest.mark.parametrize("cache_full", [False, True])
 def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bool) -> None:
     """The native encoder keeps a batch's queue offsets in 32 slots found by the identity of the

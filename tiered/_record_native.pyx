@@ -37,6 +37,7 @@ cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     bint PyUnicode_Check(object o)
+    bint PyUnicode_CheckExact(object o)
     bint PyBytes_CheckExact(object o)
     bint PyDict_CheckExact(object o)
 
@@ -228,8 +229,12 @@ cdef int32_t _i32(object v) except? -1:
     return <int32_t>x
 
 
-cdef Py_ssize_t _encode_properties(dict props, Scratch* s) except -1:
-    """``name\\x01value\\x02`` for each pair into ``s``; returns the length added."""
+cdef Py_ssize_t _encode_properties(dict props, Scratch* s, PyObject** found=NULL) except -1:
+    """``name\\x01value\\x02`` for each pair into ``s``; returns the length added. With
+    ``found`` (four slots, NULL on entry), the values of ``TAGS``, ``KEYS`` and ``UNIQ_KEY``
+    are left in the first three as borrowed references, found by their names' bytes in the
+    same walk: what three lookups by name would find, since a dict holds each name once. The
+    fourth is set when a name is a ``str`` subclass (a lookup might then find another key)."""
     cdef Py_ssize_t pos = 0, start = s.len, kn, vn
     cdef PyObject* k
     cdef PyObject* v
@@ -247,6 +252,15 @@ cdef Py_ssize_t _encode_properties(dict props, Scratch* s) except -1:
         if (memchr(kp, 1, kn) != NULL or memchr(kp, 2, kn) != NULL
                 or memchr(vp, 1, vn) != NULL or memchr(vp, 2, vn) != NULL):
             raise RecordError("property names and values may not contain \\x01 or \\x02")
+        if found != NULL:
+            if not PyUnicode_CheckExact(<object>k):
+                found[3] = k  # a str subclass may hash or compare its own way: look up by name
+            elif kn == 4 and memcmp(kp, b"TAGS", 4) == 0:
+                found[0] = v
+            elif kn == 4 and memcmp(kp, b"KEYS", 4) == 0:
+                found[1] = v
+            elif kn == 8 and memcmp(kp, b"UNIQ_KEY", 8) == 0:
+                found[2] = v
         _reserve(s, kn + vn + 2)
         memcpy(s.data + s.len, kp, kn)
         s.data[s.len + kn] = 1
@@ -452,6 +466,17 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef int64_t slot_next[QUEUE_SLOTS]
     cdef int slots = 0, j
     cdef bint cached = False
+    # A batch's messages mostly share their topic and born host objects: the last ones looked
+    # up are kept, and a message with the same object (compared by identity; both are
+    # immutable) skips the dict lookups. ``hold`` keeps them alive for the comparison.
+    cdef PyObject* last_topic = NULL
+    cdef PyObject* last_host = NULL
+    cdef object last_tpart = None, last_born = None
+    cdef int32_t last_port = 0
+    cdef int32_t port
+    cdef bint same_host
+    cdef PyObject* named[4]
+    cdef object tag_v, keys_v, uniq_v
     if type(messages) is RecordSpans:
         return _encode_spans(encoder, messages, start, physical_offset, space, next_offsets,
                              base_offsets, out, sink)
@@ -469,13 +494,28 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             fast = _slots_ok and type(m) is Message
             r = &recs[n]
             topic = _field(m, fast, 0)
-            found = PyDict_GetItemWithError(topic_parts, topic)
-            tpart = <object>found if found != NULL else encoder._topic_part(topic)
+            if <PyObject*>topic == last_topic:
+                tpart = last_tpart
+            else:
+                found = PyDict_GetItemWithError(topic_parts, topic)
+                tpart = <object>found if found != NULL else encoder._topic_part(topic)
+                hold.append(topic)
+                last_topic = <PyObject*>topic
+                last_tpart = tpart
             props = _field(m, fast, 3)
             r.props_at = scratch.len
+            named[0] = named[1] = named[2] = named[3] = NULL
             if props:
                 if PyDict_CheckExact(props):
-                    r.props_len = _encode_properties(<dict>props, &scratch)
+                    r.props_len = _encode_properties(<dict>props, &scratch, named)
+                    if named[3] != NULL:
+                        named[0] = PyDict_GetItem(props, _TAGS)
+                        named[1] = PyDict_GetItem(props, _KEYS)
+                        named[2] = PyDict_GetItem(props, _UNIQ)
+                    # Owned now: Python code below (a body's ``__bytes__``) could change the dict.
+                    tag_v = <object>named[0] if named[0] != NULL else None
+                    keys_v = <object>named[1] if named[1] != NULL else None
+                    uniq_v = <object>named[2] if named[2] != NULL else None
                 else:
                     raw = encode_properties(props)
                     _append(&scratch, raw, len(raw))
@@ -490,9 +530,13 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             if not PyBytes_CheckExact(body):
                 body = bytes(body)
             host = _field(m, fast, 6)
-            address = host[0]
-            found = PyDict_GetItemWithError(born_cache, address)
-            born = <object>found if found != NULL else encoder._born(address)
+            same_host = <PyObject*>host == last_host
+            if same_host:
+                born = last_born
+            else:
+                address = host[0]
+                found = PyDict_GetItemWithError(born_cache, address)
+                born = <object>found if found != NULL else encoder._born(address)
             born_ip = born[0]
             size = _rec_sized(r, born[1], <const unsigned char*>PyBytes_AS_STRING(body),
                               PyBytes_GET_SIZE(body), tpart, store_v6)
@@ -500,7 +544,15 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 scratch.len = r.props_at
                 break
             queue_id = _field(m, fast, 2)
-            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), _i32(host[1]),
+            if same_host:
+                port = last_port
+            else:
+                port = _i32(host[1])
+                hold.append(host)
+                last_host = <PyObject*>host
+                last_born = born
+                last_port = port
+            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), port,
                       _i32(_field(m, fast, 4)), _field(m, fast, 5), _i32(_field(m, fast, 7)),
                       _field(m, fast, 8), _i32(queue_id))
             key = _queue_key(queue_keys, topic, queue_id, &cached)
@@ -527,21 +579,14 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             hold.append(tpart)
             PyList_Append(queues, key)
             if props and PyDict_CheckExact(props):
-                found = PyDict_GetItem(props, _TAGS)
-                PyList_Append(tags, <object>found if found != NULL else None)
-                found = PyDict_GetItem(props, _KEYS)
-                if found != NULL:
-                    PyList_Append(keys, <object>found)
-                    entries += _key_entries(<object>found)
-                else:
-                    PyList_Append(keys, None)
-                found = PyDict_GetItem(props, _UNIQ)
-                if found != NULL:
-                    PyList_Append(uniqs, <object>found)
-                    if <object>found:
-                        entries += 1
-                else:
-                    PyList_Append(uniqs, None)
+                # Found while the properties were encoded (values are str: None is absent).
+                PyList_Append(tags, tag_v)
+                PyList_Append(keys, keys_v)
+                if keys_v is not None:
+                    entries += _key_entries(keys_v)
+                PyList_Append(uniqs, uniq_v)
+                if uniq_v is not None and uniq_v:
+                    entries += 1
             elif props:
                 tags.append(props.get(_TAGS))
                 kv = props.get(_KEYS)
