@@ -8,10 +8,12 @@ the error when the input is refused.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import subprocess
 import sys
+import tempfile
 from array import array
 from pathlib import Path
 from typing import Any
@@ -879,3 +881,107 @@ def test_native_property_decode_matches_the_reference_on_raw_property_bytes(raw:
         except Exception as e:
             outcomes.append(type(e))
     assert outcomes[0] == outcomes[1]
+
+
+def index_file_bytes(slot_count: int, hashes: list[int], offsets: list[int]) -> bytearray:
+    """An IndexFile's bytes (header zero) holding ``hashes`` at CommitLog ``offsets`` as entries
+    1, 2, ..., written by the reference ``index_put`` into a real file and mapping."""
+    n = len(hashes) + 1
+    size = record.INDEX_HEADER_SIZE + slot_count * 4 + n * record.INDEX_ENTRY_SIZE
+    with tempfile.TemporaryFile() as fh:
+        fh.truncate(size)
+        with mmap.mmap(fh.fileno(), size) as mm:
+            if hashes:
+                stamps = np.full(len(hashes), 1_700_000_000_000, np.int64)
+                stamps[len(hashes) // 2 :] += 5_000  # two eras of seconds
+                PY.index_put(
+                    mm,
+                    fh.fileno(),
+                    slot_count,
+                    1,
+                    1_700_000_000_000,
+                    np.asarray(hashes, np.int64),
+                    np.asarray(offsets, np.int64),
+                    stamps,
+                )
+            return bytearray(mm[:])
+
+
+def index_checks(data: bytearray, slot_count: int, n: int, begin: int) -> list[tuple[int, int]]:
+    """Both engines' ``index_check`` with and without ``full``; they must agree."""
+    found = []
+    for full in (False, True):
+        native = NATIVE.index_check(data, slot_count, n, begin, full)
+        assert native == PY.index_check(data, slot_count, n, begin, full)
+        found.append(native)
+    return found
+
+
+@SETTINGS
+@given(
+    st.sampled_from([1, 3, 7, 64]),
+    st.lists(st.integers(0, 2**31 - 1), max_size=200),
+    st.lists(st.tuples(st.integers(0, 10**9), st.binary(min_size=1, max_size=8)), max_size=3),
+    st.integers(0, 10**6),
+)
+def test_index_check_agrees_on_damaged_slots_and_entries(
+    slot_count: int, hashes: list[int], damage: list[tuple[int, bytes]], begin: int
+) -> None:
+    """The IndexFile structure check at start (decision 830): the native twin reports the same
+    first problem as the reference on well-formed files and on bytes overwritten anywhere in
+    the slots and entries, with and without ``full``."""
+    offsets = [begin + 100 * i for i in range(len(hashes))]
+    data = index_file_bytes(slot_count, hashes, offsets)
+    n = len(hashes) + 1
+    assert index_checks(data, slot_count, n, begin) == [(0, 0), (0, 0)]
+    for where, value in damage:
+        at = record.INDEX_HEADER_SIZE + where % (len(data) - record.INDEX_HEADER_SIZE)
+        data[at : at + len(value)] = value[: len(data) - at]
+    index_checks(data, slot_count, n, begin)
+    # A file whose header says fewer entries than it holds, and its begin offset moved up.
+    index_checks(data, slot_count, max(1, n // 2), begin + 150)
+
+
+def test_index_check_agrees_across_its_steps() -> None:
+    """More entries than one step of the check (``INDEX_CHECK_STEP``): an entry with a link to
+    another slot's entry is reported only when no entry of its step breaks a simpler rule, and
+    a problem in the second step is found after a good first one; both engines agree on which
+    entry they name."""
+    step = record.INDEX_CHECK_STEP
+    count = step + 4000
+    rnd = np.random.default_rng(830)
+    slot_count = 1 << 16
+    hashes = rnd.integers(0, 2**31 - 1, count).tolist()
+    offsets = list(range(0, 64 * count, 64))
+    clean = index_file_bytes(slot_count, hashes, offsets)
+    n = count + 1
+    assert index_checks(clean, slot_count, n, 0) == [(0, 0), (0, 0)]
+    entries_at = record.INDEX_HEADER_SIZE + slot_count * 4
+
+    def entry_field(data: bytearray, number: int, at: int, fmt: str, value: int) -> None:
+        struct.pack_into(fmt, data, entries_at + number * record.INDEX_ENTRY_SIZE + at, value)
+
+    def linked_to_another_slot(number: int) -> int:
+        prev = number - 1
+        while hashes[prev - 1] % slot_count == hashes[number - 1] % slot_count:
+            prev -= 1
+        return prev
+
+    # A link to an entry of another slot at 1,000, and a negative seconds field at 900,000 in
+    # the same step: the step reports the seconds first.
+    data = bytearray(clean)
+    entry_field(data, 1_000, 16, ">i", linked_to_another_slot(1_000))
+    assert index_checks(data, slot_count, n, 0)[1] == (3, 1_000)
+    entry_field(data, 900_000, 12, ">i", -5)
+    assert index_checks(data, slot_count, n, 0)[1] == (3, 900_000)
+    # In the second step: an offset below the previous entry's, after a link problem.
+    data = bytearray(clean)
+    entry_field(data, step + 10, 16, ">i", linked_to_another_slot(step + 10))
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step + 10)
+    entry_field(data, step + 3000, 4, ">q", 5)
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step + 3000)
+    # The first offset against the file's begin offset, across the step boundary too.
+    data = bytearray(clean)
+    assert index_checks(data, slot_count, n, 1)[1] == (3, 1)
+    entry_field(data, step, 4, ">q", 64 * (step - 2) - 1)  # below entry step - 1
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step)

@@ -2544,6 +2544,86 @@ def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_ti
     return empty
 
 
+DEF INDEX_CHECK_STEP = 1 << 20  # record.INDEX_CHECK_STEP
+DEF _PREFETCH_AHEAD = 16
+
+cdef extern from *:
+    void __builtin_prefetch(const void* p) noexcept nogil
+
+
+cdef inline int64_t _floor_mod(int64_t a, int64_t m) noexcept nogil:
+    """Python's ``a % m`` for ``m > 0`` (numpy's too): never negative."""
+    cdef int64_t r = a % m
+    return r + m if r < 0 else r
+
+
+cdef int _index_check_raw(const unsigned char* b, int64_t slot_count, int64_t n,
+                          int64_t begin_offset, bint full, int64_t* where) noexcept nogil:
+    """``record.index_check_py`` over the file's bytes ``b`` (its checks, in its order)."""
+    cdef const unsigned char* slots = b + INDEX_HEADER
+    cdef const unsigned char* entries = slots + slot_count * 4
+    cdef const unsigned char* e
+    cdef int64_t s, head, ahead, i, lo, hi, last, offset, prev, h, wrong = -1
+    # One pass over the slots: a slot out of range anywhere is reported before a slot naming
+    # an entry of another slot (the reference checks all of the first before the second).
+    for s in range(slot_count):
+        if full and s + _PREFETCH_AHEAD < slot_count:
+            # The slots' entries lie all over the file: ask for one a few slots ahead, so the
+            # cache misses overlap instead of following one another.
+            ahead = <int32_t>tmq_be32(slots + (s + _PREFETCH_AHEAD) * 4)
+            if 0 < ahead < n:
+                __builtin_prefetch(entries + ahead * INDEX_ENTRY)
+        head = <int32_t>tmq_be32(slots + s * 4)
+        if head < 0 or head >= n:
+            where[0] = s
+            return 1
+        if full and head != 0 and wrong < 0:
+            if _floor_mod(<int32_t>tmq_be32(entries + head * INDEX_ENTRY), slot_count) != s:
+                wrong = s
+    if not full:
+        return 0
+    if wrong >= 0:
+        where[0] = wrong
+        return 2
+    last = begin_offset
+    lo = 1
+    while lo < n:
+        hi = min(n, lo + INDEX_CHECK_STEP)
+        for i in range(lo, hi):
+            e = entries + i * INDEX_ENTRY
+            h = <int32_t>tmq_be32(e)
+            offset = <int64_t>tmq_be64(e + 4)
+            prev = <int32_t>tmq_be32(e + 16)
+            if (h < 0 or prev < 0 or prev >= i or offset < last
+                    or <int32_t>tmq_be32(e + 12) < 0):
+                where[0] = i
+                return 3
+            last = offset
+        for i in range(lo, hi):
+            e = entries + i * INDEX_ENTRY
+            prev = <int32_t>tmq_be32(e + 16)
+            if prev > 0:
+                h = <int32_t>tmq_be32(e)
+                if (_floor_mod(<int32_t>tmq_be32(entries + prev * INDEX_ENTRY), slot_count)
+                        != _floor_mod(h, slot_count)):
+                    where[0] = i
+                    return 3
+        lo = hi
+    return 0
+
+
+def index_check(mm, Py_ssize_t slot_count, Py_ssize_t n, int64_t begin_offset, bint full):
+    """``record.index_check_py`` in one release of the GIL: ``(kind, slot or entry number)``."""
+    cdef const unsigned char[::1] m = mm
+    cdef int64_t where = 0
+    cdef int kind
+    if slot_count <= 0 or n < 1 or INDEX_HEADER + slot_count * 4 + n * INDEX_ENTRY > m.shape[0]:
+        raise ValueError(f"index_check: {slot_count} slots and {n} entries do not fit the mapping")
+    with nogil:
+        kind = _index_check_raw(&m[0], slot_count, n, begin_offset, full, &where)
+    return kind, where
+
+
 # -- a whole dispatch pass in one call (decision 695) -------------------------------------------
 
 cdef struct CqQueue:

@@ -1079,6 +1079,63 @@ def index_put_py(
     return int(np.count_nonzero(held == 0))
 
 
+# How many entries ``index_check_py`` reads at a time (its numpy arrays stay a few MB).
+INDEX_CHECK_STEP = 1 << 20
+
+
+def index_check_py(
+    mm: Buffer, slot_count: int, n: int, begin_offset: int, full: bool
+) -> tuple[int, int]:
+    """The first thing wrong with an IndexFile's slots and entries ``1 .. n - 1`` (``n``: the
+    header's next entry number; layout ``tiered/hot/index_file.py``'s), as ``put_many`` never
+    writes it (decision 687): ``(0, 0)`` nothing; ``(1, slot)`` a slot naming an entry number
+    outside ``[0, n)``; with ``full``, ``(2, slot)`` a slot whose entry has the hash of another
+    slot, and ``(3, number)`` an entry with a negative hash or seconds, a link that is not to
+    an older entry (0: none), a CommitLog offset below the previous entry's (the first entry's:
+    below ``begin_offset``; entries are in record order, decision 756), or a link to an entry of
+    another slot. Every slot is checked for ``(1, ...)`` before any for ``(2, ...)``; entries are
+    checked ``INDEX_CHECK_STEP`` at a time, and within a step the links' slots only once every
+    entry of it passed the rest (``(3, ...)`` names the first failing entry of that order)."""
+    slots = np.frombuffer(mm, np.dtype(">i4"), slot_count, INDEX_HEADER_SIZE)
+    entries = np.frombuffer(
+        mm, INDEX_ENTRY_DTYPE, n, INDEX_HEADER_SIZE + slot_count * INDEX_SLOT_SIZE
+    )
+    try:
+        heads = slots.astype(np.int64)
+        bad = np.flatnonzero((heads < 0) | (heads >= n))
+        if len(bad):
+            return 1, int(bad[0])
+        if not full:
+            return 0, 0
+        used = np.flatnonzero(heads)
+        head_hashes = entries["hash"][heads[used]].astype(np.int64)
+        wrong = np.flatnonzero(head_hashes % slot_count != used)
+        if len(wrong):
+            return 2, int(used[wrong[0]])
+        del heads, used, head_hashes
+        last = begin_offset
+        for lo in range(1, n, INDEX_CHECK_STEP):
+            hi = min(n, lo + INDEX_CHECK_STEP)
+            part = entries[lo:hi]
+            hashes = part["hash"].astype(np.int64)
+            prev = part["prev"].astype(np.int64)
+            numbers = np.arange(lo, hi, dtype=np.int64)
+            linked = prev > 0
+            ok = (hashes >= 0) & (prev >= 0) & (prev < numbers)
+            offsets = part["offset"].astype(np.int64)
+            ok &= offsets >= np.concatenate(([last], offsets[:-1]))
+            last = int(offsets[-1])
+            ok &= part["seconds"] >= 0
+            if ok.all():
+                targets = entries["hash"][prev[linked]].astype(np.int64)
+                ok[linked] = targets % slot_count == hashes[linked] % slot_count
+            if not ok.all():
+                return 3, lo + int(np.argmin(ok))
+        return 0, 0
+    finally:
+        del slots, entries
+
+
 def dispatch_pass_py(
     offsets: Sequence[int],
     sizes: Sequence[int],
@@ -1460,6 +1517,7 @@ class _PythonEngine:
     dispatch_columns = staticmethod(dispatch_columns_py)
     cq_blocks = staticmethod(cq_blocks_py)
     index_put = staticmethod(index_put_py)
+    index_check = staticmethod(index_check_py)
     dispatch_pass = staticmethod(dispatch_pass_py)
 
 
@@ -1628,6 +1686,14 @@ def index_put(
     return int(
         _engine.index_put(mm, fd, slot_count, first, begin_timestamp, hashes, offsets, timestamps)
     )
+
+
+def index_check(
+    mm: Buffer, slot_count: int, n: int, begin_offset: int, full: bool
+) -> tuple[int, int]:
+    """See ``index_check_py`` (an IndexFile's structure check at start, in one call)."""
+    kind, where = _engine.index_check(mm, slot_count, n, begin_offset, full)
+    return int(kind), int(where)
 
 
 def dispatch_pass(

@@ -445,13 +445,13 @@ class MessageStore:
             )
         self.commitlog.load()
         cq_dir_present = self.config.consumequeue_dir.exists()
-        # The ConsumeQueues load beside the CommitLog scan (which runs without the GIL): the
-        # two touch different files, and only the cut below needs both.
+        # The ConsumeQueues and IndexFiles load beside the CommitLog scan (which runs without
+        # the GIL): they touch different files, and only the cut below needs all three. The
+        # IndexFile check is native too (decision 830).
         pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-cq")
-        queues_loaded = pool.submit(self.queues.load_and_recover)
+        queues_loaded = pool.submit(self._load_queues_and_index)
         pool.shutdown(wait=False)
         try:
-            self.index.load()
             # The scan hands over the dispatch fields of what it validates: re-dispatch then
             # reads no CommitLog byte a second time (decision 240).
             scanned: list[DispatchColumns] = []
@@ -550,6 +550,12 @@ class MessageStore:
         self.index.flush()
         self._save_checkpoint()
         return report
+
+    def _load_queues_and_index(self) -> None:
+        """Load (and check) the ConsumeQueues, then the IndexFiles: the derived files, which
+        the start loads beside the CommitLog scan."""
+        self.queues.load_and_recover()
+        self.index.load()
 
     def _apply_queue_floors(self) -> None:
         """Start every queue with a floor at or above it, before re-dispatch: a queue that ends
