@@ -21,7 +21,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tiered import columnar, record
@@ -315,6 +315,7 @@ def test_recovery_scan_agrees_on_damaged_runs(
     st.integers(0, 255),
     st.booleans(),
 )
+@example(0, 747, 54, True)  # SYSFLAG bit 16 cleared: read as a record without its pair (870)
 def test_recovery_scan_of_same_sized_bodies_agrees_on_damage(
     body_len: int, where: int, value: int, check_crc: bool
 ) -> None:
@@ -678,6 +679,29 @@ def test_a_damaged_record_whose_body_crc_passes_is_refused(field: str) -> None:
         columnar.decode_run_py(buf, [0, second])
     # Without the CRC checks (a caller that trusts the bytes) the record still decodes.
     assert len(NATIVE.decode_many(buf, [second], False)) == 1
+
+
+@pytest.mark.parametrize("value", [0x00, 0x36, 0x03, 0x81])
+def test_a_damaged_sysflag_byte_cannot_turn_the_record_crc_off(value: int) -> None:
+    """SYSFLAG bit 16 says the record ends with its CRC pair (decision 210). A byte of damage
+    that clears it must not make the record read as one written before the pair, with the pair
+    served as a property: a bit no encoder sets is damage, and a record without the bit whose
+    pair matches the record as it was written (bit set) is refused as damaged (decision 870)."""
+    msgs = [Message("topic", b"", properties={"UNIQ_KEY": f"U{i}"}) for i in range(3)]
+    data = bytearray(run_of(msgs))
+    second = len(records_of(bytes(data))[0])
+    assert data[second + 37] == 0x01  # SYSFLAG's bits 16-23: only the record CRC flag
+    data[second + 37] = value
+    buf = bytes(data)
+    for engine in (PY, NATIVE):
+        assert scan(engine, buf) == (second, 1)
+        with pytest.raises(RecordError):
+            engine.decode_many(buf, [second], True)
+        with pytest.raises(RecordError):
+            engine.segment_tables(buf, 0)
+    for decode_run in (columnar.decode_run, columnar.decode_run_py):
+        with pytest.raises(RecordError):
+            decode_run(buf, [0, second])
 
 
 def test_a_record_flagged_with_a_crc_too_short_to_hold_it_is_malformed() -> None:

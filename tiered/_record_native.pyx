@@ -77,6 +77,8 @@ DEF V4_HEAD = 88
 DEF SYSFLAG_BORN_V6 = 16
 DEF SYSFLAG_STORE_V6 = 32
 DEF SYSFLAG_RECORD_CRC = 65536
+DEF SYSFLAG_KNOWN = SYSFLAG_BORN_V6 | SYSFLAG_STORE_V6 | SYSFLAG_RECORD_CRC  # decision 870
+DEF SYSFLAG_BIT16_BYTE = 37
 DEF CRC_PAIR = 20  # record.CRC_TRAILER_SIZE: ``__CRC32#\x01``, ten digits, ``\x02``
 DEF MAX_TOPIC = 0xFFFF
 DEF MAX_PROPS = 0x7FFF - CRC_PAIR
@@ -170,6 +172,23 @@ cdef inline bint _record_crc_ok(const unsigned char* rec, int64_t total) noexcep
     """``record.record_crc_matches`` for the record of ``total`` bytes at ``rec``."""
     cdef unsigned char pair[CRC_PAIR]
     _put_crc_pair(pair, tmq_crc32c_extend3(0, rec, total - CRC_PAIR))
+    return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
+
+
+cdef inline bint _record_crc_flag_lost(const unsigned char* rec, int64_t total) noexcept nogil:
+    """``record.record_crc_flag_lost``: a record without SYSFLAG bit 16 that ends with the pair
+    it would carry had the bit been set (its flag byte damaged, decision 870)."""
+    cdef unsigned char pair[CRC_PAIR]
+    cdef unsigned char flag_byte
+    cdef uint32_t crc
+    if total < V4_HEAD + CRC_PAIR or memcmp(rec + total - CRC_PAIR, b"__CRC32#\x01", 9) != 0:
+        return False
+    flag_byte = rec[SYSFLAG_BIT16_BYTE] | 1
+    crc = tmq_crc32c_extend(0, rec, SYSFLAG_BIT16_BYTE)
+    crc = tmq_crc32c_extend(crc, &flag_byte, 1)
+    crc = tmq_crc32c_extend3(crc, rec + SYSFLAG_BIT16_BYTE + 1,
+                             total - CRC_PAIR - SYSFLAG_BIT16_BYTE - 1)
+    _put_crc_pair(pair, crc)
     return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
 
 
@@ -912,6 +931,8 @@ cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_
         body_crc = tmq_crc32c_extend3(0, b + body_at, body_len)
         if body_crc != tmq_be32(b + pos + 8):
             return -2
+    if sys_flag & ~SYSFLAG_KNOWN:
+        return -1
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_PAIR:
             return -1
@@ -921,6 +942,8 @@ cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_
                     return -3
             elif not _record_crc_ok(b + pos, total):
                 return -3
+    elif check_crc and _record_crc_flag_lost(b + pos, total):
+        return -3
     return total
 
 
@@ -1386,6 +1409,8 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
     s.store_at = store_ts_at + 8
     if check_crc and tmq_crc32c_extend(0, b + s.body_at, s.body_len) != tmq_be32(b + pos + 8):
         return -1
+    if sys_flag & ~SYSFLAG_KNOWN:
+        return -1
     if sys_flag & SYSFLAG_RECORD_CRC:
         # The record CRC pair ends the properties; no decoded field holds it.
         if s.props_len < CRC_PAIR:
@@ -1393,6 +1418,8 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
         if check_crc and not _record_crc_ok(b + pos, total):
             return -1
         s.props_len -= CRC_PAIR
+    elif check_crc and _record_crc_flag_lost(b + pos, total):
+        return -1
     return 0
 
 

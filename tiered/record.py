@@ -71,6 +71,10 @@ SYSFLAG_BORNHOST_V6 = 1 << 4
 SYSFLAG_STOREHOST_V6 = 1 << 5
 # tmq's: the record ends with the record CRC pair. RocketMQ's own flags use bits 0-10.
 SYSFLAG_RECORD_CRC = 1 << 16
+# Every SYSFLAG bit a tmq encoder has ever set; a record with any other bit is damaged (decision
+# 870): one flipped bit must not turn the record CRC's flag off unnoticed.
+SYSFLAG_KNOWN = SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6 | SYSFLAG_RECORD_CRC
+_SYSFLAG_BIT16_BYTE = 37  # SYSFLAG is the big-endian int at byte 36: bit 16 is byte 37's low bit
 
 PROPERTY_KEYS = "KEYS"
 PROPERTY_TAGS = "TAGS"
@@ -295,6 +299,24 @@ def record_crc_matches(buf: Buffer, pos: int, total: int) -> bool:
     return bytes(buf[end - CRC_TRAILER_SIZE : end]) == crc_trailer(
         crc32c(bytes(buf[pos : end - CRC_TRAILER_SIZE]))
     )
+
+
+def record_crc_flag_lost(buf: Buffer, pos: int, total: int) -> bool:
+    """Whether a record without SYSFLAG bit 16 ends with the pair it would carry had the bit
+    been set: a record written with its record CRC whose flag byte was damaged (decision 870).
+    A record written before decision 210 ends with such a pair only by a 2**-31 chance."""
+    end = pos + total
+    if (
+        total < V4_HEAD_SIZE + CRC_TRAILER_SIZE
+        or bytes(buf[end - CRC_TRAILER_SIZE : end - CRC_TRAILER_SIZE + len(_CRC_TRAILER_NAME)])
+        != _CRC_TRAILER_NAME
+    ):
+        return False
+    flag_byte = pos + _SYSFLAG_BIT16_BYTE
+    crc = crc32c(bytes(buf[pos:flag_byte]))
+    crc = crc32c_extend(crc, bytes([buf[flag_byte] | 1]))
+    crc = crc32c_extend(crc, bytes(buf[flag_byte + 1 : end - CRC_TRAILER_SIZE]))
+    return bytes(buf[end - CRC_TRAILER_SIZE : end]) == crc_trailer(crc)
 
 
 def encode_properties(properties: dict[str, str]) -> bytes:
@@ -716,6 +738,8 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
             f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
             "body CRC mismatch"
         )
+    if sys_flag & ~SYSFLAG_KNOWN:
+        raise RecordError(f"record at {pos}: unknown SYSFLAG bits {sys_flag:#x}")
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_TRAILER_SIZE:
             raise RecordError(f"record at {pos}: properties too short for the record CRC")
@@ -725,6 +749,11 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
                 "record CRC mismatch"
             )
         props_raw = props_raw[:-CRC_TRAILER_SIZE]
+    elif check_crc and record_crc_flag_lost(buf, pos, total):
+        raise RecordCrcError(
+            f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
+            "its record CRC flag is cleared"
+        )
     try:
         properties = decode_properties(props_raw)
     except UnicodeDecodeError as e:
@@ -780,6 +809,8 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
         raise RecordError(f"record at {physical_offset}: fields do not add up to {total} bytes")
     if check_crc and crc32c(bytes(buf[body_at:p])) != crc:
         raise CorruptRecordError(f"record at physical offset {physical_offset}: body CRC mismatch")
+    if sys_flag & ~SYSFLAG_KNOWN:
+        raise RecordError(f"record at {physical_offset}: unknown SYSFLAG bits {sys_flag:#x}")
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_TRAILER_SIZE:
             raise RecordError(
@@ -789,6 +820,10 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
             raise RecordCrcError(
                 f"record at physical offset {physical_offset}: record CRC mismatch"
             )
+    elif check_crc and record_crc_flag_lost(buf, pos, total):
+        raise RecordCrcError(
+            f"record at physical offset {physical_offset}: its record CRC flag is cleared"
+        )
     return int(total)
 
 
