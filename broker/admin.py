@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,6 +23,7 @@ from broker.timer import TimerStats
 from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
 from offload.verify import verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
+from tiered.cold.manifest import QueueManifest
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
 
@@ -70,6 +71,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         timers: Callable[[], TimerStats | None] = lambda: None,
         transactions_pending: Callable[[], dict[str, int]] = dict,
         before_put_topic: Callable[[TopicConfig, TopicConfig | None], None] = lambda _c, _e: None,
+        tier_manifests: Callable[
+            [Iterable[tuple[str, int]]], dict[tuple[str, int], QueueManifest | None]
+        ]
+        | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -84,6 +89,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         # The broker's check of the queues a topic change makes tiered against their archives
         # (decision 745): it raises to refuse the change.
         self.before_put_topic = before_put_topic
+        # Tiered queues' manifests within the broker's admin_tier_wait_ms, None where the tier
+        # did not answer in time (decision 810); without it, loaded one by one with no deadline.
+        self.tier_manifests = tier_manifests
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -119,22 +127,41 @@ class AdminServicer(pb_grpc.AdminServicer):
         except StorageError:
             return -1
 
-    def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
-        def watermark(q: int) -> int:
+    def _manifests(self, cfgs: list[TopicConfig]) -> dict[tuple[str, int], QueueManifest | None]:
+        """The manifests of the tiered queues of ``cfgs``, all under one deadline (decision
+        810): loaded one after the other with no deadline, a description during an outage
+        waited out the tier's retries for every queue whose manifest was not cached."""
+        queues = [(c.name, q) for c in cfgs if c.tiered for q in range(c.queues)]
+        if self.offloader is None or not queues:
+            return {}
+        if self.tier_manifests is not None:
+            return self.tier_manifests(queues)
+        offloader = self.offloader
+        return {(t, q): offloader.manifest(t, q) for t, q in queues}
+
+    def _describe(
+        self, cfg: TopicConfig, manifests: dict[tuple[str, int], QueueManifest | None]
+    ) -> pb.TopicDescription:
+        def watermark(q: int) -> int | None:
+            """The queue's tier watermark; None when its manifest is unknown (decision 810)."""
             if self.offloader is None or not cfg.tiered:
                 return 0
-            manifest = self.offloader.manifest(cfg.name, q)
+            manifest = manifests.get((cfg.name, q))
+            if manifest is None:
+                return None
             # An archive another data directory wrote holds none of this broker's messages
             # (decision 690): its end is not this queue's watermark.
             return 0 if self.offloader.foreign(manifest) else manifest.end_offset
 
         def queue(q: int) -> pb.QueueStats:
+            tier_watermark = watermark(q)
             stats = pb.QueueStats(
                 queue=q,
                 min_offset=self._min_offset(cfg.name, q),
                 max_offset=self.store.max_offset(cfg.name, q),
                 hot_min_offset=self.store.hot_min_offset(cfg.name, q),
-                tier_watermark=watermark(q),
+                tier_watermark=-1 if tier_watermark is None else tier_watermark,
+                tier_unknown=tier_watermark is None,
             )
             hold = self.offloader.held(cfg.name, q) if self.offloader and cfg.tiered else None
             if hold is not None:  # held at a damaged ConsumeQueue entry (decision 755)
@@ -162,17 +189,14 @@ class AdminServicer(pb_grpc.AdminServicer):
         if cfg is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.name} does not exist")
             raise AssertionError("abort raises")
-        return self._describe(cfg)
+        return self._describe(cfg, self._manifests([cfg]))
 
     def ListTopics(
         self, request: pb.ListTopicsRequest, context: grpc.ServicerContext
     ) -> pb.ListTopicsResponse:
-        return pb.ListTopicsResponse(
-            topics=[
-                self._describe(t)
-                for t in sorted(self.metadata.topics.values(), key=lambda t: t.name)
-            ]
-        )
+        cfgs = sorted(self.metadata.topics.values(), key=lambda t: t.name)
+        manifests = self._manifests(cfgs)
+        return pb.ListTopicsResponse(topics=[self._describe(t, manifests) for t in cfgs])
 
     def PutGroup(
         self, request: pb.PutGroupRequest, context: grpc.ServicerContext

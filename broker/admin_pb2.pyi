@@ -27,7 +27,7 @@ class Topic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms")
+    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms", "tier_unknown")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class QueueStats(_message.Message):
     OFFLOAD_HELD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HELD_REASON_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HELD_SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIER_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     queue: int
     min_offset: int
     max_offset: int
@@ -46,7 +47,8 @@ class QueueStats(_message.Message):
     offload_held_offset: int
     offload_held_reason: str
     offload_held_since_ms: int
-    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ...) -> None: ...
+    tier_unknown: bool
+    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ..., tier_unknown: _Optional[bool] = ...) -> None: ...
 
 class TopicDescription(_message.Message):
     __slots__ = ("topic", "queues", "timers_pending", "timer_delivery_lag_seconds", "transactions_pending")
