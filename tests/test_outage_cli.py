@@ -31,9 +31,10 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
     restarts while the tier resets every connection, so no manifest is cached. Then the tier
     black-holes, then answers 503. On main `tmq topic describe`/`list`/`offload status` each
     failed after the CLI's own 10 s (`Deadline Exceeded`) while the broker went on loading
-    manifests one after the other through the tier's retries. Now each answers within the
-    broker's wait plus the CLI's start, with every queue's tier watermark null (JSON) or
-    `unknown` (text) and exit 4; once the tier answers, the real watermark (100) again, exit 0."""
+    manifests one after the other through the tier's retries, and `tmq status` said `cold 0 B`
+    (exit 0). Now each answers within the broker's wait plus the CLI's start, with every
+    queue's tier watermark (and archive size) null in JSON, `unknown` in text, and exit 4; once
+    the tier answers, the real values again, exit 0."""
     url = f"s3://{bucket}/outage"
     env = {**S3Endpoint(fault_proxy.url, "proxy").env(), "TMQ_BROKER_ADMIN_TIER_WAIT_MS": "1000"}
     data = tmp_path / "data"
@@ -88,6 +89,18 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
             assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
             assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [None, None]
 
+            # `tmq status` reported the archive as empty: `cold 0 B`, exit 0.
+            took, status = _timed("status", "-n", n, "--json")
+            assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
+            doc = json.loads(status.stdout)
+            (topic,) = doc["tiered_topics"]
+            assert topic["lag_known"] is False and topic["store_bytes"]["cold"] is None, topic
+            assert [q["store_bytes"]["cold"] for q in topic["queues"]] == [None, None], topic
+            assert doc["brokers"][0]["store_bytes"]["cold"] is None, doc["brokers"]
+            took, text = _timed("status", "-n", n)
+            assert text.returncode == TIER_UNKNOWN and "cold unknown" in text.stdout, text.stdout
+            assert "cold 0 B" not in text.stdout, text.stdout
+
         fault_proxy.heal()
 
         def answered() -> bool:
@@ -100,6 +113,9 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
             return True
 
         wait_until("the healed tier's watermarks described", answered, 60)
+        wait_until("the tier's size known", lambda: tmq("status", "-n", n).returncode == 0, 30)
+        doc = json.loads(tmq("status", "-n", n, "--json").stdout)
+        assert doc["tiered_topics"][0]["store_bytes"]["cold"] > 200_000, doc
     finally:
         fault_proxy.heal()
         node.stop()
