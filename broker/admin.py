@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import grpc
 
@@ -57,6 +58,14 @@ def topic_from_pb(t: pb.Topic) -> TopicConfig:
     )
 
 
+class TierManifests(Protocol):
+    """``Broker.tier_manifests``: queues' manifests within the broker's admin_tier_wait_ms."""
+
+    def __call__(
+        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
+    ) -> dict[tuple[str, int], QueueManifest | None]: ...
+
+
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
         self,
@@ -71,10 +80,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         timers: Callable[[], TimerStats | None] = lambda: None,
         transactions_pending: Callable[[], dict[str, int]] = dict,
         before_put_topic: Callable[[TopicConfig, TopicConfig | None], None] = lambda _c, _e: None,
-        tier_manifests: Callable[
-            [Iterable[tuple[str, int]]], dict[tuple[str, int], QueueManifest | None]
-        ]
-        | None = None,
+        tier_manifests: TierManifests | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -278,6 +284,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         if self.apply_retention is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
             raise AssertionError("abort raises")
+        self._tier_answers_for_retention(request.topic, context)
         try:
             results = self.apply_retention(request.topic or None, request.dry_run)
         except OffloadError as e:
@@ -297,6 +304,31 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for r in results
             ]
         )
+
+    def _tier_answers_for_retention(self, topic: str, context: grpc.ServicerContext) -> None:
+        """Refuse (UNAVAILABLE) at once unless the tier gives every queue's manifest that
+        retention would reload within the broker's admin_tier_wait_ms (decision 810): against
+        a black-holed tier, retention waited out the tier's retries (minutes per queue) long
+        after the CLI had given up at its 10 s. The broker's offload passes apply retention
+        anyway once the tier answers."""
+        if self.tier_manifests is None:
+            return
+        queues = [
+            (c.name, q)
+            for c in self.metadata.topics.values()
+            if (not topic or c.name == topic) and c.tiered and (c.retention_ms or c.retention_bytes)
+            for q in range(c.queues)
+        ]
+        found = self.tier_manifests(queues, refresh=True)
+        silent = sorted(k for k, m in found.items() if m is None)
+        if silent:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the cold tier did not answer for {len(silent)} queue(s) in time ("
+                + ", ".join(f"{t}/{q}" for t, q in silent)
+                + "): retention not applied now; the broker applies it on its offload passes "
+                "once the tier answers",
+            )
 
     def _tiered(self, name: str, context: grpc.ServicerContext) -> tuple[TopicConfig, Offloader]:
         cfg = self.metadata.topic(name)

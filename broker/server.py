@@ -443,25 +443,26 @@ class Broker:
         return future
 
     def tier_manifests(
-        self, queues: Iterable[tuple[str, int]]
+        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
     ) -> dict[tuple[str, int], QueueManifest | None]:
         """The manifests of ``queues``, (topic, queue id) pairs: cached ones at once, the others
         loaded together under one deadline, ``admin_tier_wait_ms``. What topic descriptions
         report their tier watermarks from. None for a queue whose manifest did not come in time
         or could not be read: its watermark is reported unknown rather than 0 (decision 810).
         Loads given up on go on in their daemon threads and only fill the cache, so a later
-        description has them at once."""
+        description has them at once. ``refresh``: every manifest is loaded from the tier, none
+        taken from the cache (a check that the tier answers for them now)."""
         offloader = self.offloader
         if offloader is None:
             return {}
         found: dict[tuple[str, int], QueueManifest | None] = {}
         loads: dict[tuple[str, int], Future[QueueManifest]] = {}
         for topic, q in queues:
-            cached = offloader.cached_manifest(topic, q)
+            cached = None if refresh else offloader.cached_manifest(topic, q)
             if cached is not None:
                 found[(topic, q)] = cached
             else:
-                loads[(topic, q)] = self._load_archive(offloader, topic, q, refresh=False)
+                loads[(topic, q)] = self._load_archive(offloader, topic, q, refresh=refresh)
         deadline = time.monotonic() + self.config.admin_tier_wait_ms / 1000
         for key, load in loads.items():
             try:

@@ -40,7 +40,9 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
     data = tmp_path / "data"
     node = start_tiered(data, url, env)
     try:
-        created = tmq("topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered")
+        created = tmq(
+            "topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered", "--ttl", "30d"
+        )
         assert created.returncode == 0, created.stderr
         node.wait_routed(TOPIC)
         send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(200)])
@@ -89,6 +91,14 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
             assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
             assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [None, None]
 
+            # Retention reloads every manifest: it waited out the tier's retries while the CLI
+            # gave up at 10 s ("no answer"). Now refused at once, naming the queues.
+            took, retained = _timed("retain", TOPIC, "-n", n, "--apply", "--dry-run")
+            assert retained.returncode == 1 and took < 9, (took, retained.stderr)
+            assert "the cold tier did not answer for 2 queue(s) in time" in retained.stderr, (
+                retained.stderr
+            )
+
             # `tmq status` reported the archive as empty: `cold 0 B`, exit 0.
             took, status = _timed("status", "-n", n, "--json")
             assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
@@ -113,6 +123,11 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
             return True
 
         wait_until("the healed tier's watermarks described", answered, 60)
+        wait_until(
+            "retention applied again",
+            lambda: tmq("retain", TOPIC, "-n", n, "--apply", "--dry-run").returncode == 0,
+            30,
+        )
         wait_until("the tier's size known", lambda: tmq("status", "-n", n).returncode == 0, 30)
         doc = json.loads(tmq("status", "-n", n, "--json").stdout)
         assert doc["tiered_topics"][0]["store_bytes"]["cold"] > 200_000, doc
