@@ -223,7 +223,11 @@ def test_an_object_store_outage_stops_no_hot_read(
             # A read that waited on the black-holed store would take the cold deadline (2.5 s);
             # these take about 0.02 s, outage or not (decision 861). The load average is in
             # the message: at load 32 a 1.04 s pull was the machine's, not the broker's.
-            assert max(plain.seconds, hot.seconds) < 1.0, (plain.seconds, hot.seconds, os.getloadavg())
+            assert max(plain.seconds, hot.seconds) < 1.0, (
+                plain.seconds,
+                hot.seconds,
+                os.getloadavg(),
+            )
             started = time.monotonic()
             received = consumer.receive(16, 30)
             assert received and time.monotonic() - started < 2.0
