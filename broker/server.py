@@ -733,6 +733,10 @@ class Broker:
             self.namesrv.register(registration)
 
     def _replication_changed(self, current: ReplicationMaster | ReplicationSlave | None) -> None:
+        # A new term of pop state (decision 860): a member elected again takes its groups'
+        # positions from the replicated offsets, and a deposed one stops reviving deliveries
+        # of a term that is over.
+        self.pop.new_term()
         self.replication = current
         self._register_now.set()
 

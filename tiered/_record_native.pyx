@@ -341,7 +341,8 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         memcpy(p, r.topic_part, r.topic_part_len)
         p += r.topic_part_len
         tmq_put16(p, <uint16_t>(r.props_len + CRC_PAIR))
-        memcpy(p + 2, props + r.props_at, r.props_len)
+        if r.props_len:  # props is NULL when no record of the batch has properties
+            memcpy(p + 2, props + r.props_at, r.props_len)
         # Last: the record CRC covers every byte before its pair, offsets and times included:
         # the header's CRC, joined with the body's, extended over topic and properties.
         whole = tmq_crc32c_extend(0, o, head)
