@@ -588,15 +588,16 @@ class MessageStore:
                 return False
             if self.commitlog.queue_offsets.get(key, 0) >= offset:
                 return False
-            floors = {**self.queue_floors, key: offset}
-            rows = sorted([t, q, f] for (t, q), f in floors.items())
-            write_file(
-                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
-            )
-            self.queue_floors = floors
-            self._apply_queue_floors()
+            self._save_queue_floors({**self.queue_floors, key: offset})
             self.commitlog.reset_queue_offsets({**self.commitlog.queue_offsets, key: offset})
             return True
+
+    def _save_queue_floors(self, floors: dict[tuple[str, int], int]) -> None:
+        """Record ``floors`` durably, then apply them (a restart keeps what a read saw)."""
+        rows = sorted([t, q, f] for (t, q), f in floors.items())
+        write_file(self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode())
+        self.queue_floors = floors
+        self._apply_queue_floors()
 
     def raise_queue_floor(self, topic: str, queue_id: int, offset: int) -> None:
         """Make ``offset`` the queue's first local offset when its entries start below it (a
@@ -616,13 +617,7 @@ class MessageStore:
                 )
             if self.queue_floors.get(key, 0) >= offset:
                 return
-            floors = {**self.queue_floors, key: offset}
-            rows = sorted([t, q, f] for (t, q), f in floors.items())
-            write_file(
-                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
-            )
-            self.queue_floors = floors
-            self._apply_queue_floors()
+            self._save_queue_floors({**self.queue_floors, key: offset})
 
     def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
         """Where re-dispatch must start so that the entries loading cut off a queue's end come
