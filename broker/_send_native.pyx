@@ -866,8 +866,9 @@ def scan(bytes raw):
                 return None
             if msgs[count].nprops > max_props:
                 max_props = msgs[count].nprops
-            if count and (msgs[count].topic_n != msgs[0].topic_n or memcmp(
-                    msgs[count].topic, msgs[0].topic, msgs[0].topic_n) != 0):
+            # topic_n first: a message without a topic has a NULL pointer, not for memcmp.
+            if count and (msgs[count].topic_n != msgs[0].topic_n or (msgs[0].topic_n and memcmp(
+                    msgs[count].topic, msgs[0].topic, msgs[0].topic_n) != 0)):
                 return None  # the reference answers a batch of several topics
             count += 1
         if count == 0 or msgs[0].topic_n == 0:

@@ -6,8 +6,9 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import grpc
 
@@ -29,6 +30,7 @@ from offload.resolve import ResolveRefusedError, TierUnavailableError
 from offload.resolve import resolve as resolve_divergence
 from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
+from tiered.cold.manifest import QueueManifest
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
 
@@ -64,6 +66,14 @@ def topic_from_pb(t: pb.Topic) -> TopicConfig:
     )
 
 
+class TierManifests(Protocol):
+    """``Broker.tier_manifests``: queues' manifests within the broker's admin_tier_wait_ms."""
+
+    def __call__(
+        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
+    ) -> dict[tuple[str, int], QueueManifest | None]: ...
+
+
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
         self,
@@ -78,6 +88,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         timers: Callable[[], TimerStats | None] = lambda: None,
         transactions_pending: Callable[[], dict[str, int]] = dict,
         before_put_topic: Callable[[TopicConfig, TopicConfig | None], None] = lambda _c, _e: None,
+        tier_manifests: TierManifests | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -96,6 +107,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         # change that read the topic before another stored it would check, and move, queues
         # the other has already made tiered and messages may be reaching.
         self._put_topic_lock = threading.Lock()
+        # Tiered queues' manifests within the broker's admin_tier_wait_ms, None where the tier
+        # did not answer in time (decision 810); without it, loaded one by one with no deadline.
+        self.tier_manifests = tier_manifests
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -146,29 +160,56 @@ class AdminServicer(pb_grpc.AdminServicer):
         divergence = self.offloader.divergence if self.offloader is not None else None
         return divergence.state(topic, queue_id) if divergence is not None else None
 
-    def _describe(self, cfg: TopicConfig) -> pb.TopicDescription:
-        def watermark(q: int) -> int:
+    def _manifests(self, cfgs: list[TopicConfig]) -> dict[tuple[str, int], QueueManifest | None]:
+        """The manifests of the tiered queues of ``cfgs``, all under one deadline (decision
+        810): loaded one after the other with no deadline, a description during an outage
+        waited out the tier's retries for every queue whose manifest was not cached. A queue
+        not checked against its archive yet is not loaded here (decision 800): its watermark
+        comes from the cached manifest, or is unknown."""
+        queues = [
+            (c.name, q)
+            for c in cfgs
+            if c.tiered
+            for q in range(c.queues)
+            if (shown := self._divergence(c.name, q)) is None or shown[1] is not None
+        ]
+        if self.offloader is None or not queues:
+            return {}
+        if self.tier_manifests is not None:
+            return self.tier_manifests(queues)
+        offloader = self.offloader
+        return {(t, q): offloader.manifest(t, q) for t, q in queues}
+
+    def _describe(
+        self, cfg: TopicConfig, manifests: dict[tuple[str, int], QueueManifest | None]
+    ) -> pb.TopicDescription:
+        def watermark(q: int) -> int | None:
+            """The queue's tier watermark; None when its manifest is unknown (decision 810)."""
             if self.offloader is None or not cfg.tiered:
                 return 0
             shown = self._divergence(cfg.name, q)
             if shown is not None and shown[1] is None:
-                # Not checked against its archive: its manifest could not be loaded (the store
-                # did not answer), and a load here would wait out every retry. Nothing of it
-                # is trusted as archived until the check runs (decision 800).
+                # Not checked against its archive: nothing of it at or past the recorded end is
+                # trusted as archived until the check runs (decision 800), and without a cached
+                # manifest the archive's end is unknown, not 0 (decision 810).
                 cached = self.offloader.cached_manifest(cfg.name, q)
-                return min(cached.end_offset, shown[0]) if cached is not None else 0
-            manifest = self.offloader.manifest(cfg.name, q)
+                return min(cached.end_offset, shown[0]) if cached is not None else None
+            manifest = manifests.get((cfg.name, q))
+            if manifest is None:
+                return None
             # An archive another data directory wrote holds none of this broker's messages
             # (decision 690): its end is not this queue's watermark.
             return 0 if self.offloader.foreign(manifest) else manifest.end_offset
 
         def queue(q: int) -> pb.QueueStats:
+            tier_watermark = watermark(q)
             stats = pb.QueueStats(
                 queue=q,
                 min_offset=self._min_offset(cfg.name, q),
                 max_offset=self.store.max_offset(cfg.name, q),
                 hot_min_offset=self.store.hot_min_offset(cfg.name, q),
-                tier_watermark=watermark(q),
+                tier_watermark=-1 if tier_watermark is None else tier_watermark,
+                tier_unknown=tier_watermark is None,
             )
             hold = self.offloader.held(cfg.name, q) if self.offloader and cfg.tiered else None
             if hold is not None:  # held at a damaged ConsumeQueue entry (decision 755)
@@ -206,17 +247,14 @@ class AdminServicer(pb_grpc.AdminServicer):
         if cfg is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"topic {request.name} does not exist")
             raise AssertionError("abort raises")
-        return self._describe(cfg)
+        return self._describe(cfg, self._manifests([cfg]))
 
     def ListTopics(
         self, request: pb.ListTopicsRequest, context: grpc.ServicerContext
     ) -> pb.ListTopicsResponse:
-        return pb.ListTopicsResponse(
-            topics=[
-                self._describe(t)
-                for t in sorted(self.metadata.topics.values(), key=lambda t: t.name)
-            ]
-        )
+        cfgs = sorted(self.metadata.topics.values(), key=lambda t: t.name)
+        manifests = self._manifests(cfgs)
+        return pb.ListTopicsResponse(topics=[self._describe(t, manifests) for t in cfgs])
 
     def PutGroup(
         self, request: pb.PutGroupRequest, context: grpc.ServicerContext
@@ -298,6 +336,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         if self.apply_retention is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this broker has no cold tier")
             raise AssertionError("abort raises")
+        self._tier_answers_for_retention(request.topic, context)
         try:
             results = self.apply_retention(request.topic or None, request.dry_run)
         except OffloadError as e:
@@ -317,6 +356,31 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for r in results
             ]
         )
+
+    def _tier_answers_for_retention(self, topic: str, context: grpc.ServicerContext) -> None:
+        """Refuse (UNAVAILABLE) at once unless the tier gives every queue's manifest that
+        retention would reload within the broker's admin_tier_wait_ms (decision 810): against
+        a black-holed tier, retention waited out the tier's retries (minutes per queue) long
+        after the CLI had given up at its 10 s. The broker's offload passes apply retention
+        anyway once the tier answers."""
+        if self.tier_manifests is None:
+            return
+        queues = [
+            (c.name, q)
+            for c in self.metadata.topics.values()
+            if (not topic or c.name == topic) and c.tiered and (c.retention_ms or c.retention_bytes)
+            for q in range(c.queues)
+        ]
+        found = self.tier_manifests(queues, refresh=True)
+        silent = sorted(k for k, m in found.items() if m is None)
+        if silent:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the cold tier did not answer for {len(silent)} queue(s) in time ("
+                + ", ".join(f"{t}/{q}" for t, q in silent)
+                + "): retention not applied now; the broker applies it on its offload passes "
+                "once the tier answers",
+            )
 
     def _tiered(self, name: str, context: grpc.ServicerContext) -> tuple[TopicConfig, Offloader]:
         cfg = self.metadata.topic(name)

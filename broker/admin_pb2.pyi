@@ -27,7 +27,7 @@ class Topic(_message.Message):
     def __init__(self, name: _Optional[str] = ..., queues: _Optional[int] = ..., perm: _Optional[int] = ..., message_type: _Optional[str] = ..., tiered: _Optional[bool] = ..., retention_ms: _Optional[int] = ..., local_retention_ms: _Optional[int] = ..., retention_bytes: _Optional[int] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms", "tier_check_pending", "tier_diverged", "tier_unchecked_from", "tier_archive_end", "tier_resolve_copies_from")
+    __slots__ = ("queue", "min_offset", "max_offset", "hot_min_offset", "tier_watermark", "offload_held", "offload_held_offset", "offload_held_reason", "offload_held_since_ms", "tier_check_pending", "tier_diverged", "tier_unchecked_from", "tier_archive_end", "tier_resolve_copies_from", "tier_unknown")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     MIN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class QueueStats(_message.Message):
     TIER_UNCHECKED_FROM_FIELD_NUMBER: _ClassVar[int]
     TIER_ARCHIVE_END_FIELD_NUMBER: _ClassVar[int]
     TIER_RESOLVE_COPIES_FROM_FIELD_NUMBER: _ClassVar[int]
+    TIER_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     queue: int
     min_offset: int
     max_offset: int
@@ -56,7 +57,8 @@ class QueueStats(_message.Message):
     tier_unchecked_from: int
     tier_archive_end: int
     tier_resolve_copies_from: int
-    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ..., tier_check_pending: _Optional[bool] = ..., tier_diverged: _Optional[bool] = ..., tier_unchecked_from: _Optional[int] = ..., tier_archive_end: _Optional[int] = ..., tier_resolve_copies_from: _Optional[int] = ...) -> None: ...
+    tier_unknown: bool
+    def __init__(self, queue: _Optional[int] = ..., min_offset: _Optional[int] = ..., max_offset: _Optional[int] = ..., hot_min_offset: _Optional[int] = ..., tier_watermark: _Optional[int] = ..., offload_held: _Optional[bool] = ..., offload_held_offset: _Optional[int] = ..., offload_held_reason: _Optional[str] = ..., offload_held_since_ms: _Optional[int] = ..., tier_check_pending: _Optional[bool] = ..., tier_diverged: _Optional[bool] = ..., tier_unchecked_from: _Optional[int] = ..., tier_archive_end: _Optional[int] = ..., tier_resolve_copies_from: _Optional[int] = ..., tier_unknown: _Optional[bool] = ...) -> None: ...
 
 class TopicDescription(_message.Message):
     __slots__ = ("topic", "queues", "timers_pending", "timer_delivery_lag_seconds", "transactions_pending")

@@ -78,6 +78,10 @@ class BrokerConfig:
     offload_interval_ms: int = 10_000
     # Prometheus metrics at http://{listen}:{metrics_port}/metrics; 0 turns them off.
     metrics_port: int = 5557
+    # How long an admin call waits for the cold tier: a topic change's check of the archives
+    # (decision 785), a topic's description (decision 810). Well inside the CLI's 10 s; what
+    # has not come by then is reported unknown (or left unchecked), never made up.
+    admin_tier_wait_ms: int = 5_000
     # Transactional messages (RocketMQ's transactionTimeOut, transactionCheckInterval,
     # transactionCheckMax): the first check-back this long after the half message, then every
     # interval, at most this many; then "rollback" or "keep" the half message undecided.

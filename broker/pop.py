@@ -14,13 +14,20 @@ then done. FIFO groups never let two deliveries of one queue be in flight at onc
 expired one in place, so messages of one message group stay in order.
 
 In-flight state lives in memory: after a broker restart, consumption resumes from the committed
-offset and anything not acknowledged is delivered again (at-least-once).
+offset and anything not acknowledged is delivered again (at-least-once). A member of a replica
+group starts a new *term* of this state at every change of its replication role (decision 860):
+a master elected again must take its groups' positions from the offsets replicated to it, not
+from what it handed out before it was deposed (its tail may since have been cut and the offsets
+reused). A receipt handle names the term that issued it, and one of another term (another
+master's, or this broker's before a failover or restart) is refused as not acknowledged: the
+message is delivered again from the committed offset, which never passes a delivery in flight.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -117,6 +124,15 @@ class PopService:
         self._queues: dict[tuple[str, str, int], QueueState] = {}
         self._seq = itertools.count(1)
         self._rotation = itertools.count()
+        self._term = os.urandom(4).hex()
+
+    def new_term(self) -> None:
+        """Forget every delivery in flight and every group's position: the next receive starts
+        from the committed offsets (the replicated ones on a member just elected), and the
+        handles issued so far are refused. Called at every change of replication role."""
+        with self._lock:
+            self._queues.clear()
+            self._term = os.urandom(4).hex()
 
     # -- receive -------------------------------------------------------------------------------
 
@@ -295,7 +311,20 @@ class PopService:
 
     def _find(self, group: str, receipt_handle: str) -> tuple[QueueState, Delivery]:
         try:
-            topic, queue, offset, seq = receipt_handle.rsplit(":", 3)
+            topic, queue, offset, term_seq = receipt_handle.rsplit(":", 3)
+            term, _, seq = term_seq.partition(".")
+            int(seq)
+        except ValueError:
+            raise InvalidReceiptHandleError(
+                f"receipt handle {receipt_handle!r} is not one this broker issues"
+            ) from None
+        if term != self._term:
+            raise InvalidReceiptHandleError(
+                f"receipt handle {receipt_handle!r} is not of this broker's current term (another "
+                "member of its group issued it, or this broker before a restart or a change of "
+                "role): not acknowledged, and the message will be delivered again"
+            )
+        try:
             key = (group, topic, int(queue))
             state = self._queues[key]
             delivery = state.in_flight[int(offset)]
@@ -309,9 +338,8 @@ class PopService:
             )
         return state, delivery
 
-    @staticmethod
-    def _handle(d: Delivery) -> str:
-        return f"{d.topic}:{d.queue_id}:{d.offset}:{d.handle_seq}"
+    def _handle(self, d: Delivery) -> str:
+        return f"{d.topic}:{d.queue_id}:{d.offset}:{self._term}.{d.handle_seq}"
 
     # -- revive ----------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
@@ -82,10 +82,10 @@ ADMIN_SERVICE = "tmq.admin.v1.Admin"
 ACL_SERVICE = "tmq.acl.v1.Acl"
 # Each client holds one worker for its Telemetry stream and one per long poll.
 _WORKERS = 128
-# How long a topic change waits for the archives of the queues it makes tiered (decision 785):
-# well inside the CLI's 10 s, so the answer comes before the client gives up. A queue whose
-# manifest is not loaded by then is not checked, as one whose archive cannot be read.
-PUT_TOPIC_CHECK_SECONDS = 5.0
+# At most this many manifest loads of admin calls (a topic change's check, a description) are
+# under way per broker; against a tier that does not answer each runs out its retries after the
+# call has given up on it (decisions 785, 810).
+_ADMIN_TIER_LOADS = 8
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -247,9 +247,12 @@ class Broker:
         self._health = health.HealthServicer()
         self._fence_reported = False
         self._put_topic_lock = threading.Lock()
-        # The manifest loads of ``before_put_topic`` under way, bounded: against a tier that
-        # does not answer, each runs out its retries after the check has given up on it.
-        self._archive_loads = threading.BoundedSemaphore(8)
+        # The manifest loads of admin calls under way (``before_put_topic``, ``tier_manifests``),
+        # bounded, and by queue: a second call for a queue whose load is under way waits on the
+        # same load instead of starting one more (decision 810).
+        self._archive_loads = threading.BoundedSemaphore(_ADMIN_TIER_LOADS)
+        self._archive_running: dict[tuple[str, int, bool], Future[QueueManifest]] = {}
+        self._archive_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def _continue_above_archives(self) -> None:
@@ -348,16 +351,17 @@ class Broker:
             # Loaded together, with one deadline for them all (decision 785): one after the
             # other, each through the tier's retries and request timeouts, eight queues on a
             # black-holed tier held the call for minutes, long after the client gave up.
-            deadline = time.monotonic() + PUT_TOPIC_CHECK_SECONDS
+            deadline = time.monotonic() + self.config.admin_tier_wait_ms / 1000
             loads: dict[int, Future[QueueManifest]] = {
-                q: self._load_archive(offloader, cfg.name, q) for q in range(first, cfg.queues)
+                q: self._load_archive(offloader, cfg.name, q, refresh=True)
+                for q in range(first, cfg.queues)
             }
             unchecked: list[int] = []
             try:
                 for queue_id, load in loads.items():
                     try:
                         manifest = load.result(timeout=max(0.0, deadline - time.monotonic()))
-                    except FutureTimeout:
+                    except (FutureTimeout, CancelledError):
                         unchecked.append(queue_id)
                         continue
                     except OffloadError as e:
@@ -404,31 +408,71 @@ class Broker:
                     "check has run (decision 750)",
                     cfg.name,
                     ",".join(map(str, unchecked)),
-                    PUT_TOPIC_CHECK_SECONDS,
+                    self.config.admin_tier_wait_ms / 1000,
                 )
 
     def _load_archive(
-        self, offloader: Offloader, topic: str, queue_id: int
+        self, offloader: Offloader, topic: str, queue_id: int, *, refresh: bool
     ) -> Future[QueueManifest]:
-        """The queue's manifest, loaded from the tier in a daemon thread (a load the check gave
-        up on must not hold the process's exit). With 8 loads already under way (a tier that
-        does not answer), none is started and the future never completes: the check's
-        deadline takes the queue as not answered."""
-        future: Future[QueueManifest] = Future()
-        if not self._archive_loads.acquire(blocking=False):
-            return future
+        """The queue's manifest, loaded from the tier in a daemon thread (a load the caller gave
+        up on must not hold the process's exit). A load of the same queue already under way is
+        shared, not started again: each describe of a topic during an outage would otherwise
+        leave one more load running out its retries. With ``_ADMIN_TIER_LOADS`` under way (a
+        tier that does not answer), none is started and the future never completes: the
+        caller's deadline takes the queue as not answered."""
+        key = (topic, queue_id, refresh)
+        with self._archive_lock:
+            running = self._archive_running.get(key)
+            if running is not None:
+                return running
+            future: Future[QueueManifest] = Future()
+            if not self._archive_loads.acquire(blocking=False):
+                return future
+            self._archive_running[key] = future
 
         def load() -> None:
             try:
                 if future.set_running_or_notify_cancel():
-                    future.set_result(offloader.manifest(topic, queue_id, refresh=True))
+                    future.set_result(offloader.manifest(topic, queue_id, refresh=refresh))
             except BaseException as e:
                 future.set_exception(e)
             finally:
+                with self._archive_lock:
+                    if self._archive_running.get(key) is future:
+                        del self._archive_running[key]
                 self._archive_loads.release()
 
-        threading.Thread(target=load, name="tmq-archive-check", daemon=True).start()
+        threading.Thread(target=load, name="tmq-archive-load", daemon=True).start()
         return future
+
+    def tier_manifests(
+        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
+    ) -> dict[tuple[str, int], QueueManifest | None]:
+        """The manifests of ``queues``, (topic, queue id) pairs: cached ones at once, the others
+        loaded together under one deadline, ``admin_tier_wait_ms``. What topic descriptions
+        report their tier watermarks from. None for a queue whose manifest did not come in time
+        or could not be read: its watermark is reported unknown rather than 0 (decision 810).
+        Loads given up on go on in their daemon threads and only fill the cache, so a later
+        description has them at once. ``refresh``: every manifest is loaded from the tier, none
+        taken from the cache (a check that the tier answers for them now)."""
+        offloader = self.offloader
+        if offloader is None:
+            return {}
+        found: dict[tuple[str, int], QueueManifest | None] = {}
+        loads: dict[tuple[str, int], Future[QueueManifest]] = {}
+        for topic, q in queues:
+            cached = None if refresh else offloader.cached_manifest(topic, q)
+            if cached is not None:
+                found[(topic, q)] = cached
+            else:
+                loads[(topic, q)] = self._load_archive(offloader, topic, q, refresh=refresh)
+        deadline = time.monotonic() + self.config.admin_tier_wait_ms / 1000
+        for key, load in loads.items():
+            try:
+                found[key] = load.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (FutureTimeout, CancelledError, OffloadError, StorageError):
+                found[key] = None
+        return found
 
     def _local_only_from(self, topic: str, queue_id: int) -> int | None:
         """From which offset no read of the queue is served from its archive (None: every
@@ -534,6 +578,7 @@ class Broker:
                     timers=self.timers.stats,
                     before_put_topic=self.before_put_topic,
                     transactions_pending=self.transactions.pending_by_topic,
+                    tier_manifests=self.tier_manifests,
                 ),
                 server,
             )
@@ -688,6 +733,10 @@ class Broker:
             self.namesrv.register(registration)
 
     def _replication_changed(self, current: ReplicationMaster | ReplicationSlave | None) -> None:
+        # A new term of pop state (decision 860): a member elected again takes its groups'
+        # positions from the replicated offsets, and a deposed one stops reviving deliveries
+        # of a term that is over.
+        self.pop.new_term()
         self.replication = current
         self._register_now.set()
 

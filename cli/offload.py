@@ -18,6 +18,7 @@ from cli.topic import (
     divergence_line,
     fail,
     queue_divergence,
+    tier_unknown_exit,
     time_ms,
     topic_on_brokers,
 )
@@ -34,7 +35,8 @@ def _status_rows(namesrv: str, topic: str) -> list[dict[str, Any]]:
                 "queue": q.queue,
                 "min_offset": q.min_offset,
                 "hot_min_offset": q.hot_min_offset,
-                "tier_watermark": q.tier_watermark,
+                # null: not known, the cold tier did not answer in time (decision 810)
+                "tier_watermark": None if q.tier_unknown else q.tier_watermark,
                 "max_offset": q.max_offset,
                 "tiered": d.topic.tiered,
                 # Held at a damaged ConsumeQueue entry (decision 755); null when it is not.
@@ -75,7 +77,7 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
             disable=as_json,
         ) as progress:
             task = progress.add_task(topic, total=sum(r["max_offset"] for r in rows))
-            while True:
+            while not any(r["tier_watermark"] is None for r in rows):  # unknown: said below
                 progress.update(
                     task,
                     completed=sum(r["tier_watermark"] for r in rows),
@@ -89,14 +91,18 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
                 rows = _status_rows(namesrv, topic)
     held = [r for r in rows if r["offload_held"]]
     diverged = [r for r in rows if _diverged(r)]
+    unknown = [(r["topic"], r["broker"], r["queue"]) for r in rows if r["tier_watermark"] is None]
     if as_json:
         typer.echo(json.dumps(rows))
     else:
         for r in rows:
-            lag = r["max_offset"] - r["tier_watermark"]
+            if r["tier_watermark"] is None:
+                tier = f"unknown (the cold tier did not answer) of {r['max_offset']}"
+            else:
+                lag = r["max_offset"] - r["tier_watermark"]
+                tier = f"{r['tier_watermark']} of {r['max_offset']} (lag {lag})"
             typer.echo(
-                f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark "
-                f"{r['tier_watermark']} of {r['max_offset']} (lag {lag}); hot from "
+                f"{r['topic']}/{r['queue']} on {r['broker']}: tier watermark {tier}; hot from "
                 f"{r['hot_min_offset']}, readable from "
                 f"{r['min_offset'] if r['min_offset'] >= 0 else 'unknown (cold tier unavailable)'}"
             )
@@ -122,6 +128,7 @@ def _status(namesrv: str, topic: str, wait: bool, as_json: bool) -> None:
         )
     if held or diverged:
         raise typer.Exit(OFFLOAD_HELD)
+    tier_unknown_exit(unknown)
 
 
 def _diverged(row: dict[str, Any]) -> bool:

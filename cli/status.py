@@ -15,7 +15,7 @@ import typer
 
 from broker import admin_pb2 as pb
 from broker import admin_pb2_grpc as pb_grpc
-from cli.topic import JsonOption, NamesrvOption, ask_namesrv, fail, security
+from cli.topic import TIER_UNKNOWN, JsonOption, NamesrvOption, ask_namesrv, fail, security
 
 _TIMEOUT = 5.0
 
@@ -47,7 +47,9 @@ def _topics(broker: str, reply: pb.StatusResponse) -> list[dict[str, Any]]:
                 "dispatch_lag_bytes": reply.dispatch_lag_bytes,
                 "store_bytes": {
                     "hot": sum(q.hot_bytes for q in queues),
-                    "cold": sum(q.archived_bytes for q in queues),
+                    # null: a manifest is not loaded, so its archive's size is not known
+                    # (decision 810); 0 would say the archive is empty.
+                    "cold": sum(q.archived_bytes for q in queues) if known else None,
                 },
                 "export_freshness_seconds": (freshness or {}).get(topic),
                 "queues": [
@@ -58,7 +60,10 @@ def _topics(broker: str, reply: pb.StatusResponse) -> list[dict[str, Any]]:
                         "tier_lag_messages": q.lag_messages if q.known else None,
                         "tier_lag_bytes": q.lag_bytes if q.known else None,
                         "tier_lag_seconds": round(q.lag_seconds, 3) if q.known else None,
-                        "store_bytes": {"hot": q.hot_bytes, "cold": q.archived_bytes},
+                        "store_bytes": {
+                            "hot": q.hot_bytes,
+                            "cold": q.archived_bytes if q.known else None,
+                        },
                     }
                     for q in queues
                 ],
@@ -99,7 +104,11 @@ def cluster_status(namesrv: str) -> dict[str, Any]:
                 topics=reply.topics,
                 dispatch_lag_bytes=reply.dispatch_lag_bytes,
                 commitlog_files=reply.commitlog_files,
-                store_bytes={"hot": reply.hot_store_bytes, "cold": reply.cold_store_bytes},
+                store_bytes={
+                    "hot": reply.hot_store_bytes,
+                    # The sum of the loaded manifests: null while one is not (decision 810).
+                    "cold": reply.cold_store_bytes if all(q.known for q in reply.queues) else None,
+                },
                 has_tier=reply.has_tier,
                 export_freshness_seconds=(
                     dict(reply.export_freshness_seconds) if reply.export_reported else None
@@ -119,9 +128,13 @@ def status(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = Fals
     """
     doc = cluster_status(namesrv)
     healthy = bool(doc["brokers"]) and all(b["alive"] for b in doc["brokers"])
+    # Every broker answered, but a tiered queue's manifest is not loaded (the tier has not
+    # answered for it): exit 4, as `tmq topic describe` (decision 810).
+    unknown = [t for t in doc["tiered_topics"] if not t["lag_known"]]
+    code = 1 if not healthy else TIER_UNKNOWN if unknown else 0
     if as_json:
         typer.echo(json.dumps(doc))
-        raise typer.Exit(0 if healthy else 1)
+        raise typer.Exit(code)
     if not doc["brokers"]:
         raise fail(f"no live broker is registered with {namesrv}")
     for b in doc["brokers"]:
@@ -132,7 +145,7 @@ def status(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = Fals
         typer.echo(
             f"{b['name']:16s} {b['address']:21s} alive  topics={b['topics']}  "
             f"dispatch lag {_human_bytes(b['dispatch_lag_bytes'])}  "
-            f"hot {_human_bytes(stores['hot'])}  cold {_human_bytes(stores['cold'])}"
+            f"hot {_human_bytes(stores['hot'])}  cold {_cold(stores['cold'])}"
             + ("" if b["has_tier"] else "  (no cold tier)")
         )
     for t in doc["tiered_topics"]:
@@ -146,7 +159,11 @@ def status(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = Fals
         export = t["export_freshness_seconds"]
         typer.echo(
             f"  {t['topic']} on {t['broker']}: {lag}; hot {_human_bytes(t['store_bytes']['hot'])}, "
-            f"cold {_human_bytes(t['store_bytes']['cold'])}"
+            f"cold {_cold(t['store_bytes']['cold'])}"
             + (f"; export {export:.0f} s behind" if export is not None else "")
         )
-    raise typer.Exit(0 if healthy else 1)
+    raise typer.Exit(code)
+
+
+def _cold(n: int | None) -> str:
+    return "unknown" if n is None else _human_bytes(n)

@@ -142,6 +142,26 @@ def brokers(namesrv: str, only: str | None = None) -> list[tuple[str, pb_grpc.Ad
     return found
 
 
+# The exit code of a command that answered, but with a tiered queue whose tier watermark is
+# unknown: its manifest was not cached and the cold tier did not answer within the broker's
+# admin_tier_wait_ms (decision 810). 1 is "a broker did not answer", 2 a usage error, 3 a held
+# offload (`tmq offload status`).
+TIER_UNKNOWN = 4
+
+
+def tier_unknown_exit(rows: list[tuple[str, str, int]]) -> None:
+    """Exit ``TIER_UNKNOWN`` with one line naming the (topic, broker, queue) ``rows`` whose tier
+    watermark is unknown; return when there are none."""
+    if not rows:
+        return
+    typer.echo(
+        f"error: the cold tier did not answer for {len(rows)} queue(s), so their tier watermark "
+        "is unknown: " + ", ".join(f"{t}/{q} on {b}" for t, b, q in rows),
+        err=True,
+    )
+    raise typer.Exit(TIER_UNKNOWN)
+
+
 def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
     """One admin RPC (``fn(*args)``); exit with one line naming ``what`` when it fails."""
     try:
@@ -153,6 +173,10 @@ def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
                 "tier; see its log)"
             ) from None
         raise fail(f"{what}: {e.details() or e.code().name}") from None
+
+
+def _raise(e: grpc.RpcError, timeout: float) -> None:
+    raise e
 
 
 def topic_on_brokers(
@@ -167,7 +191,7 @@ def topic_on_brokers(
             described = stub.GetTopic(pb.GetTopicRequest(name=name), timeout=_TIMEOUT)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
-                raise fail(f"broker {broker_name}: {e.details() or e.code().name}") from None
+                call(f"broker {broker_name}", _raise, e)  # exits with call's one line
             if everywhere:
                 raise fail(f"topic {name} does not exist on {broker_name}") from None
             continue
@@ -353,7 +377,8 @@ def _description(broker_name: str, d: pb.TopicDescription) -> dict[str, Any]:
                 "queue": q.queue,
                 "min_offset": q.min_offset,
                 "hot_min_offset": q.hot_min_offset,
-                "tier_watermark": q.tier_watermark,
+                # null: not known, the cold tier did not answer in time (decision 810)
+                "tier_watermark": None if q.tier_unknown else q.tier_watermark,
                 "max_offset": q.max_offset,
                 "tier_divergence": queue_divergence(q),
             }
@@ -372,8 +397,10 @@ def list_topics(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption =
     for broker_name, stub in brokers(namesrv):
         listing = call(f"broker {broker_name}", stub.ListTopics, pb.ListTopicsRequest())
         rows += [_description(broker_name, t) for t in listing.topics]
+    unknown = _unknown(rows)
     if as_json:
         typer.echo(json.dumps(rows))
+        tier_unknown_exit(unknown)
         return
     for r in rows:
         total = sum(q["max_offset"] for q in r["queue_offsets"])
@@ -385,6 +412,17 @@ def list_topics(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption =
             f"local_ttl={format_duration(r['local_ttl_ms']) if r['local_ttl_ms'] else '0'}"
             + (f" max_bytes={format_size(r['max_bytes'])}" if r["max_bytes"] else "")
         )
+    tier_unknown_exit(unknown)
+
+
+def _unknown(rows: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """(topic, broker, queue) of every queue in ``rows`` whose tier watermark is unknown."""
+    return [
+        (r["topic"], r["broker"], q["queue"])
+        for r in rows
+        for q in r["queue_offsets"]
+        if q["tier_watermark"] is None
+    ]
 
 
 @app.command("describe")
@@ -396,8 +434,10 @@ def describe(
     Example: tmq topic describe orders --json
     """
     rows = [_description(b, d) for b, _stub, d in topic_on_brokers(namesrv, name)]
+    unknown = _unknown(rows)
     if as_json:
         typer.echo(json.dumps(rows))
+        tier_unknown_exit(unknown)
         return
     for r in rows:
         typer.echo(
@@ -414,6 +454,12 @@ def describe(
             typer.echo(f"  transactions: {r['transactions_pending']} half messages pending")
         for q in r["queue_offsets"]:
             first = "?" if q["min_offset"] < 0 else q["min_offset"]  # archive start unknown
-            typer.echo(f"  queue {q['queue']}: offsets [{first}, {q['max_offset']})")
+            tier = ""
+            if r["tiered"]:
+                watermark = q["tier_watermark"]
+                known = "unknown (the cold tier did not answer)" if watermark is None else watermark
+                tier = f", tier watermark {known}"
+            typer.echo(f"  queue {q['queue']}: offsets [{first}, {q['max_offset']}){tier}")
             if q["tier_divergence"]:
                 typer.echo("  " + divergence_line(q["tier_divergence"]))
+    tier_unknown_exit(unknown)

@@ -401,9 +401,40 @@ class _SlicePlan:
         return schema.rows(records, broker, self.info.key)
 
 
+def check_entries(info: SegmentInfo, index: int, entries: np.ndarray) -> None:
+    """Raise ``SegmentError`` naming the object unless ``entries`` (its offset-table entries
+    ``index``, ``index + 1``, ...) lay records out as a build does: each size positive, each
+    record inside the object's record area (before its tables), each starting where the one
+    before ends, the first record at byte 0 and the last ending at the tables. A ranged GET
+    carries no checksum and an object can be damaged: without this, a bad entry surfaced as
+    whatever the reads it steered hit ("short read (0 of -100 bytes)", an illegal magic code
+    at a negative position). No sum here can overflow (decision 765): a start is compared
+    with the record area's length less the size, and a sum is taken only of entries that
+    passed that."""
+    starts = entries["offset"].astype(np.int64)
+    sizes = entries["size"].astype(np.int64)
+    limit = int(info.offsets_at)
+    bad = (sizes <= 0) | (starts < 0) | (starts > limit - sizes)
+    if not bad.any():
+        bad[1:] = starts[1:] != starts[:-1] + sizes[:-1]
+        if index == 0:
+            bad[0] = starts[0] != 0
+        if not bad.any() and index + len(entries) == info.count:
+            bad[-1] = starts[-1] + sizes[-1] != limit
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise SegmentError(
+            f"{info.key}: its offset table does not describe its records: the entry of queue "
+            f"offset {info.base_offset + index + k} says {int(sizes[k])} bytes at byte "
+            f"{int(starts[k])} (the records take bytes 0 to {limit})"
+        )
+
+
 def _plan_slice(tier: Location, part: SegmentSlice) -> _SlicePlan:
-    reader = SegmentReader(tier_store(tier), SegmentInfo(**part.segment))
-    return _SlicePlan(part, reader.entries(part.first, part.end - part.first))
+    info = SegmentInfo(**part.segment)
+    entries = SegmentReader(tier_store(tier), info).entries(part.first, part.end - part.first)
+    check_entries(info, part.first - info.base_offset, entries)
+    return _SlicePlan(part, entries)
 
 
 def read_slices(

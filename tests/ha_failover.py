@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rocketmq.grpc_protocol.definition_pb2 import INVALID_RECEIPT_HANDLE
+
 from tests import process_logs
 from tests.broker_harness import REPO, free_port, pull_all, terminate, tmq
 from tests.etcd_harness import EtcdCluster
@@ -47,6 +49,8 @@ class FailoverResult:
     # `tmq cluster status --json` at the end.
     cluster_status: list[dict[str, Any]] = field(default_factory=list)
     send_errors: dict[str, int] = field(default_factory=dict)
+    # Acks answered INVALID_RECEIPT_HANDLE while the groups consumed (each message came again).
+    acks_refused: int = 0
 
     def summary(self) -> dict[str, Any]:
         times = sorted(self.failover_s)
@@ -63,6 +67,7 @@ class FailoverResult:
             "send_failures": self.send_failures,
             "send_errors": self.send_errors,
             "groups_complete": self.groups_complete,
+            "acks_refused": self.acks_refused,
             "epochs": self.epochs,
         }
 
@@ -154,27 +159,57 @@ class Producer:
         self.producer.shutdown()
 
 
-def consume_all(access_points: str, group: str, want: set[int], seconds: float) -> set[int]:
+@dataclass
+class Consumed:
+    """What one consumer group received, and which acknowledgements the broker refused."""
+
+    got: set[int] = field(default_factory=set)
+    # Bodies whose ack was answered INVALID_RECEIPT_HANDLE: the handle was issued in another
+    # member's or another term's pop state (a failover, or a master fenced at load and
+    # elected again), so the ack did not count and the message must come again (decision 860).
+    refused: set[int] = field(default_factory=set)
+    # Of those, the ones received again after the refusal.
+    redelivered: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return self.refused <= self.redelivered
+
+
+def consume_all(access_points: str, group: str, want: set[int], seconds: float) -> Consumed:
+    """Receive and acknowledge until every body in ``want`` came, and every message whose ack
+    the broker refused (code 40013, "not acknowledged") came again, or ``seconds`` pass. Any
+    other failed ack fails the test: only a refusal says the ack had no effect."""
     from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+    from rocketmq.v5.exception import ClientException
 
     config = ClientConfiguration(access_points, Credentials(), request_timeout=10)
     consumer = SimpleConsumer(config, group, {TOPIC: FilterExpression()}, await_duration=2)
     consumer.startup()
-    got: set[int] = set()
+    out = Consumed()
     deadline = time.monotonic() + seconds
     try:
-        while not want <= got and time.monotonic() < deadline:
+        while not (want <= out.got and out.complete) and time.monotonic() < deadline:
             try:
                 messages = consumer.receive(32, 30)
             except Exception:
                 time.sleep(0.2)
                 continue
             for m in messages:
-                got.add(int(m.body.decode().split("-")[1]))
-                consumer.ack(m)
+                n = int(m.body.decode().split("-")[1])
+                out.got.add(n)
+                if n in out.refused:
+                    out.redelivered.add(n)
+                try:
+                    consumer.ack(m)
+                except ClientException as e:
+                    if e.code != INVALID_RECEIPT_HANDLE:
+                        raise
+                    out.refused.add(n)
+                    out.redelivered.discard(n)
     finally:
         consumer.shutdown()
-    return got
+    return out
 
 
 def lost_per_kill(acked_at: list[float], kill_times: list[float]) -> list[int]:
@@ -332,8 +367,9 @@ def run_failover(root: Path, kills: int, mode: str = "sync", producers: int = 1)
         result.acked_lost_per_kill = lost_per_kill([producer_acked[n][1] for n in lost], kill_times)
         result.duplicated_in_queues = sum(c - 1 for c in bodies.values() if c > 1)
         for name in ("g-failover-1", "g-failover-2"):
-            got = consume_all(group.access_points, name, acked, seconds=90)
-            result.groups_complete[name] = acked <= got
+            consumed = consume_all(group.access_points, name, acked, seconds=90)
+            result.groups_complete[name] = acked <= consumed.got and consumed.complete
+            result.acks_refused += len(consumed.refused)
         status = tmq("cluster", "status", "--etcd", ",".join(etcd.endpoints), "--json")
         assert status.returncode == 0, status.stderr
         result.cluster_status = json.loads(status.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from conftest import S3Endpoint
@@ -380,3 +382,51 @@ def test_ranged_gets_refused_for_credentials_fail_at_once_naming_the_fix(auth_s3
         message = str(raised.value)
         assert message.startswith(f"s3://{auth_s3.bucket}: {code}: "), message
         assert fix in message and secret not in message and "\n" not in message
+
+
+def test_ranged_gets_over_https_with_a_session_token_read_the_archived_bytes(
+    s3: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LocalStack answers HTTPS on its port, with a self-signed certificate for localhost. With
+    that certificate as the CA bundle (``AWS_CA_BUNDLE``: the project has no CA setting of its
+    own, botocore's decides) and a session token in the credentials, the ranged GETs of a cold
+    read go through the urllib3 pool over HTTPS, verified, signed with the token, and read the
+    bytes written; botocore's client makes none of them. Without the bundle the certificate is
+    refused (the verification is on)."""
+    plain = urlsplit(s3.url)
+    assert plain.hostname is not None and plain.port is not None
+    ca = tmp_path / "localstack.pem"
+    ca.write_text(ssl.get_server_certificate((plain.hostname, plain.port)))
+    options = {
+        "endpoint_url": f"https://localhost:{plain.port}",
+        "key": "test",
+        "secret": "test",
+        "token": "a-session-token",
+    }
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(ca))
+    store = open_store(f"s3://{bucket}/tier", options, RetryPolicy(attempts=1))
+    ranged = store.inner._ranged  # type: ignore[attr-defined]
+    assert ranged is not None and ranged.prefix.startswith("https://localhost:")
+    sent: list[dict[str, str]] = []
+    urlopen = ranged.pool.urlopen
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        sent.append(dict(kwargs["headers"]))
+        return urlopen(*args, **kwargs)
+
+    monkeypatch.setattr(ranged.pool, "urlopen", recording)
+    botocore_gets = _botocore_gets(store)
+    data = os.urandom(3 << 20)
+    key = "c/b/t/0/00000000000000000000.seg"
+    assert store.put_if_absent(key, data) is True
+    for start, length in ((0, 100), (12_345, 2 << 20), (len(data) - 10, 10)):
+        assert store.get_range(key, start, length) == data[start : start + length]
+    assert len(sent) == 3 and botocore_gets == []
+    assert all(h["X-Amz-Security-Token"] == "a-session-token" for h in sent), sent
+    assert all("Credential=test/" in h["Authorization"] for h in sent)
+
+    monkeypatch.delenv("AWS_CA_BUNDLE")
+    unverified = open_store(f"s3://{bucket}/tier", options, RetryPolicy(attempts=1))
+    with pytest.raises(StorageError) as refused:
+        unverified.get_range(key, 0, 100)
+    assert "certificate" in str(refused.value).lower(), refused.value

@@ -6,6 +6,7 @@ table itself (delta-rs reading it, no export code) that no row is lost or writte
 from __future__ import annotations
 
 import random
+import struct
 import threading
 import time
 from collections import Counter
@@ -20,11 +21,12 @@ from lakehouse_harness import Archive, expected_rows
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
-from lakehouse.source import Planner, SourceOptions, balanced_packs
+from lakehouse.source import Planner, SegmentSlice, SourceOptions, balanced_packs, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import ManifestCache, QueueRef
 from offload.verify import FAILURE, OK, verify_queue
 from tiered.cold.manifest import ManifestLog
+from tiered.cold.segment import SegmentError
 from tiered.cold.storage import open_store
 from tiered.record import Message
 
@@ -200,3 +202,57 @@ def assert_one_clear_line(line: str, tier_url: str) -> None:
     assert f"the tier {tier_url} did not answer" in line, line
     assert "nothing of" in line and "was committed" in line, line
     assert "run the export again once the object store is back" in line, line
+
+
+def test_a_damaged_offset_table_is_refused_naming_the_object_and_the_entry(
+    s3: S3Endpoint, bucket: str, tmp_path: Path
+) -> None:
+    """Four segment objects in LocalStack, each with one offset-table entry damaged another way
+    (a record past the record area, at a position near 2**63, at a negative one, overlapping
+    the record before): reading a slice from the segment's start, or from the damaged entry on,
+    fails with a ``SegmentError`` that names the object and the entry. They used to fail
+    as whatever the entry steered the reads into ("short read (0 of -100 bytes)", "only
+    -9223372036854758088 bytes left", an illegal magic code at byte -1000)."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    tier = open_store(tier_url, options)
+    archive = Archive.open(tmp_path / "hot", tier, queues=1, segment_messages=25)
+    try:
+        archive.produce(TOPIC, 100, body_size=200)
+        assert archive.store.wait_dispatched(60)
+        archive.offload(TOPIC)
+    finally:
+        archive.close()
+    segments = ManifestLog(tier, A.prefix).load().segments
+    damage = [
+        lambda at, size, end: (end + 100, size),
+        lambda at, size, end: (2**63 - 60, size),
+        lambda at, size, end: (-1000, size),
+        lambda at, size, end: (at - 50, size),
+    ]
+    assert len(segments) == len(damage)
+    client = s3.client()
+    for segment, damaged in zip(segments, damage, strict=True):
+        key = f"tier/{segment.key}"
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        entry = segment.offsets_at + 10 * 20  # the 11th entry: (offset >i8, size >i4, tag >i8)
+        struct.pack_into(
+            ">qi",
+            data,
+            entry,
+            *damaged(*struct.unpack_from(">qi", data, entry), segment.offsets_at),
+        )
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        for first in (segment.base_offset, segment.base_offset + 10):
+            part = SegmentSlice(A.key, segment.to_dict(), first, segment.end_offset)
+            with pytest.raises(SegmentError) as refused:
+                list(read_slice(Location.of(tier_url, options), part))
+            message = str(refused.value)
+            assert message.startswith(
+                f"{segment.key}: its offset table does not describe its records: "
+            )
+            # The damaged entry, or (a slice that starts at it has no entry before it to compare
+            # with) the next one, whose start is not where the damaged one says it ends.
+            assert any(
+                f"the entry of queue offset {segment.base_offset + k} says" in message
+                for k in (10, 11)
+            ), message

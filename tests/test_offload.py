@@ -119,7 +119,9 @@ class InlineRunner:
     def __init__(self, tier: ObjectStore) -> None:
         self.tier = tier
 
-    def submit(self, fn: Callable[..., T], *args: Any, block: bool = True) -> Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, block: bool = True, read: bool = False
+    ) -> Future[T]:
         future: Future[T] = Future()
         try:
             future.set_result(fn(self.tier, *args))
@@ -162,7 +164,9 @@ class GatedRunner:
         self.gates = [threading.Event() for _ in range(32)]
         self.futures: list[Future[Any]] = []
 
-    def submit(self, fn: Callable[..., T], *args: Any, block: bool = True) -> Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, block: bool = True, read: bool = False
+    ) -> Future[T]:
         number = len(self.futures)
         future: Future[T] = Future()
         self.futures.append(future)

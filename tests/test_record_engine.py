@@ -8,10 +8,12 @@ the error when the input is refused.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import subprocess
 import sys
+import tempfile
 from array import array
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tiered import columnar, record
@@ -125,6 +127,55 @@ def test_encode_batch_is_byte_identical(messages: list[Message], space: int, sto
     # What fits is encoded; the first message that does not fit stops the batch.
     for n, m in enumerate(messages[:i]):
         assert record.decode(data, native[4][0][n] - 4096).body == m.body
+
+
+class _OddHash(str):
+    """A property name equal to ``TAGS`` that a dict files under another hash: a lookup by
+    ``"TAGS"`` does not find it."""
+
+    def __hash__(self) -> int:
+        return 7
+
+
+class _Name(str):
+    """A ``str`` subclass property name with ``str``'s hash: a lookup by ``"TAGS"`` finds it."""
+
+
+def test_encode_batch_reuses_shared_objects_and_finds_property_names_as_lookups_do() -> None:
+    """The native encoder reuses the last topic and born host when a message carries the same
+    object, and picks ``TAGS``, ``KEYS`` and ``UNIQ_KEY`` out while it encodes the properties
+    (decision 851): runs of shared objects, objects equal but not the same, hosts that
+    alternate, and ``str`` subclass names a lookup would or would not find give the reference's
+    bytes and lists."""
+    topic = "shared"
+    a, b = ("10.0.0.1", 1), ("::1", 2)
+    c = ("10.0.0.1", 1 + int("0"))  # equal to a, another object
+    hosts = [a, a, b, a, c, c, b, b, a]
+    messages = [
+        Message(
+            topic=topic if i % 4 else "".join(["sha", "red"]),
+            queue_id=i % 3,
+            body=bytes([i]) * (i * 37 % 200),
+            born_host=hosts[i % len(hosts)],
+            properties=(
+                {_OddHash("TAGS"): "odd", "KEYS": f"k{i} j{i}", "UNIQ_KEY": f"u{i}"}
+                if i % 5 == 0
+                else {"UNIQ_KEY": f"u{i}", "TAGS": f"t{i}", "x": "y"}
+                if i % 5 == 1
+                else {"KEYS": "", "UNIQ_KEY": "", _Name("TAGS"): "sub"}
+                if i % 5 == 2
+                else {}
+                if i % 5 == 3
+                else {"TAGS": "t", "KEYS": " a  b ", "UNIQ_KEY": "u"}
+            ),
+        )
+        for i in range(60)
+    ]
+    for store in (("10.0.0.9", 10911), ("2001:db8::7", 8081)):
+        native = encode(NATIVE, messages, 1 << 20, store)
+        assert native == encode(PY, messages, 1 << 20, store)
+        tags = native[4][4]
+        assert tags[0] is None and tags[1] == "t1" and tags[2] == "sub" and tags[4] == "t"
 
 
 @pytest.mark.parametrize("cache_full", [False, True])
@@ -264,6 +315,7 @@ def test_recovery_scan_agrees_on_damaged_runs(
     st.integers(0, 255),
     st.booleans(),
 )
+@example(0, 747, 54, True)  # SYSFLAG bit 16 cleared: read as a record without its pair (870)
 def test_recovery_scan_of_same_sized_bodies_agrees_on_damage(
     body_len: int, where: int, value: int, check_crc: bool
 ) -> None:
@@ -629,6 +681,29 @@ def test_a_damaged_record_whose_body_crc_passes_is_refused(field: str) -> None:
     assert len(NATIVE.decode_many(buf, [second], False)) == 1
 
 
+@pytest.mark.parametrize("value", [0x00, 0x36, 0x03, 0x81])
+def test_a_damaged_sysflag_byte_cannot_turn_the_record_crc_off(value: int) -> None:
+    """SYSFLAG bit 16 says the record ends with its CRC pair (decision 210). A byte of damage
+    that clears it must not make the record read as one written before the pair, with the pair
+    served as a property: a bit no encoder sets is damage, and a record without the bit whose
+    pair matches the record as it was written (bit set) is refused as damaged (decision 870)."""
+    msgs = [Message("topic", b"", properties={"UNIQ_KEY": f"U{i}"}) for i in range(3)]
+    data = bytearray(run_of(msgs))
+    second = len(records_of(bytes(data))[0])
+    assert data[second + 37] == 0x01  # SYSFLAG's bits 16-23: only the record CRC flag
+    data[second + 37] = value
+    buf = bytes(data)
+    for engine in (PY, NATIVE):
+        assert scan(engine, buf) == (second, 1)
+        with pytest.raises(RecordError):
+            engine.decode_many(buf, [second], True)
+        with pytest.raises(RecordError):
+            engine.segment_tables(buf, 0)
+    for decode_run in (columnar.decode_run, columnar.decode_run_py):
+        with pytest.raises(RecordError):
+            decode_run(buf, [0, second])
+
+
 def test_a_record_flagged_with_a_crc_too_short_to_hold_it_is_malformed() -> None:
     old = bytearray(legacy(run_of([Message("t", b"x")])))  # no properties at all
     assert scan(PY, bytes(old)) == (len(old), 1)
@@ -830,3 +905,107 @@ def test_native_property_decode_matches_the_reference_on_raw_property_bytes(raw:
         except Exception as e:
             outcomes.append(type(e))
     assert outcomes[0] == outcomes[1]
+
+
+def index_file_bytes(slot_count: int, hashes: list[int], offsets: list[int]) -> bytearray:
+    """An IndexFile's bytes (header zero) holding ``hashes`` at CommitLog ``offsets`` as entries
+    1, 2, ..., written by the reference ``index_put`` into a real file and mapping."""
+    n = len(hashes) + 1
+    size = record.INDEX_HEADER_SIZE + slot_count * 4 + n * record.INDEX_ENTRY_SIZE
+    with tempfile.TemporaryFile() as fh:
+        fh.truncate(size)
+        with mmap.mmap(fh.fileno(), size) as mm:
+            if hashes:
+                stamps = np.full(len(hashes), 1_700_000_000_000, np.int64)
+                stamps[len(hashes) // 2 :] += 5_000  # two eras of seconds
+                PY.index_put(
+                    mm,
+                    fh.fileno(),
+                    slot_count,
+                    1,
+                    1_700_000_000_000,
+                    np.asarray(hashes, np.int64),
+                    np.asarray(offsets, np.int64),
+                    stamps,
+                )
+            return bytearray(mm[:])
+
+
+def index_checks(data: bytearray, slot_count: int, n: int, begin: int) -> list[tuple[int, int]]:
+    """Both engines' ``index_check`` with and without ``full``; they must agree."""
+    found = []
+    for full in (False, True):
+        native = NATIVE.index_check(data, slot_count, n, begin, full)
+        assert native == PY.index_check(data, slot_count, n, begin, full)
+        found.append(native)
+    return found
+
+
+@SETTINGS
+@given(
+    st.sampled_from([1, 3, 7, 64]),
+    st.lists(st.integers(0, 2**31 - 1), max_size=200),
+    st.lists(st.tuples(st.integers(0, 10**9), st.binary(min_size=1, max_size=8)), max_size=3),
+    st.integers(0, 10**6),
+)
+def test_index_check_agrees_on_damaged_slots_and_entries(
+    slot_count: int, hashes: list[int], damage: list[tuple[int, bytes]], begin: int
+) -> None:
+    """The IndexFile structure check at start (decision 830): the native twin reports the same
+    first problem as the reference on well-formed files and on bytes overwritten anywhere in
+    the slots and entries, with and without ``full``."""
+    offsets = [begin + 100 * i for i in range(len(hashes))]
+    data = index_file_bytes(slot_count, hashes, offsets)
+    n = len(hashes) + 1
+    assert index_checks(data, slot_count, n, begin) == [(0, 0), (0, 0)]
+    for where, value in damage:
+        at = record.INDEX_HEADER_SIZE + where % (len(data) - record.INDEX_HEADER_SIZE)
+        data[at : at + len(value)] = value[: len(data) - at]
+    index_checks(data, slot_count, n, begin)
+    # A file whose header says fewer entries than it holds, and its begin offset moved up.
+    index_checks(data, slot_count, max(1, n // 2), begin + 150)
+
+
+def test_index_check_agrees_across_its_steps() -> None:
+    """More entries than one step of the check (``INDEX_CHECK_STEP``): an entry with a link to
+    another slot's entry is reported only when no entry of its step breaks a simpler rule, and
+    a problem in the second step is found after a good first one; both engines agree on which
+    entry they name."""
+    step = record.INDEX_CHECK_STEP
+    count = step + 4000
+    rnd = np.random.default_rng(830)
+    slot_count = 1 << 16
+    hashes = rnd.integers(0, 2**31 - 1, count).tolist()
+    offsets = list(range(0, 64 * count, 64))
+    clean = index_file_bytes(slot_count, hashes, offsets)
+    n = count + 1
+    assert index_checks(clean, slot_count, n, 0) == [(0, 0), (0, 0)]
+    entries_at = record.INDEX_HEADER_SIZE + slot_count * 4
+
+    def entry_field(data: bytearray, number: int, at: int, fmt: str, value: int) -> None:
+        struct.pack_into(fmt, data, entries_at + number * record.INDEX_ENTRY_SIZE + at, value)
+
+    def linked_to_another_slot(number: int) -> int:
+        prev = number - 1
+        while hashes[prev - 1] % slot_count == hashes[number - 1] % slot_count:
+            prev -= 1
+        return prev
+
+    # A link to an entry of another slot at 1,000, and a negative seconds field at 900,000 in
+    # the same step: the step reports the seconds first.
+    data = bytearray(clean)
+    entry_field(data, 1_000, 16, ">i", linked_to_another_slot(1_000))
+    assert index_checks(data, slot_count, n, 0)[1] == (3, 1_000)
+    entry_field(data, 900_000, 12, ">i", -5)
+    assert index_checks(data, slot_count, n, 0)[1] == (3, 900_000)
+    # In the second step: an offset below the previous entry's, after a link problem.
+    data = bytearray(clean)
+    entry_field(data, step + 10, 16, ">i", linked_to_another_slot(step + 10))
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step + 10)
+    entry_field(data, step + 3000, 4, ">q", 5)
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step + 3000)
+    # The first offset against the file's begin offset, across the step boundary too.
+    data = bytearray(clean)
+    assert index_checks(data, slot_count, n, 1)[1] == (3, 1)
+    entry_field(data, step, 4, ">q", 64 * (step - 2) - 1)  # below entry step - 1
+    assert index_checks(data, slot_count, n, 0)[1] == (3, step)

@@ -4,6 +4,7 @@ object-store outage stops neither non-tiered reads nor hot reads."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -219,7 +220,14 @@ def test_an_object_store_outage_stops_no_hot_read(
             hot = pull(stub, "cold", 0, end - 5)
             assert plain.code == d.OK and plain.offsets[0] == 100, plain
             assert hot.code == d.OK and hot.offsets == list(range(end - 5, end)), hot
-            assert max(plain.seconds, hot.seconds) < 1.0, (plain.seconds, hot.seconds)
+            # A read that waited on the black-holed store would take the cold deadline (2.5 s);
+            # these take about 0.02 s, outage or not (decision 861). The load average is in
+            # the message: at load 32 a 1.04 s pull was the machine's, not the broker's.
+            assert max(plain.seconds, hot.seconds) < 1.0, (
+                plain.seconds,
+                hot.seconds,
+                os.getloadavg(),
+            )
             started = time.monotonic()
             received = consumer.receive(16, 30)
             assert received and time.monotonic() - started < 2.0

@@ -37,6 +37,7 @@ cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     bint PyUnicode_Check(object o)
+    bint PyUnicode_CheckExact(object o)
     bint PyBytes_CheckExact(object o)
     bint PyDict_CheckExact(object o)
 
@@ -76,6 +77,8 @@ DEF V4_HEAD = 88
 DEF SYSFLAG_BORN_V6 = 16
 DEF SYSFLAG_STORE_V6 = 32
 DEF SYSFLAG_RECORD_CRC = 65536
+DEF SYSFLAG_KNOWN = SYSFLAG_BORN_V6 | SYSFLAG_STORE_V6 | SYSFLAG_RECORD_CRC  # decision 870
+DEF SYSFLAG_BIT16_BYTE = 37
 DEF CRC_PAIR = 20  # record.CRC_TRAILER_SIZE: ``__CRC32#\x01``, ten digits, ``\x02``
 DEF MAX_TOPIC = 0xFFFF
 DEF MAX_PROPS = 0x7FFF - CRC_PAIR
@@ -172,6 +175,23 @@ cdef inline bint _record_crc_ok(const unsigned char* rec, int64_t total) noexcep
     return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
 
 
+cdef inline bint _record_crc_flag_lost(const unsigned char* rec, int64_t total) noexcept nogil:
+    """``record.record_crc_flag_lost``: a record without SYSFLAG bit 16 that ends with the pair
+    it would carry had the bit been set (its flag byte damaged, decision 870)."""
+    cdef unsigned char pair[CRC_PAIR]
+    cdef unsigned char flag_byte
+    cdef uint32_t crc
+    if total < V4_HEAD + CRC_PAIR or memcmp(rec + total - CRC_PAIR, b"__CRC32#\x01", 9) != 0:
+        return False
+    flag_byte = rec[SYSFLAG_BIT16_BYTE] | 1
+    crc = tmq_crc32c_extend(0, rec, SYSFLAG_BIT16_BYTE)
+    crc = tmq_crc32c_extend(crc, &flag_byte, 1)
+    crc = tmq_crc32c_extend3(crc, rec + SYSFLAG_BIT16_BYTE + 1,
+                             total - CRC_PAIR - SYSFLAG_BIT16_BYTE - 1)
+    _put_crc_pair(pair, crc)
+    return memcmp(pair, rec + total - CRC_PAIR, CRC_PAIR) == 0
+
+
 # -- encode ---------------------------------------------------------------------------------------
 
 cdef struct Rec:
@@ -228,8 +248,12 @@ cdef int32_t _i32(object v) except? -1:
     return <int32_t>x
 
 
-cdef Py_ssize_t _encode_properties(dict props, Scratch* s) except -1:
-    """``name\\x01value\\x02`` for each pair into ``s``; returns the length added."""
+cdef Py_ssize_t _encode_properties(dict props, Scratch* s, PyObject** found=NULL) except -1:
+    """``name\\x01value\\x02`` for each pair into ``s``; returns the length added. With
+    ``found`` (four slots, NULL on entry), the values of ``TAGS``, ``KEYS`` and ``UNIQ_KEY``
+    are left in the first three as borrowed references, found by their names' bytes in the
+    same walk: what three lookups by name would find, since a dict holds each name once. The
+    fourth is set when a name is a ``str`` subclass (a lookup might then find another key)."""
     cdef Py_ssize_t pos = 0, start = s.len, kn, vn
     cdef PyObject* k
     cdef PyObject* v
@@ -247,6 +271,15 @@ cdef Py_ssize_t _encode_properties(dict props, Scratch* s) except -1:
         if (memchr(kp, 1, kn) != NULL or memchr(kp, 2, kn) != NULL
                 or memchr(vp, 1, vn) != NULL or memchr(vp, 2, vn) != NULL):
             raise RecordError("property names and values may not contain \\x01 or \\x02")
+        if found != NULL:
+            if not PyUnicode_CheckExact(<object>k):
+                found[3] = k  # a str subclass may hash or compare its own way: look up by name
+            elif kn == 4 and memcmp(kp, b"TAGS", 4) == 0:
+                found[0] = v
+            elif kn == 4 and memcmp(kp, b"KEYS", 4) == 0:
+                found[1] = v
+            elif kn == 8 and memcmp(kp, b"UNIQ_KEY", 8) == 0:
+                found[2] = v
         _reserve(s, kn + vn + 2)
         memcpy(s.data + s.len, kp, kn)
         s.data[s.len + kn] = 1
@@ -308,7 +341,8 @@ cdef void _write_records(unsigned char* out, Rec* recs, Py_ssize_t n, const unsi
         memcpy(p, r.topic_part, r.topic_part_len)
         p += r.topic_part_len
         tmq_put16(p, <uint16_t>(r.props_len + CRC_PAIR))
-        memcpy(p + 2, props + r.props_at, r.props_len)
+        if r.props_len:  # props is NULL when no record of the batch has properties
+            memcpy(p + 2, props + r.props_at, r.props_len)
         # Last: the record CRC covers every byte before its pair, offsets and times included:
         # the header's CRC, joined with the body's, extended over topic and properties.
         whole = tmq_crc32c_extend(0, o, head)
@@ -452,6 +486,17 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef int64_t slot_next[QUEUE_SLOTS]
     cdef int slots = 0, j
     cdef bint cached = False
+    # A batch's messages mostly share their topic and born host objects: the last ones looked
+    # up are kept, and a message with the same object (compared by identity; both are
+    # immutable) skips the dict lookups. ``hold`` keeps them alive for the comparison.
+    cdef PyObject* last_topic = NULL
+    cdef PyObject* last_host = NULL
+    cdef object last_tpart = None, last_born = None
+    cdef int32_t last_port = 0
+    cdef int32_t port
+    cdef bint same_host
+    cdef PyObject* named[4]
+    cdef object tag_v, keys_v, uniq_v
     if type(messages) is RecordSpans:
         return _encode_spans(encoder, messages, start, physical_offset, space, next_offsets,
                              base_offsets, out, sink)
@@ -469,13 +514,28 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             fast = _slots_ok and type(m) is Message
             r = &recs[n]
             topic = _field(m, fast, 0)
-            found = PyDict_GetItemWithError(topic_parts, topic)
-            tpart = <object>found if found != NULL else encoder._topic_part(topic)
+            if <PyObject*>topic == last_topic:
+                tpart = last_tpart
+            else:
+                found = PyDict_GetItemWithError(topic_parts, topic)
+                tpart = <object>found if found != NULL else encoder._topic_part(topic)
+                hold.append(topic)
+                last_topic = <PyObject*>topic
+                last_tpart = tpart
             props = _field(m, fast, 3)
             r.props_at = scratch.len
+            named[0] = named[1] = named[2] = named[3] = NULL
             if props:
                 if PyDict_CheckExact(props):
-                    r.props_len = _encode_properties(<dict>props, &scratch)
+                    r.props_len = _encode_properties(<dict>props, &scratch, named)
+                    if named[3] != NULL:
+                        named[0] = PyDict_GetItem(props, _TAGS)
+                        named[1] = PyDict_GetItem(props, _KEYS)
+                        named[2] = PyDict_GetItem(props, _UNIQ)
+                    # Owned now: Python code below (a body's ``__bytes__``) could change the dict.
+                    tag_v = <object>named[0] if named[0] != NULL else None
+                    keys_v = <object>named[1] if named[1] != NULL else None
+                    uniq_v = <object>named[2] if named[2] != NULL else None
                 else:
                     raw = encode_properties(props)
                     _append(&scratch, raw, len(raw))
@@ -490,9 +550,13 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             if not PyBytes_CheckExact(body):
                 body = bytes(body)
             host = _field(m, fast, 6)
-            address = host[0]
-            found = PyDict_GetItemWithError(born_cache, address)
-            born = <object>found if found != NULL else encoder._born(address)
+            same_host = <PyObject*>host == last_host
+            if same_host:
+                born = last_born
+            else:
+                address = host[0]
+                found = PyDict_GetItemWithError(born_cache, address)
+                born = <object>found if found != NULL else encoder._born(address)
             born_ip = born[0]
             size = _rec_sized(r, born[1], <const unsigned char*>PyBytes_AS_STRING(body),
                               PyBytes_GET_SIZE(body), tpart, store_v6)
@@ -500,7 +564,15 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 scratch.len = r.props_at
                 break
             queue_id = _field(m, fast, 2)
-            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), _i32(host[1]),
+            if same_host:
+                port = last_port
+            else:
+                port = _i32(host[1])
+                hold.append(host)
+                last_host = <PyObject*>host
+                last_born = born
+                last_port = port
+            _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), port,
                       _i32(_field(m, fast, 4)), _field(m, fast, 5), _i32(_field(m, fast, 7)),
                       _field(m, fast, 8), _i32(queue_id))
             key = _queue_key(queue_keys, topic, queue_id, &cached)
@@ -527,21 +599,14 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             hold.append(tpart)
             PyList_Append(queues, key)
             if props and PyDict_CheckExact(props):
-                found = PyDict_GetItem(props, _TAGS)
-                PyList_Append(tags, <object>found if found != NULL else None)
-                found = PyDict_GetItem(props, _KEYS)
-                if found != NULL:
-                    PyList_Append(keys, <object>found)
-                    entries += _key_entries(<object>found)
-                else:
-                    PyList_Append(keys, None)
-                found = PyDict_GetItem(props, _UNIQ)
-                if found != NULL:
-                    PyList_Append(uniqs, <object>found)
-                    if <object>found:
-                        entries += 1
-                else:
-                    PyList_Append(uniqs, None)
+                # Found while the properties were encoded (values are str: None is absent).
+                PyList_Append(tags, tag_v)
+                PyList_Append(keys, keys_v)
+                if keys_v is not None:
+                    entries += _key_entries(keys_v)
+                PyList_Append(uniqs, uniq_v)
+                if uniq_v is not None and uniq_v:
+                    entries += 1
             elif props:
                 tags.append(props.get(_TAGS))
                 kv = props.get(_KEYS)
@@ -867,6 +932,8 @@ cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_
         body_crc = tmq_crc32c_extend3(0, b + body_at, body_len)
         if body_crc != tmq_be32(b + pos + 8):
             return -2
+    if sys_flag & ~SYSFLAG_KNOWN:
+        return -1
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_PAIR:
             return -1
@@ -876,6 +943,8 @@ cdef inline int64_t _check_shift(const unsigned char* b, Py_ssize_t n, Py_ssize_
                     return -3
             elif not _record_crc_ok(b + pos, total):
                 return -3
+    elif check_crc and _record_crc_flag_lost(b + pos, total):
+        return -3
     return total
 
 
@@ -1341,6 +1410,8 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
     s.store_at = store_ts_at + 8
     if check_crc and tmq_crc32c_extend(0, b + s.body_at, s.body_len) != tmq_be32(b + pos + 8):
         return -1
+    if sys_flag & ~SYSFLAG_KNOWN:
+        return -1
     if sys_flag & SYSFLAG_RECORD_CRC:
         # The record CRC pair ends the properties; no decoded field holds it.
         if s.props_len < CRC_PAIR:
@@ -1348,6 +1419,8 @@ cdef int64_t _locate(const unsigned char* b, Py_ssize_t length, int64_t pos, bin
         if check_crc and not _record_crc_ok(b + pos, total):
             return -1
         s.props_len -= CRC_PAIR
+    elif check_crc and _record_crc_flag_lost(b + pos, total):
+        return -1
     return 0
 
 
@@ -2497,6 +2570,86 @@ def index_put(mm, int fd, Py_ssize_t slot_count, int64_t first, int64_t begin_ti
         free(buf)
         free(table)
     return empty
+
+
+DEF INDEX_CHECK_STEP = 1 << 20  # record.INDEX_CHECK_STEP
+DEF _PREFETCH_AHEAD = 16
+
+cdef extern from *:
+    void __builtin_prefetch(const void* p) noexcept nogil
+
+
+cdef inline int64_t _floor_mod(int64_t a, int64_t m) noexcept nogil:
+    """Python's ``a % m`` for ``m > 0`` (numpy's too): never negative."""
+    cdef int64_t r = a % m
+    return r + m if r < 0 else r
+
+
+cdef int _index_check_raw(const unsigned char* b, int64_t slot_count, int64_t n,
+                          int64_t begin_offset, bint full, int64_t* where) noexcept nogil:
+    """``record.index_check_py`` over the file's bytes ``b`` (its checks, in its order)."""
+    cdef const unsigned char* slots = b + INDEX_HEADER
+    cdef const unsigned char* entries = slots + slot_count * 4
+    cdef const unsigned char* e
+    cdef int64_t s, head, ahead, i, lo, hi, last, offset, prev, h, wrong = -1
+    # One pass over the slots: a slot out of range anywhere is reported before a slot naming
+    # an entry of another slot (the reference checks all of the first before the second).
+    for s in range(slot_count):
+        if full and s + _PREFETCH_AHEAD < slot_count:
+            # The slots' entries lie all over the file: ask for one a few slots ahead, so the
+            # cache misses overlap instead of following one another.
+            ahead = <int32_t>tmq_be32(slots + (s + _PREFETCH_AHEAD) * 4)
+            if 0 < ahead < n:
+                __builtin_prefetch(entries + ahead * INDEX_ENTRY)
+        head = <int32_t>tmq_be32(slots + s * 4)
+        if head < 0 or head >= n:
+            where[0] = s
+            return 1
+        if full and head != 0 and wrong < 0:
+            if _floor_mod(<int32_t>tmq_be32(entries + head * INDEX_ENTRY), slot_count) != s:
+                wrong = s
+    if not full:
+        return 0
+    if wrong >= 0:
+        where[0] = wrong
+        return 2
+    last = begin_offset
+    lo = 1
+    while lo < n:
+        hi = min(n, lo + INDEX_CHECK_STEP)
+        for i in range(lo, hi):
+            e = entries + i * INDEX_ENTRY
+            h = <int32_t>tmq_be32(e)
+            offset = <int64_t>tmq_be64(e + 4)
+            prev = <int32_t>tmq_be32(e + 16)
+            if (h < 0 or prev < 0 or prev >= i or offset < last
+                    or <int32_t>tmq_be32(e + 12) < 0):
+                where[0] = i
+                return 3
+            last = offset
+        for i in range(lo, hi):
+            e = entries + i * INDEX_ENTRY
+            prev = <int32_t>tmq_be32(e + 16)
+            if prev > 0:
+                h = <int32_t>tmq_be32(e)
+                if (_floor_mod(<int32_t>tmq_be32(entries + prev * INDEX_ENTRY), slot_count)
+                        != _floor_mod(h, slot_count)):
+                    where[0] = i
+                    return 3
+        lo = hi
+    return 0
+
+
+def index_check(mm, Py_ssize_t slot_count, Py_ssize_t n, int64_t begin_offset, bint full):
+    """``record.index_check_py`` in one release of the GIL: ``(kind, slot or entry number)``."""
+    cdef const unsigned char[::1] m = mm
+    cdef int64_t where = 0
+    cdef int kind
+    if slot_count <= 0 or n < 1 or INDEX_HEADER + slot_count * 4 + n * INDEX_ENTRY > m.shape[0]:
+        raise ValueError(f"index_check: {slot_count} slots and {n} entries do not fit the mapping")
+    with nogil:
+        kind = _index_check_raw(&m[0], slot_count, n, begin_offset, full, &where)
+    return kind, where
 
 
 # -- a whole dispatch pass in one call (decision 695) -------------------------------------------

@@ -50,6 +50,7 @@ from tiered.record import (
     MAGIC_CODE_V2,
     NATIVE_ENGINE,
     SYSFLAG_BORNHOST_V6,
+    SYSFLAG_KNOWN,
     SYSFLAG_RECORD_CRC,
     SYSFLAG_STOREHOST_V6,
     V4_HEAD_SIZE,
@@ -57,6 +58,7 @@ from tiered.record import (
     RecordError,
     StoredMessage,
     decode,
+    record_crc_flag_lost,
     record_crc_matches,
 )
 
@@ -174,6 +176,8 @@ def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch
         raise _Anomaly("total size runs past the data")
     end = at + total
     sys_flag = field(at + 36, ">i4")
+    if (sys_flag & ~SYSFLAG_KNOWN).any():
+        raise _Anomaly("unknown SYSFLAG bits")
     born_v6 = (sys_flag & SYSFLAG_BORNHOST_V6) != 0
     store_v6 = (sys_flag & SYSFLAG_STOREHOST_V6) != 0
     born_at = at + 48
@@ -216,6 +220,9 @@ def _decode(data: np.ndarray, at: np.ndarray, check_crc: bool) -> pa.RecordBatch
         for pos, size in zip(at[with_crc].tolist(), total[with_crc].tolist(), strict=True):
             if not record_crc_matches(data.data, pos, size):
                 raise _Anomaly("record CRC mismatch")
+        for pos, size in zip(at[~with_crc].tolist(), total[~with_crc].tolist(), strict=True):
+            if record_crc_flag_lost(data.data, pos, size):
+                raise _Anomaly("record CRC flag cleared")
     try:
         topic = _binary(data, topic_len_at + 2, topic_len).cast(pa.string())
         properties = _properties(data, props_len_at + 2, props_len)

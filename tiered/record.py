@@ -71,6 +71,10 @@ SYSFLAG_BORNHOST_V6 = 1 << 4
 SYSFLAG_STOREHOST_V6 = 1 << 5
 # tmq's: the record ends with the record CRC pair. RocketMQ's own flags use bits 0-10.
 SYSFLAG_RECORD_CRC = 1 << 16
+# Every SYSFLAG bit a tmq encoder has ever set; a record with any other bit is damaged (decision
+# 870): one flipped bit must not turn the record CRC's flag off unnoticed.
+SYSFLAG_KNOWN = SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6 | SYSFLAG_RECORD_CRC
+_SYSFLAG_BIT16_BYTE = 37  # SYSFLAG is the big-endian int at byte 36: bit 16 is byte 37's low bit
 
 PROPERTY_KEYS = "KEYS"
 PROPERTY_TAGS = "TAGS"
@@ -295,6 +299,24 @@ def record_crc_matches(buf: Buffer, pos: int, total: int) -> bool:
     return bytes(buf[end - CRC_TRAILER_SIZE : end]) == crc_trailer(
         crc32c(bytes(buf[pos : end - CRC_TRAILER_SIZE]))
     )
+
+
+def record_crc_flag_lost(buf: Buffer, pos: int, total: int) -> bool:
+    """Whether a record without SYSFLAG bit 16 ends with the pair it would carry had the bit
+    been set: a record written with its record CRC whose flag byte was damaged (decision 870).
+    A record written before decision 210 ends with such a pair only by a 2**-31 chance."""
+    end = pos + total
+    if (
+        total < V4_HEAD_SIZE + CRC_TRAILER_SIZE
+        or bytes(buf[end - CRC_TRAILER_SIZE : end - CRC_TRAILER_SIZE + len(_CRC_TRAILER_NAME)])
+        != _CRC_TRAILER_NAME
+    ):
+        return False
+    flag_byte = pos + _SYSFLAG_BIT16_BYTE
+    crc = crc32c(bytes(buf[pos:flag_byte]))
+    crc = crc32c_extend(crc, bytes([buf[flag_byte] | 1]))
+    crc = crc32c_extend(crc, bytes(buf[flag_byte + 1 : end - CRC_TRAILER_SIZE]))
+    return bytes(buf[end - CRC_TRAILER_SIZE : end]) == crc_trailer(crc)
 
 
 def encode_properties(properties: dict[str, str]) -> bytes:
@@ -716,6 +738,8 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
             f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
             "body CRC mismatch"
         )
+    if sys_flag & ~SYSFLAG_KNOWN:
+        raise RecordError(f"record at {pos}: unknown SYSFLAG bits {sys_flag:#x}")
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_TRAILER_SIZE:
             raise RecordError(f"record at {pos}: properties too short for the record CRC")
@@ -725,6 +749,11 @@ def decode(buf: Buffer, pos: int = 0, *, check_crc: bool = True) -> StoredMessag
                 "record CRC mismatch"
             )
         props_raw = props_raw[:-CRC_TRAILER_SIZE]
+    elif check_crc and record_crc_flag_lost(buf, pos, total):
+        raise RecordCrcError(
+            f"record at physical offset {physical_offset} (queue offset {queue_offset}): "
+            "its record CRC flag is cleared"
+        )
     try:
         properties = decode_properties(props_raw)
     except UnicodeDecodeError as e:
@@ -780,6 +809,8 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
         raise RecordError(f"record at {physical_offset}: fields do not add up to {total} bytes")
     if check_crc and crc32c(bytes(buf[body_at:p])) != crc:
         raise CorruptRecordError(f"record at physical offset {physical_offset}: body CRC mismatch")
+    if sys_flag & ~SYSFLAG_KNOWN:
+        raise RecordError(f"record at {physical_offset}: unknown SYSFLAG bits {sys_flag:#x}")
     if sys_flag & SYSFLAG_RECORD_CRC:
         if props_len < CRC_TRAILER_SIZE:
             raise RecordError(
@@ -789,6 +820,10 @@ def validate(buf: Buffer, pos: int, physical_offset: int, *, check_crc: bool) ->
             raise RecordCrcError(
                 f"record at physical offset {physical_offset}: record CRC mismatch"
             )
+    elif check_crc and record_crc_flag_lost(buf, pos, total):
+        raise RecordCrcError(
+            f"record at physical offset {physical_offset}: its record CRC flag is cleared"
+        )
     return int(total)
 
 
@@ -1077,6 +1112,63 @@ def index_put_py(
     slots_arr[sorted_slots[tail]] = sorted_numbers[tail]
     del slots_arr  # the mapping may be closed once this returns
     return int(np.count_nonzero(held == 0))
+
+
+# How many entries ``index_check_py`` reads at a time (its numpy arrays stay a few MB).
+INDEX_CHECK_STEP = 1 << 20
+
+
+def index_check_py(
+    mm: Buffer, slot_count: int, n: int, begin_offset: int, full: bool
+) -> tuple[int, int]:
+    """The first thing wrong with an IndexFile's slots and entries ``1 .. n - 1`` (``n``: the
+    header's next entry number; layout ``tiered/hot/index_file.py``'s), as ``put_many`` never
+    writes it (decision 687): ``(0, 0)`` nothing; ``(1, slot)`` a slot naming an entry number
+    outside ``[0, n)``; with ``full``, ``(2, slot)`` a slot whose entry has the hash of another
+    slot, and ``(3, number)`` an entry with a negative hash or seconds, a link that is not to
+    an older entry (0: none), a CommitLog offset below the previous entry's (the first entry's:
+    below ``begin_offset``; entries are in record order, decision 756), or a link to an entry of
+    another slot. Every slot is checked for ``(1, ...)`` before any for ``(2, ...)``; entries are
+    checked ``INDEX_CHECK_STEP`` at a time, and within a step the links' slots only once every
+    entry of it passed the rest (``(3, ...)`` names the first failing entry of that order)."""
+    slots = np.frombuffer(mm, np.dtype(">i4"), slot_count, INDEX_HEADER_SIZE)
+    entries = np.frombuffer(
+        mm, INDEX_ENTRY_DTYPE, n, INDEX_HEADER_SIZE + slot_count * INDEX_SLOT_SIZE
+    )
+    try:
+        heads = slots.astype(np.int64)
+        bad = np.flatnonzero((heads < 0) | (heads >= n))
+        if len(bad):
+            return 1, int(bad[0])
+        if not full:
+            return 0, 0
+        used = np.flatnonzero(heads)
+        head_hashes = entries["hash"][heads[used]].astype(np.int64)
+        wrong = np.flatnonzero(head_hashes % slot_count != used)
+        if len(wrong):
+            return 2, int(used[wrong[0]])
+        del heads, used, head_hashes
+        last = begin_offset
+        for lo in range(1, n, INDEX_CHECK_STEP):
+            hi = min(n, lo + INDEX_CHECK_STEP)
+            part = entries[lo:hi]
+            hashes = part["hash"].astype(np.int64)
+            prev = part["prev"].astype(np.int64)
+            numbers = np.arange(lo, hi, dtype=np.int64)
+            linked = prev > 0
+            ok = (hashes >= 0) & (prev >= 0) & (prev < numbers)
+            offsets = part["offset"].astype(np.int64)
+            ok &= offsets >= np.concatenate(([last], offsets[:-1]))
+            last = int(offsets[-1])
+            ok &= part["seconds"] >= 0
+            if ok.all():
+                targets = entries["hash"][prev[linked]].astype(np.int64)
+                ok[linked] = targets % slot_count == hashes[linked] % slot_count
+            if not ok.all():
+                return 3, lo + int(np.argmin(ok))
+        return 0, 0
+    finally:
+        del slots, entries
 
 
 def dispatch_pass_py(
@@ -1460,6 +1552,7 @@ class _PythonEngine:
     dispatch_columns = staticmethod(dispatch_columns_py)
     cq_blocks = staticmethod(cq_blocks_py)
     index_put = staticmethod(index_put_py)
+    index_check = staticmethod(index_check_py)
     dispatch_pass = staticmethod(dispatch_pass_py)
 
 
@@ -1628,6 +1721,14 @@ def index_put(
     return int(
         _engine.index_put(mm, fd, slot_count, first, begin_timestamp, hashes, offsets, timestamps)
     )
+
+
+def index_check(
+    mm: Buffer, slot_count: int, n: int, begin_offset: int, full: bool
+) -> tuple[int, int]:
+    """See ``index_check_py`` (an IndexFile's structure check at start, in one call)."""
+    kind, where = _engine.index_check(mm, slot_count, n, begin_offset, full)
+    return int(kind), int(where)
 
 
 def dispatch_pass(

@@ -445,13 +445,13 @@ class MessageStore:
             )
         self.commitlog.load()
         cq_dir_present = self.config.consumequeue_dir.exists()
-        # The ConsumeQueues load beside the CommitLog scan (which runs without the GIL): the
-        # two touch different files, and only the cut below needs both.
+        # The ConsumeQueues and IndexFiles load beside the CommitLog scan (which runs without
+        # the GIL): they touch different files, and only the cut below needs all three. The
+        # IndexFile check is native too (decision 830).
         pool = ThreadPoolExecutor(1, thread_name_prefix="tmq-recovery-cq")
-        queues_loaded = pool.submit(self.queues.load_and_recover)
+        queues_loaded = pool.submit(self._load_queues_and_index)
         pool.shutdown(wait=False)
         try:
-            self.index.load()
             # The scan hands over the dispatch fields of what it validates: re-dispatch then
             # reads no CommitLog byte a second time (decision 240).
             scanned: list[DispatchColumns] = []
@@ -551,6 +551,12 @@ class MessageStore:
         self._save_checkpoint()
         return report
 
+    def _load_queues_and_index(self) -> None:
+        """Load (and check) the ConsumeQueues, then the IndexFiles: the derived files, which
+        the start loads beside the CommitLog scan."""
+        self.queues.load_and_recover()
+        self.index.load()
+
     def _apply_queue_floors(self) -> None:
         """Start every queue with a floor at or above it, before re-dispatch: a queue that ends
         below its floor is emptied and starts at it (its records below are archived; re-dispatch
@@ -582,15 +588,16 @@ class MessageStore:
                 return False
             if self.commitlog.queue_offsets.get(key, 0) >= offset:
                 return False
-            floors = {**self.queue_floors, key: offset}
-            rows = sorted([t, q, f] for (t, q), f in floors.items())
-            write_file(
-                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
-            )
-            self.queue_floors = floors
-            self._apply_queue_floors()
+            self._save_queue_floors({**self.queue_floors, key: offset})
             self.commitlog.reset_queue_offsets({**self.commitlog.queue_offsets, key: offset})
             return True
+
+    def _save_queue_floors(self, floors: dict[tuple[str, int], int]) -> None:
+        """Record ``floors`` durably, then apply them (a restart keeps what a read saw)."""
+        rows = sorted([t, q, f] for (t, q), f in floors.items())
+        write_file(self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode())
+        self.queue_floors = floors
+        self._apply_queue_floors()
 
     def raise_queue_floor(self, topic: str, queue_id: int, offset: int) -> None:
         """Make ``offset`` the queue's first local offset when its entries start below it (a
@@ -610,13 +617,7 @@ class MessageStore:
                 )
             if self.queue_floors.get(key, 0) >= offset:
                 return
-            floors = {**self.queue_floors, key: offset}
-            rows = sorted([t, q, f] for (t, q), f in floors.items())
-            write_file(
-                self.config.data_dir / QUEUE_FLOORS_FILE, json.dumps({"queues": rows}).encode()
-            )
-            self.queue_floors = floors
-            self._apply_queue_floors()
+            self._save_queue_floors({**self.queue_floors, key: offset})
 
     def _redispatch_cut_tails(self, reput: int, cl_min: int) -> int:
         """Where re-dispatch must start so that the entries loading cut off a queue's end come

@@ -704,7 +704,9 @@ class ColdFetcher:
             entries = self._table(info)[first : first + n * len(starts)]
             try:
                 if len(starts) == 1 and not replies:
-                    spans = [run_job(self.runner, read_span, info, first, entries.tobytes())]
+                    spans = [
+                        run_job(self.runner, read_span, info, first, entries.tobytes(), read=True)
+                    ]
                 else:
                     # A replies-only span for a reader that sends replies: its records stay in
                     # the worker (decision 705); a reader that decodes gets records alone.
@@ -718,6 +720,7 @@ class ColdFetcher:
                         counts,
                         self.reply_encoder if replies else None,
                         not replies,
+                        read=True,
                     )
             except SegmentError:
                 # The table may be what was wrong: the next read of the segment fetches it again.
@@ -762,7 +765,9 @@ class ColdFetcher:
             with self._lock:
                 table = self._tables.get(info.key)
             if table is None:
-                table = np.frombuffer(run_job(self.runner, read_offset_table, info), dtype=CQ_DTYPE)
+                table = np.frombuffer(
+                    run_job(self.runner, read_offset_table, info, read=True), dtype=CQ_DTYPE
+                )
                 _check_table(info, table)  # never cache wrong bytes: every read would use them
                 with self._lock:
                     self._tables[info.key] = table

@@ -26,6 +26,8 @@ parent's work.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import importlib
 import itertools
 import logging
@@ -83,6 +85,46 @@ def warm_up(tier: ObjectStore) -> None:
         log.info("cold worker: the object store did not answer yet: %s", e)
 
 
+# glibc's ``mallopt`` parameters (malloc.h) and the cold worker's values (decision 840).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# Below this a buffer comes from the heap, not a fresh ``mmap`` of its own: a read-ahead run
+# (its GET, its replies, the writer's room: 4-6 MiB each) is. glibc's largest allowed value.
+WORKER_MMAP_THRESHOLD = 32 << 20
+# Free heap memory the worker keeps rather than hands back to the kernel.
+WORKER_TRIM_THRESHOLD = 256 << 20
+
+
+def _keep_freed_memory() -> bool:
+    """Keep the child's freed run buffers mapped, for the next run to reuse (decision 840).
+
+    Every read-ahead run allocates three buffers of 4-6 MiB and frees them once its reply is
+    sent. With glibc's defaults each is a fresh ``mmap`` or is trimmed from its thread's heap on
+    ``free``, so the next run touches new pages: about 1,500 page faults a run, which cost the
+    reply writer a third of its CPU in a replay. With these thresholds the runs reuse the heap
+    the previous ones freed. Buffers past 32 MiB (a segment build's) are still mapped and
+    unmapped on their own, and the kept memory is bounded by the jobs' peak (a few runs per
+    job thread). False where the C library has no ``mallopt`` (not glibc): nothing changes."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
+        and mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    )
+
+
+def _lower_priority(steps: int) -> None:
+    """Lower the calling thread's CPU priority by ``steps`` of nice (a cold-read thread's start)."""
+    if steps:
+        with contextlib.suppress(OSError):
+            os.nice(steps)
+
+
 def _preload(modules: Sequence[str]) -> None:
     """Import the modules the jobs to come are defined in (and what they import): the first
     job's unpickling would import them otherwise, in the loop that receives every job."""
@@ -101,15 +143,18 @@ def _child_main(
     threads: int,
     nice: int = 0,
     preload: Sequence[str] = (),
+    read_nice: int = 0,
 ) -> None:
     """The child: receive jobs, run them on ``threads`` threads, send back each outcome, at
-    ``nice`` steps below the broker's CPU priority. ``preload``: modules imported at the start,
-    beside the warm-up (decision 631)."""
+    ``nice`` steps below the broker's CPU priority; cold reads on ``threads`` threads of their
+    own at ``read_nice`` steps below it (decision 841). ``preload``: modules imported at the
+    start, beside the warm-up (decision 631)."""
     # Before any thread starts: on Linux a thread's priority is its own, inherited by the
     # threads it creates, so every job thread runs at this priority (decision 480).
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)
+    _keep_freed_memory()
     # Ctrl-C and a SIGTERM to the broker's process group are the broker's to act on: it closes
     # the pipe, and the child ends on that (also when the broker is killed outright).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -117,6 +162,14 @@ def _child_main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tmq-cold-worker %(message)s")
     tier = open_store(tier_url, tier_options, retry)
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-worker")
+    # A thread's nice value is its own (Linux): these threads lower theirs further at their
+    # start. Lowering one's priority needs no privilege.
+    reads = ThreadPoolExecutor(
+        max_workers=threads,
+        thread_name_prefix="tmq-cold-reader",
+        initializer=_lower_priority,
+        initargs=(max(0, read_nice - nice),),
+    )
     # The object store's first call sets up its session and connections (seconds with s3fs):
     # made now, with a HEAD of a key nobody writes, rather than by the first upload.
     pool.submit(warm_up, tier)
@@ -149,8 +202,10 @@ def _child_main(
             break
         if message is None:
             break
-        pool.submit(run, *message)
+        job_id, fn, args, read = message
+        (reads if read else pool).submit(run, job_id, fn, args)
     pool.shutdown(wait=False, cancel_futures=True)
+    reads.shutdown(wait=False, cancel_futures=True)
 
 
 class ColdWorker:
@@ -163,6 +218,10 @@ class ColdWorker:
     ``nice``: how far below the broker's CPU priority the child runs (``WORKER_NICE``). Its
     work is throughput (a replay, an upload) and the broker's is latency (an append waits for
     a core): when the cores are short, the scheduler gives them to the broker first.
+    ``read_nice``: how far below it the cold reads run (``READ_NICE``, jobs submitted with
+    ``read=True``), on threads of their own: lower still, since a replay is what a producer
+    waits behind (decision 841), while uploads keep ``nice``: an offload that stalled behind
+    produce would fill the disk.
 
     ``preload``: modules the child imports at its start, beside the object store's warm-up:
     those the jobs it will run are defined in, so that the first job does not import them in
@@ -178,10 +237,12 @@ class ColdWorker:
         max_inflight: int = 16,
         nice: int | None = None,
         preload: Sequence[str] = (),
+        read_nice: int | None = None,
     ) -> None:
         self.tier_url = tier_url
         self.preload = tuple(preload)
         self.nice = WORKER_NICE if nice is None else nice
+        self.read_nice = max(self.nice, READ_NICE if read_nice is None else read_nice)
         self.tier_options = dict(tier_options or {})
         self.retry = retry or RetryPolicy()
         self.threads = threads
@@ -221,6 +282,7 @@ class ColdWorker:
                 self.threads,
                 self.nice,
                 self.preload,
+                self.read_nice,
             ),
             name="tmq-cold-worker",
             daemon=True,
@@ -236,9 +298,10 @@ class ColdWorker:
         )
         reader.start()
 
-    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]:
+    def submit(self, fn: Job[T], *args: Any, block: bool = True, read: bool = False) -> Future[T]:
         """Run ``fn(tier, *args)`` in the child. ``block``: wait for room when ``max_inflight``
-        jobs are outstanding; otherwise raise ``WorkerBusyError``."""
+        jobs are outstanding; otherwise raise ``WorkerBusyError``. ``read``: a cold read, run on
+        the child's read threads, at ``read_nice``."""
         if not self._room.acquire(blocking=block):
             raise WorkerBusyError(f"the cold worker has {self.max_inflight} jobs outstanding")
         future: Future[T] = Future()
@@ -252,7 +315,7 @@ class ColdWorker:
             conn = self._conn
         try:
             with self._send_lock:
-                conn.send((job_id, fn, args))
+                conn.send((job_id, fn, args, read))
         except (OSError, ValueError):
             # The child died under us: its reply thread fails the job and restarts it.
             pass
@@ -343,6 +406,12 @@ class ColdWorker:
 # producing thread that wakes up is given a core before it, and while both want the two cores the
 # broker gets three quarters of the time.
 WORKER_NICE = 5
+# How many steps of nice below the broker the cold reads run, on their own threads (decision
+# 841): the lowest. Under EEVDF a nice-19 thread weighs 15 against a producer's 1024, so a
+# producer that wakes is given the core at once; alone on a core the read runs at full speed.
+# Alternated with nice 5 in 13 pairs (load 12-24): a producer's p99 during a replay 0.42 ms
+# against 1.10 (median), the replay's rate the same within the noise.
+READ_NICE = 19
 
 
 # Socket buffers of the pipe (a Unix socket pair): a reply of a 1 MiB span crosses in one or two
@@ -401,7 +470,7 @@ class LocalRunner:
         self._room = threading.BoundedSemaphore(max_inflight)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-local")
 
-    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]:
+    def submit(self, fn: Job[T], *args: Any, block: bool = True, read: bool = False) -> Future[T]:
         if not self._room.acquire(blocking=block):
             raise WorkerBusyError(f"{self.max_inflight} cold jobs are outstanding")
         future = self._pool.submit(fn, self.tier, *args)
@@ -415,17 +484,20 @@ class LocalRunner:
 class JobRunner(Protocol):
     """Where cold jobs run: ``ColdWorker`` (a child process) or ``LocalRunner`` (threads)."""
 
-    def submit(self, fn: Job[T], *args: Any, block: bool = True) -> Future[T]: ...
+    def submit(
+        self, fn: Job[T], *args: Any, block: bool = True, read: bool = False
+    ) -> Future[T]: ...
 
     def close(self) -> None: ...
 
 
-def run_job(runner: JobRunner, fn: Job[T], *args: Any, attempts: int = 3) -> T:
+def run_job(runner: JobRunner, fn: Job[T], *args: Any, attempts: int = 3, read: bool = False) -> T:
     """Run ``fn(tier, *args)`` and wait for it; a job cut off by a crash of the worker runs
-    again on its successor (at most ``attempts`` times in all)."""
+    again on its successor (at most ``attempts`` times in all). ``read``: a cold read (see
+    ``ColdWorker.submit``)."""
     for attempt in range(1, attempts + 1):
         try:
-            return runner.submit(fn, *args).result()
+            return runner.submit(fn, *args, read=read).result()
         except WorkerCrashedError:
             if attempt == attempts:
                 raise

@@ -997,8 +997,9 @@ class CommitLog:
         if f is not None:
             pos = end - f.from_offset
             length = min(f.size - pos, _QUARANTINE_LIMIT)
-            # Checked in place first: after kill -9 the tail is almost always zeros already.
-            torn = np.count_nonzero(np.frombuffer(f.mm, np.uint8, length, pos)) if length else 0
+            # Checked in place first: after kill -9 the tail is almost always zeros already,
+            # and mostly never-written space, which the check skips (decision 831).
+            torn = f.any_nonzero(pos, length) if length else False
             tail = f.read(pos, length).rstrip(b"\0") if torn else b""
             if tail:
                 quarantine.mkdir(parents=True, exist_ok=True)

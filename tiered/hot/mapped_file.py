@@ -193,6 +193,20 @@ class MappedFile:
             yield start, end
             pos = end
 
+    def any_nonzero(self, pos: int, length: int) -> bool:
+        """Whether ``[pos, pos + length)`` holds a byte that is not zero, reading only the
+        stretches the extent map says may hold data (a hole reads as zeros): the tail recovery
+        checks after its end is mostly a preallocated file's never-written space, and reading
+        that in place faults in (and zero-fills) every page of it (decision 831)."""
+        end = min(self.size, pos + length)
+        for start, stop in self.data_regions(pos):
+            if start >= end:
+                break
+            lo, hi = max(start, pos), min(stop, end)
+            if hi > lo and np.count_nonzero(np.frombuffer(self.mm, np.uint8, hi - lo, lo)):
+                return True
+        return False
+
     def zero_from(self, pos: int) -> None:
         """Zero the file from ``pos`` to its end, touching only chunks that are not zero yet.
 

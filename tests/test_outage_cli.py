@@ -1,0 +1,136 @@
+"""Operator commands during an object-store outage (decision 810): each answers within a bounded
+time and says a tier value it could not get is unknown, never 0. Real broker processes,
+LocalStack S3 behind the tests' fault proxy (a black hole: connections accepted, no answer; and
+503s), the `tmq` CLI as an operator runs it. The broker's admin_tier_wait_ms is set to 1 s here
+(its default is 5 s) so the test takes seconds."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from broker_harness import send_batches, start_tiered, tmq, wait_until
+from conftest import S3Endpoint
+
+TOPIC = "outage-orders"
+TIER_UNKNOWN = 4  # cli/topic.py; docs/operations.md "Exit codes and errors"
+
+
+def _timed(*args: str) -> tuple[float, Any]:
+    started = time.monotonic()
+    done = tmq(*args, timeout=60)
+    return time.monotonic() - started, done
+
+
+def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_outage(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """The topic's 200 messages are archived (watermark 100 on each of 2 queues); the broker
+    restarts while the tier resets every connection, so no manifest is cached. Then the tier
+    black-holes, then answers 503. On main `tmq topic describe`/`list`/`offload status` each
+    failed after the CLI's own 10 s (`Deadline Exceeded`) while the broker went on loading
+    manifests one after the other through the tier's retries, and `tmq status` said `cold 0 B`
+    (exit 0). Now each answers within the broker's wait plus the CLI's start, with every
+    queue's tier watermark (and archive size) null in JSON, `unknown` in text, and exit 4; once
+    the tier answers, the real values again, exit 0."""
+    url = f"s3://{bucket}/outage"
+    env = {**S3Endpoint(fault_proxy.url, "proxy").env(), "TMQ_BROKER_ADMIN_TIER_WAIT_MS": "1000"}
+    data = tmp_path / "data"
+    node = start_tiered(data, url, env)
+    try:
+        created = tmq(
+            "topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered", "--ttl", "30d"
+        )
+        assert created.returncode == 0, created.stderr
+        node.wait_routed(TOPIC)
+        send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(200)])
+        offloaded = tmq("offload", TOPIC, "-n", node.namesrv, timeout=120)
+        assert offloaded.returncode == 0, offloaded.stderr
+        assert "tier watermark 100" in offloaded.stdout, offloaded.stdout
+    finally:
+        node.stop()
+
+    fault_proxy.set(reset=True)  # the start's manifest loads fail at once: none is cached
+    node = start_tiered(data, url, env)
+    try:
+        n = node.namesrv
+        for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
+            fault_proxy.set(**outage)
+            took, described = _timed("topic", "describe", TOPIC, "-n", n, "--json")
+            print(f"{outage}: topic describe --json {took:.1f} s rc {described.returncode}")
+            assert described.returncode == TIER_UNKNOWN, (described.stdout, described.stderr)
+            # Bounded by the broker's 1 s wait, not the CLI's 10 s nor the tier's retries; the
+            # rest is the CLI's own start on a loaded machine.
+            assert took < 9, took
+            (row,) = json.loads(described.stdout)
+            assert [q["tier_watermark"] for q in row["queue_offsets"]] == [None, None], row
+            assert [q["max_offset"] for q in row["queue_offsets"]] == [100, 100], row
+            assert f"{TOPIC}/0 on broker-a, {TOPIC}/1 on broker-a" in described.stderr
+
+            took, text = _timed("topic", "describe", TOPIC, "-n", n)
+            assert text.returncode == TIER_UNKNOWN and took < 9, (took, text.stderr)
+            assert "queue 0: offsets [0, 100), tier watermark unknown (the cold tier did not" in (
+                text.stdout
+            ), text.stdout
+
+            took, listed = _timed("topic", "list", "-n", n, "--json")
+            assert listed.returncode == TIER_UNKNOWN and took < 9, (took, listed.stderr)
+            (row,) = [r for r in json.loads(listed.stdout) if r["topic"] == TOPIC]
+            assert [q["tier_watermark"] for q in row["queue_offsets"]] == [None, None], row
+
+            took, status = _timed("offload", "status", TOPIC, "-n", n)
+            assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
+            assert f"{TOPIC}/0 on broker-a: tier watermark unknown (the cold tier did not " in (
+                status.stdout
+            ), status.stdout
+            assert "(lag" not in status.stdout, "no lag computed from an unknown watermark"
+
+            took, status = _timed("offload", "status", TOPIC, "-n", n, "--json", "--wait")
+            assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
+            assert [r["tier_watermark"] for r in json.loads(status.stdout)] == [None, None]
+
+            # Retention reloads every manifest: it waited out the tier's retries while the CLI
+            # gave up at 10 s ("no answer"). Now refused at once, naming the queues.
+            took, retained = _timed("retain", TOPIC, "-n", n, "--apply", "--dry-run")
+            assert retained.returncode == 1 and took < 9, (took, retained.stderr)
+            assert "the cold tier did not answer for 2 queue(s) in time" in retained.stderr, (
+                retained.stderr
+            )
+
+            # `tmq status` reported the archive as empty: `cold 0 B`, exit 0.
+            took, status = _timed("status", "-n", n, "--json")
+            assert status.returncode == TIER_UNKNOWN and took < 9, (took, status.stderr)
+            doc = json.loads(status.stdout)
+            (topic,) = doc["tiered_topics"]
+            assert topic["lag_known"] is False and topic["store_bytes"]["cold"] is None, topic
+            assert [q["store_bytes"]["cold"] for q in topic["queues"]] == [None, None], topic
+            assert doc["brokers"][0]["store_bytes"]["cold"] is None, doc["brokers"]
+            took, text = _timed("status", "-n", n)
+            assert text.returncode == TIER_UNKNOWN and "cold unknown" in text.stdout, text.stdout
+            assert "cold 0 B" not in text.stdout, text.stdout
+
+        fault_proxy.heal()
+
+        def answered() -> bool:
+            done = tmq("topic", "describe", TOPIC, "-n", n, "--json", timeout=60)
+            if done.returncode != 0:
+                assert done.returncode == TIER_UNKNOWN, done.stderr
+                return False
+            (row,) = json.loads(done.stdout)
+            assert [q["tier_watermark"] for q in row["queue_offsets"]] == [100, 100], row
+            return True
+
+        wait_until("the healed tier's watermarks described", answered, 60)
+        wait_until(
+            "retention applied again",
+            lambda: tmq("retain", TOPIC, "-n", n, "--apply", "--dry-run").returncode == 0,
+            30,
+        )
+        wait_until("the tier's size known", lambda: tmq("status", "-n", n).returncode == 0, 30)
+        doc = json.loads(tmq("status", "-n", n, "--json").stdout)
+        assert doc["tiered_topics"][0]["store_bytes"]["cold"] > 200_000, doc
+    finally:
+        fault_proxy.heal()
+        node.stop()
