@@ -30,7 +30,7 @@ from offload.resolve import ResolveRefusedError, TierUnavailableError
 from offload.resolve import resolve as resolve_divergence
 from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
-from tiered.cold.manifest import QueueManifest
+from tiered.cold.manifest import ManifestError, QueueManifest
 from tiered.cold.storage import StorageError
 from tiered.store import MessageStore
 
@@ -70,7 +70,13 @@ class TierManifests(Protocol):
     """``Broker.tier_manifests``: queues' manifests within the broker's admin_tier_wait_ms."""
 
     def __call__(
-        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
+        self,
+        queues: Iterable[tuple[str, int]],
+        *,
+        refresh: bool = False,
+        read: bool = False,
+        deadline: float | None = None,
+        failed: dict[tuple[str, int], Exception] | None = None,
     ) -> dict[tuple[str, int], QueueManifest | None]: ...
 
 
@@ -466,6 +472,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         # Answer before the caller's deadline, with what was checked by then (WARNING).
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + max(0.5, remaining * 0.9 - 0.5)
+        firsts = self._verify_manifests(cfgs, deadline, context)
         try:
             with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="tmq-verify") as pool:
                 verdicts = [
@@ -481,6 +488,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                         pool=pool,
                         deadline=deadline,
                         foreign=o.foreign,
+                        first=firsts.get((cfg.name, q)),
                     )
                     for cfg in cfgs
                     for q in range(cfg.queues)
@@ -526,6 +534,40 @@ class AdminServicer(pb_grpc.AdminServicer):
                 for v in verdicts
             ],
         )
+
+    def _verify_manifests(
+        self, cfgs: list[TopicConfig], deadline: float | None, context: grpc.ServicerContext
+    ) -> dict[tuple[str, int], QueueManifest | ManifestError]:
+        """Each queue's manifest as `verify` first judges it, loaded fresh from the tier
+        together, within the broker's admin_tier_wait_ms or the call's deadline if earlier
+        (decision 885); a ``ManifestError`` for a manifest the tier gave but that cannot be read
+        (a FAILURE verdict). Refuses (UNAVAILABLE) at once if the tier did not answer, or
+        failed, for any queue: ``verify_queue`` loaded these itself, through the tier's retries
+        and read timeouts (minutes per queue under a black hole), long after the client had
+        given up. Without the broker's hook (a servicer built alone) nothing is loaded here."""
+        if self.tier_manifests is None:
+            return {}
+        queues = [(c.name, q) for c in cfgs for q in range(c.queues)]
+        failed: dict[tuple[str, int], Exception] = {}
+        started = time.monotonic()
+        found = self.tier_manifests(queues, read=True, deadline=deadline, failed=failed)
+        out: dict[tuple[str, int], QueueManifest | ManifestError] = {
+            k: m for k, m in found.items() if m is not None
+        }
+        out.update({k: e for k, e in failed.items() if isinstance(e, ManifestError)})
+        silent = sorted(k for k in queues if k not in out)
+        if silent:
+            errors = sorted({str(e) for k, e in failed.items() if k in silent})
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not verify: the cold tier did not answer for {len(silent)} queue(s) "
+                f"within {time.monotonic() - started:.1f} s ("
+                + ", ".join(f"{t}/{q}" for t, q in silent)
+                + ")"
+                + (f": {errors[0]}" if errors else "")
+                + "; nothing was judged, run it again once the tier answers",
+            )
+        return out
 
     def ResolveDivergence(
         self, request: pb.ResolveDivergenceRequest, context: grpc.ServicerContext

@@ -63,7 +63,7 @@ from remoting.security import ChannelSecurity, server_credentials
 from remoting.servicers import add_safely
 from tiered import failpoints
 from tiered.cold.fetcher import ColdFetcher
-from tiered.cold.manifest import QueueManifest
+from tiered.cold.manifest import ManifestError, QueueManifest
 from tiered.cold.storage import (
     ObjectStore,
     PermanentStorageError,
@@ -251,7 +251,7 @@ class Broker:
         # bounded, and by queue: a second call for a queue whose load is under way waits on the
         # same load instead of starting one more (decision 810).
         self._archive_loads = threading.BoundedSemaphore(_ADMIN_TIER_LOADS)
-        self._archive_running: dict[tuple[str, int, bool], Future[QueueManifest]] = {}
+        self._archive_running: dict[tuple[str, int, bool, bool], Future[QueueManifest]] = {}
         self._archive_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -412,15 +412,16 @@ class Broker:
                 )
 
     def _load_archive(
-        self, offloader: Offloader, topic: str, queue_id: int, *, refresh: bool
+        self, offloader: Offloader, topic: str, queue_id: int, *, refresh: bool, read: bool = False
     ) -> Future[QueueManifest]:
         """The queue's manifest, loaded from the tier in a daemon thread (a load the caller gave
         up on must not hold the process's exit). A load of the same queue already under way is
         shared, not started again: each describe of a topic during an outage would otherwise
         leave one more load running out its retries. With ``_ADMIN_TIER_LOADS`` under way (a
         tier that does not answer), none is started and the future never completes: the
-        caller's deadline takes the queue as not answered."""
-        key = (topic, queue_id, refresh)
+        caller's deadline takes the queue as not answered. ``read``: loaded without the queue's
+        lock and without filling the cache (``Offloader.read_manifest``)."""
+        key = (topic, queue_id, refresh, read)
         with self._archive_lock:
             running = self._archive_running.get(key)
             if running is not None:
@@ -433,7 +434,11 @@ class Broker:
         def load() -> None:
             try:
                 if future.set_running_or_notify_cancel():
-                    future.set_result(offloader.manifest(topic, queue_id, refresh=refresh))
+                    future.set_result(
+                        offloader.read_manifest(topic, queue_id)
+                        if read
+                        else offloader.manifest(topic, queue_id, refresh=refresh)
+                    )
             except BaseException as e:
                 future.set_exception(e)
             finally:
@@ -446,7 +451,13 @@ class Broker:
         return future
 
     def tier_manifests(
-        self, queues: Iterable[tuple[str, int]], *, refresh: bool = False
+        self,
+        queues: Iterable[tuple[str, int]],
+        *,
+        refresh: bool = False,
+        read: bool = False,
+        deadline: float | None = None,
+        failed: dict[tuple[str, int], Exception] | None = None,
     ) -> dict[tuple[str, int], QueueManifest | None]:
         """The manifests of ``queues``, (topic, queue id) pairs: cached ones at once, the others
         loaded together under one deadline, ``admin_tier_wait_ms``. What topic descriptions
@@ -454,24 +465,39 @@ class Broker:
         or could not be read: its watermark is reported unknown rather than 0 (decision 810).
         Loads given up on go on in their daemon threads and only fill the cache, so a later
         description has them at once. ``refresh``: every manifest is loaded from the tier, none
-        taken from the cache (a check that the tier answers for them now)."""
+        taken from the cache (a check that the tier answers for them now). ``read``: loaded
+        from the tier as ``refresh``, but without the queue's lock (an upload under way holds it
+        for as long as it takes) and without filling the cache: what `tmq verify` judges
+        (decision 885). ``deadline`` (``time.monotonic()``): the caller's, when earlier than
+        ``admin_tier_wait_ms``. ``failed``: where given, the error of each queue whose load
+        failed (rather than did not answer in time), including a ``ManifestError``."""
         offloader = self.offloader
         if offloader is None:
             return {}
         found: dict[tuple[str, int], QueueManifest | None] = {}
         loads: dict[tuple[str, int], Future[QueueManifest]] = {}
         for topic, q in queues:
-            cached = None if refresh else offloader.cached_manifest(topic, q)
+            cached = None if refresh or read else offloader.cached_manifest(topic, q)
             if cached is not None:
                 found[(topic, q)] = cached
             else:
-                loads[(topic, q)] = self._load_archive(offloader, topic, q, refresh=refresh)
-        deadline = time.monotonic() + self.config.admin_tier_wait_ms / 1000
+                loads[(topic, q)] = self._load_archive(
+                    offloader, topic, q, refresh=refresh or read, read=read
+                )
+        wait_until = time.monotonic() + self.config.admin_tier_wait_ms / 1000
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
         for key, load in loads.items():
             try:
-                found[key] = load.result(timeout=max(0.0, deadline - time.monotonic()))
-            except (FutureTimeout, CancelledError, OffloadError, StorageError):
+                found[key] = load.result(timeout=max(0.0, wait_until - time.monotonic()))
+            except (FutureTimeout, CancelledError):
                 found[key] = None
+            except (OffloadError, StorageError, ManifestError) as e:
+                if failed is None and isinstance(e, ManifestError):
+                    raise
+                found[key] = None
+                if failed is not None:
+                    failed[key] = e
         return found
 
     def _local_only_from(self, topic: str, queue_id: int) -> int | None:

@@ -115,15 +115,21 @@ def verify_queue(
     pool: Executor | None = None,
     deadline: float | None = None,
     foreign: Callable[[QueueManifest], str | None] = lambda _m: None,
+    first: QueueManifest | ManifestError | None = None,
 ) -> QueueVerdict:
     """``foreign(manifest)``: why this broker does not own the queue's prefix, if it does not
     (``Offloader.foreign``): the verdict is then a WARNING at best, since none of the queue's
     messages is archived, and ``repair`` deletes nothing, since what looks orphaned may be the
-    other writer's upload in flight (decision 690)."""
+    other writer's upload in flight (decision 690). ``first``: the queue's manifest (or the
+    error reading it) as the caller loaded it from the tier under its own deadline (the broker,
+    decision 885); loaded here, with no deadline, when None."""
     verdict = QueueVerdict(topic, queue_id)
     store = ManifestLog(tier, queue_prefix(cluster, broker, topic, queue_id))
     try:
-        first = store.load()
+        if isinstance(first, ManifestError):
+            raise first
+        if first is None:
+            first = store.load()
     except ManifestError as e:
         verdict.anomalies.append(f"manifest: {e}")
         verdict.status = FAILURE

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_harness import send_batches, start_tiered, tmq, wait_until
+from broker_harness import Standalone, send_batches, start_tiered, tmq, wait_until
 from conftest import S3Endpoint
 
 TOPIC = "outage-orders"
 TIER_UNKNOWN = 4  # cli/topic.py; docs/operations.md "Exit codes and errors"
+NOT_VERIFIED = 3  # cli/offload.py: `tmq verify` could not judge
 
 
 def _timed(*args: str) -> tuple[float, Any]:
@@ -24,17 +25,9 @@ def _timed(*args: str) -> tuple[float, Any]:
     return time.monotonic() - started, done
 
 
-def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_outage(
-    tmp_path: Path, fault_proxy: Any, bucket: str
-) -> None:
-    """The topic's 200 messages are archived (watermark 100 on each of 2 queues); the broker
-    restarts while the tier resets every connection, so no manifest is cached. Then the tier
-    black-holes, then answers 503. On main `tmq topic describe`/`list`/`offload status` each
-    failed after the CLI's own 10 s (`Deadline Exceeded`) while the broker went on loading
-    manifests one after the other through the tier's retries, and `tmq status` said `cold 0 B`
-    (exit 0). Now each answers within the broker's wait plus the CLI's start, with every
-    queue's tier watermark (and archive size) null in JSON, `unknown` in text, and exit 4; once
-    the tier answers, the real values again, exit 0."""
+def _archived_then_restarted(tmp_path: Path, fault_proxy: Any, bucket: str) -> Standalone:
+    """A broker whose tiered topic's 200 messages are archived (watermark 100 on each of 2
+    queues), restarted while the tier resets every connection, so no manifest is cached."""
     url = f"s3://{bucket}/outage"
     env = {**S3Endpoint(fault_proxy.url, "proxy").env(), "TMQ_BROKER_ADMIN_TIER_WAIT_MS": "1000"}
     data = tmp_path / "data"
@@ -53,7 +46,21 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
         node.stop()
 
     fault_proxy.set(reset=True)  # the start's manifest loads fail at once: none is cached
-    node = start_tiered(data, url, env)
+    return start_tiered(data, url, env)
+
+
+def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_outage(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """The topic's 200 messages are archived (watermark 100 on each of 2 queues); the broker
+    restarts while the tier resets every connection, so no manifest is cached. Then the tier
+    black-holes, then answers 503. On main `tmq topic describe`/`list`/`offload status` each
+    failed after the CLI's own 10 s (`Deadline Exceeded`) while the broker went on loading
+    manifests one after the other through the tier's retries, and `tmq status` said `cold 0 B`
+    (exit 0). Now each answers within the broker's wait plus the CLI's start, with every
+    queue's tier watermark (and archive size) null in JSON, `unknown` in text, and exit 4; once
+    the tier answers, the real values again, exit 0."""
+    node = _archived_then_restarted(tmp_path, fault_proxy, bucket)
     try:
         n = node.namesrv
         for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
@@ -131,6 +138,60 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
         wait_until("the tier's size known", lambda: tmq("status", "-n", n).returncode == 0, 30)
         doc = json.loads(tmq("status", "-n", n, "--json").stdout)
         assert doc["tiered_topics"][0]["store_bytes"]["cold"] > 200_000, doc
+    finally:
+        fault_proxy.heal()
+        node.stop()
+
+
+def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """`tmq verify` under a black-holed tier (decision 885). On main the broker's first manifest
+    load of each queue ignored the call's deadline: the CLI gave up at its own `--timeout`
+    (exit 3, `no answer within 20 s`) while the broker went on through the tier's retries. Now
+    the broker loads every queue's manifest fresh (never the cache: the point is whether the
+    tier answers now) within its admin_tier_wait_ms (1 s here) and answers "could not verify",
+    naming the queues: exit 3 in seconds, with no cached manifest, under 503s, and with every
+    manifest cached from before the outage. Once the tier answers, verify says OK."""
+    node = _archived_then_restarted(tmp_path, fault_proxy, bucket)
+    n = node.namesrv
+    try:
+        for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
+            fault_proxy.set(**outage)
+            took, verified = _timed("verify", TOPIC, "-n", n, "--timeout", "20")
+            print(f"{outage}: verify {took:.1f} s rc {verified.returncode} {verified.stderr!r}")
+            assert verified.returncode == NOT_VERIFIED, (verified.stdout, verified.stderr)
+            assert took < 9, (took, verified.stderr)
+            assert "could not verify: the cold tier did not answer for 2 queue(s)" in (
+                verified.stderr
+            ), verified.stderr
+            assert f"({TOPIC}/0, {TOPIC}/1)" in verified.stderr, verified.stderr
+
+        fault_proxy.heal()
+
+        def verified_ok() -> bool:
+            done = tmq("verify", TOPIC, "-n", n, "--json", timeout=60)
+            if done.returncode == NOT_VERIFIED:
+                return False
+            assert done.returncode == 0, (done.stdout, done.stderr)
+            assert json.loads(done.stdout)["status"] == "OK", done.stdout
+            return True
+
+        wait_until("verify OK once the tier answers", verified_ok, 60)
+        # Every manifest is cached now (describe answers at once): verify must still ask the
+        # tier, not judge the cache and then wait on the tier's listing.
+        wait_until(
+            "every manifest cached",
+            lambda: tmq("topic", "describe", TOPIC, "-n", n).returncode == 0,
+            30,
+        )
+        fault_proxy.set(blackhole=True)
+        took, verified = _timed("verify", "-n", n, "--timeout", "20")
+        print(f"cached, black hole: verify {took:.1f} s rc {verified.returncode}")
+        assert verified.returncode == NOT_VERIFIED and took < 9, (took, verified.stderr)
+        assert "could not verify: the cold tier did not answer for 2 queue(s)" in (
+            verified.stderr
+        ), verified.stderr
     finally:
         fault_proxy.heal()
         node.stop()
