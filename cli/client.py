@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from cli.topic import NamesrvOption, ask_namesrv, fail, security, time_ms
 
 _TIMEOUT = 10
-# How often in a row a replay repeats a pull the broker answers PROXY_TIMEOUT (a slow cold tier).
-_COLD_RETRIES = 20
+# How long, by default, a replay goes on repeating a pull the broker answers PROXY_TIMEOUT (its
+# cold read did not finish within the broker's 2.5 s deadline) before it gives up (decision 886).
+_COLD_WAIT_S = 60.0
 
 
 def route(namesrv: str, topic: str) -> Any:
@@ -193,6 +194,14 @@ def replay(
     queue: Annotated[int | None, typer.Option(help="Only this queue.")] = None,
     limit: Annotated[int, typer.Option(help="Stop after this many messages (0: all).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per message.")] = False,
+    cold_wait: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds to keep asking for a batch the cold tier has not given yet, then "
+            "exit 1 naming it (0: at its first refusal).",
+        ),
+    ] = _COLD_WAIT_S,
 ) -> None:
     """Read a topic from an offset or a time up to its current end, without a consumer group.
 
@@ -229,7 +238,7 @@ def replay(
         # With --limit the bar counts messages printed; without, queue offsets covered.
         task = progress.add_task(topic, total=min(total, limit) if limit else total)
         for broker_name, stub, q, mq, offset, end in ranges:
-            retries = _COLD_RETRIES
+            refused_since: float | None = None  # the first of the refusals in a row
             while offset < end and (limit == 0 or printed < limit):
                 request = s.PullMessageRequest(
                     group=d.Resource(name="tmq-replay"),
@@ -241,11 +250,19 @@ def replay(
                 retry = False
                 for item in stub.PullMessage(request, timeout=60):
                     kind = item.WhichOneof("content")
-                    if kind == "status" and item.status.code == d.PROXY_TIMEOUT and retries:
+                    if kind == "status" and item.status.code == d.PROXY_TIMEOUT:
                         # The cold tier did not answer within the broker's read deadline; the
                         # fetch goes on there, so the same pull soon finds it cached.
-                        retries, retry = retries - 1, True
-                        break
+                        now = time.monotonic()
+                        refused_since = now if refused_since is None else refused_since
+                        if now - refused_since < cold_wait:
+                            retry = True
+                            break
+                        raise fail(
+                            f"{broker_name} {topic}/{q}: offset {offset}: {item.status.message} "
+                            f"(gave up after {now - refused_since:.0f} s of asking; "
+                            f"--cold-wait {cold_wait:g})"
+                        )
                     if kind == "status" and item.status.code not in (d.OK, d.MESSAGE_NOT_FOUND):
                         raise fail(f"{broker_name} {topic}/{q}: {item.status.message}")
                     if kind == "message" and (limit == 0 or printed < limit):
@@ -269,7 +286,7 @@ def replay(
                 if retry:
                     time.sleep(0.5)
                     continue
-                retries = _COLD_RETRIES  # consecutive refusals count, not a replay's total
+                refused_since = None  # refusals in a row count, not a replay's total
                 if next_offset <= offset:
                     break
                 done += min(next_offset, end) - offset

@@ -291,6 +291,48 @@ def test_tmq_replay_rides_out_a_slow_cold_tier(
         node.stop()
 
 
+def test_tmq_replay_gives_up_on_a_silent_cold_tier_after_its_cold_wait(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """Decision 886: with the S3 endpoint black-holed, `tmq replay` from an archived offset
+    repeats the pull the broker answers PROXY_TIMEOUT (its 2.5 s cold-read deadline) for
+    `--cold-wait` seconds in a row, then exits 1 naming the queue, the offset, the cold tier
+    and the wait. On main the wait was 20 refusals (about 65 s), with no option to bound it."""
+    from broker_harness import tmq
+
+    node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "silent", 600)
+    try:
+        fault_proxy.set(blackhole=True)
+        time.sleep(6)  # past the manifest cache's refresh interval (5 s)
+        started = time.monotonic()
+        done = tmq(
+            "replay",
+            "silent",
+            "-n",
+            node.namesrv,
+            "--from-offset",
+            "0",
+            "--queue",
+            "0",
+            "--json",
+            "--cold-wait",
+            "4",
+            timeout=120,
+        )
+        took = time.monotonic() - started
+        print(f"replay under a black hole, --cold-wait 4: {took:.1f} s rc {done.returncode}")
+        assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+        assert done.stdout == "", done.stdout[:500]
+        assert "silent/0: offset 0:" in done.stderr and "cold tier" in done.stderr, done.stderr
+        assert "--cold-wait 4)" in done.stderr, done.stderr
+        # 4 s of refusals in a row, each pull's 2.5 s deadline and the CLI's start on a loaded
+        # machine: well under the 20 refusals (about 65 s) it took before.
+        assert took < 25, (took, os.getloadavg())
+    finally:
+        fault_proxy.heal()
+        node.stop()
+
+
 def begin_offset(stub: Any, topic: str, queue: int) -> int:
     reply = stub.QueryOffset(
         s.QueryOffsetRequest(
