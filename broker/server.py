@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
@@ -421,6 +421,13 @@ class Broker:
         tier that does not answer), none is started and the future never completes: the
         caller's deadline takes the queue as not answered. ``read``: loaded without the queue's
         lock and without filling the cache (``Offloader.read_manifest``)."""
+        started = self._start_archive_load(offloader, topic, queue_id, refresh=refresh, read=read)
+        return Future() if started is None else started
+
+    def _start_archive_load(
+        self, offloader: Offloader, topic: str, queue_id: int, *, refresh: bool, read: bool
+    ) -> Future[QueueManifest] | None:
+        """``_load_archive``'s, but None when no load could start (every slot taken)."""
         key = (topic, queue_id, refresh, read)
         with self._archive_lock:
             running = self._archive_running.get(key)
@@ -428,7 +435,7 @@ class Broker:
                 return running
             future: Future[QueueManifest] = Future()
             if not self._archive_loads.acquire(blocking=False):
-                return future
+                return None
             self._archive_running[key] = future
 
         def load() -> None:
@@ -476,17 +483,37 @@ class Broker:
             return {}
         found: dict[tuple[str, int], QueueManifest | None] = {}
         loads: dict[tuple[str, int], Future[QueueManifest]] = {}
+        waiting: list[tuple[str, int]] = []
         for topic, q in queues:
             cached = None if refresh or read else offloader.cached_manifest(topic, q)
             if cached is not None:
                 found[(topic, q)] = cached
             else:
-                loads[(topic, q)] = self._load_archive(
-                    offloader, topic, q, refresh=refresh or read, read=read
-                )
+                waiting.append((topic, q))
         wait_until = time.monotonic() + self.config.admin_tier_wait_ms / 1000
         if deadline is not None:
             wait_until = min(wait_until, deadline)
+        # At most _ADMIN_TIER_LOADS loads at once: a queue past them waits for a slot (a load
+        # that ends) within the same deadline, so a healthy tier gives every queue's manifest.
+        while waiting:
+            while waiting:
+                topic, q = waiting[0]
+                load = self._start_archive_load(
+                    offloader, topic, q, refresh=refresh or read, read=read
+                )
+                if load is None:
+                    break
+                loads[waiting.pop(0)] = load
+            remaining = wait_until - time.monotonic()
+            if not waiting or remaining <= 0:
+                break
+            mine = [f for f in loads.values() if not f.done()]
+            if mine:
+                wait(mine, timeout=remaining, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(min(0.05, remaining))  # the slots are other calls' loads
+        for key in waiting:
+            found[key] = None  # no slot came free in time
         for key, load in loads.items():
             try:
                 found[key] = load.result(timeout=max(0.0, wait_until - time.monotonic()))

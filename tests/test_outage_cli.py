@@ -195,3 +195,38 @@ def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage
     finally:
         fault_proxy.heal()
         node.stop()
+
+
+def test_verify_of_more_queues_than_the_broker_loads_at_once_answers_ok(
+    tmp_path: Path, fault_proxy: Any, bucket: str
+) -> None:
+    """Decision 885's loads share decision 810's 8 slots: a queue past them must wait for a slot
+    within the broker's wait, not count as a silent tier. A healthy tier, a tiered topic of 12
+    queues: `tmq verify` judges all 12 and never answers "could not verify"; once the broker's
+    pass has checked the queues the topic's creation left unchecked (the creation's own check
+    has the same 8 slots, decision 785), it says OK, exit 0."""
+    env = S3Endpoint(fault_proxy.url, "proxy").env()
+    node = start_tiered(tmp_path / "data", f"s3://{bucket}/wide", env)
+    try:
+        n = node.namesrv
+        created = tmq("topic", "create", "wide", "-n", n, "-q", "12", "--tiered")
+        assert created.returncode == 0, created.stderr
+        node.wait_routed("wide")
+
+        def verified_ok() -> bool:
+            verified = tmq("verify", "wide", "-n", n, "--json", timeout=60)
+            assert verified.returncode in (0, 1), (verified.stdout, verified.stderr)
+            doc = json.loads(verified.stdout)
+            assert len(doc["queues"]) == 12, doc
+            if verified.returncode == 1:
+                assert all(
+                    "not checked against its archive yet" in " ".join(q["anomalies"])
+                    for q in doc["queues"]
+                    if q["status"] != "OK"
+                ), doc
+            return bool(verified.returncode == 0 and doc["status"] == "OK")
+
+        wait_until("verify OK for all 12 queues", verified_ok, 60)
+        assert verified_ok()
+    finally:
+        node.stop()
