@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -684,5 +685,58 @@ def test_a_resolve_killed_after_its_copies_and_before_its_commit_is_finished_by_
             (205, third[5]),
         ]
         assert queried(node, "k100") == [(160, second[100]), (300, third[100])]
+    finally:
+        assert node.stop() == 0
+
+
+def test_operator_commands_beside_a_paused_resolve_neither_lose_nor_repeat_a_message(
+    tmp_path: Path, s3: Any, bucket: str, fault_proxy: Any
+) -> None:
+    """Decision 880's race probe, kept as a guard (it passes on main): `tmq offload`,
+    `tmq retain --apply` and `tmq verify --repair` run while a resolve is paused (the
+    `resolve.mid_copy` and `resolve.before_commit` failpoints as sleeps) with the queue's lock
+    held. They wait for it or report; afterwards each message is read once, at its place."""
+    url, env = f"s3://{bucket}/resolve-race", S3Endpoint(fault_proxy.url, "proxy").env()
+    tier = open_store(url, s3.storage_options())
+    data = tmp_path / "data"
+    node, (first, second, third, fourth) = diverging(tmp_path, data, url, env, tier, fault_proxy)
+    record = data / "tier-divergence.json"
+    try:
+        conflict_found(node, tier, record, fault_proxy)
+    finally:
+        assert node.stop() == 0
+
+    pauses = "resolve.mid_copy=sleep:4,resolve.before_commit=sleep:4"
+    node = start_tiered(data, url, {**env, "TMQ_FAILPOINTS": pauses})
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            resolving = pool.submit(
+                tmq, "offload", "resolve", TOPIC, "-n", node.namesrv, timeout=300
+            )
+            wait_until(  # the resolve holds the queue's lock in its first pause
+                "the resolve paused",
+                lambda: "failpoint resolve.mid_copy: pausing" in node.log_path.read_text(),
+                60,
+            )
+            others = [
+                pool.submit(tmq, "offload", TOPIC, "-n", node.namesrv, timeout=120),
+                pool.submit(tmq, "retain", TOPIC, "-n", node.namesrv, "--apply", timeout=120),
+                pool.submit(
+                    tmq, "verify", TOPIC, "-n", node.namesrv, "--repair", "--json", timeout=120
+                ),
+            ]
+            done = resolving.result(timeout=300)
+            assert done.returncode == 0, done.stderr
+            for other in others:
+                other.result(timeout=300)  # exit codes vary with the timing; the data may not
+        log_text = node.log_path.read_text()
+        assert "failpoint resolve.before_commit: pausing" in log_text
+        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        want = first + second + fourth + third
+        assert [body_bytes(r["body"]) for r in replay_rows(node)] == want
+        archived_to(node, tier, 320)
+        assert [body_bytes(r["body"]) for r in replay_rows(node)] == want
+        checked = tmq("verify", TOPIC, "-n", node.namesrv, "--json", timeout=120)
+        assert checked.returncode == 0, checked.stdout
     finally:
         assert node.stop() == 0
