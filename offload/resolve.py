@@ -213,6 +213,7 @@ def resolve(
             _raise_floor(store, divergence, topic, queue_id, end)
             return Resolved(base, end, 0, None, None)
         copied, copies_from, copies_end = _copy(store, divergence, topic, queue_id, conflict)
+        failpoints.hit("resolve.before_commit")
         divergence.commit_resolve(topic, queue_id)
         log.warning(
             "%s/%d: divergence resolved: the %d local message(s) of offsets %d..%d re-appended "

@@ -169,3 +169,33 @@ def test_a_power_loss_at_each_step_of_starting_a_queue_at_a_floor_keeps_it(
         assert store.max_offset("t", 1) == 5
     finally:
         store.shutdown()
+
+
+def test_a_lookup_by_key_finds_no_record_below_a_queue_floor(tmp_path: Path) -> None:
+    """Decision 880: a resolved divergence (decision 801) raises a queue's floor over records
+    still in the CommitLog, and re-appends them above it. Below the floor the archive's
+    messages are the queue's: a lookup by key must not return the local record at its old
+    offset (on main it did, beside its copy, until release took its file)."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+
+    def keyed(tag: str, n: int) -> Message:
+        return Message("t", body(tag, n), queue_id=0, properties={"KEYS": f"k{n}"})
+
+    store = MessageStore(config)
+    store.start()
+    try:
+        store.put_messages([keyed("local", n) for n in range(10)])
+        store.put_messages([keyed("copy", n) for n in range(10)])
+        assert store.wait_dispatched()
+        store.raise_queue_floor("t", 0, 10)
+        found = [(m.queue_offset, m.body) for m in store.query_by_key("t", "k3")]
+        assert found == [(13, body("copy", 3))]
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    store.start()
+    try:  # the floor is kept, and so is the answer
+        found = [(m.queue_offset, m.body) for m in store.query_by_key("t", "k3")]
+        assert found == [(13, body("copy", 3))]
+    finally:
+        store.shutdown()

@@ -23,6 +23,8 @@ Points:
   cache; nothing of the repair is fsynced yet.
 - ``resolve.mid_copy``: a divergence resolve (decision 801) has appended its first batch of
   copies (64 messages); the rest are not appended.
+- ``resolve.before_commit``: a resolve's copies are all appended, fsynced and read back; its
+  commit (``tier-divergence.json`` without the conflict) is not written.
 - ``resolve.before_floor``: a resolve's commit is written; the queue's floor is not raised.
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).

@@ -1556,6 +1556,11 @@ class MessageStore:
                 continue
             if msg.topic != topic or not begin_ms <= msg.store_timestamp <= end_ms:
                 continue
+            if msg.queue_offset < self.hot_min_offset(topic, msg.queue_id):
+                # Below the queue's floor: not the queue's message at that offset any more (a
+                # resolved divergence, decision 880: the archive's is, and the local one was
+                # re-appended), or a record the archive holds (decision 720).
+                continue
             if key in split_keys(msg.properties.get("KEYS")) or msg.msg_id == key:
                 found.append(msg)
                 if len(found) >= max_count:
