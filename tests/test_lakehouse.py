@@ -450,9 +450,12 @@ def parquet_files(table: Path) -> set[str]:
     return {str(p) for p in table.rglob("*.parquet") if "_delta_log" not in p.parts}
 
 
-def wait_for_new_file(table: Path, known: set[str], timeout: float = 60) -> None:
+def wait_for_new_file(
+    table: Path, known: set[str], child: ExportChild, timeout: float = 60
+) -> None:
     deadline = time.monotonic() + timeout
     while not parquet_files(table) - known:
+        assert child.proc.poll() is None, "the export ended first: " + "".join(child.lines[-5:])
         assert time.monotonic() < deadline, "no Parquet file written"
         time.sleep(0.01)
 
@@ -462,7 +465,10 @@ def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None
     archive = Archive.open(
         tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=3, segment_messages=100
     )
-    archive.produce("orders", 4800)  # 48 segments: 12 micro-batches of four
+    # 96 segments: 24 micro-batches of four. On a quiet machine a batch takes 0.2-0.4 s, so a
+    # run killed at a random point commits several: with 12 the export could finish before the
+    # fifth kill, which then waited for a file that never came (seen in CI).
+    archive.produce("orders", 9600)
     archive.offload("orders")
     expected = expected_rows(archive.messages("orders"))
     archive.close()
@@ -480,9 +486,9 @@ def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None
         if lost_checkpoint:
             standby.kill()  # it must not take over before the checkpoint is gone
         if kill % 2 == 0:
-            wait_for_new_file(table, parquet_files(table))  # mid-write, before the commit
+            wait_for_new_file(table, parquet_files(table), child)  # mid-write, before the commit
         else:
-            time.sleep(rng.uniform(0.0, 1.5))  # anywhere: write, commit or checkpoint
+            time.sleep(rng.uniform(0.0, 1.0))  # anywhere: write, commit or checkpoint
         child.kill()
         if lost_checkpoint:
             # The table's app transactions must take over. (--once runs batch jobs and keeps no
@@ -505,7 +511,7 @@ def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None
     maintained = tmq("lakehouse", "maintain", "--lake-root", str(lake), "--retention", "0h")
     assert maintained.returncode == 0, maintained.stderr
     assert parquet_files(table) == set(DeltaTable(str(table)).file_uris())
-    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 4800
+    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 9600
 
 
 def test_a_second_export_on_the_same_checkpoint_is_refused(
