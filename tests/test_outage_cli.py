@@ -173,6 +173,8 @@ def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage
             done = tmq("verify", TOPIC, "-n", n, "--json", timeout=60)
             if done.returncode == NOT_VERIFIED:
                 return False
+            if done.returncode == 1 and "next pass checks it" in done.stdout:
+                return False  # still pending its divergence check (WARNING, decision 800)
             assert done.returncode == 0, (done.stdout, done.stderr)
             assert json.loads(done.stdout)["status"] == "OK", done.stdout
             return True
