@@ -44,6 +44,8 @@ sys.path.insert(0, _args().tree)
 
 MESSAGES = 20_480
 DEADLINE_S = 2.5
+# What a hog writes into one store before it starts another (and removes the first).
+HOG_BYTES = 48 << 20
 
 
 def hog(root: str, seconds: float) -> None:
@@ -52,13 +54,21 @@ def hog(root: str, seconds: float) -> None:
     from tiered.record import Message
     from tiered.store import MessageStore
 
-    store = MessageStore(StoreConfig(data_dir=Path(root)))
-    store.start()
     batch = [Message(topic="hog", queue_id=0, body=os.urandom(1024)) for _ in range(64)]
     stop = time.monotonic() + seconds
+    n = 0
     while time.monotonic() < stop:
-        store.put_messages(batch)
-    store.shutdown()
+        # A fresh store every HOG_BYTES: the disk this machine's sessions share stays free.
+        data = Path(root) / str(n)
+        store = MessageStore(StoreConfig(data_dir=data, commitlog_file_size=64 << 20))
+        store.start()
+        written = 0
+        while written < HOG_BYTES and time.monotonic() < stop:
+            store.put_messages(batch)
+            written += 64 * 1100
+        store.shutdown()
+        shutil.rmtree(data, ignore_errors=True)
+        n += 1
 
 
 def main() -> None:
