@@ -201,7 +201,9 @@ def main() -> None:
             real_wait = fetcher._wait
             waited = [0.0]
 
-            def timed_wait(what: str, future: Any, _w: Any = real_wait) -> Any:
+            def timed_wait(
+                what: str, future: Any, _w: Any = real_wait, waited: list[float] = waited
+            ) -> Any:
                 t = time.monotonic()
                 try:
                     return _w(what, future)
@@ -240,7 +242,7 @@ def main() -> None:
             named_c = sum(c for _, c in phases.values())
             per_mb = 1e3 / mb  # seconds in all -> ms per MB
 
-            def r(x: float) -> float:
+            def r(x: float, per_mb: float = per_mb) -> float:
                 return round(x * per_mb, 2)
 
             out.append(

@@ -228,7 +228,7 @@ class _Read:
     """A cold read the child received (``_Hedges``): when its copy is due, its job, and how
     many of its copies are queued or running."""
 
-    __slots__ = ("due", "run", "fn", "args", "copies", "answered", "hedged")
+    __slots__ = ("answered", "args", "copies", "due", "fn", "hedged", "run")
 
     def __init__(
         self, due: float, run: Callable[..., None], fn: Job[Any], args: tuple[Any, ...]
