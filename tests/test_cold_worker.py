@@ -20,7 +20,14 @@ from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import queue_prefix
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import ObjectStore, open_store
-from tiered.cold.worker import READ_NICE, WORKER_NICE, ColdWorker, WorkerBusyError, run_job
+from tiered.cold.worker import (
+    READ_HEDGE_S,
+    READ_NICE,
+    WORKER_NICE,
+    ColdWorker,
+    WorkerBusyError,
+    run_job,
+)
 from tiered.config import StoreConfig
 from tiered.record import Message
 from tiered.store import MessageStore
@@ -255,5 +262,62 @@ def test_cold_reads_run_below_the_workers_other_jobs(tmp_path: Path) -> None:
         while (w.pid == pid or w.restarts == 0) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert run_job(w, _priority, read=True) == min(19, mine + READ_NICE)
+    finally:
+        w.close()
+
+
+def _starved_at(tier: ObjectStore, nice: int, log: str, seconds: float) -> int:
+    """A read that records each run in ``log`` and, on a thread at ``nice``, takes ``seconds``:
+    what a nice-19 read thread's job takes when produce keeps both cores busy (measured: 2.7 s
+    for a 4 MiB run, bench/cold_starve.py, decision 950). Returns its thread's nice."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)  # Linux: the calling thread's
+    with open(log, "a") as f:
+        f.write(f"{mine}\n")
+    if mine == nice:
+        time.sleep(seconds)
+    return mine
+
+
+def test_a_starved_cold_read_runs_again_at_the_workers_nice_within_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A read the nice-19 read threads have not answered within ``READ_HEDGE_S`` runs again on
+    threads at ``WORKER_NICE``: it is answered well within the broker's read deadline (2.5 s),
+    once; the starved copy's late answer is dropped, and a read answered in time runs once."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    read_nice, worker_nice = min(19, mine + READ_NICE), min(19, mine + WORKER_NICE)
+    assert READ_HEDGE_S < 2.5 / 2
+    w = ColdWorker(f"file://{tmp_path}/tier", threads=2)
+    w.start()
+    try:
+        run_job(w, _priority, read=True)  # started
+        slow, fast = tmp_path / "slow.log", tmp_path / "fast.log"
+        t0 = time.monotonic()
+        starved = [w.submit(_starved_at, read_nice, str(slow), 3.0, read=True) for _ in range(3)]
+        assert [f.result(timeout=10) for f in starved] == [worker_nice] * 3
+        assert time.monotonic() - t0 < 2.0  # within the deadline, with room
+        time.sleep(3.5)  # the starved copies ended; their answers were not sent twice
+        assert run_job(w, _priority, read=True) == read_nice  # replies still in step
+        assert run_job(w, _starved_at, -100, str(fast), 0.0, read=True) == read_nice
+        runs = slow.read_text().split()
+        # Two read threads took two of the three; the third was answered by its copy before
+        # a read thread was free, and was then dropped there.
+        assert runs.count(str(worker_nice)) == 3 and runs.count(str(read_nice)) == 2
+        assert fast.read_text().split() == [str(read_nice)]
+    finally:
+        w.close()
+
+
+def test_no_read_runs_again_when_read_hedging_is_off(tmp_path: Path) -> None:
+    """``read_hedge_s=0``: a slow read is answered by its nice-19 copy alone (decision 841's
+    behaviour, kept for who wants it)."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    read_nice = min(19, mine + READ_NICE)
+    w = ColdWorker(f"file://{tmp_path}/tier", threads=2, read_hedge_s=0)
+    w.start()
+    try:
+        log = tmp_path / "slow.log"
+        assert run_job(w, _starved_at, read_nice, str(log), 1.0, read=True) == read_nice
+        assert log.read_text().split() == [str(read_nice)]
     finally:
         w.close()

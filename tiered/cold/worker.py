@@ -39,6 +39,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -144,10 +145,12 @@ def _child_main(
     nice: int = 0,
     preload: Sequence[str] = (),
     read_nice: int = 0,
+    read_hedge_s: float = 0.0,
 ) -> None:
     """The child: receive jobs, run them on ``threads`` threads, send back each outcome, at
     ``nice`` steps below the broker's CPU priority; cold reads on ``threads`` threads of their
-    own at ``read_nice`` steps below it (decision 841). ``preload``: modules imported at the
+    own at ``read_nice`` steps below it (decision 841), run again on the other threads when
+    not answered within ``read_hedge_s`` (decision 950). ``preload``: modules imported at the
     start, beside the warm-up (decision 631)."""
     # Before any thread starts: on Linux a thread's priority is its own, inherited by the
     # threads it creates, so every job thread runs at this priority (decision 480).
@@ -178,12 +181,21 @@ def _child_main(
     # them loaded.
     _preload(preload)
     send_lock = threading.Lock()
+    # Reads run again (``_Hedges``) on threads of their own at the worker's nice (threads take
+    # the nice of the thread that starts them: here, the hedging thread's), never queued
+    # behind an upload.
+    hedge_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tmq-cold-hedge")
+    hedges = _Hedges(hedge_pool, read_hedge_s)
 
     def run(job_id: int, fn: Job[Any], args: tuple[Any, ...]) -> None:
+        if not hedges.start(job_id):
+            return  # a read whose other copy answered already
         try:
             reply: tuple[int, bool, Any] = (job_id, True, fn(tier, *args))
         except BaseException as e:  # every failure goes back to the caller, named
             reply = (job_id, False, _portable(e))
+        if not hedges.finish(job_id):
+            return  # the other copy of this read answered first
         buffers: list[pickle.PickleBuffer] = []
         try:
             payload = pickle.dumps(reply, protocol=5, buffer_callback=buffers.append)
@@ -203,9 +215,117 @@ def _child_main(
         if message is None:
             break
         job_id, fn, args, read = message
+        if read:
+            hedges.watch(job_id, run, fn, args)
         (reads if read else pool).submit(run, job_id, fn, args)
+    hedges.close()
+    hedge_pool.shutdown(wait=False, cancel_futures=True)
     pool.shutdown(wait=False, cancel_futures=True)
     reads.shutdown(wait=False, cancel_futures=True)
+
+
+class _Read:
+    """A cold read the child received (``_Hedges``): when its copy is due, its job, and how
+    many of its copies are queued or running."""
+
+    __slots__ = ("answered", "args", "copies", "due", "fn", "hedged", "run")
+
+    def __init__(
+        self, due: float, run: Callable[..., None], fn: Job[Any], args: tuple[Any, ...]
+    ) -> None:
+        self.due = due
+        self.run = run
+        self.fn = fn
+        self.args = args
+        self.copies = 1
+        self.answered = False
+        self.hedged = False
+
+
+class _Hedges:
+    """Cold reads that the nice-19 read threads have not answered within ``after_s`` run again
+    on the worker's other threads, at its own nice (decision 950): the read threads' minimum
+    share of a core. While produce keeps both cores busy, a nice-19 thread gets about 1.5 % of
+    one, and a 4 MiB run's few milliseconds of CPU took 2.7 s there, past a cold read's
+    deadline (2.5 s); a read is idempotent, so the copy that answers first is sent and the other
+    is dropped (a copy that has not started yet does not run). Below ``after_s`` nothing is
+    repeated: a replay on a machine whose cores are not saturated stays at nice 19, as the
+    producers' p99 needs (decision 841). ``after_s`` 0 or less: no hedging."""
+
+    def __init__(self, pool: ThreadPoolExecutor, after_s: float) -> None:
+        self.pool = pool
+        self.after_s = after_s
+        self.hedged = 0  # reads run again (for tests and logs)
+        # Reads not answered yet, or with a copy still queued or running.
+        self._reads: dict[int, _Read] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if after_s > 0:
+            # Started by the child's main thread, before any read thread: at the worker's nice.
+            self._thread = threading.Thread(
+                target=self._loop, name="tmq-cold-read-hedges", daemon=True
+            )
+            self._thread.start()
+
+    def watch(
+        self, job_id: int, run: Callable[..., None], fn: Job[Any], args: tuple[Any, ...]
+    ) -> None:
+        """``job_id`` is a read submitted to the read threads now."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._reads[job_id] = _Read(time.monotonic() + self.after_s, run, fn, args)
+            self._cond.notify()
+
+    def start(self, job_id: int) -> bool:
+        """A copy of ``job_id`` is about to run: False if the job was answered already (the
+        copy is dropped)."""
+        with self._cond:
+            read = self._reads.get(job_id)
+            if read is None or not read.answered:
+                return True
+            self._done(job_id, read)
+            return False
+
+    def finish(self, job_id: int) -> bool:
+        """A copy of ``job_id`` has its outcome: True if it is the first (it sends it)."""
+        with self._cond:
+            read = self._reads.get(job_id)
+            if read is None:
+                return True
+            first = not read.answered
+            read.answered = True
+            self._done(job_id, read)
+            return first
+
+    def _done(self, job_id: int, read: _Read) -> None:
+        """One copy of ``read`` ran or was dropped (under ``_cond``)."""
+        read.copies -= 1
+        if read.copies <= 0:
+            del self._reads[job_id]
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for job_id, read in self._reads.items():
+                    if read.answered or read.hedged or read.due > now:
+                        continue
+                    read.hedged = True
+                    read.copies += 1
+                    self.hedged += 1
+                    try:
+                        self.pool.submit(read.run, job_id, read.fn, read.args)
+                    except RuntimeError:  # the pool is shut down: the child is ending
+                        return
+                waiting = [r.due for r in self._reads.values() if not (r.hedged or r.answered)]
+                self._cond.wait(max(0.01, min(waiting, default=now + 1.0) - now))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
 
 
 class ColdWorker:
@@ -223,6 +343,10 @@ class ColdWorker:
     waits behind (decision 841), while uploads keep ``nice``: an offload that stalled behind
     produce would fill the disk.
 
+    ``read_hedge_s``: a read not answered within it runs again at ``nice`` (``READ_HEDGE_S``;
+    0: never), so that reads starved by a saturating load still meet their deadline (decision
+    950).
+
     ``preload``: modules the child imports at its start, beside the object store's warm-up:
     those the jobs it will run are defined in, so that the first job does not import them in
     the loop that receives every job (0.3-0.7 s for the offloader's on a loaded machine)."""
@@ -238,11 +362,13 @@ class ColdWorker:
         nice: int | None = None,
         preload: Sequence[str] = (),
         read_nice: int | None = None,
+        read_hedge_s: float | None = None,
     ) -> None:
         self.tier_url = tier_url
         self.preload = tuple(preload)
         self.nice = WORKER_NICE if nice is None else nice
         self.read_nice = max(self.nice, READ_NICE if read_nice is None else read_nice)
+        self.read_hedge_s = READ_HEDGE_S if read_hedge_s is None else read_hedge_s
         self.tier_options = dict(tier_options or {})
         self.retry = retry or RetryPolicy()
         self.threads = threads
@@ -283,6 +409,7 @@ class ColdWorker:
                 self.nice,
                 self.preload,
                 self.read_nice,
+                self.read_hedge_s,
             ),
             name="tmq-cold-worker",
             daemon=True,
@@ -412,6 +539,12 @@ WORKER_NICE = 5
 # Alternated with nice 5 in 13 pairs (load 12-24): a producer's p99 during a replay 0.42 ms
 # against 1.10 (median), the replay's rate the same within the noise.
 READ_NICE = 19
+# A cold read the read threads have not answered in this long runs again at ``WORKER_NICE``
+# (decision 950): their minimum share when produce keeps both cores busy. A fifth of the
+# broker's read deadline (2.5 s), so the copy has four fifths of it; far above a 4 MiB run's
+# time on a core the read threads can have (tens of ms), so a replay on a machine whose cores
+# are not saturated runs no copy.
+READ_HEDGE_S = 0.5
 
 
 # Socket buffers of the pipe (a Unix socket pair): a reply of a 1 MiB span crosses in one or two

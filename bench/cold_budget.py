@@ -1,0 +1,291 @@
+"""Where a cold replay's time goes: a wall-clock and CPU budget per MB, per phase.
+
+``bench/cold_replay_cpu.py`` counts CPU per MB; on this machine a replay's wall time is ten
+times its CPU, so this asks where the rest goes. One process plays the broker (40,960 1 KiB
+messages offloaded to LocalStack in 8 MiB segments, a cold worker, ``bench/cold_read.py``'s
+fetcher settings) and replays the archive through ``get_replies`` while it times:
+
+- in the cold worker, each fetch job's phases (``read_spans``' ranged GET, the record check,
+  the reply writer, the cut), wall and thread CPU: wall minus CPU is the time the thread was
+  ready but not running (nice 19 on a busy machine) or, for the GET, waiting on LocalStack;
+- in the broker, each job from submit to result: what is not the worker's own time is the
+  job's wait for a read thread, the pickling, the pipe and the reply thread's receive;
+- the reader's own time: waiting for a batch (the read-ahead did not keep up) against taking
+  its replies.
+
+    python bench/cold_budget.py [--tree DIR] [--replays N]
+
+Prints one JSON object; about half a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
+    parser.add_argument("--replays", type=int, default=2)
+    return parser.parse_known_args()[0]
+
+
+# Also in the spawned worker, which imports this module as its ``__main__``.
+sys.path.insert(0, _args().tree)
+
+MESSAGES = 40_960
+_LOG = os.environ.get("TMQ_COLD_BUDGET_LOG", "")
+
+
+def timed_read_spans(store: Any, info: Any, first: int, entries: bytes, *rest: Any) -> Any:
+    """``read_spans`` in the cold worker, each phase timed (wall and thread CPU) into the file
+    ``TMQ_COLD_BUDGET_LOG`` names: a cold job, as the fetcher submits ``read_spans``."""
+    import tiered.cold.segment as segment
+
+    marks: dict[str, list[float]] = {}
+    _TLS.marks = marks
+    if not getattr(segment, "_budget_timed", False):  # once per worker: per thread below
+        segment.check_span = _timed_global("check", segment.check_span)
+        segment._budget_timed = True
+
+    def timed(name: str, fn: Any) -> Any:
+        def inner(*a: Any, **k: Any) -> Any:
+            w, c = time.monotonic(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                m = marks.setdefault(name, [0.0, 0.0])
+                m[0] += time.monotonic() - w
+                m[1] += time.thread_time() - c
+
+        return inner
+
+    start_w, start_c = time.monotonic(), time.thread_time()
+    timed_store = _TimedStore(store, timed)
+    args = list(rest)
+    if len(args) > 1 and args[1] is not None:
+        args[1] = timed("write_replies", args[1])
+    spans = segment.read_spans(timed_store, info, first, entries, *args)
+    total_w, total_c = time.monotonic() - start_w, time.thread_time() - start_c
+    size = sum(s.size for s in spans)
+    with open(_LOG, "a") as f:
+        f.write(
+            json.dumps(
+                {
+                    "job": [info.key, first],
+                    "start": start_w,
+                    "end": start_w + total_w,
+                    "bytes": size,
+                    "wall": total_w,
+                    "cpu": total_c,
+                    "phases": marks,
+                }
+            )
+            + "\n"
+        )
+    return spans
+
+
+_TLS = threading.local()
+
+
+def _timed_global(name: str, fn: Any) -> Any:
+    """``fn`` timed into the calling thread's job's marks."""
+
+    def inner(*a: Any, **k: Any) -> Any:
+        w, c = time.monotonic(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            m = _TLS.marks.setdefault(name, [0.0, 0.0])
+            m[0] += time.monotonic() - w
+            m[1] += time.thread_time() - c
+
+    return inner
+
+
+class _TimedStore:
+    def __init__(self, store: Any, timed: Any) -> None:
+        self._store = store
+        self.get_range = timed("get", store.get_range)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def main() -> None:
+    args = _args()
+    import boto3
+
+    import tiered.cold.fetcher as fetcher_module
+    from bench.offload import localstack
+    from broker.reply import encode_pull_replies
+    from offload.offloader import Offloader, OffloadPolicy
+    from tiered.cold.storage import open_store
+    from tiered.cold.worker import ColdWorker, run_job, warm_up
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    log_path = Path(tempfile.mkdtemp(prefix="tmq-cold-budget-")) / "jobs.jsonl"
+    os.environ["TMQ_COLD_BUDGET_LOG"] = str(log_path)  # before the worker is spawned
+    manage = localstack()
+    started = manage.start()
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    endpoint = manage.endpoint()
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    root = Path(tempfile.mkdtemp(prefix="tmq-cold-budget-"))
+    out: list[dict[str, Any]] = []
+    try:
+        store = MessageStore(StoreConfig(data_dir=root / "hot"))
+        store.start()
+        body = os.urandom(1024)
+        batch = [
+            Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
+            for _ in range(256)
+        ]
+        for _ in range(MESSAGES // 256):
+            store.put_messages(batch)
+        store.wait_dispatched(120)
+        options = {"endpoint_url": endpoint}
+        tier = open_store(f"s3://{bucket}/tier", options)
+        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
+        worker = ColdWorker(f"s3://{bucket}/tier", options, preload=preload)
+        worker.start()
+        run_job(worker, warm_up)
+        policy = OffloadPolicy(segment_max_bytes=8 << 20)
+        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
+
+        # The broker's side of every fetch job: submit to result.
+        jobs: list[tuple[tuple[str, int], float, float]] = []
+        jobs_lock = threading.Lock()
+        real_run_job = fetcher_module.run_job
+
+        def timed_run_job(runner: Any, fn: Any, *a: Any, **k: Any) -> Any:
+            if fn is fetcher_module.read_spans:
+                fn = timed_read_spans
+            t = time.monotonic()
+            result = real_run_job(runner, fn, *a, **k)
+            if fn is timed_read_spans:
+                with jobs_lock:
+                    jobs.append(((a[0].key, a[1]), t, time.monotonic()))
+            return result
+
+        fetcher_module.run_job = timed_run_job  # type: ignore[assignment]
+        for _ in range(args.replays):
+            log_path.write_text("")
+            jobs.clear()
+            fetcher = fetcher_module.ColdFetcher(
+                tier,
+                "bench",
+                "broker-a",
+                cache_bytes=32 << 20,
+                runner=worker,
+                reply_encoder=encode_pull_replies,
+                read_timeout_s=60,
+            )
+            real_wait = fetcher._wait
+            waited = [0.0]
+
+            def timed_wait(
+                what: str, future: Any, _w: Any = real_wait, waited: list[float] = waited
+            ) -> Any:
+                t = time.monotonic()
+                try:
+                    return _w(what, future)
+                finally:
+                    waited[0] += time.monotonic() - t
+
+            fetcher._wait = timed_wait  # type: ignore[method-assign]
+            manifest = fetcher.manifest("cold", 1)
+            mb = sum(s.offsets_at for s in manifest.segments) / 1e6
+            c0, t0 = time.process_time(), time.monotonic()
+            offset = 0
+            while offset < manifest.end_offset:
+                _, offset, _ = fetcher.get_replies("cold", 1, offset, 256, max_bytes=1 << 30)
+            wall = time.monotonic() - t0
+            broker_cpu = time.process_time() - c0
+            fetcher.close()
+            time.sleep(0.5)
+            child = [json.loads(line) for line in log_path.read_text().splitlines()]
+            by_job = {tuple(c["job"]): c for c in child}
+            queue = transfer = 0.0
+            for job, t_submit, t_result in jobs:
+                c = by_job.get(job)
+                if c is None:
+                    continue
+                queue += max(0.0, c["start"] - t_submit)
+                transfer += max(0.0, t_result - c["end"])
+            phases: dict[str, list[float]] = {}
+            for c in child:
+                for name, (w, cpu) in c["phases"].items():
+                    p = phases.setdefault(name, [0.0, 0.0])
+                    p[0] += w
+                    p[1] += cpu
+            job_wall = sum(c["wall"] for c in child)
+            job_cpu = sum(c["cpu"] for c in child)
+            named_w = sum(w for w, _ in phases.values())
+            named_c = sum(c for _, c in phases.values())
+            per_mb = 1e3 / mb  # seconds in all -> ms per MB
+
+            def r(x: float, per_mb: float = per_mb) -> float:
+                return round(x * per_mb, 2)
+
+            out.append(
+                {
+                    "mb": round(mb, 1),
+                    "mb_per_s": round(mb / wall, 1),
+                    "wall_ms_per_mb": r(wall),
+                    "reader_waiting_for_batches_ms_per_mb": r(waited[0]),
+                    "broker_cpu_ms_per_mb": r(broker_cpu),
+                    "fetch_jobs": len(child),
+                    "jobs_in_parallel": round(job_wall / wall, 2),
+                    # Summed over the jobs (they overlap): each phase's wall and thread CPU.
+                    "worker_job_ms_per_mb": {"wall": r(job_wall), "cpu": r(job_cpu)},
+                    "worker_phases_ms_per_mb": {
+                        **{n: {"wall": r(w), "cpu": r(c)} for n, (w, c) in phases.items()},
+                        "rest": {"wall": r(job_wall - named_w), "cpu": r(job_cpu - named_c)},
+                    },
+                    "job_queued_before_worker_ms_per_mb": r(queue),
+                    "job_reply_to_broker_ms_per_mb": r(transfer),
+                }
+            )
+        worker.close()
+        store.shutdown()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(log_path.parent, ignore_errors=True)
+        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
+        resource.objects.delete()
+        resource.delete()
+        if started:
+            manage.stop()
+    print(
+        json.dumps(
+            {
+                "bench": "cold_budget",
+                "tree": args.tree,
+                "replays": out,
+                "load_average_1m": round(os.getloadavg()[0], 1),
+                "utc": time.strftime("%H:%M:%S", time.gmtime()),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Cold reads under a produce load that keeps both cores busy: do they meet their deadline?
+
+Cold reads run in the cold worker on threads at nice 19 (decision 841). This probe asks what
+that costs when the cores are never free: one process plays the broker (a store, 20,480 1 KiB
+messages offloaded to LocalStack in 4 MiB segments, a cold worker), ``--hogs`` other processes
+produce into stores of their own as fast as they can at nice 0 (each a producer that saturates a
+core), and the broker replays the archive through ``get_replies`` with the broker's real read
+deadline (2.5 s). A read past its deadline raises ``ColdTierUnavailableError`` (the broker
+answers "unavailable"); the probe retries it, as a client does, and counts it.
+
+    python bench/cold_starve.py [--hogs 2] [--seconds 20] [--read-nice N] [--tree DIR]
+
+``--read-nice``: the worker's ``read_nice`` (default: the code's own); ``--tree``: import tmq
+from another checkout (main's, for an A/B in one venv). Prints one JSON object: each read's
+latency (p50, p99, max), the reads past the deadline, the replay's MB/s while the hogs ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
+    parser.add_argument("--hogs", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--read-nice", type=int, default=None)
+    return parser.parse_known_args()[0]
+
+
+sys.path.insert(0, _args().tree)
+
+MESSAGES = 20_480
+DEADLINE_S = 2.5
+# What a hog writes into one store before it starts another (and removes the first).
+HOG_BYTES = 48 << 20
+
+
+def hog(root: str, seconds: float) -> None:
+    """Produce 1 KiB messages into a store of its own, as fast as it can, for ``seconds``."""
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    batch = [Message(topic="hog", queue_id=0, body=os.urandom(1024)) for _ in range(64)]
+    stop = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < stop:
+        # A fresh store every HOG_BYTES: the disk this machine's sessions share stays free.
+        data = Path(root) / str(n)
+        store = MessageStore(StoreConfig(data_dir=data, commitlog_file_size=64 << 20))
+        store.start()
+        written = 0
+        while written < HOG_BYTES and time.monotonic() < stop:
+            store.put_messages(batch)
+            written += 64 * 1100
+        store.shutdown()
+        shutil.rmtree(data, ignore_errors=True)
+        n += 1
+
+
+def main() -> None:
+    args = _args()
+    import boto3
+
+    from bench.offload import localstack
+    from broker.reply import encode_pull_replies
+    from offload.offloader import Offloader, OffloadPolicy
+    from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
+    from tiered.cold.storage import open_store
+    from tiered.cold.worker import ColdWorker, run_job, warm_up
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    manage = localstack()
+    started = manage.start()
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    endpoint = manage.endpoint()
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    root = Path(tempfile.mkdtemp(prefix="tmq-cold-starve-"))
+    latencies: list[float] = []
+    missed = replayed = 0
+    hog_procs: list[Any] = []
+    try:
+        store = MessageStore(StoreConfig(data_dir=root / "hot"))
+        store.start()
+        body = os.urandom(1024)
+        batch = [
+            Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
+            for _ in range(256)
+        ]
+        for _ in range(MESSAGES // 256):
+            store.put_messages(batch)
+        store.wait_dispatched(120)
+        options = {"endpoint_url": endpoint}
+        tier = open_store(f"s3://{bucket}/tier", options)
+        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
+        kwargs: dict[str, Any] = {"preload": preload}
+        if args.read_nice is not None:
+            kwargs["read_nice"] = args.read_nice
+        worker = ColdWorker(f"s3://{bucket}/tier", options, **kwargs)
+        worker.start()
+        run_job(worker, warm_up)
+        policy = OffloadPolicy(segment_max_bytes=4 << 20)
+        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
+
+        ctx = multiprocessing.get_context("spawn")
+        hog_procs = [
+            ctx.Process(target=hog, args=(str(root / f"hog{i}"), args.seconds + 5))
+            for i in range(args.hogs)
+        ]
+        for p in hog_procs:
+            p.start()
+        time.sleep(3)  # the hogs' imports and stores started: the cores are busy from here
+        t_end = time.monotonic() + args.seconds
+        t0 = time.perf_counter()
+        while time.monotonic() < t_end:
+            fetcher = ColdFetcher(
+                tier,
+                "bench",
+                "broker-a",
+                cache_bytes=32 << 20,
+                runner=worker,
+                reply_encoder=encode_pull_replies,
+                read_timeout_s=DEADLINE_S,
+            )
+            end = fetcher.manifest("cold", 1).end_offset
+            offset = 0
+            while offset < end and time.monotonic() < t_end:
+                t = time.perf_counter()
+                try:
+                    _, nxt, bodies = fetcher.get_replies("cold", 1, offset, 32, max_bytes=1 << 30)
+                except ColdTierUnavailableError:
+                    missed += 1  # the client retries the same offset
+                    latencies.append(time.perf_counter() - t)
+                    continue
+                latencies.append(time.perf_counter() - t)
+                replayed += bodies
+                offset = nxt
+            fetcher.close()
+        wall = time.perf_counter() - t0
+        for p in hog_procs:
+            p.join(30)
+        worker.close()
+        store.shutdown()
+    finally:
+        for p in hog_procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
+        resource.objects.delete()
+        resource.delete()
+        if started:
+            manage.stop()
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
+    print(
+        json.dumps(
+            {
+                "bench": "cold_starve",
+                "tree": args.tree,
+                "hogs": args.hogs,
+                "read_nice": args.read_nice,
+                "reads": len(latencies),
+                "reads_past_deadline": missed,
+                "read_p50_ms": round(q[49] * 1e3, 1),
+                "read_p99_ms": round(q[98] * 1e3, 1),
+                "read_max_ms": round(max(latencies, default=0) * 1e3, 1),
+                "replay_body_mb_per_s": round(replayed / wall / 1e6, 2),
+                "load_average_1m": round(os.getloadavg()[0], 1),
+                "utc": time.strftime("%H:%M:%S", time.gmtime()),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
