@@ -178,6 +178,55 @@ def test_encode_batch_reuses_shared_objects_and_finds_property_names_as_lookups_
         assert tags[0] is None and tags[1] == "t1" and tags[2] == "sub" and tags[4] == "t"
 
 
+class _QueueNumber(int):
+    """An ``int`` subclass queue id: not an exact int, so the slots' fast path must not take it."""
+
+
+def test_encode_batch_finds_a_queue_by_topic_object_and_queue_id_as_the_key_cache_does() -> None:
+    """The native encoder takes a batch queue's slot by the message's topic object and exact int
+    queue id before any dict lookup (decision 960). Two topics sharing queue ids, topics equal
+    but not the same object, ``bool`` and ``int`` subclass queue ids equal to an int one, and
+    a first call cut short by the file's end give the reference's offsets, keys, bytes and
+    ``next_offsets``; every queue's offsets run on without a gap or a repeat."""
+    a2 = "".join(["to", "pic-a"])  # equal to "topic-a", another object
+    qids: list[int] = [1, True, _QueueNumber(1), 0, False, 2, _QueueNumber(2)]
+    messages = [
+        Message(
+            topic=("topic-a", "topic-b", a2)[i % 3],
+            queue_id=qids[(i // 3) % len(qids)],
+            body=bytes([i % 251]) * (i % 50),
+        )
+        for i in range(300)
+    ]
+    base = {("topic-a", 1): 70, ("topic-b", 2): 5}
+
+    def run(engine: Any) -> tuple[Any, ...]:
+        encoder = RecordEncoder()
+        next_offsets: dict[tuple[str, int], int] = {}
+        results: list[Any] = []
+        start, offset = 0, 0
+        for space in (9_000, 1 << 24):
+            out = EncodedBatch(store_timestamp=1_700_000_000_123)
+            start, used = engine.encode_batch(
+                encoder, messages, start, offset, space, next_offsets, base, out
+            )
+            offset += used
+            results.append((start, used, b"".join(out.parts), list(out.queue_offsets), out.queues))
+            results.append(dict(next_offsets))
+        return tuple(results)
+
+    native = run(NATIVE)
+    assert 0 < native[0][0] < len(messages)
+    assert native == run(PY)
+    seen: dict[tuple[str, int], list[int]] = {}
+    for part in (native[0], native[2]):
+        for key, q in zip(part[4], part[3], strict=True):
+            seen.setdefault((key[0], int(key[1])), []).append(q)
+    for key, offsets in seen.items():
+        first = base.get(key, 0)
+        assert offsets == list(range(first, first + len(offsets))), key
+
+
 @pytest.mark.parametrize("cache_full", [False, True])
 def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bool) -> None:
     """The native encoder keeps a batch's queue offsets in 32 slots found by the identity of the

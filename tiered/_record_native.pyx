@@ -17,6 +17,7 @@ from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_Next
 from cpython.list cimport PyList_Append
+from cpython.long cimport PyLong_CheckExact
 from cpython cimport array as carray
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -484,6 +485,13 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     # offset; ``next_offsets`` gets one store per queue at the end.
     cdef PyObject* slot_key[QUEUE_SLOTS]
     cdef int64_t slot_next[QUEUE_SLOTS]
+    # Each slot's topic object and queue id (decision 960): a message whose topic is that same
+    # object and whose queue id an exact int of that value takes the slot's key without the
+    # two dict lookups of ``_queue_key`` (which would give that very key).
+    cdef PyObject* slot_topic[QUEUE_SLOTS]
+    cdef int64_t slot_qid[QUEUE_SLOTS]
+    cdef int64_t qid = 0
+    cdef bint exact_qid
     cdef int slots = 0, j
     cdef bint cached = False
     # A batch's messages mostly share their topic and born host objects: the last ones looked
@@ -575,21 +583,37 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             _rec_head(r, size, <const unsigned char*>PyBytes_AS_STRING(born_ip), port,
                       _i32(_field(m, fast, 4)), _field(m, fast, 5), _i32(_field(m, fast, 7)),
                       _field(m, fast, 8), _i32(queue_id))
-            key = _queue_key(queue_keys, topic, queue_id, &cached)
-            # A key the cache could not keep is a new object at every call: the dict path.
-            j = _queue_slot(slot_key, slots, <PyObject*>key) if cached else QUEUE_SLOTS
-            if j < slots:  # QUEUE_SLOTS when uncached, never below slots then
+            # ``_i32`` above took the queue id: an exact int here fits in 32 bits.
+            exact_qid = PyLong_CheckExact(queue_id)
+            j = slots
+            if exact_qid:
+                qid = <int64_t>queue_id
+                j = 0
+                while j < slots and (slot_topic[j] != <PyObject*>topic or slot_qid[j] != qid):
+                    j += 1
+            if j < slots:
+                key = <object>slot_key[j]
                 q = slot_next[j]
                 slot_next[j] = q + 1
             else:
-                q = _first_offset(next_offsets, base_offsets, key)
-                if cached and slots < QUEUE_SLOTS:
-                    hold.append(key)  # the slot borrows it
-                    slot_key[slots] = <PyObject*>key
-                    slot_next[slots] = q + 1
-                    slots += 1
-                else:  # more queues than slots in one batch: the dict keeps the rest
-                    next_offsets[key] = q + 1
+                key = _queue_key(queue_keys, topic, queue_id, &cached)
+                # A key the cache could not keep is a new object at every call: the dict path.
+                j = _queue_slot(slot_key, slots, <PyObject*>key) if cached else QUEUE_SLOTS
+                if j < slots:  # QUEUE_SLOTS when uncached, never below slots then
+                    q = slot_next[j]
+                    slot_next[j] = q + 1
+                else:
+                    q = _first_offset(next_offsets, base_offsets, key)
+                    if cached and slots < QUEUE_SLOTS:
+                        hold.append(key)  # the slot borrows it
+                        # The topic is held: it is the last one looked up (``hold`` has it).
+                        slot_key[slots] = <PyObject*>key
+                        slot_topic[slots] = <PyObject*>topic if exact_qid else NULL
+                        slot_qid[slots] = qid
+                        slot_next[slots] = q + 1
+                        slots += 1
+                    else:  # more queues than slots in one batch: the dict keeps the rest
+                        next_offsets[key] = q + 1
             r.queue_offset = q
             r.physical_offset = physical_offset + used
             if q % per_file == 0:
@@ -805,12 +829,18 @@ def first_unchecked(messages, Py_ssize_t start, set topics, Py_ssize_t max_queue
     """``record.first_unchecked_py``."""
     cdef Py_ssize_t count = len(messages), i
     cdef bint fast
+    # The last topic found in ``topics`` (decision 960): a batch's messages mostly share one
+    # topic object, which then costs a pointer comparison, not a set lookup. Held here.
+    cdef object checked = None
     for i in range(start, count):
         m = messages[i]
         fast = _slots_ok and type(m) is Message
         topic = _field(m, fast, 0)
-        if not PyUnicode_Check(topic) or topic not in topics:
-            return i
+        if topic is not checked:
+            if not PyUnicode_Check(topic) or topic not in topics:
+                return i
+            if PyUnicode_CheckExact(topic):  # a subclass may hash or compare its own way
+                checked = topic
         queue_id = _field(m, fast, 2)
         if type(queue_id) is not int or not 0 <= queue_id <= max_queue_id:
             return i
