@@ -45,6 +45,7 @@ from typing import Any
 from broker.ha.config import HaConfig
 from broker.ha.etcd import Compare, EtcdClient, EtcdUnavailableError, KeyValue, put_op
 from broker.ha.gate import NotMasterError, ReplicationStatus
+from broker.ha.lease_keeper import LeaseKeeper
 from broker.ha.master import ReplicationMaster
 from broker.ha.role import RoleState
 from broker.ha.slave import ReplicationSlave
@@ -137,7 +138,7 @@ class HaController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: threading.Thread | None = None
-        self._renew: threading.Thread | None = None
+        self._keeper: LeaseKeeper | None = None
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -153,16 +154,22 @@ class HaController:
             target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
         )
         self._watch.start()
-        self._renew = threading.Thread(
-            target=self._renew_lease, name="tmq-ha-lease-renew", daemon=True
+        # The renewals run in a process of their own, which waits on no GIL (decision 910).
+        self._keeper = LeaseKeeper(
+            self.config.etcd,
+            self._ttl_s(),
+            interval_s=self._ttl_s() / 4,
+            pulse_limit_s=self._ttl_s() / 2,
         )
-        self._renew.start()
+        self._keeper.ensure_running()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._watch, self._renew):
+        for thread in (self._thread, self._watch):
             if thread is not None:
                 thread.join(timeout=10)
+        if self._keeper is not None:
+            self._keeper.stop()
         with self._lock:
             if self.current is not None:
                 self.current.stop()
@@ -198,25 +205,29 @@ class HaController:
         return max(1, round(self.config.lease_ttl_ms / 1000))
 
     def _watch_lease(self) -> None:
+        """The watchdog: every ``_WATCH_S`` it tells the keeper this process is alive (the
+        pulse without which the keeper stops renewing) and checks the deadline."""
         while not self._stop.wait(_WATCH_S):
+            keeper = self._keeper
+            if keeper is not None:
+                keeper.pulse()
             self._check_lease_deadline()
 
-    def _renew_lease(self) -> None:
-        """Renew the lease every quarter TTL on its own, so that a tick slowed by its other etcd
-        calls (a loaded machine) never makes a live master miss its deadline. An expired lease
-        is left to the tick (``_ensure_lease``), which takes a new one."""
-        while not self._stop.wait(self._ttl_s() / 4):
-            lease = self._lease
-            if not lease or self._abandon_lease:
-                continue
-            started = time.monotonic()
-            try:
-                alive = self.etcd.keepalive(lease) > 0
-            except EtcdUnavailableError:
-                continue  # the watchdog fences if this lasts
-            if alive and lease == self._lease:
-                self._lease_ok_at = max(self._lease_ok_at, started)
-                self._keepalive_at = max(self._keepalive_at, started)
+    def _set_lease(self, lease: int) -> None:
+        self._lease = lease
+        if self._keeper is not None:
+            self._keeper.set_lease(0 if self._abandon_lease else lease)
+
+    def _keeper_renewals(self) -> None:
+        """Take the keeper's last successful keepalive of the current lease as this process's
+        own: the time it was sent, on the host's one monotonic clock."""
+        keeper = self._keeper
+        if keeper is None:
+            return
+        lease, sent_at, _gone, _count, _stale = keeper.renewed()
+        if lease and lease == self._lease and not self._abandon_lease:
+            self._lease_ok_at = max(self._lease_ok_at, sent_at)
+            self._keepalive_at = max(self._keepalive_at, sent_at)
 
     def _ensure_lease(self) -> None:
         if self._abandon_lease:
@@ -227,7 +238,10 @@ class HaController:
                 log.warning(
                     "controller: gave up lease %x after fencing; the group elects", self._lease
                 )
-                self._lease = 0
+                self._set_lease(0)
+        if self._keeper is not None:
+            self._keeper.ensure_running()
+        self._keeper_renewals()
         now = time.monotonic()
         if self._lease and now - self._keepalive_at < self._ttl_s() / 3:
             return
@@ -236,19 +250,31 @@ class HaController:
                 self._lease_ok_at = self._keepalive_at = now
                 return
             log.warning("controller: lease %x expired; taking a new one", self._lease)
-            self._lease = 0
+            self._set_lease(0)
             self._lose_mastership("its etcd lease expired")
-        self._lease = self.etcd.grant(self._ttl_s())
+        lease = self.etcd.grant(self._ttl_s())
         self._lease_ok_at = self._keepalive_at = now
+        self._set_lease(lease)
 
     def _check_lease_deadline(self) -> None:
         """No answer from etcd: a master that cannot prove its lease is alive fences itself
         before the lease can expire in etcd (2/3 of the TTL since the last renewal)."""
-        if self.role.is_master() and time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
+        if not self.role.is_master():
+            return
+        self._keeper_renewals()
+        if time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
             self._abandon_lease = True
+            if self._keeper is not None:
+                self._keeper.set_lease(0)
+            keeper = self._keeper.renewed() if self._keeper is not None else None
             self._lose_mastership(
                 f"its etcd lease was not renewed for {time.monotonic() - self._lease_ok_at:.1f} s "
                 "(etcd unreachable or slow); the lease may have expired"
+                + (
+                    f" (keeper: {keeper[3]} renewals, {keeper[4]} skipped for a stale pulse)"
+                    if keeper is not None
+                    else ""
+                )
             )
 
     def _lose_mastership(self, why: str) -> None:
