@@ -152,20 +152,20 @@ def _run(
     client = EtcdClient(endpoints, timeout=timeout)
     renewed = gone = count = stale = 0
     renewed_at = 0.0
-    held = 0
     parent = os.getppid()
     stdin = sys.stdin.buffer.fileno()
     while True:
         ready, _, _ = select.select([stdin], [], [], interval)
         if (ready and not os.read(stdin, 4096)) or os.getppid() != parent:
-            # The broker died: nothing can be acknowledged under this lease any more.
+            # The broker died: nothing can be acknowledged under its lease any more (the last
+            # one it named, even if this loop never got to renew it).
+            held = int(_read(buf, _BROKER_AT, _BROKER)[0])
             if held:
                 with contextlib.suppress(EtcdUnavailableError):
                     client.revoke(held)
             return
         lease, pulse = _read(buf, _BROKER_AT, _BROKER)
         lease = int(lease)
-        held = lease
         if not lease:
             continue
         if time.monotonic() - pulse > pulse_limit:
