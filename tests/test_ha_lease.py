@@ -49,14 +49,15 @@ def test_the_keeper_renews_while_its_broker_pulses_and_stops_when_it_does_not(
             keeper.pulse()
             time.sleep(0.05)
         assert client.get(KEY) is not None
-        renewed, sent_at, _gone, count, _stale = keeper.renewed()
-        assert renewed == lease and count >= 6 and time.monotonic() - sent_at < 1.5
+        state = keeper.renewed()
+        assert state.lease == lease and state.renewals >= 6
+        assert time.monotonic() - state.sent_at < 1.5
         stopped = time.monotonic()
         wait_gone(client, KEY, timeout=10)
-        assert keeper.renewed()[4] > 0  # it skipped renewals: the pulse was stale
+        assert keeper.renewed().skipped > 0  # it skipped renewals: the pulse was stale
         assert keeper.proc is not None and keeper.proc.poll() is None
         # The last renewal it sent was within the pulse limit of the last pulse.
-        assert keeper.renewed()[1] - stopped < 1.0 + 0.5
+        assert keeper.renewed().sent_at - stopped < 1.0 + 0.5
     finally:
         keeper.stop()
         etcd.stop()

@@ -20,11 +20,13 @@ and ``state`` with epoch + 1 and a SyncStateSet of itself. The winner stops foll
 writable and starts its replication master in the new epoch; the others follow it.
 
 A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
-(no successful keepalive for 2/3 of the TTL), or it sees another master or a newer epoch; a
+(no successful keepalive sent in the last 3/4 of the TTL), or it sees another master or a newer epoch; a
 fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail. The
-lease is renewed by its own thread, ``tmq-ha-lease-renew`` (every quarter TTL, so a tick slowed
-by its other etcd calls never makes a live master miss its deadline); the deadline is watched by
-another, ``tmq-ha-lease-watch`` (every ``_WATCH_S``), and checked by every send, so that an idle
+lease is renewed every eighth of the TTL by a child process, broker/ha/lease_keeper.py, which shares no
+GIL with this busy process (decision 910: renewals from a thread here missed the deadline under
+load) and renews only while this process pulses; the deadline is computed here from the time the
+keeper sent its last successful keepalive, watched by ``tmq-ha-lease-watch`` (every
+``_WATCH_S``, which also sends the pulse), and checked by every send, so that an idle
 master whose etcd calls hang until they time out (etcd frozen or unreachable: each endpoint is
 tried for up to 2 s) is fenced before etcd can expire its lease and elect another (decision
 222). A master fenced so gives its lease up at the next tick that reaches etcd, so the group
@@ -58,6 +60,12 @@ _TICK_S = 0.2
 _WATCH_S = 0.05
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
+# A master fences itself this fraction of the TTL after its last successful keepalive was sent:
+# etcd expires the lease no sooner than a full TTL after it, and another member can win only
+# _SETTLE_TICKS ticks after that (decisions 132, 910).
+_FENCE_AT = 3 / 4
+# The keeper sends a keepalive every TTL/_RENEWALS_PER_TTL, without waiting for the last answer.
+_RENEWALS_PER_TTL = 8
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,7 +166,7 @@ class HaController:
         self._keeper = LeaseKeeper(
             self.config.etcd,
             self._ttl_s(),
-            interval_s=self._ttl_s() / 4,
+            interval_s=self._ttl_s() / _RENEWALS_PER_TTL,
             pulse_limit_s=self._ttl_s() / 2,
         )
         self._keeper.ensure_running()
@@ -224,10 +232,10 @@ class HaController:
         keeper = self._keeper
         if keeper is None:
             return
-        lease, sent_at, _gone, _count, _stale = keeper.renewed()
-        if lease and lease == self._lease and not self._abandon_lease:
-            self._lease_ok_at = max(self._lease_ok_at, sent_at)
-            self._keepalive_at = max(self._keepalive_at, sent_at)
+        state = keeper.renewed()
+        if state.lease and state.lease == self._lease and not self._abandon_lease:
+            self._lease_ok_at = max(self._lease_ok_at, state.sent_at)
+            self._keepalive_at = max(self._keepalive_at, state.sent_at)
 
     def _ensure_lease(self) -> None:
         if self._abandon_lease:
@@ -258,11 +266,11 @@ class HaController:
 
     def _check_lease_deadline(self) -> None:
         """No answer from etcd: a master that cannot prove its lease is alive fences itself
-        before the lease can expire in etcd (2/3 of the TTL since the last renewal)."""
+        before the lease can expire in etcd (3/4 of the TTL since the last renewal was sent)."""
         if not self.role.is_master():
             return
         self._keeper_renewals()
-        if time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
+        if time.monotonic() - self._lease_ok_at > self._ttl_s() * _FENCE_AT:
             self._abandon_lease = True
             if self._keeper is not None:
                 self._keeper.set_lease(0)
@@ -271,7 +279,9 @@ class HaController:
                 f"its etcd lease was not renewed for {time.monotonic() - self._lease_ok_at:.1f} s "
                 "(etcd unreachable or slow); the lease may have expired"
                 + (
-                    f" (keeper: {keeper[3]} renewals, {keeper[4]} skipped for a stale pulse)"
+                    f" (keeper: {keeper.renewals} renewals, {keeper.skipped} skipped for a stale "
+                    f"pulse, last keepalive {keeper.last_latency_s:.2f} s, longest "
+                    f"{keeper.max_latency_s:.2f} s)"
                     if keeper is not None
                     else ""
                 )

@@ -37,7 +37,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
 from broker.ha.etcd import EtcdClient, EtcdUnavailableError
 
@@ -46,9 +48,11 @@ SIZE = 128
 _BROKER = struct.Struct("<Qqd")
 _BROKER_AT = 0
 # Keeper half: seq, renewed lease, when its keepalive was sent, lease etcd said was gone,
-# renewals, renewals skipped because the pulse was stale.
-_KEEPER = struct.Struct("<Qqdqqq")
+# renewals, renewals skipped because the pulse was stale, the last and the longest keepalive.
+_KEEPER = struct.Struct("<Qqdqqqdd")
 _KEEPER_AT = 64
+# Keepalives at once (each on its own thread) while etcd is slow to answer.
+_MAX_IN_FLIGHT = 4
 
 
 def _write(buf: mmap.mmap, at: int, layout: struct.Struct, *values: float) -> None:
@@ -66,6 +70,20 @@ def _read(buf: mmap.mmap, at: int, layout: struct.Struct) -> tuple[float, ...]:
         if values[0] % 2 == 0 and seq == values[0]:
             return tuple(values[1:])
         time.sleep(0)
+
+
+@dataclass(slots=True, frozen=True)
+class KeeperState:
+    # The lease last renewed, and when (time.monotonic()) that keepalive was sent.
+    lease: int
+    sent_at: float
+    # The last lease etcd said was gone.
+    gone: int
+    renewals: int
+    # Renewals skipped because the broker's pulse was stale.
+    skipped: int
+    last_latency_s: float
+    max_latency_s: float
 
 
 class LeaseKeeper:
@@ -126,11 +144,9 @@ class LeaseKeeper:
     def pulse(self) -> None:
         _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
 
-    def renewed(self) -> tuple[int, float, int, int, int]:
-        """(last lease renewed, when its keepalive was sent, last lease found gone, renewals,
-        renewals skipped for a stale pulse)."""
-        lease, at, gone, count, stale = _read(self._buf, _KEEPER_AT, _KEEPER)
-        return int(lease), at, int(gone), int(count), int(stale)
+    def renewed(self) -> KeeperState:
+        lease, at, gone, count, stale, last, longest = _read(self._buf, _KEEPER_AT, _KEEPER)
+        return KeeperState(int(lease), at, int(gone), int(count), int(stale), last, longest)
 
     def stop(self) -> None:
         """Stop the keeper without revoking (the broker revokes, or hands over, itself)."""
@@ -144,14 +160,58 @@ class LeaseKeeper:
         self.proc = None
 
 
+class _Renewals:
+    """The keeper's half, shared by its renewal threads."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.lock = threading.Lock()
+        self.renewed = self.gone = self.count = self.stale = 0
+        self.renewed_at = 0.0
+        self.last_latency = self.max_latency = 0.0
+        self.in_flight = 0
+
+    def publish(self) -> None:
+        _write(
+            self.buf,
+            _KEEPER_AT,
+            _KEEPER,
+            self.renewed,
+            self.renewed_at,
+            self.gone,
+            self.count,
+            self.stale,
+            self.last_latency,
+            self.max_latency,
+        )
+
+    def renew(self, client: EtcdClient, lease: int, started: float) -> None:
+        try:
+            ttl: int | None = client.keepalive(lease)
+        except EtcdUnavailableError:
+            ttl = None
+        latency = time.monotonic() - started
+        with self.lock:
+            self.in_flight -= 1
+            self.last_latency = latency
+            self.max_latency = max(self.max_latency, latency)
+            if ttl is not None and ttl > 0:
+                # Renewals overlap: the newest send that succeeded is what the deadline counts.
+                if lease != self.renewed or started > self.renewed_at:
+                    self.renewed, self.renewed_at = lease, started
+                self.count += 1
+            elif ttl is not None:
+                self.gone = lease
+            self.publish()
+
+
 def _run(
     fd: int, endpoints: list[str], interval: float, pulse_limit: float, timeout: float
 ) -> None:
     buf = mmap.mmap(fd, SIZE)
     os.close(fd)
     client = EtcdClient(endpoints, timeout=timeout)
-    renewed = gone = count = stale = 0
-    renewed_at = 0.0
+    state = _Renewals(buf)
     parent = os.getppid()
     stdin = sys.stdin.buffer.fileno()
     while True:
@@ -168,20 +228,19 @@ def _run(
         lease = int(lease)
         if not lease:
             continue
-        if time.monotonic() - pulse > pulse_limit:
-            stale += 1
-            _write(buf, _KEEPER_AT, _KEEPER, renewed, renewed_at, gone, count, stale)
-            continue
-        started = time.monotonic()
-        try:
-            ttl = client.keepalive(lease)
-        except EtcdUnavailableError:
-            continue
-        if ttl > 0:
-            renewed, renewed_at, count = lease, started, count + 1
-        else:
-            gone = lease
-        _write(buf, _KEEPER_AT, _KEEPER, renewed, renewed_at, gone, count, stale)
+        with state.lock:
+            if time.monotonic() - pulse > pulse_limit:
+                state.stale += 1
+                state.publish()
+                continue
+            if state.in_flight >= _MAX_IN_FLIGHT:
+                continue
+            state.in_flight += 1
+        # A keepalive of its own every interval, not after the last one answered: one slow
+        # answer (etcd busy, a connect that waits) does not hold the next renewal back.
+        threading.Thread(
+            target=state.renew, args=(client, lease, time.monotonic()), daemon=True
+        ).start()
 
 
 def main() -> None:
