@@ -11,6 +11,7 @@ TTL, 1.33 s)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -64,7 +65,7 @@ def main() -> None:
     finally:
         stop.set()
         etcd.stop()
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     q = statistics.quantiles(latencies, n=100)
     print(
         json.dumps(
