@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,12 +113,12 @@ def main() -> None:
             t.join(30)
         end_epoch = group_epoch(etcd)
         reasons: dict[str, int] = {}
-        fenced = 0
+        fences: list[str] = []
         for m in group.members:
             for line in m.log_path.read_text(errors="replace").splitlines():
                 if "fencing this master" in line:
-                    fenced += 1
-                    why = re.sub(r"[\d.]+ s", "N s", line.split(": ", 2)[-1])[:90]
+                    fences.append(line.split("fencing this master ", 1)[1][:260])
+                    why = re.sub(r"\(epoch \d+\)|[\d.]+ s", "", line.split(": ", 2)[-1])[:60]
                     reasons[why] = reasons.get(why, 0) + 1
         print(
             json.dumps(
@@ -128,12 +129,12 @@ def main() -> None:
                     "senders": args.senders,
                     "elections": end_epoch - start_epoch,
                     "elections_per_10min": round((end_epoch - start_epoch) * 600 / args.seconds, 1),
-                    "fenced": fenced,
+                    "fenced": len(fences),
                     "fence_reasons": reasons,
+                    "fences": fences,
                     "msgs_sent": sent[0],
                     "send_failures": failed[0],
                     "load_1m": loads,
-                    "root": str(root),
                 }
             )
         )
@@ -147,6 +148,8 @@ def main() -> None:
         namesrv.wait()
         with contextlib.suppress(Exception):
             etcd.stop()
+        # Each run writes about a GB of CommitLog: never leave it behind.
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

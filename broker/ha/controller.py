@@ -438,6 +438,17 @@ class HaController:
         best = max(candidates, key=lambda m: (m.last_epoch, m.max_offset, -m.id))
         if best.id != self.node_id:
             return
+        keeper = self._keeper
+        if (
+            keeper is not None
+            and keeper.proc is not None
+            and keeper.proc.poll() is None
+            and keeper.renewed().lease != self._lease
+        ):
+            # Its keeper (just started, after a restart) has not renewed this lease yet: a
+            # master elected now would renew only through the tick, and fence (seen under load:
+            # "0 renewals"). Stand at a later tick.
+            return
         # Stop following first: this node's end is final from here on.
         with self._lock:
             self._switch(None)
