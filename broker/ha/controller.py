@@ -20,17 +20,17 @@ and ``state`` with epoch + 1 and a SyncStateSet of itself. The winner stops foll
 writable and starts its replication master in the new epoch; the others follow it.
 
 A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
-(no successful keepalive sent in the last 3/4 of the TTL), or it sees another master or a newer epoch; a
-fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail. The
-lease is renewed every eighth of the TTL by a child process, broker/ha/lease_keeper.py, which shares no
-GIL with this busy process (decision 910: renewals from a thread here missed the deadline under
-load) and renews only while this process pulses; the deadline is computed here from the time the
-keeper sent its last successful keepalive, watched by ``tmq-ha-lease-watch`` (every
-``_WATCH_S``, which also sends the pulse), and checked by every send, so that an idle
-master whose etcd calls hang until they time out (etcd frozen or unreachable: each endpoint is
-tried for up to 2 s) is fenced before etcd can expire its lease and elect another (decision
-222). A master fenced so gives its lease up at the next tick that reaches etcd, so the group
-elects again rather than keep a fenced master.
+(no successful keepalive sent in the last 3/4 of the TTL), or it sees another master or a newer
+epoch; a fenced master becomes a slave of whoever holds ``master``, truncating its divergent
+tail. The lease is renewed every eighth of the TTL by a child process,
+broker/ha/lease_keeper.py, which shares no GIL with this busy process (decision 910: renewals
+from a thread here missed the deadline under load) and renews only while this process pulses;
+the deadline is computed here from the time the keeper sent its last successful keepalive,
+watched by ``tmq-ha-lease-watch`` (every ``_WATCH_S``, which also sends the pulse), and checked
+by every send, so that an idle master whose etcd calls hang until they time out (etcd frozen
+or unreachable: each endpoint is tried for up to 2 s) is fenced before etcd can expire its
+lease and elect another (decision 222). A master fenced so gives its lease up at the next tick
+that reaches etcd, so the group elects again rather than keep a fenced master.
 """
 
 from __future__ import annotations
