@@ -196,7 +196,7 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
         frozen_at = time.monotonic()
         wait_for("a is fenced", lambda: a.metric("tmq_replication_fenced") == 1, timeout=10)
         # Idle, its tick stuck in etcd calls that time out (2 s per endpoint, three of them),
-        # it still fences by its lease deadline (2/3 of the 2 s TTL after the last renewal):
+        # it still fences by its lease deadline (3/4 of the 2 s TTL after the last renewal sent):
         # before etcd could have expired its lease and elected another master.
         assert time.monotonic() - frozen_at < 2.0
         assert messaging_health() == health_pb2.HealthCheckResponse.NOT_SERVING

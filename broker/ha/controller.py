@@ -20,15 +20,17 @@ and ``state`` with epoch + 1 and a SyncStateSet of itself. The winner stops foll
 writable and starts its replication master in the new epoch; the others follow it.
 
 A master fences itself (no sends, NOT_SERVING) as soon as it cannot prove its lease is alive
-(no successful keepalive for 2/3 of the TTL), or it sees another master or a newer epoch; a
-fenced master becomes a slave of whoever holds ``master``, truncating its divergent tail. The
-lease is renewed by its own thread, ``tmq-ha-lease-renew`` (every quarter TTL, so a tick slowed
-by its other etcd calls never makes a live master miss its deadline); the deadline is watched by
-another, ``tmq-ha-lease-watch`` (every ``_WATCH_S``), and checked by every send, so that an idle
-master whose etcd calls hang until they time out (etcd frozen or unreachable: each endpoint is
-tried for up to 2 s) is fenced before etcd can expire its lease and elect another (decision
-222). A master fenced so gives its lease up at the next tick that reaches etcd, so the group
-elects again rather than keep a fenced master.
+(no successful keepalive sent in the last 3/4 of the TTL), or it sees another master or a newer
+epoch; a fenced master becomes a slave of whoever holds ``master``, truncating its divergent
+tail. The lease is renewed every eighth of the TTL by a child process,
+broker/ha/lease_keeper.py, which shares no GIL with this busy process (decision 910: renewals
+from a thread here missed the deadline under load) and renews only while this process pulses;
+the deadline is computed here from the time the keeper sent its last successful keepalive,
+watched by ``tmq-ha-lease-watch`` (every ``_WATCH_S``, which also sends the pulse), and checked
+by every send, so that an idle master whose etcd calls hang until they time out (etcd frozen
+or unreachable: each endpoint is tried for up to 2 s) is fenced before etcd can expire its
+lease and elect another (decision 222). A master fenced so gives its lease up at the next tick
+that reaches etcd, so the group elects again rather than keep a fenced master.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 from broker.ha.config import HaConfig
 from broker.ha.etcd import Compare, EtcdClient, EtcdUnavailableError, KeyValue, put_op
 from broker.ha.gate import NotMasterError, ReplicationStatus
+from broker.ha.lease_keeper import LeaseKeeper
 from broker.ha.master import ReplicationMaster
 from broker.ha.role import RoleState
 from broker.ha.slave import ReplicationSlave
@@ -57,6 +60,12 @@ _TICK_S = 0.2
 _WATCH_S = 0.05
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
+# A master fences itself this fraction of the TTL after its last successful keepalive was sent:
+# etcd expires the lease no sooner than a full TTL after it, and another member can win only
+# _SETTLE_TICKS ticks after that (decisions 132, 910).
+_FENCE_AT = 3 / 4
+# The keeper sends a keepalive every TTL/_RENEWALS_PER_TTL, without waiting for the last answer.
+_RENEWALS_PER_TTL = 8
 
 
 @dataclass(slots=True, frozen=True)
@@ -137,7 +146,7 @@ class HaController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: threading.Thread | None = None
-        self._renew: threading.Thread | None = None
+        self._keeper: LeaseKeeper | None = None
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -153,16 +162,22 @@ class HaController:
             target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
         )
         self._watch.start()
-        self._renew = threading.Thread(
-            target=self._renew_lease, name="tmq-ha-lease-renew", daemon=True
+        # The renewals run in a process of their own, which waits on no GIL (decision 910).
+        self._keeper = LeaseKeeper(
+            self.config.etcd,
+            self._ttl_s(),
+            interval_s=self._ttl_s() / _RENEWALS_PER_TTL,
+            pulse_limit_s=self._ttl_s() / 2,
         )
-        self._renew.start()
+        self._keeper.ensure_running()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._watch, self._renew):
+        for thread in (self._thread, self._watch):
             if thread is not None:
                 thread.join(timeout=10)
+        if self._keeper is not None:
+            self._keeper.stop()
         with self._lock:
             if self.current is not None:
                 self.current.stop()
@@ -198,25 +213,29 @@ class HaController:
         return max(1, round(self.config.lease_ttl_ms / 1000))
 
     def _watch_lease(self) -> None:
+        """The watchdog: every ``_WATCH_S`` it tells the keeper this process is alive (the
+        pulse without which the keeper stops renewing) and checks the deadline."""
         while not self._stop.wait(_WATCH_S):
+            keeper = self._keeper
+            if keeper is not None:
+                keeper.pulse()
             self._check_lease_deadline()
 
-    def _renew_lease(self) -> None:
-        """Renew the lease every quarter TTL on its own, so that a tick slowed by its other etcd
-        calls (a loaded machine) never makes a live master miss its deadline. An expired lease
-        is left to the tick (``_ensure_lease``), which takes a new one."""
-        while not self._stop.wait(self._ttl_s() / 4):
-            lease = self._lease
-            if not lease or self._abandon_lease:
-                continue
-            started = time.monotonic()
-            try:
-                alive = self.etcd.keepalive(lease) > 0
-            except EtcdUnavailableError:
-                continue  # the watchdog fences if this lasts
-            if alive and lease == self._lease:
-                self._lease_ok_at = max(self._lease_ok_at, started)
-                self._keepalive_at = max(self._keepalive_at, started)
+    def _set_lease(self, lease: int) -> None:
+        self._lease = lease
+        if self._keeper is not None:
+            self._keeper.set_lease(0 if self._abandon_lease else lease)
+
+    def _keeper_renewals(self) -> None:
+        """Take the keeper's last successful keepalive of the current lease as this process's
+        own: the time it was sent, on the host's one monotonic clock."""
+        keeper = self._keeper
+        if keeper is None:
+            return
+        state = keeper.renewed()
+        if state.lease and state.lease == self._lease and not self._abandon_lease:
+            self._lease_ok_at = max(self._lease_ok_at, state.sent_at)
+            self._keepalive_at = max(self._keepalive_at, state.sent_at)
 
     def _ensure_lease(self) -> None:
         if self._abandon_lease:
@@ -227,7 +246,10 @@ class HaController:
                 log.warning(
                     "controller: gave up lease %x after fencing; the group elects", self._lease
                 )
-                self._lease = 0
+                self._set_lease(0)
+        if self._keeper is not None:
+            self._keeper.ensure_running()
+        self._keeper_renewals()
         now = time.monotonic()
         if self._lease and now - self._keepalive_at < self._ttl_s() / 3:
             return
@@ -236,19 +258,33 @@ class HaController:
                 self._lease_ok_at = self._keepalive_at = now
                 return
             log.warning("controller: lease %x expired; taking a new one", self._lease)
-            self._lease = 0
+            self._set_lease(0)
             self._lose_mastership("its etcd lease expired")
-        self._lease = self.etcd.grant(self._ttl_s())
+        lease = self.etcd.grant(self._ttl_s())
         self._lease_ok_at = self._keepalive_at = now
+        self._set_lease(lease)
 
     def _check_lease_deadline(self) -> None:
         """No answer from etcd: a master that cannot prove its lease is alive fences itself
-        before the lease can expire in etcd (2/3 of the TTL since the last renewal)."""
-        if self.role.is_master() and time.monotonic() - self._lease_ok_at > self._ttl_s() * 2 / 3:
+        before the lease can expire in etcd (3/4 of the TTL since the last renewal was sent)."""
+        if not self.role.is_master():
+            return
+        self._keeper_renewals()
+        if time.monotonic() - self._lease_ok_at > self._ttl_s() * _FENCE_AT:
             self._abandon_lease = True
+            if self._keeper is not None:
+                self._keeper.set_lease(0)
+            keeper = self._keeper.renewed() if self._keeper is not None else None
             self._lose_mastership(
                 f"its etcd lease was not renewed for {time.monotonic() - self._lease_ok_at:.1f} s "
                 "(etcd unreachable or slow); the lease may have expired"
+                + (
+                    f" (keeper: {keeper.renewals} renewals, {keeper.skipped} skipped for a stale "
+                    f"pulse, last keepalive {keeper.last_latency_s:.2f} s, longest "
+                    f"{keeper.max_latency_s:.2f} s)"
+                    if keeper is not None
+                    else ""
+                )
             )
 
     def _lose_mastership(self, why: str) -> None:
@@ -401,6 +437,17 @@ class HaController:
             return
         best = max(candidates, key=lambda m: (m.last_epoch, m.max_offset, -m.id))
         if best.id != self.node_id:
+            return
+        keeper = self._keeper
+        if (
+            keeper is not None
+            and keeper.proc is not None
+            and keeper.proc.poll() is None
+            and keeper.renewed().lease != self._lease
+        ):
+            # Its keeper (just started, after a restart) has not renewed this lease yet: a
+            # master elected now would renew only through the tick, and fence (seen under load:
+            # "0 renewals"). Stand at a later tick.
             return
         # Stop following first: this node's end is final from here on.
         with self._lock:

@@ -1,0 +1,259 @@
+"""The master's etcd lease, renewed by a child process that shares no GIL with the broker
+(decision 910).
+
+In the broker process a keepalive is an HTTP request through ``urllib``: dozens of points where
+its thread gives the GIL up and must win it back. With the broker busy (send handlers, dispatch,
+replication: Python threads that want the GIL all the time), each of those waits behind them, and
+on a loaded machine behind a GIL holder the kernel has descheduled. Measured (a probe on a 3-node
+etcd, a keepalive every 0.5 s): alone, p99 142 ms; with two CPU-bound Python threads in the same
+process, p99 0.5-1.9 s and gaps between renewals past the 1.33 s fence deadline.
+
+``LeaseKeeper`` (the broker side) starts ``python -m broker.ha.lease_keeper``, which imports
+nothing but the stdlib and broker/ha/etcd.py. They share 128 bytes of anonymous memory (an
+unlinked file, its descriptor inherited), each half written by one side under a sequence lock:
+
+- the broker's half: the lease to renew (0: none) and a pulse, the broker's ``time.monotonic()``
+  written by its lease watchdog every 50 ms;
+- the keeper's half: the last lease it renewed, the ``time.monotonic()`` at which that keepalive
+  was sent (CLOCK_MONOTONIC is one clock for every process on the host), and the last lease etcd
+  said was gone.
+
+The keeper renews only while the pulse is fresh (``pulse_limit_s``): a broker that is frozen
+(SIGSTOP), deadlocked or starved for that long loses its lease as if it renewed it itself, so the
+group elects another. It reads its stdin, a pipe from the broker: end of file means the broker
+died (kill -9 included), and it revokes the lease at once and exits, so a crashed master is
+replaced without waiting for its TTL. Fencing is unchanged: the broker, not the keeper, decides
+whether it may acknowledge, from the time the last successful keepalive was sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from broker.ha.etcd import EtcdClient, EtcdUnavailableError
+
+SIZE = 128
+# Broker half: seq (even when stable), lease, pulse.
+_BROKER = struct.Struct("<Qqd")
+_BROKER_AT = 0
+# Keeper half: seq, renewed lease, when its keepalive was sent, lease etcd said was gone,
+# renewals, renewals skipped because the pulse was stale, the last and the longest keepalive.
+_KEEPER = struct.Struct("<Qqdqqqdd")
+_KEEPER_AT = 64
+# Keepalives at once (each on its own thread) while etcd is slow to answer.
+_MAX_IN_FLIGHT = 4
+
+
+def _write(buf: mmap.mmap, at: int, layout: struct.Struct, *values: float) -> None:
+    """A sequence lock: odd while the half is being written; readers retry."""
+    (seq,) = struct.unpack_from("<Q", buf, at)
+    struct.pack_into("<Q", buf, at, seq + 1)
+    struct.pack_into(layout.format, buf, at, seq + 1, *values)
+    struct.pack_into("<Q", buf, at, seq + 2)
+
+
+def _read(buf: mmap.mmap, at: int, layout: struct.Struct) -> tuple[float, ...]:
+    while True:
+        values = layout.unpack_from(buf, at)
+        (seq,) = struct.unpack_from("<Q", buf, at)
+        if values[0] % 2 == 0 and seq == values[0]:
+            return tuple(values[1:])
+        time.sleep(0)
+
+
+@dataclass(slots=True, frozen=True)
+class KeeperState:
+    # The lease last renewed, and when (time.monotonic()) that keepalive was sent.
+    lease: int
+    sent_at: float
+    # The last lease etcd said was gone.
+    gone: int
+    renewals: int
+    # Renewals skipped because the broker's pulse was stale.
+    skipped: int
+    last_latency_s: float
+    max_latency_s: float
+
+
+class LeaseKeeper:
+    """The broker's handle on its keeper process."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        ttl_s: int,
+        interval_s: float,
+        pulse_limit_s: float,
+    ) -> None:
+        self.endpoints = endpoints
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self.pulse_limit_s = pulse_limit_s
+        fd, path = tempfile.mkstemp(
+            prefix="tmq-lease-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        os.unlink(path)
+        os.ftruncate(fd, SIZE)
+        self._fd = fd
+        self._buf = mmap.mmap(fd, SIZE)
+        self._lease = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def ensure_running(self) -> None:
+        """Start the keeper, or start it again if it died (its renewals stop meanwhile, and the
+        broker's deadline fences it if that lasts)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "broker.ha.lease_keeper",
+                "--fd",
+                str(self._fd),
+                "--interval",
+                str(self.interval_s),
+                "--pulse-limit",
+                str(self.pulse_limit_s),
+                "--timeout",
+                str(max(0.5, self.ttl_s / 2)),
+                *self.endpoints,
+            ],
+            stdin=subprocess.PIPE,
+            pass_fds=(self._fd,),
+            close_fds=True,
+        )
+        self.starts += 1
+
+    def set_lease(self, lease: int) -> None:
+        self._lease = lease
+        self.pulse()
+
+    def pulse(self) -> None:
+        _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
+
+    def renewed(self) -> KeeperState:
+        lease, at, gone, count, stale, last, longest = _read(self._buf, _KEEPER_AT, _KEEPER)
+        return KeeperState(int(lease), at, int(gone), int(count), int(stale), last, longest)
+
+    def stop(self) -> None:
+        """Stop the keeper without revoking (the broker revokes, or hands over, itself)."""
+        self.set_lease(0)
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        self.proc = None
+
+
+class _Renewals:
+    """The keeper's half, shared by its renewal threads."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.lock = threading.Lock()
+        self.renewed = self.gone = self.count = self.stale = 0
+        self.renewed_at = 0.0
+        self.last_latency = self.max_latency = 0.0
+        self.in_flight = 0
+
+    def publish(self) -> None:
+        _write(
+            self.buf,
+            _KEEPER_AT,
+            _KEEPER,
+            self.renewed,
+            self.renewed_at,
+            self.gone,
+            self.count,
+            self.stale,
+            self.last_latency,
+            self.max_latency,
+        )
+
+    def renew(self, client: EtcdClient, lease: int, started: float) -> None:
+        try:
+            ttl: int | None = client.keepalive(lease)
+        except EtcdUnavailableError:
+            ttl = None
+        latency = time.monotonic() - started
+        with self.lock:
+            self.in_flight -= 1
+            self.last_latency = latency
+            self.max_latency = max(self.max_latency, latency)
+            if ttl is not None and ttl > 0:
+                # Renewals overlap: the newest send that succeeded is what the deadline counts.
+                if lease != self.renewed or started > self.renewed_at:
+                    self.renewed, self.renewed_at = lease, started
+                self.count += 1
+            elif ttl is not None:
+                self.gone = lease
+            self.publish()
+
+
+def _run(
+    fd: int, endpoints: list[str], interval: float, pulse_limit: float, timeout: float
+) -> None:
+    buf = mmap.mmap(fd, SIZE)
+    os.close(fd)
+    client = EtcdClient(endpoints, timeout=timeout)
+    state = _Renewals(buf)
+    parent = os.getppid()
+    stdin = sys.stdin.buffer.fileno()
+    while True:
+        ready, _, _ = select.select([stdin], [], [], interval)
+        if (ready and not os.read(stdin, 4096)) or os.getppid() != parent:
+            # The broker died: nothing can be acknowledged under its lease any more (the last
+            # one it named, even if this loop never got to renew it).
+            held = int(_read(buf, _BROKER_AT, _BROKER)[0])
+            if held:
+                with contextlib.suppress(EtcdUnavailableError):
+                    client.revoke(held)
+            return
+        lease, pulse = _read(buf, _BROKER_AT, _BROKER)
+        lease = int(lease)
+        if not lease:
+            continue
+        with state.lock:
+            if time.monotonic() - pulse > pulse_limit:
+                state.stale += 1
+                state.publish()
+                continue
+            if state.in_flight >= _MAX_IN_FLIGHT:
+                continue
+            state.in_flight += 1
+        # A keepalive of its own every interval, not after the last one answered: one slow
+        # answer (etcd busy, a connect that waits) does not hold the next renewal back.
+        threading.Thread(
+            target=state.renew, args=(client, lease, time.monotonic()), daemon=True
+        ).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--interval", type=float, required=True)
+    parser.add_argument("--pulse-limit", type=float, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("endpoints", nargs="+")
+    args = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        _run(args.fd, args.endpoints, args.interval, args.pulse_limit, args.timeout)
+
+
+if __name__ == "__main__":
+    main()
