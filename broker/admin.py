@@ -774,7 +774,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             )
         except ColdTierUnavailableError as e:
             # Part of the topic's archive cannot be asked: "not found" would hide it.
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            abort_tier_unavailable(context, str(e))
         return pb.QueryByKeyResponse(
             messages=[
                 pb.FoundMessage(

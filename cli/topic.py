@@ -164,7 +164,7 @@ def tier_unknown_exit(rows: list[tuple[str, str, int]]) -> None:
 
 # Trailing metadata of a call the broker refused because the cold tier did not answer
 # (broker/admin.py, decision 921).
-_TIER_UNAVAILABLE = ("tmq-cold-tier", "unavailable")
+TIER_UNAVAILABLE = ("tmq-cold-tier", "unavailable")
 
 
 def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
@@ -175,7 +175,7 @@ def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
         return fn(*args, timeout=timeout)
     except grpc.RpcError as e:
         trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-        if _TIER_UNAVAILABLE in tuple(trailing or ()):
+        if TIER_UNAVAILABLE in tuple(trailing or ()):
             raise fail(f"{what}: {e.details()}", TIER_UNKNOWN) from None
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise fail(
