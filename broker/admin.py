@@ -7,7 +7,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 import grpc
@@ -25,19 +26,42 @@ from broker.metadata import (
 from broker.status import BrokerStatus
 from broker.timer import TimerStats
 from offload.divergence import Conflict
-from offload.offloader import ArchiveAheadError, Offloader, OffloadError, RetentionResult
+from offload.offloader import (
+    ArchiveAheadError,
+    Offloader,
+    OffloadError,
+    OffloadResult,
+    RetentionResult,
+)
 from offload.resolve import ResolveRefusedError, TierUnavailableError
 from offload.resolve import resolve as resolve_divergence
 from offload.verify import FAILURE, WARNING, verify_queue, worst
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.manifest import ManifestError, QueueManifest
-from tiered.cold.storage import StorageError
+from tiered.cold.storage import PermanentStorageError, StorageError, within
 from tiered.store import MessageStore
 
 log = logging.getLogger(__name__)
 
 # Segment checks of `tmq verify` in flight at once (ranged GETs of footers, or whole objects).
 VERIFY_WORKERS = 16
+
+# Trailing metadata of a call refused because the cold tier did not answer (decision 921): the
+# CLI tells it apart from a broker that does not answer (both UNAVAILABLE) and exits 4.
+TIER_UNAVAILABLE = ("tmq-cold-tier", "unavailable")
+
+
+def abort_tier_unavailable(context: grpc.ServicerContext, message: str) -> None:
+    """Refuse the call (UNAVAILABLE) because the cold tier did not answer; raises."""
+    context.set_trailing_metadata((TIER_UNAVAILABLE,))
+    context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def _tier_failed(e: BaseException) -> bool:
+    """Whether ``e`` (an offload's error) is the tier not answering, or answering errors a
+    retry may cure (503s), rather than a refusal or damage."""
+    cause = e.__cause__
+    return isinstance(cause, StorageError) and not isinstance(cause, PermanentStorageError)
 
 
 def topic_to_pb(cfg: TopicConfig) -> pb.Topic:
@@ -95,6 +119,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         transactions_pending: Callable[[], dict[str, int]] = dict,
         before_put_topic: Callable[[TopicConfig, TopicConfig | None], None] = lambda _c, _e: None,
         tier_manifests: TierManifests | None = None,
+        tier_wait_s: float = 5.0,
     ) -> None:
         self.store = store
         self.metadata = metadata
@@ -116,6 +141,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         # Tiered queues' manifests within the broker's admin_tier_wait_ms, None where the tier
         # did not answer in time (decision 810); without it, loaded one by one with no deadline.
         self.tier_manifests = tier_manifests
+        # The broker's admin_tier_wait_ms in seconds: how long `tmq offload` goes without news
+        # of its upload before it asks whether the tier answers (decision 921).
+        self.tier_wait_s = tier_wait_s
 
     def PutTopic(
         self, request: pb.PutTopicRequest, context: grpc.ServicerContext
@@ -346,6 +374,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         try:
             results = self.apply_retention(request.topic or None, request.dry_run)
         except OffloadError as e:
+            if _tier_failed(e):
+                abort_tier_unavailable(context, f"the cold tier did not answer: {e}")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             raise AssertionError("abort raises") from None
         return pb.ApplyRetentionResponse(
@@ -380,8 +410,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         found = self.tier_manifests(queues, refresh=True)
         silent = sorted(k for k, m in found.items() if m is None)
         if silent:
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
+            abort_tier_unavailable(
+                context,
                 f"the cold tier did not answer for {len(silent)} queue(s) in time ("
                 + ", ".join(f"{t}/{q}" for t, q in silent)
                 + "): retention not applied now; the broker applies it on its offload passes "
@@ -406,33 +436,119 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Offload(
         self, request: pb.OffloadRequest, context: grpc.ServicerContext
     ) -> pb.OffloadResponse:
+        """Upload the topic's queues now and answer when done; or, when the cold tier does not
+        answer, say so within about the broker's admin_tier_wait_ms (decision 921): at once if
+        it does not answer before anything starts, else within about twice that wait of going
+        silent. Against a black hole this took the tier's full retries (374 s measured)."""
         cfg, offloader = self._tiered(request.topic, context)
         if request.queue >= cfg.queues:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"topic {cfg.name} has no queue {request.queue}"
             )
-        queues = range(cfg.queues) if request.queue < 0 else [request.queue]
-        out = []
+        queues = list(range(cfg.queues) if request.queue < 0 else [request.queue])
+        self._tier_answers_for_offload(
+            cfg.name,
+            queues,
+            context,
+            "nothing was uploaded; the broker's offload passes upload the queues once it answers",
+        )
+        targets = []
         for q in queues:
             up_to = self.store.max_offset(cfg.name, q)
             if request.before_ms:
                 up_to = min(up_to, self.store.offset_for_timestamp(cfg.name, q, request.before_ms))
             if request.keep_local_bytes:
                 up_to = min(up_to, self._keep_local(cfg.name, q, request.keep_local_bytes))
+            targets.append((q, up_to))
+        # The upload runs in a thread of its own, so that this call can stop waiting for it
+        # when the tier goes silent: the thread then goes on, bounded by the tier's retries, and
+        # commits only segments uploaded and verified whole (``Offloader.offload_queue``).
+        done: Future[list[OffloadResult]] = Future()
+
+        def run() -> None:
             try:
-                r = offloader.offload_queue(cfg.name, q, up_to)
+                done.set_result([offloader.offload_queue(cfg.name, q, t) for q, t in targets])
+            except BaseException as e:
+                # Said to the caller, if it still waits; if not, only here.
+                log.warning("%s: `tmq offload` ended with an error: %s", cfg.name, e)
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="tmq-offload-admin", daemon=True).start()
+        while True:
+            try:
+                results = done.result(timeout=self.tier_wait_s)
+                break
+            except FutureTimeout:
+                pass
             except OffloadError as e:
+                if _tier_failed(e):
+                    abort_tier_unavailable(context, f"the cold tier did not answer: {e}")
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            out.append(
+            if not context.is_active():
+                return pb.OffloadResponse()  # the client has gone; the upload goes on
+            # No news for a while: a large upload, or a tier gone silent. Ask it.
+            self._tier_answers_for_offload(
+                cfg.name,
+                queues,
+                context,
+                "committed so far: "
+                + ", ".join(self._watermark_text(offloader, cfg.name, q) for q in queues)
+                + ". Only segments uploaded and verified whole are committed; the upload "
+                "goes on in the broker, and its offload passes resume once the tier answers",
+                during=True,
+            )
+        return pb.OffloadResponse(
+            queues=[
                 pb.QueueOffload(
-                    queue=q,
+                    queue=r.queue_id,
                     segments=r.segments,
                     messages=r.messages,
                     bytes=r.bytes,
                     watermark=r.watermark,
                 )
-            )
-        return pb.OffloadResponse(queues=out)
+                for r in results
+            ]
+        )
+
+    @staticmethod
+    def _watermark_text(offloader: Offloader, topic: str, queue_id: int) -> str:
+        manifest = offloader.cached_manifest(topic, queue_id)
+        at = "unknown" if manifest is None else str(manifest.end_offset)
+        return f"{topic}/{queue_id} tier watermark {at}"
+
+    def _tier_answers_for_offload(
+        self,
+        topic: str,
+        queues: list[int],
+        context: grpc.ServicerContext,
+        then: str,
+        *,
+        during: bool = False,
+    ) -> None:
+        """Refuse (UNAVAILABLE, marked as the tier's) unless the tier gives every queue's
+        current manifest within admin_tier_wait_ms: read loads, which neither wait on an
+        upload under way (it holds the queue's lock) nor fill the cache (decision 885), and
+        give up soon after the wait (decision 920). ``then``: what the refusal adds."""
+        if self.tier_manifests is None:
+            return
+        keys = [(topic, q) for q in queues]
+        failed: dict[tuple[str, int], Exception] = {}
+        started = time.monotonic()
+        found = self.tier_manifests(keys, read=True, failed=failed)
+        silent = sorted(k for k, m in found.items() if m is None)
+        if not silent:
+            return
+        errors = sorted({str(e) for k, e in failed.items() if k in silent})
+        abort_tier_unavailable(
+            context,
+            ("the cold tier stopped answering during the upload: " if during else "")
+            + f"the cold tier did not answer for {len(silent)} queue(s) within "
+            f"{time.monotonic() - started:.1f} s ("
+            + ", ".join(f"{t}/{q}" for t, q in silent)
+            + ")"
+            + (f": {errors[0]}" if errors else "")
+            + f"; {then}",
+        )
 
     def _keep_local(self, topic: str, queue_id: int, keep_bytes: int) -> int:
         """The offset above which the queue's newest messages total at most ``keep_bytes``."""
@@ -477,7 +593,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="tmq-verify") as pool:
                 verdicts = [
                     verify_queue(
-                        o.tier,
+                        within(o.tier, deadline),
                         o.cluster,
                         o.broker,
                         cfg.name,
@@ -494,7 +610,11 @@ class AdminServicer(pb_grpc.AdminServicer):
                     for q in range(cfg.queues)
                 ]
         except StorageError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the cold tier did not answer: {e}")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not verify: the cold tier did not answer: {e}; nothing was judged, run "
+                "it again once the tier answers",
+            )
             raise AssertionError("abort raises") from None
         for v in verdicts:
             # The archive's objects may all be sound and still not be this queue's messages at
@@ -654,7 +774,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             )
         except ColdTierUnavailableError as e:
             # Part of the topic's archive cannot be asked: "not found" would hide it.
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            abort_tier_unavailable(context, str(e))
         return pb.QueryByKeyResponse(
             messages=[
                 pb.FoundMessage(

@@ -67,7 +67,9 @@ from tiered.cold.manifest import ManifestError, QueueManifest
 from tiered.cold.storage import (
     ObjectStore,
     PermanentStorageError,
+    RetryingObjectStore,
     StorageError,
+    bounded_options,
     check_writable,
     open_store,
 )
@@ -109,8 +111,19 @@ class Broker:
         # The child process that builds and uploads segments and reads them back for cold
         # reads, off this process's GIL (tiered/cold/worker.py); started by start().
         self.cold_worker: ColdWorker | None = None
+        # The tier as the admin calls' read loads use it (decision 920): every attempt gives
+        # up after admin_tier_wait_ms of silence and none is retried past the load's own wait,
+        # so a load an operator gave up on frees its slot within about twice that wait.
+        self.admin_tier: RetryingObjectStore | None = None
         if config.tier_url:
             self.tier = open_store(config.tier_url, config.tier_options, config.retry)
+            self.admin_tier = open_store(
+                config.tier_url,
+                bounded_options(
+                    config.tier_url, config.tier_options, config.admin_tier_wait_ms / 1000
+                ),
+                config.retry,
+            )
             self.cold_worker = ColdWorker(
                 config.tier_url,
                 config.tier_options,
@@ -346,25 +359,22 @@ class Broker:
             return
         known = existing.queues if existing is not None else 0
         first = known if existing is not None and existing.tiered else 0
-        offloader = self.offloader
         with self._put_topic_lock:
             # Loaded together, with one deadline for them all (decision 785): one after the
             # other, each through the tier's retries and request timeouts, eight queues on a
             # black-holed tier held the call for minutes, long after the client gave up.
-            deadline = time.monotonic() + self.config.admin_tier_wait_ms / 1000
-            loads: dict[int, Future[QueueManifest]] = {
-                q: self._load_archive(offloader, cfg.name, q, refresh=True)
-                for q in range(first, cfg.queues)
-            }
+            # A queue past the 8 load slots waits for one within the same deadline
+            # (``tier_manifests``), as for describes and verify (decision 885): taken at once
+            # as not answered, a healthy tier's queues past the eighth were recorded unchecked
+            # (decision 924).
+            queues = [(cfg.name, q) for q in range(first, cfg.queues)]
+            failed: dict[tuple[str, int], Exception] = {}
+            found = self.tier_manifests(queues, refresh=True, failed=failed)
             unchecked: list[int] = []
-            try:
-                for queue_id, load in loads.items():
-                    try:
-                        manifest = load.result(timeout=max(0.0, deadline - time.monotonic()))
-                    except (FutureTimeout, CancelledError):
-                        unchecked.append(queue_id)
-                        continue
-                    except OffloadError as e:
+            for (_, queue_id), manifest in sorted(found.items()):
+                if manifest is None:
+                    error = failed.get((cfg.name, queue_id))
+                    if error is not None:
                         # As at a start while the tier is down (decision 720): not checked; the
                         # claim logs an archive ahead of the queue once the tier answers.
                         log.warning(
@@ -372,27 +382,24 @@ class Broker:
                             "against the queue's end yet (%s)",
                             cfg.name,
                             queue_id,
-                            e,
+                            error,
                         )
-                        unchecked.append(queue_id)
-                        continue
-                    if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
-                        continue
-                    if manifest.store and manifest.store != self.store.store_id:
-                        continue  # decision 690's: the claim refuses it, release keeps its files
-                    if queue_id < known:
-                        raise ArchiveAheadError(
-                            f"{cfg.name}/{queue_id} ends at offset "
-                            f"{self.store.max_offset(cfg.name, queue_id)}, below the end of "
-                            f"its archive ({manifest.end_offset}, {manifest.prefix}), left by "
-                            "an earlier tiered topic of this name: made tiered, its messages "
-                            "at archived offsets would be deleted as uploaded. Move the old "
-                            "archive out of the prefix first (docs/operations.md)"
-                        )
-                    self._start_above_archive(cfg.name, queue_id, manifest)
-            finally:
-                for load in loads.values():
-                    load.cancel()  # not started yet: no use once the check has answered
+                    unchecked.append(queue_id)
+                    continue
+                if manifest.end_offset <= self.store.max_offset(cfg.name, queue_id):
+                    continue
+                if manifest.store and manifest.store != self.store.store_id:
+                    continue  # decision 690's: the claim refuses it, release keeps its files
+                if queue_id < known:
+                    raise ArchiveAheadError(
+                        f"{cfg.name}/{queue_id} ends at offset "
+                        f"{self.store.max_offset(cfg.name, queue_id)}, below the end of "
+                        f"its archive ({manifest.end_offset}, {manifest.prefix}), left by "
+                        "an earlier tiered topic of this name: made tiered, its messages "
+                        "at archived offsets would be deleted as uploaded. Move the old "
+                        "archive out of the prefix first (docs/operations.md)"
+                    )
+                self._start_above_archive(cfg.name, queue_id, manifest)
             if unchecked:
                 # Recorded before the change is stored, so before any of them is tiered: the
                 # offloader, release and cold reads then hold off at their ends until the
@@ -438,11 +445,21 @@ class Broker:
                 return None
             self._archive_running[key] = future
 
+        wait_s = self.config.admin_tier_wait_ms / 1000
+        bounded = self.admin_tier
+
         def load() -> None:
             try:
                 if future.set_running_or_notify_cancel():
                     future.set_result(
-                        offloader.read_manifest(topic, queue_id)
+                        # A read load is what a caller waits admin_tier_wait_ms for and then
+                        # gives up on; it fills no cache, so nothing is gained by running it
+                        # out the tier's retries after that (decision 920).
+                        offloader.read_manifest(
+                            topic,
+                            queue_id,
+                            bounded.until(time.monotonic() + wait_s) if bounded else None,
+                        )
                         if read
                         else offloader.manifest(topic, queue_id, refresh=refresh)
                     )
@@ -632,6 +649,7 @@ class Broker:
                     before_put_topic=self.before_put_topic,
                     transactions_pending=self.transactions.pending_by_topic,
                     tier_manifests=self.tier_manifests,
+                    tier_wait_s=self.config.admin_tier_wait_ms / 1000,
                 ),
                 server,
             )

@@ -17,7 +17,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from cli.topic import NamesrvOption, ask_namesrv, fail, security, time_ms
+from cli.topic import (
+    TIER_UNAVAILABLE,
+    TIER_UNKNOWN,
+    NamesrvOption,
+    ask_namesrv,
+    fail,
+    security,
+    time_ms,
+)
 
 _TIMEOUT = 10
 # How long, by default, a replay goes on repeating a pull the broker answers PROXY_TIMEOUT (its
@@ -261,7 +269,8 @@ def replay(
                         raise fail(
                             f"{broker_name} {topic}/{q}: offset {offset}: {item.status.message} "
                             f"(gave up after {now - refused_since:.0f} s of asking; "
-                            f"--cold-wait {cold_wait:g})"
+                            f"--cold-wait {cold_wait:g})",
+                            TIER_UNKNOWN,  # the cold tier did not answer (decision 923)
                         )
                     if kind == "status" and item.status.code not in (d.OK, d.MESSAGE_NOT_FOUND):
                         raise fail(f"{broker_name} {topic}/{q}: {item.status.message}")
@@ -330,7 +339,11 @@ def query(
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 continue
-            raise fail(f"broker {broker_name}: {e.details() or e.code().name}") from None
+            tier_silent = TIER_UNAVAILABLE in tuple(e.trailing_metadata() or ())
+            raise fail(
+                f"broker {broker_name}: {e.details() or e.code().name}",
+                TIER_UNKNOWN if tier_silent else 1,
+            ) from None
         for m in reply.messages:
             _print_message(
                 as_json,

@@ -169,7 +169,9 @@ def offload(
     tmq offload resolve orders (a queue diverged from its archive: its local messages there are
     re-appended at its end, and the archive is read below its end; decision 801)
     (status exits 3 while a queue's offload is held at a damaged ConsumeQueue entry, or the
-    queue diverged from its archive).
+    queue diverged from its archive; the upload exits 4 when the cold tier did not answer within
+    the broker's admin_tier_wait_ms, before it started or once it stopped answering, decision
+    921).
     """
     if words[0] == "resolve":
         if len(words) != 2:

@@ -162,11 +162,21 @@ def tier_unknown_exit(rows: list[tuple[str, str, int]]) -> None:
     raise typer.Exit(TIER_UNKNOWN)
 
 
+# Trailing metadata of a call the broker refused because the cold tier did not answer
+# (broker/admin.py, decision 921).
+TIER_UNAVAILABLE = ("tmq-cold-tier", "unavailable")
+
+
 def call(what: str, fn: Any, *args: Any, timeout: float = _TIMEOUT) -> Any:
-    """One admin RPC (``fn(*args)``); exit with one line naming ``what`` when it fails."""
+    """One admin RPC (``fn(*args)``); exit with one line naming ``what`` when it fails: exit
+    ``TIER_UNKNOWN`` when the broker refused it because the cold tier did not answer, 1
+    otherwise."""
     try:
         return fn(*args, timeout=timeout)
     except grpc.RpcError as e:
+        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+        if TIER_UNAVAILABLE in tuple(trailing or ()):
+            raise fail(f"{what}: {e.details()}", TIER_UNKNOWN) from None
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise fail(
                 f"{what}: no answer within {timeout:g} s (the broker may be waiting on the cold "

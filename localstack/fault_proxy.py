@@ -14,6 +14,8 @@ retries all run unchanged.
                                                 # the PUT happens upstream, the client sees 500
     proxy.set(corrupt=True, methods=["GET"])    # one bit of every answer's body flipped
     proxy.set(truncate=True, methods=["GET"])   # answers cut off halfway, connection closed
+    proxy.set(blackhole=True, paths=["/segments/"])
+                                                # only segment objects and their listings
     proxy.heal()                                # back to a clean pass-through
     proxy.stop()
 
@@ -88,6 +90,10 @@ class FaultSettings:
     # connection is closed (a connection lost mid-transfer).
     truncate: bool = False
     methods: list[str] = field(default_factory=list)
+    # Limits every fault to requests whose target (path and query, percent-decoded) contains
+    # one of these (empty: all): e.g. "/segments/" for a queue's segment objects and their
+    # listing, while its manifests still answer.
+    paths: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FaultSettings:
@@ -101,8 +107,10 @@ class FaultSettings:
         settings.methods = [m.upper() for m in settings.methods]
         return settings
 
-    def applies_to(self, method: str) -> bool:
-        return not self.methods or method.upper() in self.methods
+    def applies_to(self, method: str, target: str = "") -> bool:
+        if self.methods and method.upper() not in self.methods:
+            return False
+        return not self.paths or any(p in urllib.parse.unquote(target) for p in self.paths)
 
 
 class FaultProxy:
@@ -167,12 +175,14 @@ class FaultProxy:
         with self._lock:
             self.counters[name] += 1
 
-    def _decide(self, method: str) -> tuple[FaultSettings, threading.Event, bool]:
+    def _decide(self, method: str, target: str = "") -> tuple[FaultSettings, threading.Event, bool]:
         """The settings in force for this request, its black-hole release event, and whether
         the error roll fails it."""
         with self._lock:
             settings = self.settings
-            fail = settings.applies_to(method) and self._random.random() < settings.error_rate
+            fail = (
+                settings.applies_to(method, target) and self._random.random() < settings.error_rate
+            )
             return settings, self._healed, fail
 
 
@@ -210,9 +220,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self._read_body()
         proxy._count("requests")
-        settings, released, fail = proxy._decide(self.command)
+        settings, released, fail = proxy._decide(self.command, self.path)
         try:
-            if settings.applies_to(self.command):
+            if settings.applies_to(self.command, self.path):
                 if settings.blackhole:
                     proxy._count("blackholed")
                     released.wait()  # until healed or stopped; then drop, unanswered
@@ -228,7 +238,7 @@ class _Handler(BaseHTTPRequestHandler):
                 proxy._count(f"error_{settings.error_status}")
                 self._error(settings.error_status)
                 return
-            faulty = settings.applies_to(self.command)
+            faulty = settings.applies_to(self.command, self.path)
             if faulty and settings.corrupt and body:
                 proxy._count("corrupted")
                 body = _flip(body)
@@ -425,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     setter.add_argument("--corrupt", action="store_true")
     setter.add_argument("--truncate", action="store_true")
     setter.add_argument("--methods", nargs="*", default=[])
+    setter.add_argument("--paths", nargs="*", default=[])
     for name in ("heal", "show"):
         commands.add_parser(name).add_argument("proxy")
     args = parser.parse_args(argv)
@@ -450,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             corrupt=args.corrupt,
             truncate=args.truncate,
             methods=args.methods,
+            paths=args.paths,
         )
     elif args.command == "heal":
         answer = control.heal()

@@ -277,11 +277,18 @@ class Offloader:
                     )
         return self._manifests[key]
 
-    def read_manifest(self, topic: str, queue_id: int) -> QueueManifest:
+    def read_manifest(
+        self, topic: str, queue_id: int, tier: ObjectStore | None = None
+    ) -> QueueManifest:
         """The queue's current manifest from the tier, without its lock and without caching it
         (a load racing a commit must not put the older manifest back in the cache): what
-        ``tmq verify`` judges, which must not wait on an upload under way (decision 885)."""
-        return self._step(f"load manifest {topic}/{queue_id}", self.manifests(topic, queue_id).load)
+        ``tmq verify`` judges, which must not wait on an upload under way (decision 885).
+        ``tier``: the store to read it through (default: the offloader's), e.g. one whose
+        calls give up at the caller's deadline (decision 920)."""
+        prefix = queue_prefix(self.cluster, self.broker, topic, queue_id)
+        return self._step(
+            f"load manifest {topic}/{queue_id}", ManifestLog(tier or self.tier, prefix).load
+        )
 
     def _leading(self) -> Term:
         """This broker's term, if it may write the tier now; raises otherwise."""

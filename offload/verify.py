@@ -28,16 +28,21 @@ body's CRC32 when the object was uploaded, decision 290, and objects are immutab
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, verify
-from tiered.cold.storage import ObjectNotFoundError, ObjectStore
+from tiered.cold.storage import ObjectNotFoundError, ObjectStore, StorageError
+
+T = TypeVar("T")
 
 OK, WARNING, FAILURE = "OK", "WARNING", "FAILURE"
 _RANK = {OK: 0, WARNING: 1, FAILURE: 2}
@@ -92,6 +97,28 @@ def _check(tier: ObjectStore, info: SegmentInfo) -> str | None:
     return None
 
 
+def _by(deadline: float | None, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, one call to the tier, or ``StorageError`` once ``deadline`` has passed
+    without its answer (decision 922): the call goes on in a daemon thread (the caller's tier
+    retries nothing past the deadline, so it ends soon after), and the broker answers "could
+    not verify" before the client's own timeout instead of waiting on a tier gone silent."""
+    if deadline is None:
+        return fn()
+    out: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            out.set_result(fn())
+        except BaseException as e:
+            out.set_exception(e)
+
+    threading.Thread(target=run, name="tmq-verify-tier", daemon=True).start()
+    try:
+        return out.result(timeout=max(0.0, deadline - time.monotonic()))
+    except FutureTimeout:
+        raise StorageError(f"{what}: no answer before the call's deadline") from None
+
+
 @contextmanager
 def _held(lock: QueueLock, timeout: float) -> Iterator[bool]:
     got = lock.acquire(timeout=max(0.0, timeout))
@@ -138,7 +165,8 @@ def verify_queue(
     if not_ours is not None:
         verdict.notes.append(not_ours)
         repair = False
-    listed = {o.key: o.size for o in tier.list(f"{store.prefix}segments/")}
+    segments = f"{store.prefix}segments/"
+    listed = {o.key: o.size for o in _by(deadline, f"list {segments}", lambda: tier.list(segments))}
 
     suspects = {s.key: "missing" for s in first.segments if s.key not in listed}
     for info in first.segments:
@@ -171,13 +199,13 @@ def verify_queue(
     latest = first
     if suspects or gaps:
         # Retention may have moved the archive on since the first load: judge the survivors.
-        latest = store.load()
+        latest = _by(deadline, f"load {store.prefix}manifests/", store.load)
         named_now = {s.key for s in latest.segments}
         for key, why in sorted(suspects.items()):
             if key not in named_now:
                 continue
             if why == "missing":
-                if tier.size(key) is None:
+                if _by(deadline, f"head {key}", functools.partial(tier.size, key)) is None:
                     verdict.missing.append(key)
             else:
                 verdict.damaged.append(why)
@@ -197,9 +225,11 @@ def verify_queue(
             else:
                 # Nothing of this queue is being uploaded or expired now: what the current
                 # manifest does not name is left over from an interrupted run.
-                loaded = store.load()
+                loaded = _by(deadline, f"load {store.prefix}manifests/", store.load)
                 current = {s.key for s in loaded.segments}
-                still = {o.key for o in tier.list(f"{store.prefix}segments/")}
+                still = {
+                    o.key for o in _by(deadline, f"list {segments}", lambda: tier.list(segments))
+                }
                 verdict.orphans = [k for k in candidates if k in still and k not in current]
                 if repair and verdict.orphans:
                     not_ours = foreign(loaded)
@@ -208,7 +238,7 @@ def verify_queue(
                         repair = False
                 if repair:
                     for key in verdict.orphans:
-                        tier.delete(key)
+                        _by(deadline, f"delete {key}", functools.partial(tier.delete, key))
                         verdict.repaired.append(key)
     if verdict.unchecked:
         verdict.notes.append(f"{verdict.unchecked} segment(s) not checked before the deadline")

@@ -296,8 +296,9 @@ def test_tmq_replay_gives_up_on_a_silent_cold_tier_after_its_cold_wait(
 ) -> None:
     """Decision 886: with the S3 endpoint black-holed, `tmq replay` from an archived offset
     repeats the pull the broker answers PROXY_TIMEOUT (its 2.5 s cold-read deadline) for
-    `--cold-wait` seconds in a row, then exits 1 naming the queue, the offset, the cold tier
-    and the wait. On main the wait was 20 refusals (about 65 s), with no option to bound it."""
+    `--cold-wait` seconds in a row, then exits 4 (the cold tier did not answer; 1 before
+    decision 923) naming the queue, the offset, the cold tier and the wait. On main the wait was
+    20 refusals (about 65 s), with no option to bound it."""
     from broker_harness import tmq
 
     node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "silent", 600)
@@ -321,7 +322,7 @@ def test_tmq_replay_gives_up_on_a_silent_cold_tier_after_its_cold_wait(
         )
         took = time.monotonic() - started
         print(f"replay under a black hole, --cold-wait 4: {took:.1f} s rc {done.returncode}")
-        assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+        assert done.returncode == 4, (done.returncode, done.stderr[-2000:])
         assert done.stdout == "", done.stdout[:500]
         assert "silent/0: offset 0:" in done.stderr and "cold tier" in done.stderr, done.stderr
         assert "--cold-wait 4)" in done.stderr, done.stderr

@@ -288,8 +288,15 @@ class RetryPolicy:
             raise ValueError(f"[retry] attempts must be at least 1, not {self.attempts}")
 
     def call(
-        self, what: str, fn: Callable[[], T], sleep: Callable[[float], None] = time.sleep
+        self,
+        what: str,
+        fn: Callable[[], T],
+        sleep: Callable[[float], None] = time.sleep,
+        deadline: float | None = None,
     ) -> T:
+        """``fn()``, retried. ``deadline`` (``time.monotonic()``): no attempt starts after it,
+        nor a backoff that would end past it (an attempt under way is bounded by the client's
+        own connect and read timeouts)."""
         delay = self.base_delay_s
         for attempt in range(1, self.attempts + 1):
             try:
@@ -299,8 +306,13 @@ class RetryPolicy:
             except StorageError as e:
                 if attempt == self.attempts:
                     raise StorageError(f"{e} (failed {attempt} attempts)") from e
+                pause = delay * (0.5 + random.random())
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise StorageError(
+                        f"{e} (failed {attempt} attempt(s); no more before the caller's deadline)"
+                    ) from e
                 log.warning("%s: attempt %d failed (%s); retrying", what, attempt, e)
-                sleep(delay * (0.5 + random.random()))
+                sleep(pause)
                 delay = min(delay * 2, self.max_delay_s)
         raise AssertionError("unreachable")
 
@@ -315,14 +327,22 @@ class RetryingObjectStore:
         inner: ObjectStore,
         policy: RetryPolicy,
         sleep: Callable[[float], None] = time.sleep,
+        deadline: float | None = None,
     ) -> None:
         self.inner = inner
         self.url = inner.url
         self.policy = policy
         self._sleep = sleep
+        self.deadline = deadline
+
+    def until(self, deadline: float | None) -> RetryingObjectStore:
+        """This store, but no call retried past ``deadline`` (``time.monotonic()``; None: as
+        this one): what a caller that gives up then uses, so that the calls it leaves behind
+        end soon after instead of running out the policy's attempts (decision 920)."""
+        return RetryingObjectStore(self.inner, self.policy, self._sleep, deadline)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return self.policy.call(what, fn, self._sleep)
+        return self.policy.call(what, fn, self._sleep, self.deadline)
 
     def put_if_absent(self, key: str, data: bytes, *, crc32c: int | None = None) -> bool:
         return self._call(f"put {key}", lambda: self.inner.put_if_absent(key, data, crc32c=crc32c))
@@ -477,9 +497,32 @@ def put_checksum(data: bytes, crc32c: int | None = None) -> dict[str, str]:
     return {"ChecksumCRC32": base64.b64encode(crc).decode()}
 
 
+def within(store: ObjectStore, deadline: float | None) -> ObjectStore:
+    """``store`` with no call retried past ``deadline`` when it retries (``RetryingObjectStore.
+    until``); ``store`` itself otherwise."""
+    return store.until(deadline) if isinstance(store, RetryingObjectStore) else store
+
+
+def bounded_options(url: str, options: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
+    """``options`` for a client of the tier at ``url`` whose every attempt gives up after
+    ``seconds`` of connecting or of silence (at most: the tier's own deadlines stay when they
+    are shorter). For the broker's admin reads (decision 920): a manifest is a few KiB, and a
+    load an operator waits ``admin_tier_wait_ms`` for must not hold one of the broker's load
+    slots through a 30 s read timeout after the operator has had the answer. Only S3 has such
+    deadlines; other schemes' options are returned as they are."""
+    out = dict(options or {})
+    if not url.startswith(("s3://", "s3a://")):
+        return out
+    config = {**DEFAULT_S3_OPTIONS["config_kwargs"], **out.get("config_kwargs", {})}
+    for name in ("connect_timeout", "read_timeout"):
+        config[name] = min(float(config[name]), seconds)
+    out["config_kwargs"] = config
+    return out
+
+
 def open_store(
     url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
-) -> ObjectStore:
+) -> RetryingObjectStore:
     """The object store at ``url``, every call retried by ``retry`` (the one policy; default
     ``RetryPolicy()``): transient failures with backoff, permanent ones never. ``s3://`` goes
     through a botocore client of its own (``tiered/cold/s3.py``, decision 330) unless the
