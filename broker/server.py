@@ -53,7 +53,7 @@ from offload.offloader import (
     RetentionResult,
 )
 from offload.release import release_predicate
-from offload.resolve import apply_floors
+from offload.resolve import Resumer, apply_floors
 from offload.segment_upload import WORKER_PRELOAD, worker_threads
 from remoting import namesrv_pb2 as nspb
 from remoting.auth import Authenticator, AuthInterceptor
@@ -162,6 +162,10 @@ class Broker:
                 divergence=self.divergence,
             )
             self.fetcher.local_from = self._local_only_from
+        # Finishes a resolve a crash interrupted, in the offload passes (decision 902).
+        self._resumer: Resumer | None = None
+        if self.divergence is not None and self.offloader is not None:
+            self._resumer = Resumer(self.store, self.offloader, self.divergence)
         self._stop = threading.Event()
         self._register_now = threading.Event()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
@@ -937,6 +941,11 @@ class Broker:
             self._refresh_watermarks(self.offloader)
         self._report_fence()
         if self.offloader is not None and not slave and not self.offloader.fenced:
+            if self._resumer is not None:
+                try:
+                    self._resumer.run()
+                except Exception:  # the store refused an append or a flush: the next pass
+                    log.exception("finishing an interrupted resolve failed; retrying")
             now = time.time_ns() // 1_000_000
             due: list[tuple[str, int]] = []
             for topic in [t for t in list(self.metadata.topics.values()) if t.tiered]:

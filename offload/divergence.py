@@ -177,6 +177,14 @@ class Divergence:
         """Log every standing conflict (once per start): loud until an operator resolves it."""
         for (topic, queue_id), c in sorted(self.conflicts.items()):
             log.error("%s", _conflict_text(topic, queue_id, c))
+            if c.copies_from is not None:
+                log.error(
+                    "%s/%d: a `tmq offload resolve` began (its copies from offset %d) and did "
+                    "not finish: the broker finishes it once its archive answers (decision 902)",
+                    topic,
+                    queue_id,
+                    c.copies_from,
+                )
 
     def check(
         self, topic: str, queue_id: int, manifest: QueueManifest, local_end: int

@@ -67,6 +67,10 @@ class NoConflictError(ResolveRefusedError):
     """The queue has no conflict with its archive to resolve."""
 
 
+class QueueBusyError(ResolveRefusedError):
+    """The queue's offload lock was held past ``LOCK_WAIT_S`` (an upload): try again."""
+
+
 class TierUnavailableError(ResolveRefusedError):
     """The archive's manifest could not be loaded: the resolve needs to see it."""
 
@@ -146,7 +150,7 @@ def resolve(
     messages the caller agreed to lose (must be ``archive_end - base``); None: copy them."""
     lock = offloader.queue_lock(topic, queue_id)
     if not lock.acquire(timeout=LOCK_WAIT_S):
-        raise ResolveRefusedError(
+        raise QueueBusyError(
             f"{topic}/{queue_id}: an upload of the queue did not finish within {LOCK_WAIT_S:g} s; "
             "try again"
         )
@@ -315,7 +319,68 @@ def _raise_floor(
     """Step 5 (also run at start for a floor a crash left recorded)."""
     failpoints.hit("resolve.before_floor")
     store.raise_queue_floor(topic, queue_id, floor)
+    failpoints.hit("resolve.after_floor")
     divergence.floor_applied(topic, queue_id)
+
+
+class Resumer:
+    """Finishes, in the broker's offload passes, a copying resolve an earlier run began and
+    did not end (decision 902): ``copies_from`` in the record is the operator's request,
+    written before the first copy, as Kafka's controller resumes a reassignment from the
+    intent it recorded. One attempt per queue and pass; a tier that does not answer is tried
+    again the next pass, a refusal is logged once and left to the operator."""
+
+    def __init__(self, store: MessageStore, offloader: Offloader, divergence: Divergence) -> None:
+        self.store, self.offloader, self.divergence = store, offloader, divergence
+        self._given_up: set[tuple[str, int]] = set()
+        self._waiting: set[tuple[str, int]] = set()
+
+    def interrupted(self) -> list[tuple[str, int]]:
+        return sorted(
+            k
+            for k, c in list(self.divergence.conflicts.items())
+            if c.copies_from is not None and k not in self._given_up
+        )
+
+    def run(self) -> list[Resolved]:
+        done: list[Resolved] = []
+        for topic, queue_id in self.interrupted():
+            key = (topic, queue_id)
+            try:
+                r = resolve(self.store, self.offloader, self.divergence, topic, queue_id)
+            except NoConflictError:
+                continue  # an operator's run finished it meanwhile
+            except (TierUnavailableError, QueueBusyError) as e:
+                if key not in self._waiting:
+                    self._waiting.add(key)
+                    log.warning(
+                        "%s/%d: the resolve an earlier run began waits for the archive: %s",
+                        topic,
+                        queue_id,
+                        e,
+                    )
+                continue
+            except ResolveRefusedError as e:
+                self._given_up.add(key)
+                log.error(
+                    "%s/%d: the resolve an earlier run began cannot be finished by the broker "
+                    "(%s): the conflict stands; `tmq offload resolve` after the cause is fixed",
+                    topic,
+                    queue_id,
+                    e,
+                )
+                continue
+            log.warning(
+                "%s/%d: finished the resolve an earlier run began (its copies from %d): %d "
+                "copie(s) appended now, the floor raised to %d",
+                topic,
+                queue_id,
+                r.copies_from,
+                r.copied,
+                r.archive_end,
+            )
+            done.append(r)
+        return done
 
 
 def apply_floors(store: MessageStore, divergence: Divergence) -> None:

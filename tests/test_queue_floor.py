@@ -199,3 +199,51 @@ def test_a_lookup_by_key_finds_no_record_below_a_queue_floor(tmp_path: Path) -> 
         assert found == [(13, body("copy", 3))]
     finally:
         store.shutdown()
+
+
+def test_a_commitlog_file_of_records_below_a_resolved_floor_goes_whatever_the_local_ttl(
+    tmp_path: Path,
+) -> None:
+    """Decision 903, a guard (passes on main): after a resolve (decision 801) raised a tiered
+    queue's floor over its local originals, release's rule (offload/release.py, the broker's
+    predicate on a real store) no longer sees them: a CommitLog file that holds only records
+    below the floor has no queue span, so it goes at the next pass, whatever the topic's local
+    TTL (here 1 day), while a file with the queue's records at or above the floor is still
+    judged by them (kept: no tier watermark without an offloader). Nothing reads those records:
+    reads by offset below the floor go to the archive, and so do lookups by key (decision 880),
+    so the next reads of the queue are unchanged."""
+    from broker.metadata import TopicConfig
+    from offload.release import release_predicate
+
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    store = MessageStore(config)
+    store.start()
+    try:
+        big = b"o" * 3000  # 40 of them fill most of the 128 KiB first file
+        store.put_messages([Message("t", big, queue_id=0) for _ in range(40)])
+        store.put_messages([Message("t", body("copy", n), queue_id=0) for n in range(80)])
+        assert store.wait_dispatched()
+        first, *rest = store.commitlog_files()
+        assert rest, "the copies are in a later file"
+        spans = store.queues_in_file(first)
+        assert [(s.first, s.last) for s in spans] == [(0, spans[0].last)]
+        floor = spans[0].last + 1  # the first file's records are the originals
+        store.raise_queue_floor("t", 0, floor)
+        can_release = release_predicate(
+            store, None, {"t": TopicConfig("t", tiered=True, local_retention_ms=86_400_000)}
+        )
+        assert store.queues_in_file(first) == []
+        assert can_release(first), "a file of originals only: released, TTL or not"
+        assert not can_release(rest[0]), "the copies' file is judged by the copies"
+        assert store.release_commitlog_files(can_release) == 1
+        before = hot_queue(store)
+        assert before[0][0] == floor and len(before) == 40 + 80 - floor
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert store.hot_min_offset("t", 0) == floor
+        assert hot_queue(store) == before
+    finally:
+        store.shutdown()

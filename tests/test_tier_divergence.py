@@ -84,7 +84,9 @@ class _PowerCut(Exception):
     pass
 
 
-@pytest.mark.parametrize("write", ["pend", "clear", "conflict"])
+@pytest.mark.parametrize(
+    "write", ["pend", "clear", "conflict", "begin resolve", "commit resolve", "floor applied"]
+)
 @pytest.mark.parametrize("cut", ["before rename", "after rename", "after save"])
 def test_a_power_loss_while_the_record_is_saved_keeps_the_queue_pending_or_resolved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str, cut: str
@@ -93,7 +95,9 @@ def test_a_power_loss_while_the_record_is_saved_keeps_the_queue_pending_or_resol
     pages land at random) while ``tier-divergence.json`` is written: a queue recorded pending
     at start, a late check that clears it, one that records a conflict; before the new file is
     renamed over the old, after the rename (its directory not yet fsynced), and after the save
-    returned. The record read back is the old one or the new one, never neither: a queue whose
+    returned; and a resolve's three writes (decision 801: where its copies begin, its commit
+    with the floor to raise, the floor's record dropped; decision 900, a guard too). The
+    record read back is the old one or the new one, never neither: a queue whose
     local messages may overlap its archive is never forgotten, and a save that returned is
     never undone. Passed on main too (``write_file``: fsync, rename, fsync of the directory);
     kept as a guard (decision 792)."""
@@ -106,6 +110,13 @@ def test_a_power_loss_while_the_record_is_saved_keeps_the_queue_pending_or_resol
     (durable / "data").mkdir(parents=True)
     if write != "pend":  # the queue already pending, durably, before the power loss's mount
         Divergence(durable / "data").pend({("t", 0): 60})
+    if write in ("begin resolve", "commit resolve", "floor applied"):
+        resolving = Divergence(durable / "data")
+        assert resolving.check("t", 0, ending_at(180), 200) == Conflict(60, 180)
+        if write != "begin resolve":
+            resolving.begin_resolve("t", 0, 200)
+        if write == "floor applied":
+            resolving.commit_resolve("t", 0)
     before = Divergence(durable / "data")
     mount = PowerLossMount(mountpoint, durable)
     rename, armed = tiered.durable.os.replace, [cut]
@@ -129,24 +140,33 @@ def test_a_power_loss_while_the_record_is_saved_keeps_the_queue_pending_or_resol
                 d.pend({("t", 0): 60})
             elif write == "clear":
                 assert d.check("t", 0, ending_at(40), 80) is None
-            else:
+            elif write == "conflict":
                 assert d.check("t", 0, ending_at(180), 200) == Conflict(60, 180)
+            elif write == "begin resolve":
+                assert d.begin_resolve("t", 0, 200) == Conflict(60, 180, 200)
+            elif write == "commit resolve":
+                assert d.commit_resolve("t", 0) == 180
+            else:
+                d.floor_applied("t", 0)
             if armed == ["after save"]:
                 mount.crash(f"{write}-{cut}")
     finally:
         mount.close()
     monkeypatch.undo()
     after = Divergence(durable / "data")
-    got = (after.pending, after.conflicts)
+    got = (after.pending, after.conflicts, after.floors)
     new = {
-        "pend": ({("t", 0): 60}, {}),
-        "clear": ({}, {}),
-        "conflict": ({}, {("t", 0): Conflict(60, 180)}),
+        "pend": ({("t", 0): 60}, {}, {}),
+        "clear": ({}, {}, {}),
+        "conflict": ({}, {("t", 0): Conflict(60, 180)}, {}),
+        "begin resolve": ({}, {("t", 0): Conflict(60, 180, 200)}, {}),
+        "commit resolve": ({}, {}, {("t", 0): 180}),
+        "floor applied": ({}, {}, {}),
     }[write]
     if cut == "after save":
         assert got == new, "a save that returned was undone"
     else:
-        assert got in ((before.pending, before.conflicts), new), got
+        assert got in ((before.pending, before.conflicts, before.floors), new), got
 
 
 def test_a_check_the_full_disk_refused_keeps_the_queue_pending_until_space_returns(

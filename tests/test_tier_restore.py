@@ -446,8 +446,9 @@ def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
 ) -> None:
     """Decision 801: `tmq offload resolve` on decision 750's conflict (60-179 local 'c', the
     archive's 'b' there). It refuses while the store does not answer; killed -9 after its first
-    batch of copies, the conflict stands with nothing lost, and the second run appends only
-    the rest: afterwards the archive's messages are read at 60-179 and every 'c' message once,
+    batch of copies, the conflict stands with nothing lost, the restart says so at ERROR, and
+    once the store answers the broker finishes it, appending only the rest (decision 902):
+    afterwards the archive's messages are read at 60-179 and every 'c' message once,
     with its id, keys, tag and properties, at the queue's end, and the queue archives whole."""
     url, env = f"s3://{bucket}/resolve", S3Endpoint(fault_proxy.url, "proxy").env()
     tier = open_store(url, s3.storage_options())
@@ -478,6 +479,8 @@ def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
     # The conflict stands, with where its copies began: 200, the queue's end then.
     assert json.loads(record.read_text())["conflicts"] == [[TOPIC, 0, 60, 180, 200]]
 
+    # Restarted while the store does not answer: the broker cannot finish the resolve yet.
+    fault_proxy.set(reset=True)
     node = start_tiered(data, url, env, metrics_port=free_port())
     try:
         interrupted = offload_status(node)
@@ -485,24 +488,21 @@ def test_a_divergence_resolves_by_re_appending_the_local_messages_across_a_kill(
         assert json.loads(interrupted.stdout)[0]["tier_divergence"]["resolve_began_at"] == 200
         text = tmq("offload", "status", TOPIC, "-n", node.namesrv, timeout=120).stdout
         assert "a resolve began (its copies from offset 200) and did not finish" in text
-        shown = replay_rows(node)
-        assert [body_bytes(r["body"]) for r in shown[:200]] == first + third + fourth
-        assert len(shown) == 264, "the first batch of 64 copies was appended before the kill"
-        done = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--json", timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout) == [
-            {
-                "broker": "broker-a",
-                "topic": TOPIC,
-                "queue": 0,
-                "from": 60,
-                "archive_end": 180,
-                "discarded": False,
-                "copied": 56,  # only what the killed run had not appended
-                "copies": [200, 320],
-            }
-        ]
-        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        assert (
+            f"{TOPIC}/0: a `tmq offload resolve` began (its copies from offset 200) and did "
+            "not finish" in node.log_path.read_text()
+        ), "said loudly at start (decision 902)"
+        # The store answers again: the broker finishes the resolve itself (decision 902).
+        fault_proxy.heal()
+        wait_until(
+            "the broker finished the resolve",
+            lambda: json.loads(record.read_text()) == {"pending": [], "conflicts": []},
+            120,
+        )
+        assert (
+            f"{TOPIC}/0: finished the resolve an earlier run began (its copies from 200): 56 "
+            "copie(s) appended now, the floor raised to 180" in node.log_path.read_text()
+        ), "only what the killed run had not appended (64 were, before the kill)"
         after = replay_rows(node)
         bodies = [body_bytes(r["body"]) for r in after]
         # The archive is the truth below its end; each local message once, at the end.
@@ -638,7 +638,7 @@ def test_a_resolve_killed_after_its_copies_and_before_its_commit_is_finished_by_
 ) -> None:
     """Decision 880: killed -9 (the `resolve.before_commit` failpoint) once every copy is
     appended, fsynced and read back, and before the commit: the conflict stands with its
-    ``copies_from``, every copy is there once, and the next run appends none and commits. Then
+    ``copies_from``, and the restarted broker finishes it, appending none (decision 902). Then
     a lookup by key answers what reads by offset do: the archive's message at 60-179 and each
     local message once, at its copy's offset. On main the lookup returned the local original at
     its old offset beside its copy, while its CommitLog file was still there (release takes it
@@ -666,14 +666,16 @@ def test_a_resolve_killed_after_its_copies_and_before_its_commit_is_finished_by_
 
     node = start_tiered(data, url, env)
     try:
-        shown = [body_bytes(r["body"]) for r in replay_rows(node)]
-        # Every copy made and kept, none twice; the local messages still read at 60-179.
-        assert shown == first + third + fourth + third
-        done = tmq("offload", "resolve", TOPIC, "-n", node.namesrv, "--json", timeout=300)
-        assert done.returncode == 0, done.stderr
-        (row,) = json.loads(done.stdout)
-        assert (row["copied"], row["copies"]) == (0, [200, 320]), row
-        assert json.loads(record.read_text()) == {"pending": [], "conflicts": []}
+        # The broker finishes it (decision 902): every copy was made and kept, none twice.
+        wait_until(
+            "the broker finished the resolve",
+            lambda: json.loads(record.read_text()) == {"pending": [], "conflicts": []},
+            120,
+        )
+        assert (
+            f"{TOPIC}/0: finished the resolve an earlier run began (its copies from 200): 0 "
+            "copie(s) appended now" in node.log_path.read_text()
+        )
         assert [body_bytes(r["body"]) for r in replay_rows(node)] == (
             first + second + fourth + third
         )

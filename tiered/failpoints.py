@@ -26,6 +26,8 @@ Points:
 - ``resolve.before_commit``: a resolve's copies are all appended, fsynced and read back; its
   commit (``tier-divergence.json`` without the conflict) is not written.
 - ``resolve.before_floor``: a resolve's commit is written; the queue's floor is not raised.
+- ``resolve.after_floor``: the queue's floor is raised and saved (``queue-floors.json``); the
+  record of the floor to raise is not dropped from ``tier-divergence.json``.
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).
 """
