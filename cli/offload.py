@@ -228,12 +228,22 @@ def _resolve(
     if discard_local and queue < 0:
         raise fail("--discard-local names one queue: give --queue", 2)
     rows = []
-    for broker_name, stub, d in topic_on_brokers(namesrv, topic):
-        conflicts = {q.queue: q for q in d.queues if q.tier_diverged}
-        if queue >= 0 and queue not in conflicts:
-            raise fail(f"{topic}/{queue} on {broker_name} has no conflict with its archive", 1)
-        if not conflicts:
-            raise fail(f"no queue of {topic} on {broker_name} has a conflict with its archive", 1)
+    # Each broker holds its own queues and archive: only those with a conflict are asked (one
+    # without, listed first, used to end the command before the one that had it was reached).
+    found = [
+        (broker_name, stub, conflicts)
+        for broker_name, stub, d in topic_on_brokers(namesrv, topic)
+        if (conflicts := {q.queue: q for q in d.queues if q.tier_diverged})
+        and (queue < 0 or queue in conflicts)
+    ]
+    if not found:
+        raise fail(
+            f"no queue of {topic} has a conflict with its archive on any broker"
+            if queue < 0
+            else f"{topic}/{queue} has no conflict with its archive on any broker",
+            1,
+        )
+    for broker_name, stub, conflicts in found:
         count = 0
         if discard_local:
             q = conflicts[queue]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_harness import REPO, drain, free_port, tmq, wait_healthy
+from broker_harness import REPO, drain, free_port, send_batches, tmq, wait_healthy
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -139,3 +139,136 @@ def test_a_dead_broker_leaves_the_routes_after_expiry(cluster) -> None:
     for address in cluster["namesrvs"]:
         route = NameServerClient([address]).route("failover")
         assert route is not None and [b.broker_name for b in route.brokers] == ["broker-a"]
+
+
+def _tiered_broker(
+    tmp_path: Path, name: str, namesrv: str
+) -> tuple[subprocess.Popen[str], Path, str]:
+    """A broker of the cluster with its own cold tier (a file:// one), offloading every second:
+    its process, data directory and endpoint."""
+    port = free_port()
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f"""
+[broker]
+name = "{name}"
+listen = "127.0.0.1"
+port = {port}
+advertise_host = "127.0.0.1"
+namesrv = "{namesrv}"
+heartbeat_interval_ms = 500
+metrics_port = 0
+tier_url = "file://{tmp_path / ("tier-" + name)}"
+offload_interval_ms = 1000
+
+[store]
+data_dir = "{tmp_path / name}"
+commitlog_file_size = "64MiB"
+""")
+    log = tmp_path / f"{name}.log"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(cfg)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+    )
+    wait_healthy(p, f"127.0.0.1:{port}", log, name)
+    return p, tmp_path / name, f"127.0.0.1:{port}"
+
+
+def test_offload_resolve_resolves_the_broker_that_diverged_beside_one_that_did_not(
+    tmp_path: Path,
+) -> None:
+    """A topic on two brokers of a cluster, each tiered to its own archive, and one of them
+    diverged from it (decision 800; its record as the broker keeps it). `tmq offload resolve`
+    must resolve that broker's queue whatever order the brokers are listed in: on main it
+    stopped at the first broker without a conflict ("no queue ... on broker-a has a conflict",
+    exit 1) and never asked the one that had it."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        port = free_port()
+        log = tmp_path / "namesrv.log"
+        ns = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "cli.app", "namesrv", "start", "--host", "127.0.0.1"),
+                *("--port", str(port)),
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+        )
+        procs.append(ns)
+        namesrv = f"127.0.0.1:{port}"
+        wait_healthy(ns, namesrv, log, "NameServer")
+        brokers = {}
+        for name in ("broker-a", "broker-b"):
+            p, data, endpoint = _tiered_broker(tmp_path, name, namesrv)
+            procs.append(p)
+            brokers[name] = (p, data, endpoint)
+        created = tmq("topic", "create", "split", "-n", namesrv, "-q", "1", "--tiered")
+        assert created.returncode == 0, created.stderr
+        assert created.stdout.count("created topic split") == 2, created.stdout
+        for name, (_p, _data, endpoint) in brokers.items():
+            sent = [(f"{name}-{i}".encode(), f"k{i}", "t") for i in range(20)]
+            send_batches(endpoint, "split", sent)
+        deadline = time.monotonic() + 90
+        while True:  # both archives hold the 20 messages of queue 0
+            assert tmq("offload", "split", "-n", namesrv).returncode == 0
+            rows = json.loads(tmq("offload", "status", "split", "-n", namesrv, "--json").stdout)
+            if sorted(r["tier_watermark"] for r in rows) == [20, 20]:
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(1)
+        # The broker listed last is the one that diverged: offsets 10-19 hold other messages
+        # in its archive (the record a start in an outage and its late check leave).
+        order = [r["broker"] for r in rows]
+        diverged = order[-1]
+        proc, data, _endpoint = brokers[diverged]
+        proc.terminate()
+        assert proc.wait(30) == 0
+        (data / "tier-divergence.json").write_text(
+            json.dumps({"pending": [], "conflicts": [["split", 0, 10, 20]]})
+        )
+        procs.remove(proc)
+        proc, data, _endpoint = _tiered_broker(tmp_path, diverged, namesrv)
+        procs.append(proc)
+        deadline = time.monotonic() + 30
+        while True:  # both registered again, the diverged one showing its conflict
+            shown = tmq("offload", "status", "split", "-n", namesrv, "--json")
+            rows = json.loads(shown.stdout) if shown.stdout else []
+            if len(rows) == 2 and any(r["tier_divergence"] for r in rows):
+                break
+            assert time.monotonic() < deadline, (shown.stdout, shown.stderr)
+            time.sleep(0.5)
+        assert shown.returncode == 3, shown.stderr
+        done = tmq("offload", "resolve", "split", "-n", namesrv, "--json", timeout=120)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        assert json.loads(done.stdout) == [
+            {
+                "broker": diverged,
+                "topic": "split",
+                "queue": 0,
+                "from": 10,
+                "archive_end": 20,
+                "discarded": False,
+                "copied": 10,
+                "copies": [20, 30],
+            }
+        ]
+        assert json.loads((data / "tier-divergence.json").read_text()) == {
+            "pending": [],
+            "conflicts": [],
+        }
+        again = tmq("offload", "resolve", "split", "-n", namesrv)
+        assert again.returncode == 1, (again.stdout, again.stderr)
+        assert "no queue of split has a conflict with its archive on any broker" in again.stderr, (
+            again.stderr
+        )
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)

@@ -480,3 +480,34 @@ def test_native_single_send_declines_a_failed_store_and_raises_as_before(tmp_pat
     finally:
         with contextlib.suppress(DurabilityLostError):
             store.shutdown()
+
+
+def test_native_single_send_takes_its_store_timestamp_under_the_put_lock(tmp_path: Path) -> None:
+    """A send that waited for the put lock is stamped when it gets it, as ``CommitLog.append``
+    stamps its batch (RocketMQ sets storeTimestamp under its put lock too): a stamp taken
+    before the wait is older than the sends stored while it waited, so a queue's timestamps
+    fell along its offsets and ``offset_for_timestamp``'s binary search, which needs them in
+    order, could answer past a message stored at the time asked for."""
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL))
+    store.start()
+    try:
+        store.put_message(Message(topic="gc", queue_id=0, body=b"first"))
+        got: list[int] = []
+        sender = threading.Thread(
+            target=lambda: got.append(
+                store.put_message(Message(topic="gc", queue_id=0, body=b"waited")).store_timestamp
+            )
+        )
+        with store.commitlog._put_lock:  # another send's append under way
+            sender.start()
+            time.sleep(0.3)  # the sender waits for the lock
+            released = time.time_ns() // 1_000_000
+        sender.join(10)
+        assert got, "the send did not return"
+        assert got[0] >= released, (got[0], released)
+        stamps = [m.store_timestamp for m in store.get_messages("gc", 0, 0, 10).messages]
+        assert stamps == sorted(stamps)
+    finally:
+        store.shutdown()

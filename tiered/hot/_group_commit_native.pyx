@@ -383,14 +383,17 @@ cdef class NativeBatchGate:
                 tmq_futex_wait(word, seen)
         return batch
 
-    def send_one(self, NativeFlushLock put_lock, commitlog, list one, batch, int64_t store_ts,
+    def send_one(self, NativeFlushLock put_lock, commitlog, list one, batch, clock,
                  Py_ssize_t pwrite_min, between):
         """The native single SYNC send (decision 820): append ``one`` (a list of one message)
         to the CommitLog's open file and join the group commit, in one call that gives the
         GIL up once, from the write of the record's bytes to the end of the wait.
 
-        Under the put lock (``put_lock``, the CommitLog's): encode the message into ``batch``
-        (an empty ``EncodedBatch``) with the CommitLog's encoder, take its charge of the room
+        Under the put lock (``put_lock``, the CommitLog's): stamp ``batch`` (an empty
+        ``EncodedBatch``) with ``clock()``, the store timestamp in ms, taken there as
+        ``CommitLog.append`` takes it (a stamp taken before the wait for the lock would be older
+        than the sends stored meanwhile: a queue's timestamps must not fall along its offsets),
+        encode the message into it with the CommitLog's encoder, take its charge of the room
         check inline (decision 735), store the record through the open file's mapping with
         its size field zero, call ``between`` (the failpoint), store the size field, then
         publish as ``CommitLog.append`` does (``wrote``, the queue offsets, ``on_append``).
@@ -406,7 +409,7 @@ cdef class NativeBatchGate:
             with nogil:
                 pthread_mutex_lock(pm)
         try:
-            end = _append_one(self, commitlog, one, batch, store_ts, pwrite_min, between)
+            end = _append_one(self, commitlog, one, batch, clock, pwrite_min, between)
         except BaseException:
             pthread_mutex_unlock(pm)
             raise
@@ -548,11 +551,11 @@ cdef class NativeBatchGate:
         return code, batch, served, err
 
 
-cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, int64_t store_ts,
+cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, clock,
                          Py_ssize_t pwrite_min, between) except -1:
     """``NativeBatchGate.send_one``'s append, the put lock held: the end offset of the record
     appended, or 0 when declined with nothing published."""
-    cdef int64_t file_from, wrote, size, end, charge, appended = 0
+    cdef int64_t file_from, wrote, size, end, charge, store_ts, appended = 0
     cdef Py_ssize_t n, pos
     cdef unsigned char[::1] m
     cdef const unsigned char* d
@@ -562,6 +565,8 @@ cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, int64
     cdef bytes data
     if commitlog.failed is not None:
         return 0
+    store_ts = clock()
+    batch.store_timestamp = store_ts
     last = commitlog.files.last_file()
     if last is None:
         return 0

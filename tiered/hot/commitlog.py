@@ -509,10 +509,9 @@ class CommitLog:
         send = self._native_send
         if send is None:
             return None
-        batch = EncodedBatch(store_timestamp=now_ms())
-        joined = send(
-            self._put_lock, self, one, batch, batch.store_timestamp, _PWRITE_MIN, _before_sizes
-        )
+        # Stamped under the put lock (``now_ms`` is called there), as ``append`` stamps.
+        batch = EncodedBatch()
+        joined = send(self._put_lock, self, one, batch, now_ms, _PWRITE_MIN, _before_sizes)
         if joined is None:
             return None
         try:
