@@ -1,11 +1,13 @@
 """Where a single SYNC send's CPU goes: the per-message budget by thread (decision 940).
 
 Runs ``threads`` senders, each sending one 1 KiB message per ``put_message`` call under SYNC
-flush, for ``seconds``, and reads every thread's CPU from ``/proc/self/task/*/stat`` before
-and after: the senders', the group commit flusher's (``tmq-group-commit``), the dispatcher's
-and the rest. Printed per message (µs), with the process's context switches a message
-(voluntary and not: each is a sleep or a GIL hand-over) and the rate. Issue 14's goal is 4x
-``dd oflag=dsync bs=1K``; on a quiet disk that leaves about 36 µs of CPU a message.
+flush, for ``SECONDS``, and reads every thread's CPU from ``/proc/self/task/*/schedstat``
+before and after (the senders waiting at a barrier, then finished and alive): the senders',
+the group commit flusher's (``tmq-group-commit``), the dispatcher's and the rest. Printed per
+message (µs), with the context switches a message of every thread (voluntary: a sleep, on
+the batch's futex or for the GIL; involuntary: preempted), the rate, and its ratio to ``dd
+oflag=dsync bs=1K`` measured right before (issue 14's goal is 4x; on a quiet disk that
+leaves about 36 µs of CPU a message).
 
 ``python bench/sync_budget.py [--commitlog-mib=N] [THREADS ...]`` (default 1 8 64), in a
 temporary directory under ``$TMPDIR`` (``TMPDIR=/dev/shm`` takes the disk out: what is left is
@@ -37,24 +39,23 @@ from tiered.store import MessageStore
 MSG = 1024
 SECONDS = 3.0
 WARMUP = 50
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _threads() -> dict[int, tuple[float, int, int]]:
-    """CPU seconds (user + system) and voluntary and involuntary context switches of every
-    thread of this process."""
+    """CPU seconds and voluntary and involuntary context switches of every thread of this
+    process. The CPU is the scheduler's own count in ns (``schedstat``): ``stat``'s is in
+    ticks of 10 ms, and 64 senders of a 3 s run use a few ticks each."""
     out: dict[int, tuple[float, int, int]] = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{task}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ran_ns = int(f.read().split()[0])
             with open(f"/proc/self/task/{task}/status") as f:
                 sw = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
         except FileNotFoundError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
         out[int(task)] = (
-            (int(fields[11]) + int(fields[12])) / TICK,
+            ran_ns / 1e9,
             int(sw["voluntary_ctxt_switches"]),
             int(sw["nonvoluntary_ctxt_switches"]),
         )
