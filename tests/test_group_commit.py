@@ -213,6 +213,7 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
             _run_threads(producer, threads)
             fsyncs = group.flushes
             native = group._gate.native_flushes  # type: ignore[attr-defined]
+            gil_copies = group._gate.gil_copies  # type: ignore[attr-defined]
             files = len(store.commitlog.files.files)
             fs.crash("gc-native")
         finally:
@@ -223,6 +224,8 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
     sent = per_thread * threads
     assert files >= 2, "the sends should roll a CommitLog file (the Python path of the flusher)"
     assert native > 0, "the native flusher served no batch"
+    # Some copies kept the GIL (decision 940): that path is under the power loss too.
+    assert 0 < gil_copies < sent, gil_copies
     assert fsyncs <= sent / 3, f"{fsyncs} CommitLog fsyncs for {sent} messages"
     store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
     store.start()
@@ -233,6 +236,49 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
             assert got and got[0].body == body, (
                 f"acknowledged message at CommitLog offset {offset} lost by the power loss"
             )
+    finally:
+        store.shutdown()
+
+
+def test_concurrent_native_sends_copy_every_byte_with_or_without_the_gil(tmp_path: Path) -> None:
+    """The native send copies a record that stays in the page it stored to last, with no
+    fsync started since, holding the GIL, and any other without it (decision 940). 8 senders
+    of bodies from 0 bytes to 3 KiB (records inside one page and across two), across rolls:
+    both ways ran, and after a restart every acknowledged message reads back whole at its
+    CommitLog offset and queue offset."""
+    if GATE_NAME != "native":
+        pytest.skip("the native batch gate is not built")
+    config = StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL)
+    store = MessageStore(config)
+    store.start()
+    acked: list[tuple[int, int, int, bytes]] = []
+    rng = random.Random(940)
+    sizes = [rng.choice((0, 1, 100, 700, 1024, 2000, 3000)) for _ in range(8 * 80)]
+    per_thread, threads = 80, 8
+    try:
+        gate = store.commitlog.group_commit.gate
+
+        def producer(i: int) -> None:
+            for n in range(per_thread):
+                body = os.urandom(sizes[i * per_thread + n])
+                r = store.put_message(Message(topic="gc", queue_id=i, body=body))
+                acked.append((i, r.queue_offset, r.commitlog_offset, body))
+
+        _run_threads(producer, threads)
+        gil_copies = gate.gil_copies  # type: ignore[attr-defined]
+        files = len(store.commitlog.files.files)
+    finally:
+        store.shutdown()
+    sent = per_thread * threads
+    assert files >= 2
+    assert 0 < gil_copies < sent, gil_copies
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert store.wait_dispatched()
+        for queue, queue_offset, offset, body in acked:
+            got = store.get_messages("gc", queue, queue_offset, max_count=1).messages
+            assert got and got[0].body == body and got[0].commitlog_offset == offset, offset
     finally:
         store.shutdown()
 

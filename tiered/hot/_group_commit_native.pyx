@@ -164,6 +164,10 @@ cdef class NativeFlushLock:
     error is reported once per open file, and the flusher's descriptor shares the file's)."""
 
     cdef pthread_mutex_t _mutex
+    # Times taken (bumped once held): a fsync of the CommitLog runs holding the flush lock, so
+    # a page stored to while this number stayed the same has not been cleaned by one of ours
+    # (the native send's copy keeps the GIL for such a page, decision 940).
+    cdef unsigned int _takes
 
     def __cinit__(self):
         pthread_mutex_init(&self._mutex, NULL)
@@ -176,6 +180,7 @@ cdef class NativeFlushLock:
         if pthread_mutex_trylock(&self._mutex) != 0:
             with nogil:
                 pthread_mutex_lock(&self._mutex)
+        tmq_bump32(&self._takes)
         return self
 
     def __exit__(self, *exc):
@@ -229,6 +234,11 @@ cdef class NativeBatchGate:
     cdef double _fsync_s  # how long the last fsync took
     cdef NativeFlushLock _flush_lock
     cdef NativeWakeup _wake  # set after every fsync (the dispatcher's), or None
+    # The native send's last store (decision 940), under the put lock: the address of the last
+    # page it stored to (>> 12) and the flush lock's ``_takes`` read before that store.
+    cdef Py_ssize_t _last_page
+    cdef unsigned int _last_takes
+    cdef public int64_t gil_copies  # native sends whose copy kept the GIL (a dirty page)
     cdef public int64_t native_flushes  # fsyncs run by ``serve`` itself
     cdef public int64_t native_requests  # the requests they covered
     cdef public double native_fsync_seconds  # the time spent in those fsyncs
@@ -303,6 +313,7 @@ cdef class NativeBatchGate:
             mine = fcntl(fd, F_DUPFD_CLOEXEC, 0)  # not inherited by a child, as Python's own
             if mine < 0:
                 raise OSError(errno, "dup of the CommitLog file's descriptor failed")
+        self._last_page = 0  # another file: its pages are not known to be dirty
         with nogil:
             pthread_mutex_lock(&self._mutex)
             if self._fd >= 0:
@@ -398,7 +409,7 @@ cdef class NativeBatchGate:
             with nogil:
                 pthread_mutex_lock(pm)
         try:
-            end = _append_one(commitlog, one, batch, clock, pwrite_min, between)
+            end = _append_one(self, commitlog, one, batch, clock, pwrite_min, between)
         except BaseException:
             pthread_mutex_unlock(pm)
             raise
@@ -502,6 +513,7 @@ cdef class NativeBatchGate:
                 pthread_mutex_unlock(&self._mutex)
                 # Requests keep queueing into the next batch meanwhile.
                 pthread_mutex_lock(&self._flush_lock._mutex)
+                tmq_bump32(&self._flush_lock._takes)
                 rc = 0
                 if target > flushed:
                     if self._failed:
@@ -539,14 +551,17 @@ cdef class NativeBatchGate:
         return code, batch, served, err
 
 
-cdef int64_t _append_one(commitlog, list one, batch, clock, Py_ssize_t pwrite_min,
-                         between) except -1:
+cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, clock,
+                         Py_ssize_t pwrite_min, between) except -1:
     """``NativeBatchGate.send_one``'s append, the put lock held: the end offset of the record
     appended, or 0 when declined with nothing published."""
     cdef int64_t file_from, wrote, size, end, charge, store_ts, appended = 0
     cdef Py_ssize_t n, pos
     cdef unsigned char[::1] m
     cdef const unsigned char* d
+    cdef unsigned char* at
+    cdef Py_ssize_t first_page, last_page
+    cdef unsigned int takes
     cdef bytes data
     if commitlog.failed is not None:
         return 0
@@ -589,14 +604,29 @@ cdef int64_t _append_one(commitlog, list one, batch, clock, Py_ssize_t pwrite_mi
         if appended >= room.next_mark:
             room.close_mark()
     d = <const unsigned char*>data
-    # The store may fault (a page an fsync cleaned): taken without the GIL. The size field
-    # stays zero until every other byte is in (``MappedFile.append_records``).
-    with nogil:
-        memset(&m[pos], 0, 4)
-        memcpy(&m[pos + 4], d + 4, n - 4)
+    at = &m[pos]
+    # The store may fault (a page an fsync cleaned, a page not yet stored to): then it is made
+    # without the GIL, so the fault does not stall the other senders. The size field stays
+    # zero until every other byte is in (``MappedFile.append_records``). A record that lies in
+    # the page this send stored to last, with no fsync of ours started since (the flush lock
+    # not taken since), finds its page dirty and writable: no fault, and no hand-over of the
+    # GIL to another sender that this one would then wait to get back (decision 940).
+    takes = tmq_load32(&gate._flush_lock._takes)
+    first_page = (<Py_ssize_t>at) >> 12
+    last_page = (<Py_ssize_t>(at + n - 1)) >> 12
+    if first_page == last_page and first_page == gate._last_page and takes == gate._last_takes:
+        memset(at, 0, 4)
+        memcpy(at + 4, d + 4, n - 4)
+        gate.gil_copies += 1
+    else:
+        with nogil:
+            memset(at, 0, 4)
+            memcpy(at + 4, d + 4, n - 4)
+    gate._last_page = last_page
+    gate._last_takes = takes
     if between is not None:
         between()
-    memcpy(&m[pos], d, 4)
+    memcpy(at, d, 4)
     batch.parts = []
     last.wrote = wrote + n
     commitlog.queue_offsets.update(next_offsets)

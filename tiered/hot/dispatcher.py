@@ -90,9 +90,12 @@ class Dispatcher:
         # (half messages, transaction ops, timer records), which nobody looks up by key.
         self.unindexed_topics: frozenset[str] = frozenset()
         self._pending: deque[EncodedBatch] = deque()
-        self._pending_bytes = 0
-        # submit (a producer, under the put lock) and _pop (this thread) both move the count.
-        self._pending_lock = threading.Lock()
+        # Bytes of the chunks submitted and of those popped: each has one writer (``submit``,
+        # under the put lock, and ``_pop``, the one thread that dispatches), so neither needs a
+        # lock (the deque's ``append`` and ``popleft`` are atomic); their difference is what
+        # waits. ``submit`` runs once per single SYNC send (decision 940).
+        self._submitted_bytes = 0
+        self._popped_bytes = 0
         self._tag_codes: dict[str | None, int] = {None: 0}
         # Runs of records the recovery scan read as columns, by CommitLog offset of their first
         # record: dispatch takes them instead of reading those bytes again (``preload``).
@@ -112,11 +115,16 @@ class Dispatcher:
     def submit(self, batch: EncodedBatch) -> None:
         """Take an appended chunk (called under the CommitLog's put lock, in order)."""
         nbytes = batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
-        with self._pending_lock:
-            if self._pending_bytes + nbytes > _PENDING_LIMIT_BYTES:
-                return  # dispatch will parse these records from the CommitLog
-            self._pending.append(batch)
-            self._pending_bytes += nbytes
+        submitted = self._submitted_bytes + nbytes
+        # A stale ``_popped_bytes`` only overstates what waits: a chunk dropped early.
+        if submitted - self._popped_bytes > _PENDING_LIMIT_BYTES:
+            return  # dispatch will parse these records from the CommitLog
+        self._pending.append(batch)
+        self._submitted_bytes = submitted
+
+    @property
+    def _pending_bytes(self) -> int:
+        return self._submitted_bytes - self._popped_bytes
 
     def dispatch(self, end: int) -> int:
         """Dispatch every record from ``reput_offset`` up to ``end``; returns the new offset."""
@@ -202,9 +210,8 @@ class Dispatcher:
         return out
 
     def _pop(self) -> None:
-        with self._pending_lock:
-            batch = self._pending.popleft()
-            self._pending_bytes -= batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
+        batch = self._pending.popleft()
+        self._popped_bytes += batch.offsets[-1] + batch.sizes[-1] - batch.offsets[0]
 
     def _parse(self, start: int, end: int) -> EncodedBatch | None:
         """Read the records in CommitLog ``[start, end)`` (up to a step's worth)."""
