@@ -567,3 +567,37 @@ def test_after_kill_9_every_index_file_stays_in_commitlog_order(crashed, start_s
         offsets = entries["offset"][1:].astype(np.int64)
         assert (offsets[1:] >= offsets[:-1]).all(), f"{f.path.name}: entries out of order"
         assert len(offsets) == 2 * len(msgs) + 1  # a unique id and a key each, and "again"
+
+
+def test_after_kill_9_the_index_cut_runs_beside_the_scan(
+    crashed, start_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entries past the newest IndexFile's range (the test above) are dropped by the
+    thread that loads the ConsumeQueues and IndexFiles while the CommitLog scan runs, not
+    after it: their slots' walk back along the chains was serial work of the restart
+    (decision 930). The cut after the scan finds nothing left; queries by key still answer
+    every record once, in order."""
+    import threading
+
+    from tiered.hot.index_file import IndexFile
+
+    cuts: list[tuple[str, int]] = []
+    cut = IndexFile.cut_entries_from
+
+    def recording(self: IndexFile, end_offset: int) -> int:
+        dropped = cut(self, end_offset)
+        cuts.append((threading.current_thread().name, dropped))
+        return dropped
+
+    monkeypatch.setattr(IndexFile, "cut_entries_from", recording)
+    config, msgs = crashed
+    store = start_store(config)
+    dropped = [(name, n) for name, n in cuts if n]
+    assert dropped, f"the crash should leave entries past the newest IndexFile's range: {cuts}"
+    assert all(name.startswith("tmq-recovery-cq") for name, _ in dropped), cuts
+    assert store.check_index_files() == []
+    for m in msgs[::37]:
+        keys = m.properties["KEYS"].split()
+        got = store.query_by_key(m.topic, keys[0], max_count=1000)
+        want = [x.commitlog_offset for x in msgs if keys[0] in x.properties.get("KEYS", "").split()]
+        assert sorted(x.commitlog_offset for x in got) == want

@@ -384,3 +384,63 @@ def test_a_scan_in_two_halves_finds_what_one_pass_finds(
         store.shutdown()
     assert reports[0] == reports[1]
     assert any(h is not None for h in halves), "the files should have been scanned in halves"
+
+
+def test_a_run_every_queue_holds_is_not_split_by_queue(
+    small_config: StoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Re-dispatch after kill -9 of records whose ConsumeQueue entries were all written: one
+    pass finds every queue's highest queue offset below its end, and the run is not split by
+    queue (decision 930). A queue one entry short still gets its entry, the same bytes."""
+    from tiered.hot.consume_queue import ConsumeQueueTable
+    from tiered.hot.index_file import IndexService
+
+    config = small_config
+    msgs = [
+        Message(f"t{i % 3}", b"x" * 40, queue_id=i % 2, properties={"KEYS": f"k{i}"})
+        for i in range(30)
+    ]
+    store = MessageStore(config)
+    store.start()
+    try:
+        store.put_messages(msgs)
+        assert store.wait_dispatched()
+        assert len(store.commitlog.files.files) == 1, "the test wants one CommitLog file"
+        run = store.dispatcher._read_columns(0, store.commitlog.max_offset)
+        assert run is not None and len(run) == len(msgs)
+    finally:
+        store.shutdown()
+    split: list[int] = []
+    by_queue = dispatcher_module._by_queue
+
+    def recording(numbers: Any, queues: int) -> Any:
+        split.append(queues)
+        return by_queue(numbers, queues)
+
+    monkeypatch.setattr(dispatcher_module, "_by_queue", recording)
+    cq_dir = config.consumequeue_dir
+
+    def cq_files() -> dict[str, bytes]:
+        files = (p for p in cq_dir.rglob("*") if p.is_file())
+        return {str(p.relative_to(cq_dir)): p.read_bytes() for p in files}
+
+    written = cq_files()
+    queues = ConsumeQueueTable(cq_dir, config.consumequeue_entries_per_file)
+    queues.load_and_recover()
+    index = IndexService(config.data_dir / "index-copy", 13, 50)
+    d = Dispatcher(None, queues, index, reput_offset=0, index_from=1 << 62)  # type: ignore[arg-type]
+    try:
+        d.apply_columns(run)
+        assert split == [], "every entry was held: nothing to split"
+        lagging = queues.get("t1", 1)
+        assert lagging is not None and lagging.max_offset == 5
+        last = max(m for m in range(len(msgs)) if msgs[m].topic == "t1" and msgs[m].queue_id == 1)
+        assert lagging.truncate_from_physical(int(run.offsets[last])) == 1
+        d.apply_columns(run)
+        assert split == [len(run.queues)]
+        assert lagging.max_offset == 5
+        queues.flush()
+    finally:
+        queues.close()
+        index.close()
+    assert cq_files() == written

@@ -553,9 +553,21 @@ class MessageStore:
 
     def _load_queues_and_index(self) -> None:
         """Load (and check) the ConsumeQueues, then the IndexFiles: the derived files, which
-        the start loads beside the CommitLog scan."""
+        the start loads beside the CommitLog scan.
+
+        Then the IndexFiles' entries past where indexing resumes are dropped here too, before
+        the scan ends (decision 930): ``_new_dispatcher`` drops those at or past
+        ``min(max(index end, CommitLog min), recovered end)``, and the recovered end only
+        lowers that bound, which the cut after the scan (``_clamp_index``) then applies. Cutting
+        at the higher bound first drops a subset of the same newest entries, and cuts compose
+        (each sets the slots back along their chains to the newest entry left), so the result
+        is the sequential one; what is left for after the scan is one entry read a file."""
         self.queues.load_and_recover()
         self.index.load()
+        if self.index.files:
+            index_from = max(self.index.end_offset, self.commitlog.min_offset)
+            for f in self.index.files:
+                f.cut_entries_from(index_from)
 
     def _apply_queue_floors(self) -> None:
         """Start every queue with a floor at or above it, before re-dispatch: a queue that ends
