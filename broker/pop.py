@@ -13,6 +13,11 @@ A delivery that passes its deadline unacknowledged is *revived*: copied to the g
 then done. FIFO groups never let two deliveries of one queue be in flight at once and redeliver an
 expired one in place, so messages of one message group stay in order.
 
+A slave serving pop reads while its master is unreachable has a replica store, which takes no
+appends (decision 970): there an expired delivery is delivered again in place, from the queue it
+was read from, whatever the group; one past its attempt limit cannot go to the DLQ, so it is held
+(in flight, not delivered, not consumed) until the next change of role starts a new term.
+
 In-flight state lives in memory: after a broker restart, consumption resumes from the committed
 offset and anything not acknowledged is delivered again (at-least-once). A member of a replica
 group starts a new *term* of this state at every change of its replication role (decision 860):
@@ -37,7 +42,7 @@ from typing import Protocol
 from broker.metadata import BrokerMetadata, GroupConfig, TopicConfig, dlq_topic, retry_topic
 from tiered.cold.storage import StorageError
 from tiered.record import Message, StoredMessage, tag_hash
-from tiered.store import GetStatus, MessageStore
+from tiered.store import GetStatus, MessageStore, ReplicaStoreError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,10 @@ class Delivery:
     handle_seq: int
     deadline_ms: int
     attempt: int  # 1 for the first delivery
+    # On a replica store (decision 970): expired, to be delivered again in place at the next
+    # receive; or past its attempt limit, held until a new term (no DLQ append is possible).
+    redeliver: bool = False
+    held: bool = False
 
 
 @dataclass(slots=True)
@@ -199,6 +208,11 @@ class PopService:
         now = self._clock()
         if group.fifo and state.in_flight:
             return self._redeliver_fifo(group, state, stored_topic, queue_id, now, invisible_ms)
+        out = self._redeliver_in_place(state, stored_topic, queue_id, now, invisible_ms, max_count)
+        max_count -= len(out)
+        if max_count <= 0:
+            self._commit(group.name, stored_topic, queue_id, state)
+            return out
         result = self.store.get_messages(
             stored_topic, queue_id, state.next, max_count, tag_filter=tag_filter.code_matches
         )
@@ -220,7 +234,6 @@ class PopService:
                 result = self.store.get_messages(
                     stored_topic, queue_id, lo, max_count, tag_filter=tag_filter.code_matches
                 )
-        out: list[Received] = []
         if result.status is GetStatus.FOUND or result.status is GetStatus.NO_MATCHED_MESSAGE:
             for msg in result.messages:
                 if not tag_filter.matches(msg):
@@ -243,6 +256,50 @@ class PopService:
         self._commit(group.name, stored_topic, queue_id, state)
         return out
 
+    def _redeliver_in_place(
+        self,
+        state: QueueState,
+        stored_topic: str,
+        queue_id: int,
+        now: int,
+        invisible_ms: int,
+        max_count: int,
+    ) -> list[Received]:
+        """The deliveries ``revive_expired`` could not copy to the retry topic (a replica store,
+        decision 970), lowest offset first: the same message again, one attempt more."""
+        out: list[Received] = []
+        for offset in sorted(o for o, d in state.in_flight.items() if d.redeliver):
+            if len(out) >= max_count:
+                break
+            delivery = state.in_flight[offset]
+            got = self.store.get_messages(stored_topic, queue_id, offset, 1).messages
+            if not got or got[0].queue_offset != offset:
+                del state.in_flight[offset]  # gone (retention): nothing to deliver again
+                continue
+            delivery.redeliver = False
+            delivery.attempt += 1
+            delivery.deadline_ms = now + invisible_ms
+            delivery.handle_seq = next(self._seq)
+            original = got[0].properties.get(PROPERTY_RETRY_TOPIC, got[0].topic)
+            out.append(Received(got[0], self._handle(delivery), delivery.attempt, original))
+        return out
+
+    def _hold(self, group: str, stored_topic: str, queue_id: int, delivery: Delivery) -> None:
+        """A delivery past its attempt limit on a replica store: the DLQ takes no append here,
+        and consuming it without one would lose it. In flight, delivered to no one, until a
+        change of role starts a new term (which delivers it again from the committed offset)."""
+        if not delivery.held:
+            delivery.held = True
+            log.warning(
+                "group %s: %s/%d offset %d passed its %d deliveries on a replica store (no "
+                "master to take it to the DLQ): held until this broker's role changes",
+                group,
+                stored_topic,
+                queue_id,
+                delivery.offset,
+                delivery.attempt,
+            )
+
     def _redeliver_fifo(
         self,
         group: GroupConfig,
@@ -256,14 +313,21 @@ class PopService:
         message again (or, past the attempt limit, to the DLQ and on to the next)."""
         first = min(state.in_flight)
         delivery = state.in_flight[first]
-        if delivery.deadline_ms > now:
+        if delivery.deadline_ms > now or (delivery.held and self.store.replica):
             return []
         msg = self.store.get_messages(stored_topic, queue_id, first, 1).messages
         if not msg:
             del state.in_flight[first]
             return []
         if delivery.attempt >= group.max_delivery_attempts:
-            self._to_dlq(group.name, msg[0], delivery.attempt)
+            if self.store.replica:
+                self._hold(group.name, stored_topic, queue_id, delivery)
+                return []
+            try:
+                self._to_dlq(group.name, msg[0], delivery.attempt)
+            except ReplicaStoreError:  # the store became a replica since the check
+                self._hold(group.name, stored_topic, queue_id, delivery)
+                return []
             del state.in_flight[first]
             self._commit(group.name, stored_topic, queue_id, state)
             return []
@@ -344,27 +408,57 @@ class PopService:
     # -- revive ----------------------------------------------------------------------------------
 
     def revive_expired(self) -> int:
-        """Move expired non-FIFO deliveries to the retry topic (or the DLQ); returns how many."""
+        """Move expired non-FIFO deliveries to the retry topic (or the DLQ); returns how many.
+        On a replica store, which takes no appends, they are instead marked to be delivered
+        again in place (or held, past the attempt limit) and not counted (decision 970)."""
         now = self._clock()
         moved = 0
+        # Deliveries kept in place are tried again once the store takes appends (a change of
+        # role starts a new term anyway; this does not depend on it).
+        replica = self.store.replica
         with self._lock:
             for (group_name, stored_topic, queue_id), state in list(self._queues.items()):
                 group = self.metadata.group(group_name) or GroupConfig(group_name)
                 if group.fifo:
                     continue
-                expired = [d for d in state.in_flight.values() if d.deadline_ms <= now]
+                expired = [
+                    d
+                    for d in state.in_flight.values()
+                    if d.deadline_ms <= now and not (replica and (d.redeliver or d.held))
+                ]
+                removed = False
                 for d in expired:
                     got = self.store.get_messages(stored_topic, queue_id, d.offset, 1).messages
-                    if got and got[0].queue_offset == d.offset:
-                        if d.attempt >= group.max_delivery_attempts:
-                            self._to_dlq(group_name, got[0], d.attempt)
-                        else:
-                            self._to_retry(group_name, got[0], d.attempt)
+                    found = got and got[0].queue_offset == d.offset
+                    if found and not self._revive(group, stored_topic, queue_id, d, got[0]):
+                        continue  # a replica store: stays in flight (again in place, or held)
                     del state.in_flight[d.offset]
+                    removed = True
                     moved += 1
-                if expired:
+                if removed:
                     self._commit(group_name, stored_topic, queue_id, state)
         return moved
+
+    def _revive(
+        self, group: GroupConfig, stored_topic: str, queue_id: int, d: Delivery, msg: StoredMessage
+    ) -> bool:
+        """Copy an expired delivery to the retry topic or the DLQ; False when the store is a
+        replica and so the delivery stays in flight (again in place, or held)."""
+        last = d.attempt >= group.max_delivery_attempts
+        if not self.store.replica:
+            try:
+                if last:
+                    self._to_dlq(group.name, msg, d.attempt)
+                else:
+                    self._to_retry(group.name, msg, d.attempt)
+                return True
+            except ReplicaStoreError:
+                pass  # the store became a replica since the check
+        if last:
+            self._hold(group.name, stored_topic, queue_id, d)
+        else:
+            d.redeliver = True
+        return False
 
     def _copy(self, msg: StoredMessage, topic: str, attempts: int) -> Message:
         props = dict(msg.properties)

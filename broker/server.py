@@ -873,16 +873,21 @@ class Broker:
     def _maintenance_loop(self) -> None:
         """Revive expired pop deliveries every second and save consumer offsets every 5 s.
         Its own thread: an offload pass can take minutes (a backlog, a slow or dead tier), and
-        offsets not saved meanwhile would rewind every group that far after a kill -9."""
+        offsets not saved meanwhile would rewind every group that far after a kill -9. Each
+        step fails alone: a revive that raises must not keep offsets from being saved
+        (decision 970)."""
         ticks = 0
         while not self._stop.wait(1.0):
             ticks += 1
             try:
                 self.pop.revive_expired()
-                if ticks % 5 == 0:
-                    self.metadata.flush_offsets()
             except Exception:
-                log.exception("broker maintenance failed; retrying")
+                log.exception("reviving expired pop deliveries failed; retrying")
+            if ticks % 5 == 0:
+                try:
+                    self.metadata.flush_offsets()
+                except Exception:
+                    log.exception("saving consumer offsets failed; retrying")
 
     def _offload_loop(self) -> None:
         """Offload, retention and release, every ``offload_interval_ms``."""

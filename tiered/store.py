@@ -1101,6 +1101,11 @@ class MessageStore:
         wake = d.wakeup_event if d is not None and self.config.flush == "sync" else None
         self.commitlog.group_commit.wake_after_flush(None if self._replica else wake)
 
+    @property
+    def replica(self) -> bool:
+        """Whether this store follows a master (and so refuses appends of its own)."""
+        return self._replica
+
     def set_replica(self, replica: bool) -> None:
         """A replica (a slave's store) refuses ``put_messages``: its CommitLog must hold exactly
         its master's bytes, so nothing of its own (a producer, a pop revive) may be appended."""
