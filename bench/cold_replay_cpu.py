@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -57,40 +56,20 @@ def main() -> None:
     import boto3
 
     import tiered.cold.fetcher as fetcher_module
-    from bench.offload import localstack
+    from bench.offload import cold_queue_store, localstack_bucket
     from broker.reply import encode_pull_replies
     from offload.offloader import Offloader, OffloadPolicy
     from tiered.cold.fetcher import ColdFetcher
     from tiered.cold.storage import open_store
     from tiered.cold.worker import ColdWorker, run_job, warm_up
-    from tiered.config import StoreConfig
-    from tiered.record import Message
-    from tiered.store import MessageStore
 
     if args.get_batches:
         fetcher_module.GET_BATCHES = args.get_batches
-    manage = localstack()
-    started = manage.start()
-    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    endpoint = manage.endpoint()
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=bucket)
+    manage, started, endpoint, _s3, bucket = localstack_bucket()
     root = Path(tempfile.mkdtemp(prefix="tmq-cold-cpu-"))
     replays: list[dict[str, Any]] = []
     try:
-        store = MessageStore(StoreConfig(data_dir=root / "hot"))
-        store.start()
-        body = os.urandom(1024)
-        batch = [
-            Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
-            for _ in range(256)
-        ]
-        for _ in range(MESSAGES // 256):
-            store.put_messages(batch)
-        store.wait_dispatched(120)
+        store = cold_queue_store(root / "hot", MESSAGES)
         options = {"endpoint_url": endpoint}
         tier = open_store(f"s3://{bucket}/tier", options)
         # The read path's modules imported at the worker's start, not by the first replay's jobs

@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -75,40 +74,20 @@ def main() -> None:
     args = _args()
     import boto3
 
-    from bench.offload import localstack
+    from bench.offload import cold_queue_store, localstack_bucket
     from broker.reply import encode_pull_replies
     from offload.offloader import Offloader, OffloadPolicy
     from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
     from tiered.cold.storage import open_store
     from tiered.cold.worker import ColdWorker, run_job, warm_up
-    from tiered.config import StoreConfig
-    from tiered.record import Message
-    from tiered.store import MessageStore
 
-    manage = localstack()
-    started = manage.start()
-    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    endpoint = manage.endpoint()
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=bucket)
+    manage, started, endpoint, _s3, bucket = localstack_bucket()
     root = Path(tempfile.mkdtemp(prefix="tmq-cold-starve-"))
     latencies: list[float] = []
     missed = replayed = 0
     hog_procs: list[Any] = []
     try:
-        store = MessageStore(StoreConfig(data_dir=root / "hot"))
-        store.start()
-        body = os.urandom(1024)
-        batch = [
-            Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
-            for _ in range(256)
-        ]
-        for _ in range(MESSAGES // 256):
-            store.put_messages(batch)
-        store.wait_dispatched(120)
+        store = cold_queue_store(root / "hot", MESSAGES)
         options = {"endpoint_url": endpoint}
         tier = open_store(f"s3://{bucket}/tier", options)
         preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")

@@ -66,6 +66,38 @@ def localstack() -> Any:
     return module
 
 
+def localstack_bucket() -> tuple[Any, bool, str, Any, str]:
+    """LocalStack started (or found running), its test credentials in the environment, and a
+    fresh bucket: ``(manage, started, endpoint, s3, bucket)``; ``started`` says whether the
+    caller must stop it."""
+    manage = localstack()
+    started = manage.start()
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    endpoint = manage.endpoint()
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
+    s3.create_bucket(Bucket=bucket)
+    return manage, started, endpoint, s3, bucket
+
+
+def cold_queue_store(data_dir: Path, messages: int) -> MessageStore:
+    """A started store holding ``messages`` 1 KiB messages in queue 1 of topic ``cold``
+    (batches of 256), every one dispatched: the cold benches' archive to be."""
+    store = MessageStore(StoreConfig(data_dir=data_dir))
+    store.start()
+    body = os.urandom(1024)
+    batch = [
+        Message(topic="cold", queue_id=1, body=body, properties={"UNIQ_KEY": uuid.uuid4().hex})
+        for _ in range(256)
+    ]
+    for _ in range(messages // 256):
+        store.put_messages(batch)
+    store.wait_dispatched(120)
+    return store
+
+
 def fill(store: MessageStore) -> None:
     body = os.urandom(1024)
     batch = [
