@@ -356,26 +356,26 @@ def terminate(proc: subprocess.Popen[Any], seconds: float) -> None:
             proc.wait()
 
 
+def tiered_args(tier_url: str) -> list[str]:
+    """Options of a broker that offloads to ``tier_url`` within about a second: 64 KiB
+    CommitLog files, an offload pass every second, segments uploaded once a second old."""
+    return [
+        "--commitlog-file-size",
+        "64KiB",
+        "--offload-interval",
+        "1",
+        "--upload-after",
+        "1s",
+        "--tier-url",
+        tier_url,
+    ]
+
+
 def start_tiered(
     data: Path, tier_url: str, env: dict[str, str], metrics_port: int = 0
 ) -> Standalone:
-    """A started broker that offloads to ``tier_url`` within about a second: 64 KiB CommitLog
-    files, an offload pass every second, segments uploaded once a second old."""
-    return Standalone(
-        data,
-        metrics_port=metrics_port,
-        extra=[
-            "--commitlog-file-size",
-            "64KiB",
-            "--offload-interval",
-            "1",
-            "--upload-after",
-            "1s",
-            "--tier-url",
-            tier_url,
-        ],
-        env=env,
-    ).start()
+    """A started broker with ``tiered_args``."""
+    return Standalone(data, metrics_port=metrics_port, extra=tiered_args(tier_url), env=env).start()
 
 
 def wait_until(why: str, done: Callable[[], object], seconds: float, every: float = 0.5) -> None:

@@ -23,6 +23,7 @@ from broker_harness import (
     client_config,
     send_batches,
     start_tiered,
+    tiered_args,
     tmq,
     wait_until,
 )
@@ -45,20 +46,7 @@ class OnMount(Standalone):
     (it must outlive the power cut)."""
 
     def __init__(self, data: Path, log: Path, tier_url: str, env: dict[str, str]) -> None:
-        super().__init__(
-            data,
-            extra=[
-                "--commitlog-file-size",
-                "64KiB",
-                "--offload-interval",
-                "1",
-                "--upload-after",
-                "1s",
-                "--tier-url",
-                tier_url,
-            ],
-            env=env,
-        )
+        super().__init__(data, extra=tiered_args(tier_url), env=env)
         self._log = log
 
     @property
