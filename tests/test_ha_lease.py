@@ -5,16 +5,18 @@ slow, a group under load keeps its master."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from broker.ha.etcd import EtcdClient
-from broker.ha.lease_keeper import LeaseKeeper
+from broker.ha.lease_keeper import _BROKER, _BROKER_AT, LeaseKeeper, _read
 from tests.broker_harness import REPO
 from tests.etcd_harness import EtcdCluster
 
@@ -28,6 +30,52 @@ def wait_gone(client: EtcdClient, key: bytes, timeout: float) -> float:
         assert time.monotonic() - start < timeout, f"{key!r} still there after {timeout} s"
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def test_the_controller_and_the_watchdog_writing_at_once_leave_the_broker_half_readable() -> None:
+    """The controller's tick (``set_lease``) and the watchdog (``pulse``) write the broker's half
+    from two threads. Without one writer at a time, two interleaved writes could leave the
+    sequence count odd for good, so that the keeper's read of the half waited forever (no
+    renewal again: a member never elected, seen in a CI run), or a pulse could write back the
+    lease it read before the tick changed it. Three rounds in which both write flat out with
+    the interpreter switching threads as often as it can; after each the half must read at
+    once, with the last lease set."""
+    keeper = LeaseKeeper(["http://127.0.0.1:9"], 2, interval_s=0.25, pulse_limit_s=1.0)
+    leases = iter(range(1, 1 << 62))
+    last = [0]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            stop = time.monotonic() + 1.0
+
+            def set_leases(stop: float = stop) -> None:
+                while time.monotonic() < stop:
+                    last[0] = next(leases)
+                    keeper.set_lease(last[0])
+
+            def pulses(stop: float = stop) -> None:
+                while time.monotonic() < stop:
+                    keeper.pulse()
+
+            threads = [threading.Thread(target=set_leases), threading.Thread(target=pulses)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            (seq,) = struct.unpack_from("<Q", keeper._buf, _BROKER_AT)
+            assert seq % 2 == 0, f"sequence count {seq} left odd: the keeper would wait forever"
+            result: list[tuple[float, ...]] = []
+            reader = threading.Thread(
+                target=lambda out=result: out.append(_read(keeper._buf, _BROKER_AT, _BROKER)),
+                daemon=True,
+            )
+            reader.start()
+            reader.join(2.0)
+            assert result, "the keeper's read of the broker's half did not return"
+            assert int(result[0][0]) == last[0], "a pulse wrote back a lease the tick had replaced"
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_the_keeper_renews_while_its_broker_pulses_and_stops_when_it_does_not(

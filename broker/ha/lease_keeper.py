@@ -56,7 +56,8 @@ _MAX_IN_FLIGHT = 4
 
 
 def _write(buf: mmap.mmap, at: int, layout: struct.Struct, *values: float) -> None:
-    """A sequence lock: odd while the half is being written; readers retry."""
+    """A sequence lock: odd while the half is being written; readers retry. One writer at a
+    time per half (the caller's lock)."""
     (seq,) = struct.unpack_from("<Q", buf, at)
     struct.pack_into("<Q", buf, at, seq + 1)
     struct.pack_into(layout.format, buf, at, seq + 1, *values)
@@ -108,6 +109,11 @@ class LeaseKeeper:
         self._fd = fd
         self._buf = mmap.mmap(fd, SIZE)
         self._lease = 0
+        # The controller's tick (set_lease) and the watchdog (pulse) both write the broker's
+        # half: the sequence lock has one writer at a time, or two interleaved writes can leave
+        # its count odd for good and the keeper waits on it forever (seen in CI: a member never
+        # elected).
+        self._write_lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -138,11 +144,13 @@ class LeaseKeeper:
         self.starts += 1
 
     def set_lease(self, lease: int) -> None:
-        self._lease = lease
-        self.pulse()
+        with self._write_lock:
+            self._lease = lease
+            _write(self._buf, _BROKER_AT, _BROKER, lease, time.monotonic())
 
     def pulse(self) -> None:
-        _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
+        with self._write_lock:
+            _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
 
     def renewed(self) -> KeeperState:
         lease, at, gone, count, stale, last, longest = _read(self._buf, _KEEPER_AT, _KEEPER)
