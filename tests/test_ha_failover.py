@@ -212,6 +212,47 @@ def test_a_master_that_loses_etcd_fences_itself_and_reports_not_serving(tmp_path
         assert messaging_health() == health_pb2.HealthCheckResponse.SERVING
 
 
+def _keeper_pid(member_pid: int) -> int:
+    """The lease keeper child (broker/ha/lease_keeper.py) of the broker process ``member_pid``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+            if int(stat[1]) == member_pid and b"broker.ha.lease_keeper" in cmdline:
+                return int(entry.name)
+    raise AssertionError(f"no lease keeper under process {member_pid}")
+
+
+def test_a_slave_whose_lease_keeper_is_frozen_is_still_elected(tmp_path: Path) -> None:
+    """A member stands for election only once its keeper has renewed its lease (decision 910),
+    but not for ever: with b's keeper frozen (SIGSTOP: alive, renewing nothing) and the master
+    killed, b is elected after at most two TTLs and renews through its own tick (decision 911;
+    two CI runs saw a slave never elected, its keeper not renewing)."""
+    with two_members(tmp_path, "async", max_lag_ms=15_000) as (etcd, group):
+        a, b = group.members[0], group.members[1]
+        wait_for("b is in sync", lambda: group.in_sync(2))
+        assert b.proc is not None
+        keeper = _keeper_pid(b.proc.pid)
+        os.kill(keeper, signal.SIGSTOP)
+        try:
+            # b's lease gone (as if it expired): b takes a new one, which its frozen keeper
+            # never renews.
+            client = EtcdClient(etcd.endpoints)
+            (member,) = [
+                kv for kv in client.get_prefix(b"/tmq/ha/") if kv.key.endswith(b"/members/2")
+            ]
+            client.revoke(member.lease)
+            wait_for("b took a new lease", lambda: "taking a new one" in b.log_path.read_text())
+            a.kill9()
+            wait_for("b is elected", lambda: is_master(b), timeout=30)
+            assert "standing for election without it" in b.log_path.read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(keeper, signal.SIGCONT)
+
+
 def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
     """The master is killed while etcd is frozen, so no election can happen: the slave forwards
     nothing to the dead master but serves reads from its own copy (PullMessage, and Apache's

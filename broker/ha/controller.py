@@ -140,6 +140,9 @@ class HaController:
         # tick (etcd still names this node master under it).
         self._abandon_lease = False
         self._lease_ok_at = 0.0
+        # When this lease was taken: the election guard waits for the keeper's first renewal of
+        # it only so long (a keeper that never renews must not keep a member from standing).
+        self._lease_taken_at = 0.0
         self._keepalive_at = 0.0
         self._published_sss: list[int] | None = None
         self._absent_ticks = 0
@@ -222,6 +225,8 @@ class HaController:
             self._check_lease_deadline()
 
     def _set_lease(self, lease: int) -> None:
+        if lease and lease != self._lease:
+            self._lease_taken_at = time.monotonic()
         self._lease = lease
         if self._keeper is not None:
             self._keeper.set_lease(0 if self._abandon_lease else lease)
@@ -447,8 +452,18 @@ class HaController:
         ):
             # Its keeper (just started, after a restart) has not renewed this lease yet: a
             # master elected now would renew only through the tick, and fence (seen under load:
-            # "0 renewals"). Stand at a later tick.
-            return
+            # "0 renewals"). Stand at a later tick; but not for ever: past two TTLs the keeper
+            # is not renewing (two CI runs saw a member never elected), and a member that
+            # stands and renews through its tick is what the group had before decision 910.
+            waited = time.monotonic() - self._lease_taken_at
+            if waited < 2 * self._ttl_s():
+                return
+            log.warning(
+                "controller: the lease keeper has not renewed lease %x in %.1f s; standing for "
+                "election without it (renewals through the tick)",
+                self._lease,
+                waited,
+            )
         # Stop following first: this node's end is final from here on.
         with self._lock:
             self._switch(None)

@@ -198,6 +198,10 @@ class _Renewals:
             ttl: int | None = client.keepalive(lease)
         except EtcdUnavailableError:
             ttl = None
+        except Exception:  # e.g. http.client.IncompleteRead, which is not an OSError
+            # A renewal thread that died here would keep its in-flight slot for good, and four
+            # such deaths would end every renewal: count it as no answer instead.
+            ttl = None
         latency = time.monotonic() - started
         with self.lock:
             self.in_flight -= 1
