@@ -204,6 +204,9 @@ def resolve(
                     f"{topic}/{queue_id}: the conflict holds {end - base} local message(s) "
                     f"(offsets {base}..{end - 1}), not {discard_local}; nothing was changed"
                 )
+            # The queue's end was checked above: durable before the commit says so (under
+            # ASYNC flush a power loss could otherwise leave it below the floor, decision 980).
+            store.flush()
             divergence.commit_resolve(topic, queue_id)
             log.warning(
                 "%s/%d: divergence resolved by DISCARDING the %d local message(s) at offsets "
@@ -393,4 +396,20 @@ def apply_floors(store: MessageStore, divergence: Divergence) -> None:
             queue_id,
             floor,
         )
+        local_end = store.max_offset(topic, queue_id)
+        if local_end < floor:
+            # Only a resolve that discarded checks the queue's end without flushing it first:
+            # a power loss under ASYNC flush after its commit loses the queue's unflushed tail.
+            # Its offsets below the floor are the archive's; the queue goes on at the floor, as
+            # for any queue floor above a queue's end (decision 980). Refusing instead made
+            # every start of the broker fail.
+            log.warning(
+                "%s/%d ends at %d, below that floor (its last messages were not on disk): it "
+                "starts at %d",
+                topic,
+                queue_id,
+                local_end,
+                floor,
+            )
+            store.start_queue_at(topic, queue_id, floor)
         _raise_floor(store, divergence, topic, queue_id, floor)

@@ -247,3 +247,74 @@ def test_a_commitlog_file_of_records_below_a_resolved_floor_goes_whatever_the_lo
         assert hot_queue(store) == before
     finally:
         store.shutdown()
+
+
+def test_a_floor_committed_above_what_a_power_loss_kept_does_not_stop_the_start(
+    tmp_path: Path,
+) -> None:
+    """Decision 980: a resolve that discards (``offload resolve --discard-local``, decision
+    801) commits the queue's floor, the archive's end, after checking that the queue reaches it,
+    but under ASYNC flush the queue's last messages may not be on disk yet. The power goes out
+    between the commit and the raised floor (tests/powerloss_fs.py: only what was fsynced
+    survives): the queue comes back ending below the committed floor. The broker's start raises
+    the floor again from the record (``apply_floors``); on main ``raise_queue_floor`` refused a
+    queue ending below it (``ValueError``) at every start, so the broker could not start at all.
+    The queue must start at the floor, as a queue floor above a queue's end always does (its
+    offsets below are the archive's), and its next message take the floor's offset."""
+    from test_power_loss import PowerLossMount, _need_fuse
+    from test_tier_divergence import ending_at
+
+    from offload.divergence import Conflict, Divergence
+    from offload.resolve import apply_floors
+
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    mount = PowerLossMount(mountpoint, durable)
+    try:
+        config = StoreConfig(
+            data_dir=mountpoint / "store", flush="async", flush_interval_ms=600_000, **SMALL
+        )
+        store = MessageStore(config)
+        store.start()
+        try:
+            store.put_messages([Message("t", body("kept", n), queue_id=0) for n in range(150)])
+            store.flush()
+            divergence = Divergence(config.data_dir)
+            divergence.pend({("t", 0): 60})
+            assert divergence.check("t", 0, ending_at(200), 150) == Conflict(60, 200)
+            # Acknowledged under ASYNC flush, not yet flushed: the queue reaches the archive's
+            # end, so the resolve's checks pass, and the commit records the floor 200.
+            store.put_messages([Message("t", body("lost", n), queue_id=0) for n in range(70)])
+            assert store.wait_dispatched() and store.max_offset("t", 0) == 220
+            assert divergence.commit_resolve("t", 0) == 200
+            mount.crash()  # at resolve.before_floor: nothing unsynced lands
+        finally:
+            with contextlib.suppress(OSError, DurabilityLostError):
+                store.flush()
+            store.shutdown()
+    finally:
+        mount.close()
+    config = StoreConfig(data_dir=durable / "store", flush="async", **SMALL)
+    want: list[tuple[int, bytes]] = []
+    for n, start in enumerate(("the start after the power loss", "the next start")):
+        store = MessageStore(config)
+        store.start()
+        try:
+            divergence = Divergence(config.data_dir)
+            if start == "the start after the power loss":
+                assert divergence.floors == {("t", 0): 200}
+                assert store.max_offset("t", 0) < 200, "the unflushed messages were lost"
+            apply_floors(store, divergence)  # what the broker's start runs before serving
+            assert divergence.floors == {}, start
+            assert store.queue_floors == {("t", 0): 200}, start
+            assert store.hot_min_offset("t", 0) == 200, start
+            assert hot_queue(store) == want, start
+            store.put_messages([Message("t", body("next", n), queue_id=0)])
+            assert store.wait_dispatched()
+            want.append((200 + n, body("next", n)))
+            assert hot_queue(store) == want, start
+            store.flush()
+        finally:
+            store.shutdown()
+        if start == "the start after the power loss":
+            shutil.rmtree(config.data_dir / "consumequeue")  # rebuilt: the floor still holds
