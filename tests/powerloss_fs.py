@@ -35,6 +35,9 @@ lines on stdin:
 - ``fail-write SIZE``: the next ``write(2)`` (not a writeback of mapped or cached pages) to a
   file of SIZE bytes fails with EIO and stores nothing, and later writes succeed again: a
   device that failed one write and came back, which a store must not take as healed;
+- ``fail-lseek SIZE``: from now on every ``SEEK_DATA``/``SEEK_HOLE`` of a file of SIZE bytes
+  fails with EIO (a disk that cannot read the file's extent map; other lseeks never reach
+  this filesystem);
 - ``stats``: prints ``stats FSYNCS DIR_FSYNCS WRITES_FAILED``.
 """
 
@@ -61,7 +64,7 @@ MKNOD, MKDIR, UNLINK, RMDIR, RENAME = 8, 9, 10, 11, 12
 OPEN, READ, WRITE, STATFS, RELEASE = 14, 15, 16, 17, 18
 FSYNC, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR, FSYNCDIR = 20, 25, 26, 27, 28, 29, 30
 ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE = 34, 35, 36, 38, 42, 43
-RENAME2 = 45
+RENAME2, LSEEK = 45, 46
 NO_REPLY = (FORGET, BATCH_FORGET, INTERRUPT)
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, ext, pad
@@ -76,6 +79,8 @@ READ_IN = struct.Struct("<QQIIQII")
 WRITE_IN = struct.Struct("<QQIIQII")
 FSYNC_IN = struct.Struct("<QII")
 FALLOCATE_IN = struct.Struct("<QQQII")
+LSEEK_IN = struct.Struct("<QQII")  # fh, offset, whence, padding
+SEEK_DATA, SEEK_HOLE = 3, 4
 DIRENT = struct.Struct("<QQII")
 STATFS_OUT = struct.Struct("<QQQQQIIII6I")
 
@@ -151,6 +156,7 @@ class PowerLossFS:
         self.crashed = False
         self.fail_next_fsync: int | None = None  # a file size
         self.fail_next_write: int | None = None  # a file size
+        self.fail_lseek: int | None = None  # a file size
         self.writes_failed = 0
         self.fsyncs = 0
         self.dir_fsyncs = 0
@@ -296,6 +302,19 @@ class PowerLossFS:
             if mode == 0 and offset + length > len(node.data):
                 node.resize(offset + length)
             return b""
+        if opcode == LSEEK:
+            # The extent map of a file with no holes (what the kernel's generic lseek answers
+            # when a filesystem has none); ``fail-lseek`` makes it fail as a disk that cannot
+            # read a file's extent tree does. Answered, not ENOSYS: that would make the kernel
+            # stop asking for the mount's lifetime.
+            _fh, offset, whence, _ = LSEEK_IN.unpack_from(body)
+            if self.fail_lseek == len(node.data):
+                return errno.EIO
+            if whence not in (SEEK_DATA, SEEK_HOLE):
+                return errno.EINVAL
+            if offset >= len(node.data):
+                return errno.ENXIO
+            return struct.pack("<Q", offset if whence == SEEK_DATA else len(node.data))
         if opcode == FSYNC:
             if self.fail_next_fsync == len(node.data):
                 self.fail_next_fsync = None
@@ -450,6 +469,10 @@ def main() -> None:
         elif command.startswith("fail-fsync "):
             with fs.lock:
                 fs.fail_next_fsync = int(command.split()[1])
+            print("armed", flush=True)
+        elif command.startswith("fail-lseek "):
+            with fs.lock:
+                fs.fail_lseek = int(command.split()[1])
             print("armed", flush=True)
         elif command.startswith("fail-write "):
             with fs.lock:

@@ -601,3 +601,52 @@ def test_after_kill_9_the_index_cut_runs_beside_the_scan(
         got = store.query_by_key(m.topic, keys[0], max_count=1000)
         want = [x.commitlog_offset for x in msgs if keys[0] in x.properties.get("KEYS", "").split()]
         assert sorted(x.commitlog_offset for x in got) == want
+
+
+def test_an_extent_map_the_disk_cannot_read_fails_the_start_and_cuts_nothing(
+    crashed, tmp_path: Path
+) -> None:
+    """Decision 981: recovery reads only the stretches of a file the extent map
+    (``SEEK_DATA``/``SEEK_HOLE``) says may hold data. On main any error of ``SEEK_DATA`` read
+    as "no data from here on": with a record in the middle of the log that fails its CRC, the
+    search for valid records after it (``_find_valid_record``) then found none, recovery took
+    the record for a torn tail and cut the log there, losing every valid record after it, and
+    the cut neither copied the tail aside nor zeroed it (both read the extent map too). A disk
+    that cannot read a file's extent map (EIO, from the power-loss filesystem's ``fail-lseek``)
+    must fail the start naming the file and leave the log as it was."""
+    import errno
+
+    from conftest import SMALL
+    from test_power_loss import PowerLossMount, _need_fuse
+
+    _need_fuse()
+    config, msgs = crashed
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    shutil.copytree(config.data_dir, durable / "store")
+    victim = next(m for m in msgs[140:] if len(m.body) > 10)
+    mount = PowerLossMount(mountpoint, durable)
+    try:
+        on_mount = StoreConfig(data_dir=mountpoint / "store", **SMALL)
+        path, pos = file_of(on_mount, victim.commitlog_offset)
+        patch(path, pos + 88 + 3, bytes([victim.body[3] ^ 0xFF]))
+        (on_mount.data_dir / "checkpoint").unlink()  # recovery scans everything
+        before = digest(on_mount.commitlog_dir)
+        assert mount.command(f"fail-lseek {on_mount.commitlog_file_size}") == "armed"
+        store = MessageStore(on_mount)
+        try:
+            with pytest.raises(OSError) as failed:
+                store.start()
+        finally:
+            if store._running:  # main: the start succeeded on a cut log
+                report_end = store.commitlog.max_offset
+                store.shutdown()
+                pytest.fail(
+                    f"the start succeeded, the log cut at {report_end} "
+                    f"(the damaged record at {victim.commitlog_offset}, "
+                    f"{len(msgs) - msgs.index(victim) - 1} valid records after it)"
+                )
+        assert failed.value.errno == errno.EIO
+        assert str(on_mount.commitlog_dir) in str(failed.value.filename)
+        assert digest(on_mount.commitlog_dir) == before, "a failed start must not cut the log"
+    finally:
+        mount.close()

@@ -14,6 +14,7 @@ power loss.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -185,11 +186,19 @@ class MappedFile:
         while pos < self.size:
             try:
                 start = os.lseek(self._fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data at or after pos
-                return
-            if start >= self.size:
-                return
-            end = min(self.size, os.lseek(self._fd, start, os.SEEK_HOLE))
+                if start >= self.size:
+                    return
+                end = min(self.size, os.lseek(self._fd, start, os.SEEK_HOLE))
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data at or after pos
+                    return
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # the filesystem cannot tell
+                    yield pos, self.size
+                    return
+                # EIO and the like: taken as "no data", recovery found no valid record past a
+                # damaged one and cut acknowledged records as a torn tail (decision 981).
+                e.filename = str(self.path)
+                raise
             yield start, end
             pos = end
 
