@@ -1058,3 +1058,59 @@ def test_index_check_agrees_across_its_steps() -> None:
     assert index_checks(data, slot_count, n, 1)[1] == (3, 1)
     entry_field(data, step, 4, ">q", 64 * (step - 2) - 1)  # below entry step - 1
     assert index_checks(data, slot_count, n, 0)[1] == (3, step)
+
+
+_DROPS_A_FOUND_VALUE = '''
+import sys
+from tiered import record
+from tiered.record import EncodedBatch, Message, RecordEncoder
+
+JUNK = []
+
+
+class Name(str):
+    """A property name that a lookup of KEYS compares with (it files under KEYS's hash); its
+    __eq__ drops TAGS from the dict, whose value had no other reference, and fills memory."""
+
+    def __hash__(self):
+        return hash("KEYS")
+
+    def __eq__(self, other):
+        if "TAGS" in PROPS:
+            del PROPS["TAGS"]
+            JUNK.extend("".join(["Z" * 9, str(i)]) for i in range(20000))
+        return str.__eq__(self, other)
+
+    __ne__ = str.__ne__
+
+
+engine = record.NATIVE_ENGINE if sys.argv[1] == "native" else record.PYTHON_ENGINE
+PROPS = {"TAGS": "".join(["ta", "g-value"]), Name("x"): "v", "UNIQ_KEY": "".join(["u", "1"])}
+out = EncodedBatch(store_timestamp=1)
+message = Message(topic="t", body=b"b", queue_id=0, properties=PROPS)
+engine.encode_batch(RecordEncoder(), [message], 0, 0, 1 << 20, {}, {}, out)
+print(repr((out.tags, out.keys, out.uniq_keys, b"".join(out.parts).hex())), flush=True)
+'''
+
+
+@pytest.mark.skipif(NATIVE is PY, reason="the native engine is not built")
+def test_a_str_subclass_property_name_that_changes_the_dict_in_a_lookup_is_safe() -> None:
+    """Decision 982: the native encoder took ``TAGS``, ``KEYS`` and ``UNIQ_KEY`` of a message
+    with a ``str`` subclass property name by three dict lookups holding borrowed references
+    until all three were done. A lookup that meets such a name runs its ``__eq__``, Python
+    code, which can drop a value an earlier lookup found: on main the process then took a
+    reference to freed memory (a segmentation fault here). Each value must be owned before the
+    next lookup, and the result be the reference's."""
+    got = {}
+    for engine in ("python", "native"):
+        run = subprocess.run(
+            [sys.executable, "-c", _DROPS_A_FOUND_VALUE, engine],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, (engine, run.returncode, run.stderr[-2000:])
+        got[engine] = run.stdout
+    assert got["native"] == got["python"]
+    assert "['tag-value']" in got["native"]

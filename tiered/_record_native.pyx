@@ -537,13 +537,21 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                 if PyDict_CheckExact(props):
                     r.props_len = _encode_properties(<dict>props, &scratch, named)
                     if named[3] != NULL:
-                        named[0] = PyDict_GetItem(props, _TAGS)
-                        named[1] = PyDict_GetItem(props, _KEYS)
-                        named[2] = PyDict_GetItem(props, _UNIQ)
-                    # Owned now: Python code below (a body's ``__bytes__``) could change the dict.
-                    tag_v = <object>named[0] if named[0] != NULL else None
-                    keys_v = <object>named[1] if named[1] != NULL else None
-                    uniq_v = <object>named[2] if named[2] != NULL else None
+                        # Each value owned before the next lookup: a lookup may compare with a
+                        # ``str`` subclass name, whose ``__eq__`` is Python code that can drop
+                        # a value found before from the dict (decision 982: a use after free).
+                        found = PyDict_GetItemWithError(props, _TAGS)
+                        tag_v = <object>found if found != NULL else None
+                        found = PyDict_GetItemWithError(props, _KEYS)
+                        keys_v = <object>found if found != NULL else None
+                        found = PyDict_GetItemWithError(props, _UNIQ)
+                        uniq_v = <object>found if found != NULL else None
+                    else:
+                        # Owned now: Python code below (a body's ``__bytes__``) could change
+                        # the dict. Nothing ran Python since the walk found them.
+                        tag_v = <object>named[0] if named[0] != NULL else None
+                        keys_v = <object>named[1] if named[1] != NULL else None
+                        uniq_v = <object>named[2] if named[2] != NULL else None
                 else:
                     raw = encode_properties(props)
                     _append(&scratch, raw, len(raw))
