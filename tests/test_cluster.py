@@ -60,8 +60,9 @@ commitlog_file_size = "64MiB"
     return cfg, port
 
 
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    """SIGTERM to every process, then wait for each: one that ignores it for 30 s fails."""
+def _stop(procs: list[subprocess.Popen[str]], strict: bool = True) -> None:
+    """SIGTERM to every process, then wait for each; one that ignores it for 30 s is killed and,
+    when ``strict``, fails the test (not in a ``finally``: it would hide the test's own error)."""
     for p in procs:
         p.terminate()
     for p in procs:
@@ -70,7 +71,8 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
-            raise AssertionError(f"{p.args} ignored SIGTERM for 30 s") from None
+            if strict:
+                raise AssertionError(f"{p.args} ignored SIGTERM for 30 s") from None
 
 
 @pytest.fixture
@@ -254,11 +256,4 @@ def test_offload_resolve_resolves_the_broker_that_diverged_beside_one_that_did_n
             again.stderr
         )
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        _stop(procs, strict=False)
