@@ -124,135 +124,101 @@ class _TimedStore:
 
 def main() -> None:
     args = _args()
-    import boto3
-
     import tiered.cold.fetcher as fetcher_module
-    from bench.offload import cold_queue_store, localstack_bucket
-    from broker.reply import encode_pull_replies
-    from offload.offloader import Offloader, OffloadPolicy
-    from tiered.cold.storage import open_store
-    from tiered.cold.worker import ColdWorker, run_job, warm_up
+    from bench.cold_common import archive_mb, cold_archive, cold_fetcher, replay
 
     log_path = Path(tempfile.mkdtemp(prefix="tmq-cold-budget-")) / "jobs.jsonl"
     os.environ["TMQ_COLD_BUDGET_LOG"] = str(log_path)  # before the worker is spawned
-    manage, started, endpoint, _s3, bucket = localstack_bucket()
-    root = Path(tempfile.mkdtemp(prefix="tmq-cold-budget-"))
     out: list[dict[str, Any]] = []
     try:
-        store = cold_queue_store(root / "hot", MESSAGES)
-        options = {"endpoint_url": endpoint}
-        tier = open_store(f"s3://{bucket}/tier", options)
-        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
-        worker = ColdWorker(f"s3://{bucket}/tier", options, preload=preload)
-        worker.start()
-        run_job(worker, warm_up)
-        policy = OffloadPolicy(segment_max_bytes=8 << 20)
-        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
+        with cold_archive("tmq-cold-budget-", MESSAGES, 8 << 20) as archive:
+            tier, worker = archive.tier, archive.worker
+            # The broker's side of every fetch job: submit to result.
+            jobs: list[tuple[tuple[str, int], float, float]] = []
+            jobs_lock = threading.Lock()
+            real_run_job = fetcher_module.run_job
 
-        # The broker's side of every fetch job: submit to result.
-        jobs: list[tuple[tuple[str, int], float, float]] = []
-        jobs_lock = threading.Lock()
-        real_run_job = fetcher_module.run_job
-
-        def timed_run_job(runner: Any, fn: Any, *a: Any, **k: Any) -> Any:
-            if fn is fetcher_module.read_spans:
-                fn = timed_read_spans
-            t = time.monotonic()
-            result = real_run_job(runner, fn, *a, **k)
-            if fn is timed_read_spans:
-                with jobs_lock:
-                    jobs.append(((a[0].key, a[1]), t, time.monotonic()))
-            return result
-
-        fetcher_module.run_job = timed_run_job  # type: ignore[assignment]
-        for _ in range(args.replays):
-            log_path.write_text("")
-            jobs.clear()
-            fetcher = fetcher_module.ColdFetcher(
-                tier,
-                "bench",
-                "broker-a",
-                cache_bytes=32 << 20,
-                runner=worker,
-                reply_encoder=encode_pull_replies,
-                read_timeout_s=60,
-            )
-            real_wait = fetcher._wait
-            waited = [0.0]
-
-            def timed_wait(
-                what: str, future: Any, _w: Any = real_wait, waited: list[float] = waited
-            ) -> Any:
+            def timed_run_job(runner: Any, fn: Any, *a: Any, **k: Any) -> Any:
+                if fn is fetcher_module.read_spans:
+                    fn = timed_read_spans
                 t = time.monotonic()
-                try:
-                    return _w(what, future)
-                finally:
-                    waited[0] += time.monotonic() - t
+                result = real_run_job(runner, fn, *a, **k)
+                if fn is timed_read_spans:
+                    with jobs_lock:
+                        jobs.append(((a[0].key, a[1]), t, time.monotonic()))
+                return result
 
-            fetcher._wait = timed_wait  # type: ignore[method-assign]
-            manifest = fetcher.manifest("cold", 1)
-            mb = sum(s.offsets_at for s in manifest.segments) / 1e6
-            c0, t0 = time.process_time(), time.monotonic()
-            offset = 0
-            while offset < manifest.end_offset:
-                _, offset, _ = fetcher.get_replies("cold", 1, offset, 256, max_bytes=1 << 30)
-            wall = time.monotonic() - t0
-            broker_cpu = time.process_time() - c0
-            fetcher.close()
-            time.sleep(0.5)
-            child = [json.loads(line) for line in log_path.read_text().splitlines()]
-            by_job = {tuple(c["job"]): c for c in child}
-            queue = transfer = 0.0
-            for job, t_submit, t_result in jobs:
-                c = by_job.get(job)
-                if c is None:
-                    continue
-                queue += max(0.0, c["start"] - t_submit)
-                transfer += max(0.0, t_result - c["end"])
-            phases: dict[str, list[float]] = {}
-            for c in child:
-                for name, (w, cpu) in c["phases"].items():
-                    p = phases.setdefault(name, [0.0, 0.0])
-                    p[0] += w
-                    p[1] += cpu
-            job_wall = sum(c["wall"] for c in child)
-            job_cpu = sum(c["cpu"] for c in child)
-            named_w = sum(w for w, _ in phases.values())
-            named_c = sum(c for _, c in phases.values())
-            per_mb = 1e3 / mb  # seconds in all -> ms per MB
+            fetcher_module.run_job = timed_run_job  # type: ignore[assignment]
+            for _ in range(args.replays):
+                log_path.write_text("")
+                jobs.clear()
+                fetcher = cold_fetcher(tier, worker)
+                real_wait = fetcher._wait
+                waited = [0.0]
 
-            def r(x: float, per_mb: float = per_mb) -> float:
-                return round(x * per_mb, 2)
+                def timed_wait(
+                    what: str, future: Any, _w: Any = real_wait, waited: list[float] = waited
+                ) -> Any:
+                    t = time.monotonic()
+                    try:
+                        return _w(what, future)
+                    finally:
+                        waited[0] += time.monotonic() - t
 
-            out.append(
-                {
-                    "mb": round(mb, 1),
-                    "mb_per_s": round(mb / wall, 1),
-                    "wall_ms_per_mb": r(wall),
-                    "reader_waiting_for_batches_ms_per_mb": r(waited[0]),
-                    "broker_cpu_ms_per_mb": r(broker_cpu),
-                    "fetch_jobs": len(child),
-                    "jobs_in_parallel": round(job_wall / wall, 2),
-                    # Summed over the jobs (they overlap): each phase's wall and thread CPU.
-                    "worker_job_ms_per_mb": {"wall": r(job_wall), "cpu": r(job_cpu)},
-                    "worker_phases_ms_per_mb": {
-                        **{n: {"wall": r(w), "cpu": r(c)} for n, (w, c) in phases.items()},
-                        "rest": {"wall": r(job_wall - named_w), "cpu": r(job_cpu - named_c)},
-                    },
-                    "job_queued_before_worker_ms_per_mb": r(queue),
-                    "job_reply_to_broker_ms_per_mb": r(transfer),
-                }
-            )
-        worker.close()
-        store.shutdown()
+                fetcher._wait = timed_wait  # type: ignore[method-assign]
+                manifest = fetcher.manifest("cold", 1)
+                mb = archive_mb(manifest)
+                c0, t0 = time.process_time(), time.monotonic()
+                replay(fetcher, manifest.end_offset)
+                wall = time.monotonic() - t0
+                broker_cpu = time.process_time() - c0
+                fetcher.close()
+                time.sleep(0.5)
+                child = [json.loads(line) for line in log_path.read_text().splitlines()]
+                by_job = {tuple(c["job"]): c for c in child}
+                queue = transfer = 0.0
+                for job, t_submit, t_result in jobs:
+                    c = by_job.get(job)
+                    if c is None:
+                        continue
+                    queue += max(0.0, c["start"] - t_submit)
+                    transfer += max(0.0, t_result - c["end"])
+                phases: dict[str, list[float]] = {}
+                for c in child:
+                    for name, (w, cpu) in c["phases"].items():
+                        p = phases.setdefault(name, [0.0, 0.0])
+                        p[0] += w
+                        p[1] += cpu
+                job_wall = sum(c["wall"] for c in child)
+                job_cpu = sum(c["cpu"] for c in child)
+                named_w = sum(w for w, _ in phases.values())
+                named_c = sum(c for _, c in phases.values())
+                per_mb = 1e3 / mb  # seconds in all -> ms per MB
+
+                def r(x: float, per_mb: float = per_mb) -> float:
+                    return round(x * per_mb, 2)
+
+                out.append(
+                    {
+                        "mb": round(mb, 1),
+                        "mb_per_s": round(mb / wall, 1),
+                        "wall_ms_per_mb": r(wall),
+                        "reader_waiting_for_batches_ms_per_mb": r(waited[0]),
+                        "broker_cpu_ms_per_mb": r(broker_cpu),
+                        "fetch_jobs": len(child),
+                        "jobs_in_parallel": round(job_wall / wall, 2),
+                        # Summed over the jobs (they overlap): each phase's wall and thread CPU.
+                        "worker_job_ms_per_mb": {"wall": r(job_wall), "cpu": r(job_cpu)},
+                        "worker_phases_ms_per_mb": {
+                            **{n: {"wall": r(w), "cpu": r(c)} for n, (w, c) in phases.items()},
+                            "rest": {"wall": r(job_wall - named_w), "cpu": r(job_cpu - named_c)},
+                        },
+                        "job_queued_before_worker_ms_per_mb": r(queue),
+                        "job_reply_to_broker_ms_per_mb": r(transfer),
+                    }
+                )
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(log_path.parent, ignore_errors=True)
-        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
-        resource.objects.delete()
-        resource.delete()
-        if started:
-            manage.stop()
     print(
         json.dumps(
             {

@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import boto3
 import botocore.config
 
-from bench.offload import localstack
-from broker.reply import encode_pull_replies, pull_reply
+from bench.cold_common import cold_fetcher
+from bench.offload import localstack_bucket
+from broker.reply import pull_reply
 from offload.offloader import Offloader, OffloadPolicy
 from tiered.cold.counting import CountingObjectStore
 from tiered.cold.fetcher import ColdFetcher
@@ -113,26 +114,19 @@ def replay_step(fetcher: ColdFetcher, decoded: str, offset: int) -> tuple[int, i
 
 def main() -> None:
     decoded = next((a for a in sys.argv[1:] if a in ("--decoded", "--decoded-pull")), "")
-    encoder = None if decoded else encode_pull_replies
-    manage = localstack()
-    started = manage.start()
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    manage, started, endpoint, _s3, bucket = localstack_bucket()
     s3 = boto3.client(
         "s3",
-        endpoint_url=manage.endpoint(),
+        endpoint_url=endpoint,
         config=botocore.config.Config(max_pool_connections=max(RAW_GET_THREADS)),
     )
-    bucket = f"tmq-bench-{uuid.uuid4().hex[:8]}"
-    s3.create_bucket(Bucket=bucket)
     root = Path(tempfile.mkdtemp(prefix="tmq-cold-"))
     try:
         store = MessageStore(StoreConfig(data_dir=root / "hot"))
         store.start()
         fill(store, 0, BASE)
         fill(store, 1, BASE * 10)
-        options = {"endpoint_url": manage.endpoint()}
+        options = {"endpoint_url": endpoint}
         tier = open_store(f"s3://{bucket}/tier", options)
         worker = ColdWorker(f"s3://{bucket}/tier", options)
         worker.start()
@@ -144,15 +138,7 @@ def main() -> None:
             offloader.offload_queue("cold", q)
 
         # Sequential replay of queue 1 against raw GETs of the same objects.
-        fetcher = ColdFetcher(
-            tier,
-            "bench",
-            "broker-a",
-            cache_bytes=32 << 20,
-            runner=worker,
-            reply_encoder=encoder,
-            read_timeout_s=READ_TIMEOUT_S,
-        )
+        fetcher = cold_fetcher(tier, worker, read_timeout_s=READ_TIMEOUT_S, replies=not decoded)
         end = fetcher.manifest("cold", 1).end_offset
         t0 = time.perf_counter()
         offset = delivered = 0
@@ -188,14 +174,12 @@ def main() -> None:
         busy_stop = threading.Event()
 
         def replay_forever() -> None:
-            f = ColdFetcher(
+            f = cold_fetcher(
                 tier,
-                "bench",
-                "broker-a",
-                cache_bytes=8 << 20,
-                runner=worker,
-                reply_encoder=encoder,
+                worker,
                 read_timeout_s=READ_TIMEOUT_S,
+                cache_bytes=8 << 20,
+                replies=not decoded,
             )
             while not busy_stop.is_set():
                 o = 0
@@ -214,7 +198,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         # LocalStack holds every object in memory until it stops: each run left ~250 MB.
         with contextlib.suppress(Exception):
-            boto3.resource("s3", endpoint_url=manage.endpoint()).Bucket(bucket).objects.delete()
+            boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket).objects.delete()
             s3.delete_bucket(Bucket=bucket)
         if started:
             manage.stop()

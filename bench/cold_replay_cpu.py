@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,50 +51,21 @@ def process_cpu(pid: int) -> float:
 
 def main() -> None:
     args = _args()
-    import boto3
-
     import tiered.cold.fetcher as fetcher_module
-    from bench.offload import cold_queue_store, localstack_bucket
-    from broker.reply import encode_pull_replies
-    from offload.offloader import Offloader, OffloadPolicy
-    from tiered.cold.fetcher import ColdFetcher
-    from tiered.cold.storage import open_store
-    from tiered.cold.worker import ColdWorker, run_job, warm_up
+    from bench.cold_common import archive_mb, cold_archive, cold_fetcher, replay
 
     if args.get_batches:
         fetcher_module.GET_BATCHES = args.get_batches
-    manage, started, endpoint, _s3, bucket = localstack_bucket()
-    root = Path(tempfile.mkdtemp(prefix="tmq-cold-cpu-"))
     replays: list[dict[str, Any]] = []
-    try:
-        store = cold_queue_store(root / "hot", MESSAGES)
-        options = {"endpoint_url": endpoint}
-        tier = open_store(f"s3://{bucket}/tier", options)
-        # The read path's modules imported at the worker's start, not by the first replay's jobs
-        # (they would count as its CPU).
-        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
-        worker = ColdWorker(f"s3://{bucket}/tier", options, preload=preload)
-        worker.start()
-        run_job(worker, warm_up)
-        policy = OffloadPolicy(segment_max_bytes=8 << 20)
-        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
+    with cold_archive("tmq-cold-cpu-", MESSAGES, 8 << 20) as archive:
+        worker = archive.worker
         assert worker.pid is not None
         for _ in range(args.replays):
-            fetcher = ColdFetcher(
-                tier,
-                "bench",
-                "broker-a",
-                cache_bytes=32 << 20,
-                runner=worker,
-                reply_encoder=encode_pull_replies,
-                read_timeout_s=60,
-            )
+            fetcher = cold_fetcher(archive.tier, worker)
             manifest = fetcher.manifest("cold", 1)
-            mb = sum(s.offsets_at for s in manifest.segments) / 1e6
+            mb = archive_mb(manifest)
             w0, b0, t0 = process_cpu(worker.pid), time.process_time(), time.perf_counter()
-            offset = 0
-            while offset < manifest.end_offset:
-                _, offset, _ = fetcher.get_replies("cold", 1, offset, 256, max_bytes=1 << 30)
+            replay(fetcher, manifest.end_offset)
             wall = time.perf_counter() - t0
             broker_s, worker_s = time.process_time() - b0, process_cpu(worker.pid) - w0
             fetcher.close()
@@ -108,15 +77,6 @@ def main() -> None:
                     "mb_per_s": round(mb / wall, 1),
                 }
             )
-        worker.close()
-        store.shutdown()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
-        resource.objects.delete()
-        resource.delete()
-        if started:
-            manage.stop()
     print(
         json.dumps(
             {

@@ -24,7 +24,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,83 +71,51 @@ def hog(root: str, seconds: float) -> None:
 
 def main() -> None:
     args = _args()
-    import boto3
+    from bench.cold_common import cold_archive, cold_fetcher
+    from tiered.cold.fetcher import ColdTierUnavailableError
 
-    from bench.offload import cold_queue_store, localstack_bucket
-    from broker.reply import encode_pull_replies
-    from offload.offloader import Offloader, OffloadPolicy
-    from tiered.cold.fetcher import ColdFetcher, ColdTierUnavailableError
-    from tiered.cold.storage import open_store
-    from tiered.cold.worker import ColdWorker, run_job, warm_up
-
-    manage, started, endpoint, _s3, bucket = localstack_bucket()
-    root = Path(tempfile.mkdtemp(prefix="tmq-cold-starve-"))
     latencies: list[float] = []
     missed = replayed = 0
-    hog_procs: list[Any] = []
-    try:
-        store = cold_queue_store(root / "hot", MESSAGES)
-        options = {"endpoint_url": endpoint}
-        tier = open_store(f"s3://{bucket}/tier", options)
-        preload = ("broker.reply", "tiered.cold.segment", "tiered.cold.fetcher")
-        kwargs: dict[str, Any] = {"preload": preload}
-        if args.read_nice is not None:
-            kwargs["read_nice"] = args.read_nice
-        worker = ColdWorker(f"s3://{bucket}/tier", options, **kwargs)
-        worker.start()
-        run_job(worker, warm_up)
-        policy = OffloadPolicy(segment_max_bytes=4 << 20)
-        Offloader(store, tier, "bench", "broker-a", policy).offload_queue("cold", 1)
-
+    worker_options: dict[str, Any] = {}
+    if args.read_nice is not None:
+        worker_options["read_nice"] = args.read_nice
+    with cold_archive("tmq-cold-starve-", MESSAGES, 4 << 20, **worker_options) as archive:
         ctx = multiprocessing.get_context("spawn")
         hog_procs = [
-            ctx.Process(target=hog, args=(str(root / f"hog{i}"), args.seconds + 5))
+            ctx.Process(target=hog, args=(str(archive.root / f"hog{i}"), args.seconds + 5))
             for i in range(args.hogs)
         ]
-        for p in hog_procs:
-            p.start()
-        time.sleep(3)  # the hogs' imports and stores started: the cores are busy from here
-        t_end = time.monotonic() + args.seconds
-        t0 = time.perf_counter()
-        while time.monotonic() < t_end:
-            fetcher = ColdFetcher(
-                tier,
-                "bench",
-                "broker-a",
-                cache_bytes=32 << 20,
-                runner=worker,
-                reply_encoder=encode_pull_replies,
-                read_timeout_s=DEADLINE_S,
-            )
-            end = fetcher.manifest("cold", 1).end_offset
-            offset = 0
-            while offset < end and time.monotonic() < t_end:
-                t = time.perf_counter()
-                try:
-                    _, nxt, bodies = fetcher.get_replies("cold", 1, offset, 32, max_bytes=1 << 30)
-                except ColdTierUnavailableError:
-                    missed += 1  # the client retries the same offset
+        try:
+            for p in hog_procs:
+                p.start()
+            time.sleep(3)  # the hogs' imports and stores started: the cores are busy from here
+            t_end = time.monotonic() + args.seconds
+            t0 = time.perf_counter()
+            while time.monotonic() < t_end:
+                fetcher = cold_fetcher(archive.tier, archive.worker, read_timeout_s=DEADLINE_S)
+                end = fetcher.manifest("cold", 1).end_offset
+                offset = 0
+                while offset < end and time.monotonic() < t_end:
+                    t = time.perf_counter()
+                    try:
+                        _, nxt, bodies = fetcher.get_replies(
+                            "cold", 1, offset, 32, max_bytes=1 << 30
+                        )
+                    except ColdTierUnavailableError:
+                        missed += 1  # the client retries the same offset
+                        latencies.append(time.perf_counter() - t)
+                        continue
                     latencies.append(time.perf_counter() - t)
-                    continue
-                latencies.append(time.perf_counter() - t)
-                replayed += bodies
-                offset = nxt
-            fetcher.close()
-        wall = time.perf_counter() - t0
-        for p in hog_procs:
-            p.join(30)
-        worker.close()
-        store.shutdown()
-    finally:
-        for p in hog_procs:
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(root, ignore_errors=True)
-        resource = boto3.resource("s3", endpoint_url=endpoint).Bucket(bucket)
-        resource.objects.delete()
-        resource.delete()
-        if started:
-            manage.stop()
+                    replayed += bodies
+                    offset = nxt
+                fetcher.close()
+            wall = time.perf_counter() - t0
+            for p in hog_procs:
+                p.join(30)
+        finally:
+            for p in hog_procs:
+                if p.is_alive():
+                    p.kill()
     q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
     print(
         json.dumps(

@@ -45,6 +45,8 @@ PREALLOCATIONS = ("fallocate", "zeros")
 
 
 def dd_dsync_1k(root: Path, count: int = 500) -> float:
+    """``dd oflag=dsync bs=1K`` into ``root``: writes a second with one sync per 1 KiB write,
+    the rate without group commit (also ``bench/sync_budget.py``'s limit)."""
     path = root / "dd"
     started = time.perf_counter()
     subprocess.run(

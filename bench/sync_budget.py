@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.flush_modes import dd_dsync_1k
 from tiered.config import StoreConfig
 from tiered.hot.group_commit import GATE_NAME
 from tiered.record import ENGINE_NAME, Message
@@ -60,20 +60,6 @@ def _threads() -> dict[int, tuple[float, int, int]]:
             int(sw["nonvoluntary_ctxt_switches"]),
         )
     return out
-
-
-def dd_dsync_1k(root: Path, count: int = 500) -> float:
-    """``dd oflag=dsync bs=1K``: one fsync per message, the rate without group commit."""
-    path = root / "dd"
-    started = time.perf_counter()
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=1024", f"count={count}", "oflag=dsync"],
-        check=True,
-        capture_output=True,
-    )
-    seconds = time.perf_counter() - started
-    path.unlink()
-    return count / seconds
 
 
 def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:

@@ -207,7 +207,7 @@ def replay(
         typer.Option(
             min=0,
             help="Seconds to keep asking for a batch the cold tier has not given yet, then "
-            "exit 1 naming it (0: at its first refusal).",
+            "exit 4 naming it (the cold tier did not answer; 0: at its first refusal).",
         ),
     ] = _COLD_WAIT_S,
 ) -> None:

@@ -124,7 +124,8 @@ def cluster_status(namesrv: str) -> dict[str, Any]:
 def status(namesrv: NamesrvOption = "127.0.0.1:9876", as_json: JsonOption = False) -> None:
     """Brokers, tier upload lag, dispatch lag and bytes per tier, in one screen.
 
-    Example: tmq status --json; exit code 0 when every broker answers, 1 otherwise.
+    Example: tmq status --json; exit code 0 when every broker answers, 1 when one does not, 4
+    when the cold tier did not answer for a tiered queue (its upload lag unknown).
     """
     doc = cluster_status(namesrv)
     healthy = bool(doc["brokers"]) and all(b["alive"] for b in doc["brokers"])

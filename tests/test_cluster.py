@@ -24,20 +24,63 @@ from rocketmq import (
 from remoting.namesrv_client import NameServerClient
 
 
+def _spawn(tmp_path: Path, name: str, args: list[str]) -> tuple[subprocess.Popen[str], Path]:
+    """``tmq ARGS`` as its own process, its stderr in ``NAME.log``: the process and the log."""
+    # A log file, not a pipe: nobody drains a pipe, and a full one blocks the server
+    # (and its shutdown: a NameServer that filled its stderr pipe never exited).
+    log = tmp_path / f"{name}.log"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cli.app", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+    )
+    return p, log
+
+
+def _broker_config(tmp_path: Path, name: str, namesrv: str, extra: str = "") -> tuple[Path, int]:
+    """A cluster broker's config (its store in ``tmp_path/NAME``, ``extra`` lines added to its
+    ``[broker]`` table) and the free port it listens on."""
+    port = free_port()
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f"""
+[broker]
+name = "{name}"
+listen = "127.0.0.1"
+port = {port}
+advertise_host = "127.0.0.1"
+namesrv = "{namesrv}"
+heartbeat_interval_ms = 500
+metrics_port = 0
+{extra}
+[store]
+data_dir = "{tmp_path / name}"
+commitlog_file_size = "64MiB"
+""")
+    return cfg, port
+
+
+def _stop(procs: list[subprocess.Popen[str]], strict: bool = True) -> None:
+    """SIGTERM to every process, then wait for each; one that ignores it for 30 s is killed and,
+    when ``strict``, fails the test (not in a ``finally``: it would hide the test's own error)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+            if strict:
+                raise AssertionError(f"{p.args} ignored SIGTERM for 30 s") from None
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, object]]:
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(name: str, args: list[str]) -> tuple[subprocess.Popen[str], Path]:
-        # A log file, not a pipe: nobody drains a pipe, and a full one blocks the server
-        # (and its shutdown: a NameServer that filled its stderr pipe never exited).
-        log = tmp_path / f"{name}.log"
-        p = subprocess.Popen(
-            [sys.executable, "-m", "cli.app", *args],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=log.open("ab"),
-        )
+        p, log = _spawn(tmp_path, name, args)
         procs.append(p)
         return p, log
 
@@ -52,35 +95,12 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, object]]:
         namesrvs.append(f"127.0.0.1:{port}")
     brokers = {}
     for name in ("broker-a", "broker-b"):
-        port = free_port()
-        cfg = tmp_path / f"{name}.toml"
-        cfg.write_text(f"""
-[broker]
-name = "{name}"
-listen = "127.0.0.1"
-port = {port}
-advertise_host = "127.0.0.1"
-namesrv = "{";".join(namesrvs)}"
-heartbeat_interval_ms = 500
-metrics_port = 0
-
-[store]
-data_dir = "{tmp_path / name}"
-commitlog_file_size = "64MiB"
-""")
+        cfg, port = _broker_config(tmp_path, name, ";".join(namesrvs))
         p, log = spawn(name, ["broker", "start", "--config", str(cfg)])
         wait_healthy(p, f"127.0.0.1:{port}", log, name)
         brokers[name] = (p, f"127.0.0.1:{port}")
     yield {"namesrvs": namesrvs, "brokers": brokers}
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-            raise AssertionError(f"{p.args} ignored SIGTERM for 30 s") from None
+    _stop(procs)
 
 
 def test_a_topic_spread_over_two_brokers_is_routed_and_consumed(cluster) -> None:
@@ -146,31 +166,10 @@ def _tiered_broker(
 ) -> tuple[subprocess.Popen[str], Path, str]:
     """A broker of the cluster with its own cold tier (a file:// one), offloading every second:
     its process, data directory and endpoint."""
-    port = free_port()
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(f"""
-[broker]
-name = "{name}"
-listen = "127.0.0.1"
-port = {port}
-advertise_host = "127.0.0.1"
-namesrv = "{namesrv}"
-heartbeat_interval_ms = 500
-metrics_port = 0
-tier_url = "file://{tmp_path / ("tier-" + name)}"
-offload_interval_ms = 1000
-
-[store]
-data_dir = "{tmp_path / name}"
-commitlog_file_size = "64MiB"
-""")
-    log = tmp_path / f"{name}.log"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "cli.app", "broker", "start", "--config", str(cfg)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-    )
+    tier = f"file://{tmp_path / ('tier-' + name)}"
+    extra = f'tier_url = "{tier}"\noffload_interval_ms = 1000\n'
+    cfg, port = _broker_config(tmp_path, name, namesrv, extra)
+    p, log = _spawn(tmp_path, name, ["broker", "start", "--config", str(cfg)])
     wait_healthy(p, f"127.0.0.1:{port}", log, name)
     return p, tmp_path / name, f"127.0.0.1:{port}"
 
@@ -186,15 +185,8 @@ def test_offload_resolve_resolves_the_broker_that_diverged_beside_one_that_did_n
     procs: list[subprocess.Popen[str]] = []
     try:
         port = free_port()
-        log = tmp_path / "namesrv.log"
-        ns = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "cli.app", "namesrv", "start", "--host", "127.0.0.1"),
-                *("--port", str(port)),
-            ],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=log.open("ab"),
+        ns, log = _spawn(
+            tmp_path, "namesrv", ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
         )
         procs.append(ns)
         namesrv = f"127.0.0.1:{port}"
@@ -264,11 +256,4 @@ def test_offload_resolve_resolves_the_broker_that_diverged_beside_one_that_did_n
             again.stderr
         )
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        _stop(procs, strict=False)

@@ -108,6 +108,19 @@ def replay(fetcher: ColdFetcher, end: int, errors: int = 0) -> list[bytes]:
     return read
 
 
+@contextlib.contextmanager
+def proxied_fetcher(
+    proxied: tuple[str, dict[str, Any]], worker: ColdWorker
+) -> Iterator[ColdFetcher]:
+    """Broker b's (cluster c) fetcher of the tier behind the fault proxy, its reads in
+    ``worker``, with a deadline (20 s) for a loaded machine, not a broker's; closed on exit."""
+    fetcher = ColdFetcher(open_store(*proxied, QUICK), "c", "b", runner=worker, read_timeout_s=20)
+    try:
+        yield fetcher
+    finally:
+        fetcher.close()
+
+
 def test_wrong_bytes_from_the_store_fail_reads_until_healed_then_every_message_reads(
     fault_proxy: Any,
     worker: ColdWorker,
@@ -116,9 +129,7 @@ def test_wrong_bytes_from_the_store_fail_reads_until_healed_then_every_message_r
     s3: S3Endpoint,
 ) -> None:
     bodies = archive(hot, s3, proxied[0], 900, 300)
-    tier = open_store(*proxied, QUICK)
-    fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=20)
-    try:
+    with proxied_fetcher(proxied, worker) as fetcher:
         assert fetcher.manifest("t", 0).end_offset == 900
         # Every ranged GET answers with one bit flipped (S3 checks no checksum of a range): the
         # offset tables and the records the reads fetch are all wrong bytes now.
@@ -131,8 +142,6 @@ def test_wrong_bytes_from_the_store_fail_reads_until_healed_then_every_message_r
         # A read-ahead the proxy answered before it healed may still fail a read or two; the
         # table it damaged must not outlive it (it was cached, and every read failed).
         assert replay(fetcher, 900, errors=3) == bodies
-    finally:
-        fetcher.close()
 
 
 @pytest.mark.parametrize(
@@ -155,9 +164,7 @@ def test_a_failing_store_is_a_retryable_error_never_a_short_read_and_reads_recov
 ) -> None:
     # Segments of 100 messages, each one batch: the first read reads ahead into the second.
     bodies = archive(hot, s3, proxied[0], 600, 100)
-    tier = open_store(*proxied, QUICK)
-    fetcher = ColdFetcher(tier, "c", "b", runner=worker, read_timeout_s=20)
-    try:
+    with proxied_fetcher(proxied, worker) as fetcher:
         assert fetcher.manifest("t", 0).end_offset == 600
         first, nxt = fetcher.get("t", 0, 0, 10)  # the first batch and its read-ahead
         assert [m.body for m in first] == bodies[:10] and nxt == 10
@@ -172,8 +179,6 @@ def test_a_failing_store_is_a_retryable_error_never_a_short_read_and_reads_recov
         fault_proxy.heal()
         fetcher.read_timeout_s = 20
         assert replay(fetcher, 600) == bodies
-    finally:
-        fetcher.close()
 
 
 @pytest.mark.parametrize("who", ["this broker", "another process"])

@@ -41,6 +41,18 @@ def gate(request: pytest.FixtureRequest) -> BatchGate:
     return new_gate()
 
 
+needs_native_gate = pytest.mark.skipif(
+    GATE_NAME != "native", reason="the native batch gate is not built"
+)
+
+
+def _sync_store(data_dir: Path) -> MessageStore:
+    """A started store in ``data_dir`` with SYNC flush and the tests' small files."""
+    store = MessageStore(StoreConfig(data_dir=data_dir, flush="sync", **SMALL))
+    store.start()
+    return store
+
+
 class _Disk:
     """A flush function over a counter of appended bytes: what an fsync started now covers."""
 
@@ -186,20 +198,18 @@ def test_concurrent_sync_sends_share_commitlog_fsyncs(
     assert len(fsynced) <= sent / 3, f"{len(fsynced)} CommitLog fsyncs for {sent} messages"
 
 
+@needs_native_gate
 def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: Path) -> None:
     """The native flusher (decision 580) syncs the CommitLog file without Python: 8 producers
     send single messages to a SYNC store on the power-loss filesystem, across CommitLog rolls;
     the power goes out with a random part of the unsynced pages landing. Every acknowledged
     message is in what the disk kept, and the producers shared the fsyncs."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
     _need_fuse()
     durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
     fs = PowerLossMount(mountpoint, durable)
     acked: list[tuple[int, int, int, bytes]] = []  # queue, queue offset, CommitLog offset, body
     try:
-        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL))
-        store.start()
+        store = _sync_store(mountpoint / "store")
         group = store.commitlog.group_commit
         per_thread, threads = 60, 8
 
@@ -227,8 +237,7 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
     # Some copies kept the GIL (decision 940): that path is under the power loss too.
     assert 0 < gil_copies < sent, gil_copies
     assert fsyncs <= sent / 3, f"{fsyncs} CommitLog fsyncs for {sent} messages"
-    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
-    store.start()
+    store = _sync_store(durable / "store")
     try:
         assert store.wait_dispatched()
         for queue, queue_offset, offset, body in acked:
@@ -240,14 +249,13 @@ def test_native_flusher_acknowledges_only_what_survives_a_power_loss(tmp_path: P
         store.shutdown()
 
 
+@needs_native_gate
 def test_concurrent_native_sends_copy_every_byte_with_or_without_the_gil(tmp_path: Path) -> None:
     """The native send copies a record that stays in the page it stored to last, with no
     fsync started since, holding the GIL, and any other without it (decision 940). 8 senders
     of bodies from 0 bytes to 3 KiB (records inside one page and across two), across rolls:
     both ways ran, and after a restart every acknowledged message reads back whole at its
     CommitLog offset and queue offset."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
     config = StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL)
     store = MessageStore(config)
     store.start()
@@ -283,19 +291,15 @@ def test_concurrent_native_sends_copy_every_byte_with_or_without_the_gil(tmp_pat
         store.shutdown()
 
 
+@needs_native_gate
 def test_a_failed_native_fdatasync_fails_its_writers_and_every_later_send(tmp_path: Path) -> None:
     """The native flusher's fdatasync fails (the power-loss filesystem drops the unwritten
     pages and answers EIO, as Linux does): the senders of that batch get the failure, the
     store fails, and no later send is acknowledged though the next fdatasync would succeed."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
     _need_fuse()
     fs = PowerLossMount(tmp_path / "mnt", tmp_path / "durable")
     try:
-        store = MessageStore(
-            StoreConfig(data_dir=tmp_path / "mnt" / "store", flush="sync", **SMALL)
-        )
-        store.start()
+        store = _sync_store(tmp_path / "mnt" / "store")
         try:
             store.put_message(Message(topic="gc", queue_id=0, body=b"before"))
             group = store.commitlog.group_commit
@@ -401,6 +405,7 @@ def _adversarial_messages(rng: random.Random, count: int) -> list[Message]:
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
+@needs_native_gate
 def test_native_single_send_writes_what_the_python_path_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
@@ -409,8 +414,6 @@ def test_native_single_send_writes_what_the_python_path_writes(
     store timestamp, with either record engine: every CommitLog file byte-identical, the same
     results and queue offsets, and the native send took the sends it can take (the rest, 4
     KiB records and those that roll a file, went the Python way in the same store)."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
     from tiered import record
     from tiered.hot import commitlog as commitlog_module
 
@@ -462,13 +465,11 @@ def test_native_single_send_writes_what_the_python_path_writes(
             store.shutdown()
 
 
+@needs_native_gate
 def test_native_single_send_declines_a_failed_store_and_raises_as_before(tmp_path: Path) -> None:
     """A store whose CommitLog failed: the native send declines and ``put_message`` raises
     ``DurabilityLostError`` from the Python path, with nothing appended."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
-    store = MessageStore(StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL))
-    store.start()
+    store = _sync_store(tmp_path / "store")
     try:
         store.put_message(Message(topic="gc", queue_id=0, body=b"before"))
         end = store.commitlog.max_offset
@@ -482,16 +483,14 @@ def test_native_single_send_declines_a_failed_store_and_raises_as_before(tmp_pat
             store.shutdown()
 
 
+@needs_native_gate
 def test_native_single_send_takes_its_store_timestamp_under_the_put_lock(tmp_path: Path) -> None:
     """A send that waited for the put lock is stamped when it gets it, as ``CommitLog.append``
     stamps its batch (RocketMQ sets storeTimestamp under its put lock too): a stamp taken
     before the wait is older than the sends stored while it waited, so a queue's timestamps
     fell along its offsets and ``offset_for_timestamp``'s binary search, which needs them in
     order, could answer past a message stored at the time asked for."""
-    if GATE_NAME != "native":
-        pytest.skip("the native batch gate is not built")
-    store = MessageStore(StoreConfig(data_dir=tmp_path / "store", flush="sync", **SMALL))
-    store.start()
+    store = _sync_store(tmp_path / "store")
     try:
         store.put_message(Message(topic="gc", queue_id=0, body=b"first"))
         got: list[int] = []

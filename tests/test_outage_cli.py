@@ -6,8 +6,10 @@ LocalStack S3 behind the tests' fault proxy (a black hole: connections accepted,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,25 @@ def _timed(*args: str) -> tuple[float, Any]:
     return time.monotonic() - started, done
 
 
+def _create_tiered(node: Standalone, topic: str, queues: str = "2", *extra: str) -> None:
+    """``tmq topic create TOPIC -q QUEUES --tiered EXTRA``, which must succeed, and the topic
+    routed."""
+    created = tmq("topic", "create", topic, "-n", node.namesrv, "-q", queues, "--tiered", *extra)
+    assert created.returncode == 0, created.stderr
+    node.wait_routed(topic)
+
+
+@contextlib.contextmanager
+def _running(node: Standalone, fault_proxy: Any) -> Iterator[str]:
+    """The node's NameServer address; on the way out the fault proxy is healed and the node
+    stopped, whatever the body raised."""
+    try:
+        yield node.namesrv
+    finally:
+        fault_proxy.heal()
+        node.stop()
+
+
 def _archived_then_restarted(tmp_path: Path, fault_proxy: Any, bucket: str) -> Standalone:
     """A broker whose tiered topic's 200 messages are archived (watermark 100 on each of 2
     queues), restarted while the tier resets every connection, so no manifest is cached."""
@@ -33,11 +54,7 @@ def _archived_then_restarted(tmp_path: Path, fault_proxy: Any, bucket: str) -> S
     data = tmp_path / "data"
     node = start_tiered(data, url, env)
     try:
-        created = tmq(
-            "topic", "create", TOPIC, "-n", node.namesrv, "-q", "2", "--tiered", "--ttl", "30d"
-        )
-        assert created.returncode == 0, created.stderr
-        node.wait_routed(TOPIC)
+        _create_tiered(node, TOPIC, "2", "--ttl", "30d")
         send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(200)])
         offloaded = tmq("offload", TOPIC, "-n", node.namesrv, timeout=120)
         assert offloaded.returncode == 0, offloaded.stderr
@@ -61,8 +78,7 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
     queue's tier watermark (and archive size) null in JSON, `unknown` in text, and exit 4; once
     the tier answers, the real values again, exit 0."""
     node = _archived_then_restarted(tmp_path, fault_proxy, bucket)
-    try:
-        n = node.namesrv
+    with _running(node, fault_proxy) as n:
         for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
             fault_proxy.set(**outage)
             took, described = _timed("topic", "describe", TOPIC, "-n", n, "--json")
@@ -147,9 +163,6 @@ def test_describe_list_and_offload_status_answer_unknown_in_seconds_during_an_ou
         wait_until("the tier's size known", lambda: tmq("status", "-n", n).returncode == 0, 30)
         doc = json.loads(tmq("status", "-n", n, "--json").stdout)
         assert doc["tiered_topics"][0]["store_bytes"]["cold"] > 200_000, doc
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage(
@@ -163,8 +176,7 @@ def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage
     naming the queues: exit 3 in seconds, with no cached manifest, under 503s, and with every
     manifest cached from before the outage. Once the tier answers, verify says OK."""
     node = _archived_then_restarted(tmp_path, fault_proxy, bucket)
-    n = node.namesrv
-    try:
+    with _running(node, fault_proxy) as n:
         for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
             fault_proxy.set(**outage)
             took, verified = _timed("verify", TOPIC, "-n", n, "--timeout", "20")
@@ -203,9 +215,6 @@ def test_verify_answers_could_not_verify_within_the_broker_wait_during_an_outage
         assert "could not verify: the cold tier did not answer for 2 queue(s)" in (
             verified.stderr
         ), verified.stderr
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_verify_of_more_queues_than_the_broker_loads_at_once_answers_ok(
@@ -220,9 +229,7 @@ def test_verify_of_more_queues_than_the_broker_loads_at_once_answers_ok(
     node = start_tiered(tmp_path / "data", f"s3://{bucket}/wide", env)
     try:
         n = node.namesrv
-        created = tmq("topic", "create", "wide", "-n", n, "-q", "12", "--tiered")
-        assert created.returncode == 0, created.stderr
-        node.wait_routed("wide")
+        _create_tiered(node, "wide", "12")
 
         def verified_ok() -> bool:
             verified = tmq("verify", "wide", "-n", n, "--json", timeout=60)
@@ -287,11 +294,8 @@ def test_offload_says_the_tier_is_unreachable_within_the_broker_wait_and_resumes
     naming the queues, nothing uploaded. Once the tier answers, the same command uploads
     everything, and the archive is whole: verify --deep OK."""
     node = _tiered_node(tmp_path, fault_proxy, bucket, "offload")
-    n = node.namesrv
-    try:
-        created = tmq("topic", "create", TOPIC, "-n", n, "-q", "2", "--tiered")
-        assert created.returncode == 0, created.stderr
-        node.wait_routed(TOPIC)
+    with _running(node, fault_proxy) as n:
+        _create_tiered(node, TOPIC)
         for outage in ({"blackhole": True}, {"error_rate": 1.0, "error_status": 503}):
             fault_proxy.set(**outage)
             send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(100)])
@@ -312,9 +316,6 @@ def test_offload_says_the_tier_is_unreachable_within_the_broker_wait_and_resumes
 
         wait_until("every message uploaded once the tier answers", uploaded, 60)
         wait_until("the archive verified whole", lambda: _verified_ok(n, TOPIC, "--deep"), 60)
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_offload_that_the_tier_stops_answering_during_says_so_and_commits_only_whole_segments(
@@ -332,11 +333,8 @@ def test_offload_that_the_tier_stops_answering_during_says_so_and_commits_only_w
     from broker import admin_pb2_grpc as pb_grpc
 
     node = _tiered_node(tmp_path, fault_proxy, bucket, "during")
-    n = node.namesrv
-    try:
-        created = tmq("topic", "create", TOPIC, "-n", n, "-q", "2", "--tiered")
-        assert created.returncode == 0, created.stderr
-        node.wait_routed(TOPIC)
+    with _running(node, fault_proxy) as n:
+        _create_tiered(node, TOPIC)
         fault_proxy.set(blackhole=True, methods=["PUT"])
         send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(200)])
 
@@ -375,9 +373,6 @@ def test_offload_that_the_tier_stops_answering_during_says_so_and_commits_only_w
 
         wait_until("the upload resumed once the tier answers", lambda: _all_archived(n, 200), 60)
         wait_until("the archive verified whole", lambda: _verified_ok(n, TOPIC, "--deep"), 60)
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_verify_answers_could_not_verify_when_the_tier_goes_silent_after_the_manifests(
@@ -389,11 +384,8 @@ def test_verify_answers_could_not_verify_when_the_tier_goes_silent_after_the_man
     tier's retries. Now the broker answers "could not verify" at the call's deadline (90% of
     it, less 0.5 s), naming the listing: exit 3 before the CLI's timeout."""
     node = _tiered_node(tmp_path, fault_proxy, bucket, "listing")
-    n = node.namesrv
-    try:
-        created = tmq("topic", "create", TOPIC, "-n", n, "-q", "2", "--tiered")
-        assert created.returncode == 0, created.stderr
-        node.wait_routed(TOPIC)
+    with _running(node, fault_proxy) as n:
+        _create_tiered(node, TOPIC)
         send_batches(node.endpoint, TOPIC, [(b"x" * 1000, f"k{i}", "t") for i in range(100)])
         offloaded = tmq("offload", TOPIC, "-n", n, timeout=120)
         assert offloaded.returncode == 0, offloaded.stderr
@@ -408,9 +400,6 @@ def test_verify_answers_could_not_verify_when_the_tier_goes_silent_after_the_man
         assert "no answer within 10 s" not in verified.stderr, verified.stderr
         fault_proxy.heal()
         wait_until("verify OK once the tier answers", lambda: _verified_ok(n, TOPIC), 60)
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_loads_a_refused_verify_leaves_behind_free_their_slots_within_the_wait(
@@ -423,12 +412,9 @@ def test_loads_a_refused_verify_leaves_behind_free_their_slots_within_the_wait(
     queue the tier answers for. Now a load an operator has given up on ends within about two
     of the broker's waits (1 s each here), and `verify free` says OK."""
     node = _tiered_node(tmp_path, fault_proxy, bucket, "slots")
-    n = node.namesrv
-    try:
+    with _running(node, fault_proxy) as n:
         for topic, queues in (("held", "8"), ("free", "2")):
-            created = tmq("topic", "create", topic, "-n", n, "-q", queues, "--tiered")
-            assert created.returncode == 0, created.stderr
-            node.wait_routed(topic)
+            _create_tiered(node, topic, queues)
         wait_until("verify of free OK", lambda: _verified_ok(n, "free"), 60)
         fault_proxy.set(blackhole=True, paths=["/held/"])
         took, held = _timed("verify", "held", "-n", n, "--timeout", "20")
@@ -439,9 +425,6 @@ def test_loads_a_refused_verify_leaves_behind_free_their_slots_within_the_wait(
         print(f"after a refused verify of 8 queues: verify free {took:.1f} s {free.stderr!r}")
         assert free.returncode == 0, (free.stdout, free.stderr)
         assert json.loads(free.stdout)["status"] == "OK", free.stdout
-    finally:
-        fault_proxy.heal()
-        node.stop()
 
 
 def test_a_tiered_topic_of_more_queues_than_the_load_slots_is_checked_at_creation(
@@ -453,8 +436,7 @@ def test_a_tiered_topic_of_more_queues_than_the_load_slots_is_checked_at_creatio
     their archives") although the tier answered. Now they wait for a slot within the same
     deadline: every queue is checked at creation, none is recorded unchecked."""
     node = _tiered_node(tmp_path, fault_proxy, bucket, "wide")
-    n = node.namesrv
-    try:
+    with _running(node, fault_proxy) as n:
         fault_proxy.set(delay_ms=100)
         created = tmq("topic", "create", "wide", "-n", n, "-q", "12", "--tiered")
         assert created.returncode == 0, created.stderr
@@ -464,6 +446,3 @@ def test_a_tiered_topic_of_more_queues_than_the_load_slots_is_checked_at_creatio
         assert described.returncode == 0, described.stderr
         (row,) = json.loads(described.stdout)
         assert all(q["tier_divergence"] is None for q in row["queue_offsets"]), row
-    finally:
-        fault_proxy.heal()
-        node.stop()

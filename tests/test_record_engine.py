@@ -178,6 +178,32 @@ def test_encode_batch_reuses_shared_objects_and_finds_property_names_as_lookups_
         assert tags[0] is None and tags[1] == "t1" and tags[2] == "sub" and tags[4] == "t"
 
 
+def _encode_rolled(
+    engine: Any,
+    encoder: RecordEncoder,
+    messages: list[Message],
+    base: dict[tuple[str, int], int],
+    offset: int,
+    spaces: tuple[int, ...],
+) -> tuple[Any, ...]:
+    """``messages`` encoded by ``engine`` from file offset ``offset``, one ``encode_batch`` call
+    a space in ``spaces`` (a call stops where its space ends, as at a file's roll, and the next
+    goes on from there): for each call its (next start, bytes used, bytes, queue offsets,
+    queues), then ``next_offsets`` as it left them."""
+    next_offsets: dict[tuple[str, int], int] = {}
+    results: list[Any] = []
+    start = 0
+    for space in spaces:
+        out = EncodedBatch(store_timestamp=1_700_000_000_123)
+        start, used = engine.encode_batch(
+            encoder, messages, start, offset, space, next_offsets, base, out
+        )
+        offset += used
+        results.append((start, used, b"".join(out.parts), list(out.queue_offsets), out.queues))
+        results.append(dict(next_offsets))
+    return tuple(results)
+
+
 class _QueueNumber(int):
     """An ``int`` subclass queue id: not an exact int, so the slots' fast path must not take it."""
 
@@ -201,19 +227,7 @@ def test_encode_batch_finds_a_queue_by_topic_object_and_queue_id_as_the_key_cach
     base = {("topic-a", 1): 70, ("topic-b", 2): 5}
 
     def run(engine: Any) -> tuple[Any, ...]:
-        encoder = RecordEncoder()
-        next_offsets: dict[tuple[str, int], int] = {}
-        results: list[Any] = []
-        start, offset = 0, 0
-        for space in (9_000, 1 << 24):
-            out = EncodedBatch(store_timestamp=1_700_000_000_123)
-            start, used = engine.encode_batch(
-                encoder, messages, start, offset, space, next_offsets, base, out
-            )
-            offset += used
-            results.append((start, used, b"".join(out.parts), list(out.queue_offsets), out.queues))
-            results.append(dict(next_offsets))
-        return tuple(results)
+        return _encode_rolled(engine, RecordEncoder(), messages, base, 0, (9_000, 1 << 24))
 
     native = run(NATIVE)
     assert 0 < native[0][0] < len(messages)
@@ -244,18 +258,8 @@ def test_encode_batch_queue_offsets_across_many_queues_and_a_roll(cache_full: bo
         encoder = RecordEncoder()
         if cache_full:  # the topic cache is full: no key of this batch is kept
             encoder._queue_keys.update({f"other{k}": {} for k in range(100_000)})
-        next_offsets: dict[tuple[str, int], int] = {}
-        results: list[Any] = []
-        start, offset = 0, 4096
-        for space in (20_000, 1 << 24):  # the first call stops where the file would roll
-            out = EncodedBatch(store_timestamp=1_700_000_000_123)
-            start, used = engine.encode_batch(
-                encoder, messages, start, offset, space, next_offsets, base, out
-            )
-            offset += used
-            results.append((start, used, b"".join(out.parts), list(out.queue_offsets), out.queues))
-            results.append(dict(next_offsets))
-        return tuple(results)
+        # The first call stops where the file would roll.
+        return _encode_rolled(engine, encoder, messages, base, 4096, (20_000, 1 << 24))
 
     native = run(NATIVE)
     assert 0 < native[0][0] < len(messages)  # the roll happened mid-batch
