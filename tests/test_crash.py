@@ -131,3 +131,68 @@ def test_a_batch_killed_before_its_records_are_whole_is_not_recovered(
     finally:
         store.shutdown()
     assert verify(data_dir, "sync", {})[1] == 41
+
+
+# Seed 30 cuts the batch inside a record's properties (only the record CRC can tell), 77 inside a
+# body.
+@pytest.mark.parametrize(("flush", "seed"), [("async", 30), ("sync", 30), ("async", 77)])
+def test_a_batch_killed_in_the_middle_of_its_write_keeps_its_whole_records_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flush: str, seed: int
+) -> None:
+    """Decision 1040: the encoder writes a batch with its size fields in place, in one pwrite, and
+    relies on the record CRC (decision 210) to find a record torn by kill -9. The child is killed
+    with its write cut where SIGKILL cuts a pwrite (at a file page, here the first past the
+    batch's middle): the batch's records before the cut are whole, one is torn across it, zeros
+    after. Recovery keeps every acknowledged message and the batch's whole records (never
+    acknowledged, as when a kill lands between the guard's size stores), cuts the torn record to
+    quarantine, serves nothing damaged, and the store appends over the cut."""
+    data_dir = tmp_path / "store"
+    crash_after_writing(data_dir, 40, flush=flush)
+    monkeypatch.setenv("TMQ_FAILPOINTS", "commitlog.mid_write")
+    child = run_child(data_dir, "produce", flush, 0, seed)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, err
+    assert "failpoint commitlog.mid_write" in err
+    monkeypatch.delenv("TMQ_FAILPOINTS")
+    acked = {
+        p[1]: (p[2], int(p[3]), int(p[4]), int(p[5])) for p in map(str.split, out.splitlines())
+    }
+    first_unacked = len(acked)  # the child's ids run "SEED-0", "SEED-1", ... in append order
+    written = b"".join(p.read_bytes() for p in sorted((data_dir / "commitlog").iterdir()))
+    assert body_for(f"{seed}-{first_unacked}") in written, "the killed batch's front is not on disk"
+
+    store = MessageStore(StoreConfig(data_dir=data_dir, flush=flush, **SMALL))  # type: ignore[arg-type]
+    report = store.start()
+    try:
+        assert not report.clean_exit
+        stored: dict[str, bytes] = {}
+        for topic in TOPICS:
+            for qid in range(4):
+                offset = 0
+                while (r := store.get_messages(topic, qid, offset, 64)).status is GetStatus.FOUND:
+                    for m in r.messages:
+                        assert m.queue_offset == offset
+                        stored[m.msg_id] = m.body
+                        offset += 1
+    finally:
+        store.shutdown()
+    for mid, body in stored.items():
+        assert body == body_for(mid), f"{mid} recovered damaged"
+    assert all(mid in stored for mid in acked), "an acknowledged message was lost"
+    ours = sorted(int(mid.split("-")[1]) for mid in stored if mid.startswith(f"{seed}-"))
+    kept = len(ours) - first_unacked
+    assert ours == list(range(len(ours))), "the batch's survivors are not a prefix of it"
+    assert kept >= 1, "no whole record of the killed batch survived the cut"
+    # The torn record was cut off and kept aside: its size field in place, fewer bytes than it.
+    assert len(report.commitlog.quarantined) == 1, "no torn record was cut"
+    torn = report.commitlog.quarantined[0].read_bytes()
+    assert 0 < len(torn) < int.from_bytes(torn[:4], "big")
+    assert len(stored) == 40 + len(ours)
+    # And the store goes on from there.
+    store = MessageStore(StoreConfig(data_dir=data_dir, flush=flush, **SMALL))  # type: ignore[arg-type]
+    store.start()
+    try:
+        store.put_messages([message_for("after-0", random.Random(1))])
+    finally:
+        store.shutdown()
+    assert verify(data_dir, flush, acked)[1] == 40 + len(ours) + 1

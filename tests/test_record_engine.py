@@ -864,9 +864,11 @@ def test_encode_batch_into_the_file_writes_what_append_records_writes(
 ) -> None:
     """Given a sink, the native encoder writes a batch that fits whole and is large enough
     (16 KiB) into the file itself, in the GIL release of its encoding (decision 452): the file is
-    byte-identical to encoding then ``append_records_py``, the size fields are all zero while the
-    failpoint between the two steps runs, and the dispatch fields are the same. A smaller batch,
-    or one that does not fit whole, is left to the caller in ``out.parts``."""
+    byte-identical to encoding then ``append_records_py``, and the dispatch fields are the same.
+    The records go with their size fields in place (decision 1040): with the ``mid_write``
+    failpoint armed, the file holds, while it runs, the batch's first bytes up to a file page
+    past its middle, sizes and all, and zeros after, as a ``pwrite`` cut by SIGKILL leaves it.
+    A smaller batch, or one that does not fit whole, is left to the caller in ``out.parts``."""
     from tiered.hot.mapped_file import MappedFile
 
     body = bytes(range(256)) * 4
@@ -888,12 +890,7 @@ def test_encode_batch_into_the_file_writes_what_append_records_writes(
         direct.wrote = at
         out = EncodedBatch(store_timestamp=1_700_000_000_000)
         nxt: dict[tuple[str, int], int] = {}
-        sink = (
-            direct._fd,
-            direct.mm,
-            at,
-            lambda: seen.extend(direct.mm[at + o - 4096 : at + o - 4092] for o in out.offsets),
-        )
+        sink = (direct._fd, direct.mm, at, lambda: seen.append(direct.mm[at : at + (1 << 19)]))
         i, used = RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, nxt, {}, out, sink)
         assert (i, nxt, list(out.offsets), list(out.queue_offsets), out.keys) == (
             count,
@@ -905,8 +902,22 @@ def test_encode_batch_into_the_file_writes_what_append_records_writes(
         # The reference (TMQ_PURE_PYTHON=1) never writes: the caller does.
         assert out.written == (record.ENGINE_NAME == "native" and used >= 16384)
         if out.written:
-            assert out.parts == [] and seen == [bytes(4)] * count
+            assert out.parts == [] and len(seen) == 1
             assert direct.mm[:] == ref.mm[:]
+            # At the cut: a prefix of the batch ending at a file page, sizes in place, then zeros.
+            cut = (at + used // 2) // 4096 * 4096 + 4096 - at
+            assert 0 < cut < used
+            assert seen[0][:cut] == ref.mm[at : at + cut]
+            assert seen[0][cut:] == bytes(len(seen[0]) - cut)
+            # Unarmed (None, as in production) the same bytes go in one write.
+            again = MappedFile(tmp_path / "again", 0, 1 << 20, create=True)
+            try:
+                plain = (again._fd, again.mm, at, None)
+                again_out = EncodedBatch(store_timestamp=1_700_000_000_000)
+                RecordEncoder().encode_batch(messages, 0, 4096, 1 << 19, {}, {}, again_out, plain)
+                assert again.mm[:] == ref.mm[:]
+            finally:
+                again.close()
         else:
             assert b"".join(out.parts) == b"".join(expected.parts)
             assert direct.mm[:] == bytes(1 << 20)  # nothing written: the caller writes
@@ -915,7 +926,7 @@ def test_encode_batch_into_the_file_writes_what_append_records_writes(
         before = direct.mm[:]
         j, _ = RecordEncoder().encode_batch(messages, 0, 4096, used - 1, {}, {}, short, sink)
         assert j < count and not short.written and direct.mm[:] == before
-        # A write the file refuses (EBADF here, EIO from a device) raises, sizes never set.
+        # A write the file refuses (EBADF here, EIO from a device) raises, nothing written.
         if record.ENGINE_NAME == "native" and used >= 16384:
             fd = os.open(tmp_path / "direct", os.O_RDONLY)
             try:

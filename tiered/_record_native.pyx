@@ -458,10 +458,10 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
                  dict next_offsets, dict base_offsets, out, sink=None):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
 
-    With ``sink`` (``MappedFile.append_sink``: descriptor, mapping, position, failpoint), a batch
-    that fits whole and is large enough to be written without the GIL is written into the file
-    instead, as ``append_records`` writes it, in the same release of the GIL as its encoding
-    (decision 452); ``out.written`` is then set and ``out.parts`` stays empty."""
+    With ``sink`` (``MappedFile.append_sink``: descriptor, mapping, position, failpoint or
+    None), a batch that fits whole and is large enough to be written without the GIL is written
+    into the file instead, by one ``pwrite`` with its size fields in place (decision 1040), in
+    the same release of the GIL as its encoding (decision 452); ``out.written`` is then set and ``out.parts`` stays empty."""
     cdef Py_ssize_t count = len(messages)
     cdef Py_ssize_t i = start, n = 0, used = 0, size
     cdef Rec* recs
@@ -2274,44 +2274,53 @@ def append_records(int fd, mm, Py_ssize_t pos, data, offsets, int64_t base,
 cdef int _encode_into(tuple sink, Rec* recs, Py_ssize_t n, const unsigned char* props,
                       const unsigned char* store_ip, bint store_v6, int32_t store_port,
                       int64_t store_ts, Py_ssize_t used, int64_t base) except -1:
-    """``encode_batch``'s records written as ``append_records`` writes them: encoded into a
-    buffer and sent by one ``pwritev`` that skips the size fields, in one release of the GIL;
-    then the failpoint, then the size fields through the mapping, front to back."""
-    fd_obj, mm, pos_obj, between = sink
+    """``encode_batch``'s records encoded into a buffer and written, size fields in place, by one
+    ``pwrite`` in the same release of the GIL (decision 1040): every record carries the record
+    CRC (decision 210), so a write cut short by ``kill -9`` (a prefix of the batch, ending at a
+    file page) leaves whole records, at most one torn record that fails its CRC, and zeros,
+    which recovery ends the log at. ``append_records``'s size-field guard (decision 260) is not
+    needed here; it stays there for bytes this encoder did not write. ``cut``, when given (the
+    ``commitlog.mid_write`` failpoint), is called between two halves of the write split at the
+    first file page past the batch's middle, as the kernel cuts a ``pwrite`` on a fatal
+    signal."""
+    fd_obj, mm, pos_obj, cut = sink
     cdef int fd = fd_obj
-    cdef Py_ssize_t pos = pos_obj, k, at
+    cdef Py_ssize_t pos = pos_obj, split = used
     cdef unsigned char[::1] m = mm
     cdef unsigned char* buf
-    cdef iovec* iov
-    cdef Py_ssize_t* starts
+    cdef iovec iov
     cdef int failed = 0
     if pos < 0 or pos + used > m.shape[0]:
         raise ValueError(f"{used} bytes at {pos} do not fit in a {m.shape[0]}-byte file")
     buf = <unsigned char*>malloc(used)
-    iov = <iovec*>malloc(sizeof(iovec) * 2 * n)
-    starts = <Py_ssize_t*>malloc(sizeof(Py_ssize_t) * n)
-    if buf == NULL or iov == NULL or starts == NULL:
-        free(buf)
-        free(iov)
-        free(starts)
+    if buf == NULL:
         raise MemoryError()
+    if cut is not None:
+        split = ((pos + used // 2) // 4096 + 1) * 4096 - pos
+        if split >= used:
+            split = used // 2
     try:
         with nogil:
             _write_records(buf, recs, n, props, store_ip, store_v6, store_port, store_ts)
-            for k in range(n):
-                at = recs[k].physical_offset - base
-                starts[k] = at
-                iov[2 * k].iov_base = <void*>_ZERO_SIZE
-                iov[2 * k].iov_len = 4
-                iov[2 * k + 1].iov_base = <void*>(buf + at + 4)
-                iov[2 * k + 1].iov_len = recs[k].size - 4
-            if _pwrite_all(fd, iov, <int>(2 * n), pos) < 0:
+            iov.iov_base = <void*>buf
+            iov.iov_len = split
+            if _pwrite_all(fd, &iov, 1, pos) < 0:
                 failed = 1
-        _set_sizes(failed, between, &m[0], pos, buf, starts, n)
+        if failed:
+            PyErr_SetFromErrno(OSError)
+            return -1
+        if split < used:
+            cut()
+            iov.iov_base = <void*>(buf + split)
+            iov.iov_len = used - split
+            with nogil:
+                if _pwrite_all(fd, &iov, 1, pos + split) < 0:
+                    failed = 1
+            if failed:
+                PyErr_SetFromErrno(OSError)
+                return -1
     finally:
         free(buf)
-        free(iov)
-        free(starts)
     return 0
 
 

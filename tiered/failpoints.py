@@ -16,7 +16,11 @@ Points:
 - ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are
   routed past them / the files are deleted).
 - ``commitlog.before_sizes``: a batch's bytes are in the CommitLog file with every record's
-  size field still zero (they are set next, record by record).
+  size field still zero (they are set next, record by record). Only ``append_records`` has
+  this step; the encoder's direct write of a batch (decision 1040) has none.
+- ``commitlog.mid_write``: the encoder's direct write of a batch is cut at the first file page
+  past its middle, as the kernel cuts a ``pwrite`` on SIGKILL: whole records, one torn across
+  the page unless a record starts there, then what was in the file before (zeros).
 - ``dispatch.before_pass``: the dispatcher thread has records to dispatch; its pass has not
   started (``sleep:`` keeps dispatch behind the appends, decision 680).
 - ``store.after_cq_repair``: at start, zeroed ConsumeQueue entries are rebuilt in the page

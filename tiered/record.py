@@ -450,15 +450,15 @@ class RecordEncoder:
         next_offsets: dict[tuple[str, int], int],
         base_offsets: dict[tuple[str, int], int],
         out: EncodedBatch,
-        sink: tuple[int, Any, int, Callable[[], None]] | None = None,
+        sink: tuple[int, Any, int, Callable[[], None] | None] | None = None,
     ) -> tuple[int, int]:
         """Encode ``messages[start:]`` at ``physical_offset`` while each record fits in
         ``space`` bytes with room for a BLANK record after it.
 
         ``sink`` (``MappedFile.append_sink``): the native engine may write a batch that fits
-        whole straight into that file, as ``MappedFile.append_records`` would, and set
-        ``out.written`` (decision 452); the reference never does, and the caller writes
-        ``out.parts`` as usual.
+        whole straight into that file, in one ``pwrite`` with its size fields in place
+        (decision 1040), and set ``out.written`` (decision 452); the reference never does, and
+        the caller writes ``out.parts`` as usual.
 
         ``messages`` may be a ``RecordSpans`` batch (decision 700): the same records as from its
         ``messages()``, with no ``Message`` object made by the native engine.

@@ -43,6 +43,14 @@ def _before_sizes() -> None:
     failpoints.hit("commitlog.before_sizes")
 
 
+def _mid_write() -> None:
+    failpoints.hit("commitlog.mid_write")
+
+
+# The encoder's direct write is split in two around this only when a test arms it.
+_MID_WRITE = _mid_write if failpoints.armed("commitlog.mid_write") else None
+
+
 class StoreLoadError(RuntimeError):
     """The files on disk are not what the configuration says: the store refuses to start."""
 
@@ -118,13 +126,16 @@ class MappedFile:
         )
         self.wrote += len(data)
 
-    def append_sink(self) -> tuple[int, Any, int, Callable[[], None]] | None:
+    def append_sink(self) -> tuple[int, Any, int, Callable[[], None] | None] | None:
         """Where the native encoder may write a batch itself (``RecordEncoder.encode_batch``,
-        decision 452): as ``append_records`` would, at ``wrote``; the caller then moves
-        ``wrote``. None while ``append_records`` runs the reference."""
+        decision 452), at ``wrote``; the caller then moves ``wrote``. The encoder writes its
+        records with their size fields in place, in one ``pwrite``: each carries the record CRC,
+        which is what tells recovery a record torn by ``kill -9`` (decision 1040). The last
+        element is the ``commitlog.mid_write`` failpoint when it is armed, else None. None while
+        ``append_records`` runs the reference."""
         if _NATIVE is None:
             return None
-        return self._fd, self.mm, self.wrote, _before_sizes
+        return self._fd, self.mm, self.wrote, _MID_WRITE
 
     def append_records_py(self, data: Buffer, offsets: Sequence[int], base: int) -> None:
         pos = self.wrote
