@@ -1578,6 +1578,9 @@ _engine: Any = (
     else NATIVE_ENGINE
 )
 ENGINE_NAME: str = _engine.name
+# The engine's ``encode_batch(encoder, messages, start, ...)``: what ``RecordEncoder.encode_batch``
+# calls without a sink, for the native single send to call directly (decision 1020).
+ENGINE_ENCODE_BATCH: Callable[..., tuple[int, int]] = _engine.encode_batch
 
 
 def crc32c_of(data: Buffer) -> int:
