@@ -42,7 +42,6 @@ from tiered.hot.mapped_file import (
 from tiered.record import (
     BLANK_MAGIC_CODE,
     BLANK_RECORD_SIZE,
-    ENGINE_ENCODE_BATCH,
     MAGIC_CODE_V2,
     CorruptRecordError,
     DispatchColumns,
@@ -55,6 +54,7 @@ from tiered.record import (
     blank_record,
     decode,
     dispatch_columns,
+    engine_encode_batch,
     read_total_and_magic,
     record_named,
     scan_records,
@@ -312,7 +312,7 @@ class CommitLog:
         self._encoder = RecordEncoder(config.store_host, config.consumequeue_entries_per_file)
         # What ``_encoder.encode_batch`` calls (the engine's, taking the encoder first), for the
         # native single send to call without a Python frame between (decision 1020).
-        self.engine_encode: Callable[..., tuple[int, int]] = ENGINE_ENCODE_BATCH
+        self.engine_encode: Callable[..., tuple[int, int]] = engine_encode_batch()
         # A native mutex with the native gate: its single send lets go of it without the GIL.
         self._put_lock = new_put_lock()
         # Next queue offset per (topic, queue): RocketMQ's topicQueueTable. Owned by the put lock.
