@@ -196,3 +196,24 @@ def test_a_batch_killed_in_the_middle_of_its_write_keeps_its_whole_records_only(
     finally:
         store.shutdown()
     assert verify(data_dir, flush, acked)[1] == 40 + len(ours) + 1
+
+
+def test_every_single_sync_send_passes_the_size_field_failpoint_when_armed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native single send (``put_message`` under SYNC, decision 820) stores a record with
+    its size field zero, then calls the ``commitlog.before_sizes`` failpoint, then stores the
+    size field. It skips that call when the failpoint is not armed (decision 1020); armed (here
+    as a pause, which logs each time), every send must still reach it: the native ones and
+    those it declines to the Python path (a store's first send, say) alike."""
+    from tiered.hot.group_commit import GATE_NAME
+
+    if GATE_NAME != "native":
+        pytest.skip("the native single send needs the native batch gate")
+    sends = 30
+    monkeypatch.setenv("TMQ_FAILPOINTS", "commitlog.before_sizes=sleep:0")
+    child = run_child(tmp_path / "store", "write-and-crash", "sync", sends, 98)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, (out, err)
+    assert "done" in out
+    assert err.count("failpoint commitlog.before_sizes: pausing") == sends, err

@@ -1580,6 +1580,14 @@ _engine: Any = (
 ENGINE_NAME: str = _engine.name
 
 
+def engine_encode_batch() -> Callable[..., tuple[int, int]]:
+    """The record engine in use's ``encode_batch(encoder, messages, start, ...)``: what
+    ``RecordEncoder.encode_batch`` calls without a sink, for the native single send to call
+    without that frame (decision 1020). Read when asked, so that a test that swaps the engine
+    (``_engine``) before making a store gets the one it swapped in."""
+    return _engine.encode_batch  # type: ignore[no-any-return]
+
+
 def crc32c_of(data: Buffer) -> int:
     """CRC32C (Castagnoli) of ``data``, unsigned: BODYCRC, segment and footer checksums."""
     return int(_engine.crc32c(data))

@@ -567,16 +567,20 @@ cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, clock
         return 0
     store_ts = clock()
     batch.store_timestamp = store_ts
-    last = commitlog.files.last_file()
-    if last is None:
+    files = commitlog.files.files
+    if not files:
         return 0
+    last = files[len(files) - 1]  # no negative index: this module is built without wraparound
     file_from = last.from_offset
     wrote = last.wrote
     size = commitlog.files.file_size
     next_offsets = {}
     try:
-        done, used = commitlog._encoder.encode_batch(
-            one, 0, file_from + wrote, size - wrote, next_offsets, commitlog.queue_offsets, batch
+        # The record engine's own function (``RecordEncoder.encode_batch`` without its Python
+        # frame, decision 1020).
+        done, used = commitlog.engine_encode(
+            commitlog._encoder, one, 0, file_from + wrote, size - wrote, next_offsets,
+            commitlog.queue_offsets, batch
         )
     except Exception:
         return 0  # the Python path raises it, wrapped as it wraps it
