@@ -362,6 +362,32 @@ class PopService:
             delivery.handle_seq = next(self._seq)
             return self._handle(delivery)
 
+    def release(self, group: str, receipt_handles: list[str]) -> int:
+        """Deliveries this broker popped and never handed over (the consumer went away during
+        its long poll, or while the batch was being sent): visible again at once, as if never
+        delivered, their attempt not counted. RocketMQ's proxy nacks a message it fails to
+        write to the client's stream the same way. Non-FIFO ones are delivered again in place
+        at the next receive of their queue (``_redeliver_in_place``; if none comes before
+        their deadline, revive copies them to the retry topic at their attempt); a FIFO one
+        at the next receive. Returns how many were released (a handle already acknowledged,
+        or of another term, is skipped)."""
+        released = 0
+        with self._lock:
+            group_cfg = self.metadata.group(group) or GroupConfig(group)
+            for handle in receipt_handles:
+                try:
+                    _, delivery = self._find(group, handle)
+                except InvalidReceiptHandleError:
+                    continue
+                delivery.attempt -= 1  # the next delivery counts it again
+                delivery.handle_seq = next(self._seq)  # the lost handle is refused
+                if group_cfg.fifo:
+                    delivery.deadline_ms = self._clock()
+                else:
+                    delivery.redeliver = True
+                released += 1
+        return released
+
     def forward_to_dlq(self, group: str, receipt_handle: str) -> None:
         """The consumer gave up on a delivery (FIFO clients do this themselves): move the
         message to ``%DLQ%{group}`` and count it as consumed."""
