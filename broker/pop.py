@@ -52,7 +52,11 @@ PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
 
 
 def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+    """The clock of invisibility deadlines: monotonic. They never leave this process (a receipt
+    handle names no time), and a wall clock stepped forward expired every delivery in flight at
+    once (each delivered again while its consumer still held it), stepped back hid them for the
+    length of the step (decision 1002)."""
+    return time.monotonic_ns() // 1_000_000
 
 
 class MessageFilter(Protocol):

@@ -227,3 +227,76 @@ def test_a_consumer_gone_while_its_batch_is_sent_loses_none_of_it(broker: Standa
     assert set(ids[1:]) <= set(got_ids), f"missing {sorted(set(ids[1:]) - set(got_ids))}"
     assert len(got_ids) == len(set(got_ids))
     assert all(m.system_properties.delivery_attempt == 1 for m in got)
+
+
+CLOCK_SHIFT = Path(__file__).parent / "clock_shift"
+
+
+def step_clock(shift_file: Path, shift_ms: int) -> None:
+    tmp = shift_file.with_suffix(".tmp")
+    tmp.write_text(str(shift_ms))
+    os.replace(tmp, shift_file)
+
+
+def test_a_step_of_the_wall_clock_neither_redelivers_nor_hides_messages_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Pop deadlines were wall-clock times. A clock stepped an hour forward (NTP catching up,
+    an operator) expired every delivery in flight at once: each was copied to the retry topic
+    and delivered to a second consumer while the first still held it, and the first one's
+    acknowledgement was refused. Stepped back an hour, every delivery in flight stayed
+    invisible an hour longer than its consumer asked. The broker's wall clock is shifted in its
+    own process (tests/clock_shift); the machine's is never touched."""
+    shift = tmp_path / "clock-shift-ms"
+    step_clock(shift, 0)
+    node = Standalone(
+        tmp_path / "data",
+        env={
+            "PYTHONPATH": os.pathsep.join(
+                [str(CLOCK_SHIFT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "TMQ_CLOCK_SHIFT_FILE": str(shift),
+        },
+    ).start()
+    try:
+        node.create_topic("bd-clock", queues=1)
+        node.create_group("g-bd-clock")
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        ids = [mid for mid, _ in send_batches(node.endpoint, "bd-clock", [(b"a", "k1", "t")])]
+
+        def receive(invisible_s: int, poll_s: int) -> list[d.Message]:
+            req = receive_request("g-bd-clock", "bd-clock", 4, invisible_s, poll_s)
+            return [r.message for r in stub.ReceiveMessage(req, timeout=30) if r.HasField("message")]
+
+        [held] = receive(60, 2)
+        assert held.system_properties.message_id == ids[0]
+        step_clock(shift, 3_600_000)  # an hour forward
+        time.sleep(3)  # revives run every second
+        again = receive(60, 2)
+        assert again == [], "a delivery 57 s from its deadline was delivered again"
+        ack = stub.AckMessage(
+            s.AckMessageRequest(
+                group=d.Resource(name="g-bd-clock"),
+                topic=d.Resource(name="bd-clock"),
+                entries=[
+                    s.AckMessageEntry(
+                        message_id=held.system_properties.message_id,
+                        receipt_handle=held.system_properties.receipt_handle,
+                    )
+                ],
+            ),
+            timeout=10,
+        )
+        assert ack.status.code == d.OK, ack.status
+
+        ids = [mid for mid, _ in send_batches(node.endpoint, "bd-clock", [(b"b", "k2", "t")])]
+        [held] = receive(2, 2)  # invisible for 2 s
+        assert held.system_properties.message_id == ids[0]
+        step_clock(shift, 0)  # an hour back
+        got = receive_all(stub, "g-bd-clock", "bd-clock", 1, 10)
+        assert [m.system_properties.message_id for m in got] == ids, (
+            "a delivery invisible for 2 s was still hidden 10 s later"
+        )
+        assert got[0].system_properties.delivery_attempt == 2
+    finally:
+        node.stop()
