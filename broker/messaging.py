@@ -660,12 +660,13 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 sent += 1
         finally:
             if sent < len(received):
-                # gRPC stops iterating (and closes this generator) once the stream is gone:
-                # the message of the last yield may not have reached the consumer, and the
-                # rest were never sent. Released rather than left invisible for their whole
-                # duration and counted as attempts (decision 1001); one that did arrive is
-                # delivered again (at least once).
-                self._release(request.group.name, received, sent)
+                # gRPC stops iterating (and closes this generator) once the stream is gone.
+                # Apache's clients drop a batch whose stream ends in an error (the Python
+                # client gathers the whole stream first), so none of it reached the consumer,
+                # written or not: released rather than left invisible for their whole duration
+                # and counted as attempts (decision 1001). A client that did use one and
+                # cancelled gets it again (at least once).
+                self._release(request.group.name, received, 0)
         self.traffic.consumed(topic.name, sent, sum(len(r.message.body) for r in received))
 
     def _release(self, group: str, received: list[Received], start: int) -> None:
