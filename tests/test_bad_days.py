@@ -27,7 +27,7 @@ from broker_harness import (
     send_batches,
     wait_until,
 )
-from conftest import mounted_tmpfs
+from conftest import SMALL, mounted_tmpfs
 from google.protobuf.duration_pb2 import Duration
 from rocketmq import FilterExpression, SimpleConsumer
 from rocketmq.grpc_protocol import definition_pb2 as d
@@ -490,3 +490,56 @@ def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
         assert sorted(stored_ids(stub, FEW)) == sorted(ids + more)
     finally:
         node.stop()
+
+
+def test_a_resolved_floor_the_full_disk_refused_is_raised_by_the_next_offload_pass(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """A resolve's commit (decision 801) records the queue's new floor in tier-divergence.json,
+    then the store records it in queue-floors.json. A full disk refusing the second left the
+    floor to the next start (decision 902's ``apply_floors``): meanwhile the queue served its
+    local originals at the offsets the archive holds, beside their copies at its end, to every
+    consumer. The broker's offload pass (``Resumer.run``) now raises it once space is back.
+    A real store on a real tmpfs; the record is the one a commit leaves."""
+    from offload.divergence import Divergence
+    from offload.offloader import Offloader
+    from offload.resolve import Resumer
+    from tiered.cold.storage import open_store
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    config = StoreConfig(data_dir=small_disk / "store", **SMALL)
+    store = MessageStore(config)
+    store.start()
+    try:
+        store.put_messages([Message("t", f"m{n}".encode(), queue_id=0) for n in range(120)])
+        assert store.wait_dispatched()
+        store.flush()
+        (config.data_dir / "tier-divergence.json").write_text(
+            json.dumps({"pending": [], "conflicts": [], "floors": [["t", 0, 100]]})
+        )
+        divergence = Divergence(config.data_dir)
+        offloader = Offloader(store, open_store(f"file://{tmp_path}/tier"), "c1", "b1")
+        resumer = Resumer(store, offloader, divergence)
+        filler = Filler(small_disk)
+        try:
+            with store._checkpoint_lock:  # no save in flight frees a page under the filler
+                filler._top_off()
+            resumer.run()
+            assert store.hot_min_offset("t", 0) == 0, "the full disk refused the floor"
+        finally:
+            filler.free()
+        resumer.run()
+        assert store.hot_min_offset("t", 0) == 100
+        assert divergence.floors == {}
+        assert "floors" not in json.loads((config.data_dir / "tier-divergence.json").read_text())
+        offloader.close()
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert store.hot_min_offset("t", 0) == 100
+    finally:
+        store.shutdown()
