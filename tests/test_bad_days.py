@@ -12,6 +12,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -543,3 +544,40 @@ def test_a_resolved_floor_the_full_disk_refused_is_raised_by_the_next_offload_pa
         assert store.hot_min_offset("t", 0) == 100
     finally:
         store.shutdown()
+
+
+LEASE_CHILD = """
+from broker.ha.lease_keeper import LeaseKeeper
+keeper = LeaseKeeper(["http://127.0.0.1:9"], 2, interval_s=0.25, pulse_limit_s=1.0)
+keeper.set_lease(7)
+keeper.pulse()
+print("written")
+"""
+
+
+def test_a_full_dev_shm_does_not_kill_the_broker_at_its_first_lease_write(tmp_path: Path) -> None:
+    """The lease keeper's shared memory (decision 910) was a file in /dev/shm truncated to its
+    size: on a full /dev/shm (another program's shared memory) it mapped fine, and the broker's
+    first write of its lease died of SIGBUS, with not a line logged. Run in a mount namespace of
+    its own whose /dev/shm is a full 8 KiB tmpfs (the machine's /dev/shm is not touched)."""
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root")
+    script = tmp_path / "child.py"
+    script.write_text(LEASE_CHILD)
+    shell = (
+        "mount -t tmpfs -o size=8k tmpfs /dev/shm || exit 99; "
+        "dd if=/dev/zero of=/dev/shm/fill bs=4k 2>/dev/null; "
+        "[ \"$(df --output=avail /dev/shm | tail -1 | tr -d ' ')\" = 0 ] || exit 98; "
+        f"exec {sys.executable} {script}"
+    )
+    child = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if child.returncode == 99 or "unshare failed" in child.stderr:
+        pytest.skip(f"no private mount here: {child.stderr.strip()}")
+    assert child.returncode != 98, "the tmpfs was not full"
+    assert child.returncode == 0 and "written" in child.stdout, (child.returncode, child.stderr)
