@@ -581,3 +581,49 @@ def test_a_full_dev_shm_does_not_kill_the_broker_at_its_first_lease_write(tmp_pa
         pytest.skip(f"no private mount here: {child.stderr.strip()}")
     assert child.returncode != 98, "the tmpfs was not full"
     assert child.returncode == 0 and "written" in child.stdout, (child.returncode, child.stderr)
+
+
+POLLING_CHILD = """
+from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+config = ClientConfiguration({endpoint!r}, Credentials(), namespace="", request_timeout=10)
+topics = {{"bd-killed": FilterExpression()}}
+consumer = SimpleConsumer(config, "g-bd-killed", topics, await_duration=20)
+consumer.startup()
+consumer.receive(1, 5)  # the topic is empty: an answer, and the client's routes are warm
+print("polling", flush=True)
+consumer.receive(4, 300)
+print("returned", flush=True)
+"""
+
+
+def test_a_consumer_process_killed_during_its_long_poll_leaks_nothing(broker: Standalone) -> None:
+    """The same as a cancelled poll, with Apache's Python client in a process of its own that
+    is killed (SIGKILL) while the broker holds its receive: the connection closes, and the
+    message sent next goes to the next consumer at once, as its first attempt."""
+    broker.create_topic("bd-killed", queues=1)
+    broker.create_group("g-bd-killed")
+    code = POLLING_CHILD.format(endpoint=broker.endpoint)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "polling"
+        time.sleep(2)  # inside the 20 s long poll
+    finally:
+        child.kill()
+        child.wait()
+    # At once, as on a busy topic: the abandoned poll looks at its stream only after a pop
+    # (and otherwise waits up to 1 s at a time for a message).
+    [(mid, _)] = send_batches(broker.endpoint, "bd-killed", [(b"after the kill", "k", "t")])
+    time.sleep(3)  # the abandoned poll wakes up at the new message
+    consumer = SimpleConsumer(
+        client_config(broker), "g-bd-killed", {"bd-killed": FilterExpression()}, await_duration=5
+    )
+    consumer.startup()
+    try:
+        got = drain(consumer, 1, seconds=10, invisible=60)
+    finally:
+        consumer.shutdown()
+    assert [m.message_id for m in got] == [mid]
+    assert got[0].delivery_attempt == 1
