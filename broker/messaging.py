@@ -613,11 +613,17 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 time.monotonic()
                 + max(0, min(poll, MAX_LONG_POLLING_MS) - _LONG_POLL_MARGIN_MS) / 1000
             )
-            while True:
+            received: list[Received] = []
+            # A consumer gone during its long poll (closed, killed, timed out) takes nothing:
+            # checked before every pop, and again after it, since it may go during the pop.
+            while context.is_active():
                 received = self.pop.receive(group, topic, tag_filter, batch, invisible)
-                if received or time.monotonic() >= deadline or not context.is_active():
+                if received or time.monotonic() >= deadline:
                     break
                 self._wait_for_messages(deadline)
+            if received and not context.is_active():
+                self._release(request.group.name, received, 0)
+                return
         except ProtocolError as e:
             yield s.ReceiveMessageResponse(status=status(e.code, e.message))
             return
@@ -642,14 +648,33 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         if not received:
             yield s.ReceiveMessageResponse(status=status(d.MESSAGE_NOT_FOUND, "no new message"))
             return
-        self.traffic.consumed(topic.name, len(received), sum(len(r.message.body) for r in received))
-        yield s.ReceiveMessageResponse(status=status())
-        now = s.ReceiveMessageResponse()
-        now.delivery_timestamp.GetCurrentTime()
-        yield now
         ns = request.group.resource_namespace
-        for r in received:
-            yield s.ReceiveMessageResponse(message=self._delivered(r, invisible, ns))
+        sent = 0
+        try:
+            yield s.ReceiveMessageResponse(status=status())
+            now = s.ReceiveMessageResponse()
+            now.delivery_timestamp.GetCurrentTime()
+            yield now
+            for r in received:
+                yield s.ReceiveMessageResponse(message=self._delivered(r, invisible, ns))
+                sent += 1
+        finally:
+            if sent < len(received):
+                # gRPC stops iterating (and closes this generator) once the stream is gone.
+                # Apache's clients drop a batch whose stream ends in an error (the Python
+                # client gathers the whole stream first), so none of it reached the consumer,
+                # written or not: released rather than left invisible for their whole duration
+                # and counted as attempts (decision 1001). A client that did use one and
+                # cancelled gets it again (at least once).
+                self._release(request.group.name, received, 0)
+        self.traffic.consumed(topic.name, sent, sum(len(r.message.body) for r in received))
+
+    def _release(self, group: str, received: list[Received], start: int) -> None:
+        handles = [r.receipt_handle for r in received[start:]]
+        n = self.pop.release(group, handles)
+        log.info(
+            "group %s: the consumer left before %d message(s) reached it; visible again", group, n
+        )
 
     def _delivered(self, r: Received, invisible_ms: int, namespace: str) -> d.Message:
         return to_proto_message(

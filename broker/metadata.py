@@ -351,7 +351,15 @@ class BrokerMetadata:
                 for (g, t, q), o in sorted(self._offsets.items())
             ]
             self._offsets_dirty = False
-        _save(self.dir / "consumer_offsets.json", rows)
+        try:
+            _save(self.dir / "consumer_offsets.json", rows)
+        except BaseException:
+            # Still unsaved: the next tick tries again. Cleared for good, the offsets a full
+            # disk refused stayed in memory only until some consumer moved one again, and a
+            # kill -9 meanwhile rewound the groups to the last saved file (decision 1000).
+            with self._lock:
+                self._offsets_dirty = True
+            raise
 
 
 @dataclass(slots=True)

@@ -52,7 +52,11 @@ PROPERTY_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
 
 
 def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+    """The clock of invisibility deadlines: monotonic. They never leave this process (a receipt
+    handle names no time), and a wall clock stepped forward expired every delivery in flight at
+    once (each delivered again while its consumer still held it), stepped back hid them for the
+    length of the step (decision 1002)."""
+    return time.monotonic_ns() // 1_000_000
 
 
 class MessageFilter(Protocol):
@@ -361,6 +365,32 @@ class PopService:
             delivery.deadline_ms = self._clock() + invisible_ms
             delivery.handle_seq = next(self._seq)
             return self._handle(delivery)
+
+    def release(self, group: str, receipt_handles: list[str]) -> int:
+        """Deliveries this broker popped and never handed over (the consumer went away during
+        its long poll, or while the batch was being sent): visible again at once, as if never
+        delivered, their attempt not counted. RocketMQ's proxy nacks a message it fails to
+        write to the client's stream the same way. Non-FIFO ones are delivered again in place
+        at the next receive of their queue (``_redeliver_in_place``; if none comes before
+        their deadline, revive copies them to the retry topic at their attempt); a FIFO one
+        at the next receive. Returns how many were released (a handle already acknowledged,
+        or of another term, is skipped)."""
+        released = 0
+        with self._lock:
+            group_cfg = self.metadata.group(group) or GroupConfig(group)
+            for handle in receipt_handles:
+                try:
+                    _, delivery = self._find(group, handle)
+                except InvalidReceiptHandleError:
+                    continue
+                delivery.attempt -= 1  # the next delivery counts it again
+                delivery.handle_seq = next(self._seq)  # the lost handle is refused
+                if group_cfg.fifo:
+                    delivery.deadline_ms = self._clock()
+                else:
+                    delivery.redeliver = True
+                released += 1
+        return released
 
     def forward_to_dlq(self, group: str, receipt_handle: str) -> None:
         """The consumer gave up on a delivery (FIFO clients do this themselves): move the

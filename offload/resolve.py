@@ -337,6 +337,7 @@ class Resumer:
         self.store, self.offloader, self.divergence = store, offloader, divergence
         self._given_up: set[tuple[str, int]] = set()
         self._waiting: set[tuple[str, int]] = set()
+        self._floor_failed: set[tuple[str, int, int]] = set()
 
     def interrupted(self) -> list[tuple[str, int]]:
         return sorted(
@@ -345,7 +346,42 @@ class Resumer:
             if c.copies_from is not None and k not in self._given_up
         )
 
+    def raise_floors(self) -> int:
+        """The floors of resolves committed and not yet applied, at runtime (decision 1004):
+        one whose raise the store refused (a full disk refuses ``queue-floors.json``) waited
+        for the next start, and meanwhile the queue served its local originals at the offsets
+        the archive holds, beside their copies at its end. Returns how many were raised."""
+        raised = 0
+        for (topic, queue_id), floor in sorted(self.divergence.floors.items()):
+            lock = self.offloader.queue_lock(topic, queue_id)
+            if not lock.acquire(blocking=False):
+                continue  # a resolve or an upload of the queue: the next pass
+            try:
+                if (topic, queue_id) not in self.divergence.floors:
+                    continue  # its resolve raised it meanwhile
+                _raise_floor(self.store, self.divergence, topic, queue_id, floor)
+            except Exception as e:
+                if (topic, queue_id, floor) not in self._floor_failed:
+                    self._floor_failed.add((topic, queue_id, floor))
+                    log.error(
+                        "%s/%d: the floor %d of a resolved divergence is not raised yet "
+                        "(retried every offload pass): %s",
+                        topic,
+                        queue_id,
+                        floor,
+                        e,
+                    )
+                continue
+            finally:
+                lock.release()
+            raised += 1
+            log.warning(
+                "%s/%d: raised the floor of a resolved divergence to %d", topic, queue_id, floor
+            )
+        return raised
+
     def run(self) -> list[Resolved]:
+        self.raise_floors()
         done: list[Resolved] = []
         for topic, queue_id in self.interrupted():
             key = (topic, queue_id)

@@ -7,6 +7,7 @@ fsynced too (POSIX; ext4 and XFS honour it, and the power-loss tests' filesystem
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,12 +48,19 @@ def write_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # A full disk took part of it: the pages the fragment holds go back at once, not at
+        # the next save of this file (which may never come).
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     replace(tmp, path)
 
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tiered import failpoints
+from tiered import failpoints, fd_limit
 from tiered.config import StoreConfig
 from tiered.durable import write_file
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry, key_hash
@@ -383,6 +383,7 @@ class MessageStore:
 
     def start(self) -> StartReport:
         started = time.monotonic()
+        fd_limit.raise_soft_limit()  # one descriptor per mapped file (decision 1003)
         self.data_dir.lock()
         try:
             report = self._load_and_recover()
@@ -405,6 +406,10 @@ class MessageStore:
                     f"{self.config.data_dir}: the disk is full ({e.strerror}); recovery "
                     "cannot write its IndexFile entries and checkpoint. Free space and start "
                     "again: recovery resumes from the last checkpoint"
+                ) from e
+            if fd_limit.exhausted(e):
+                raise StoreLoadError(
+                    f"{self.config.data_dir}: {fd_limit.describe()}, and start again ({e})"
                 ) from e
             raise
         self.data_dir.mark_running()
@@ -954,6 +959,14 @@ class MessageStore:
         try:
             self._save_checkpoint(dispatched, indexed)
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # No descriptor for the ``.tmp`` or for the directory's fsync: nothing was
+                # lost either (the fsyncs of the data came before), and a store turned
+                # read-only by it would refuse every send until a restart (decision 1003).
+                if not self._checkpoint_skipped:
+                    log.warning("%s: not updated: %s", self.checkpoint_path, fd_limit.describe())
+                self._checkpoint_skipped = True
+                return False
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             if not self._checkpoint_skipped:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import mmap
 import os
 import select
@@ -87,6 +88,34 @@ class KeeperState:
     max_latency_s: float
 
 
+def _shared_file() -> int:
+    """A descriptor of SIZE bytes of memory to share with the keeper: an unlinked file in
+    /dev/shm, or in the temporary directory when /dev/shm has no room. Its pages are allocated
+    here: a file only truncated to SIZE on a full tmpfs mapped fine, and the first store into
+    it killed the broker with SIGBUS, no line logged (decision 1005)."""
+    dirs = ["/dev/shm"] if os.path.isdir("/dev/shm") else []
+    errors = []
+    for directory in [*dirs, None]:
+        fd = -1
+        try:
+            fd, path = tempfile.mkstemp(prefix="tmq-lease-", dir=directory)
+            os.unlink(path)
+            os.ftruncate(fd, SIZE)
+            os.posix_fallocate(fd, 0, SIZE)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            errors.append(f"{directory or tempfile.gettempdir()}: {e.strerror}")
+            continue
+        return fd
+    raise OSError(
+        errno.ENOSPC,
+        "no room for the lease keeper's shared memory (" + "; ".join(errors) + ")",
+    )
+
+
 class LeaseKeeper:
     """The broker's handle on its keeper process."""
 
@@ -101,12 +130,8 @@ class LeaseKeeper:
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.pulse_limit_s = pulse_limit_s
-        fd, path = tempfile.mkstemp(
-            prefix="tmq-lease-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
-        os.unlink(path)
-        os.ftruncate(fd, SIZE)
-        self._fd = fd
+        self._fd = _shared_file()
+        fd = self._fd
         self._buf = mmap.mmap(fd, SIZE)
         self._lease = 0
         # The controller's tick (set_lease) and the watchdog (pulse) both write the broker's

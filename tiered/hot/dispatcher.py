@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tiered import failpoints
+from tiered import failpoints, fd_limit
 from tiered.formats import CQ_DTYPE
 from tiered.hot.commitlog import CommitLog
 from tiered.hot.consume_queue import ConsumeQueueTable
@@ -70,6 +71,9 @@ def _by_queue(numbers: np.ndarray, queues: int) -> list[tuple[int, np.ndarray]]:
     ]
 
 
+_NEVER = -1e18
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -108,6 +112,8 @@ class Dispatcher:
         self._wakeup = new_wakeup()
         self._progress = threading.Condition()
         self._stop = threading.Event()
+        # When the last "out of file descriptors" line was logged (monotonic), or _NEVER.
+        self._out_of_fds_logged = _NEVER
         self._thread: threading.Thread | None = None
 
     # -- intake --------------------------------------------------------------------------------
@@ -512,13 +518,34 @@ class Dispatcher:
                 try:
                     before = self.reput_offset
                     self.dispatch(end)
+                    if self._out_of_fds_logged > _NEVER:
+                        self._out_of_fds_logged = _NEVER
+                        log.warning(
+                            "dispatch resumed: file descriptors are free again (CommitLog "
+                            "offset %d)",
+                            self.reput_offset,
+                        )
                     if self.reput_offset > before:
                         continue
-                except Exception:
+                except Exception as e:
                     # Never die silently: the store would stop serving new messages.
-                    log.exception(
-                        "dispatcher failed at CommitLog offset %d; retrying", self.reput_offset
-                    )
+                    if fd_limit.exhausted(e):
+                        # One line a minute, not a traceback a second: the log shares the disk.
+                        now = time.monotonic()
+                        if now - self._out_of_fds_logged >= 60:
+                            self._out_of_fds_logged = now
+                            log.error(
+                                "%s. Messages from CommitLog offset %d on are stored and "
+                                "acknowledged but not yet in their queues (not delivered); "
+                                "dispatch resumes by itself once descriptors are free",
+                                fd_limit.describe(),
+                                self.reput_offset,
+                            )
+                    else:
+                        log.exception(
+                            "dispatcher failed at CommitLog offset %d; retrying",
+                            self.reput_offset,
+                        )
                     self._stop.wait(1.0)
                     continue
             if self._wakeup.wait(0.05) and self._pending_bytes < _COALESCE_BYTES:

@@ -1,0 +1,629 @@
+"""Bad days around consumption: a disk that fills under the consumer offsets' save, and consumers
+that go away in the middle of a long poll or of a batch being sent (decisions 1000 and 1001).
+
+Real broker processes, a real tmpfs, Apache's Python client and the RocketMQ protocol's own stubs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from broker_harness import (
+    Standalone,
+    client_config,
+    drain,
+    send_batches,
+    wait_until,
+)
+from conftest import SMALL, mounted_tmpfs
+from google.protobuf.duration_pb2 import Duration
+from rocketmq import FilterExpression, SimpleConsumer
+from rocketmq.grpc_protocol import definition_pb2 as d
+from rocketmq.grpc_protocol import service_pb2 as s
+from rocketmq.grpc_protocol import service_pb2_grpc
+
+from broker import admin_pb2 as apb
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 12 MiB tmpfs (root only)."""
+    with mounted_tmpfs(tmp_path / "small", "12m") as mnt:
+        yield mnt
+
+
+class Filler:
+    """Another writer on the broker's disk that keeps it full: it takes every free byte, and
+    again every 50 ms (the broker frees a page now and then, when a save's rename drops the
+    file it replaces)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "filler"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._stop = threading.Event()
+        self._top_off()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _top_off(self) -> None:
+        try:
+            while True:
+                os.write(self._fd, bytes(4096))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self._top_off()
+
+    def free(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        os.close(self._fd)
+        self.path.unlink()
+
+
+def saved_offsets(data_dir: Path) -> dict[tuple[str, str, int], int]:
+    path = data_dir / "config" / "consumer_offsets.json"
+    if not path.exists():
+        return {}
+    return {(r["group"], r["topic"], r["queue"]): r["offset"] for r in json.loads(path.read_text())}
+
+
+def test_consumer_offsets_a_full_disk_refused_are_saved_once_space_is_freed(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """The broker saves the groups' offsets every 5 s when one moved. A save the full disk
+    refused cleared the 'moved' mark all the same, so after the space came back nothing was
+    saved until a consumer moved an offset again, and a kill -9 meanwhile rewound the group to
+    the last saved file: every message acknowledged during the outage was delivered again."""
+    data_dir = small_disk / "data"
+    config = tmp_path / "tmq.toml"
+    config.write_text(
+        "[store]\ncommitlog_file_size = 1048576\nconsumequeue_entries_per_file = 1000\n"
+        "index_hash_slots = 1000\nindex_max_entries = 4000\n"
+    )
+    node = Standalone(
+        data_dir, extra=["--config", str(config), "--commitlog-file-size", "1MiB"]
+    ).start()
+    consumer = None
+    try:
+        node.create_topic("bd-offsets", queues=1)
+        node.create_group("g-bd-offsets")
+        send_batches(node.endpoint, "bd-offsets", [(b"x" * 100, f"k{i}", "t") for i in range(20)])
+        consumer = SimpleConsumer(
+            client_config(node),
+            "g-bd-offsets",
+            {"bd-offsets": FilterExpression()},
+            await_duration=2,
+        )
+        consumer.startup()
+        key = ("g-bd-offsets", "bd-offsets", 0)
+        assert len(drain(consumer, 10, batch=10)) == 10
+        wait_until("the first offsets saved", lambda: saved_offsets(data_dir).get(key) == 10, 15)
+        filler = Filler(small_disk)
+        try:
+            # Acknowledged while the disk is full: the offset moves in memory only.
+            assert len(drain(consumer, 10, batch=10)) == 10
+            wait_until(
+                "a save the full disk refused",
+                lambda: "saving consumer offsets failed" in node.log_path.read_text(),
+                20,
+            )
+        finally:
+            filler.free()
+        consumer.shutdown()
+        consumer = None
+        # The next 5-s tick saves what the refused one could not.
+        wait_until(
+            "the offsets saved once space is back",
+            lambda: saved_offsets(data_dir).get(key) == 20,
+            15,
+        )
+        node.kill9()
+        node.start()
+        consumer = SimpleConsumer(
+            client_config(node),
+            "g-bd-offsets",
+            {"bd-offsets": FilterExpression()},
+            await_duration=2,
+        )
+        consumer.startup()
+        again = drain(consumer, 1, seconds=4)
+        assert again == [], f"{len(again)} acknowledged message(s) delivered again after kill -9"
+    finally:
+        if consumer is not None:
+            consumer.shutdown()
+        if node.proc is not None and node.proc.poll() is None:
+            node.stop()
+
+
+def receive_request(
+    group: str, topic: str, batch: int, invisible_s: int, poll_s: int
+) -> s.ReceiveMessageRequest:
+    return s.ReceiveMessageRequest(
+        group=d.Resource(name=group),
+        message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=-1),
+        filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+        batch_size=batch,
+        invisible_duration=Duration(seconds=invisible_s),
+        long_polling_timeout=Duration(seconds=poll_s),
+        auto_renew=False,
+    )
+
+
+def receive_all(
+    stub: service_pb2_grpc.MessagingServiceStub, group: str, topic: str, want: int, seconds: float
+) -> list[d.Message]:
+    got: list[d.Message] = []
+    deadline = time.monotonic() + seconds
+    while len(got) < want and time.monotonic() < deadline:
+        for reply in stub.ReceiveMessage(receive_request(group, topic, 32, 60, 2), timeout=10):
+            if reply.HasField("message"):
+                got.append(reply.message)
+    return got
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
+    node = Standalone(tmp_path_factory.mktemp("bd") / "data").start()
+    yield node
+    assert node.stop() == 0
+
+
+def test_a_consumer_gone_during_its_long_poll_takes_nothing_with_it(broker: Standalone) -> None:
+    """A long poll whose consumer went away (cancelled, timed out, killed) went on waiting,
+    popped the next message to arrive and wrote it to the dead stream: invisible to every
+    other consumer for the whole invisible duration, and counted as a delivery attempt."""
+    broker.create_topic("bd-poll", queues=1)
+    broker.create_group("g-bd-poll")
+    stub = service_pb2_grpc.MessagingServiceStub(broker.channel())
+    # Invisible for 5 minutes: a leak would outlast the test by far.
+    call = stub.ReceiveMessage(receive_request("g-bd-poll", "bd-poll", 4, 300, 20), timeout=30)
+    replies: list[s.ReceiveMessageResponse] = []
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            replies.extend(call)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(1.5)  # the broker is waiting in its long poll
+    call.cancel()
+    reader.join(10)
+    assert not any(r.HasField("message") for r in replies)
+    sent = send_batches(broker.endpoint, "bd-poll", [(b"late", "k", "t")])
+    time.sleep(3)  # the abandoned poll wakes up at the new message (it waits up to 1 s at a time)
+    got = receive_all(stub, "g-bd-poll", "bd-poll", 1, 10)
+    assert [m.system_properties.message_id for m in got] == [sent[0][0]]
+    assert got[0].system_properties.delivery_attempt == 1
+
+
+def test_a_consumer_gone_while_its_batch_is_sent_loses_none_of_it(broker: Standalone) -> None:
+    """A batch of large messages outruns the stream's flow-control window: the consumer takes
+    the first and cancels. Apache's clients drop a whole batch whose stream ends in an error
+    (the Python client gathers the stream before returning anything), so none of it reached the
+    application: all 8 must be delivered again at once, each once, as first attempts, not after
+    their 5-minute invisibility (on main the ones not yet written stayed invisible)."""
+    broker.create_topic("bd-batch", queues=1)
+    broker.create_group("g-bd-batch")
+    body = os.urandom(1 << 20)
+    sent = send_batches(broker.endpoint, "bd-batch", [(body, f"k{i}", "t") for i in range(8)], 2)
+    ids = [mid for mid, _ in sent]
+    stub = service_pb2_grpc.MessagingServiceStub(broker.channel())
+    call = stub.ReceiveMessage(receive_request("g-bd-batch", "bd-batch", 8, 300, 2), timeout=30)
+    first = None
+    for reply in call:
+        if reply.HasField("message"):
+            first = reply.message.system_properties.message_id
+            call.cancel()
+            break
+    assert first == ids[0]
+    time.sleep(1)
+    got = receive_all(stub, "g-bd-batch", "bd-batch", 8, 15)
+    got_ids = [m.system_properties.message_id for m in got]
+    assert sorted(got_ids) == sorted(ids), f"missing {sorted(set(ids) - set(got_ids))}"
+    assert all(m.system_properties.delivery_attempt == 1 for m in got)
+
+
+CLOCK_SHIFT = Path(__file__).parent / "clock_shift"
+
+
+def step_clock(shift_file: Path, shift_ms: int) -> None:
+    tmp = shift_file.with_suffix(".tmp")
+    tmp.write_text(str(shift_ms))
+    os.replace(tmp, shift_file)
+
+
+def test_a_step_of_the_wall_clock_neither_redelivers_nor_hides_messages_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Pop deadlines were wall-clock times. A clock stepped an hour forward (NTP catching up,
+    an operator) expired every delivery in flight at once: each was copied to the retry topic
+    and delivered to a second consumer while the first still held it, and the first one's
+    acknowledgement was refused. Stepped back an hour, every delivery in flight stayed
+    invisible an hour longer than its consumer asked. The broker's wall clock is shifted in its
+    own process (tests/clock_shift); the machine's is never touched."""
+    shift = tmp_path / "clock-shift-ms"
+    step_clock(shift, 0)
+    node = Standalone(
+        tmp_path / "data",
+        env={
+            "PYTHONPATH": os.pathsep.join(
+                [str(CLOCK_SHIFT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "TMQ_CLOCK_SHIFT_FILE": str(shift),
+        },
+    ).start()
+    try:
+        node.create_topic("bd-clock", queues=1)
+        node.create_group("g-bd-clock")
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        ids = [mid for mid, _ in send_batches(node.endpoint, "bd-clock", [(b"a", "k1", "t")])]
+
+        def receive(invisible_s: int, poll_s: int) -> list[d.Message]:
+            req = receive_request("g-bd-clock", "bd-clock", 4, invisible_s, poll_s)
+            return [
+                r.message for r in stub.ReceiveMessage(req, timeout=30) if r.HasField("message")
+            ]
+
+        [held] = receive(60, 2)
+        assert held.system_properties.message_id == ids[0]
+        step_clock(shift, 3_600_000)  # an hour forward
+        time.sleep(3)  # revives run every second
+        again = receive(60, 2)
+        assert again == [], "a delivery 57 s from its deadline was delivered again"
+        ack = stub.AckMessage(
+            s.AckMessageRequest(
+                group=d.Resource(name="g-bd-clock"),
+                topic=d.Resource(name="bd-clock"),
+                entries=[
+                    s.AckMessageEntry(
+                        message_id=held.system_properties.message_id,
+                        receipt_handle=held.system_properties.receipt_handle,
+                    )
+                ],
+            ),
+            timeout=10,
+        )
+        assert ack.status.code == d.OK, ack.status
+
+        ids = [mid for mid, _ in send_batches(node.endpoint, "bd-clock", [(b"b", "k2", "t")])]
+        [held] = receive(2, 2)  # invisible for 2 s
+        assert held.system_properties.message_id == ids[0]
+        step_clock(shift, 0)  # an hour back
+        got = receive_all(stub, "g-bd-clock", "bd-clock", 1, 10)
+        assert [m.system_properties.message_id for m in got] == ids, (
+            "a delivery invisible for 2 s was still hidden 10 s later"
+        )
+        assert got[0].system_properties.delivery_attempt == 2
+    finally:
+        node.stop()
+
+
+class FdLimited(Standalone):
+    """A broker started under ``ulimit -n`` (soft, hard): the limit is set in the child before
+    it execs, as a shell's ``ulimit`` or systemd's ``LimitNOFILE=`` would."""
+
+    def __init__(self, data_dir: Path, soft: int, hard: int) -> None:
+        super().__init__(data_dir)
+        self.limits = (soft, hard)
+
+    def start(self) -> FdLimited:
+        real = subprocess.Popen
+        limits = self.limits
+
+        def popen(*args: Any, **kwargs: Any) -> Any:
+            kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            return real(*args, **kwargs)
+
+        subprocess.Popen = popen  # type: ignore[misc]
+        try:
+            super().start()
+        finally:
+            subprocess.Popen = real  # type: ignore[misc]
+        return self
+
+
+FD_QUEUES = 8
+# 320 ConsumeQueue files, two descriptors each (the file's and the one Python's mmap dups).
+FD_TOPICS = 40
+
+
+def send_one_per_queue(
+    stub: service_pb2_grpc.MessagingServiceStub, topics: int = FD_TOPICS
+) -> list[str]:
+    ids: list[str] = []
+    for t in range(topics):
+        for q in range(FD_QUEUES):
+            request = s.SendMessageRequest()
+            m = request.messages.add(topic=d.Resource(name=f"bd-fd{t}"), body=f"{t}/{q}".encode())
+            m.system_properties.message_id = os.urandom(16).hex().upper()
+            m.system_properties.message_type = d.NORMAL
+            m.system_properties.body_encoding = d.IDENTITY
+            m.system_properties.queue_id = q
+            reply = stub.SendMessage(request, timeout=30)
+            assert reply.status.code == d.OK, reply.status
+            ids.append(m.system_properties.message_id)
+    return ids
+
+
+def make_fd_topics(node: Standalone, topics: int = FD_TOPICS) -> None:
+    for t in range(topics):
+        node.admin().PutTopic(
+            apb.PutTopicRequest(topic=apb.Topic(name=f"bd-fd{t}", queues=FD_QUEUES, perm=6)),
+            timeout=10,
+        )
+    node.create_group("g-bd-fd")
+
+
+def stored_ids(stub: service_pb2_grpc.MessagingServiceStub, topics: int = FD_TOPICS) -> list[str]:
+    """Every message of the topics by PullMessage, over one connection (a new one may find no
+    descriptor to be accepted with)."""
+    out: list[str] = []
+    for t in range(topics):
+        for q in range(FD_QUEUES):
+            request = s.PullMessageRequest(
+                group=d.Resource(name="g-bd-fd"),
+                message_queue=d.MessageQueue(topic=d.Resource(name=f"bd-fd{t}"), id=q),
+                offset=0,
+                batch_size=32,
+                filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+            )
+            for r in stub.PullMessage(request, timeout=30):
+                if r.HasField("message"):
+                    out.append(r.message.system_properties.message_id)
+    return out
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def connect(endpoint: str, timeout: float = 10) -> grpc.Channel:
+    """A channel with a connection of its own (not shared through gRPC's global pool)."""
+    channel = grpc.insecure_channel(endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
+    stub = service_pb2_grpc.MessagingServiceStub(channel)
+    try:
+        stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="bd-fd0")), timeout=timeout)
+    except grpc.RpcError:
+        channel.close()
+        raise
+    return channel
+
+
+def test_the_broker_raises_its_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> None:
+    """A soft limit of 256 under a hard one of 4096 (a login shell's usual 1024/524288, scaled
+    down): the JVM's brokers raise the soft limit at start; this one stopped dispatching at the
+    250th queue or so, every later message acknowledged and never delivered."""
+    node = FdLimited(tmp_path / "data", 256, 4096).start()
+    try:
+        make_fd_topics(node)
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        ids = send_one_per_queue(stub)
+        wait_until("every message in its queue", lambda: len(stored_ids(stub)) == len(ids), 30)
+        assert sorted(stored_ids(stub)) == sorted(ids)
+        assert "run out of file descriptors" not in node.log_path.read_text()
+    finally:
+        node.stop()
+
+
+FEW = 12  # 96 queues: 192 descriptors, under 256 once the other clients are gone
+
+
+def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
+    tmp_path: Path,
+) -> None:
+    """A hard limit of 256, most of it taken by client connections: the queues past it cannot
+    map their ConsumeQueue files. The broker says in one line what ran out and how to raise it
+    (it logged a bare traceback of ``[Errno 24]`` every second), keeps taking sends (a
+    checkpoint it could not open a ``.tmp`` for turned the store read-only until a restart, as a
+    failed fsync does), and once the clients go the stuck messages reach their queues, each
+    once. A start under a limit below what the queues need is refused with the same
+    explanation; with a higher one, everything is there."""
+    node = FdLimited(tmp_path / "data", 256, 256).start()
+    others: list[grpc.Channel] = []
+    try:
+        make_fd_topics(node, FEW)
+        channel = connect(node.endpoint)
+        stub = service_pb2_grpc.MessagingServiceStub(channel)
+        assert node.proc is not None
+        # Other clients take all but 60 of the broker's descriptors (a socket each): room
+        # for about 30 queues' files.
+        while open_fds(node.proc.pid) < 256 - 60 and len(others) < 300:
+            others.append(connect(node.endpoint))
+        assert open_fds(node.proc.pid) >= 256 - 60
+        ids = send_one_per_queue(stub, FEW)
+        wait_until(
+            "the broker names the descriptor limit",
+            lambda: "run out of file descriptors" in node.log_path.read_text(),
+            30,
+        )
+        text = node.log_path.read_text()
+        assert "limit 256" in text and "prlimit" in text, text[-2000:]
+        assert len(stored_ids(stub, FEW)) < len(ids)  # some queues are stuck
+        # Every last descriptor taken (a client connects while the dispatcher's retry has
+        # freed one), across several flushes: no checkpoint can be saved meanwhile.
+        deadline = time.monotonic() + 10
+        while open_fds(node.proc.pid) < 256 and time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                others.append(connect(node.endpoint, timeout=1))
+        time.sleep(2)
+        more = send_one_per_queue(stub, FEW)  # still taken: nothing turned the store read-only
+        for other in others:
+            other.close()
+        others.clear()
+        wait_until(
+            "every message in its queue",
+            lambda: len(stored_ids(stub, FEW)) >= len(ids + more),
+            30,
+        )
+        assert sorted(stored_ids(stub, FEW)) == sorted(ids + more), (
+            "each message once, none missing"
+        )
+        assert "dispatch resumed" in node.log_path.read_text()
+        channel.close()
+    finally:
+        for other in others:
+            other.close()
+        node.stop()
+    # The same data under a limit below what its queues need: refused at start, clearly.
+    again = FdLimited(tmp_path / "data", 100, 100)
+    with pytest.raises(RuntimeError) as refused:
+        again.start()
+    assert "run out of file descriptors" in str(refused.value), refused.value
+    node = FdLimited(tmp_path / "data", 4096, 4096).start()
+    try:
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        assert sorted(stored_ids(stub, FEW)) == sorted(ids + more)
+    finally:
+        node.stop()
+
+
+def test_a_resolved_floor_the_full_disk_refused_is_raised_by_the_next_offload_pass(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """A resolve's commit (decision 801) records the queue's new floor in tier-divergence.json,
+    then the store records it in queue-floors.json. A full disk refusing the second left the
+    floor to the next start (decision 902's ``apply_floors``): meanwhile the queue served its
+    local originals at the offsets the archive holds, beside their copies at its end, to every
+    consumer. The broker's offload pass (``Resumer.run``) now raises it once space is back.
+    A real store on a real tmpfs; the record is the one a commit leaves."""
+    from offload.divergence import Divergence
+    from offload.offloader import Offloader
+    from offload.resolve import Resumer
+    from tiered.cold.storage import open_store
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    config = StoreConfig(data_dir=small_disk / "store", **SMALL)
+    store = MessageStore(config)
+    store.start()
+    try:
+        store.put_messages([Message("t", f"m{n}".encode(), queue_id=0) for n in range(120)])
+        assert store.wait_dispatched()
+        store.flush()
+        (config.data_dir / "tier-divergence.json").write_text(
+            json.dumps({"pending": [], "conflicts": [], "floors": [["t", 0, 100]]})
+        )
+        divergence = Divergence(config.data_dir)
+        offloader = Offloader(store, open_store(f"file://{tmp_path}/tier"), "c1", "b1")
+        resumer = Resumer(store, offloader, divergence)
+        filler = Filler(small_disk)
+        try:
+            with store._checkpoint_lock:  # no save in flight frees a page under the filler
+                filler._top_off()
+            resumer.run()
+            assert store.hot_min_offset("t", 0) == 0, "the full disk refused the floor"
+        finally:
+            filler.free()
+        resumer.run()
+        assert store.hot_min_offset("t", 0) == 100
+        assert divergence.floors == {}
+        assert "floors" not in json.loads((config.data_dir / "tier-divergence.json").read_text())
+        offloader.close()
+    finally:
+        store.shutdown()
+    store = MessageStore(config)
+    store.start()
+    try:
+        assert store.hot_min_offset("t", 0) == 100
+    finally:
+        store.shutdown()
+
+
+LEASE_CHILD = """
+from broker.ha.lease_keeper import LeaseKeeper
+keeper = LeaseKeeper(["http://127.0.0.1:9"], 2, interval_s=0.25, pulse_limit_s=1.0)
+keeper.set_lease(7)
+keeper.pulse()
+print("written")
+"""
+
+
+def test_a_full_dev_shm_does_not_kill_the_broker_at_its_first_lease_write(tmp_path: Path) -> None:
+    """The lease keeper's shared memory (decision 910) was a file in /dev/shm truncated to its
+    size: on a full /dev/shm (another program's shared memory) it mapped fine, and the broker's
+    first write of its lease died of SIGBUS, with not a line logged. Run in a mount namespace of
+    its own whose /dev/shm is a full 8 KiB tmpfs (the machine's /dev/shm is not touched)."""
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root")
+    script = tmp_path / "child.py"
+    script.write_text(LEASE_CHILD)
+    shell = (
+        "mount -t tmpfs -o size=8k tmpfs /dev/shm || exit 99; "
+        "dd if=/dev/zero of=/dev/shm/fill bs=4k 2>/dev/null; "
+        "[ \"$(df --output=avail /dev/shm | tail -1 | tr -d ' ')\" = 0 ] || exit 98; "
+        f"exec {sys.executable} {script}"
+    )
+    child = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if child.returncode == 99 or "unshare failed" in child.stderr:
+        pytest.skip(f"no private mount here: {child.stderr.strip()}")
+    assert child.returncode != 98, "the tmpfs was not full"
+    assert child.returncode == 0 and "written" in child.stdout, (child.returncode, child.stderr)
+
+
+POLLING_CHILD = """
+from rocketmq import ClientConfiguration, Credentials, FilterExpression, SimpleConsumer
+config = ClientConfiguration({endpoint!r}, Credentials(), namespace="", request_timeout=10)
+topics = {{"bd-killed": FilterExpression()}}
+consumer = SimpleConsumer(config, "g-bd-killed", topics, await_duration=20)
+consumer.startup()
+consumer.receive(1, 5)  # the topic is empty: an answer, and the client's routes are warm
+print("polling", flush=True)
+consumer.receive(4, 300)
+print("returned", flush=True)
+"""
+
+
+def test_a_consumer_process_killed_during_its_long_poll_leaks_nothing(broker: Standalone) -> None:
+    """The same as a cancelled poll, with Apache's Python client in a process of its own that
+    is killed (SIGKILL) while the broker holds its receive: the connection closes, and the
+    message sent next goes to the next consumer at once, as its first attempt."""
+    broker.create_topic("bd-killed", queues=1)
+    broker.create_group("g-bd-killed")
+    code = POLLING_CHILD.format(endpoint=broker.endpoint)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "polling"
+        time.sleep(2)  # inside the 20 s long poll
+    finally:
+        child.kill()
+        child.wait()
+    # At once, as on a busy topic: the abandoned poll looks at its stream only after a pop
+    # (and otherwise waits up to 1 s at a time for a message).
+    [(mid, _)] = send_batches(broker.endpoint, "bd-killed", [(b"after the kill", "k", "t")])
+    time.sleep(3)  # the abandoned poll wakes up at the new message
+    consumer = SimpleConsumer(
+        client_config(broker), "g-bd-killed", {"bd-killed": FilterExpression()}, await_duration=5
+    )
+    consumer.startup()
+    try:
+        got = drain(consumer, 1, seconds=10, invisible=60)
+    finally:
+        consumer.shutdown()
+    assert [m.message_id for m in got] == [mid]
+    assert got[0].delivery_attempt == 1
