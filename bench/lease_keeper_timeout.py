@@ -59,6 +59,7 @@ def main() -> None:
         next_load = began
         while time.monotonic() - began < args.seconds:
             leases = []
+            granted = []
             for k in keepers:
                 while True:
                     try:
@@ -66,17 +67,17 @@ def main() -> None:
                         break
                     except EtcdUnavailableError:
                         time.sleep(0.1)
+                granted.append(time.monotonic())
                 k.set_lease(leases[-1])
-            granted = time.monotonic()
             first: list[float | None] = [None] * len(keepers)
-            while time.monotonic() - granted < args.regrant:
+            while time.monotonic() - granted[0] < args.regrant:
                 for i, k in enumerate(keepers):
                     k.pulse()
                     st = k.renewed()
                     s = stats[i]
                     if st.lease == leases[i] and st.sent_at > s["last_sent"]:
                         if first[i] is None:
-                            first[i] = st.sent_at - granted
+                            first[i] = st.sent_at - granted[i]
                         elif s["last_sent"]:
                             s["gaps"].append(st.sent_at - s["last_sent"])
                         s["last_sent"] = st.sent_at

@@ -1,14 +1,13 @@
 """Unprovoked elections of a replica group under load: nothing is killed, so every election
-counted is one the load caused (a master that could not renew its etcd lease in time).
-
-A 3-node etcd, a NameServer and a group of three ``tmq broker start --config`` members (SYNC,
-min_in_sync_replicas 2, ``--ttl-ms``: by default the broker's default lease TTL). Once a master is elected and all
-three are in sync, for ``--seconds`` (default 120): ``--hogs`` (default 3) CPU-bound processes
-(``while True``), and ``--senders`` (default 2) client threads sending ``SendMessage`` batches of
-32 x 1 KiB to whoever is master, each waiting for its reply. The group's epoch is read from etcd
-before and after: ``elections`` is the difference. ``fenced`` counts the members' "fencing this
-master" log lines, and ``fence_reasons`` their reasons. Prints one JSON line with the 1-minute
-load average sampled every 10 s (``load_1m``).
+counted is one the load caused (a master that could not renew its etcd lease in time). A 3-node
+etcd, a NameServer and a group of three ``tmq broker start --config`` members (SYNC,
+min_in_sync_replicas 2, a lease of ``--ttl-ms``, by default the broker's default). Once a
+master is elected and all three are in sync, for ``--seconds`` (default 120): ``--hogs``
+(default 3) CPU-bound processes (``while True``), and ``--senders`` (default 2) client threads
+sending ``SendMessage`` batches of 32 x 1 KiB to whoever is master, each waiting for its reply.
+The group's epoch is read from etcd before and after: ``elections`` is the difference.
+``fenced`` counts the members' "fencing this master" log lines, and ``fence_reasons`` their
+reasons. Prints one JSON line with the 1-minute load average sampled every 10 s (``load_1m``).
 
 Runs from any checkout: ``cd <checkout> && python bench/lease_stability.py`` measures that
 checkout's broker (for an A/B against main, run the same file from main's tree)."""

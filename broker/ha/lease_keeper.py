@@ -222,7 +222,9 @@ class LeaseKeeper:
         values = _read(self._buf, _KEEPER_AT, _KEEPER)
         if values is not None:
             lease, at, gone, count, stale, last, longest = values
-            self._last = KeeperState(int(lease), at, int(gone), int(count), int(stale), last, longest)
+            self._last = KeeperState(
+                int(lease), at, int(gone), int(count), int(stale), last, longest
+            )
         return self._last
 
     def stop(self) -> None:
