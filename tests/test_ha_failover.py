@@ -291,6 +291,7 @@ def test_a_master_whose_lease_keeper_hangs_restarts_it_and_stays_master(tmp_path
                 line for line in log_text.splitlines() if "has not renewed lease" in line
             )
             assert is_master(a) and a.metric("tmq_replication_epoch") == epoch
+            assert a.metric("tmq_replication_keeper_restarts_total") == 1
             assert "fencing this master" not in log_text
             assert {st.code for st in send(a.endpoint, 200, 20)} == {d.OK}
         finally:
