@@ -1,14 +1,13 @@
 """Unprovoked elections of a replica group under load: nothing is killed, so every election
-counted is one the load caused (a master that could not renew its etcd lease in time).
-
-A 3-node etcd, a NameServer and a group of three ``tmq broker start --config`` members (SYNC,
-min_in_sync_replicas 2, the 2 s lease of tests/ha_failover.py). Once a master is elected and all
-three are in sync, for ``--seconds`` (default 120): ``--hogs`` (default 3) CPU-bound processes
-(``while True``), and ``--senders`` (default 2) client threads sending ``SendMessage`` batches of
-32 x 1 KiB to whoever is master, each waiting for its reply. The group's epoch is read from etcd
-before and after: ``elections`` is the difference. ``fenced`` counts the members' "fencing this
-master" log lines, and ``fence_reasons`` their reasons. Prints one JSON line with the 1-minute
-load average sampled every 10 s (``load_1m``).
+counted is one the load caused (a master that could not renew its etcd lease in time). A 3-node
+etcd, a NameServer and a group of three ``tmq broker start --config`` members (SYNC,
+min_in_sync_replicas 2, a lease of ``--ttl-ms``, by default the broker's default). Once a
+master is elected and all three are in sync, for ``--seconds`` (default 120): ``--hogs``
+(default 3) CPU-bound processes (``while True``), and ``--senders`` (default 2) client threads
+sending ``SendMessage`` batches of 32 x 1 KiB to whoever is master, each waiting for its reply.
+The group's epoch is read from etcd before and after: ``elections`` is the difference.
+``fenced`` counts the members' "fencing this master" log lines, and ``fence_reasons`` their
+reasons. Prints one JSON line with the 1-minute load average sampled every 10 s (``load_1m``).
 
 Runs from any checkout: ``cd <checkout> && python bench/lease_stability.py`` measures that
 checkout's broker (for an A/B against main, run the same file from main's tree)."""
@@ -35,6 +34,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.ha.config import HaConfig
 from broker.ha.etcd import EtcdClient
 from tests.etcd_harness import EtcdCluster
 from tests.ha_failover import Group, start_namesrv, wait_for
@@ -57,11 +57,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--hogs", type=int, default=3)
     parser.add_argument("--senders", type=int, default=2)
+    # The lease TTL the members run with: by default the broker's ([ha] lease_ttl_ms).
+    parser.add_argument("--ttl-ms", type=int, default=HaConfig().lease_ttl_ms)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tmq-lease-bench-"))
     etcd = EtcdCluster(root).start()
     namesrv, namesrv_address = start_namesrv(root)
-    group = Group(root, etcd, namesrv_address, "sync")
+    group = Group(root, etcd, namesrv_address, "sync", lease_ttl_ms=args.ttl_ms)
     hogs: list[subprocess.Popen[bytes]] = []
     stop = threading.Event()
     sent = [0]
@@ -127,6 +129,7 @@ def main() -> None:
                     "seconds": args.seconds,
                     "hogs": args.hogs,
                     "senders": args.senders,
+                    "lease_ttl_ms": args.ttl_ms,
                     "elections": end_epoch - start_epoch,
                     "elections_per_10min": round((end_epoch - start_epoch) * 600 / args.seconds, 1),
                     "fenced": len(fences),

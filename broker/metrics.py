@@ -207,6 +207,11 @@ class BrokerCollector(Collector):
             "Replication role switches (follow, promote, demote) by the controller.",
             value=status.role_changes,
         )
+        yield CounterMetricFamily(
+            "tmq_replication_keeper_restarts",
+            "Lease keepers restarted because they were alive but not renewing (controller mode).",
+            value=status.keeper_restarts,
+        )
 
     def _traffic(self) -> Iterator[Metric]:
         produced, consumed = self.sources.traffic.snapshot()

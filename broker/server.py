@@ -843,6 +843,7 @@ class Broker:
             elections_won=m.elections_won,
             fencings=m.fenced,
             role_changes=m.role_changes,
+            keeper_restarts=m.keeper_restarts,
         )
 
     def _registration_loop(self) -> None:

@@ -247,10 +247,56 @@ def test_a_slave_whose_lease_keeper_is_frozen_is_still_elected(tmp_path: Path) -
             wait_for("b took a new lease", lambda: "taking a new one" in b.log_path.read_text())
             a.kill9()
             wait_for("b is elected", lambda: is_master(b), timeout=30)
-            assert "standing for election without it" in b.log_path.read_text()
+            # Either bound let it stand: the guard's two TTLs, or the controller restarting the
+            # keeper that etcd answered instead of (decision 992), whose successor renewed.
+            log_text = b.log_path.read_text()
+            assert (
+                "standing for election without it" in log_text
+                or "has not renewed lease" in log_text
+            ), log_text[-3000:]
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(keeper, signal.SIGCONT)
+
+
+def test_a_master_whose_lease_keeper_hangs_restarts_it_and_stays_master(tmp_path: Path) -> None:
+    """The master's keeper alive but renewing nothing (SIGSTOP: as if hung in a call). The
+    master renews through its own tick meanwhile, so it stays master in the same epoch; the
+    controller sees etcd answer it but not the keeper for two TTLs, says so once at ERROR, kills
+    the keeper and starts another, which renews (the tick's fallback stops being needed), and
+    sends are acknowledged throughout (decision 992). Without this, the hung keeper stayed."""
+    with two_members(tmp_path, "sync") as (_etcd, group):
+        a = group.members[0]
+        wait_for("both in sync", lambda: group.in_sync(2))
+        assert a.proc is not None
+        epoch = a.metric("tmq_replication_epoch")
+        hung = _keeper_pid(a.proc.pid)
+        sigstop(hung)
+        try:
+            assert {st.code for st in send(a.endpoint, 0, 20)} == {d.OK}
+            wait_for(
+                "a restarts its hung keeper",
+                lambda: "has not renewed lease" in a.log_path.read_text(),
+                timeout=30,
+            )
+            pid = a.proc.pid
+            wait_for("a new keeper", lambda: _keeper_pid(pid) != hung)
+            assert not Path(f"/proc/{hung}").exists(), "the hung keeper was not killed"
+            assert {st.code for st in send(a.endpoint, 100, 20)} == {d.OK}
+            # The new keeper renews: no second restart over three more TTLs.
+            time.sleep(6)
+            log_text = a.log_path.read_text()
+            assert log_text.count("has not renewed lease") == 1, log_text[-3000:]
+            assert "ERROR" in next(
+                line for line in log_text.splitlines() if "has not renewed lease" in line
+            )
+            assert is_master(a) and a.metric("tmq_replication_epoch") == epoch
+            assert a.metric("tmq_replication_keeper_restarts_total") == 1
+            assert "fencing this master" not in log_text
+            assert {st.code for st in send(a.endpoint, 200, 20)} == {d.OK}
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
 
 
 def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:

@@ -4,7 +4,11 @@ slow, a group under load keeps its master."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -15,10 +19,17 @@ from pathlib import Path
 
 import pytest
 
+import broker.ha.controller as controller_module
+from broker.ha.config import HaConfig
+from broker.ha.controller import HaController
 from broker.ha.etcd import EtcdClient
-from broker.ha.lease_keeper import _BROKER, _BROKER_AT, LeaseKeeper, _read
+from broker.ha.lease_keeper import _BROKER, _BROKER_AT, _KEEPER_AT, LeaseKeeper, _read
+from broker.ha.role import RoleState
 from tests.broker_harness import REPO
 from tests.etcd_harness import EtcdCluster
+from tiered.config import StoreConfig
+from tiered.epoch_file import EpochFile
+from tiered.store import MessageStore
 
 KEY = b"/tmq/test/leased"
 
@@ -156,6 +167,261 @@ def test_the_keeper_revokes_the_lease_when_its_broker_is_killed(tmp_path: Path) 
     finally:
         parent.kill()
         parent.wait()
+        etcd.stop()
+
+
+def read_within(read: object, seconds: float) -> list[object]:
+    """``read()``'s result in a list, or an empty list if it did not return within ``seconds``
+    (it runs on a daemon thread, so a read that never returns cannot hang the test)."""
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(read()), daemon=True)  # type: ignore[operator]
+    thread.start()
+    thread.join(seconds)
+    return out
+
+
+def test_a_keeper_killed_mid_write_is_replaced_by_one_whose_renewals_read(tmp_path: Path) -> None:
+    """A keeper killed between the two count updates of a write leaves its half's count odd.
+    The broker's read of it must still return (the last stable state: no renewal since), and
+    the keeper started next must start from a blank half: a write keeps the count's parity, so
+    on the odd count no renewal of the new keeper could ever be read either (decision 991)."""
+    etcd = EtcdCluster(tmp_path).start()
+    client = EtcdClient(etcd.endpoints)
+    keeper = LeaseKeeper(etcd.endpoints, 2, interval_s=0.25, pulse_limit_s=1.0)
+    try:
+        lease = client.grant(2)
+        keeper.ensure_running()
+        keeper.set_lease(lease)
+        deadline = time.monotonic() + 10
+        while keeper.renewed().lease != lease:
+            assert time.monotonic() < deadline, "the keeper never renewed the lease"
+            keeper.pulse()
+            time.sleep(0.05)
+        assert keeper.proc is not None
+        first_pid = keeper.proc.pid
+        keeper.proc.kill()
+        keeper.proc.wait()
+        # What its death mid-publish leaves: the count bumped to odd, the second bump never made.
+        (seq,) = struct.unpack_from("<Q", keeper._buf, _KEEPER_AT)
+        struct.pack_into("<Q", keeper._buf, _KEEPER_AT, seq + 1)
+        got = read_within(keeper.renewed, 2.0)
+        assert got, "the read of a half its dead writer left mid-write never returned"
+        keeper.ensure_running()
+        assert keeper.proc is not None and keeper.proc.pid != first_pid
+        deadline = time.monotonic() + 10
+        started = time.monotonic()
+        while True:
+            keeper.pulse()
+            got = read_within(keeper.renewed, 2.0)
+            assert got, "the read of the new keeper's half never returned"
+            state = got[0]
+            if state.lease == lease and state.sent_at > started:  # type: ignore[attr-defined]
+                break
+            assert time.monotonic() < deadline, f"the new keeper's renewals never read: {state}"
+            time.sleep(0.05)
+        assert client.keepalive(lease) > 0
+    finally:
+        keeper.stop()
+        etcd.stop()
+
+
+PARENT_DIES_MID_WRITE = textwrap.dedent(
+    """
+    import os, signal, struct, sys, time
+    from broker.ha.etcd import EtcdClient
+    from broker.ha.lease_keeper import _BROKER_AT, LeaseKeeper
+    endpoints = sys.argv[1:]
+    client = EtcdClient(endpoints)
+    lease = client.grant(30)
+    client.put(b"/tmq/test/leased", b"x", lease)
+    keeper = LeaseKeeper(endpoints, 30, interval_s=0.25, pulse_limit_s=15)
+    keeper.ensure_running()
+    keeper.set_lease(lease)
+    while keeper.renewed().lease != lease:
+        keeper.pulse()
+        time.sleep(0.05)
+    print(keeper.proc.pid, flush=True)
+    # Killed between the two count updates of a pulse: the count is left odd.
+    (seq,) = struct.unpack_from("<Q", keeper._buf, _BROKER_AT)
+    struct.pack_into("<Q", keeper._buf, _BROKER_AT, seq + 1)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_broker_killed_mid_write_still_has_its_lease_revoked(tmp_path: Path) -> None:
+    """kill -9 of the process holding a 30 s lease, in the middle of a write of its half (the
+    count left odd): the keeper still revokes the lease it last read and exits, instead of
+    waiting for a stable copy that never comes (decision 991)."""
+    etcd = EtcdCluster(tmp_path).start()
+    client = EtcdClient(etcd.endpoints)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_DIES_MID_WRITE, *etcd.endpoints],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+    )
+    keeper_pid = 0
+    try:
+        assert parent.stdout is not None
+        keeper_pid = int(parent.stdout.readline())
+        parent.wait(timeout=30)
+        assert wait_gone(client, KEY, timeout=10) < 10
+    finally:
+        parent.kill()
+        parent.wait()
+        if keeper_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(keeper_pid, signal.SIGKILL)
+        etcd.stop()
+
+
+class SlowEtcd:
+    """A TCP forwarder on loopback in front of one etcd endpoint that holds every answer back
+    ``delay`` seconds: an etcd as slow as a loaded machine made it (keepalives of up to 3.2 s
+    at load 55, decision 910)."""
+
+    def __init__(self, target: str, delay: float) -> None:
+        host, port = target.rsplit("//", 1)[-1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.delay = delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, client, self.delay), daemon=True
+            ).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if delay:
+                    time.sleep(delay)
+                    delay = 0.0
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_keeper_renews_through_an_etcd_that_answers_in_1_3_s(tmp_path: Path) -> None:
+    """Every etcd answer 1.3 s late (what a loaded machine did): the broker's own client (2 s
+    per endpoint) still gets answers, so the keeper must too, or a member renews only through
+    its tick and the election guard never lets it stand. With the keeper's old timeout
+    (max(0.5, TTL/2) = 1 s per endpoint) it gave up on every answer and never renewed
+    (decision 990)."""
+    etcd = EtcdCluster(tmp_path).start()
+    client = EtcdClient(etcd.endpoints)
+    slow = [SlowEtcd(e, 1.3) for e in etcd.endpoints]
+    keeper = LeaseKeeper([p.endpoint for p in slow], 2, interval_s=0.25, pulse_limit_s=1.0)
+    try:
+        lease = client.grant(2)
+        client.put(KEY, b"x", lease)
+        keeper.ensure_running()
+        keeper.set_lease(lease)
+        until = time.monotonic() + 6
+        while time.monotonic() < until:
+            keeper.pulse()
+            time.sleep(0.05)
+        state = keeper.renewed()
+        assert state.lease == lease and state.renewals >= 6, state
+        assert client.get(KEY) is not None, "the lease expired: the keeper did not renew it"
+    finally:
+        keeper.stop()
+        for p in slow:
+            p.close()
+        etcd.stop()
+
+
+def test_a_keeper_started_after_the_first_lease_still_renews_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller's first tick takes the member's lease. The keeper was created after the
+    tick's thread started, so a tick that got its lease first (the starting thread descheduled
+    for a moment on a loaded machine: here 1 s) told no keeper about it, and as the lease never
+    changed, no later tick did: the keeper never renewed it, the tick kept it alive itself, and
+    the election guard never let the member stand (decision 911's CI runs; decision 990). A
+    real controller against a real etcd, its keeper's creation delayed 1 s: the keeper must
+    renew the controller's lease within a TTL of it being taken."""
+    etcd = EtcdCluster(tmp_path).start()
+    client = EtcdClient(etcd.endpoints)
+    cluster, name = "c", "broker-a"
+    # A group whose SyncStateSet names only member 99: this member never stands, only leases.
+    client.put(
+        f"/tmq/ha/{cluster}/{name}/state".encode(),
+        json.dumps({"epoch": 1, "master": 99, "sync_state_set": [99]}).encode(),
+    )
+
+    class LateKeeper(LeaseKeeper):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            time.sleep(1.0)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(controller_module, "LeaseKeeper", LateKeeper)
+    store = MessageStore(
+        StoreConfig(
+            data_dir=tmp_path / "data",
+            commitlog_file_size=1 << 20,
+            index_hash_slots=4096,
+            index_max_entries=16384,
+        )
+    )
+    config = HaConfig(
+        enabled=True, role="slave", broker_id=1, listen="127.0.0.1:1", etcd=etcd.endpoints
+    )
+
+    def no_role_change(*_: object) -> None:
+        raise AssertionError("this member must not change role")
+
+    controller = HaController(
+        store,
+        EpochFile(tmp_path / "data" / "ha"),
+        config,
+        cluster,
+        name,
+        lambda: "127.0.0.1:1",
+        RoleState("slave"),
+        make_master=no_role_change,  # type: ignore[arg-type]
+        make_slave=no_role_change,  # type: ignore[arg-type]
+        on_change=no_role_change,
+    )
+    try:
+        controller.start()
+        deadline = time.monotonic() + 10
+        while not controller._lease:
+            assert time.monotonic() < deadline, "the controller took no lease"
+            time.sleep(0.05)
+        lease, taken = controller._lease, time.monotonic()
+        keeper = controller._keeper
+        assert keeper is not None
+        while keeper.renewed().lease != lease:
+            assert time.monotonic() - taken < 2.0, (
+                f"the keeper has not renewed lease {lease:x} in 2 s (it renews "
+                f"{keeper.renewed().lease:x}, the broker's half names "
+                f"{struct.unpack_from('<Qq', keeper._buf, _BROKER_AT)[1]:x})"
+            )
+            time.sleep(0.05)
+    finally:
+        controller.stop()
+        store.shutdown()
         etcd.stop()
 
 

@@ -45,8 +45,11 @@ class HaConfig:
     # empty, roles are fixed by ``role`` (docs/ha.md).
     etcd: list[str] = field(default_factory=list)
     # The member's etcd lease: a master whose lease expires is replaced (RocketMQ's
-    # controller heartbeat timeout).
-    lease_ttl_ms: int = 2_000
+    # controller heartbeat timeout, 10 s there). A master that dies is replaced at once (its
+    # keeper revokes the lease); a frozen one, a dead machine or a partition after about this
+    # long. 8 s: at load 55 and more etcd answered keepalives in up to 3.7 s, past a 2 s TTL's
+    # 1.5 s fence (decision 993).
+    lease_ttl_ms: int = 8_000
 
     def __post_init__(self) -> None:
         if self.role not in ("master", "slave"):

@@ -66,6 +66,10 @@ _SETTLE_TICKS = 3
 _FENCE_AT = 3 / 4
 # The keeper sends a keepalive every TTL/_RENEWALS_PER_TTL, without waiting for the last answer.
 _RENEWALS_PER_TTL = 8
+# A keeper that is alive but has renewed nothing for this many TTLs, while this process's own
+# keepalive of the same lease was answered after its last renewal, is hung: killed and started
+# again (decision 992).
+_KEEPER_STALL_TTLS = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +104,7 @@ class ControllerMetrics:
         self.elections_lost = 0
         self.fenced = 0
         self.role_changes = 0
+        self.keeper_restarts = 0
 
 
 class HaController:
@@ -144,6 +149,12 @@ class HaController:
         # it only so long (a keeper that never renews must not keep a member from standing).
         self._lease_taken_at = 0.0
         self._keepalive_at = 0.0
+        # When this process's own keepalive (the tick's fallback) was last answered.
+        self._tick_keepalive_at = 0.0
+        # The keeper's skipped-renewal count last seen, and when it last moved (a keeper that
+        # skips for a stale pulse is alive and right not to renew).
+        self._keeper_skipped = 0
+        self._keeper_skipped_at = 0.0
         self._published_sss: list[int] | None = None
         self._absent_ticks = 0
         self._stop = threading.Event()
@@ -159,13 +170,11 @@ class HaController:
         self.epochs.load()
         self.store.set_replica(True)
         self.role.set("slave", self.epochs.last_epoch if self.epochs.entries else 0)
-        self._thread = threading.Thread(target=self._run, name="tmq-ha-controller", daemon=True)
-        self._thread.start()
-        self._watch = threading.Thread(
-            target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
-        )
-        self._watch.start()
-        # The renewals run in a process of their own, which waits on no GIL (decision 910).
+        # The renewals run in a process of their own, which waits on no GIL (decision 910). It
+        # exists before the tick's first lease: created after the tick started (as before
+        # decision 990), a tick that granted its lease first told no keeper about it, no later
+        # tick did (the lease did not change), and the keeper never renewed it: a member the
+        # election guard never let stand (the CI runs of decision 911).
         self._keeper = LeaseKeeper(
             self.config.etcd,
             self._ttl_s(),
@@ -173,6 +182,12 @@ class HaController:
             pulse_limit_s=self._ttl_s() / 2,
         )
         self._keeper.ensure_running()
+        self._thread = threading.Thread(target=self._run, name="tmq-ha-controller", daemon=True)
+        self._thread.start()
+        self._watch = threading.Thread(
+            target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
+        )
+        self._watch.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -254,13 +269,19 @@ class HaController:
                 self._set_lease(0)
         if self._keeper is not None:
             self._keeper.ensure_running()
+            # Every tick, not only when the lease changes: the keeper renews what the broker's
+            # half names, and nothing else may leave that behind (decision 990).
+            wanted = 0 if self._abandon_lease else self._lease
+            if self._keeper.lease != wanted:
+                self._keeper.set_lease(wanted)
         self._keeper_renewals()
         now = time.monotonic()
         if self._lease and now - self._keepalive_at < self._ttl_s() / 3:
             return
         if self._lease:
             if self.etcd.keepalive(self._lease) > 0:
-                self._lease_ok_at = self._keepalive_at = now
+                self._lease_ok_at = self._keepalive_at = self._tick_keepalive_at = now
+                self._check_keeper(now)
                 return
             log.warning("controller: lease %x expired; taking a new one", self._lease)
             self._set_lease(0)
@@ -268,6 +289,44 @@ class HaController:
         lease = self.etcd.grant(self._ttl_s())
         self._lease_ok_at = self._keepalive_at = now
         self._set_lease(lease)
+
+    def _check_keeper(self, now: float) -> None:
+        """Restart a keeper that is alive but not renewing (hung in a call, stopped, spinning):
+        etcd answered this process's keepalive of the lease after the keeper's last renewal of
+        it (or its start, or the lease's), and the keeper has renewed nothing for
+        ``_KEEPER_STALL_TTLS`` TTLs. Fencing is untouched: the deadline counts only keepalives
+        that were answered, the tick's own included, and the new keeper's half starts blank."""
+        keeper = self._keeper
+        if keeper is None or keeper.proc is None or keeper.proc.poll() is not None:
+            return
+        if not self._lease or self._abandon_lease:
+            return
+        state = keeper.renewed()
+        if state.skipped != self._keeper_skipped:
+            self._keeper_skipped, self._keeper_skipped_at = state.skipped, now
+        since = max(
+            state.sent_at if state.lease == self._lease else 0.0,
+            keeper.started_at,
+            self._lease_taken_at,
+            self._keeper_skipped_at,
+        )
+        stalled = now - since
+        if stalled <= _KEEPER_STALL_TTLS * self._ttl_s() or self._tick_keepalive_at <= since:
+            return
+        log.error(
+            "controller: the lease keeper (pid %d) has not renewed lease %x for %.1f s while etcd "
+            "answers this process (keeper: %d renewals, last keepalive %.2f s, longest %.2f s); "
+            "restarting it",
+            keeper.proc.pid,
+            self._lease,
+            stalled,
+            state.renewals,
+            state.last_latency_s,
+            state.max_latency_s,
+        )
+        self.metrics.keeper_restarts += 1
+        keeper.restart()
+        self._keeper_skipped = 0
 
     def _check_lease_deadline(self) -> None:
         """No answer from etcd: a master that cannot prove its lease is alive fences itself

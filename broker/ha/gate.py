@@ -81,6 +81,8 @@ class ReplicationStatus:
     elections_won: int = 0
     fencings: int = 0
     role_changes: int = 0
+    # Lease keepers restarted because they were alive but not renewing (decision 992).
+    keeper_restarts: int = 0
 
 
 class FencedError(NotMasterError):

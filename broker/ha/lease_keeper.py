@@ -52,8 +52,23 @@ _BROKER_AT = 0
 # renewals, renewals skipped because the pulse was stale, the last and the longest keepalive.
 _KEEPER = struct.Struct("<Qqdqqqdd")
 _KEEPER_AT = 64
-# Keepalives at once (each on its own thread) while etcd is slow to answer.
-_MAX_IN_FLIGHT = 4
+# Keepalives at once (each on its own thread) while etcd is slow to answer: one TTL's worth at
+# the controller's interval (TTL/8), so that one answer waited for up to the timeout does not
+# hold the next sends back (decision 990).
+_MAX_IN_FLIGHT = 8
+# How long a read of a half waits for a writer that is between its two count updates. A writer
+# holds it for microseconds, or for as long as the kernel deschedules it mid-write on a loaded
+# machine; a writer killed mid-write never finishes, and the read then gives up (decision 991).
+_READ_LIMIT_S = 0.2
+
+
+def keeper_timeout(ttl_s: int) -> float:
+    """Seconds each keepalive waits for one etcd endpoint: never less than the broker's own
+    client (2 s), and three quarters of the TTL for longer leases. A keepalive answered late
+    still counts from the time it was sent (renewals overlap), so waiting costs nothing, while
+    giving up after 1 s (as before decision 990) threw away every answer of an etcd that, at
+    load 55, took up to 3.2 s: a keeper that never renewed."""
+    return max(2.0, ttl_s * 3 / 4)
 
 
 def _write(buf: mmap.mmap, at: int, layout: struct.Struct, *values: float) -> None:
@@ -65,13 +80,27 @@ def _write(buf: mmap.mmap, at: int, layout: struct.Struct, *values: float) -> No
     struct.pack_into("<Q", buf, at, seq + 2)
 
 
-def _read(buf: mmap.mmap, at: int, layout: struct.Struct) -> tuple[float, ...]:
+def _read(
+    buf: mmap.mmap, at: int, layout: struct.Struct, limit_s: float = _READ_LIMIT_S
+) -> tuple[float, ...] | None:
+    """The half's values, or None when no stable copy came within ``limit_s`` (its writer is
+    descheduled mid-write, or died there and left the count odd for good)."""
+    deadline = time.monotonic() + limit_s
+    tries = 0
     while True:
         values = layout.unpack_from(buf, at)
         (seq,) = struct.unpack_from("<Q", buf, at)
         if values[0] % 2 == 0 and seq == values[0]:
             return tuple(values[1:])
-        time.sleep(0)
+        tries += 1
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0 if tries < 100 else 0.001)
+
+
+def _reset(buf: mmap.mmap, at: int, layout: struct.Struct) -> None:
+    """Zero a half, its count included: only while its writer is known dead (decision 991)."""
+    buf[at : at + layout.size] = bytes(layout.size)
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,11 +154,13 @@ class LeaseKeeper:
         ttl_s: int,
         interval_s: float,
         pulse_limit_s: float,
+        timeout_s: float | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.pulse_limit_s = pulse_limit_s
+        self.timeout_s = keeper_timeout(ttl_s) if timeout_s is None else timeout_s
         self._fd = _shared_file()
         fd = self._fd
         self._buf = mmap.mmap(fd, SIZE)
@@ -141,12 +172,22 @@ class LeaseKeeper:
         self._write_lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        # When the running keeper was started (time.monotonic()).
+        self.started_at = 0.0
+        # The last stable read of the keeper's half: what renewed() says while a read gives up.
+        self._last = KeeperState(0, 0.0, 0, 0, 0, 0.0, 0.0)
 
     def ensure_running(self) -> None:
         """Start the keeper, or start it again if it died (its renewals stop meanwhile, and the
         broker's deadline fences it if that lasts)."""
         if self.proc is not None and self.proc.poll() is None:
             return
+        self._reap()
+        # The keeper's half starts blank: a keeper killed mid-write left its count odd, and every
+        # later write keeps that parity, so no renewal of the next keeper could ever be read
+        # (decision 991). Its writer is dead, so nobody writes it meanwhile.
+        _reset(self._buf, _KEEPER_AT, _KEEPER)
+        self._last = KeeperState(0, 0.0, 0, 0, 0, 0.0, 0.0)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -159,7 +200,7 @@ class LeaseKeeper:
                 "--pulse-limit",
                 str(self.pulse_limit_s),
                 "--timeout",
-                str(max(0.5, self.ttl_s / 2)),
+                str(self.timeout_s),
                 *self.endpoints,
             ],
             stdin=subprocess.PIPE,
@@ -167,6 +208,29 @@ class LeaseKeeper:
             close_fds=True,
         )
         self.starts += 1
+        self.started_at = time.monotonic()
+
+    def restart(self) -> None:
+        """Kill the keeper (alive but not renewing: hung in a call, stopped) and start another.
+        Killed, it does not revoke: the broker still holds, and renews, its lease."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        self.ensure_running()
+
+    def _reap(self) -> None:
+        proc = self.proc
+        if proc is not None:
+            proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        self.proc = None
+
+    @property
+    def lease(self) -> int:
+        """The lease the broker's half names."""
+        return self._lease
 
     def set_lease(self, lease: int) -> None:
         with self._write_lock:
@@ -178,19 +242,23 @@ class LeaseKeeper:
             _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
 
     def renewed(self) -> KeeperState:
-        lease, at, gone, count, stale, last, longest = _read(self._buf, _KEEPER_AT, _KEEPER)
-        return KeeperState(int(lease), at, int(gone), int(count), int(stale), last, longest)
+        """The keeper's half; the last stable copy if none comes within the read's bound (a
+        keeper that died mid-write: no renewal since, which is the truth)."""
+        values = _read(self._buf, _KEEPER_AT, _KEEPER)
+        if values is not None:
+            lease, at, gone, count, stale, last, longest = values
+            self._last = KeeperState(
+                int(lease), at, int(gone), int(count), int(stale), last, longest
+            )
+        return self._last
 
     def stop(self) -> None:
         """Stop the keeper without revoking (the broker revokes, or hands over, itself)."""
         self.set_lease(0)
-        proc = self.proc
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            if proc.stdin is not None:
-                proc.stdin.close()
-        self.proc = None
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        self._reap()
 
 
 class _Renewals:
@@ -251,18 +319,21 @@ def _run(
     state = _Renewals(buf)
     parent = os.getppid()
     stdin = sys.stdin.buffer.fileno()
+    # The broker's half as last read whole: a broker killed mid-write leaves it unreadable, and
+    # its death must still revoke the lease it named (decision 991).
+    lease, pulse = 0, 0.0
     while True:
         ready, _, _ = select.select([stdin], [], [], interval)
+        broker = _read(buf, _BROKER_AT, _BROKER)
+        if broker is not None:
+            lease, pulse = int(broker[0]), broker[1]
         if (ready and not os.read(stdin, 4096)) or os.getppid() != parent:
             # The broker died: nothing can be acknowledged under its lease any more (the last
             # one it named, even if this loop never got to renew it).
-            held = int(_read(buf, _BROKER_AT, _BROKER)[0])
-            if held:
+            if lease:
                 with contextlib.suppress(EtcdUnavailableError):
-                    client.revoke(held)
+                    client.revoke(lease)
             return
-        lease, pulse = _read(buf, _BROKER_AT, _BROKER)
-        lease = int(lease)
         if not lease:
             continue
         with state.lock:
