@@ -246,7 +246,7 @@ class Export:
         if outage is not None:
             raise ExportError(_unreachable(self.tier.url, outage, batch_id))
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
-            self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
+            self._damaged(damage["queue_key"], damage["first_offset"], damage["error"])
         files = self._contiguous([r for r in rows if not r["error"]], floors)
         commits = []
         for topic in sorted({f["topic"] for f in files}):
@@ -325,6 +325,27 @@ class Export:
                             self.stopped[q.key] = str(e)
                 log.error("%s", e)
 
+    def _damaged(self, queue_key: str, offset: int, reason: str) -> None:
+        """A slice of ``queue_key`` from ``offset`` could not be read. If retention expired it
+        while the batch was reading (``tmq retain`` removes segments from the manifest first,
+        then deletes their objects), that is no damage: the queue goes on at the archive's new
+        start in the next batch, as for a range that expired before it was planned (Kafka's
+        ``failOnDataLoss=false``). Otherwise the queue stops here (a missing or damaged
+        object the manifest still names)."""
+        start = self._manifests.get(QueueRef.parse(queue_key)).start_offset  # read it again
+        if offset >= start:
+            self._stop_queue(queue_key, offset, reason)
+            return
+        log.warning(
+            "%s: offsets %d..%d expired from the tier while a batch read them; continuing at %d",
+            queue_key,
+            offset,
+            start - 1,
+            start,
+        )
+        with self._lock:
+            self._rewind[queue_key] = min(offset, self._rewind.get(queue_key, offset))
+
     def _stop_queue(self, queue_key: str, offset: int, reason: str) -> None:
         """Stop exporting one queue for the rest of this run; every other queue goes on."""
         with self._lock:
@@ -389,7 +410,7 @@ class Export:
         with self._lock:
             for key, offset in cut_at.items():
                 if key not in self.stopped:
-                    self._rewind[key] = offset
+                    self._rewind[key] = min(offset, self._rewind.get(key, offset))
         return [f for f in files if f["path"] not in dropped]
 
     def _next_position(self, end: dict[str, int]) -> dict[str, int]:

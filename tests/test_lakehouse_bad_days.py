@@ -256,3 +256,71 @@ def test_a_damaged_offset_table_is_refused_naming_the_object_and_the_entry(
                 f"the entry of queue offset {segment.base_offset + k} says" in message
                 for k in (10, 11)
             ), message
+
+
+def test_retention_deleting_segments_under_a_batch_skips_the_expired_range_not_the_queue(
+    s3: S3Endpoint,
+    bucket: str,
+    spark: Any,
+    fault_proxy: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tmq retain` expires a queue's oldest segments while an export batch is reading them
+    (the manifest first, then the objects: the executors' GETs of planned slices find them
+    gone). That is the documented retention race (Kafka's failOnDataLoss=false), not damage: the
+    export used to stop the queue as "object is missing from the tier, run `tmq verify`", with
+    its still-retained newest segments never exported (a continuous export kept the queue
+    stopped until restarted). It must go on at the archive's new start: every retained row
+    exactly once, the queue not stopped, and every row in the table the tier's own."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=50)  # fmt: skip
+    try:
+        archive.produce(TOPIC, 500, body_size=2048)  # ten segments of one queue
+        archive.offload(TOPIC)
+        expected = wanted(expected_rows(archive.messages(TOPIC)))
+        proxied = S3Endpoint(fault_proxy.url, "proxy").storage_options()
+        lake = tmp_path / "lake"
+        config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=proxied)
+        # Every request through the proxy waits: the executors' first GETs are still on their
+        # way when the retention (straight to the store, not through the proxy) lands.
+        fault_proxy.set(delay_ms=300)
+        before = fault_proxy.snapshot()["counters"].get("requests", 0)
+        expired: list[Any] = []
+        finished = threading.Event()
+
+        def retain_once_reading() -> None:
+            # The driver's five requests (three LISTs to find the queue, the manifest's LIST
+            # and GET), then the executors' first GET of a segment.
+            while not finished.wait(0.005):
+                if fault_proxy.snapshot()["counters"].get("requests", 0) >= before + 6:
+                    # By size alone (no message is older than time 0): keep the newest two.
+                    newest = ManifestLog(archive.tier, A.prefix).load().segments[-2:]
+                    keep = sum(s.size for s in newest)
+                    expired.append(archive.offloader.expire(TOPIC, 0, 0, max_bytes=keep))
+                    return
+
+        watcher = threading.Thread(target=retain_once_reading, daemon=True)
+        watcher.start()
+        try:
+            report = Export(spark, config).run(once=True, timeout=300)
+        finally:
+            finished.set()
+            watcher.join(30)
+        fault_proxy.heal()
+    finally:
+        archive.close()
+    assert expired and expired[0].segments == 8, expired
+    new_start = expired[0].new_start_offset
+    assert new_start == 400
+    assert report.stopped == {}, report.stopped
+    # The race this test is about happened: the batch's reads found expired objects.
+    assert any("while a batch read them" in r.getMessage() for r in caplog.records)
+    table = DeltaTable(str(lake / TOPIC))
+    assert table.transaction_version(app_id(A)) == 500
+    rows = table_rows(lake)
+    assert not [k for k, n in Counter(rows).items() if n > 1], "a row was committed twice"
+    assert set(rows) <= set(expected), "a row the tier never held"
+    assert [r for r in rows if r[1] >= new_start] == [r for r in expected if r[1] >= new_start]
+    assert Export(spark, config).run(once=True, timeout=300).rows == 0
