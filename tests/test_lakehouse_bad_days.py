@@ -324,3 +324,56 @@ def test_retention_deleting_segments_under_a_batch_skips_the_expired_range_not_t
     assert set(rows) <= set(expected), "a row the tier never held"
     assert [r for r in rows if r[1] >= new_start] == [r for r in expected if r[1] >= new_start]
     assert Export(spark, config).run(once=True, timeout=300).rows == 0
+
+
+def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """A topic deleted and re-created, its tier prefix wiped (by hand, or a new broker on an
+    empty disk after the old archive was removed) and archived again from offset 0, while its
+    table still holds the old archive's rows and exported offset. The export used to take the
+    new archive's messages below the old exported offset as a replay and drop them silently
+    (a shorter new archive: "nothing new"), and to append the rest after the old archive's
+    rows (a longer one): a table mixing two lineages. Both must stop the queue with one line
+    saying what happened and what to do, and commit nothing."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        old = wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+    assert Export(spark, config).run(once=True, timeout=300).rows == 200
+    assert table_rows(lake) == old
+
+    # The topic is deleted and re-created: its archive is wiped and begins again at 0.
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
+    for item in listed.get("Contents", []):
+        client.delete_object(Bucket=bucket, Key=item["Key"])
+    second = Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
+                          segment_messages=50)  # fmt: skip
+    try:
+        for count in (120, 180):  # below the old exported offset (200), then past it (300)
+            second.produce(TOPIC, count, body_size=100)
+            second.offload(TOPIC)
+            report = Export(spark, config).run(once=True, timeout=300)
+            assert report.rows == 0
+            assert set(report.stopped) == {A.key}, (count, report.stopped)
+            line = report.stopped[A.key]
+            assert "\n" not in line and "exported up to offset 200 from another archive" in line
+            assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
+            assert table_rows(lake) == old, "nothing of the new archive committed"
+            assert DeltaTable(str(lake / TOPIC)).transaction_version(app_id(A)) == 200
+    finally:
+        second.close()
+
+    # The operator's path: the table moved aside, the export rebuilds it from the new archive.
+    (lake / TOPIC).rename(lake / f"{TOPIC}_old")
+    again = Export(spark, config).run(once=True, timeout=300)
+    assert again.stopped == {} and again.rows == 300
+    assert [(q, o) for q, o, _ in table_rows(lake)] == [(0, o) for o in range(300)]
