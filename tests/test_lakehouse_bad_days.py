@@ -13,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import duckdb
+import pyarrow.dataset as pds
 import pytest
 from conftest import S3Endpoint
 from deltalake import DeltaTable
@@ -21,6 +23,7 @@ from lakehouse_harness import Archive, expected_rows
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
+from lakehouse.query import run_query
 from lakehouse.source import Planner, SegmentSlice, SourceOptions, balanced_packs, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import ManifestCache, QueueRef
@@ -377,3 +380,54 @@ def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed
     again = Export(spark, config).run(once=True, timeout=300)
     assert again.stopped == {} and again.rows == 300
     assert [(q, o) for q, o, _ in table_rows(lake)] == [(0, o) for o in range(300)]
+
+
+def test_filters_on_strings_beyond_the_bmp_find_every_row(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Tags and message ids with characters of the planes past the first two (CJK extension B
+    and on, as in 𠮷野家; the last planes, U+10FFFF included). The export wrote each file's
+    Delta statistics as ASCII JSON, those characters as surrogate-pair escapes, which delta-rs
+    1.6 reads back 0x10000 too low (𠮷 U+20BB7 as U+10BB7; emoji, plane 1, come back right): a
+    file's max fell below its own rows, and `where tags = '𠮷野家'` skipped the file. So did
+    every string longer than 32 characters whose next character sorted above U+FFFFF (the cut
+    value's bound, U+10FFFF, read as U+FFFFF). DataFusion (`tmq lakehouse query`), delta-rs's
+    pyarrow dataset and DuckDB over it answered 0 rows where the table holds them: a silent
+    wrong answer for the analyst."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=100)  # fmt: skip
+    tags = ["😀", "𠮷野家", "red 𠮷", "\U00020000" * 3, "\U0010fffd" * 40, "plain"]
+    try:
+        archive.store.put_messages(
+            [
+                Message(
+                    TOPIC,
+                    f"body {i}".encode(),
+                    0,
+                    {"TAGS": tags[i % len(tags)], "UNIQ_KEY": f"id-𠮷-{i}"},
+                )
+                for i in range(60)
+            ]
+        )
+        assert archive.store.wait_dispatched(60)
+        archive.offload(TOPIC)
+    finally:
+        archive.close()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    assert Export(spark, config).run(once=True, timeout=300).rows == 60
+    table = DeltaTable(str(lake / TOPIC))
+    dataset = table.to_pyarrow_dataset()
+    for tag in tags:
+        quoted = tag.replace("'", "''")
+        sql = f"select count(*) as n from {TOPIC} where tags = '{quoted}'"
+        assert run_query(Location.of(str(lake)), sql).column("n")[0].as_py() == 10, tag
+        assert dataset.to_table(filter=pds.field("tags") == tag).num_rows == 10, tag
+        found = duckdb.sql(f"select count(*) from dataset where tags = '{quoted}'").fetchall()
+        assert found == [(10,)], tag
+    for i in (0, 7, 59):
+        sql = f"select body from {TOPIC} where msg_id = 'id-𠮷-{i}'"
+        assert run_query(Location.of(str(lake)), sql).column("body").to_pylist() == [
+            f"body {i}".encode()
+        ]
