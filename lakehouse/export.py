@@ -52,7 +52,7 @@ from lakehouse.sink import (
     commit_files,
 )
 from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs, tier_store
-from lakehouse.tables import LakeTable, TableVersionError, exported_offsets
+from lakehouse.tables import LakeTable, TableVersionError, exported_offsets, exported_segment
 from lakehouse.tier import ManifestCache, QueueRef, discover
 from tiered.cold.storage import StorageError
 
@@ -246,7 +246,7 @@ class Export:
         if outage is not None:
             raise ExportError(_unreachable(self.tier.url, outage, batch_id))
         for damage in sorted((r for r in rows if r["error"]), key=lambda r: r["first_offset"]):
-            self._stop_queue(damage["queue_key"], damage["first_offset"], damage["error"])
+            self._damaged(damage["queue_key"], damage["first_offset"], damage["error"])
         files = self._contiguous([r for r in rows if not r["error"]], floors)
         commits = []
         for topic in sorted({f["topic"] for f in files}):
@@ -325,6 +325,68 @@ class Export:
                             self.stopped[q.key] = str(e)
                 log.error("%s", e)
 
+    def _damaged(self, queue_key: str, offset: int, reason: str) -> None:
+        """A slice of ``queue_key`` from ``offset`` could not be read. If retention expired it
+        while the batch was reading (``tmq retain`` removes segments from the manifest first,
+        then deletes their objects), that is no damage: the queue goes on at the archive's new
+        start in the next batch, as for a range that expired before it was planned (Kafka's
+        ``failOnDataLoss=false``). Otherwise the queue stops here (a missing or damaged
+        object the manifest still names)."""
+        start = self._manifests.get(QueueRef.parse(queue_key)).start_offset  # read it again
+        if offset >= start:
+            self._stop_queue(queue_key, offset, reason)
+            return
+        log.warning(
+            "%s: offsets %d..%d expired from the tier while a batch read them; continuing at %d",
+            queue_key,
+            offset,
+            start - 1,
+            start,
+        )
+        with self._lock:
+            self._rewind[queue_key] = min(offset, self._rewind.get(queue_key, offset))
+
+    def _check_lineage(
+        self, queues: list[QueueRef], manifests: list[Any], starting: dict[str, int]
+    ) -> None:
+        """Stop each queue whose table was exported from another archive than the tier's now:
+        the topic deleted and re-created, or its tier prefix wiped and archived again from
+        offset 0. Its offsets restart, and the table's exported offset would silently drop the
+        new archive's messages below it as a replay (and append the rest after the old
+        archive's rows). A queue's tier watermark never goes back, and a segment keeps its
+        object key (a fresh suffix per upload) until it expires, so either shows it: the
+        archive ends below the exported offset, or the table's last row of the queue came
+        from another object than the one the manifest names for that offset."""
+        for queue, manifest in zip(queues, manifests, strict=True):
+            exported = starting.get(queue.key)
+            if not exported or queue.key in self.stopped:
+                continue
+            last = exported - 1
+            why = None
+            if exported > manifest.end_offset:
+                why = f"the tier's archive of the queue ends at {manifest.end_offset}"
+            elif last >= manifest.start_offset:
+                segment = manifest.find(last)
+                table = self._tables.get(queue.topic)
+                source = None if table is None else exported_segment(table, queue, last)
+                if segment is not None and source is not None and source != segment.key:
+                    why = (
+                        f"its row at offset {last} came from {source}, where the tier now "
+                        f"holds {segment.key}"
+                    )
+            if why is None:
+                continue
+            line = (
+                f"queue {queue.key}: the table {LakeTable(self.lake, queue.topic).uri} was "
+                f"exported up to offset {exported} from another archive ({why}): the topic "
+                "was deleted and re-created, or its tier prefix wiped; move the table aside "
+                f"(e.g. rename it to {queue.topic}_old) and run the export again: it rebuilds "
+                "the table from the tier's archive"
+            )
+            with self._lock:
+                self.stopped[queue.key] = line
+            log.error("%s", line)
+
     def _stop_queue(self, queue_key: str, offset: int, reason: str) -> None:
         """Stop exporting one queue for the rest of this run; every other queue goes on."""
         with self._lock:
@@ -389,7 +451,7 @@ class Export:
         with self._lock:
             for key, offset in cut_at.items():
                 if key not in self.stopped:
-                    self._rewind[key] = offset
+                    self._rewind[key] = min(offset, self._rewind.get(key, offset))
         return [f for f in files if f["path"] not in dropped]
 
     def _next_position(self, end: dict[str, int]) -> dict[str, int]:
@@ -455,7 +517,7 @@ class Export:
                 self._warm_up()
                 log.info("standby: waiting for the export holding %s", lock.path)
             if not lock.acquire(wait=self.config.standby, stop=self._stop):
-                return ExportReport([], dict(self.offsets))
+                return ExportReport([], dict(self.offsets), dict(self.stopped))
         except ExportLockedError as e:
             raise ExportError(str(e)) from None
         try:
@@ -483,13 +545,15 @@ class Export:
             mine = [q for q in queues if q.topic == topic]
             starting.update(exported_offsets(self._tables.get(topic), mine))
         self.offsets = dict(starting)
+        # Read here for both modes: ``--once``'s targets, and the lineage check.
+        manifests = self._manifests.get_many(queues)
+        self._check_lineage(queues, manifests, starting)
         if once:
             # Bounded by the tier watermarks as they are now: what "archived so far" means.
-            manifests = self._manifests.get_many(queues)
             targets = {q.key: m.end_offset for q, m in zip(queues, manifests, strict=True)}
             if self._reached(targets, queues, self._manifests):
                 log.info("nothing new to export")
-                return ExportReport([], dict(self.offsets))
+                return ExportReport([], dict(self.offsets), dict(self.stopped))
             return self._run_batches(starting, targets, queues, timeout=timeout)
         self._continuous = True
         return self._run_continuous(starting, timeout=timeout)

@@ -192,7 +192,10 @@ class _OpenFile:
             "maxValues": {k: _stat_value(v, True) for k, v in self.maxs.items()},
             "nullCount": self.nulls,
         }
-        encoded = json.dumps(stats, separators=(",", ":"))
+        # Raw UTF-8, never surrogate-pair escapes: delta-rs reads the pair of a character past
+        # plane 1 0x10000 too low (U+20BB7 as U+10BB7, the bound U+10FFFF as U+FFFFF), so a
+        # file's max fell below its own rows and `where tags = '𠮷野家'` skipped the file.
+        encoded = json.dumps(stats, separators=(",", ":"), ensure_ascii=False)
         modified = int(time.time() * 1000)
         return [
             {

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from deltalake import DeltaTable
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import TableNotFoundError
 
 from lakehouse.locations import Location
@@ -119,3 +120,17 @@ def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> di
         if version is not None:
             out[queue.key] = version
     return out
+
+
+def exported_segment(table: DeltaTable, queue: QueueRef, offset: int) -> str | None:
+    """The ``segment`` (the tier object's key) the table's row of ``queue`` at ``offset`` was
+    exported from, or None if the table has no such row. DataFusion skips the files whose
+    statistics exclude the offset, so this reads one file or a few."""
+    sql = (
+        "select segment from t where broker = '{broker}' and queue_id = {queue_id} "
+        "and queue_offset = {offset} limit 1"
+    ).format(broker=queue.broker.replace("'", "''"), queue_id=int(queue.queue_id), offset=offset)
+    result = pa.RecordBatchReader.from_stream(
+        QueryBuilder().register("t", table).execute(sql)
+    ).read_all()
+    return None if result.num_rows == 0 else str(result.column("segment")[0].as_py())

@@ -13,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import duckdb
+import pyarrow.dataset as pds
 import pytest
 from conftest import S3Endpoint
 from deltalake import DeltaTable
@@ -21,6 +23,7 @@ from lakehouse_harness import Archive, expected_rows
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
+from lakehouse.query import run_query
 from lakehouse.source import Planner, SegmentSlice, SourceOptions, balanced_packs, read_slice
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import ManifestCache, QueueRef
@@ -256,3 +259,175 @@ def test_a_damaged_offset_table_is_refused_naming_the_object_and_the_entry(
                 f"the entry of queue offset {segment.base_offset + k} says" in message
                 for k in (10, 11)
             ), message
+
+
+def test_retention_deleting_segments_under_a_batch_skips_the_expired_range_not_the_queue(
+    s3: S3Endpoint,
+    bucket: str,
+    spark: Any,
+    fault_proxy: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tmq retain` expires a queue's oldest segments while an export batch is reading them
+    (the manifest first, then the objects: the executors' GETs of planned slices find them
+    gone). That is the documented retention race (Kafka's failOnDataLoss=false), not damage: the
+    export used to stop the queue as "object is missing from the tier, run `tmq verify`", with
+    its still-retained newest segments never exported (a continuous export kept the queue
+    stopped until restarted). It must go on at the archive's new start: every retained row
+    exactly once, the queue not stopped, and every row in the table the tier's own."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=50)  # fmt: skip
+    try:
+        archive.produce(TOPIC, 500, body_size=2048)  # ten segments of one queue
+        archive.offload(TOPIC)
+        expected = wanted(expected_rows(archive.messages(TOPIC)))
+        proxied = S3Endpoint(fault_proxy.url, "proxy").storage_options()
+        lake = tmp_path / "lake"
+        config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=proxied)
+        # Every request through the proxy waits: the executors' first GETs are still on their
+        # way when the retention (straight to the store, not through the proxy) lands.
+        fault_proxy.set(delay_ms=300)
+        before = fault_proxy.snapshot()["counters"].get("requests", 0)
+        expired: list[Any] = []
+        finished = threading.Event()
+
+        def retain_once_reading() -> None:
+            # The driver's five requests (three LISTs to find the queue, the manifest's LIST
+            # and GET), then the executors' first GET of a segment.
+            while not finished.wait(0.005):
+                if fault_proxy.snapshot()["counters"].get("requests", 0) >= before + 6:
+                    # By size alone (no message is older than time 0): keep the newest two.
+                    newest = ManifestLog(archive.tier, A.prefix).load().segments[-2:]
+                    keep = sum(s.size for s in newest)
+                    expired.append(archive.offloader.expire(TOPIC, 0, 0, max_bytes=keep))
+                    return
+
+        watcher = threading.Thread(target=retain_once_reading, daemon=True)
+        watcher.start()
+        try:
+            report = Export(spark, config).run(once=True, timeout=300)
+        finally:
+            finished.set()
+            watcher.join(30)
+        fault_proxy.heal()
+    finally:
+        archive.close()
+    assert expired and expired[0].segments == 8, expired
+    new_start = expired[0].new_start_offset
+    assert new_start == 400
+    assert report.stopped == {}, report.stopped
+    # The race this test is about happened: the batch's reads found expired objects.
+    assert any("while a batch read them" in r.getMessage() for r in caplog.records)
+    table = DeltaTable(str(lake / TOPIC))
+    assert table.transaction_version(app_id(A)) == 500
+    rows = table_rows(lake)
+    assert not [k for k, n in Counter(rows).items() if n > 1], "a row was committed twice"
+    assert set(rows) <= set(expected), "a row the tier never held"
+    assert [r for r in rows if r[1] >= new_start] == [r for r in expected if r[1] >= new_start]
+    assert Export(spark, config).run(once=True, timeout=300).rows == 0
+
+
+def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """A topic deleted and re-created, its tier prefix wiped (by hand, or a new broker on an
+    empty disk after the old archive was removed) and archived again from offset 0, while its
+    table still holds the old archive's rows and exported offset. The export used to take the
+    new archive's messages below the old exported offset as a replay and drop them silently
+    (a shorter new archive: "nothing new"), and to append the rest after the old archive's
+    rows (a longer one): a table mixing two lineages. Both must stop the queue with one line
+    saying what happened and what to do, and commit nothing."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        old = wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+    assert Export(spark, config).run(once=True, timeout=300).rows == 200
+    assert table_rows(lake) == old
+
+    # The topic is deleted and re-created: its archive is wiped and begins again at 0.
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
+    for item in listed.get("Contents", []):
+        client.delete_object(Bucket=bucket, Key=item["Key"])
+    second = Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
+                          segment_messages=50)  # fmt: skip
+    try:
+        for count in (120, 180):  # below the old exported offset (200), then past it (300)
+            second.produce(TOPIC, count, body_size=100)
+            second.offload(TOPIC)
+            report = Export(spark, config).run(once=True, timeout=300)
+            assert report.rows == 0
+            assert set(report.stopped) == {A.key}, (count, report.stopped)
+            line = report.stopped[A.key]
+            assert "\n" not in line and "exported up to offset 200 from another archive" in line
+            assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
+            assert table_rows(lake) == old, "nothing of the new archive committed"
+            assert DeltaTable(str(lake / TOPIC)).transaction_version(app_id(A)) == 200
+    finally:
+        second.close()
+
+    # The operator's path: the table moved aside, the export rebuilds it from the new archive.
+    (lake / TOPIC).rename(lake / f"{TOPIC}_old")
+    again = Export(spark, config).run(once=True, timeout=300)
+    assert again.stopped == {} and again.rows == 300
+    assert [(q, o) for q, o, _ in table_rows(lake)] == [(0, o) for o in range(300)]
+
+
+def test_filters_on_strings_beyond_the_bmp_find_every_row(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Tags and message ids with characters of the planes past the first two (CJK extension B
+    and on, as in 𠮷野家; the last planes, U+10FFFF included). The export wrote each file's
+    Delta statistics as ASCII JSON, those characters as surrogate-pair escapes, which delta-rs
+    1.6 reads back 0x10000 too low (𠮷 U+20BB7 as U+10BB7; emoji, plane 1, come back right): a
+    file's max fell below its own rows, and `where tags = '𠮷野家'` skipped the file. So did
+    every string longer than 32 characters whose next character sorted above U+FFFFF (the cut
+    value's bound, U+10FFFF, read as U+FFFFF). DataFusion (`tmq lakehouse query`), delta-rs's
+    pyarrow dataset and DuckDB over it answered 0 rows where the table holds them: a silent
+    wrong answer for the analyst."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=100)  # fmt: skip
+    tags = ["😀", "𠮷野家", "red 𠮷", "\U00020000" * 3, "\U0010fffd" * 40, "plain"]
+    try:
+        archive.store.put_messages(
+            [
+                Message(
+                    TOPIC,
+                    f"body {i}".encode(),
+                    0,
+                    {"TAGS": tags[i % len(tags)], "UNIQ_KEY": f"id-𠮷-{i}"},
+                )
+                for i in range(60)
+            ]
+        )
+        assert archive.store.wait_dispatched(60)
+        archive.offload(TOPIC)
+    finally:
+        archive.close()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    assert Export(spark, config).run(once=True, timeout=300).rows == 60
+    table = DeltaTable(str(lake / TOPIC))
+    dataset = table.to_pyarrow_dataset()
+    for tag in tags:
+        quoted = tag.replace("'", "''")
+        sql = f"select count(*) as n from {TOPIC} where tags = '{quoted}'"
+        assert run_query(Location.of(str(lake)), sql).column("n")[0].as_py() == 10, tag
+        assert dataset.to_table(filter=pds.field("tags") == tag).num_rows == 10, tag
+        found = duckdb.sql(f"select count(*) from dataset where tags = '{quoted}'").fetchall()
+        assert found == [(10,)], tag
+    for i in (0, 7, 59):
+        sql = f"select body from {TOPIC} where msg_id = 'id-𠮷-{i}'"
+        assert run_query(Location.of(str(lake)), sql).column("body").to_pylist() == [
+            f"body {i}".encode()
+        ]
