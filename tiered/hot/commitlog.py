@@ -846,6 +846,11 @@ class CommitLog:
         columns: list[DispatchColumns] | None = None,
     ) -> int:
         """Return the end of valid data at or after ``offset``."""
+        # A record torn by a kill keeps its size field (the encoder writes a batch in one
+        # pwrite, decision 1040): only its record CRC tells it from a whole one. So past the
+        # last known fsync (everywhere without a checkpoint) the CRC is checked whatever
+        # ``check_crc`` says; before it, written bytes were fsynced whole (decision 1060).
+        crc_from = 0 if check_crc or durable_offset is None else durable_offset
         while True:
             f = self.files.find_file(offset)
             if f is None:
@@ -855,7 +860,16 @@ class CommitLog:
             while True:
                 # The record engine validates the run of good records in one call (natively,
                 # without the GIL); what follows handles the record it stopped at.
-                pos, scanned = self._scan_run(f, pos, check_crc, columns)
+                if f.from_offset + pos < crc_from:
+                    if crc_from >= f.from_offset + f.size:
+                        pos, scanned = self._scan_run(f, pos, False, columns)
+                    else:  # up to the record ending at crc_from; a record crossing it stops
+                        limit = crc_from - f.from_offset + BLANK_RECORD_SIZE
+                        pos, scanned = self._scan_part(f, pos, limit, False, columns)
+                    report.records_scanned += scanned
+                # From here on (a record crossing crc_from included) the CRC is checked; a
+                # record before crc_from that fails it alone is judged below by ``check_crc``.
+                pos, scanned = self._scan_run(f, pos, True, columns)
                 report.records_scanned += scanned
                 if f.size - pos < BLANK_RECORD_SIZE:
                     return f.from_offset + pos
@@ -867,7 +881,7 @@ class CommitLog:
                     return here  # past the last known fsync: the first torn record ends it
                 if magic == MAGIC_CODE_V2 and 0 < total <= f.size - pos - BLANK_RECORD_SIZE:
                     try:
-                        validate(mm, pos, here, check_crc=check_crc)
+                        validate(mm, pos, here, check_crc=check_crc or here >= crc_from)
                     except CorruptRecordError:
                         if self._find_valid_record(here + total) is None:
                             return here  # a torn last record
