@@ -351,6 +351,27 @@ def test_the_keeper_renews_through_an_etcd_that_answers_in_1_3_s(tmp_path: Path)
         etcd.stop()
 
 
+def test_a_keeper_restart_replaces_the_process_at_once() -> None:
+    """``LeaseKeeper.restart`` (the controller's cure for a keeper alive but not renewing,
+    decision 992) must leave a new keeper running when it returns. It killed the old one and
+    called ``ensure_running`` at once, which still saw the killed process running about half
+    the time (a SIGKILL is not instant) and started nothing: the restart waited for the next
+    tick (decision 1061). No etcd is needed: a keeper runs whether etcd answers or not."""
+    keeper = LeaseKeeper(["http://127.0.0.1:9"], 8, interval_s=1.0, pulse_limit_s=4.0)
+    try:
+        keeper.ensure_running()
+        for _ in range(10):
+            assert keeper.proc is not None
+            old = keeper.proc
+            keeper.restart()
+            assert keeper.proc is not None and keeper.proc is not old, "restart started nothing"
+            assert old.poll() is not None, "the old keeper is still running"
+            assert keeper.proc.poll() is None
+        assert keeper.starts == 11
+    finally:
+        keeper.stop()
+
+
 def test_a_keeper_started_after_the_first_lease_still_renews_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

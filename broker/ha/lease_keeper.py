@@ -216,6 +216,9 @@ class LeaseKeeper:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
+        # Waited for: a SIGKILL is not instant, and ``ensure_running`` leaves a keeper it still
+        # sees running alone (half the restarts then waited for the next tick; decision 1061).
+        self._reap()
         self.ensure_running()
 
     def _reap(self) -> None:
