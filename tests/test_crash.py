@@ -165,7 +165,12 @@ def test_a_batch_killed_in_the_middle_of_its_write_keeps_its_whole_records_only(
     written = b"".join(p.read_bytes() for p in sorted((data_dir / "commitlog").iterdir()))
     assert body_for(f"{seed}-{first_unacked}") in written, "the killed batch's front is not on disk"
 
-    config = StoreConfig(data_dir=data_dir, flush=flush, check_crc_on_recover=crc_on_recover, **SMALL)  # type: ignore[arg-type]
+    config = StoreConfig(
+        data_dir=data_dir,
+        flush=flush,
+        check_crc_on_recover=crc_on_recover,
+        **SMALL,  # type: ignore[arg-type]
+    )
     store = MessageStore(config)
     report = store.start()
     try:
