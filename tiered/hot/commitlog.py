@@ -864,7 +864,7 @@ class CommitLog:
                     if crc_from >= f.from_offset + f.size:
                         pos, scanned = self._scan_run(f, pos, False, columns)
                     else:  # up to the record ending at crc_from; a record crossing it stops
-                        limit = crc_from - f.from_offset + BLANK_RECORD_SIZE
+                        limit = min(f.size, crc_from - f.from_offset + BLANK_RECORD_SIZE)
                         pos, scanned = self._scan_part(f, pos, limit, False, columns)
                     report.records_scanned += scanned
                 # From here on (a record crossing crc_from included) the CRC is checked; a
