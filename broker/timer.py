@@ -37,6 +37,7 @@ at once. Undelivered timers pin their CommitLog files against release (``pinned_
 
 from __future__ import annotations
 
+import errno
 import heapq
 import json
 import logging
@@ -52,11 +53,34 @@ import numpy as np
 
 from broker.stored_properties import INT32_MAX, TIMESTAMP_MAX_MS, int_property
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
+from tiered import fd_limit
 from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 from tiered.record import Message, StoredMessage
-from tiered.store import GetStatus, MessageStore
+from tiered.store import GetStatus, MessageStore, StoreUnwritableError
 
 log = logging.getLogger(__name__)
+
+# A wheel that cannot write (its disk full, no descriptor left, or the store refusing the
+# delivered copies) says so once in this many seconds, not a traceback a second (decision 1071).
+_OUT_OF_ROOM_LOG_EVERY_S = 60.0
+
+
+def _out_of_room(e: BaseException) -> str | None:
+    """What ran out, when ``e`` (or what caused it) is a full disk, no descriptor left, or the
+    store refusing writes; None for anything else (a bug: its traceback is logged)."""
+    if fd_limit.exhausted(e):
+        return fd_limit.describe()
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"the disk is full ({cur})"
+        if isinstance(cur, StoreUnwritableError):
+            return str(cur)
+        cur = cur.__cause__ or cur.__context__
+    return None
+
 
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 PROPERTY_DELIVER_TIME = "__STARTDELIVERTIME"
@@ -273,6 +297,10 @@ class TimerService:
 
     def _run(self) -> None:
         last_checkpoint = time.monotonic()
+        # While the wheel cannot write, and when it last said so (monotonic): at most one line
+        # a minute, even when a page freed now and then lets a pass through.
+        out_of_room = False
+        out_of_room_logged = -_OUT_OF_ROOM_LOG_EVERY_S
         while not self._stop.is_set():
             try:
                 now = self._clock()
@@ -290,14 +318,31 @@ class TimerService:
                 if time.monotonic() - last_checkpoint >= _CHECKPOINT_EVERY_S:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
+                if out_of_room:
+                    out_of_room = False
+                    log.warning("timer wheel resumed: it can write again")
                 if not (enqueued or delivered or moved):
                     wait = 0.05
                     if self._heap:
                         wait = min(wait, max(0.0, (self._heap[0][0] - self._clock()) / 1000))
                     self._wakeup.wait(wait)
                     self._wakeup.clear()
-            except Exception:
-                log.exception("timer wheel failed; retrying in 1 s")
+            except Exception as e:
+                why = _out_of_room(e)
+                if why is None:
+                    log.exception("timer wheel failed; retrying in 1 s")
+                else:
+                    # One line a minute, not a traceback a second: the log may share that disk.
+                    out_of_room = True
+                    at = time.monotonic()
+                    if at - out_of_room_logged >= _OUT_OF_ROOM_LOG_EVERY_S:
+                        out_of_room_logged = at
+                        log.error(
+                            "timer wheel cannot write: %s. Delay messages are kept (in the "
+                            "CommitLog and the timer log) and delivered late, not lost; the "
+                            "wheel retries every second and resumes by itself",
+                            why,
+                        )
                 self._stop.wait(1.0)
 
     def _enqueue(self, now: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -344,8 +345,12 @@ FD_TOPICS = 40
 
 
 def send_one_per_queue(
-    stub: service_pb2_grpc.MessagingServiceStub, topics: int = FD_TOPICS
+    stub: service_pb2_grpc.MessagingServiceStub,
+    topics: int = FD_TOPICS,
+    refused: list[tuple[int, int, d.Status]] | None = None,
 ) -> list[str]:
+    """The ids of the messages acknowledged; a refusal fails the test unless ``refused`` is
+    given, which then gets (topic number, queue, status) of each."""
     ids: list[str] = []
     for t in range(topics):
         for q in range(FD_QUEUES):
@@ -356,6 +361,9 @@ def send_one_per_queue(
             m.system_properties.body_encoding = d.IDENTITY
             m.system_properties.queue_id = q
             reply = stub.SendMessage(request, timeout=30)
+            if refused is not None and reply.status.code != d.OK:
+                refused.append((t, q, reply.status))
+                continue
             assert reply.status.code == d.OK, reply.status
             ids.append(m.system_properties.message_id)
     return ids
@@ -429,11 +437,13 @@ def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
 ) -> None:
     """A hard limit of 256, most of it taken by client connections: the queues past it cannot
     map their ConsumeQueue files. The broker says in one line what ran out and how to raise it
-    (it logged a bare traceback of ``[Errno 24]`` every second), keeps taking sends (a
-    checkpoint it could not open a ``.tmp`` for turned the store read-only until a restart, as a
+    (it logged a bare traceback of ``[Errno 24]`` every second). While dispatch is stuck it
+    refuses sends, as RocketMQ's store does once a ConsumeQueue write fails (it acknowledged
+    them, and no consumer could read them until descriptors freed up: decision 1070). A
+    checkpoint it could not open a ``.tmp`` for does not turn the store read-only (it did, as a
     failed fsync does), and once the clients go the stuck messages reach their queues, each
-    once. A start under a limit below what the queues need is refused with the same
-    explanation; with a higher one, everything is there."""
+    once, and sends are taken again. A start under a limit below what the queues need is
+    refused with the same explanation; with a higher one, everything is there."""
     node = FdLimited(tmp_path / "data", 256, 256).start()
     others: list[grpc.Channel] = []
     try:
@@ -446,7 +456,8 @@ def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
         while open_fds(node.proc.pid) < 256 - 60 and len(others) < 300:
             others.append(connect(node.endpoint))
         assert open_fds(node.proc.pid) >= 256 - 60
-        ids = send_one_per_queue(stub, FEW)
+        refused: list[tuple[int, int, d.Status]] = []
+        ids = send_one_per_queue(stub, FEW, refused)
         wait_until(
             "the broker names the descriptor limit",
             lambda: "run out of file descriptors" in node.log_path.read_text(),
@@ -462,10 +473,20 @@ def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
             with contextlib.suppress(grpc.RpcError):
                 others.append(connect(node.endpoint, timeout=1))
         time.sleep(2)
-        more = send_one_per_queue(stub, FEW)  # still taken: nothing turned the store read-only
+        # Dispatch is stuck: every send is refused, plainly, none acknowledged and hidden.
+        before = len(refused)
+        assert send_one_per_queue(stub, FEW, refused) == []
+        assert len(refused) - before == FEW * FD_QUEUES
+        for _, _, status in refused:
+            assert status.code == d.INTERNAL_SERVER_ERROR, status
+            assert "dispatch is stuck" in status.message, status
+            assert "run out of file descriptors" in status.message, status
         for other in others:
             other.close()
         others.clear()
+        wait_until("dispatch resumed", lambda: "dispatch resumed" in node.log_path.read_text(), 30)
+        # Taken again (nothing turned the store read-only), the refused ones sent once more.
+        more = send_one_per_queue(stub, FEW)
         wait_until(
             "every message in its queue",
             lambda: len(stored_ids(stub, FEW)) >= len(ids + more),
@@ -474,7 +495,6 @@ def test_a_broker_out_of_fds_says_so_and_delivers_everything_once_they_free_up(
         assert sorted(stored_ids(stub, FEW)) == sorted(ids + more), (
             "each message once, none missing"
         )
-        assert "dispatch resumed" in node.log_path.read_text()
         channel.close()
     finally:
         for other in others:
@@ -543,6 +563,48 @@ def test_a_resolved_floor_the_full_disk_refused_is_raised_by_the_next_offload_pa
     try:
         assert store.hot_min_offset("t", 0) == 100
     finally:
+        store.shutdown()
+
+
+def test_a_timer_wheel_on_a_full_disk_says_so_once_and_delivers_once_there_is_room(
+    small_disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timer wheel's log on a real full tmpfs (the store's disk has room): a due delay
+    message cannot be enqueued. It logged a traceback every second (the log often shares that
+    disk); now one ERROR line saying what ran out, and once there is room it delivers the
+    message by itself and says it resumed (decision 1071)."""
+    from broker.timer import PROPERTY_DELIVER_TIME, TimerService, as_timer_message
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    caplog.set_level(logging.INFO, logger="broker.timer")
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "store", **SMALL))
+    store.start()
+    wheel = TimerService(store, small_disk / "timer", lambda: ["orders"])
+    wheel.start()
+    try:
+        filler = Filler(small_disk)
+        try:
+            due = str(time.time_ns() // 1_000_000)
+            store.put_messages(
+                [as_timer_message(Message("orders", b"late", 0, {PROPERTY_DELIVER_TIME: due}))]
+            )
+            time.sleep(3.5)  # three retries or more
+            errors = [
+                r for r in caplog.records if r.name == "broker.timer" and r.levelno >= logging.ERROR
+            ]
+            assert len(errors) == 1, [r.getMessage() for r in errors]
+            assert errors[0].exc_info is None, "one line, no traceback"
+            assert "the disk is full" in errors[0].getMessage(), errors[0].getMessage()
+            assert "No space left on device" in errors[0].getMessage()
+            assert store.max_offset("orders", 0) == 0, "not delivered while the disk is full"
+        finally:
+            filler.free()
+        wait_until("the delay message delivered", lambda: store.max_offset("orders", 0) == 1, 15)
+        assert "timer wheel resumed" in caplog.text
+    finally:
+        wheel.stop()
         store.shutdown()
 
 

@@ -47,6 +47,7 @@ from tiered.hot.commitlog import (
     AppendResult,
     CommitLog,
     DiskFullError,
+    DispatchStuckError,
     DurabilityLostError,
     RecoveryReport,
     StoreUnwritableError,
@@ -81,7 +82,13 @@ from tiered.record import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskFullError", "DurabilityLostError", "StoreUnwritableError", "commitlog_file_name"]
+__all__ = [
+    "DiskFullError",
+    "DispatchStuckError",
+    "DurabilityLostError",
+    "StoreUnwritableError",
+    "commitlog_file_name",
+]
 
 MAX_QUEUE_ID = 65535
 # A replica wakes its dispatcher early once this much replicated data is not yet dispatched.
@@ -1022,7 +1029,10 @@ class MessageStore:
             dispatcher = self.dispatcher
             assert dispatcher is not None
             lag_limit = self.config.max_dispatch_lag_bytes
-            if self.commitlog.max_offset - dispatcher.reput_offset <= lag_limit:
+            if (
+                dispatcher.stuck is None
+                and self.commitlog.max_offset - dispatcher.reput_offset <= lag_limit
+            ):
                 batch = self.commitlog.send_one(one)
                 if batch is not None:
                     end = batch.end_offset
@@ -1066,6 +1076,13 @@ class MessageStore:
                 )
             i = first_unchecked(messages, i + 1, _TOPIC_CHECK_CACHE, MAX_QUEUE_ID, limit)
         assert self.dispatcher is not None
+        stuck = self.dispatcher.stuck
+        if stuck is not None:
+            # Acknowledged now, it could not be read until dispatch recovers (decision 1070).
+            raise DispatchStuckError(
+                f"the store refuses writes while dispatch is stuck: {stuck}. Nothing of this "
+                "send was stored; sends are taken again once dispatch resumes"
+            )
         lag_limit = self.config.max_dispatch_lag_bytes
         if self.commitlog.max_offset - self.dispatcher.reput_offset > lag_limit:
             # Back-pressure: let dispatch catch up rather than let readability fall behind.

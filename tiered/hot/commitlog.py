@@ -92,6 +92,14 @@ class DiskFullError(StoreUnwritableError):
     IndexFile entries)."""
 
 
+class DispatchStuckError(StoreUnwritableError):
+    """Dispatch cannot proceed (the process has no file descriptor left to map a ConsumeQueue
+    file): a send now would be acknowledged and yet not readable by any consumer until it
+    recovers, so the store refuses it, as RocketMQ's does once a ConsumeQueue write fails
+    (``WRITE_LOGICS_QUEUE_ERROR_BIT``: not writeable, SERVICE_NOT_AVAILABLE). Unlike there, the
+    refusal ends by itself with the dispatcher's next good pass (decision 1070)."""
+
+
 class DurabilityLostError(StoreUnwritableError):
     """An fsync failed. The kernel may already have dropped the unwritten pages and marked them
     clean, so a retried fsync that "succeeds" proves nothing (PostgreSQL's fsyncgate): the store

@@ -114,6 +114,9 @@ class Dispatcher:
         self._stop = threading.Event()
         # When the last "out of file descriptors" line was logged (monotonic), or _NEVER.
         self._out_of_fds_logged = _NEVER
+        # Why dispatch cannot proceed (descriptors ran out), or None: while set the store
+        # refuses sends (decision 1070). Cleared by the next pass that gets through.
+        self.stuck: str | None = None
         self._thread: threading.Thread | None = None
 
     # -- intake --------------------------------------------------------------------------------
@@ -518,6 +521,7 @@ class Dispatcher:
                 try:
                     before = self.reput_offset
                     self.dispatch(end)
+                    self.stuck = None
                     if self._out_of_fds_logged > _NEVER:
                         self._out_of_fds_logged = _NEVER
                         log.warning(
@@ -530,6 +534,7 @@ class Dispatcher:
                 except Exception as e:
                     # Never die silently: the store would stop serving new messages.
                     if fd_limit.exhausted(e):
+                        self.stuck = fd_limit.describe()
                         # One line a minute, not a traceback a second: the log shares the disk.
                         now = time.monotonic()
                         if now - self._out_of_fds_logged >= 60:
@@ -537,8 +542,9 @@ class Dispatcher:
                             log.error(
                                 "%s. Messages from CommitLog offset %d on are stored and "
                                 "acknowledged but not yet in their queues (not delivered); "
-                                "dispatch resumes by itself once descriptors are free",
-                                fd_limit.describe(),
+                                "new sends are refused until dispatch resumes, by itself once "
+                                "descriptors are free",
+                                self.stuck,
                                 self.reput_offset,
                             )
                     else:
