@@ -448,6 +448,56 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
     assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
 
 
+def test_a_second_export_committing_to_the_table_mid_batch_is_named_not_bare_delta_rs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two exports of one topic by mistake (two checkpoints: no lock between them). The second
+    runs to completion between the first's read of the table and its commit (the seam: the
+    first's call into delta-rs's commit, which then proceeds unchanged), so the first's commit
+    really conflicts in delta-rs. Its error used to be delta-rs's bare "Failed to commit
+    transaction: Concurrent transaction failed."; it must name the table, say another export
+    is committing to it and what to do, and the table hold every row once."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=50)  # fmt: skip
+    try:
+        archive.produce(TOPIC, 100, body_size=100)
+        archive.offload(TOPIC)
+        expected = wanted(expected_rows(archive.messages(TOPIC)))
+    finally:
+        archive.close()
+
+    def export(name: str) -> Export:
+        return Export(spark, ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options,
+                                          checkpoint_dir=str(tmp_path / name)))  # fmt: skip
+
+    first, second = export("ckpt-1"), export("ckpt-2")
+    commit = DeltaTable.create_write_transaction
+    raced: list[int] = []
+    racing = threading.Event()
+
+    def second_export_first(table: DeltaTable, *args: Any, **kwargs: Any) -> Any:
+        if not racing.is_set():  # the first export's commit (the second's goes straight on)
+            racing.set()
+            raced.append(second.run(once=True, timeout=300).rows)
+        return commit(table, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", second_export_first)
+    with pytest.raises(ExportError) as refused:
+        first.run(once=True, timeout=300)
+    assert raced == [100], "the second export committed between the first's read and commit"
+    line = str(refused.value)
+    print(line)
+    assert "\n" not in line and line.startswith(
+        f"table {LakeTable(Location.of(str(lake), {}), TOPIC).uri}:"
+    )
+    assert "this one committed batch 0 (queues c1/broker-a/orders/0;" in line
+    assert "Concurrent transaction failed" in line
+    assert line.endswith("stop all but one, then run it again (it resumes where the table says)")
+    assert table_rows(lake) == expected, "every row once: the second export's commit alone"
+
+
 def test_filters_on_strings_beyond_the_bmp_find_every_row(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
 ) -> None:
