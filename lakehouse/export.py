@@ -227,6 +227,7 @@ class Export:
             sorted(planned_queues, key=lambda q: q.key) if packs else self.queues()
         )
         planned = time.monotonic()
+        self._check_replaced()  # the manifests this batch was planned on included
         with self._lock:
             stopped = frozenset(self.stopped)
         task = ParquetWriterTask(
@@ -333,6 +334,9 @@ class Export:
         ``failOnDataLoss=false``). Otherwise the queue stops here (a missing or damaged
         object the manifest still names)."""
         start = self._manifests.get(QueueRef.parse(queue_key)).start_offset  # read it again
+        self._check_replaced()  # the objects gone with the whole archive: not damage
+        if queue_key in self.stopped:
+            return
         if offset >= start:
             self._stop_queue(queue_key, offset, reason)
             return
@@ -374,18 +378,33 @@ class Export:
                         f"its row at offset {last} came from {source}, where the tier now "
                         f"holds {segment.key}"
                     )
-            if why is None:
-                continue
-            line = (
-                f"queue {queue.key}: the table {LakeTable(self.lake, queue.topic).uri} was "
-                f"exported up to offset {exported} from another archive ({why}): the topic "
-                "was deleted and re-created, or its tier prefix wiped; move the table aside "
-                f"(e.g. rename it to {queue.topic}_old) and run the export again: it rebuilds "
-                "the table from the tier's archive"
-            )
+            if why is not None:
+                self._refuse_lineage(queue, exported, why)
+
+    def _check_replaced(self) -> None:
+        """The same refusal while the export runs: a queue whose archive a newer manifest
+        replaced instead of continuing (``replaced_by``: the manifest cache compares each
+        manifest it re-reads with the one it held, so this costs no request) stops before
+        any of the new archive is written. A continuous export used to take the new archive's
+        messages below the exported offset as a replay until its next restart."""
+        for queue, why in sorted(self._manifests.take_replaced().items()):
             with self._lock:
-                self.stopped[queue.key] = line
-            log.error("%s", line)
+                exported = self.offsets.get(queue.key)
+                if not exported or queue.key in self.stopped:
+                    continue
+            self._refuse_lineage(queue, exported, why)
+
+    def _refuse_lineage(self, queue: QueueRef, exported: int, why: str) -> None:
+        line = (
+            f"queue {queue.key}: the table {LakeTable(self.lake, queue.topic).uri} was "
+            f"exported up to offset {exported} from another archive ({why}): the topic "
+            "was deleted and re-created, or its tier prefix wiped; move the table aside "
+            f"(e.g. rename it to {queue.topic}_old) and run the export again: it rebuilds "
+            "the table from the tier's archive"
+        )
+        with self._lock:
+            self.stopped[queue.key] = line
+        log.error("%s", line)
 
     def _stop_queue(self, queue_key: str, offset: int, reason: str) -> None:
         """Stop exporting one queue for the rest of this run; every other queue goes on."""
@@ -616,10 +635,12 @@ class Export:
             started = time.monotonic()
             planner.relist()  # new topics and queues: once per interval, not once per batch
             end = planner.latest(position)
+            self._check_replaced()  # reported at once, even with nothing to export
             while end != position and not self._stop.is_set():  # a backlog: back to back
                 self._batch(planner, position, end)
                 position = self._next_position(end)
                 end = planner.latest(position)
+                self._check_replaced()
             self._stop.wait(max(0.0, trigger - (time.monotonic() - started)))
         return ExportReport(list(self.batches), dict(self.offsets), dict(self.stopped))
 

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 from fsspec.implementations.local import LocalFileSystem
 
@@ -470,22 +471,37 @@ def commit_files(
         )
         for f in keep
     ]
-    delta.create_write_transaction(
-        actions,
-        mode="append",
-        schema=TABLE_SCHEMA,
-        partition_by=[PARTITION_COLUMN],
-        commit_properties=CommitProperties(
-            custom_metadata={
-                "tmq.exportBatchId": str(batch_id),
-                "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
-            },
-            app_transactions=[
-                Transaction(app_id(QueueRef.parse(k)), v, int(time.time() * 1000))
-                for k, v in sorted(offsets.items())
-            ],
-        ),
-    )
+    try:
+        delta.create_write_transaction(
+            actions,
+            mode="append",
+            schema=TABLE_SCHEMA,
+            partition_by=[PARTITION_COLUMN],
+            commit_properties=CommitProperties(
+                custom_metadata={
+                    "tmq.exportBatchId": str(batch_id),
+                    "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
+                },
+                app_transactions=[
+                    Transaction(app_id(QueueRef.parse(k)), v, int(time.time() * 1000))
+                    for k, v in sorted(offsets.items())
+                ],
+            ),
+        )
+    except CommitFailedError as e:
+        # delta-rs refuses a commit when one committed since this batch read the table set
+        # the exported offset of one of its queues (the same app id): another export.
+        if "Concurrent transaction" not in str(e):
+            raise
+        named = sorted(offsets)
+        listed = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
+        raise ExportConflictError(
+            f"table {table.uri}: another export committed to it while this one committed batch "
+            f"{batch_id} (queues {listed}; delta-rs: {str(e).strip()}), so nothing of the batch "
+            "was committed; two exports are writing this table (e.g. a second `tmq lakehouse "
+            "export` with another --checkpoint): stop all but one, then run it again (it "
+            "resumes where the table says)"
+        ) from None
     delta.update_incremental()
     for key, version in offsets.items():
         landed = delta.transaction_version(app_id(QueueRef.parse(key)))

@@ -71,6 +71,9 @@ class ManifestCache:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self._cached: dict[QueueRef, QueueManifest] = {}
+        # queue -> how a newer manifest replaced its archive rather than continuing it (see
+        # ``replaced_by``), until ``take_replaced`` hands it over
+        self._replaced: dict[QueueRef, str] = {}
 
     def get(self, queue: QueueRef, *, refresh: bool = True) -> QueueManifest:
         cached = self._cached.get(queue)
@@ -84,8 +87,20 @@ class ManifestCache:
             manifest = manifests.load()
         except ManifestError as e:
             raise ManifestError(f"{queue.prefix}: {e}") from e
+        if cached is not None:
+            why = replaced_by(cached, manifest)
+            if why is not None:
+                self._replaced.setdefault(queue, why)
         self._cached[queue] = manifest
         return manifest
+
+    def take_replaced(self) -> dict[QueueRef, str]:
+        """The queues whose archive a newer manifest replaced since the last call, and how
+        (``replaced_by``); an empty dict, without any request, when none was."""
+        if not self._replaced:
+            return {}
+        taken, self._replaced = self._replaced, {}
+        return taken
 
     def get_many(self, queues: list[QueueRef], *, refresh: bool = True) -> list[QueueManifest]:
         """``get`` of every queue, concurrently (one LIST, and a GET if it changed, each)."""
@@ -93,3 +108,33 @@ class ManifestCache:
             return [self.get(q, refresh=refresh) for q in queues]
         with ThreadPoolExecutor(min(LISTING_THREADS, len(queues))) as pool:
             return list(pool.map(lambda q: self.get(q, refresh=refresh), queues))
+
+
+def replaced_by(old: QueueManifest, new: QueueManifest) -> str | None:
+    """How ``new`` replaced the archive ``old`` described instead of continuing it, or None.
+
+    A queue's manifests change only by appending segments that continue the archive
+    (``with_segments``) and by dropping whole segments from its start (retention), each in a
+    higher version; a segment keeps its object key, with its random suffix, from upload until
+    it expires. So a newer manifest in which the version or the watermark went back, or in
+    which an offset ``old`` held (or had expired) is held by another object, is another archive:
+    the topic deleted and re-created, or its prefix wiped and archived again. Costs nothing but
+    memory: it compares two manifests already read, and only when the manifest changed."""
+    if new.version < old.version:
+        return f"its manifest went back from version {old.version} to {new.version}"
+    if new.end_offset < old.end_offset:
+        return f"the tier's archive ends at {new.end_offset}, it ended at {old.end_offset}"
+    if new.start_offset < old.start_offset:
+        return f"the tier's archive starts at {new.start_offset}, it began at {old.start_offset}"
+    keys = {s.key for s in old.segments}
+    for segment in new.segments:
+        if segment.base_offset >= old.end_offset:
+            break  # appended: the rest of the list is too
+        if segment.key not in keys:
+            was = old.find(segment.base_offset)
+            held = "nothing" if was is None else was.key
+            return (
+                f"the tier holds {segment.key} for offset {segment.base_offset}, "
+                f"where it held {held}"
+            )
+    return None

@@ -19,7 +19,7 @@ import pytest
 from conftest import S3Endpoint
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
-from lakehouse_harness import Archive, expected_rows
+from lakehouse_harness import Archive, expected_rows, run_in_thread
 
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
@@ -380,6 +380,122 @@ def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed
     again = Export(spark, config).run(once=True, timeout=300)
     assert again.stopped == {} and again.rows == 300
     assert [(q, o) for q, o, _ in table_rows(lake)] == [(0, o) for o in range(300)]
+
+
+def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1051's refusal, while a continuous export runs: the topic is deleted and
+    re-created under it, its archive wiped and archived again from offset 0, past the offset
+    the table holds. The export used to notice only at its next restart, dropping the new
+    archive's messages below the exported offset as a replay and appending the rest after the
+    old archive's rows. It must stop the queue with the same line, and commit nothing of the
+    new archive, while it keeps running."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(
+        tier_url, str(lake), [TOPIC], tier_options=options, trigger_seconds=0.5,
+        checkpoint_dir=str(tmp_path / "ckpt"), compact_every_seconds=None,
+    )  # fmt: skip
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        old = wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+    store = open_store(tier_url, options)
+    old_version = max(ManifestLog(store, A.prefix).versions())
+    job = Export(spark, config)
+    runner, errors = run_in_thread(job)
+    try:
+        deadline = time.monotonic() + 120
+        while len(table_rows(lake)) < 200:
+            assert not errors and time.monotonic() < deadline, errors or "not exported"
+            time.sleep(0.2)
+        assert table_rows(lake) == old
+
+        # Deleted and re-created under the running export: archived again from 0, to 300.
+        client = s3.client()
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
+        for item in listed.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=item["Key"])
+        second = Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
+                              segment_messages=50)  # fmt: skip
+        try:
+            for count in (120, 180):  # below the exported offset (200), then past it (300)
+                second.produce(TOPIC, count, body_size=100)
+                second.offload(TOPIC)
+        finally:
+            second.close()
+        # (a manifest version the export has not held: the cache re-reads it)
+        assert max(ManifestLog(store, A.prefix).versions()) > old_version
+        deadline = time.monotonic() + 60
+        while A.key not in job.stopped and len(table_rows(lake)) == 200:
+            assert not errors and time.monotonic() < deadline, errors or "never noticed"
+            time.sleep(0.2)
+        time.sleep(2)  # four more triggers: nothing of the new archive may follow the stop
+        assert table_rows(lake) == old, "nothing of the new archive dropped into or appended"
+        assert DeltaTable(str(lake / TOPIC)).transaction_version(app_id(A)) == 200
+        assert runner.is_alive() and not errors, errors
+    finally:
+        job.stop()
+        runner.join(60)
+    assert not runner.is_alive() and not errors, errors
+    line = job.stopped[A.key]
+    assert "\n" not in line and "exported up to offset 200 from another archive" in line
+    assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
+
+
+def test_a_second_export_committing_to_the_table_mid_batch_is_named_not_bare_delta_rs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two exports of one topic by mistake (two checkpoints: no lock between them). The second
+    runs to completion between the first's read of the table and its commit (the seam: the
+    first's call into delta-rs's commit, which then proceeds unchanged), so the first's commit
+    really conflicts in delta-rs. Its error used to be delta-rs's bare "Failed to commit
+    transaction: Concurrent transaction failed."; it must name the table, say another export
+    is committing to it and what to do, and the table hold every row once."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    archive = Archive.open(tmp_path / "hot", open_store(tier_url, options), queues=1,
+                           segment_messages=50)  # fmt: skip
+    try:
+        archive.produce(TOPIC, 100, body_size=100)
+        archive.offload(TOPIC)
+        expected = wanted(expected_rows(archive.messages(TOPIC)))
+    finally:
+        archive.close()
+
+    def export(name: str) -> Export:
+        return Export(spark, ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options,
+                                          checkpoint_dir=str(tmp_path / name)))  # fmt: skip
+
+    first, second = export("ckpt-1"), export("ckpt-2")
+    commit = DeltaTable.create_write_transaction
+    raced: list[int] = []
+    racing = threading.Event()
+
+    def second_export_first(table: DeltaTable, *args: Any, **kwargs: Any) -> Any:
+        if not racing.is_set():  # the first export's commit (the second's goes straight on)
+            racing.set()
+            raced.append(second.run(once=True, timeout=300).rows)
+        return commit(table, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaTable, "create_write_transaction", second_export_first)
+    with pytest.raises(ExportError) as refused:
+        first.run(once=True, timeout=300)
+    assert raced == [100], "the second export committed between the first's read and commit"
+    line = str(refused.value)
+    print(line)
+    assert "\n" not in line and line.startswith(
+        f"table {LakeTable(Location.of(str(lake), {}), TOPIC).uri}:"
+    )
+    assert "this one committed batch 0 (queues c1/broker-a/orders/0;" in line
+    assert "Concurrent transaction failed" in line
+    assert line.endswith("stop all but one, then run it again (it resumes where the table says)")
+    assert table_rows(lake) == expected, "every row once: the second export's commit alone"
 
 
 def test_filters_on_strings_beyond_the_bmp_find_every_row(

@@ -86,3 +86,48 @@ def test_lookup_equals_map_lookup_for_names_unique_per_row() -> None:
     for name in ("KEYS", "TAGS", "UNIQ_KEY", "MISSING"):
         for part in (maps, maps.slice(1), maps.slice(1, 3), maps.slice(5)):
             assert lookup(part, name).equals(pc.map_lookup(part, name, "first")), (name, part)
+
+
+# -- a manifest that replaced its archive (decision 1080) -----------------------------------
+
+
+def archive_of(prefix: str, counts: list[int]) -> Any:
+    """A queue's manifest as the offloader builds it: ``with_segments`` per upload, each
+    segment under a fresh key (``segment_key``)."""
+    from tiered.cold.manifest import QueueManifest, segment_key
+    from tiered.formats import SegmentInfo
+
+    manifest = QueueManifest(prefix)
+    for count in counts:
+        base = manifest.end_offset
+        info = SegmentInfo(segment_key(prefix, base), base, count, count * 100, 0, 0, 0, 0,
+                           base, base + count, 0)  # fmt: skip
+        manifest = manifest.with_segments([info])
+    return manifest
+
+
+def test_appends_and_retention_continue_an_archive_a_re_created_one_does_not() -> None:
+    from lakehouse.tier import replaced_by
+
+    prefix = "c1/broker-a/t/0/"
+    old = archive_of(prefix, [50, 50, 50, 50])  # 0..200, version 4
+    appended = archive_of(prefix, [])
+    appended.segments, appended.version = list(old.segments), old.version
+    for count in (50, 30):
+        appended = appended.with_segments([archive_of(prefix, [appended.end_offset, count])
+                                           .segments[1]])  # fmt: skip
+    retained = appended.without_segments_before(120)  # 100.. kept
+    assert replaced_by(old, appended) is None
+    assert replaced_by(old, retained) is None
+    assert replaced_by(old, old.next_version()) is None  # a new master's claim
+    assert replaced_by(appended, retained.without_segments_before(10**9)) is None  # all expired
+
+    # The topic deleted and re-created, archived again from 0 under fresh keys.
+    shorter = archive_of(prefix, [50, 50])  # version 2 < 4
+    assert "went back from version 4 to 2" in str(replaced_by(old, shorter))
+    longer = archive_of(prefix, [50] * 6)  # version 6, to 300
+    why = str(replaced_by(old, longer))
+    assert why.startswith(f"the tier holds {longer.segments[0].key} for offset 0, where it held")
+    assert old.segments[0].key in why
+    # Re-created and retained past the old start: an offset that had expired is held again.
+    assert replaced_by(retained, longer) is not None
