@@ -18,8 +18,9 @@ and ``failover_max_s``. ASYNC runs ``ASYNC_KILLS`` kills with ``ASYNC_PRODUCERS`
 threads, so that acknowledged messages are on their way to the slaves when the master dies, and
 reports the acknowledged messages lost at each kill (``async_acked_lost_per_kill``, each loss
 charged to the first kill after its acknowledgement) and their mean. ``--failover-only`` skips
-the throughput part, ``--throughput-only`` the failover part. Prints one JSON object on its last
-line.
+the throughput part, ``--throughput-only`` the failover part. The failover group's lease TTL is
+the broker's default (``lease_ttl_ms``, 8 s) unless ``--ttl-ms N`` says otherwise; it is in the
+JSON. Prints one JSON object on its last line.
 
 Each setup also reports the CPU its brokers spent per message sent (``cpu_us_per_msg``: user and
 system time from /proc, master and each slave): on a machine shared with other work it moves far
@@ -44,6 +45,7 @@ from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
 from rocketmq.grpc_protocol import service_pb2_grpc
 
+from broker.ha.config import HaConfig
 from tests.broker_harness import free_port
 from tests.ha_failover import run_failover
 from tests.test_ha import TOPIC, GroupMember
@@ -205,9 +207,21 @@ def throughput(root: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
+def lease_ttl_ms() -> int:
+    """``--ttl-ms N``: the group's lease TTL; by default the broker's own (``HaConfig``), so the
+    figures are what a deployment gets (the tests keep 2 s for their waits)."""
+    args = sys.argv[1:]
+    if "--ttl-ms" not in args:
+        return HaConfig().lease_ttl_ms
+    i = args.index("--ttl-ms")
+    if i + 1 >= len(args) or not args[i + 1].isdigit() or int(args[i + 1]) < 1000:
+        sys.exit("--ttl-ms takes a whole number of milliseconds, at least 1000")
+    return int(args[i + 1])
+
+
 def failover(mode: str, kills: int, producers: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"tmq-bench-failover-{mode}-") as tmp:
-        summary = run_failover(Path(tmp), kills, mode, producers).summary()
+        summary = run_failover(Path(tmp), kills, mode, producers, lease_ttl_ms()).summary()
     print(f"failover {mode}", summary, file=sys.stderr, flush=True)
     return summary
 
@@ -237,6 +251,7 @@ def main() -> None:
         "async_lag_bytes_max": results["async_1_slave"].get("lag_bytes_max") if none else None,
     }
     if not throughput_only:
+        summary["lease_ttl_ms"] = lease_ttl_ms()
         summary.update(failover_figures())
     print(json.dumps(summary))
 

@@ -145,13 +145,15 @@ def resolve(
     queue_id: int,
     *,
     discard_local: int | None = None,
+    lock_wait_s: float = LOCK_WAIT_S,
 ) -> Resolved:
     """Resolve the queue's conflict (module docstring). ``discard_local``: the number of local
-    messages the caller agreed to lose (must be ``archive_end - base``); None: copy them."""
+    messages the caller agreed to lose (must be ``archive_end - base``); None: copy them.
+    ``lock_wait_s``: how long to wait for the queue's lock (0: not at all)."""
     lock = offloader.queue_lock(topic, queue_id)
-    if not lock.acquire(timeout=LOCK_WAIT_S):
+    if not (lock.acquire(timeout=lock_wait_s) if lock_wait_s > 0 else lock.acquire(False)):
         raise QueueBusyError(
-            f"{topic}/{queue_id}: an upload of the queue did not finish within {LOCK_WAIT_S:g} s; "
+            f"{topic}/{queue_id}: an upload of the queue did not finish within {lock_wait_s:g} s; "
             "try again"
         )
     try:
@@ -386,10 +388,22 @@ class Resumer:
         for topic, queue_id in self.interrupted():
             key = (topic, queue_id)
             try:
-                r = resolve(self.store, self.offloader, self.divergence, topic, queue_id)
+                # Not waiting for the queue's lock: the pass runs before the uploads, and 30 s
+                # per queue held by an upload or an operator's resolve stalled them (and local
+                # retention) for minutes with many such queues (decision 1091).
+                r = resolve(
+                    self.store, self.offloader, self.divergence, topic, queue_id, lock_wait_s=0
+                )
             except NoConflictError:
                 continue  # an operator's run finished it meanwhile
-            except (TierUnavailableError, QueueBusyError) as e:
+            except QueueBusyError:
+                log.debug(
+                    "%s/%d: the queue's lock is held; its resolve waits for the next pass",
+                    topic,
+                    queue_id,
+                )
+                continue
+            except TierUnavailableError as e:
                 if key not in self._waiting:
                     self._waiting.add(key)
                     log.warning(

@@ -314,12 +314,14 @@ class Group:
                 m.proc.wait()
 
 
-def run_failover(root: Path, kills: int, mode: str = "sync", producers: int = 1) -> FailoverResult:
+def run_failover(
+    root: Path, kills: int, mode: str = "sync", producers: int = 1, lease_ttl_ms: int = 2000
+) -> FailoverResult:
     result = FailoverResult(producers=producers)
     kill_times: list[float] = []
     etcd = EtcdCluster(root).start()
     namesrv, namesrv_address = start_namesrv(root)
-    group = Group(root, etcd, namesrv_address, mode)
+    group = Group(root, etcd, namesrv_address, mode, lease_ttl_ms=lease_ttl_ms)
     producer: Producer | None = None
     try:
         first = group.members[0]

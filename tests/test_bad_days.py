@@ -608,6 +608,90 @@ def test_a_timer_wheel_on_a_full_disk_says_so_once_and_delivers_once_there_is_ro
         store.shutdown()
 
 
+def test_an_offload_pass_skips_queues_whose_lock_is_held_instead_of_waiting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The offload pass finishes interrupted resolves first (``Resumer.run``, decision 902),
+    each through ``resolve()``, which waited up to 30 s for the queue's lock: with an upload of
+    each of three such queues under way the pass sat 90 s before uploading anything else (and
+    so before local retention could free a byte). The pass now skips a queue whose lock is held
+    to its next pass at once, and that pass finishes the resolve. A real store, a real archive
+    on a file tier, the record a resolve that copied nothing yet leaves."""
+    import logging
+
+    from offload.divergence import Divergence
+    from offload.offloader import Offloader
+    from offload.resolve import Resumer
+    from tiered.cold.storage import open_store
+    from tiered.config import StoreConfig
+    from tiered.record import Message
+    from tiered.store import MessageStore
+
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    store = MessageStore(config)
+    store.start()
+    offloader = Offloader(store, open_store(f"file://{tmp_path}/tier"), "c1", "b1")
+    queues = (0, 1, 2)
+    try:
+        store.put_messages(
+            [Message("t", f"m{q}-{n}".encode(), queue_id=q) for q in queues for n in range(120)]
+        )
+        assert store.wait_dispatched()
+        store.flush()
+        ends = {}
+        for q in queues:
+            offloader.offload_queue("t", q, up_to=100)
+            ends[q] = offloader.manifest("t", q, refresh=True).end_offset
+            assert 0 < ends[q] <= 100
+        # Each queue's local [base, end) "diverged" from its archive; a resolve began copying
+        # those messages at 120, the queue's end, and was interrupted before the first copy.
+        (config.data_dir / "tier-divergence.json").write_text(
+            json.dumps(
+                {
+                    "pending": [],
+                    "conflicts": [["t", q, ends[q] - 10, ends[q], 120] for q in queues],
+                }
+            )
+        )
+        divergence = Divergence(config.data_dir)
+        resumer = Resumer(store, offloader, divergence)
+        held = threading.Event()
+        release = threading.Event()
+
+        def upload_under_way() -> None:
+            locks = [offloader.queue_lock("t", q) for q in queues]
+            for lock in locks:
+                lock.acquire()
+            held.set()
+            release.wait(120)
+            for lock in locks:
+                lock.release()
+
+        holder = threading.Thread(target=upload_under_way, daemon=True)
+        holder.start()
+        assert held.wait(10)
+        try:
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="offload.resolve"):
+                assert resumer.run() == []
+            took = time.monotonic() - started
+            assert took < 2.0, f"the pass waited {took:.1f} s for queues an upload held"
+            assert store.max_offset("t", 0) == 120, "a busy queue was resolved anyway"
+            assert "waits for the archive" not in caplog.text, "a busy queue is not the archive"
+        finally:
+            release.set()
+            holder.join(10)
+        done = resumer.run()
+        assert sorted(r.copied for r in done) == [10, 10, 10]
+        for q in queues:
+            assert store.max_offset("t", q) == 130
+            assert store.hot_min_offset("t", q) == ends[q]
+        assert divergence.conflicts == {}
+    finally:
+        offloader.close()
+        store.shutdown()
+
+
 LEASE_CHILD = """
 from broker.ha.lease_keeper import LeaseKeeper
 keeper = LeaseKeeper(["http://127.0.0.1:9"], 2, interval_s=0.25, pulse_limit_s=1.0)

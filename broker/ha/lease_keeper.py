@@ -183,6 +183,8 @@ class LeaseKeeper:
         if self.proc is not None and self.proc.poll() is None:
             return
         self._reap()
+        if self._fd < 0:
+            raise RuntimeError("the lease keeper was stopped: make a new one")
         # The keeper's half starts blank: a keeper killed mid-write left its count odd, and every
         # later write keeps that parity, so no renewal of the next keeper could ever be read
         # (decision 991). Its writer is dead, so nobody writes it meanwhile.
@@ -238,16 +240,22 @@ class LeaseKeeper:
     def set_lease(self, lease: int) -> None:
         with self._write_lock:
             self._lease = lease
-            _write(self._buf, _BROKER_AT, _BROKER, lease, time.monotonic())
+            if not self._buf.closed:
+                _write(self._buf, _BROKER_AT, _BROKER, lease, time.monotonic())
 
     def pulse(self) -> None:
+        # The watchdog may outlive the controller's join of it and pulse after stop().
         with self._write_lock:
-            _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
+            if not self._buf.closed:
+                _write(self._buf, _BROKER_AT, _BROKER, self._lease, time.monotonic())
 
     def renewed(self) -> KeeperState:
         """The keeper's half; the last stable copy if none comes within the read's bound (a
         keeper that died mid-write: no renewal since, which is the truth)."""
-        values = _read(self._buf, _KEEPER_AT, _KEEPER)
+        try:
+            values = _read(self._buf, _KEEPER_AT, _KEEPER)
+        except ValueError:  # stop() closed the mapping (the watchdog outlived its join)
+            return self._last
         if values is not None:
             lease, at, gone, count, stale, last, longest = values
             self._last = KeeperState(
@@ -256,12 +264,22 @@ class LeaseKeeper:
         return self._last
 
     def stop(self) -> None:
-        """Stop the keeper without revoking (the broker revokes, or hands over, itself)."""
+        """Stop the keeper without revoking (the broker revokes, or hands over, itself), and
+        give back the shared memory: its descriptor and the mapping (with its own duplicate of
+        the descriptor). A controller makes a new ``LeaseKeeper`` on every start, so a broker
+        whose HA role restarts leaked a descriptor each time (decision 1090). Idempotent;
+        after it, writes are dropped and ``renewed`` answers the last state read."""
         self.set_lease(0)
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
         self._reap()
+        with self._write_lock:
+            if not self._buf.closed:
+                self._buf.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class _Renewals:
