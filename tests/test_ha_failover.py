@@ -310,6 +310,10 @@ def test_a_slave_serves_reads_while_no_master_is_up(tmp_path: Path) -> None:
         a, b = group.members[0], group.members[1]
         assert {st.code for st in send(a.endpoint, 0, 60)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
+        # Only a member of the SyncStateSet etcd holds can be elected: b must be there before
+        # etcd freezes (the master publishes it at a tick; on a loaded machine a tick can come
+        # after the catch-up the test saw).
+        wait_for("b is in the SyncStateSet", lambda: _etcd_sync_state_set(etcd) == [1, 2])
         # No wait for b's ConsumeQueues: b dispatches every 50 ms (decision 304), and its
         # slave-read must serve everything its CommitLog holds all the same (decision 360).
         # (The wait that stood here pulled through b, which forwarded to a: it counted a's.)
@@ -392,9 +396,10 @@ def test_an_elected_slave_takes_over_timers_and_open_transactions(tmp_path: Path
     forgotten): a slave keeps its wheel in step but delivers nothing, and takes over both when
     it is elected (it used to deliver again what the old master had delivered, and knew only
     the half messages it had recovered at its own start)."""
-    with two_members(tmp_path, "sync") as (_etcd, group):
+    with two_members(tmp_path, "sync") as (etcd, group):
         a, b = group.members[0], group.members[1]
         wait_for("b is in sync", lambda: group.in_sync(2))
+        wait_for("b is in the SyncStateSet", lambda: _etcd_sync_state_set(etcd) == [1, 2])
         _put_topic(a, "later", "DELAY")
         _put_topic(a, "txn", "TRANSACTION")
         stub = apb_grpc.AdminStub(grpc.insecure_channel(b.endpoint))
@@ -503,6 +508,9 @@ def test_a_master_elected_again_delivers_what_was_written_while_it_was_a_slave(
         wait_for("b is in sync", lambda: group.in_sync(2))
         assert {st.code for st in send(a.endpoint, 0, 12)} == {d.OK}
         wait_for("b caught up", lambda: caught_up(a, b))
+        # b is elected below only from the SyncStateSet etcd holds (the metric above is the
+        # master's live view, published at its next tick).
+        wait_for("b is in the SyncStateSet", lambda: _etcd_sync_state_set(etcd) == [1, 2])
         sigstop(b.proc.pid)
         # a's tail: acknowledged by the ASYNC master alone, and consumed and acknowledged by
         # group g-term through a, which then hands out offsets past b's end.

@@ -450,6 +450,12 @@ class HaController:
             )
             if ok:
                 log.info("controller: SyncStateSet of epoch %d is now %s", epoch, sss)
+            else:
+                log.info(
+                    "controller: publishing SyncStateSet %s of epoch %d lost a race; next tick",
+                    sss,
+                    epoch,
+                )
 
     # -- slave ---------------------------------------------------------------------------------
 
