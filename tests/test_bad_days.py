@@ -84,6 +84,15 @@ def saved_offsets(data_dir: Path) -> dict[tuple[str, str, int], int]:
     return {(r["group"], r["topic"], r["queue"]): r["offset"] for r in json.loads(path.read_text())}
 
 
+def offsets_consumer(node: Standalone) -> SimpleConsumer:
+    """Apache's SimpleConsumer of group g-bd-offsets on topic bd-offsets, started."""
+    consumer = SimpleConsumer(
+        client_config(node), "g-bd-offsets", {"bd-offsets": FilterExpression()}, await_duration=2
+    )
+    consumer.startup()
+    return consumer
+
+
 def test_consumer_offsets_a_full_disk_refused_are_saved_once_space_is_freed(
     small_disk: Path, tmp_path: Path
 ) -> None:
@@ -105,13 +114,7 @@ def test_consumer_offsets_a_full_disk_refused_are_saved_once_space_is_freed(
         node.create_topic("bd-offsets", queues=1)
         node.create_group("g-bd-offsets")
         send_batches(node.endpoint, "bd-offsets", [(b"x" * 100, f"k{i}", "t") for i in range(20)])
-        consumer = SimpleConsumer(
-            client_config(node),
-            "g-bd-offsets",
-            {"bd-offsets": FilterExpression()},
-            await_duration=2,
-        )
-        consumer.startup()
+        consumer = offsets_consumer(node)
         key = ("g-bd-offsets", "bd-offsets", 0)
         assert len(drain(consumer, 10, batch=10)) == 10
         wait_until("the first offsets saved", lambda: saved_offsets(data_dir).get(key) == 10, 15)
@@ -136,13 +139,7 @@ def test_consumer_offsets_a_full_disk_refused_are_saved_once_space_is_freed(
         )
         node.kill9()
         node.start()
-        consumer = SimpleConsumer(
-            client_config(node),
-            "g-bd-offsets",
-            {"bd-offsets": FilterExpression()},
-            await_duration=2,
-        )
-        consumer.startup()
+        consumer = offsets_consumer(node)
         again = drain(consumer, 1, seconds=4)
         assert again == [], f"{len(again)} acknowledged message(s) delivered again after kill -9"
     finally:

@@ -78,6 +78,19 @@ def wanted(expected: list[dict[str, Any]]) -> list[tuple[int, int, bytes]]:
     return sorted((r["queue_id"], r["queue_offset"], r["body"]) for r in expected)
 
 
+def archived_again(
+    s3: S3Endpoint, bucket: str, tmp_path: Path, tier_url: str, options: dict[str, Any]
+) -> Archive:
+    """The topic deleted and re-created: its archive wiped from the tier, and a new hot store
+    archiving it again from offset 0 (the caller produces and closes it)."""
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
+    for item in listed.get("Contents", []):
+        client.delete_object(Bucket=bucket, Key=item["Key"])
+    return Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
+                        segment_messages=50)  # fmt: skip
+
+
 def test_damage_in_one_task_leaves_the_queue_of_another_task_committed_once(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
 ) -> None:
@@ -354,12 +367,7 @@ def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed
     assert table_rows(lake) == old
 
     # The topic is deleted and re-created: its archive is wiped and begins again at 0.
-    client = s3.client()
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
-    for item in listed.get("Contents", []):
-        client.delete_object(Bucket=bucket, Key=item["Key"])
-    second = Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
-                          segment_messages=50)  # fmt: skip
+    second = archived_again(s3, bucket, tmp_path, tier_url, options)
     try:
         for count in (120, 180):  # below the old exported offset (200), then past it (300)
             second.produce(TOPIC, count, body_size=100)
@@ -417,12 +425,7 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
         assert table_rows(lake) == old
 
         # Deleted and re-created under the running export: archived again from 0, to 300.
-        client = s3.client()
-        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"tier/{A.prefix}")
-        for item in listed.get("Contents", []):
-            client.delete_object(Bucket=bucket, Key=item["Key"])
-        second = Archive.open(tmp_path / "hot2", open_store(tier_url, options), queues=1,
-                              segment_messages=50)  # fmt: skip
+        second = archived_again(s3, bucket, tmp_path, tier_url, options)
         try:
             for count in (120, 180):  # below the exported offset (200), then past it (300)
                 second.produce(TOPIC, count, body_size=100)
