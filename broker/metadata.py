@@ -135,6 +135,10 @@ class BrokerMetadata:
         # (group, topic, queue) -> next queue offset to consume
         self._offsets: dict[tuple[str, str, int], int] = {}
         self._offsets_dirty = False
+        # Held from a save's snapshot to its rename: saves from two threads (a slave's
+        # replication applying its master's metadata, and the 5 s tick) otherwise could rename
+        # the older snapshot last, and the file went back in time (decision 1180).
+        self._offsets_save_lock = threading.Lock()
         self._group_log: int | None = None  # descriptor of groups.log, opened on first append
         self._group_log_lines = 0
         self.auto_created_groups = 0
@@ -343,23 +347,25 @@ class BrokerMetadata:
         return {(t, q): o for (g, t, q), o in list(self._offsets.items()) if g == group}
 
     def flush_offsets(self, *, force: bool = False) -> None:
-        with self._lock:
-            if not (self._offsets_dirty or force):
-                return
-            rows = [
-                {"group": g, "topic": t, "queue": q, "offset": o}
-                for (g, t, q), o in sorted(self._offsets.items())
-            ]
-            self._offsets_dirty = False
-        try:
-            _save(self.dir / "consumer_offsets.json", rows)
-        except BaseException:
-            # Still unsaved: the next tick tries again. Cleared for good, the offsets a full
-            # disk refused stayed in memory only until some consumer moved one again, and a
-            # kill -9 meanwhile rewound the groups to the last saved file (decision 1000).
+        with self._offsets_save_lock:
             with self._lock:
-                self._offsets_dirty = True
-            raise
+                if not (self._offsets_dirty or force):
+                    return
+                rows = [
+                    {"group": g, "topic": t, "queue": q, "offset": o}
+                    for (g, t, q), o in sorted(self._offsets.items())
+                ]
+                self._offsets_dirty = False
+            try:
+                _save(self.dir / "consumer_offsets.json", rows)
+            except BaseException:
+                # Still unsaved: the next tick tries again. Cleared for good, the offsets a
+                # full disk refused stayed in memory only until some consumer moved one again,
+                # and a kill -9 meanwhile rewound the groups to the last saved file (decision
+                # 1000).
+                with self._lock:
+                    self._offsets_dirty = True
+                raise
 
 
 @dataclass(slots=True)

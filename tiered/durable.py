@@ -9,7 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
+
+# One lock per file ``write_file`` replaces: two threads saving one file at once shared its
+# temporary file. The second's O_TRUNC and write landed in the inode the first had just renamed
+# into place, so the live file was rewritten in place (torn by a crash) and, when the second
+# document was the shorter, kept the first's tail after it: a damaged file that stops the next
+# start (decision 1180).
+_path_locks: dict[str, threading.Lock] = {}
+_path_locks_guard = threading.Lock()
+
+
+def _path_lock(path: Path) -> threading.Lock:
+    key = os.path.abspath(path)
+    with _path_locks_guard:
+        lock = _path_locks.get(key)
+        if lock is None:
+            lock = _path_locks[key] = threading.Lock()
+        return lock
 
 
 def fsync_dir(path: Path) -> None:
@@ -44,7 +62,13 @@ def replace(tmp: Path, path: Path) -> None:
 
 def write_file(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a crash leaves the old or the new
-    content, never a torn or empty file, and never the old one once this has returned."""
+    content, never a torn or empty file, and never the old one once this has returned.
+    Threads replacing the same file take turns; which content stays is the last caller's."""
+    with _path_lock(path):
+        _write_file(path, data)
+
+
+def _write_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
