@@ -72,6 +72,7 @@ from remoting.servicers import decode_request, takes_bytes
 from tiered.cold.fetcher import ColdTierUnavailableError
 from tiered.cold.segment import SegmentError
 from tiered.cold.storage import StorageError
+from tiered.log_every import LogEvery
 from tiered.record import CorruptRecordError, Message, RecordSpans
 from tiered.store import (
     GetStatus,
@@ -915,6 +916,9 @@ def consumer_backoff_ms(attempt: int) -> int:
     return CONSUMER_BACKOFF_MS[min(max(attempt, 1), len(CONSUMER_BACKOFF_MS)) - 1]
 
 
+_REFUSALS_LOGGED = LogEvery(60.0)
+
+
 def _appended(append: Callable[[], R]) -> R:
     """Run a store append, answering the store's refusals as the proxy does."""
     try:
@@ -923,8 +927,13 @@ def _appended(append: Callable[[], R]) -> R:
         raise ProtocolError(d.BAD_REQUEST, str(e)) from None
     except StoreUnwritableError as e:
         # Apache's proxy answers a broker's SERVICE_NOT_AVAILABLE ("the disk is full") with
-        # INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored.
-        log.error("send refused: %s", e)
+        # INTERNAL_SERVER_ERROR and the broker's reason; nothing was stored. One line a
+        # minute for each kind of refusal: a producer retrying as fast as it is refused wrote
+        # one a send, to a log that usually shares the full disk (decision 1181).
+        quiet = _REFUSALS_LOGGED.due(type(e).__name__)
+        if quiet is not None:
+            more = f" ({quiet} more refused for this since the last line)" if quiet else ""
+            log.error("send refused: %s%s", e, more)
         raise ProtocolError(d.INTERNAL_SERVER_ERROR, str(e)) from None
 
 

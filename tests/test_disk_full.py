@@ -104,6 +104,52 @@ def test_a_full_disk_refuses_whole_batches_clearly(small_disk: Path, tmp_path: P
     assert acked <= stored, f"{len(acked - stored)} acknowledged messages lost"
 
 
+class _LogElsewhere(Standalone):
+    """A broker whose log is not on its (full) data disk, so every line it writes is kept."""
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.parent.parent / "broker.log"
+
+
+def test_a_producer_retrying_on_a_full_disk_gets_one_log_line_a_minute(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Every refusal is answered, but the log says so once a minute, not once a send: a
+    producer retrying as fast as it is refused wrote one ERROR line a send (decision 1181)."""
+    config = write_config(tmp_path / "tmq.toml")
+    node = _LogElsewhere(
+        small_disk / "data",
+        flush="sync",
+        extra=["--config", str(config), "--commitlog-file-size", "1MiB"],
+    )
+    assert not node.log_path.is_relative_to(small_disk)
+    node.start()
+    refusals: list[d.Status] = []
+    try:
+        node.create_topic("full", queues=1)
+        stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+        for n in range(400):
+            request = s.SendMessageRequest()
+            for i in range(24):
+                m = request.messages.add(topic=d.Resource(name="full"), body=os.urandom(10_000))
+                m.system_properties.message_id = f"{n:04d}-{i:02d}"
+                m.system_properties.message_type = d.NORMAL
+            reply = stub.SendMessage(request, timeout=60)
+            if reply.status.code != d.OK:
+                refusals.append(reply.status)
+                if len(refusals) >= 50:
+                    break
+    finally:
+        node.kill9()
+    assert len(refusals) == 50, "a 12 MiB disk should fill up"
+    for st in refusals:
+        assert st.code == d.INTERNAL_SERVER_ERROR and "disk is full" in st.message, st
+    lines = [ln for ln in node.log_path.read_text().splitlines() if "send refused" in ln]
+    assert len(lines) == 1, f"{len(lines)} 'send refused' lines for 50 refusals: {lines[:3]}"
+    assert "disk is full" in lines[0]
+
+
 def test_a_broker_without_room_for_one_commitlog_file_does_not_start(small_disk: Path) -> None:
     node = Standalone(small_disk / "data", extra=["--commitlog-file-size", "64MiB"])
     with pytest.raises(RuntimeError) as e:
