@@ -322,10 +322,25 @@ class BrokerMetadata:
         groups = {g.name: g for g in (GroupConfig(**raw) for raw in snapshot["groups"])}
         offsets = {(r["group"], r["topic"], r["queue"]): r["offset"] for r in snapshot["offsets"]}
         with self._lock:
-            self.topics, self.groups, self._offsets = topics, groups, offsets
-            self.auto_created_groups = sum(g.auto_created for g in groups.values())
-            _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
-            self._compact_groups()  # groups.json becomes the master's, and groups.log empty
+            # Only what changed is written: a master sends its whole document up to 20 times a
+            # second while its consumers ack, and the replication thread applying it reads no
+            # CommitLog data meanwhile: four fsyncs a document, three of them of files that had
+            # not changed (decision 1182). What is on disk is what memory
+            # holds, so an unchanged part needs no write; a part whose save fails stays
+            # different in memory too, and the next document saves it again.
+            if topics != self.topics:
+                _save(self.dir / "topics.json", [asdict(t) for t in topics.values()])
+            self.topics = topics
+            if groups != self.groups:
+                old = self.groups
+                self.groups = groups
+                try:
+                    self._compact_groups()  # groups.json becomes the master's, groups.log empty
+                except BaseException:
+                    self.groups = old
+                    raise
+            self.auto_created_groups = sum(g.auto_created for g in self.groups.values())
+            self._offsets = offsets
         self.flush_offsets(force=True)
         if "acl" in snapshot:  # a master from before users existed sends none
             self.acl.replace(snapshot["acl"])
