@@ -456,6 +456,9 @@ def test_native_single_send_writes_what_the_python_path_writes(
             b = (tmp_path / "python" / "commitlog" / name).read_bytes()
             assert a == b, name
         for way, store in stores.items():
+            # Dispatch runs behind the acknowledgement: read once it has caught up (it had not
+            # on a loaded machine once, and the read came back short).
+            assert store.wait_dispatched(), way
             got = store.get_messages("gc", 0, 0, 1000).messages
             assert [m.body for m in got] == [
                 m.body for m in messages if m.topic == "gc" and m.queue_id == 0
@@ -506,7 +509,8 @@ def test_native_single_send_takes_its_store_timestamp_under_the_put_lock(tmp_pat
         sender.join(10)
         assert got, "the send did not return"
         assert got[0] >= released, (got[0], released)
+        assert store.wait_dispatched()
         stamps = [m.store_timestamp for m in store.get_messages("gc", 0, 0, 10).messages]
-        assert stamps == sorted(stamps)
+        assert len(stamps) == 2 and stamps == sorted(stamps), stamps
     finally:
         store.shutdown()
