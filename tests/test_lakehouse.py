@@ -462,7 +462,7 @@ def wait_for_new_file(
         time.sleep(0.01)
 
 
-@pytest.mark.slow
+# Not `slow`: the export's only kill test, so it stays in the default run (decision 1183).
 def test_exactly_once_across_kills_and_a_lost_checkpoint(tmp_path: Path) -> None:
     archive = Archive.open(
         tmp_path / "hot", open_store(f"file://{tmp_path}/tier"), queues=3, segment_messages=100
