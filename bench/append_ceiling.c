@@ -1,12 +1,14 @@
 /* The ASYNC batch ceiling of bench/store_append.py (decision 451, docs/performance.md): the same
  * work in C with no Python. Build and run from the repository root:
  *   gcc -O2 -o /tmp/append_ceiling bench/append_ceiling.c -Itiered $(python3-config --includes) -lpthread
- *   /tmp/append_ceiling MODE /tmp/some-new-file      (MODE 0-3 below; the file is removed after)
+ *   /tmp/append_ceiling MODE /tmp/some-new-file      (MODE 0-4 below; the file is removed after)
  * mode 0: pwrite of prebuilt records only (the kernel copy; what the store cannot beat)
  * mode 1: encode (header, body copy, CRC32C body 3 lanes, record CRC by combination) + pwritev
  *         skipping size fields + size stores through the mapping (what the store does natively)
  * mode 2: as 1, encode on a second thread, pipelined with the writer (double buffer)
  * mode 3: encode only (no write)
+ * mode 4: encode + one pwrite with the size fields in place (what the store's encoder does for a
+ *         batch of 16 KiB or more since decision 1040)
  */
 #define _GNU_SOURCE
 #include "_record_native.h"
@@ -101,7 +103,7 @@ int main(int argc, char **argv) {
         for (int b = 0; b < batches; b++) {
             if (mode != 0) encode(bufs[0], (long)b * N * recsz, (long)b * N);
             if (mode != 3) {
-                if (mode == 0) { if (pwrite(fd, bufs[0], (long)N * recsz, (long)b * N * recsz) < 0) return 1; }
+                if (mode == 0 || mode == 4) { if (pwrite(fd, bufs[0], (long)N * recsz, (long)b * N * recsz) < 0) return 1; }
                 else write_batch(bufs[0], (long)b * N * recsz);
             }
         }
