@@ -11,6 +11,7 @@ has an empty, ``.`` or ``..`` component: no key can address anything outside the
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import random
@@ -440,13 +441,24 @@ def _not_found(e: BaseException) -> bool:
 
 
 def _write_temp(directory: Path, data: bytes) -> Path:
+    """A new temporary file in ``directory`` holding all of ``data``, fsynced; or an error and
+    no file. A full disk can take part of a write without an error (``write`` returns less
+    than asked, decision 1140): a single write linked into place a cut-off object."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # The fragment's pages go back at once: nothing else would ever delete it.
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return Path(tmp)
 
 
