@@ -803,3 +803,27 @@ def test_a_dead_disk_met_by_a_flush_or_a_shutdown_fails_the_store_naming_the_fil
         assert_closed_all(store, index_files)
     finally:
         fs.close()
+
+
+def test_a_user_saved_before_a_power_loss_still_authenticates_after_it(tmp_path: Path) -> None:
+    """The first user of a broker makes its secrets' key file (auth.key, in the data directory)
+    and saves the user in config/acl.json, encrypted with that key. acl.json's save fsyncs its
+    own directory; the key file's name was never made durable (its bytes were fsynced, its
+    directory entry not). A power loss then kept acl.json and dropped the key: the next start
+    made a new key, and no saved secret decrypted (every user lost, the broker's ACL unloadable)
+    until someone restored a key nobody had any more."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    (durable / "data" / "config").mkdir(parents=True)  # a broker's, there before the power loss
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        meta = BrokerMetadata(mountpoint / "data" / "config")
+        meta.load()
+        secret = meta.acl.create_user("alice")  # returned: saved, the client is told its key
+        fs.crash()
+    finally:
+        fs.close()
+    again = BrokerMetadata(durable / "data" / "config")
+    again.load()  # raised "the secret of user alice does not decrypt" on main
+    assert again.acl.lookup("alice") == (secret, False)
