@@ -27,6 +27,8 @@ from urllib.parse import urlparse
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tiered.durable import make_dirs
+
 log = logging.getLogger(__name__)
 
 # Deadlines for every S3 call: a blackholed endpoint must fail a call, not hang it
@@ -166,7 +168,7 @@ class FsspecObjectStore:
         self.local = isinstance(self.fs, LocalFileSystem)
         self.s3 = self.url.startswith(("s3://", "s3a://"))
         if self.local:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
+            make_dirs(Path(self.root))  # durable, as every directory under it (decision 1142)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -443,8 +445,10 @@ def _not_found(e: BaseException) -> bool:
 def _write_temp(directory: Path, data: bytes) -> Path:
     """A new temporary file in ``directory`` holding all of ``data``, fsynced; or an error and
     no file. A full disk can take part of a write without an error (``write`` returns less
-    than asked, decision 1140): a single write linked into place a cut-off object."""
-    directory.mkdir(parents=True, exist_ok=True)
+    than asked, decision 1140): a single write linked into place a cut-off object. The
+    directories made on the way are durable (decision 1142): ``mkdir -p`` left the first
+    object of a queue, durable itself, in directories a power loss could take."""
+    make_dirs(directory)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         try:
