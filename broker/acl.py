@@ -21,6 +21,7 @@ interceptor asks this store on every call, so a revoked grant stops working with
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -32,7 +33,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiered.durable import make_dirs, write_file
+from tiered.durable import append_whole, make_dirs, write_file
+from tiered.durable import replace as replace_durably
 
 PUB = "PUB"
 SUB = "SUB"
@@ -96,6 +98,10 @@ class Grant:
         return cls(user, f"{kind}:{pattern}", parse_actions(actions), deny)
 
 
+# Serialises the making of a key file between the stores of one process (``_create_key``).
+_KEY_LOCK = threading.Lock()
+
+
 class AclStore:
     """Thread-safe. ``lookup`` is what remoting/auth.py's Authenticator asks."""
 
@@ -119,18 +125,39 @@ class AclStore:
             try:
                 key = self.key_file.read_bytes()
             except FileNotFoundError:
-                key = secrets.token_bytes(_KEY_BYTES)
-                make_dirs(self.key_file.parent)
-                fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.write(fd, key)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                key = self._create_key()
             if len(key) != _KEY_BYTES:
                 raise RuntimeError(f"{self.key_file} is not a {_KEY_BYTES}-byte key")
             self._key = key
         return AESGCM(self._key)
+
+    def _create_key(self) -> bytes:
+        """A new key in ``key_file``, durable before any secret is saved with it (decision
+        1141): written whole to a temporary file and fsynced, renamed into place, and the
+        directory fsynced. The name used to be left undurable (acl.json's save fsyncs another
+        directory), so a power loss kept the secrets and lost their key; and a full disk left
+        an empty key file that no later start could use. Only the broker holding the data
+        directory's lock makes its key; ``_KEY_LOCK`` keeps two stores of one process from
+        both making one."""
+        with _KEY_LOCK:
+            with contextlib.suppress(FileNotFoundError):
+                return self.key_file.read_bytes()  # made meanwhile
+            key = secrets.token_bytes(_KEY_BYTES)
+            make_dirs(self.key_file.parent)
+            tmp = self.key_file.with_name(self.key_file.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            try:
+                try:
+                    append_whole(fd, key)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            replace_durably(tmp, self.key_file)
+            return key
 
     def _encrypt(self, name: str, secret: str) -> str:
         nonce = secrets.token_bytes(_NONCE_BYTES)
@@ -172,17 +199,20 @@ class AclStore:
         with self._lock:
             self._users, self._grants = users, grants
 
-    def _save(self) -> None:
-        """Under the lock."""
+    def _save(self, users: dict[str, tuple[str, bool]], grants: dict[str, list[Grant]]) -> None:
+        """Under the lock: ``users`` and ``grants`` saved, then served. A save that fails (a
+        full disk) changes nothing, in memory either (decision 1141): a user whose creation
+        was refused used to authenticate until the next restart, and then vanish."""
         document = {
             "users": [
                 {"name": n, "admin": admin, "secret": self._encrypt(n, secret)}
-                for n, (secret, admin) in sorted(self._users.items())
+                for n, (secret, admin) in sorted(users.items())
             ],
-            "grants": [asdict(g) for gs in self._grants.values() for g in gs],
+            "grants": [asdict(g) for gs in grants.values() for g in gs],
         }
         make_dirs(self.path.parent)
         write_file(self.path, json.dumps(document, indent=1, sort_keys=True).encode())
+        self._users, self._grants = users, grants
         if self.on_change is not None:
             self.on_change()
 
@@ -202,8 +232,7 @@ class AclStore:
         with self._lock:
             if name in self._users and not replace:
                 raise AclError(f"user {name} exists (--rotate gives it a new secret)")
-            self._users[name] = (secret, admin)
-            self._save()
+            self._save({**self._users, name: (secret, admin)}, self._grants)
         return secret
 
     def ensure_admin(self, name: str, secret: str) -> None:
@@ -216,9 +245,11 @@ class AclStore:
         with self._lock:
             if name not in self._users:
                 raise AclError(f"no user {name}")
-            del self._users[name]
-            removed = len(self._grants.pop(name, []))
-            self._save()
+            removed = len(self._grants.get(name, []))
+            self._save(
+                {n: u for n, u in self._users.items() if n != name},
+                {u: gs for u, gs in self._grants.items() if u != name},
+            )
         return removed
 
     def users(self) -> list[tuple[str, bool]]:
@@ -232,8 +263,7 @@ class AclStore:
             if grant.user not in self._users:
                 raise AclError(f"no user {grant.user} (tmq user create {grant.user})")
             kept = [g for g in self._grants.get(grant.user, []) if g.resource != grant.resource]
-            self._grants[grant.user] = [*kept, grant]
-            self._save()
+            self._save(self._users, {**self._grants, grant.user: [*kept, grant]})
 
     def revoke(self, user: str, resource: str = "") -> int:
         """Remove ``user``'s grant on ``resource`` (empty: all its grants); returns how many."""
@@ -242,8 +272,7 @@ class AclStore:
             before = self._grants.get(user, [])
             kept = [g for g in before if target and g.resource != target]
             if len(kept) != len(before):
-                self._grants[user] = kept
-                self._save()
+                self._save(self._users, {**self._grants, user: kept})
         return len(before) - len(kept)
 
     def grants(self, user: str = "") -> list[Grant]:
@@ -295,5 +324,4 @@ class AclStore:
         with self._lock:
             if (users, grants) == (self._users, self._grants):
                 return
-            self._users, self._grants = users, grants
-            self._save()
+            self._save(users, grants)

@@ -6,7 +6,8 @@ disk would still hold after the power went out, updated only by what POSIX promi
 
 - ``fsync``/``fdatasync`` (and ``msync``, which reaches us as fsync) of a file makes that file's
   bytes and size durable, not its name;
-- ``fsync`` of a directory makes that directory's entries (creates, unlinks, renames) durable.
+- ``fsync`` of a directory makes that directory's entries (creates, links, unlinks, renames)
+  durable.
 
 So a file created, written and fsynced whose directory was never fsynced is gone after a crash,
 and a rename that was not followed by an fsync of the directory is undone. This is LazyFS's
@@ -60,7 +61,7 @@ PAGE = 4096
 
 # Opcodes (linux/fuse.h).
 LOOKUP, FORGET, GETATTR, SETATTR = 1, 2, 3, 4
-MKNOD, MKDIR, UNLINK, RMDIR, RENAME = 8, 9, 10, 11, 12
+MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK = 8, 9, 10, 11, 12, 13
 OPEN, READ, WRITE, STATFS, RELEASE = 14, 15, 16, 17, 18
 FSYNC, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR, FSYNCDIR = 20, 25, 26, 27, 28, 29, 30
 ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE = 34, 35, 36, 38, 42, 43
@@ -252,6 +253,7 @@ class PowerLossFS:
             RMDIR,
             RENAME,
             RENAME2,
+            LINK,
             WRITE,
             FSYNC,
             FSYNCDIR,
@@ -352,6 +354,21 @@ class PowerLossFS:
                 return errno.ENOTEMPTY
             del node.entries[name]
             return b""
+        if opcode == LINK:
+            # A hard link (the file:// tier's create-if-absent): a new name, in this
+            # directory, for an existing file; durable once this directory is fsynced.
+            (oldnode,) = struct.unpack_from("<Q", body)
+            name = _name(body[8:])
+            target = self.nodes.get(oldnode)
+            if target is None:
+                return errno.ENOENT
+            if target.is_dir:
+                return errno.EPERM
+            if name in node.entries:
+                return errno.EEXIST
+            node.entries[name] = target.ino
+            node.mtime = time.time_ns()
+            return self.entry(target)
         if opcode in (RENAME, RENAME2):
             head = 8 if opcode == RENAME else 16
             (newdir,) = struct.unpack_from("<Q", body)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from conftest import mounted_tmpfs
 
 from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadError, OffloadPolicy
@@ -698,3 +700,47 @@ def _hold_then_rebuild(tier: ObjectStore, config: StoreConfig, worker: Any, name
     finally:
         offloader.close()
         store.shutdown()
+
+
+def _fill_leaving(mnt: Path, free_bytes: int) -> None:
+    """Fill the real filesystem at ``mnt`` with one file until only ``free_bytes`` are left."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with contextlib.suppress(OSError):  # ENOSPC: the disk is full
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.ftruncate(fd, os.fstat(fd).st_size - free_bytes)
+    finally:
+        os.close(fd)
+
+
+def test_a_tier_on_a_full_local_disk_never_commits_a_cut_off_manifest(
+    hot: MessageStore, tmp_path: Path
+) -> None:
+    """A file:// tier on a real tmpfs that fills up during a pass: the disk has room for the
+    pass's small segment but not for its manifest, which is bigger than one page. A write
+    cut short by the full disk (``write`` returns less than asked, and no error) used to be
+    fsynced and linked into place as the next manifest version: the commit "succeeded", the
+    watermark moved, and every later load of the queue's manifest failed as unreadable (the
+    whole queue's archive, not only the pass's messages). Now the commit fails, the archive
+    stays the one committed before, and once the disk has room again the next pass uploads
+    the rest: every message once."""
+    with mounted_tmpfs(tmp_path / "tierdisk", "4m") as mnt:
+        tier = open_store(f"file://{mnt}/tier", retry=RetryPolicy(attempts=2, base_delay_s=0.01))
+        fill(hot, "orders", 400, queues=1, seed=3)
+        # Many small segments: a manifest of well over one 4 KiB page.
+        offloader = Offloader(hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=10))
+        assert offloader.offload_queue("orders", 0).watermark == 400
+        log = ManifestLog(tier, queue_prefix("c1", "broker-a", "orders", 0))
+        committed = log.load()
+        assert len(committed.encode()) > 2 * 4096
+        fill(hot, "orders", 3, queues=1, seed=4)  # one small segment more: under one page
+        _fill_leaving(mnt, 2 * 4096)  # the segment's page, and one page of the manifest
+        with pytest.raises((StorageError, OffloadError, OSError)):
+            offloader.offload_queue("orders", 0)
+        current = log.load()  # raised ManifestError ("unreadable manifest") on main
+        assert current.end_offset == 400 and current.segments == committed.segments
+        assert not [p for p in (mnt / "tier").rglob(".tmp-*")], "no fragment left on the disk"
+        os.unlink(mnt / "filler")
+        assert offloader.offload_queue("orders", 0).watermark == 403
+        assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)

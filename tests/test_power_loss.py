@@ -803,3 +803,72 @@ def test_a_dead_disk_met_by_a_flush_or_a_shutdown_fails_the_store_naming_the_fil
         assert_closed_all(store, index_files)
     finally:
         fs.close()
+
+
+def test_a_user_saved_before_a_power_loss_still_authenticates_after_it(tmp_path: Path) -> None:
+    """The first user of a broker makes its secrets' key file (auth.key, in the data directory)
+    and saves the user in config/acl.json, encrypted with that key. acl.json's save fsyncs its
+    own directory; the key file's name was never made durable (its bytes were fsynced, its
+    directory entry not). A power loss then kept acl.json and dropped the key: the next start
+    made a new key, and no saved secret decrypted (every user lost, the broker's ACL unloadable)
+    until someone restored a key nobody had any more."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    (durable / "data" / "config").mkdir(parents=True)  # a broker's, there before the power loss
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        meta = BrokerMetadata(mountpoint / "data" / "config")
+        meta.load()
+        secret = meta.acl.create_user("alice")  # returned: saved, the client is told its key
+        fs.crash()
+    finally:
+        fs.close()
+    again = BrokerMetadata(durable / "data" / "config")
+    again.load()  # raised "the secret of user alice does not decrypt" on main
+    assert again.acl.lookup("alice") == (secret, False)
+
+
+def test_an_archive_on_a_file_tier_survives_a_power_loss_after_its_commit(tmp_path: Path) -> None:
+    """A file:// tier on the power-loss filesystem: the first offload of a queue makes its
+    directories (``{cluster}/{broker}/{topic}/{queue}/manifests``, ``segments``). Each object
+    and its name were made durable, but the directories were made with ``mkdir -p`` and their
+    parents never fsynced: a power loss after the commit, which lets release delete the local
+    copy, took the new directories with everything in them, and the queue's archive was gone
+    (its manifest loaded as an empty version 0). Every committed message must be in the
+    archive after the power loss."""
+    _need_fuse()
+    from offload.offloader import Offloader, OffloadPolicy
+    from tiered.cold.manifest import ManifestLog, queue_prefix
+    from tiered.cold.segment import SegmentReader
+    from tiered.cold.storage import open_store
+
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    hot = MessageStore(StoreConfig(data_dir=tmp_path / "hot", **SMALL))
+    hot.start()
+    try:
+        for n in range(300):
+            hot.put_message(Message(topic="orders", queue_id=0, body=b"m%d" % n, properties={}))
+        assert hot.wait_dispatched()
+        fs = PowerLossMount(mountpoint, durable)
+        try:
+            tier = open_store(f"file://{mountpoint}/tier")
+            offloader = Offloader(
+                hot, tier, "c1", "broker-a", OffloadPolicy(segment_max_messages=100)
+            )
+            assert offloader.offload_queue("orders", 0).watermark == 300  # committed
+            fs.crash()
+        finally:
+            fs.close()
+    finally:
+        hot.shutdown()
+    after = open_store(f"file://{durable}/tier")
+    manifest = ManifestLog(after, queue_prefix("c1", "broker-a", "orders", 0)).load()
+    assert manifest.end_offset == 300, "the committed archive lost with its directories"
+    bodies = [
+        m.body
+        for info in manifest.segments
+        for m in SegmentReader(after, info).read(info.base_offset, info.count)
+    ]
+    assert bodies == [b"m%d" % n for n in range(300)]

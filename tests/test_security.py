@@ -3,6 +3,7 @@ Apache's Python client, signing as applications do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import stat
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 from broker_harness import Standalone, drain, free_port, metric_sample, tmq
+from conftest import mounted_tmpfs
 from node_harness import ensure_node_client
 from node_harness import node as node_client
 from rocketmq.grpc_protocol import definition_pb2 as d
@@ -448,6 +450,37 @@ def test_auth_on_without_any_admin_refuses_to_start(tmp_path: Path) -> None:
 
 
 # -- the store of users and grants ------------------------------------------------------------
+
+
+def test_a_full_disk_at_the_first_user_leaves_no_empty_key_file(tmp_path: Path) -> None:
+    """The first user's save makes the secrets' key file. On a full disk (a real tmpfs) the
+    key file used to be created, then its write failed: the empty file stayed, and every later
+    save and every start failed ("is not a 32-byte key") after the disk had room again, until
+    someone deleted the file; and the refused user was served from memory all the same (until
+    a restart forgot it), so a retry was told it existed. Now nothing is left, on disk or in
+    memory, and the save made once there is room is read back by the next start."""
+    import os
+
+    from broker.acl import AclStore
+
+    with mounted_tmpfs(tmp_path / "small", "64k") as mnt:
+        (mnt / "data" / "config").mkdir(parents=True)
+        filler = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                os.write(filler, b"\0" * 4096)
+        os.close(filler)
+        acl = AclStore(mnt / "data" / "config")
+        with pytest.raises(OSError, match="No space left"):
+            acl.create_user("alice")
+        assert acl.lookup("alice") is None, "refused, so not served either"
+        assert not (mnt / "data" / "auth.key").exists()
+        assert sorted(p.name for p in (mnt / "data").iterdir()) == ["config"]
+        os.unlink(mnt / "filler")
+        secret = acl.create_user("alice")  # raised "is not a 32-byte key" on main
+        again = AclStore(mnt / "data" / "config")
+        again.load()
+        assert again.lookup("alice") == (secret, False)
 
 
 def test_the_most_specific_grant_decides_and_deny_wins_a_tie(tmp_path: Path) -> None:

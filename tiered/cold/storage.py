@@ -11,6 +11,7 @@ has an empty, ``.`` or ``..`` component: no key can address anything outside the
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import random
@@ -25,6 +26,8 @@ from urllib.parse import urlparse
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from tiered.durable import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +168,7 @@ class FsspecObjectStore:
         self.local = isinstance(self.fs, LocalFileSystem)
         self.s3 = self.url.startswith(("s3://", "s3a://"))
         if self.local:
-            Path(self.root).mkdir(parents=True, exist_ok=True)
+            make_dirs(Path(self.root))  # durable, as every directory under it (decision 1142)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -440,13 +443,26 @@ def _not_found(e: BaseException) -> bool:
 
 
 def _write_temp(directory: Path, data: bytes) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """A new temporary file in ``directory`` holding all of ``data``, fsynced; or an error and
+    no file. A full disk can take part of a write without an error (``write`` returns less
+    than asked, decision 1140): a single write linked into place a cut-off object. The
+    directories made on the way are durable (decision 1142): ``mkdir -p`` left the first
+    object of a queue, durable itself, in directories a power loss could take."""
+    make_dirs(directory)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # The fragment's pages go back at once: nothing else would ever delete it.
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return Path(tmp)
 
 
