@@ -135,6 +135,8 @@ class BrokerMetadata:
         # (group, topic, queue) -> next queue offset to consume
         self._offsets: dict[tuple[str, str, int], int] = {}
         self._offsets_dirty = False
+        # One save of consumer_offsets.json at a time, snapshot to rename (flush_offsets).
+        self._offsets_save_lock = threading.Lock()
         self._group_log: int | None = None  # descriptor of groups.log, opened on first append
         self._group_log_lines = 0
         self.auto_created_groups = 0
@@ -343,23 +345,32 @@ class BrokerMetadata:
         return {(t, q): o for (g, t, q), o in list(self._offsets.items()) if g == group}
 
     def flush_offsets(self, *, force: bool = False) -> None:
-        with self._lock:
-            if not (self._offsets_dirty or force):
-                return
-            rows = [
-                {"group": g, "topic": t, "queue": q, "offset": o}
-                for (g, t, q), o in sorted(self._offsets.items())
-            ]
-            self._offsets_dirty = False
-        try:
-            _save(self.dir / "consumer_offsets.json", rows)
-        except BaseException:
-            # Still unsaved: the next tick tries again. Cleared for good, the offsets a full
-            # disk refused stayed in memory only until some consumer moved one again, and a
-            # kill -9 meanwhile rewound the groups to the last saved file (decision 1000).
+        # Two callers at once (a slave's metadata sync, ``replace``, and the maintenance tick
+        # or the shutdown) wrote the same ``.tmp``: one truncated it while the other renamed
+        # it into place, so consumer_offsets.json was for a moment empty or half written
+        # (what a kill -9 then left, and the next start refused), a save failed with
+        # FileNotFoundError, and an older snapshot renamed last replaced a newer one
+        # (decision 1161). The snapshot and its save are one step; ``commit_offset`` only
+        # waits for the snapshot, as before.
+        with self._offsets_save_lock:
             with self._lock:
-                self._offsets_dirty = True
-            raise
+                if not (self._offsets_dirty or force):
+                    return
+                rows = [
+                    {"group": g, "topic": t, "queue": q, "offset": o}
+                    for (g, t, q), o in sorted(self._offsets.items())
+                ]
+                self._offsets_dirty = False
+            try:
+                _save(self.dir / "consumer_offsets.json", rows)
+            except BaseException:
+                # Still unsaved: the next tick tries again. Cleared for good, the offsets a
+                # full disk refused stayed in memory only until some consumer moved one again,
+                # and a kill -9 meanwhile rewound the groups to the last saved file (decision
+                # 1000).
+                with self._lock:
+                    self._offsets_dirty = True
+                raise
 
 
 @dataclass(slots=True)

@@ -935,3 +935,73 @@ def test_a_fifo_queue_whose_dlq_copy_a_full_disk_refuses_waits_and_the_others_de
         )
     finally:
         node.stop()
+
+
+def test_consumer_offsets_saved_from_two_threads_are_always_whole_and_never_go_back(
+    tmp_path: Path,
+) -> None:
+    """A slave saves the groups' offsets from two threads: its metadata sync (``replace``, a
+    forced save) and its maintenance tick (pops it serves move offsets), and at shutdown the
+    final forced save runs beside the still-running sync. Both wrote the same ``.tmp``: one
+    truncated it while the other renamed it into place, so consumer_offsets.json was for a
+    moment empty or half written (what a kill -9 then leaves; the next start refuses a damaged
+    file), saves failed with FileNotFoundError, and a snapshot taken earlier, renamed later,
+    put older offsets back (after a crash, acknowledged messages delivered again). A third
+    thread reads the file throughout, as a kill -9 at that instant would leave it."""
+    from broker.metadata import BrokerMetadata
+
+    meta = BrokerMetadata(tmp_path / "config")
+    path = tmp_path / "config" / "consumer_offsets.json"
+    stop = threading.Event()
+    errors: list[str] = []
+    damaged: list[str] = []
+    went_back: list[tuple[int, int]] = []
+
+    def consumer() -> None:  # a pop moving the offset, and the tick saving it
+        i = 0
+        while not stop.is_set():
+            i += 1
+            meta.commit_offset("g", "t", 0, i)
+            try:
+                meta.flush_offsets()
+            except OSError as e:
+                errors.append(repr(e))
+
+    def sync() -> None:  # the metadata sync's (or the shutdown's) forced save
+        while not stop.is_set():
+            try:
+                meta.flush_offsets(force=True)
+            except OSError as e:
+                errors.append(repr(e))
+
+    def crash_view() -> None:
+        last = 0
+        while not stop.is_set():
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                continue  # before the first save
+            try:
+                rows = json.loads(raw)
+            except ValueError:
+                damaged.append(raw[:40].decode(errors="replace"))
+                continue
+            if rows:
+                if rows[0]["offset"] < last:
+                    went_back.append((last, rows[0]["offset"]))
+                last = max(last, rows[0]["offset"])
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (consumer, sync, crash_view)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert errors == [], f"{len(errors)} failed saves, e.g. {errors[:2]}"
+    assert damaged == [], f"the file was seen damaged {len(damaged)} times, e.g. {damaged[:2]}"
+    assert went_back == [], f"older offsets replaced newer {len(went_back)} times: {went_back[:3]}"
+    meta.flush_offsets()
+    reloaded = BrokerMetadata(tmp_path / "config")
+    reloaded.load()
+    assert reloaded.offset("g", "t", 0) == meta.offset("g", "t", 0)
