@@ -793,6 +793,19 @@ def receive_once(
     return first, got
 
 
+def receive_first(
+    stub: service_pb2_grpc.MessagingServiceStub, group: str, topic: str, invisible_s: int
+) -> list[d.Message]:
+    """One message, received as soon as it is dispatched (at most 15 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        st, got = receive_once(stub, group, topic, 1, invisible_s)
+        if got or time.monotonic() >= deadline:
+            assert st.code == d.OK, st
+            return got
+        time.sleep(0.2)
+
+
 def test_consumers_still_receive_while_a_full_disk_refuses_expired_deliveries_retry_copies(
     small_disk: Path, tmp_path: Path
 ) -> None:
@@ -818,8 +831,8 @@ def test_consumers_still_receive_while_a_full_disk_refuses_expired_deliveries_re
         node.create_group("g-bd-other")
         ids = [mid for mid, _ in send_batches(node.endpoint, "bd-revive", [(b"a", "k", "t")] * 4)]
         stub = service_pb2_grpc.MessagingServiceStub(node.channel())
-        st, held = receive_once(stub, "g-bd-revive", "bd-revive", 1, 1)  # invisible for 1 s
-        assert st.code == d.OK and [m.system_properties.message_id for m in held] == ids[:1]
+        held = receive_first(stub, "g-bd-revive", "bd-revive", 1)  # invisible for 1 s
+        assert [m.system_properties.message_id for m in held] == ids[:1]
         filler = Filler(small_disk)
         try:
             with pytest.raises(AssertionError):  # the store refuses writes now
@@ -890,6 +903,26 @@ def pulled_ids(stub: service_pb2_grpc.MessagingServiceStub, group: str, topic: s
     ]
 
 
+def store_dispatched(
+    stub: service_pb2_grpc.MessagingServiceStub, topic: str, queue: int, message_id: str
+) -> bool:
+    """Wait (at most 15 s) until ``message_id`` can be read from its queue."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        request = s.PullMessageRequest(
+            group=d.Resource(name="g-bd-fifo"),
+            message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=queue),
+            offset=0,
+            batch_size=32,
+            filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+        )
+        for r in stub.PullMessage(request, timeout=30):
+            if r.HasField("message") and r.message.system_properties.message_id == message_id:
+                return True
+        time.sleep(0.2)
+    return False
+
+
 def test_a_fifo_queue_whose_dlq_copy_a_full_disk_refuses_waits_and_the_others_deliver(
     small_disk: Path, tmp_path: Path
 ) -> None:
@@ -911,9 +944,10 @@ def test_a_fifo_queue_whose_dlq_copy_a_full_disk_refuses_waits_and_the_others_de
         node.create_group("g-bd-fifo", max_attempts=1, fifo=True)
         stub = service_pb2_grpc.MessagingServiceStub(node.channel())
         first = send_to_queue(stub, "bd-fifo", 0)
-        st, held = receive_once(stub, "g-bd-fifo", "bd-fifo", 1, 1)  # invisible for 1 s
-        assert st.code == d.OK and [m.system_properties.message_id for m in held] == [first]
+        held = receive_first(stub, "g-bd-fifo", "bd-fifo", 1)  # invisible for 1 s
+        assert [m.system_properties.message_id for m in held] == [first]
         second = send_to_queue(stub, "bd-fifo", 1)
+        assert store_dispatched(stub, "bd-fifo", 1, second)
         filler = Filler(small_disk)
         try:
             time.sleep(2.5)  # past its deadline, at its limit: for the DLQ
@@ -1005,3 +1039,51 @@ def test_consumer_offsets_saved_from_two_threads_are_always_whole_and_never_go_b
     reloaded = BrokerMetadata(tmp_path / "config")
     reloaded.load()
     assert reloaded.offset("g", "t", 0) == meta.offset("g", "t", 0)
+
+
+def test_a_full_disk_does_not_use_up_a_transactions_check_backs(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Each pass of the check-back loop counted a check of every due half message before it
+    stored the pass's CHECK records; while the store refused writes (a full disk, dispatch
+    stuck) the store raised, no producer was asked, and yet the count went up. After
+    ``check_max`` such passes the broker gave up and rolled the transaction back once there
+    was room, its producer never asked: a committed local transaction's message lost. A real
+    store on a real tmpfs filled by another writer; the check loop's clock is the test's."""
+    from broker.metadata import BrokerMetadata
+    from broker.transaction import TransactionConfig, TransactionService
+    from tiered.config import StoreConfig
+    from tiered.record import Message as StoreMessage
+    from tiered.store import MessageStore, StoreUnwritableError
+
+    store = MessageStore(StoreConfig(data_dir=small_disk / "store", **SMALL))
+    store.start()
+    now = [time.time_ns() // 1_000_000]
+    asked: list[str] = []
+
+    def send_check(topic: str, half: object, txn: str) -> bool:
+        asked.append(txn)
+        return True  # the producer is connected; it answers with EndTransaction
+
+    config = TransactionConfig(timeout_ms=1000, check_interval_ms=1000, check_max=3)
+    service = TransactionService(
+        store, BrokerMetadata(tmp_path / "config"), config, send_check, clock=lambda: now[0]
+    )
+    try:
+        service.prepare([StoreMessage("orders", b"x", 0, {"UNIQ_KEY": "k"})], [None])
+        filler = Filler(small_disk)
+        try:
+            for _ in range(2 * config.check_max):
+                now[0] += 2_000  # due again
+                with pytest.raises(StoreUnwritableError):
+                    service.check_due()
+            assert asked == []
+        finally:
+            filler.free()
+        now[0] += 2_000
+        service.check_due()
+        assert service.rollbacks == 0, "rolled back without ever asking its producer"
+        assert len(asked) == 1, "the producer is asked once there is room"
+        assert service.pending() == 1
+    finally:
+        store.shutdown()
