@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 # A store that refuses the copies of expired deliveries (its disk full, dispatch stuck) says so
 # at most once in this many seconds: revive runs every second and at every receive.
 _REFUSED_LOG_EVERY_S = 60.0
+# After a refusal, revive tries no copy for this long (one failed write a second, not one per
+# expired delivery at every receive, all under the pop lock).
+_REFUSED_RETRY_S = 1.0
 
 
 def _refused(e: BaseException) -> bool:
@@ -159,6 +162,8 @@ class PopService:
         self._term = os.urandom(4).hex()
         # When a refused copy of an expired delivery was last logged (monotonic).
         self._refused_logged = -_REFUSED_LOG_EVERY_S
+        # When the store last refused such a copy (monotonic).
+        self._refused_at = -_REFUSED_RETRY_S
 
     def new_term(self) -> None:
         """Forget every delivery in flight and every group's position: the next receive starts
@@ -507,6 +512,10 @@ class PopService:
         held)."""
         last = d.attempt >= group.max_delivery_attempts
         if not self.store.replica:
+            if time.monotonic() - self._refused_at < _REFUSED_RETRY_S:
+                if not last:
+                    d.redeliver = True
+                return False  # refused a moment ago: as below, without another try
             try:
                 if last:
                     self._to_dlq(group.name, msg, d.attempt)
@@ -522,6 +531,7 @@ class PopService:
                 # copy is tried again at every pass while its deadline is past.
                 if not _refused(e):
                     raise
+                self._refused_at = time.monotonic()
                 self._log_refused(group.name, e)
                 if not last:
                     d.redeliver = True
