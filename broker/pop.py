@@ -30,6 +30,7 @@ message is delivered again from the committed offset, which never passes a deliv
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -42,9 +43,30 @@ from typing import Protocol
 from broker.metadata import BrokerMetadata, GroupConfig, TopicConfig, dlq_topic, retry_topic
 from tiered.cold.storage import StorageError
 from tiered.record import Message, StoredMessage, tag_hash
-from tiered.store import GetStatus, MessageStore, ReplicaStoreError
+from tiered.store import GetStatus, MessageStore, ReplicaStoreError, StoreUnwritableError
 
 log = logging.getLogger(__name__)
+
+# A store that refuses the copies of expired deliveries (its disk full, dispatch stuck) says so
+# at most once in this many seconds: revive runs every second and at every receive.
+_REFUSED_LOG_EVERY_S = 60.0
+# After a refusal, revive tries no copy for this long (one failed write a second, not one per
+# expired delivery at every receive, all under the pop lock).
+_REFUSED_RETRY_S = 1.0
+
+
+def _refused(e: BaseException) -> bool:
+    """``e`` says the broker cannot write now (and stored nothing): the store refuses writes,
+    or the disk (or the descriptor table) refused the retry or DLQ topic's save."""
+    if isinstance(e, StoreUnwritableError):
+        return True
+    return isinstance(e, OSError) and e.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EMFILE,
+        errno.ENFILE,
+    )
+
 
 # Properties a retried message carries (RocketMQ's names).
 PROPERTY_RETRY_TOPIC = "RETRY_TOPIC"  # the topic the message was first sent to
@@ -138,6 +160,10 @@ class PopService:
         self._seq = itertools.count(1)
         self._rotation = itertools.count()
         self._term = os.urandom(4).hex()
+        # When a refused copy of an expired delivery was last logged (monotonic).
+        self._refused_logged = -_REFUSED_LOG_EVERY_S
+        # When the store last refused such a copy (monotonic).
+        self._refused_at = -_REFUSED_RETRY_S
 
     def new_term(self) -> None:
         """Forget every delivery in flight and every group's position: the next receive starts
@@ -332,6 +358,13 @@ class PopService:
             except ReplicaStoreError:  # the store became a replica since the check
                 self._hold(group.name, stored_topic, queue_id, delivery)
                 return []
+            except Exception as e:
+                # Nothing written: the queue waits (its order) and the next receive tries the
+                # DLQ again; raised, it failed the whole receive, every other queue included.
+                if not _refused(e):
+                    raise
+                self._log_refused(group.name, e)
+                return []
             del state.in_flight[first]
             self._commit(group.name, stored_topic, queue_id, state)
             return []
@@ -461,7 +494,9 @@ class PopService:
                     got = self.store.get_messages(stored_topic, queue_id, d.offset, 1).messages
                     found = got and got[0].queue_offset == d.offset
                     if found and not self._revive(group, stored_topic, queue_id, d, got[0]):
-                        continue  # a replica store: stays in flight (again in place, or held)
+                        # A replica store, or one refusing writes: stays in flight (again
+                        # in place, or held)
+                        continue
                     del state.in_flight[d.offset]
                     removed = True
                     moved += 1
@@ -473,9 +508,14 @@ class PopService:
         self, group: GroupConfig, stored_topic: str, queue_id: int, d: Delivery, msg: StoredMessage
     ) -> bool:
         """Copy an expired delivery to the retry topic or the DLQ; False when the store is a
-        replica and so the delivery stays in flight (again in place, or held)."""
+        replica, or refuses writes, and so the delivery stays in flight (again in place, or
+        held)."""
         last = d.attempt >= group.max_delivery_attempts
         if not self.store.replica:
+            if time.monotonic() - self._refused_at < _REFUSED_RETRY_S:
+                if not last:
+                    d.redeliver = True
+                return False  # refused a moment ago: as below, without another try
             try:
                 if last:
                     self._to_dlq(group.name, msg, d.attempt)
@@ -484,11 +524,35 @@ class PopService:
                 return True
             except ReplicaStoreError:
                 pass  # the store became a replica since the check
+            except Exception as e:
+                # The broker cannot write now (a full disk, dispatch stuck): nothing was
+                # copied. Raised, it failed every receive of every group on the broker (each
+                # revives first), while reads were fine. Kept in flight as on a replica; the
+                # copy is tried again at every pass while its deadline is past.
+                if not _refused(e):
+                    raise
+                self._refused_at = time.monotonic()
+                self._log_refused(group.name, e)
+                if not last:
+                    d.redeliver = True
+                return False  # one past its limit waits, delivered to no one, for the DLQ
         if last:
             self._hold(group.name, stored_topic, queue_id, d)
         else:
             d.redeliver = True
         return False
+
+    def _log_refused(self, group: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._refused_logged >= _REFUSED_LOG_EVERY_S:
+            self._refused_logged = now
+            log.error(
+                "group %s: an expired delivery cannot be copied to its retry or DLQ topic: "
+                "%s. It stays in flight and is delivered again in place; the copy is tried "
+                "again while it lasts (this is said once a minute)",
+                group,
+                e,
+            )
 
     def _copy(self, msg: StoredMessage, topic: str, attempts: int) -> Message:
         props = dict(msg.properties)

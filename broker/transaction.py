@@ -500,13 +500,17 @@ class TransactionService:
                 continue
             stored = self.store.read_message(*where)
             if stored is not None:
-                with self._lock:
-                    half.checks += 1
                 checks.append((half, stored))
         if not checks:
             return 0
         # One CommitLog batch for the pass's check records, before any check-back goes out.
-        self.store.put_messages([self._op(h.offset, CHECK, h.checks) for h, _ in checks])
+        # Counted once stored: a store refusing writes (a full disk, dispatch stuck) asked no
+        # producer, and counted first, ``check_max`` such passes rolled the transaction back
+        # without its producer ever being asked (decision 1162).
+        self.store.put_messages([self._op(h.offset, CHECK, h.checks + 1) for h, _ in checks])
+        with self._lock:
+            for half, _ in checks:
+                half.checks += 1
         self.checks += len(checks)
         sent = 0
         for half, stored in checks:

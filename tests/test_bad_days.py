@@ -770,3 +770,250 @@ def test_a_consumer_process_killed_during_its_long_poll_leaks_nothing(broker: St
         consumer.shutdown()
     assert [m.message_id for m in got] == [mid]
     assert got[0].delivery_attempt == 1
+
+
+def receive_once(
+    stub: service_pb2_grpc.MessagingServiceStub,
+    group: str,
+    topic: str,
+    batch: int,
+    invisible_s: int,
+) -> tuple[d.Status, list[d.Message]]:
+    """One ReceiveMessage (no long poll): its first status and its messages."""
+    first: d.Status | None = None
+    got: list[d.Message] = []
+    for reply in stub.ReceiveMessage(
+        receive_request(group, topic, batch, invisible_s, 0), timeout=20
+    ):
+        if reply.HasField("status") and first is None:
+            first = reply.status
+        if reply.HasField("message"):
+            got.append(reply.message)
+    assert first is not None
+    return first, got
+
+
+def receive_first(
+    stub: service_pb2_grpc.MessagingServiceStub, group: str, topic: str, invisible_s: int
+) -> list[d.Message]:
+    """One message, received as soon as it is dispatched (at most 15 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        st, got = receive_once(stub, group, topic, 1, invisible_s)
+        if got or time.monotonic() >= deadline:
+            assert st.code == d.OK, st
+            return got
+        time.sleep(0.2)
+
+
+def test_consumers_still_receive_while_a_full_disk_refuses_expired_deliveries_retry_copies(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """An expired delivery is copied to the group's retry topic, a write. While the store
+    refused writes (a full disk; or dispatch stuck for want of descriptors, decision 1070),
+    that copy raised out of every ReceiveMessage, since each receive revives first: no group
+    on the broker could receive the messages already stored, and the maintenance loop logged a
+    traceback a second onto that full disk. Now the delivery stays in flight and is delivered
+    again in place (as on a replica store, decision 970), every other message is delivered,
+    and once there is room nothing is delivered twice."""
+    data_dir = small_disk / "data"
+    config = tmp_path / "tmq.toml"
+    config.write_text(
+        "[store]\ncommitlog_file_size = 1048576\nconsumequeue_entries_per_file = 1000\n"
+        "index_hash_slots = 1000\nindex_max_entries = 4000\n"
+    )
+    node = Standalone(
+        data_dir, extra=["--config", str(config), "--commitlog-file-size", "1MiB"]
+    ).start()
+    try:
+        node.create_topic("bd-revive", queues=1)
+        node.create_group("g-bd-revive")
+        node.create_group("g-bd-other")
+        ids = [mid for mid, _ in send_batches(node.endpoint, "bd-revive", [(b"a", "k", "t")] * 4)]
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        held = receive_first(stub, "g-bd-revive", "bd-revive", 1)  # invisible for 1 s
+        assert [m.system_properties.message_id for m in held] == ids[:1]
+        filler = Filler(small_disk)
+        try:
+            with pytest.raises(AssertionError):  # the store refuses writes now
+                send_batches(node.endpoint, "bd-revive", [(b"b", "k", "t")])
+            time.sleep(2.5)  # the delivery expired; its retry copy cannot be written
+            # The other group never had a delivery in flight: it receives everything.
+            st, other = receive_once(stub, "g-bd-other", "bd-revive", 8, 60)
+            assert st.code == d.OK, st
+            assert [m.system_properties.message_id for m in other] == ids
+            # The group itself: the rest, and the expired one again (its second attempt).
+            got: list[d.Message] = []
+            for _ in range(3):
+                st, more = receive_once(stub, "g-bd-revive", "bd-revive", 8, 60)
+                assert st.code in (d.OK, d.MESSAGE_NOT_FOUND), st
+                got += more
+            by_id = {m.system_properties.message_id: m for m in got}
+            assert sorted(by_id) == sorted(ids) and len(got) == len(ids), got
+            assert by_id[ids[0]].system_properties.delivery_attempt == 2
+            for m in got:
+                ack = stub.AckMessage(
+                    s.AckMessageRequest(
+                        group=d.Resource(name="g-bd-revive"),
+                        topic=d.Resource(name="bd-revive"),
+                        entries=[
+                            s.AckMessageEntry(
+                                message_id=m.system_properties.message_id,
+                                receipt_handle=m.system_properties.receipt_handle,
+                            )
+                        ],
+                    ),
+                    timeout=10,
+                )
+                assert ack.status.code == d.OK, ack.status
+        finally:
+            filler.free()
+        time.sleep(2.5)  # revive passes with room again: nothing is left to copy
+        st, again = receive_once(stub, "g-bd-revive", "bd-revive", 8, 60)
+        assert again == [], [m.system_properties.message_id for m in again]
+        assert "reviving expired pop deliveries failed" not in node.log_path.read_text()
+    finally:
+        node.stop()
+
+
+def send_to_queue(stub: service_pb2_grpc.MessagingServiceStub, topic: str, queue: int) -> str:
+    request = s.SendMessageRequest()
+    m = request.messages.add(topic=d.Resource(name=topic), body=f"q{queue}".encode())
+    m.system_properties.message_id = os.urandom(16).hex().upper()
+    m.system_properties.message_type = d.NORMAL
+    m.system_properties.body_encoding = d.IDENTITY
+    m.system_properties.queue_id = queue
+    reply = stub.SendMessage(request, timeout=30)
+    assert reply.status.code == d.OK, reply.status
+    return m.system_properties.message_id
+
+
+def pulled_ids(stub: service_pb2_grpc.MessagingServiceStub, group: str, topic: str) -> list[str]:
+    request = s.PullMessageRequest(
+        group=d.Resource(name=group),
+        message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=0),
+        offset=0,
+        batch_size=32,
+        filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+    )
+    return [
+        r.message.system_properties.message_id
+        for r in stub.PullMessage(request, timeout=30)
+        if r.HasField("message")
+    ]
+
+
+def store_dispatched(
+    stub: service_pb2_grpc.MessagingServiceStub, topic: str, queue: int, message_id: str
+) -> bool:
+    """Wait (at most 15 s) until ``message_id`` can be read from its queue."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        request = s.PullMessageRequest(
+            group=d.Resource(name="g-bd-fifo"),
+            message_queue=d.MessageQueue(topic=d.Resource(name=topic), id=queue),
+            offset=0,
+            batch_size=32,
+            filter_expression=d.FilterExpression(type=d.TAG, expression="*"),
+        )
+        for r in stub.PullMessage(request, timeout=30):
+            if r.HasField("message") and r.message.system_properties.message_id == message_id:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_fifo_queue_whose_dlq_copy_a_full_disk_refuses_waits_and_the_others_deliver(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """The same on the FIFO path: a queue's delivery past its attempt limit goes to the DLQ
+    at the group's next receive. On a full disk that copy raised out of the receive, so the
+    group's other queues delivered nothing either. Now that queue waits (its order kept),
+    the others deliver, and once there is room the message reaches the DLQ, once."""
+    data_dir = small_disk / "data"
+    config = tmp_path / "tmq.toml"
+    config.write_text(
+        "[store]\ncommitlog_file_size = 1048576\nconsumequeue_entries_per_file = 1000\n"
+        "index_hash_slots = 1000\nindex_max_entries = 4000\n"
+    )
+    node = Standalone(
+        data_dir, extra=["--config", str(config), "--commitlog-file-size", "1MiB"]
+    ).start()
+    try:
+        node.create_topic("bd-fifo", queues=2)
+        node.create_group("g-bd-fifo", max_attempts=1, fifo=True)
+        stub = service_pb2_grpc.MessagingServiceStub(node.channel())
+        first = send_to_queue(stub, "bd-fifo", 0)
+        held = receive_first(stub, "g-bd-fifo", "bd-fifo", 1)  # invisible for 1 s
+        assert [m.system_properties.message_id for m in held] == [first]
+        second = send_to_queue(stub, "bd-fifo", 1)
+        assert store_dispatched(stub, "bd-fifo", 1, second)
+        filler = Filler(small_disk)
+        try:
+            time.sleep(2.5)  # past its deadline, at its limit: for the DLQ
+            got: list[str] = []
+            for _ in range(3):
+                st, more = receive_once(stub, "g-bd-fifo", "bd-fifo", 8, 60)
+                assert st.code in (d.OK, d.MESSAGE_NOT_FOUND), st
+                got += [m.system_properties.message_id for m in more]
+            assert got == [second]
+        finally:
+            filler.free()
+        wait_until(
+            "the message in the DLQ once there is room",
+            lambda: (
+                receive_once(stub, "g-bd-fifo", "bd-fifo", 8, 60)[1] == []
+                and pulled_ids(stub, "g-bd-fifo", "%DLQ%g-bd-fifo") == [first]
+            ),
+            20,
+        )
+    finally:
+        node.stop()
+
+
+def test_a_full_disk_does_not_use_up_a_transactions_check_backs(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Each pass of the check-back loop counted a check of every due half message before it
+    stored the pass's CHECK records; while the store refused writes (a full disk, dispatch
+    stuck) the store raised, no producer was asked, and yet the count went up. After
+    ``check_max`` such passes the broker gave up and rolled the transaction back once there
+    was room, its producer never asked: a committed local transaction's message lost. A real
+    store on a real tmpfs filled by another writer; the check loop's clock is the test's."""
+    from broker.metadata import BrokerMetadata
+    from broker.transaction import TransactionConfig, TransactionService
+    from tiered.config import StoreConfig
+    from tiered.record import Message as StoreMessage
+    from tiered.store import MessageStore, StoreUnwritableError
+
+    store = MessageStore(StoreConfig(data_dir=small_disk / "store", **SMALL))
+    store.start()
+    now = [time.time_ns() // 1_000_000]
+    asked: list[str] = []
+
+    def send_check(topic: str, half: object, txn: str) -> bool:
+        asked.append(txn)
+        return True  # the producer is connected; it answers with EndTransaction
+
+    config = TransactionConfig(timeout_ms=1000, check_interval_ms=1000, check_max=3)
+    service = TransactionService(
+        store, BrokerMetadata(tmp_path / "config"), config, send_check, clock=lambda: now[0]
+    )
+    try:
+        service.prepare([StoreMessage("orders", b"x", 0, {"UNIQ_KEY": "k"})], [None])
+        filler = Filler(small_disk)
+        try:
+            for _ in range(2 * config.check_max):
+                now[0] += 2_000  # due again
+                with pytest.raises(StoreUnwritableError):
+                    service.check_due()
+            assert asked == []
+        finally:
+            filler.free()
+        now[0] += 2_000
+        service.check_due()
+        assert service.rollbacks == 0, "rolled back without ever asking its producer"
+        assert len(asked) == 1, "the producer is asked once there is room"
+        assert service.pending() == 1
+    finally:
+        store.shutdown()
