@@ -122,6 +122,7 @@ class HaController:
         make_master: Callable[[], ReplicationMaster],
         make_slave: Callable[[HaConfig], ReplicationSlave],
         on_change: Callable[[ReplicationMaster | ReplicationSlave | None], None],
+        find_master: Callable[[], str | None] | None = None,
     ) -> None:
         self.store = store
         self.epochs = epochs
@@ -134,6 +135,10 @@ class HaController:
         self._make_master = make_master
         self._make_slave = make_slave
         self._on_change = on_change
+        # Where the group's master is registered elsewhere (the NameServers' broker id 0), for
+        # forwarding while etcd cannot be reached (decision 1151).
+        self._find_master = find_master
+        self._found_master_at = 0.0
         self.current: ReplicationMaster | ReplicationSlave | None = None
         self.following: str | None = None
         # The current master's gRPC endpoint as etcd names it (None: none, or this node).
@@ -222,10 +227,37 @@ class HaController:
                 self.last_error = str(e)
                 log.warning("controller: %s", e)
                 self._check_lease_deadline()
+                self._master_from_elsewhere()
             except Exception as e:  # never die: log and try again next tick
                 self.last_error = str(e)
                 log.exception("controller tick failed")
             self._stop.wait(_TICK_S)
+
+    def _master_from_elsewhere(self) -> None:
+        """etcd cannot be reached: a member that is not the writable master takes the master's
+        endpoint from the NameServers for its forwarding (at most once a second). Without it a
+        master cut from etcd, once fenced, knows no master and refuses every send for as long
+        as the cut lasts, and Apache's clients, which stay on the first member of the route that
+        answers, stay on it. Forwarding decides nothing: the member it reaches acknowledges only
+        while its own lease holds, and answers NOT_MASTER otherwise (forwards go one hop)."""
+        if self._find_master is None or self.role.is_master():
+            return
+        now = time.monotonic()
+        if now - self._found_master_at < 1.0:
+            return
+        self._found_master_at = now
+        try:
+            found = self._find_master()
+        except Exception as e:
+            log.info("controller: the NameServers did not say where the master is: %s", e)
+            return
+        if found and found != self.endpoint() and found != self.master_endpoint:
+            log.warning(
+                "controller: etcd cannot be reached; forwarding to %s, the master the NameServers "
+                "name",
+                found,
+            )
+            self.master_endpoint = found
 
     def _ttl_s(self) -> int:
         return max(1, round(self.config.lease_ttl_ms / 1000))
