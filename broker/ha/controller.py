@@ -4,7 +4,8 @@
 Keys, under ``/tmq/ha/{cluster}/{broker name}/``:
 
 - ``members/{id}`` (on the member's lease): ``{"id", "ha", "endpoint", "role", "epoch",
-  "last_epoch", "max_offset"}``, refreshed every tick; it vanishes when the member dies.
+  "last_epoch", "max_offset"}``, written at a tick when it changed (or the lease did); it
+  vanishes when the member dies.
 - ``master`` (on the master's lease): ``{"id", "epoch", "ha", "endpoint"}``; it vanishes when
   the master's lease expires, which is what starts an election.
 - ``state`` (no lease): ``{"epoch", "master", "sync_state_set"}``, the group's current epoch and
@@ -36,6 +37,7 @@ that reaches etcd, so the group elects again rather than keep a fenced master.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.2
 _WATCH_S = 0.05
+# A tick longer than this says where its time went, in one line at most every _SLOW_TICK_LOG_S.
+_SLOW_TICK_S = 1.0
+_SLOW_TICK_LOG_S = 10.0
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
 # A master fences itself this fraction of the TTL after its last successful keepalive was sent:
@@ -162,6 +167,12 @@ class HaController:
         self._keeper_skipped_at = 0.0
         self._published_sss: list[int] | None = None
         self._absent_ticks = 0
+        # The member document last written to etcd, and the lease it was written under.
+        self._member_put: tuple[bytes, int] = (b"", 0)
+        self._phases: list[tuple[str, float]] = [("start", time.monotonic())]
+        self._tick_role = ""
+        self._slow_ticks = 0
+        self._slow_tick_logged_at = -_SLOW_TICK_LOG_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: threading.Thread | None = None
@@ -223,7 +234,9 @@ class HaController:
             try:
                 self._tick()
                 self.last_error = None
+                self._report_slow_tick()
             except EtcdUnavailableError as e:
+                # Logged as such; its time is the endpoints' timeouts.
                 self.last_error = str(e)
                 log.warning("controller: %s", e)
                 self._check_lease_deadline()
@@ -258,6 +271,26 @@ class HaController:
                 found,
             )
             self.master_endpoint = found
+
+    def _report_slow_tick(self) -> None:
+        """Say where a tick longer than ``_SLOW_TICK_S`` spent its time, phase by phase (at
+        most one line in ``_SLOW_TICK_LOG_S``, with how many more were slow since)."""
+        phases = self._phases
+        end = time.monotonic()
+        took = end - phases[0][1]
+        if took < _SLOW_TICK_S:
+            return
+        self._slow_ticks += 1
+        if end - self._slow_tick_logged_at < _SLOW_TICK_LOG_S:
+            return
+        steps = [*phases, (self._tick_role, end)]
+        log.warning(
+            "controller: a tick took %.2f s (%s; %d slow tick(s) since the last such line)",
+            took,
+            ", ".join(f"{b[0]} {b[1] - a[1]:.2f}" for a, b in itertools.pairwise(steps)),
+            self._slow_ticks,
+        )
+        self._slow_tick_logged_at, self._slow_ticks = end, 0
 
     def _ttl_s(self) -> int:
         return max(1, round(self.config.lease_ttl_ms / 1000))
@@ -425,9 +458,20 @@ class HaController:
         return GroupView(members, master, master_kv, state, state_kv)
 
     def _tick(self) -> None:
+        phases = self._phases = [("start", time.monotonic())]
         self._ensure_lease()
-        self.etcd.put(self._key(f"members/{self.node_id}"), self._member_doc(), self._lease)
+        phases.append(("lease", time.monotonic()))
+        doc = self._member_doc()
+        phases.append(("member doc", time.monotonic()))
+        if (doc, self._lease) != self._member_put:
+            # Only what changed (under sends its end changes at every tick): the key lives on
+            # the lease, so an unchanged document under the same lease is still there. Written
+            # every tick, an idle group cost etcd 5 raft writes a second per member (1152).
+            self.etcd.put(self._key(f"members/{self.node_id}"), doc, self._lease)
+            self._member_put = (doc, self._lease)
+        phases.append(("put", time.monotonic()))
         view = self._read()
+        phases.append(("read", time.monotonic()))
         master = view.master
         self.master_endpoint = (
             str(master["endpoint"])
@@ -436,12 +480,15 @@ class HaController:
         )
         snap = self.role.get()
         if snap.is_writable_master:
+            self._tick_role = "master"
             self._as_master(view)
             return
         if view.master is not None and int(view.master["id"]) != self.node_id:
+            self._tick_role = "follow"
             self._absent_ticks = 0
             self._follow(view.master)
             return
+        self._tick_role = "elect"
         if view.master is not None:
             # etcd names this node master but it is not (a restart within the lease): let
             # that lease lapse; a fresh election follows.
