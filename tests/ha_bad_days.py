@@ -208,6 +208,9 @@ class Round:
     # to the new master (an old master that acknowledged by itself then would be split brain,
     # and its writes lost, counted in acked_lost).
     probe_acked_cut: int = 0
+    # The producer's first acknowledgement after the election came only after the resume: its
+    # channel sat on the old master (Apache's client stays on the first address that answers).
+    waited_for_resume: bool = False
 
 
 @dataclass
@@ -245,6 +248,7 @@ class BadDayResult:
             "probe_acked": self.probe_acked,
             "probe_codes": [r.probe_codes for r in self.rounds],
             "probe_acked_cut": [r.probe_acked_cut for r in self.rounds],
+            "waited_for_resume": [r.waited_for_resume for r in self.rounds],
             "duplicated_in_queues": self.duplicated_in_queues,
             "epochs": self.epochs,
             "send_errors": self.send_errors,
@@ -323,6 +327,16 @@ def run_bad_day(
                 assert now - at < 120, "no other member was elected within 120 s"
                 time.sleep(0.05)
             elected_at = time.monotonic()
+            # The fault lasts ``resume_after_s`` past the election, acknowledged or not: a
+            # client whose channel sits on a frozen master waits for it (decision 1150).
+            time.sleep(resume_after_s)
+            resumed = time.monotonic()
+            if fault == "freeze":
+                os.kill(victim.proc.pid, signal.SIGCONT)
+                frozen = None
+            else:
+                for p in group.proxies[victim.name]:
+                    p.heal()
             try:
                 wait_for(
                     "an acknowledgement after the election",
@@ -338,14 +352,6 @@ def run_bad_day(
             window = [last_before, *(t for t in times if last_before < t < first_after)]
             window.append(first_after)
             outage = max(b - a for a, b in itertools.pairwise(window))
-            time.sleep(resume_after_s)
-            resumed = time.monotonic()
-            if fault == "freeze":
-                os.kill(victim.proc.pid, signal.SIGCONT)
-                frozen = None
-            else:
-                for p in group.proxies[victim.name]:
-                    p.heal()
             # The old master must rejoin as a slave by itself, the set reaching 3 again.
             new_master = wait_for("a new master", group.master)
             assert new_master is not victim
@@ -369,6 +375,7 @@ def run_bad_day(
                     dict(prober.codes),
                     rejoined,
                     sum(1 for a in prober.acked.values() if elected_at < a < resumed),
+                    first_after > resumed,
                 )
             )
         time.sleep(1)

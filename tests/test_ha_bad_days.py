@@ -1,7 +1,8 @@
 """A frozen master and a master cut from etcd, with real processes, real etcd and Apache's
 client (tests/ha_bad_days.py): no acknowledged message lost, no split brain, a new master in
-bounded time, and the old master back as a slave by itself. A 2 s lease, as the other HA tests
-(their waits are sized for it); bench/ha_bad_days.py measures the default 8 s."""
+bounded time, and the old master back as a slave by itself. The freeze runs a 2 s lease, as the
+other HA tests; the partition the default 8 s, where its defect showed. bench/ha_bad_days.py
+measures both at 8 s over several rounds."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def test_a_master_cut_from_etcd_fences_before_the_election_and_forwards_after_it
     fence before another member is elected, lose no acknowledged message, and, still cut off,
     forward what it is sent to the new master: Apache's client keeps one channel over every
     member and stays on the first that answers, so a client on the old master would otherwise
-    be refused for as long as the partition lasts (decision 1151)."""
-    result = run_bad_day(tmp_path, "partition", rounds=1, lease_ttl_ms=2000, resume_after_s=6.0)
+    be refused for as long as the partition lasts (decision 1151). At the default 8 s lease: its
+    tick is then stuck in etcd's timeouts (2 s an endpoint), which a lookup made only when a tick
+    failed waited out past the heal."""
+    result = run_bad_day(tmp_path, "partition", rounds=1, lease_ttl_ms=8000, resume_after_s=3.0)
     (r,) = result.rounds
     assert result.acked_lost == [], result.summary()
     assert r.fenced_s is not None and r.fenced_s < r.elected_s, result.summary()
-    assert r.elected_s < 12, result.summary()
+    # The fence at 6 s, etcd's expiry a TTL after the last renewal, 0.6 s to settle.
+    assert r.elected_s < 20, result.summary()
     assert r.probe_acked_cut > 0, result.summary()
     assert result.duplicated_in_queues == 0
 

@@ -63,6 +63,9 @@ _WATCH_S = 0.05
 # A tick longer than this says where its time went, in one line at most every _SLOW_TICK_LOG_S.
 _SLOW_TICK_S = 1.0
 _SLOW_TICK_LOG_S = 10.0
+# A member that is not master asks the NameServers where the master is once no tick has read
+# etcd for this long (decision 1151).
+_FIND_AFTER_S = 3.0
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
 # A master fences itself this fraction of the TTL after its last successful keepalive was sent:
@@ -143,7 +146,10 @@ class HaController:
         # Where the group's master is registered elsewhere (the NameServers' broker id 0), for
         # forwarding while etcd cannot be reached (decision 1151).
         self._find_master = find_master
-        self._found_master_at = 0.0
+        self._finder: threading.Thread | None = None
+        # When a tick last read etcd through: a tick cut from etcd waits out every endpoint's
+        # timeout (and a fenced master's revoke and grant each do), 6-12 s at 2 s each.
+        self._etcd_ok_at = time.monotonic()
         self.current: ReplicationMaster | ReplicationSlave | None = None
         self.following: str | None = None
         # The current master's gRPC endpoint as etcd names it (None: none, or this node).
@@ -204,10 +210,15 @@ class HaController:
             target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
         )
         self._watch.start()
+        if self._find_master is not None:
+            self._finder = threading.Thread(
+                target=self._find_loop, name="tmq-ha-master-finder", daemon=True
+            )
+            self._finder.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._watch):
+        for thread in (self._thread, self._watch, self._finder):
             if thread is not None:
                 thread.join(timeout=10)
         if self._keeper is not None:
@@ -234,43 +245,50 @@ class HaController:
             try:
                 self._tick()
                 self.last_error = None
+                self._etcd_ok_at = time.monotonic()
                 self._report_slow_tick()
             except EtcdUnavailableError as e:
                 # Logged as such; its time is the endpoints' timeouts.
                 self.last_error = str(e)
                 log.warning("controller: %s", e)
                 self._check_lease_deadline()
-                self._master_from_elsewhere()
             except Exception as e:  # never die: log and try again next tick
                 self.last_error = str(e)
                 log.exception("controller tick failed")
             self._stop.wait(_TICK_S)
 
-    def _master_from_elsewhere(self) -> None:
-        """etcd cannot be reached: a member that is not the writable master takes the master's
-        endpoint from the NameServers for its forwarding (at most once a second). Without it a
-        master cut from etcd, once fenced, knows no master and refuses every send for as long
-        as the cut lasts, and Apache's clients, which stay on the first member of the route that
-        answers, stay on it. Forwarding decides nothing: the member it reaches acknowledges only
-        while its own lease holds, and answers NOT_MASTER otherwise (forwards go one hop)."""
-        if self._find_master is None or self.role.is_master():
-            return
-        now = time.monotonic()
-        if now - self._found_master_at < 1.0:
-            return
-        self._found_master_at = now
-        try:
-            found = self._find_master()
-        except Exception as e:
-            log.info("controller: the NameServers did not say where the master is: %s", e)
-            return
-        if found and found != self.endpoint() and found != self.master_endpoint:
-            log.warning(
-                "controller: etcd cannot be reached; forwarding to %s, the master the NameServers "
-                "name",
-                found,
-            )
-            self.master_endpoint = found
+    def _find_loop(self) -> None:
+        """Every second: while no tick has read etcd for ``_FIND_AFTER_S`` and this member is
+        not the writable master, take the master's endpoint from the NameServers for its
+        forwarding (decision 1151). Its own thread: the tick is stuck in etcd's timeouts then,
+        and the watchdog must pulse the keeper every 50 ms."""
+        assert self._find_master is not None
+        while not self._stop.wait(1.0):
+            if self.role.is_master() or time.monotonic() - self._etcd_ok_at < _FIND_AFTER_S:
+                continue
+            try:
+                found = self._find_master()
+            except Exception as e:
+                log.info("controller: the NameServers did not say where the master is: %s", e)
+                continue
+            if (
+                found
+                and found != self.endpoint()
+                and found != self.master_endpoint
+                and time.monotonic() - self._etcd_ok_at >= _FIND_AFTER_S
+            ):
+                # Without it a master cut from etcd, once fenced, knows no master and refuses
+                # every send for as long as the cut lasts, and Apache's clients, which stay on
+                # the first member of the route that answers, stay on it. Forwarding decides
+                # nothing: the member reached acknowledges only while its own lease holds, and
+                # answers NOT_MASTER otherwise (forwards go one hop).
+                log.warning(
+                    "controller: etcd has not answered for %.1f s; forwarding to %s, the master "
+                    "the NameServers name",
+                    time.monotonic() - self._etcd_ok_at,
+                    found,
+                )
+                self.master_endpoint = found
 
     def _report_slow_tick(self) -> None:
         """Say where a tick longer than ``_SLOW_TICK_S`` spent its time, phase by phase (at
