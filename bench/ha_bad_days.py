@@ -7,7 +7,9 @@ Prints one JSON object on its last line: per-round ``elected_s`` (fault to anoth
 in etcd), ``outage_s`` (the longest time without an acknowledgement across the fault),
 ``fenced_s`` (partition: fault to the old master fencing itself), ``rejoined_s`` (resume to the
 old master back in the SyncStateSet as a slave), p50/max/all of each, ``acked_lost`` (the goal
-is 0) and the load average at the start and the end."""
+is 0), per round ``probe_acked_cut`` (the old master's forwarded acknowledgements between the
+election and the heal) and ``waited_for_resume`` (the producer's first acknowledgement after the
+election came only after the resume), and the load average at the start and the end."""
 
 from __future__ import annotations
 
