@@ -7,7 +7,9 @@ master is elected and all three are in sync, for ``--seconds`` (default 120): ``
 sending ``SendMessage`` batches of 32 x 1 KiB to whoever is master, each waiting for its reply.
 The group's epoch is read from etcd before and after: ``elections`` is the difference.
 ``fenced`` counts the members' "fencing this master" log lines, and ``fence_reasons`` their
-reasons. Prints one JSON line with the 1-minute load average sampled every 10 s (``load_1m``).
+reasons; ``slow_ticks`` the controller ticks that took over 1 s (decision 1152) and
+``slowest_ticks`` the eight longest, phase by phase. Prints one JSON line with
+the 1-minute load average sampled every 10 s (``load_1m``).
 
 Runs from any checkout: ``cd <checkout> && python bench/lease_stability.py`` measures that
 checkout's broker (for an A/B against main, run the same file from main's tree)."""
@@ -116,8 +118,11 @@ def main() -> None:
         end_epoch = group_epoch(etcd)
         reasons: dict[str, int] = {}
         fences: list[str] = []
+        slow_ticks: list[str] = []
         for m in group.members:
             for line in m.log_path.read_text(errors="replace").splitlines():
+                if "a tick took" in line:
+                    slow_ticks.append(f"{m.name}: {line.split('a tick took ', 1)[1][:200]}")
                 if "fencing this master" in line:
                     fences.append(line.split("fencing this master ", 1)[1][:260])
                     why = re.sub(r"\(epoch \d+\)|[\d.]+ s", "", line.split(": ", 2)[-1])[:60]
@@ -138,6 +143,8 @@ def main() -> None:
                     "msgs_sent": sent[0],
                     "send_failures": failed[0],
                     "load_1m": loads,
+                    "slow_ticks": len(slow_ticks),
+                    "slowest_ticks": sorted(slow_ticks, key=lambda x: -float(x.split()[1]))[:8],
                 }
             )
         )

@@ -234,6 +234,7 @@ class Broker:
                     self.store, epochs, cfg, self.metadata, self._register_now.set, link
                 ),
                 on_change=self._replication_changed,
+                find_master=self._registered_master,
             )
         elif config.ha.enabled:
             epochs = EpochFile(config.store.data_dir / "ha")
@@ -787,6 +788,20 @@ class Broker:
                 if serves
             ],
         )
+
+    def _registered_master(self) -> str | None:
+        """The endpoint the NameServers list as this group's master (broker id 0), if any."""
+        if self.namesrv is None:
+            return None
+        for info in self.namesrv.cluster_info().brokers:
+            b = info.broker
+            if (b.cluster, b.broker_name, b.broker_id) == (
+                self.config.cluster,
+                self.config.name,
+                0,
+            ):
+                return f"{b.endpoint.host}:{b.endpoint.port}"
+        return None
 
     @property
     def broker_id(self) -> int:

@@ -4,7 +4,8 @@
 Keys, under ``/tmq/ha/{cluster}/{broker name}/``:
 
 - ``members/{id}`` (on the member's lease): ``{"id", "ha", "endpoint", "role", "epoch",
-  "last_epoch", "max_offset"}``, refreshed every tick; it vanishes when the member dies.
+  "last_epoch", "max_offset"}``, written at a tick when it changed (or the lease did); it
+  vanishes when the member dies.
 - ``master`` (on the master's lease): ``{"id", "epoch", "ha", "endpoint"}``; it vanishes when
   the master's lease expires, which is what starts an election.
 - ``state`` (no lease): ``{"epoch", "master", "sync_state_set"}``, the group's current epoch and
@@ -36,6 +37,7 @@ that reaches etcd, so the group elects again rather than keep a fenced master.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -58,6 +60,12 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.2
 _WATCH_S = 0.05
+# A tick longer than this says where its time went, in one line at most every _SLOW_TICK_LOG_S.
+_SLOW_TICK_S = 1.0
+_SLOW_TICK_LOG_S = 10.0
+# A member that is not master asks the NameServers where the master is once no tick has read
+# etcd for this long (decision 1151).
+_FIND_AFTER_S = 3.0
 # Ticks an election waits after the master vanished, for every candidate's final end.
 _SETTLE_TICKS = 3
 # A master fences itself this fraction of the TTL after its last successful keepalive was sent:
@@ -122,6 +130,7 @@ class HaController:
         make_master: Callable[[], ReplicationMaster],
         make_slave: Callable[[HaConfig], ReplicationSlave],
         on_change: Callable[[ReplicationMaster | ReplicationSlave | None], None],
+        find_master: Callable[[], str | None] | None = None,
     ) -> None:
         self.store = store
         self.epochs = epochs
@@ -134,6 +143,13 @@ class HaController:
         self._make_master = make_master
         self._make_slave = make_slave
         self._on_change = on_change
+        # Where the group's master is registered elsewhere (the NameServers' broker id 0), for
+        # forwarding while etcd cannot be reached (decision 1151).
+        self._find_master = find_master
+        self._finder: threading.Thread | None = None
+        # When a tick last read etcd through: a tick cut from etcd waits out every endpoint's
+        # timeout (and a fenced master's revoke and grant each do), 6-12 s at 2 s each.
+        self._etcd_ok_at = time.monotonic()
         self.current: ReplicationMaster | ReplicationSlave | None = None
         self.following: str | None = None
         # The current master's gRPC endpoint as etcd names it (None: none, or this node).
@@ -157,6 +173,12 @@ class HaController:
         self._keeper_skipped_at = 0.0
         self._published_sss: list[int] | None = None
         self._absent_ticks = 0
+        # The member document last written to etcd, and the lease it was written under.
+        self._member_put: tuple[bytes, int] = (b"", 0)
+        self._phases: list[tuple[str, float]] = [("start", time.monotonic())]
+        self._tick_role = ""
+        self._slow_ticks = 0
+        self._slow_tick_logged_at = -_SLOW_TICK_LOG_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: threading.Thread | None = None
@@ -188,10 +210,15 @@ class HaController:
             target=self._watch_lease, name="tmq-ha-lease-watch", daemon=True
         )
         self._watch.start()
+        if self._find_master is not None:
+            self._finder = threading.Thread(
+                target=self._find_loop, name="tmq-ha-master-finder", daemon=True
+            )
+            self._finder.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for thread in (self._thread, self._watch):
+        for thread in (self._thread, self._watch, self._finder):
             if thread is not None:
                 thread.join(timeout=10)
         if self._keeper is not None:
@@ -218,7 +245,10 @@ class HaController:
             try:
                 self._tick()
                 self.last_error = None
+                self._etcd_ok_at = time.monotonic()
+                self._report_slow_tick()
             except EtcdUnavailableError as e:
+                # Logged as such; its time is the endpoints' timeouts.
                 self.last_error = str(e)
                 log.warning("controller: %s", e)
                 self._check_lease_deadline()
@@ -226,6 +256,59 @@ class HaController:
                 self.last_error = str(e)
                 log.exception("controller tick failed")
             self._stop.wait(_TICK_S)
+
+    def _find_loop(self) -> None:
+        """Every second: while no tick has read etcd for ``_FIND_AFTER_S`` and this member is
+        not the writable master, take the master's endpoint from the NameServers for its
+        forwarding (decision 1151). Its own thread: the tick is stuck in etcd's timeouts then,
+        and the watchdog must pulse the keeper every 50 ms."""
+        assert self._find_master is not None
+        while not self._stop.wait(1.0):
+            if self.role.is_master() or time.monotonic() - self._etcd_ok_at < _FIND_AFTER_S:
+                continue
+            try:
+                found = self._find_master()
+            except Exception as e:
+                log.info("controller: the NameServers did not say where the master is: %s", e)
+                continue
+            if (
+                found
+                and found != self.endpoint()
+                and found != self.master_endpoint
+                and time.monotonic() - self._etcd_ok_at >= _FIND_AFTER_S
+            ):
+                # Without it a master cut from etcd, once fenced, knows no master and refuses
+                # every send for as long as the cut lasts, and Apache's clients, which stay on
+                # the first member of the route that answers, stay on it. Forwarding decides
+                # nothing: the member reached acknowledges only while its own lease holds, and
+                # answers NOT_MASTER otherwise (forwards go one hop).
+                log.warning(
+                    "controller: etcd has not answered for %.1f s; forwarding to %s, the master "
+                    "the NameServers name",
+                    time.monotonic() - self._etcd_ok_at,
+                    found,
+                )
+                self.master_endpoint = found
+
+    def _report_slow_tick(self) -> None:
+        """Say where a tick longer than ``_SLOW_TICK_S`` spent its time, phase by phase (at
+        most one line in ``_SLOW_TICK_LOG_S``, with how many more were slow since)."""
+        phases = self._phases
+        end = time.monotonic()
+        took = end - phases[0][1]
+        if took < _SLOW_TICK_S:
+            return
+        self._slow_ticks += 1
+        if end - self._slow_tick_logged_at < _SLOW_TICK_LOG_S:
+            return
+        steps = [*phases, (self._tick_role, end)]
+        log.warning(
+            "controller: a tick took %.2f s (%s; %d slow tick(s) since the last such line)",
+            took,
+            ", ".join(f"{b[0]} {b[1] - a[1]:.2f}" for a, b in itertools.pairwise(steps)),
+            self._slow_ticks,
+        )
+        self._slow_tick_logged_at, self._slow_ticks = end, 0
 
     def _ttl_s(self) -> int:
         return max(1, round(self.config.lease_ttl_ms / 1000))
@@ -393,9 +476,20 @@ class HaController:
         return GroupView(members, master, master_kv, state, state_kv)
 
     def _tick(self) -> None:
+        phases = self._phases = [("start", time.monotonic())]
         self._ensure_lease()
-        self.etcd.put(self._key(f"members/{self.node_id}"), self._member_doc(), self._lease)
+        phases.append(("lease", time.monotonic()))
+        doc = self._member_doc()
+        phases.append(("member doc", time.monotonic()))
+        if (doc, self._lease) != self._member_put:
+            # Only what changed (under sends its end changes at every tick): the key lives on
+            # the lease, so an unchanged document under the same lease is still there. Written
+            # every tick, an idle group cost etcd 5 raft writes a second per member (1152).
+            self.etcd.put(self._key(f"members/{self.node_id}"), doc, self._lease)
+            self._member_put = (doc, self._lease)
+        phases.append(("put", time.monotonic()))
         view = self._read()
+        phases.append(("read", time.monotonic()))
         master = view.master
         self.master_endpoint = (
             str(master["endpoint"])
@@ -404,12 +498,15 @@ class HaController:
         )
         snap = self.role.get()
         if snap.is_writable_master:
+            self._tick_role = "master"
             self._as_master(view)
             return
         if view.master is not None and int(view.master["id"]) != self.node_id:
+            self._tick_role = "follow"
             self._absent_ticks = 0
             self._follow(view.master)
             return
+        self._tick_role = "elect"
         if view.master is not None:
             # etcd names this node master but it is not (a restart within the lease): let
             # that lease lapse; a fresh election follows.
