@@ -135,12 +135,18 @@ def _machine_cpu() -> tuple[float, float]:
 
 
 def _localstack_pid() -> int | None:
-    from bench.offload import localstack
-
-    try:
-        return int(localstack().PIDFILE.read_text())
-    except (OSError, ValueError):
-        return None
+    """LocalStack's process: the one whose command line runs its runtime (whichever tree's
+    ``localstack/manage.py`` started it: its pid file is in that tree)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"localstack.runtime.main" in cmdline:
+            return int(entry.name)
+    return None
 
 
 class _TimedStore:

@@ -207,7 +207,6 @@ def test_the_worker_imports_its_preload_modules_before_its_first_job(tmp_path: P
             w.close()
 
 
-
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
