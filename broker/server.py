@@ -130,10 +130,7 @@ class Broker:
                 config.retry,
                 threads=worker_threads(config.offload.parallel_uploads),
                 max_inflight=max(16, 4 * config.offload.parallel_uploads),
-                # The reply writer's module too: the first cold read's unpickling imported
-                # it otherwise (broker.reply, protobuf, grpc: 0.9-2.2 s at load 10, most of
-                # a read's 2.5 s deadline), decision 1110.
-                preload=(*WORKER_PRELOAD, encode_pull_replies.__module__),
+                preload=WORKER_PRELOAD,
             )
             self.fetcher = ColdFetcher(
                 self.tier,

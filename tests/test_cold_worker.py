@@ -207,44 +207,6 @@ def test_the_worker_imports_its_preload_modules_before_its_first_job(tmp_path: P
             w.close()
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def test_a_brokers_cold_worker_has_the_reply_writer_loaded_before_its_first_read(
-    tmp_path: Path,
-) -> None:
-    """A real broker's cold worker imports the module of the replies it writes for cold
-    PullMessage reads (``broker.reply``: protobuf, grpc, the native writer) at its start, with
-    no read sent: the first cold read's unpickling paid for it otherwise, 0.9-2.2 s at load 10
-    of its 2.5 s deadline (decision 1110). Fails if the worker preloads the upload path only."""
-    from broker_harness import start_tiered, wait_until
-
-    node = start_tiered(tmp_path / "data", f"file://{tmp_path}/tier", {})
-    try:
-        assert node.proc is not None
-        broker_pid = node.proc.pid
-
-        def worker_pid() -> int | None:
-            for child in _children(broker_pid):
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-                if b"multiprocessing" in cmdline and b"spawn_main" in cmdline:
-                    return child
-            return None
-
-        wait_until("the cold worker started", worker_pid, 60)
-        pid = worker_pid()
-        # The upload path's modules come first in its preload (numpy): once they are in, the
-        # reply writer's module must follow within the preload, not with a first read.
-        wait_until("the upload path preloaded", lambda: "_multiarray_umath" in _maps(pid), 60)
-        wait_until("the reply writer preloaded", lambda: "_reply_native" in _maps(pid), 20)
-    finally:
-        node.stop()
-
-
 def _run_buffer_faults(tier: ObjectStore, rounds: int) -> list[int]:
     """Page faults of this job thread in each of ``rounds`` rounds that allocate, fill and free
     what a read-ahead run does (its GET, the writer's room, its replies: 4-6 MiB each, moving a
