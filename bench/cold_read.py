@@ -128,8 +128,9 @@ def main() -> None:
         fill(store, 1, BASE * 10)
         options = {"endpoint_url": endpoint}
         tier = open_store(f"s3://{bucket}/tier", options)
-        # The read path imported at the start, as the broker's worker does (decision 1110):
-        # else the replay's first read pays for importing it, 0.9-2.2 s at load 10.
+        # The read path imported at the start, as the other cold benches' workers do: else the
+        # replay times its first read's one-time import, 0.9-2.2 s at load 10 (decision 1110;
+        # the broker's worker does not preload it yet).
         worker = ColdWorker(f"s3://{bucket}/tier", options, preload=PRELOAD)
         worker.start()
         run_job(worker, warm_up)  # started and connected, as a broker's is long before
