@@ -11,7 +11,9 @@ fetcher settings) and replays the archive through ``get_replies`` while it times
 - in the broker, each job from submit to result: what is not the worker's own time is the
   job's wait for a read thread, the pickling, the pipe and the reply thread's receive;
 - the reader's own time: waiting for a batch (the read-ahead did not keep up) against taking
-  its replies.
+  its replies;
+- the machine's: CPU per MB of the worker process, of LocalStack (its pid file) and of the whole
+  machine, and the fraction of the machine's CPU time busy during the replay (decision 1111).
 
     python bench/cold_budget.py [--tree DIR] [--replays N]
 
@@ -113,6 +115,40 @@ def _timed_global(name: str, fn: Any) -> Any:
     return inner
 
 
+def _process_cpu(pid: int | None) -> float:
+    """Seconds of CPU a process has used (user and system, clock ticks); 0 if unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """Seconds of CPU used on the whole machine (all but idle and iowait), and in all."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
+def _localstack_pid() -> int | None:
+    """LocalStack's process: the one whose command line runs its runtime (whichever tree's
+    ``localstack/manage.py`` started it: its pid file is in that tree)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"localstack.runtime.main" in cmdline:
+            return int(entry.name)
+    return None
+
+
 class _TimedStore:
     def __init__(self, store: Any, timed: Any) -> None:
         self._store = store
@@ -168,10 +204,13 @@ def main() -> None:
                 fetcher._wait = timed_wait  # type: ignore[method-assign]
                 manifest = fetcher.manifest("cold", 1)
                 mb = archive_mb(manifest)
+                ls_pid = _localstack_pid()
+                ls0, w0, m0 = _process_cpu(ls_pid), _process_cpu(worker.pid), _machine_cpu()
                 c0, t0 = time.process_time(), time.monotonic()
                 replay(fetcher, manifest.end_offset)
                 wall = time.monotonic() - t0
                 broker_cpu = time.process_time() - c0
+                ls1, w1, m1 = _process_cpu(ls_pid), _process_cpu(worker.pid), _machine_cpu()
                 fetcher.close()
                 time.sleep(0.5)
                 child = [json.loads(line) for line in log_path.read_text().splitlines()]
@@ -205,6 +244,13 @@ def main() -> None:
                         "wall_ms_per_mb": r(wall),
                         "reader_waiting_for_batches_ms_per_mb": r(waited[0]),
                         "broker_cpu_ms_per_mb": r(broker_cpu),
+                        # Decision 1111: the whole machine's CPU per MB, and who used it.
+                        "worker_process_cpu_ms_per_mb": r(w1 - w0),
+                        "localstack_cpu_ms_per_mb": r(ls1 - ls0) if ls_pid else None,
+                        "machine_cpu_ms_per_mb": r(m1[0] - m0[0]),
+                        "machine_busy_fraction": round(
+                            (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]), 2
+                        ),
                         "fetch_jobs": len(child),
                         "jobs_in_parallel": round(job_wall / wall, 2),
                         # Summed over the jobs (they overlap): each phase's wall and thread CPU.
