@@ -208,7 +208,14 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def _route_queues(self, topic: str, namespace: str) -> list[d.MessageQueue]:
         """Every queue of ``topic`` across the cluster, from the NameServers (falling back to
-        this broker's own table when no NameServer answers)."""
+        this broker's own table when no NameServer answers). A name no topic can have is
+        ILLEGAL_TOPIC before any lookup, as the proxy's ``validateTopic`` says it: asked of the
+        NameServers it came back TOPIC_NOT_FOUND, "is not served", to a client that can never
+        create it."""
+        try:
+            check_topic_name(topic)
+        except InvalidNameError as e:
+            raise ProtocolError(d.ILLEGAL_TOPIC, str(e)) from None
         route = None
         if self.namesrv is not None:
             try:
@@ -261,7 +268,6 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     def QueryRoute(self, request: s.QueryRouteRequest, context: grpc.ServicerContext) -> Any:
         def work() -> s.QueryRouteResponse:
             queues = self._route_queues(request.topic.name, request.topic.resource_namespace)
-            check_topic_name(request.topic.name)
             return s.QueryRouteResponse(status=status(), message_queues=queues)
 
         return self._guard(lambda st: s.QueryRouteResponse(status=st), work)

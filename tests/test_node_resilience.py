@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from broker_harness import Standalone
 from node_harness import NODE_DIR, ensure_node_client, node
+from rocketmq.grpc_protocol import definition_pb2 as d
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +212,61 @@ def test_a_node_consumer_killed_during_its_long_poll_leaves_the_next_message_to_
     assert time.monotonic() - started < 20
     assert sorted(m["body"] for m in got) == [f"after-kill-{i}" for i in range(3)]
     assert [m["deliveryAttempt"] for m in got] == [1, 1, 1]
+
+
+def test_hostile_topics_bodies_and_groups_get_their_status_codes_in_the_node_client(
+    broker: Standalone, tmp_path: Path
+) -> None:
+    """Every refusal reaches the Node client as the RocketMQ status its StatusChecker maps to
+    an exception with that code, and the broker goes on serving. A name no topic can have was
+    TOPIC_NOT_FOUND ("is not served"): QueryRoute asked the NameServers before checking it."""
+    broker.create_topic("node-hostile", queues=1)
+    # Spaces, a path, 200 characters (the limit is 127), non-ASCII, a newline.
+    hostile = ["a b", "../../etc/passwd", "x" * 200, "topic\u00e9", "a\nb"]
+    results = produce(
+        broker.endpoint,
+        "node-hostile",
+        [{"topic": t, "body": "hostile"} for t in hostile]
+        + [{"topic": "no-such-topic", "body": "missing"}, {"body": "fine"}],
+    )
+    assert [r.get("code") for r in results] == [d.ILLEGAL_TOPIC] * len(hostile) + [
+        d.TOPIC_NOT_FOUND,
+        None,
+    ], results
+    assert "error" not in results[-1], results
+    # A hostile consumer group name: refused with ILLEGAL_CONSUMER_GROUP.
+    with pytest.raises(AssertionError, match=f"response-code={d.ILLEGAL_CONSUMER_GROUP}"):
+        simple(broker.endpoint, "node-hostile", "bad group/..", want=1, seconds=3)
+    [fine] = simple(broker.endpoint, "node-hostile", "g-node-hostile", want=1, seconds=10)
+    assert fine["body"] == "fine"
+
+    # No auto-created groups, and a 64 KiB body limit, which the Node client learns from the
+    # broker's Settings and enforces before sending.
+    strict = Standalone(
+        tmp_path / "strict",
+        env={"TMQ_BROKER_AUTO_CREATE_GROUPS": "false", "TMQ_LIMITS_MAX_BODY_BYTES": "65536"},
+    )
+    strict.start()
+    try:
+        strict.create_topic("node-strict", queues=1)
+        too_big, fits = produce(
+            strict.endpoint,
+            "node-strict",
+            [{"body": "x", "repeat": 65537}, {"body": "y", "repeat": 65536}],
+        )
+        # Refused by the client once the broker's Settings reached it (its own default is
+        # 4 MiB), or else by the broker with MESSAGE_BODY_TOO_LARGE: the first send can race
+        # the Settings, which the client applies when the Telemetry stream brings them.
+        if too_big.get("code") is None:
+            assert "max size=65536 bytes" in too_big.get("error", ""), too_big
+        else:
+            assert too_big["code"] == d.MESSAGE_BODY_TOO_LARGE, too_big
+            assert "the limit is 65536" in too_big["error"], too_big
+        assert "error" not in fits, fits
+        with pytest.raises(AssertionError, match=f"response-code={d.CONSUMER_GROUP_NOT_FOUND}"):
+            simple(strict.endpoint, "node-strict", "g-never-created", want=1, seconds=3)
+        strict.create_group("g-created")
+        [got] = simple(strict.endpoint, "node-strict", "g-created", want=1, seconds=10)
+        assert got["bodyLength"] == 65536 and not got["corrupted"]
+    finally:
+        assert strict.stop() == 0
