@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -270,3 +271,112 @@ def test_hostile_topics_bodies_and_groups_get_their_status_codes_in_the_node_cli
         assert got["bodyLength"] == 65536 and not got["corrupted"]
     finally:
         assert strict.stop() == 0
+
+
+class Lines:
+    """A driver process's stdout read line by line on a thread; ``values(key)``: the values of
+    every ``{key: value}`` line so far."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.lines: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(json.loads(line))
+
+    def values(self, key: str) -> list[Any]:
+        return [line[key] for line in list(self.lines) if key in line]
+
+    def result(self, timeout: float = 60) -> dict[str, Any]:
+        self.proc.wait(timeout)
+        self._thread.join(10)
+        stderr = self.proc.stderr.read() if self.proc.stderr else ""
+        assert self.proc.returncode == 0, (self.proc.returncode, self.lines[-1:], stderr[-3000:])
+        last: dict[str, Any] = self.lines[-1]
+        return last
+
+
+def test_node_producer_and_consumer_carry_on_through_a_master_kill(tmp_path: Path) -> None:
+    """A SYNC replica group (etcd-elected), a Node producer sending one message at a time and a
+    Node SimpleConsumer receiving, both through the slave. The master is killed (SIGKILL): the
+    slave is elected, the old master rejoins as its slave, the producer's sends are
+    acknowledged again, and the same consumer
+    process receives every acknowledged message, those sent before the kill and after it.
+    Routes named each member as an address of the group's one broker: the Node client joins
+    them into one gRPC target, "a:p,b:q", which no resolver takes, and never sent anything."""
+    from tests.ha_failover import is_master, wait_for
+    from tests.test_ha import TOPIC
+    from tests.test_ha_failover import _etcd_sync_state_set, _topic_count, two_members
+
+    ensure_node_client()
+    stop_producer, stop_consumer = tmp_path / "stop-producer", tmp_path / "stop-consumer"
+    with two_members(tmp_path, "sync") as (etcd, group):
+        a, b = group.members[0], group.members[1]
+        wait_for("b is in sync", lambda: group.in_sync(2))
+        wait_for("b is in the SyncStateSet", lambda: _etcd_sync_state_set(etcd) == [1, 2])
+        # The Node client takes one access point (given "a;b" it asks DNS for "a,b"): b, the
+        # member that survives; it forwards to the master what needs it.
+        common = {"endpoint": b.endpoint, "topic": TOPIC}
+        producer = Lines(
+            node_process(
+                {"cmd": "produceFor", "stopFile": str(stop_producer), **common},
+                stderr=tmp_path / "producer.err",
+            )
+        )
+        consumer = Lines(
+            node_process(
+                {
+                    "cmd": "simple",
+                    "group": "g-node-failover",
+                    "want": 0,
+                    "stopFile": str(stop_consumer),
+                    **common,
+                },
+                stderr=tmp_path / "consumer.err",
+            )
+        )
+        try:
+            wait_for("acks before the kill", lambda: len(producer.values("acked")) >= 30)
+            wait_for("receipts before the kill", lambda: len(consumer.values("got")) >= 10)
+            wait_for("a holds the acked", lambda: _topic_count(a, TOPIC) >= 30)
+            a.kill9()
+            killed_ms = time.time() * 1000
+            wait_for("b is elected", lambda: is_master(b), timeout=90)
+            # SYNC with min_in_sync_replicas 2: b takes sends once a slave is back in sync;
+            # a returns (truncating any tail b lacks) as that slave.
+            group.start(a)
+            acked_at_kill = len(producer.values("acked"))
+            wait_for(
+                "acks after the election",
+                lambda: len(producer.values("acked")) >= acked_at_kill + 30,
+                timeout=90,
+            )
+        except BaseException:
+            stop_consumer.touch()
+            for name in ("producer", "consumer"):
+                print(f"--- Node {name}:", (tmp_path / f"{name}.err").read_text()[-3000:])
+            raise
+        finally:
+            stop_producer.touch()
+        sent = producer.result()
+        acked = {n for n, _ in sent["acked"]}
+        before = {n for n, at in sent["acked"] if at < killed_ms}
+        after = acked - before
+        assert len(before) >= 30 and len(after) >= 30, sent["errors"]
+        try:
+            wait_for(
+                "the consumer received every acknowledged message",
+                lambda: acked <= {int(body.split("-")[1]) for body in consumer.values("got")},
+                timeout=90,
+            )
+        finally:
+            stop_consumer.touch()
+        received = consumer.result()
+        got = {int(body.split("-")[1]) for body in consumer.values("got")}
+        # Every acknowledged message, and nothing but what was sent (a send that failed in the
+        # failover may still have been stored).
+        assert acked <= got <= acked | set(sent["failed"]), received
