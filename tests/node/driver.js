@@ -129,7 +129,8 @@ async function transact() {
 
 // Receive until `want` messages are acked. A message whose `nack` property is set is, on its
 // first delivery, made visible again after `nackMs` with changeInvisibleDuration instead.
-// `stopAfterAcks`: after that many acks, stop (the rest of the batch stays unacked: `left`).
+// `stopAfterAcks`: after that many acks, stop once a received message was left unacked (the
+// rest of the batch in which the limit was reached, or the next batch: `left`).
 // `announce`: write a {"polling": n} line before each receive (a test kills the process then).
 // `stopFile`: run until that file exists (a failover test), writing a {"got": body} line per
 // ack, and counting acks the broker refused (the message comes again) in `ackErrors`.
@@ -152,7 +153,7 @@ async function simple() {
     : acked.size < args.want && Date.now() - started < args.seconds * 1000);
   try {
     while (going()) {
-      if (args.stopAfterAcks !== undefined && acked.size >= args.stopAfterAcks) break;
+      if (deliveries.some(d => d.left)) break;
       let messages = [];
       if (args.announce) process.stdout.write(`${JSON.stringify({ polling: ++polls })}\n`);
       try {
