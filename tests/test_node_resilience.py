@@ -387,3 +387,35 @@ def test_node_producer_and_consumer_carry_on_through_a_master_kill(tmp_path: Pat
         # Every acknowledged message, and nothing but what was sent (a send that failed in the
         # failover may still have been stored).
         assert acked <= got <= acked | set(sent["failed"]), received
+
+
+def test_a_one_address_route_names_the_member_asked_when_it_is_in_the_group() -> None:
+    """broker/ha/routes.py's rule for the Node client, over every case: the asking member for
+    its own group, the first registration for another group, and every member for everybody
+    else (unchanged)."""
+    from broker.ha.routes import group_queues
+    from remoting import namesrv_pb2 as nspb
+
+    route = nspb.TopicRoute(
+        brokers=[
+            nspb.BrokerQueues(
+                broker_name=name,
+                broker_id=member,
+                endpoint=nspb.Endpoint(host="127.0.0.1", port=port),
+                queues=2,
+                perm=6,
+                message_type="NORMAL",
+            )
+            for name, member, port in [("g-a", 0, 1001), ("g-a", 2, 1002), ("g-b", 0, 2001)]
+        ]
+    )
+
+    def addresses(one: tuple[str, int] | None) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = defaultdict(set)
+        for q in group_queues(route, "t", "", one):
+            out[q.broker.name].update(a.port for a in q.broker.endpoints.addresses)
+        return dict(out)
+
+    assert addresses(None) == {"g-a": {1001, 1002}, "g-b": {2001}}
+    assert addresses(("127.0.0.1", 1002)) == {"g-a": {1002}, "g-b": {2001}}
+    assert addresses(("127.0.0.1", 2001)) == {"g-a": {1001}, "g-b": {2001}}
