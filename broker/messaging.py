@@ -207,9 +207,18 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
                 raise ProtocolError(d.CONSUMER_GROUP_NOT_FOUND, str(e)) from None
         return cfg
 
-    def _route_queues(self, topic: str, namespace: str) -> list[d.MessageQueue]:
+    def _route_queues(
+        self, topic: str, namespace: str, one_address: bool = False
+    ) -> list[d.MessageQueue]:
         """Every queue of ``topic`` across the cluster, from the NameServers (falling back to
-        this broker's own table when no NameServer answers)."""
+        this broker's own table when no NameServer answers). A name no topic can have is
+        ILLEGAL_TOPIC before any lookup, as the proxy's ``validateTopic`` says it: asked of the
+        NameServers it came back TOPIC_NOT_FOUND, "is not served", to a client that can never
+        create it."""
+        try:
+            check_topic_name(topic)
+        except InvalidNameError as e:
+            raise ProtocolError(d.ILLEGAL_TOPIC, str(e)) from None
         route = None
         if self.namesrv is not None:
             try:
@@ -227,7 +236,8 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
         if route is not None:
             # Slaves take no sends: a replica group is reached at its master, or at any member
             # when members forward to it (broker/ha/routes.py).
-            return group_queues(route, topic, namespace)
+            here = (self.identity.host, self.identity.port) if one_address else None
+            return group_queues(route, topic, namespace, here)
         cfg = self._topic(topic, need=0)
         return [
             message_queue(
@@ -261,8 +271,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
 
     def QueryRoute(self, request: s.QueryRouteRequest, context: grpc.ServicerContext) -> Any:
         def work() -> s.QueryRouteResponse:
-            queues = self._route_queues(request.topic.name, request.topic.resource_namespace)
-            check_topic_name(request.topic.name)
+            queues = self._route_queues(
+                request.topic.name,
+                request.topic.resource_namespace,
+                one_address=_one_address_client(context),
+            )
             return s.QueryRouteResponse(status=status(), message_queues=queues)
 
         return self._guard(lambda st: s.QueryRouteResponse(status=st), work)
@@ -272,7 +285,11 @@ class MessagingServicer(service_pb2_grpc.MessagingServiceServicer):
     ) -> Any:
         def work() -> s.QueryAssignmentResponse:
             self._group(request.group.name)
-            queues = self._route_queues(request.topic.name, request.topic.resource_namespace)
+            queues = self._route_queues(
+                request.topic.name,
+                request.topic.resource_namespace,
+                one_address=_one_address_client(context),
+            )
             readable = [q for q in queues if q.permission in (d.READ, d.READ_WRITE)]
             return s.QueryAssignmentResponse(
                 status=status(), assignments=[d.Assignment(message_queue=q) for q in readable]
@@ -942,6 +959,16 @@ def _client_id(context: grpc.ServicerContext) -> str:
         if key == "x-mq-client-id":
             return str(value)
     return ""
+
+
+def _one_address_client(context: grpc.ServicerContext) -> bool:
+    """Apache's Node.js client (it says ``x-mq-language: HTTP``, having no language code of its
+    own) makes an ``Endpoints`` with several addresses one gRPC target, ``a:p,b:q``, that DNS
+    resolution refuses: it must be routed at one address per broker (decision 1171)."""
+    return any(
+        key == "x-mq-language" and value == "HTTP"
+        for key, value in context.invocation_metadata() or ()
+    )
 
 
 def _peer_host(context: grpc.ServicerContext) -> str:

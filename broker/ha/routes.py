@@ -13,11 +13,22 @@ from __future__ import annotations
 
 from rocketmq.grpc_protocol import definition_pb2 as d
 
+from broker.protocol import endpoints as address_endpoints
 from broker.protocol import message_queue
 from remoting import namesrv_pb2 as nspb
 
 
-def group_queues(route: nspb.TopicRoute, topic: str, namespace: str) -> list[d.MessageQueue]:
+def group_queues(
+    route: nspb.TopicRoute,
+    topic: str,
+    namespace: str,
+    one_address: tuple[str, int] | None = None,
+) -> list[d.MessageQueue]:
+    """``one_address``: the client takes one address per broker (Apache's Node.js client joins
+    an ``Endpoints``' addresses into a single gRPC target, ``host:p,host:q``, that no resolver
+    takes): each group is named by that address when it is one of its members (the member
+    that answers the query, which the client reached and which forwards to the master), else
+    by its first registration alone."""
     by_name: dict[str, list[nspb.BrokerQueues]] = {}
     for b in route.brokers:
         by_name.setdefault(b.broker_name, []).append(b)
@@ -37,7 +48,11 @@ def group_queues(route: nspb.TopicRoute, topic: str, namespace: str) -> list[d.M
                 namespace,
             )
             endpoints = mq.broker.endpoints
-            if endpoints.scheme != d.DOMAIN_NAME:  # the client takes one DNS name only
+            addresses = {(m.endpoint.host, m.endpoint.port) for m in members}
+            if one_address is not None:
+                if one_address in addresses:
+                    endpoints.CopyFrom(address_endpoints(*one_address))
+            elif endpoints.scheme != d.DOMAIN_NAME:  # the client takes one DNS name only
                 seen = {(primary.endpoint.host, primary.endpoint.port)}
                 for other in members[1:]:
                     address = (other.endpoint.host, other.endpoint.port)

@@ -4,6 +4,7 @@
 // megabytes). Every run is bounded by its own `seconds` and exits by itself.
 'use strict';
 
+const fs = require('node:fs');
 const {
   Producer, SimpleConsumer, PushConsumer, ConsumeResult, FilterExpression,
 } = require('rocketmq-client-nodejs');
@@ -60,7 +61,7 @@ async function produce() {
     for (const m of args.messages) {
       try {
         const receipt = await producer.send({
-          topic: args.topic,
+          topic: m.topic ?? args.topic,
           body: Buffer.from(m.body.repeat(m.repeat ?? 1), 'utf8'),
           tag: m.tag,
           keys: m.keys,
@@ -114,6 +115,11 @@ async function transact() {
       if (m.end === 'commit') await txn.commit();
       if (m.end === 'rollback') await txn.rollback();
     }
+    if (args.hang) {
+      // Sent, not ended: say so, then wait for the test's SIGKILL.
+      process.stdout.write(`${JSON.stringify({ sent })}\n`);
+      await new Promise(() => {});
+    }
     await new Promise(r => setTimeout(r, args.seconds * 1000));
   } finally {
     await producer.shutdown();
@@ -123,31 +129,59 @@ async function transact() {
 
 // Receive until `want` messages are acked. A message whose `nack` property is set is, on its
 // first delivery, made visible again after `nackMs` with changeInvisibleDuration instead.
+// `stopAfterAcks`: after that many acks, stop once a received message was left unacked (the
+// rest of the batch in which the limit was reached, or the next batch: `left`).
+// `announce`: write a {"polling": n} line before each receive (a test kills the process then).
+// `stopFile`: run until that file exists (a failover test), writing a {"got": body} line per
+// ack, and counting acks the broker refused (the message comes again) in `ackErrors`.
 async function simple() {
   const consumer = new SimpleConsumer({
     endpoints: args.endpoint, ...security,
     consumerGroup: args.group,
     subscriptions: new Map([ [ args.topic, filterOf(args) ] ]),
-    awaitDuration: 2000,
+    awaitDuration: args.awaitMs ?? 2000,
     requestTimeout: 10000,
     logger,
   });
   await consumer.startup();
   const deliveries = [];
   const acked = new Set();
+  const ackErrors = {};
+  let polls = 0;
+  const going = () => (args.stopFile
+    ? !fs.existsSync(args.stopFile)
+    : acked.size < args.want && Date.now() - started < args.seconds * 1000);
   try {
-    while (acked.size < args.want && Date.now() - started < args.seconds * 1000) {
+    while (going()) {
+      if (deliveries.some(d => d.left)) break;
       let messages = [];
+      if (args.announce) process.stdout.write(`${JSON.stringify({ polling: ++polls })}\n`);
       try {
-        messages = await consumer.receive(16, args.invisibleMs ?? 20000);
+        messages = await consumer.receive(args.batch ?? 16, args.invisibleMs ?? 20000);
       } catch (e) {
+        if (args.stopFile) {
+          // A member gone: receive again (the client routes to the next).
+          await new Promise(r => setTimeout(r, 200));
+          continue;
+        }
         if (!/no new message|MESSAGE_NOT_FOUND/i.test(String(e))) throw e;
       }
       for (const m of messages) {
         const v = view(m);
         deliveries.push(v);
-        if (v.properties.nack && (m.deliveryAttempt ?? 1) === 1) {
+        if (args.stopAfterAcks !== undefined && acked.size >= args.stopAfterAcks) {
+          v.left = true;
+        } else if (v.properties.nack && (m.deliveryAttempt ?? 1) === 1) {
           await consumer.changeInvisibleDuration(m, args.nackMs ?? 2000);
+        } else if (args.stopFile) {
+          try {
+            await consumer.ack(m);
+            acked.add(m.messageId);
+            process.stdout.write(`${JSON.stringify({ got: v.body })}\n`);
+          } catch (e) {
+            const what = String(e && e.message ? e.message : e).slice(0, 120);
+            ackErrors[what] = (ackErrors[what] ?? 0) + 1;
+          }
         } else {
           await consumer.ack(m);
           acked.add(m.messageId);
@@ -157,7 +191,7 @@ async function simple() {
   } finally {
     await consumer.shutdown();
   }
-  return deliveries;
+  return args.stopFile ? { ackErrors, received: deliveries.length } : deliveries;
 }
 
 // A PushConsumer whose listener fails the first `failTimes` deliveries of every message with
@@ -197,7 +231,39 @@ async function push() {
   return deliveries;
 }
 
-const commands = { produce, simple, push, transact };
+// Send `key-<n>` for n = 0, 1, ... one at a time until `stopFile` exists, through whatever
+// fails (a failover), writing an {"acked": n} line per acknowledgement; returns each
+// acknowledged n with when (ms since the epoch), the n whose sends failed, and the errors.
+async function produceFor() {
+  const producer = new Producer({
+    endpoints: args.endpoint, ...security, topic: args.topic, logger, requestTimeout: 5000,
+  });
+  await producer.startup();
+  const acked = [];
+  const failed = [];
+  const errors = {};
+  try {
+    for (let n = 0; !fs.existsSync(args.stopFile); n++) {
+      try {
+        await producer.send({
+          topic: args.topic, body: Buffer.from(`body-${n}`, 'utf8'), keys: [ `key-${n}` ],
+        });
+        acked.push([ n, Date.now() ]);
+        process.stdout.write(`${JSON.stringify({ acked: n })}\n`);
+      } catch (e) {
+        const what = String(e && e.message ? e.message : e).slice(0, 120);
+        errors[what] = (errors[what] ?? 0) + 1;
+        failed.push(n);
+        await new Promise(r => setTimeout(r, 50));
+      }
+    }
+  } finally {
+    await producer.shutdown();
+  }
+  return { acked, failed, errors };
+}
+
+const commands = { produce, simple, push, transact, produceFor };
 
 commands[args.cmd]()
   .then(result => {
