@@ -5,9 +5,10 @@ flush, for ``SECONDS``, and reads every thread's CPU from ``/proc/self/task/*/sc
 before and after (the senders waiting at a barrier, then finished and alive): the senders',
 the group commit flusher's (``tmq-group-commit``), the dispatcher's and the rest. Printed per
 message (µs), with the context switches a message of every thread (voluntary: a sleep, on
-the batch's futex or for the GIL; involuntary: preempted), the rate, and its ratio to ``dd
-oflag=dsync bs=1K`` measured right before (issue 14's goal is 4x; on a quiet disk that
-leaves about 36 µs of CPU a message).
+the batch's futex or for the GIL; involuntary: preempted), the group commit round's wall time
+and the part of it spent in ``fdatasync`` (decision 1100: the rest is the round's writers
+coming back), the rate, and its ratio to ``dd oflag=dsync bs=1K`` measured right before
+(issue 14's goal is 4x; on a quiet disk that leaves about 36 µs of CPU a message).
 
 ``python bench/sync_budget.py [--commitlog-mib=N] [THREADS ...]`` (default 1 8 64), in a
 temporary directory under ``$TMPDIR`` (``TMPDIR=/dev/shm`` takes the disk out: what is left is
@@ -67,6 +68,7 @@ def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:
     sizes = {} if file_bytes is None else {"commitlog_file_size": file_bytes}
     store = MessageStore(StoreConfig(data_dir=root / f"s{threads}", flush="sync", **sizes))
     store.start()
+    group = store.commitlog.group_commit
     body = os.urandom(MSG)
     counts = [0] * threads
     sender_ids: set[int] = set()
@@ -108,6 +110,7 @@ def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:
     while go.n_waiting < threads and not errors:
         time.sleep(0.01)
     before = _threads()
+    fsyncs0, fsync_s0 = group.flushes, group.fsync_seconds
     try:
         go.wait()
     except threading.BrokenBarrierError:
@@ -119,6 +122,7 @@ def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:
         time.sleep(0.001)
     seconds = time.perf_counter() - started
     after = _threads()
+    rounds, fsync_s = group.flushes - fsyncs0, group.fsync_seconds - fsync_s0
     with contextlib.suppress(threading.BrokenBarrierError):
         done.wait()
     for w in workers:
@@ -126,7 +130,6 @@ def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:
     if errors:
         store.shutdown()
         raise errors[0]
-    group = store.commitlog.group_commit
     fsyncs, requests = group.flushes, group.requests
     store.shutdown()
     n = max(1, sum(counts))
@@ -153,6 +156,10 @@ def run(root: Path, threads: int, file_bytes: int | None) -> dict[str, object]:
         "dd_dsync_1k_writes_per_s": round(limit),
         "ratio": round(n / seconds / limit, 2),
         "msgs_per_fsync": round(requests / max(1, fsyncs), 1),
+        # A group commit round's wall time, and the part of it the flusher spent in fdatasync
+        # (the rest it waited for the round's writers to come back and append).
+        "round_us": round(seconds / max(1, rounds) * 1e6, 1),
+        "fsync_us_per_round": round(fsync_s / max(1, rounds) * 1e6, 1),
         "cpu_us_per_msg": {k: round(v / n * 1e6, 1) for k, v in by_role.items()},
         "cpu_us_per_msg_total": round(sum(by_role.values()) / n * 1e6, 1),
         # Voluntary (a sleep: the futex wait, a GIL wait) and involuntary, per message.
