@@ -333,7 +333,9 @@ class Export:
         start in the next batch, as for a range that expired before it was planned (Kafka's
         ``failOnDataLoss=false``). Otherwise the queue stops here (a missing or damaged
         object the manifest still names)."""
-        start = self._manifests.get(QueueRef.parse(queue_key)).start_offset  # read it again
+        # Read it again, even at the version the cache holds: a re-created archive can be at
+        # the very same version, its objects other ones (decision 1187).
+        start = self._manifests.get(QueueRef.parse(queue_key), reload=True).start_offset
         self._check_replaced()  # the objects gone with the whole archive: not damage
         if queue_key in self.stopped:
             return
