@@ -333,7 +333,9 @@ class Export:
         start in the next batch, as for a range that expired before it was planned (Kafka's
         ``failOnDataLoss=false``). Otherwise the queue stops here (a missing or damaged
         object the manifest still names)."""
-        start = self._manifests.get(QueueRef.parse(queue_key)).start_offset  # read it again
+        # Read it again, even at the version the cache holds: a re-created archive can be at
+        # the very same version, its objects other ones (decision 1187).
+        start = self._manifests.get(QueueRef.parse(queue_key), reload=True).start_offset
         self._check_replaced()  # the objects gone with the whole archive: not damage
         if queue_key in self.stopped:
             return
@@ -647,13 +649,14 @@ class Export:
     def _batch(self, planner: Planner, position: dict[str, int], end: dict[str, int]) -> None:
         """One batch job: the slices ``[position, end)`` spread over the cores, written and
         committed."""
-        slices = planner.slices(position, end)
+        start, end = self._live_range(position, end)
+        slices = planner.slices(start, end)
         cores = self.spark.sparkContext.defaultParallelism
         packs = tuple(balanced_packs(slices, cores))
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         if self.config.engine == "delta-spark":
-            frame = self._batch_reader(position, end)
+            frame = self._batch_reader(start, end)
         else:
             # One Spark task per pack.
             frame = self.spark.range(0, len(packs), 1, max(1, len(packs)))
@@ -663,6 +666,24 @@ class Export:
             raise  # already one line, or the tier's outage (``run`` says so)
         except Exception as e:  # a failed Spark job or commit: one line, no traceback
             raise ExportError(_one_line(e)) from None
+
+    def _live_range(
+        self, position: dict[str, int], end: dict[str, int]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The batch's range ``[position, end)`` without the stopped queues (each one's range
+        made empty at its position), for either engine: the slices of the default engine and
+        the ``tmq`` source's offsets of delta-spark's reader come from it. A queue stopped by
+        an archive that was replaced (``_check_replaced``, taken here first), damage or a
+        table it cannot append to is never read again in this run; delta-spark's batches used
+        to read and append it regardless. (The default engine's writer also skips the queues
+        stopped after this, while its batch was planned.)"""
+        self._check_replaced()
+        with self._lock:
+            stopped = frozenset(self.stopped)
+        start, bounded = dict(position), dict(end)
+        for key in stopped & bounded.keys():
+            start[key] = bounded[key] = position.get(key, bounded[key])
+        return start, bounded
 
     def _reached(
         self,

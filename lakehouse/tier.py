@@ -75,13 +75,17 @@ class ManifestCache:
         # ``replaced_by``), until ``take_replaced`` hands it over
         self._replaced: dict[QueueRef, str] = {}
 
-    def get(self, queue: QueueRef, *, refresh: bool = True) -> QueueManifest:
+    def get(self, queue: QueueRef, *, refresh: bool = True, reload: bool = False) -> QueueManifest:
+        """The queue's manifest: the cached one (``refresh=False``), the newest listed version
+        (read only when it is not the cached one's), or, with ``reload``, the newest read again
+        whatever its version: a re-created archive can reach the very version the cache holds,
+        and only its content tells them apart (``replaced_by``)."""
         cached = self._cached.get(queue)
         if cached is not None and not refresh:
             return cached
         manifests = ManifestLog(self.store, queue.prefix)
         versions = manifests.versions()  # one LIST: cheap enough for every micro-batch
-        if cached is not None and versions and max(versions) == cached.version:
+        if cached is not None and versions and max(versions) == cached.version and not reload:
             return cached
         try:
             manifest = manifests.load()

@@ -395,6 +395,43 @@ def test_delta_spark_engine_without_jars_fails_with_a_clear_message(
         Export(spark, config).run(once=True)
 
 
+def test_delta_spark_batches_leave_out_the_stopped_queues(
+    small_archive: Archive, tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """delta-spark's batches honour the stop list the default engine honours (decision 1185):
+    a queue stopped mid-run (damage, a re-created archive, a table of another row format) is
+    not read again. Its batches used to read every queue of the plan and append them. The
+    Delta jars are absent here, so the two jar-bound steps are replaced: the jar check, and
+    Spark's Delta write, which collects the batch's real DataFrame (the ``tmq`` source over a
+    real archive, read by this Spark session) instead of writing it."""
+    small_archive.produce("orders", 600)  # three segments of 100 in each of two queues
+    small_archive.offload("orders")
+    config = ExportConfig(
+        f"file://{tmp_path}/tier", str(tmp_path / "lake"), engine="delta-spark",
+        max_segments_per_trigger=2,
+    )  # fmt: skip
+    job = Export(spark, config)
+    stopped = QueueRef("c1", "broker-a", "orders", 0)
+    batches: list[list[tuple[int, int]]] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        rows = df.select("queue_id", "queue_offset").collect()
+        batches.append(sorted((r.queue_id, r.queue_offset) for r in rows))
+        if batch_id == 0:  # as damage or a replaced archive stops it
+            job._stop_queue(stopped.key, 100, "stopped by the test")
+
+    monkeypatch.setattr(job, "_check_engine", lambda: None)
+    monkeypatch.setattr(job, "_write_batch_delta_spark", collect)
+    report = job.run(once=True, timeout=300)
+    assert set(report.stopped) == {stopped.key}
+    assert len(batches) >= 2, batches
+    assert (0, 0) in batches[0], "the queue was read before it stopped"
+    later = [row for batch in batches[1:] for row in batch]
+    assert not [r for r in later if r[0] == 0], "a stopped queue read again"
+    first = {r for r in batches[0] if r[0] == 1}
+    assert sorted(later) == sorted({(1, o) for o in range(300)} - first), "the other goes on"
+
+
 def test_export_needs_once_or_continuous() -> None:
     done = tmq("lakehouse", "export", "orders")
     assert done.returncode == 2

@@ -390,6 +390,99 @@ def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed
     assert [(q, o) for q, o, _ in table_rows(lake)] == [(0, o) for o in range(300)]
 
 
+def test_an_archive_re_created_at_the_same_manifest_version_under_a_batch_is_named(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1080's first limit: the topic deleted and re-created between two batches of an
+    export that has not caught up, the new archive's newest manifest at the very version the
+    export's cache holds (so the cache keeps the old one). The next batch, planned on the old
+    manifest, finds its objects gone with the wiped prefix. That used to stop the queue as
+    damage ("run `tmq verify`, restore or re-upload the object"), advice that finds a healthy
+    new archive; it must be decision 1051's line, and nothing of the new archive committed."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(
+        tier_url, str(lake), [TOPIC], tier_options=options, max_segments_per_trigger=1
+    )
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        old = wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+    store = open_store(tier_url, options)
+    old_version = max(ManifestLog(store, A.prefix).versions())
+    job = Export(spark, config)
+
+    def re_create(report: Any) -> None:
+        if report.batch_id != 0:
+            return
+        second = archived_again(s3, bucket, tmp_path, tier_url, options)
+        try:
+            second.produce(TOPIC, 200, body_size=100)
+            second.offload(TOPIC)
+        finally:
+            second.close()
+        assert max(ManifestLog(store, A.prefix).versions()) == old_version
+
+    job.on_batch = re_create
+    report = job.run(once=True, timeout=300)
+    assert report.rows == 50 and set(report.stopped) == {A.key}, report
+    line = report.stopped[A.key]
+    assert "\n" not in line and "exported up to offset 50 from another archive" in line, line
+    assert "deleted and re-created" in line and "tmq verify" not in line, line
+    assert table_rows(lake) == old[:50]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decision 1186: a re-created archive whose retention expired everything below the "
+    "exported offset is indistinguishable from a continuation in the manifests and the table "
+    "as they are (no archive identity): its rows are appended after the old archive's",
+)
+def test_a_re_created_archive_whose_retention_passed_the_exported_offset_is_not_appended(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1051/1080's stated limit, shown: the topic deleted and re-created, archived
+    again from 0 to 400, and retention expiring the new archive below 200, exactly the offset
+    the table holds. Nothing of the new archive at or below the old end is left to compare
+    (neither the watermark nor a segment key), so the export takes it as the old archive
+    continued and appends offsets 200..399 of the new archive after the old 0..199: one table,
+    two lineages, no line said. It should refuse the queue as for decision 1051."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        old = wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+    assert Export(spark, config).run(once=True, timeout=300).rows == 200
+
+    second = archived_again(s3, bucket, tmp_path, tier_url, options)
+    try:
+        second.produce(TOPIC, 400, body_size=100)
+        second.offload(TOPIC)
+        manifest = ManifestLog(open_store(tier_url, options), A.prefix).load()
+        kept = sum(s.size for s in manifest.segments if s.base_offset >= 200)
+        expired = second.offloader.expire(TOPIC, A.queue_id, 0, max_bytes=kept)
+        assert expired.new_start_offset == 200, expired
+    finally:
+        second.close()
+    report = Export(spark, config).run(once=True, timeout=300)
+    rows = table_rows(lake)
+    assert [r for r in rows if r[1] < 200] == old
+    assert report.rows == 0 and set(report.stopped) == {A.key}, (
+        f"{report.rows} rows of the new archive appended after the old archive's 200"
+    )
+    assert rows == old
+
+
 def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
 ) -> None:
