@@ -915,3 +915,48 @@ def test_an_object_a_killed_writer_linked_is_durable_once_a_retry_finds_it(
     finally:
         fs.close()
     assert (durable / "tier" / "q" / "seg-0").read_bytes() == data, "an answered object lost"
+
+
+def test_a_key_file_a_killed_broker_left_unsynced_is_made_durable_before_use(
+    tmp_path: Path,
+) -> None:
+    """The secrets' key file is made durable when it is made (decision 1141): written, renamed
+    into place, the directory fsynced. A broker killed between the rename and that fsync left
+    the key's name in the page cache only; the next start read it there, saved a user's secret
+    encrypted with it (acl.json's save makes acl.json durable, not the key), and a power loss
+    then kept the secret and dropped its key: no saved secret decrypted again."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    (durable / "data" / "config").mkdir(parents=True)
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        config = mountpoint / "data" / "config"
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from pathlib import Path\n"
+                "from broker.metadata import BrokerMetadata\n"
+                "meta = BrokerMetadata(Path(sys.argv[1]))\n"
+                "meta.load()\n"
+                "meta.acl.create_user('bob')\n",
+                str(config),
+            ],
+            env={**os.environ, "TMQ_FAILPOINTS": "durable.after_rename"},
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            timeout=60,
+        )
+        assert child.returncode == -9, child.stderr.decode()[-2000:]  # killed after the rename
+        assert (mountpoint / "data" / "auth.key").exists()  # in the page cache
+        meta = BrokerMetadata(config)  # the restart
+        meta.load()
+        secret = meta.acl.create_user("alice")  # returned: saved, the client is told its key
+        fs.crash()
+    finally:
+        fs.close()
+    again = BrokerMetadata(durable / "data" / "config")
+    again.load()
+    assert again.acl.lookup("alice") == (secret, False)
