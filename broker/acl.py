@@ -33,7 +33,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiered.durable import append_whole, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
 from tiered.durable import replace as replace_durably
 
 PUB = "PUB"
@@ -126,6 +126,11 @@ class AclStore:
                 key = self.key_file.read_bytes()
             except FileNotFoundError:
                 key = self._create_key()
+            else:
+                # Found, its name may not be durable: a broker killed between the rename that
+                # made it and the fsync after it left the name in the page cache only, and a
+                # secret saved with it now would outlive it (decision 1191).
+                fsync_dir(self.key_file.parent)
             if len(key) != _KEY_BYTES:
                 raise RuntimeError(f"{self.key_file} is not a {_KEY_BYTES}-byte key")
             self._key = key

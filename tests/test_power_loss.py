@@ -872,3 +872,91 @@ def test_an_archive_on_a_file_tier_survives_a_power_loss_after_its_commit(tmp_pa
         for m in SegmentReader(after, info).read(info.base_offset, info.count)
     ]
     assert bodies == [b"m%d" % n for n in range(300)]
+
+
+def test_an_object_a_killed_writer_linked_is_durable_once_a_retry_finds_it(
+    tmp_path: Path,
+) -> None:
+    """A file:// tier's create-if-absent links a fsynced temporary file into place, then fsyncs
+    the directory. A writer killed between the two (a broker's kill -9 mid-offload) leaves the
+    object's name in the page cache only. The retry after the restart finds the name taken and
+    answers "exists" (offload then reads the footer, finds its own bytes and goes on to commit
+    the manifest that names the object, and release deletes the local copy): that answer must
+    be as durable as a fresh create, or a power loss after it takes the object from under a
+    committed manifest."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    data = os.urandom(10_000)
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        url = f"file://{mountpoint}/tier"
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from tiered.cold.storage import open_store\n"
+                "open_store(sys.argv[1]).put_if_absent('q/seg-0', bytes.fromhex(sys.argv[2]))\n",
+                url,
+                data.hex(),
+            ],
+            env={**os.environ, "TMQ_FAILPOINTS": "tier.after_link"},
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            timeout=60,
+        )
+        assert child.returncode == -9, child.stderr.decode()[-2000:]  # killed after the link
+        from tiered.cold.storage import open_store
+
+        assert open_store(url).put_if_absent("q/seg-0", data) is False  # the retry: it exists
+        assert open_store(url).get("q/seg-0") == data
+        fs.crash()
+    finally:
+        fs.close()
+    assert (durable / "tier" / "q" / "seg-0").read_bytes() == data, "an answered object lost"
+
+
+def test_a_key_file_a_killed_broker_left_unsynced_is_made_durable_before_use(
+    tmp_path: Path,
+) -> None:
+    """The secrets' key file is made durable when it is made (decision 1141): written, renamed
+    into place, the directory fsynced. A broker killed between the rename and that fsync left
+    the key's name in the page cache only; the next start read it there, saved a user's secret
+    encrypted with it (acl.json's save makes acl.json durable, not the key), and a power loss
+    then kept the secret and dropped its key: no saved secret decrypted again."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    durable.mkdir()
+    (durable / "data" / "config").mkdir(parents=True)
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        config = mountpoint / "data" / "config"
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from pathlib import Path\n"
+                "from broker.metadata import BrokerMetadata\n"
+                "meta = BrokerMetadata(Path(sys.argv[1]))\n"
+                "meta.load()\n"
+                "meta.acl.create_user('bob')\n",
+                str(config),
+            ],
+            env={**os.environ, "TMQ_FAILPOINTS": "durable.after_rename"},
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            timeout=60,
+        )
+        assert child.returncode == -9, child.stderr.decode()[-2000:]  # killed after the rename
+        assert (mountpoint / "data" / "auth.key").exists()  # in the page cache
+        meta = BrokerMetadata(config)  # the restart
+        meta.load()
+        secret = meta.acl.create_user("alice")  # returned: saved, the client is told its key
+        fs.crash()
+    finally:
+        fs.close()
+    again = BrokerMetadata(durable / "data" / "config")
+    again.load()
+    assert again.acl.lookup("alice") == (secret, False)

@@ -12,6 +12,8 @@ import os
 import threading
 from pathlib import Path
 
+from tiered import failpoints
+
 # One lock per file ``write_file`` replaces: two threads saving one file at once shared its
 # temporary file. The second's O_TRUNC and write landed in the inode the first had just renamed
 # into place, so the live file was rewritten in place (torn by a crash) and, when the second
@@ -57,6 +59,7 @@ def make_dirs(path: Path) -> None:
 def replace(tmp: Path, path: Path) -> None:
     """Rename the fsynced ``tmp`` over ``path`` and make the rename durable."""
     os.replace(tmp, path)
+    failpoints.hit("durable.after_rename")
     fsync_dir(path.parent)
 
 

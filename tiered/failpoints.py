@@ -12,6 +12,10 @@ Points:
 - ``offload.after_put``: in the cold worker, a segment object is written; it is not verified
   yet (the worker reads ``TMQ_FAILPOINTS`` from the environment it was spawned with).
 - ``offload.before_release``: the manifest is committed; no local CommitLog file is released.
+- ``durable.after_rename``: ``tiered.durable.replace`` has renamed a fsynced file into place;
+  its directory is not fsynced yet (the new name is not durable).
+- ``tier.after_link``: a file:// tier's create-if-absent has linked the object's name into
+  place; its directory is not fsynced yet (the name is not durable).
 - ``retention.before_delete``: expired segments have left the manifest; their objects remain.
 - ``release.mid_switch``: between the two steps of releasing CommitLog files (readers are
   routed past them / the files are deleted).

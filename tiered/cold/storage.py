@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tiered import failpoints
 from tiered.durable import make_dirs
 
 log = logging.getLogger(__name__)
@@ -476,16 +477,21 @@ def _fsync_dir(directory: Path) -> None:
 
 def _local_create(path: Path, data: bytes) -> bool:
     """Create-if-absent on a local filesystem: a fully written temporary file hard-linked into
-    place, which fails atomically when the name exists."""
+    place, which fails atomically when the name exists. The directory is fsynced either way:
+    a name found taken may be one a killed writer linked and never made durable, and the
+    caller takes "exists" as "stored" (decision 1190)."""
     tmp = _write_temp(path.parent, data)
     try:
         os.link(tmp, path)
+        failpoints.hit("tier.after_link")
     except FileExistsError:
-        return False
+        created = False
+    else:
+        created = True
     finally:
         tmp.unlink()
     _fsync_dir(path.parent)
-    return True
+    return created
 
 
 def _local_replace(path: Path, data: bytes) -> None:
