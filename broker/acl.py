@@ -33,7 +33,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, settle_dir, write_file
 from tiered.durable import replace as replace_durably
 
 PUB = "PUB"
@@ -186,6 +186,7 @@ class AclStore:
     # -- persistence ---------------------------------------------------------------------------
 
     def load(self) -> None:
+        settle_dir(self.path.parent)  # what is read below is durable before it is acted on
         try:
             document = json.loads(self.path.read_text())
         except FileNotFoundError:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.acl import AclStore
-from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, settle_dir, write_file
 
 # The name rule is the store's, defined once (tiered/names.py); the broker's modules import it
 # from here.
@@ -165,6 +165,7 @@ class BrokerMetadata:
         return self.dir / "groups.log"
 
     def load(self) -> None:
+        settle_dir(self.dir)
         for raw in _load(self.dir / "topics.json") or []:
             cfg = TopicConfig(**raw)
             self.topics[cfg.name] = cfg

@@ -54,7 +54,7 @@ import numpy as np
 from broker.stored_properties import INT32_MAX, TIMESTAMP_MAX_MS, int_property
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
 from tiered import fd_limit
-from tiered.durable import append_whole, fsync_dir, make_dirs, write_file
+from tiered.durable import append_whole, fsync_dir, make_dirs, settle_dir, write_file
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore, StoreUnwritableError
 
@@ -231,6 +231,8 @@ class TimerService:
 
     def start(self) -> None:
         make_dirs(self.log.dir)
+        settle_dir(self.log.dir)  # what is read below is durable before it is acted on
+        settle_dir(self._checkpoint_path.parent)
         if self._checkpoint_path.exists():
             self.enqueue_offset = int(json.loads(self._checkpoint_path.read_text())["enqueue"])
         for bucket in self.log.buckets():

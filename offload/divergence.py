@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiered.cold.manifest import QueueManifest
-from tiered.durable import write_file
+from tiered.durable import settle_dir, write_file
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class Divergence:
         # Resolved conflicts whose queue floor (the archive's end) is not recorded in the store
         # yet (decision 800): applied before the broker serves, then forgotten.
         self.floors: dict[Key, int] = {}
+        settle_dir(self.path.parent)  # what is read below is durable before it is acted on
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_bytes())

@@ -960,3 +960,66 @@ def test_a_key_file_a_killed_broker_left_unsynced_is_made_durable_before_use(
     again = BrokerMetadata(durable / "data" / "config")
     again.load()
     assert again.acl.lookup("alice") == (secret, False)
+
+
+_REWRITE_KILLED_AFTER_RENAME = {
+    # loader name: (file, the content a killed writer left, the child's write)
+    "queue floors": ("data/queue-floors.json", '{"queues": [["t", 0, 500]]}'),
+    "epochs": ("data/epochs", "1 0\n2 4096\n"),
+    "topics": ("data/config/topics.json", '[{"name": "orders"}, {"name": "refunds"}]'),
+}
+
+
+def _load_after_restart(kind: str, root: Path) -> object:
+    from tiered.epoch_file import EpochFile
+
+    if kind == "queue floors":
+        return store_module.load_queue_floors(root / "data")
+    if kind == "epochs":
+        epochs = EpochFile(root / "data")
+        epochs.load()
+        return [(e.epoch, e.start_offset) for e in epochs.entries]
+    meta = BrokerMetadata(root / "data" / "config")
+    meta.load()
+    return sorted(meta.topics)
+
+
+@pytest.mark.parametrize("kind", sorted(_REWRITE_KILLED_AFTER_RENAME))
+def test_what_a_start_read_from_a_killed_writers_rename_survives_a_power_loss(
+    tmp_path: Path, kind: str
+) -> None:
+    """``write_file`` renames a fsynced temporary file into place, then fsyncs the directory. A
+    process killed between the two leaves the new name in the page cache only. The next start
+    read it and acted on it (a floor applied, an epoch taken, a topic served), and a power loss
+    then brought the old file back under what it had done. A start now makes the directory
+    durable before it reads from it (decision 1184)."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    (durable / "data" / "config").mkdir(parents=True)
+    name, new = _REWRITE_KILLED_AFTER_RENAME[kind]
+    old = {"queue floors": '{"queues": []}', "epochs": "1 0\n", "topics": '[{"name": "orders"}]'}
+    (durable / name).write_text(old[kind])
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from pathlib import Path\n"
+                "from tiered.durable import write_file\n"
+                "write_file(Path(sys.argv[1]), sys.argv[2].encode())\n",
+                str(mountpoint / name),
+                new,
+            ],
+            env={**os.environ, "TMQ_FAILPOINTS": "durable.after_rename"},
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            timeout=60,
+        )
+        assert child.returncode == -9, child.stderr.decode()[-2000:]  # killed after the rename
+        read = _load_after_restart(kind, mountpoint)  # the restart reads the new file
+        fs.crash()
+    finally:
+        fs.close()
+    assert _load_after_restart(kind, durable) == read, "the power loss took back what was read"

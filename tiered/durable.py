@@ -41,6 +41,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def settle_dir(path: Path) -> None:
+    """Make the names in the directory ``path`` durable before a start reads from it (nothing
+    when it does not exist). ``write_file`` renames into place, then fsyncs the directory: a
+    process killed between the two left the new name in the page cache only, and a start that
+    read it and acted on it could have it taken back by a power loss (decision 1184). Once per
+    load: a directory with nothing unsynced costs one cheap fsync."""
+    with contextlib.suppress(FileNotFoundError):
+        fsync_dir(path)
+
+
 def make_dirs(path: Path) -> None:
     """``mkdir -p`` whose new directories survive a power loss (each parent is fsynced)."""
     missing: list[Path] = []

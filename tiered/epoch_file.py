@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiered.durable import make_dirs, write_file
+from tiered.durable import make_dirs, settle_dir, write_file
 
 
 class TruncationRefusedError(RuntimeError):
@@ -54,6 +54,7 @@ class EpochFile:
 
     def load(self) -> None:
         make_dirs(self.directory)
+        settle_dir(self.directory)  # what is read below is durable before it is acted on
         entries: list[EpochEntry] = []
         if self.path.exists():
             for n, line in enumerate(self.path.read_text().splitlines(), 1):

@@ -39,7 +39,7 @@ import numpy as np
 
 from tiered import failpoints, fd_limit
 from tiered.config import StoreConfig
-from tiered.durable import write_file
+from tiered.durable import settle_dir, write_file
 from tiered.formats import CQ_DTYPE, CQ_ENTRY_SIZE, Entry, key_hash
 from tiered.hot.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from tiered.hot.commitlog import (
@@ -238,6 +238,7 @@ _GEOMETRY_KEYS = (
 def recorded_geometry(data_dir: Path) -> dict[str, int] | None:
     """The file sizes a data dir was created with (``store.json``), if it has been used."""
     path = data_dir / GEOMETRY_FILE
+    settle_dir(data_dir)  # what is read below is durable before it is acted on
     if not path.exists():
         return None
     raw = json.loads(path.read_text())
@@ -249,6 +250,7 @@ def store_identity(data_dir: Path) -> str:
     with the directory's files (a copy of the directory is the same store), and a new, wiped or
     other directory has another."""
     path = data_dir / STORE_ID_FILE
+    settle_dir(data_dir)
     try:
         found = path.read_text().strip()
     except FileNotFoundError:
@@ -268,15 +270,23 @@ def load_queue_floors(data_dir: Path) -> dict[tuple[str, int], int]:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return {}
+        raw = None
     try:
-        return {(str(t), int(q)): int(f) for t, q, f in json.loads(raw)["queues"]}
+        floors = (
+            {}
+            if raw is None
+            else {(str(t), int(q)): int(f) for t, q, f in json.loads(raw)["queues"]}
+        )
     except (ValueError, KeyError, TypeError) as e:
         raise StoreLoadError(
             f"{path} is unreadable ({e}): it says where queues continue above their local "
             "end, at their archive's end. Restore it, or remove it only if no queue of this "
             "directory is tiered"
         ) from e
+    # Durable before the start acts on it (decision 1184); after the parse, so that a damaged
+    # file is what a start on a dying disk reports.
+    settle_dir(data_dir)
+    return floors
 
 
 def check_geometry(config: StoreConfig) -> None:

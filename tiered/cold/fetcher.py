@@ -52,7 +52,7 @@ from tiered.cold.segment import (
 )
 from tiered.cold.storage import ObjectStore, StorageError
 from tiered.cold.worker import JobRunner, LocalRunner, run_job
-from tiered.durable import make_dirs, write_file
+from tiered.durable import make_dirs, settle_dir, write_file
 from tiered.formats import CQ_DTYPE
 from tiered.record import StoredMessage
 
@@ -113,6 +113,8 @@ class ArchiveStarts:
         self._starts: dict[tuple[str, int], int] = {}
         self._unsaved = False  # the file is behind ``_starts``: a save failed
         self._lock = threading.Lock()
+        if path is not None:
+            settle_dir(path.parent)  # what is read below is durable before it is acted on
         if path is not None and path.exists():
             try:
                 self._starts = {(t, q): s for t, q, s in json.loads(path.read_bytes())["queues"]}

@@ -30,7 +30,7 @@ import zlib
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from tiered.durable import write_file
+from tiered.durable import settle_dir, write_file
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Checkpoint:
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:
+    settle_dir(path.parent)  # what is read below is durable before it is acted on
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
