@@ -219,8 +219,11 @@ class Standalone:
         env: dict[str, str] | None = None,
         metrics_port: int = 0,
         ca_file: Path | None = None,
+        start_seconds: float = 60,
     ) -> None:
         self.data_dir = data_dir
+        # How long a start may take to answer SERVING before it is killed and raises.
+        self.start_seconds = start_seconds
         # Set: the node serves TLS with a certificate from this CA (tests/test_tls.py).
         self.ca_file = ca_file
         self.flush = flush
@@ -280,7 +283,12 @@ class Standalone:
         )
         try:
             wait_healthy(
-                self.proc, self.endpoint, self.log_path, "standalone", connect=self.channel
+                self.proc,
+                self.endpoint,
+                self.log_path,
+                "standalone",
+                seconds=self.start_seconds,
+                connect=self.channel,
             )
         except BaseException:
             # Not left running: the test's cleanup never stops a node whose start raised.
