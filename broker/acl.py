@@ -33,7 +33,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tiered.durable import append_whole, fsync_dir, make_dirs, settle_dir, write_file
+from tiered.durable import fill_new_file, fsync_dir, make_dirs, settle_dir, write_file
 from tiered.durable import replace as replace_durably
 
 PUB = "PUB"
@@ -150,17 +150,8 @@ class AclStore:
             key = secrets.token_bytes(_KEY_BYTES)
             make_dirs(self.key_file.parent)
             tmp = self.key_file.with_name(self.key_file.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-            try:
-                try:
-                    append_whole(fd, key)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fill_new_file(fd, tmp, key)
             replace_durably(tmp, self.key_file)
             return key
 

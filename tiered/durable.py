@@ -83,7 +83,15 @@ def write_file(path: Path, data: bytes) -> None:
 
 def _write_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fill_new_file(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), tmp, data)
+    replace(tmp, path)
+
+
+def fill_new_file(fd: int, path: Path, data: bytes) -> None:
+    """Write all of ``data`` to the new file ``path``, open on ``fd``, fsync it and close
+    ``fd``; or remove the file and raise. A full disk can take part of a write without an error
+    (``write`` returns less than asked, decision 1140), and the pages a fragment holds go back
+    at once, not at the next save of the file (which may never come)."""
     try:
         try:
             view = memoryview(data)
@@ -93,12 +101,9 @@ def _write_file(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
     except OSError:
-        # A full disk took part of it: the pages the fragment holds go back at once, not at
-        # the next save of this file (which may never come).
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            path.unlink()
         raise
-    replace(tmp, path)
 
 
 def append_whole(fd: int, data: bytes) -> None:

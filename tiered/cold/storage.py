@@ -11,7 +11,6 @@ has an empty, ``.`` or ``..`` component: no key can address anything outside the
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import os
 import random
@@ -28,7 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tiered import failpoints
-from tiered.durable import make_dirs
+from tiered.durable import fill_new_file, make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -451,19 +450,7 @@ def _write_temp(directory: Path, data: bytes) -> Path:
     object of a queue, durable itself, in directories a power loss could take."""
     make_dirs(directory)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        # The fragment's pages go back at once: nothing else would ever delete it.
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    fill_new_file(fd, Path(tmp), data)
     return Path(tmp)
 
 
