@@ -51,10 +51,19 @@ class CheckpointLock:
                     return False
                 if stop is None:
                     threading.Event().wait(self.POLL_SECONDS)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+        except BaseException:
+            # A full disk refuses the pid: the error goes up with the lock let go, not held by
+            # a descriptor only the garbage collector would close (decision 1207).
+            with contextlib.suppress(OSError):
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                handle.close()  # the buffered pid's flush fails again; the descriptor closes
+            raise
         self._file = handle
         return True
 

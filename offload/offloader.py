@@ -61,7 +61,7 @@ from tiered.cold.manifest import (
     segment_key,
 )
 from tiered.cold.segment import SegmentError, SegmentInfo
-from tiered.cold.storage import ObjectStore, StorageError
+from tiered.cold.storage import ObjectStore, StorageError, sweep_temporaries
 from tiered.cold.worker import JobRunner, LocalRunner, WorkerCrashedError
 from tiered.store import MessageStore
 
@@ -429,6 +429,10 @@ class Offloader:
                 )
                 self._step(f"delete {obj.key}", functools.partial(self.tier.delete, obj.key))
                 self.stats.deleted_objects += 1
+        # A file:// tier's temporary files of writers killed mid-write (decision 1205): hidden
+        # from the listing, and nothing else ever deletes them.
+        for key in sweep_temporaries(self.tier, manifest.prefix):
+            log.warning("%s: a temporary file of a killed writer; deleted", key)
 
     def cached_manifest(self, topic: str, queue_id: int) -> QueueManifest | None:
         """The last manifest this process loaded or committed, without asking the tier (None

@@ -40,7 +40,12 @@ from typing import Protocol, TypeVar
 
 from tiered.cold.manifest import ManifestError, ManifestLog, QueueManifest, queue_prefix
 from tiered.cold.segment import SegmentError, SegmentInfo, verify
-from tiered.cold.storage import ObjectNotFoundError, ObjectStore, StorageError
+from tiered.cold.storage import (
+    ObjectNotFoundError,
+    ObjectStore,
+    StorageError,
+    sweep_temporaries,
+)
 
 T = TypeVar("T")
 
@@ -240,6 +245,12 @@ def verify_queue(
                     for key in verdict.orphans:
                         _by(deadline, f"delete {key}", functools.partial(tier.delete, key))
                         verdict.repaired.append(key)
+    # A file:// tier's temporary files of killed writers (decision 1205) are orphans too, and
+    # safe to delete under no lock: one whose writer may still be alive is never among them.
+    if repair:
+        verdict.repaired += sweep_temporaries(tier, store.prefix)
+    else:
+        verdict.orphans += sweep_temporaries(tier, store.prefix, delete=False)
     if verdict.unchecked:
         verdict.notes.append(f"{verdict.unchecked} segment(s) not checked before the deadline")
     if verdict.missing or verdict.damaged or verdict.anomalies:

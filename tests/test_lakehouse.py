@@ -6,6 +6,8 @@ tests run the export as real child processes, as operators and the broker do.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -28,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from broker_harness import REPO, tmq
+from conftest import mounted_tmpfs
 from deltalake import DeltaTable
 from lakehouse_harness import Archive, LiveTopic, expected_rows, exported_to, run_in_thread
 from s3_buckets import bucket_name, delete_bucket
@@ -569,6 +572,29 @@ def test_a_second_export_on_the_same_checkpoint_is_refused(
     finally:
         held.release()
     assert Export(spark, config).run(once=True, timeout=120).rows == 10, "free again"
+
+
+def test_a_lock_whose_pid_could_not_be_written_is_released(tmp_path: Path) -> None:
+    """The exporter writes its pid into the lock file once it holds the flock. On a full disk
+    that write fails: the lock must be let go with the error, not held by a descriptor only
+    the garbage collector closes (for as long as anything keeps the error, a standby could
+    never take over)."""
+    with mounted_tmpfs(tmp_path / "disk", "64k") as mnt:
+        lock = CheckpointLock(str(mnt / "ckpt"))
+        fd = os.open(mnt / "fill", os.O_WRONLY | os.O_CREAT)
+        try:
+            with contextlib.suppress(OSError):
+                while os.write(fd, bytes(4096)):  # a real full disk: every page taken
+                    pass
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as failed:
+            lock.acquire(wait=False)
+        assert failed.value.errno == errno.ENOSPC
+        standby = CheckpointLock(str(mnt / "ckpt"))
+        (mnt / "fill").unlink()
+        assert standby.acquire(wait=False), "the failed exporter still holds the lock"
+        standby.release()
 
 
 # -- continuous -------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from conftest import mounted_tmpfs
 from broker.metadata import TopicConfig
 from offload.offloader import Offloader, OffloadError, OffloadPolicy
 from offload.release import release_predicate
+from offload.verify import OK, WARNING, verify_queue
 from tiered.cold.faults import FaultyObjectStore
 from tiered.cold.fetcher import ColdFetcher
 from tiered.cold.manifest import ManifestLog, queue_prefix, segment_key
@@ -396,6 +400,60 @@ def test_a_crash_between_object_write_and_commit_leaves_no_gap_and_the_orphan_is
     manifest = ManifestLog(tier, prefix).load()
     assert orphan.key not in {s.key for s in manifest.segments}
     assert {o.key for o in tier.list(f"{prefix}segments/")} == {s.key for s in manifest.segments}
+
+
+def _tier_writer(url: str, key: str, failpoint: str) -> subprocess.Popen[bytes]:
+    """A real process writing one object to the file:// tier at ``url``, stopped by
+    ``failpoint`` once its temporary file is linked into place and not yet deleted."""
+    code = (
+        "import sys; from tiered.cold.storage import open_store; "
+        "open_store(sys.argv[1]).put_if_absent(sys.argv[2], bytes(200_000))"
+    )
+    env = {**os.environ, "TMQ_FAILPOINTS": failpoint}
+    return subprocess.Popen([sys.executable, "-c", code, url, key], env=env)
+
+
+def test_temporary_files_of_killed_tier_writers_are_swept_and_live_ones_kept(
+    hot, tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path}/tier"
+    tier = open_store(url)
+    fill(hot, "orders", 1000, queues=1, seed=8)
+    prefix = queue_prefix("c1", "broker-a", "orders", 0)
+    segments = tmp_path / "tier" / f"{prefix}segments"
+
+    def temps() -> set[Path]:
+        return set(segments.glob(".tmp-*")) if segments.exists() else set()
+
+    killed = _tier_writer(url, f"{prefix}segments/killed", "tier.after_link")
+    assert killed.wait(60) == -signal.SIGKILL
+    (dead,) = temps()
+    live = _tier_writer(url, f"{prefix}segments/live", "tier.after_link=sleep:120")
+    try:
+        deadline = time.monotonic() + 60
+        while len(temps()) < 2:
+            assert live.poll() is None and time.monotonic() < deadline, "the writer never wrote"
+            time.sleep(0.05)
+        (writing,) = temps() - {dead}
+
+        # A start's sweep deletes what the killed writer left, and not the file being written.
+        offloader = Offloader(hot, tier, "c1", "broker-a", FAST)
+        assert offloader.offload_queue("orders", 0).watermark == 1000
+        assert temps() == {writing}
+        assert read_tier(tier, "orders", 0) == snapshot(hot, "orders", 0)
+        lock = offloader.queue_lock("orders", 0)
+        assert verify_queue(tier, "c1", "broker-a", "orders", 0, lock=lock).status == OK
+    finally:
+        live.kill()
+        live.wait(60)
+    # Its writer killed too, verify reports it as an orphan, and --repair deletes it.
+    rel = writing.relative_to(tmp_path / "tier").as_posix()
+    verdict = verify_queue(tier, "c1", "broker-a", "orders", 0, lock=lock)
+    assert (verdict.status, verdict.orphans) == (WARNING, [rel])
+    assert temps() == {writing}
+    verdict = verify_queue(tier, "c1", "broker-a", "orders", 0, lock=lock, repair=True)
+    assert (verdict.status, verdict.repaired) == (OK, [rel])
+    assert temps() == set()
 
 
 def test_retention_removes_exactly_the_expired_segments_then_their_objects(hot, tier) -> None:

@@ -13,6 +13,7 @@ Nothing needs installing: the filesystem speaks the kernel's FUSE protocol itsel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -1023,3 +1024,50 @@ def test_what_a_start_read_from_a_killed_writers_rename_survives_a_power_loss(
     finally:
         fs.close()
     assert _load_after_restart(kind, durable) == read, "the power loss took back what was read"
+
+
+def test_a_torn_tail_recovery_cut_is_still_in_quarantine_after_a_power_loss(
+    tmp_path: Path,
+) -> None:
+    """Recovery copies a torn tail to ``quarantine/`` and then cuts it from the CommitLog: the
+    copy is then the only place those bytes are. It must be durable before the cut is, or a
+    power loss after the start keeps the cut and loses the copy."""
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    rng = random.Random("quarantine")
+    store = MessageStore(StoreConfig(data_dir=durable / "store", flush="sync", **SMALL))
+    store.start()
+    try:
+        store.put_messages([message_for(f"acked-{i}", rng) for i in range(20)])
+        end = store.max_physical_offset
+    finally:
+        store.shutdown()
+    files = sorted((durable / "store" / "commitlog").iterdir(), key=lambda p: int(p.name))
+    last = max((p for p in files if int(p.name) <= end), key=lambda p: int(p.name))
+    torn = rng.randbytes(3000)  # what a crash left past the valid records: never acknowledged
+    with open(last, "r+b") as f:
+        f.seek(end - int(last.name))
+        f.write(torn)
+    (durable / "store" / "abort").write_bytes(b"")  # the store was running at the crash
+
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL))
+        report = store.start()
+        try:
+            assert store.max_physical_offset == end
+            assert len(report.commitlog.quarantined) == 1
+            copy = report.commitlog.quarantined[0].relative_to(mountpoint)
+            assert (mountpoint / copy).read_bytes() == torn
+            fs.crash()
+        finally:
+            with contextlib.suppress(Exception):
+                store.shutdown()
+    finally:
+        fs.close()
+    after = (durable / last.relative_to(durable)).read_bytes()
+    cut_landed = after[end - int(last.name) :][: len(torn)] != torn
+    saved = durable / copy
+    assert saved.exists() and saved.read_bytes() == torn, (
+        f"the torn tail's only copy is lost (the cut {'landed' if cut_landed else 'did not'})"
+    )

@@ -14,6 +14,7 @@ import base64
 import logging
 import os
 import random
+import re
 import tempfile
 import time
 import zlib
@@ -442,6 +443,98 @@ def _not_found(e: BaseException) -> bool:
     )
 
 
+# A file:// tier's temporary files are named for the process writing them (decision 1205):
+# ".tmp-<boot>_<pid>_<start>-<random>", <boot> the CRC32 of the kernel's boot id and <start> the
+# process's start time in clock ticks since boot (/proc/<pid>/stat). A writer killed between
+# writing one and linking or deleting it leaves it behind, hidden from listings; a sweep
+# deletes it once that process is gone. Pid and start time together name one process of one
+# boot, so a reused pid (a restarted broker in a container is often pid 1 again) is no
+# longer the writer's. A temporary file of another boot id (a previous boot, or another host
+# sharing the directory) or of the old unnamed form is deleted only once untouched for
+# TEMP_ABANDONED_S: a live writer writes its file, fsyncs it and links it within moments.
+_TEMP = re.compile(r"\.tmp-([0-9a-f]{8})_(\d+)_(\d+)-")
+TEMP_ABANDONED_S = 3600.0
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot), None when no such process runs (or
+    /proc cannot tell)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields follow its last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+_BOOT = f"{zlib.crc32(_boot_id().encode()):08x}" if _boot_id() else ""  # "": no /proc
+
+
+_PREFIXES: dict[int, str] = {}
+
+
+def _temp_prefix() -> str:
+    """This process's temporary-file prefix (per pid: a forked child is another writer)."""
+    pid = os.getpid()
+    prefix = _PREFIXES.get(pid)
+    if prefix is None:
+        start = _start_ticks(pid) if _BOOT else None
+        prefix = ".tmp-" if start is None else f".tmp-{_BOOT}_{pid}_{start}-"
+        _PREFIXES[pid] = prefix
+    return prefix
+
+
+def _temp_abandoned(path: Path, now: float) -> bool:
+    """Whether the temporary file at ``path`` belongs to no writer still at work."""
+    match = _TEMP.match(path.name)
+    if match is not None and _BOOT and match.group(1) == _BOOT:
+        pid, start = int(match.group(2)), int(match.group(3))
+        if pid == os.getpid():
+            return False  # this process's own: its writer deletes or links it itself
+        return _start_ticks(pid) != start
+    try:
+        return now - path.stat().st_mtime > TEMP_ABANDONED_S
+    except FileNotFoundError:
+        return False  # its writer linked or deleted it meanwhile
+
+
+def sweep_temporaries(store: ObjectStore, prefix: str, *, delete: bool = True) -> list[str]:
+    """The keys (under ``prefix``) of temporary files killed writers left in a file:// tier,
+    deleted unless ``delete`` is False; [] for any other tier (an S3 PUT that never completed
+    leaves no object). Safe while other writers work: a file whose writer may still be alive
+    is kept (``_temp_abandoned``)."""
+    inner: object = store
+    while not isinstance(inner, FsspecObjectStore):
+        inner = getattr(inner, "inner", None)
+        if inner is None:
+            return []
+    if not inner.local:
+        return []
+    root = Path(inner.root)
+    base = root / prefix
+    if not base.is_dir():
+        return []
+    now = time.time()
+    found = []
+    for path in sorted(base.rglob(".tmp-*")):
+        if not path.is_file() or not _temp_abandoned(path, now):
+            continue
+        if delete:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+        found.append(path.relative_to(root).as_posix())
+    return found
+
+
 def _write_temp(directory: Path, data: bytes) -> Path:
     """A new temporary file in ``directory`` holding all of ``data``, fsynced; or an error and
     no file. A full disk can take part of a write without an error (``write`` returns less
@@ -449,7 +542,7 @@ def _write_temp(directory: Path, data: bytes) -> Path:
     directories made on the way are durable (decision 1142): ``mkdir -p`` left the first
     object of a queue, durable itself, in directories a power loss could take."""
     make_dirs(directory)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temp_prefix())
     fill_new_file(fd, Path(tmp), data)
     return Path(tmp)
 

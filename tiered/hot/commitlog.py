@@ -27,6 +27,7 @@ import numpy as np
 
 from tiered import failpoints
 from tiered.config import StoreConfig
+from tiered.durable import fsync_dir, make_dirs, write_file
 from tiered.formats import CQ_ENTRY_SIZE
 from tiered.hot.group_commit import GroupCommitService, new_put_lock
 from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
@@ -1037,9 +1038,10 @@ class CommitLog:
             torn = f.any_nonzero(pos, length) if length else False
             tail = f.read(pos, length).rstrip(b"\0") if torn else b""
             if tail:
-                quarantine.mkdir(parents=True, exist_ok=True)
+                # Durable before the cut (decision 1206): from the cut on it is the only copy.
+                make_dirs(quarantine)
                 path = quarantine / f"commitlog-{end:020d}-{now_ms()}.bin"
-                path.write_bytes(tail)
+                write_file(path, tail)
                 report.quarantined.append(path)
                 report.truncated_bytes += len(tail)
                 log.warning(
@@ -1052,9 +1054,17 @@ class CommitLog:
             if all_zero(dropped.path):
                 dropped.path.unlink()
                 continue
-            quarantine.mkdir(parents=True, exist_ok=True)
+            make_dirs(quarantine)
             target = quarantine / f"commitlog-file-{dropped.path.name}-{now_ms()}"
             shutil.move(str(dropped.path), target)
+            # A rename within the data directory; a copy (the CommitLog directory on another
+            # filesystem) is fsynced too. Either way the new name is made durable.
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(quarantine)
             report.quarantined.append(target)
             log.warning(
                 "CommitLog: %s lies past the end of valid data; moved to %s", dropped.path, target
