@@ -110,6 +110,22 @@ def test_a_registration_without_an_endpoint_is_invalid(two_namesrvs) -> None:
     channel.close()
 
 
+def test_an_unregister_without_an_endpoint_is_invalid(two_namesrvs) -> None:
+    """Without the endpoint the NameServer cannot tell whose entry it would remove."""
+    client = NameServerClient(two_namesrvs[:1])
+    assert client.register(registration("b1", 8081, ("orders", 4))) == 1
+    channel = grpc.insecure_channel(two_namesrvs[0])
+    stub = namesrv_server.pb_grpc.NameServerStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UnregisterBroker(pb.UnregisterBrokerRequest(cluster="c1", broker_name="b1"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "endpoint" in (e.value.details() or "")
+    route = client.route("orders")
+    assert route is not None and [b.endpoint.port for b in route.brokers] == [8081]
+    channel.close()
+    client.close()
+
+
 def test_health_says_serving(two_namesrvs) -> None:
     channel = grpc.insecure_channel(two_namesrvs[0])
     health = health_pb2_grpc.HealthStub(channel)
