@@ -819,7 +819,9 @@ class Broker:
             previous, self._registered_id = self._registered_id, registration.broker_id
             if previous is not None and previous != registration.broker_id:
                 # A promoted slave or a deposed master: its old entry must not route anyone.
-                self.namesrv.unregister(self.config.cluster, self.config.name, previous)
+                self.namesrv.unregister(
+                    self.config.cluster, self.config.name, previous, registration.endpoint
+                )
             self.namesrv.register(registration)
 
     def _replication_changed(self, current: ReplicationMaster | ReplicationSlave | None) -> None:
@@ -1113,7 +1115,12 @@ class Broker:
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
-            self.namesrv.unregister(self.config.cluster, self.config.name, self.broker_id)
+            self.namesrv.unregister(
+                self.config.cluster,
+                self.config.name,
+                self.broker_id,
+                nspb.Endpoint(host=self.config.advertise_host, port=self.port),
+            )
         if self._server is not None:
             self._server.stop(grace).wait()
         for thread in self._threads:

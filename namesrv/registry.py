@@ -54,12 +54,36 @@ class BrokerRegistry:
                 len(registration.topics),
             )
 
-    def unregister(self, cluster: str, broker_name: str, broker_id: int) -> bool:
+    def unregister(
+        self, cluster: str, broker_name: str, broker_id: int, endpoint: pb.Endpoint
+    ) -> bool:
+        """Forget the entry (cluster, broker_name, broker_id) if it still names ``endpoint``.
+
+        The key alone does not say who sent the unregister: after a failover the new master holds
+        broker id 0, and the deposed master's unregister of id 0 (it steps down to its member id,
+        or shuts down) can arrive after the new master registered. Removing by key would drop the
+        group's only master route until the new master's next heartbeat; RocketMQ's
+        unregisterBroker likewise carries the broker's address. Returns whether it removed one.
+        """
+        key = (cluster, broker_name, broker_id)
         with self._lock:
-            gone = self._brokers.pop((cluster, broker_name, broker_id), None)
-        if gone is not None:
-            log.info("broker %s/%s (id %d) unregistered", cluster, broker_name, broker_id)
-        return gone is not None
+            entry = self._brokers.get(key)
+            held = entry.registration.endpoint if entry is not None else None
+            mine = held is not None and (held.host, held.port) == (endpoint.host, endpoint.port)
+            if mine:
+                del self._brokers[key]
+        if mine:
+            log.info("broker %s/%s (id %d) unregistered", *key)
+        elif held is not None:
+            log.info(
+                "unregister of broker %s/%s (id %d) from %s:%d ignored: %s:%d holds that id now",
+                *key,
+                endpoint.host,
+                endpoint.port,
+                held.host,
+                held.port,
+            )
+        return mine
 
     def live(self) -> list[LiveBroker]:
         """The brokers heard from within the expiry window (expired ones are dropped)."""

@@ -42,7 +42,14 @@ class NameServerServicer(pb_grpc.NameServerServicer):
     def UnregisterBroker(
         self, request: pb.UnregisterBrokerRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterBrokerResponse:
-        self.registry.unregister(request.cluster, request.broker_name, request.broker_id)
+        if not request.endpoint.host or request.endpoint.port <= 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "an unregister needs the endpoint the broker registered with",
+            )
+        self.registry.unregister(
+            request.cluster, request.broker_name, request.broker_id, request.endpoint
+        )
         return pb.UnregisterBrokerResponse()
 
     def GetRoute(self, request: pb.GetRouteRequest, context: grpc.ServicerContext) -> pb.TopicRoute:

@@ -48,9 +48,13 @@ class NameServerClient:
                 log.warning("registering with NameServer %s failed: %s", addr, e.code().name)
         return ok
 
-    def unregister(self, cluster: str, broker_name: str, broker_id: int) -> None:
+    def unregister(
+        self, cluster: str, broker_name: str, broker_id: int, endpoint: pb.Endpoint
+    ) -> None:
+        """Forget this broker's entry on every NameServer, if the entry still names ``endpoint``
+        (another broker may hold the id by now: a new master registers as id 0)."""
         request = pb.UnregisterBrokerRequest(
-            cluster=cluster, broker_name=broker_name, broker_id=broker_id
+            cluster=cluster, broker_name=broker_name, broker_id=broker_id, endpoint=endpoint
         )
         for addr, stub in self._stubs.items():
             try:

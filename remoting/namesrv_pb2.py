@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16remoting/namesrv.proto\x12\x0etmq.namesrv.v1\"&\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\"P\n\x0bTopicConfig\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06queues\x18\x02 \x01(\x05\x12\x0c\n\x04perm\x18\x03 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x04 \x01(\t\"\xa6\x01\n\x12\x42rokerRegistration\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\x12*\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x18.tmq.namesrv.v1.Endpoint\x12+\n\x06topics\x18\x05 \x03(\x0b\x32\x1b.tmq.namesrv.v1.TopicConfig\"K\n\x15RegisterBrokerRequest\x12\x32\n\x06\x62roker\x18\x01 \x01(\x0b\x32\".tmq.namesrv.v1.BrokerRegistration\"J\n\x16RegisterBrokerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\x12\x11\n\texpiry_ms\x18\x02 \x01(\x03\"R\n\x17UnregisterBrokerRequest\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\"\x1a\n\x18UnregisterBrokerResponse\" \n\x0fGetRouteRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"\xa7\x01\n\x0c\x42rokerQueues\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\x12*\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x18.tmq.namesrv.v1.Endpoint\x12\x0e\n\x06queues\x18\x05 \x01(\x05\x12\x0c\n\x04perm\x18\x06 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x07 \x01(\t\"J\n\nTopicRoute\x12\r\n\x05topic\x18\x01 \x01(\t\x12-\n\x07\x62rokers\x18\x02 \x03(\x0b\x32\x1c.tmq.namesrv.v1.BrokerQueues\"\x17\n\x15GetClusterInfoRequest\"[\n\nBrokerInfo\x12\x32\n\x06\x62roker\x18\x01 \x01(\x0b\x32\".tmq.namesrv.v1.BrokerRegistration\x12\x19\n\x11last_heartbeat_ms\x18\x02 \x01(\x03\":\n\x0b\x43lusterInfo\x12+\n\x07\x62rokers\x18\x01 \x03(\x0b\x32\x1a.tmq.namesrv.v1.BrokerInfo2\xf3\x02\n\nNameServer\x12_\n\x0eRegisterBroker\x12%.tmq.namesrv.v1.RegisterBrokerRequest\x1a&.tmq.namesrv.v1.RegisterBrokerResponse\x12\x65\n\x10UnregisterBroker\x12\'.tmq.namesrv.v1.UnregisterBrokerRequest\x1a(.tmq.namesrv.v1.UnregisterBrokerResponse\x12G\n\x08GetRoute\x12\x1f.tmq.namesrv.v1.GetRouteRequest\x1a\x1a.tmq.namesrv.v1.TopicRoute\x12T\n\x0eGetClusterInfo\x12%.tmq.namesrv.v1.GetClusterInfoRequest\x1a\x1b.tmq.namesrv.v1.ClusterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16remoting/namesrv.proto\x12\x0etmq.namesrv.v1\"&\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\"P\n\x0bTopicConfig\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06queues\x18\x02 \x01(\x05\x12\x0c\n\x04perm\x18\x03 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x04 \x01(\t\"\xa6\x01\n\x12\x42rokerRegistration\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\x12*\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x18.tmq.namesrv.v1.Endpoint\x12+\n\x06topics\x18\x05 \x03(\x0b\x32\x1b.tmq.namesrv.v1.TopicConfig\"K\n\x15RegisterBrokerRequest\x12\x32\n\x06\x62roker\x18\x01 \x01(\x0b\x32\".tmq.namesrv.v1.BrokerRegistration\"J\n\x16RegisterBrokerResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x03\x12\x11\n\texpiry_ms\x18\x02 \x01(\x03\"~\n\x17UnregisterBrokerRequest\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\x12*\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x18.tmq.namesrv.v1.Endpoint\"\x1a\n\x18UnregisterBrokerResponse\" \n\x0fGetRouteRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"\xa7\x01\n\x0c\x42rokerQueues\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x13\n\x0b\x62roker_name\x18\x02 \x01(\t\x12\x11\n\tbroker_id\x18\x03 \x01(\x03\x12*\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x18.tmq.namesrv.v1.Endpoint\x12\x0e\n\x06queues\x18\x05 \x01(\x05\x12\x0c\n\x04perm\x18\x06 \x01(\x05\x12\x14\n\x0cmessage_type\x18\x07 \x01(\t\"J\n\nTopicRoute\x12\r\n\x05topic\x18\x01 \x01(\t\x12-\n\x07\x62rokers\x18\x02 \x03(\x0b\x32\x1c.tmq.namesrv.v1.BrokerQueues\"\x17\n\x15GetClusterInfoRequest\"[\n\nBrokerInfo\x12\x32\n\x06\x62roker\x18\x01 \x01(\x0b\x32\".tmq.namesrv.v1.BrokerRegistration\x12\x19\n\x11last_heartbeat_ms\x18\x02 \x01(\x03\":\n\x0b\x43lusterInfo\x12+\n\x07\x62rokers\x18\x01 \x03(\x0b\x32\x1a.tmq.namesrv.v1.BrokerInfo2\xf3\x02\n\nNameServer\x12_\n\x0eRegisterBroker\x12%.tmq.namesrv.v1.RegisterBrokerRequest\x1a&.tmq.namesrv.v1.RegisterBrokerResponse\x12\x65\n\x10UnregisterBroker\x12\'.tmq.namesrv.v1.UnregisterBrokerRequest\x1a(.tmq.namesrv.v1.UnregisterBrokerResponse\x12G\n\x08GetRoute\x12\x1f.tmq.namesrv.v1.GetRouteRequest\x1a\x1a.tmq.namesrv.v1.TopicRoute\x12T\n\x0eGetClusterInfo\x12%.tmq.namesrv.v1.GetClusterInfoRequest\x1a\x1b.tmq.namesrv.v1.ClusterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERBROKERRESPONSE']._serialized_start=410
   _globals['_REGISTERBROKERRESPONSE']._serialized_end=484
   _globals['_UNREGISTERBROKERREQUEST']._serialized_start=486
-  _globals['_UNREGISTERBROKERREQUEST']._serialized_end=568
-  _globals['_UNREGISTERBROKERRESPONSE']._serialized_start=570
-  _globals['_UNREGISTERBROKERRESPONSE']._serialized_end=596
-  _globals['_GETROUTEREQUEST']._serialized_start=598
-  _globals['_GETROUTEREQUEST']._serialized_end=630
-  _globals['_BROKERQUEUES']._serialized_start=633
-  _globals['_BROKERQUEUES']._serialized_end=800
-  _globals['_TOPICROUTE']._serialized_start=802
-  _globals['_TOPICROUTE']._serialized_end=876
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=878
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=901
-  _globals['_BROKERINFO']._serialized_start=903
-  _globals['_BROKERINFO']._serialized_end=994
-  _globals['_CLUSTERINFO']._serialized_start=996
-  _globals['_CLUSTERINFO']._serialized_end=1054
-  _globals['_NAMESERVER']._serialized_start=1057
-  _globals['_NAMESERVER']._serialized_end=1428
+  _globals['_UNREGISTERBROKERREQUEST']._serialized_end=612
+  _globals['_UNREGISTERBROKERRESPONSE']._serialized_start=614
+  _globals['_UNREGISTERBROKERRESPONSE']._serialized_end=640
+  _globals['_GETROUTEREQUEST']._serialized_start=642
+  _globals['_GETROUTEREQUEST']._serialized_end=674
+  _globals['_BROKERQUEUES']._serialized_start=677
+  _globals['_BROKERQUEUES']._serialized_end=844
+  _globals['_TOPICROUTE']._serialized_start=846
+  _globals['_TOPICROUTE']._serialized_end=920
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=922
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=945
+  _globals['_BROKERINFO']._serialized_start=947
+  _globals['_BROKERINFO']._serialized_end=1038
+  _globals['_CLUSTERINFO']._serialized_start=1040
+  _globals['_CLUSTERINFO']._serialized_end=1098
+  _globals['_NAMESERVER']._serialized_start=1101
+  _globals['_NAMESERVER']._serialized_end=1472
 # @@protoc_insertion_point(module_scope)

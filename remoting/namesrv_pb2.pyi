@@ -55,14 +55,16 @@ class RegisterBrokerResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., expiry_ms: _Optional[int] = ...) -> None: ...
 
 class UnregisterBrokerRequest(_message.Message):
-    __slots__ = ("cluster", "broker_name", "broker_id")
+    __slots__ = ("cluster", "broker_name", "broker_id", "endpoint")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     BROKER_NAME_FIELD_NUMBER: _ClassVar[int]
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     broker_name: str
     broker_id: int
-    def __init__(self, cluster: _Optional[str] = ..., broker_name: _Optional[str] = ..., broker_id: _Optional[int] = ...) -> None: ...
+    endpoint: Endpoint
+    def __init__(self, cluster: _Optional[str] = ..., broker_name: _Optional[str] = ..., broker_id: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ...) -> None: ...
 
 class UnregisterBrokerResponse(_message.Message):
     __slots__ = ()

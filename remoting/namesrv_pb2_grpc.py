@@ -67,7 +67,8 @@ class NameServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterBroker(self, request, context):
-        """Forget a broker at once (clean shutdown). Unknown brokers are not an error.
+        """Forget a broker at once (clean shutdown, a change of broker id) if its entry still names the
+        request's endpoint. Unknown brokers, or an entry another broker now holds, are not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,10 +62,39 @@ def test_routes_come_from_any_namesrv_a_broker_registered_with(two_namesrvs) -> 
         assert one.route("nope") is None
         assert len(one.cluster_info().brokers) == 2
         one.close()
-    client.unregister("c1", "b1", 0)
+    client.unregister("c1", "b1", 0, pb.Endpoint(host="127.0.0.1", port=8081))
     route = client.route("orders")
     assert route is not None and [b.broker_name for b in route.brokers] == ["b2"]
     assert client.route("audit") is None
+    client.close()
+
+
+def test_a_deposed_masters_late_unregister_leaves_the_new_masters_route(two_namesrvs) -> None:
+    """Failover in one group: master A (id 0, port 8081) is deposed, B (port 8082) is elected and
+    registers as id 0, and only then does A's unregister of id 0 arrive (A steps down to its
+    member id, or shuts down while fenced). The NameServers key entries by (cluster, name, id), so
+    that unregister used to remove B's entry: clients had no route to the group's master until
+    B's next heartbeat, up to ``heartbeat_interval_ms`` (30 s) later. It must leave B alone, and
+    A's own entry under its member id, and still forget an entry that names A."""
+    a, b = pb.Endpoint(host="127.0.0.1", port=8081), pb.Endpoint(host="127.0.0.1", port=8082)
+    client = NameServerClient(two_namesrvs)
+    assert client.register(registration("g1", 8081, ("orders", 4))) == 2  # A, master
+    new_master = registration("g1", 8082, ("orders", 4))
+    assert client.register(new_master) == 2  # B elected: id 0 is now B's
+    a_as_slave = registration("g1", 8081, ("orders", 4))
+    a_as_slave.broker_id = 1
+    assert client.register(a_as_slave) == 2
+    client.unregister("c1", "g1", 0, a)  # A's late unregister of the id it held
+    for addr in two_namesrvs:
+        one = NameServerClient([addr])
+        route = one.route("orders")
+        assert route is not None
+        assert [(x.broker_id, x.endpoint.port) for x in route.brokers] == [(0, 8082), (1, 8081)]
+        one.close()
+    # An unregister that names the entry's own endpoint still removes it at once.
+    client.unregister("c1", "g1", 1, a)
+    client.unregister("c1", "g1", 0, b)
+    assert client.route("orders") is None
     client.close()
 
 
@@ -79,6 +108,22 @@ def test_a_registration_without_an_endpoint_is_invalid(two_namesrvs) -> None:
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     channel.close()
+
+
+def test_an_unregister_without_an_endpoint_is_invalid(two_namesrvs) -> None:
+    """Without the endpoint the NameServer cannot tell whose entry it would remove."""
+    client = NameServerClient(two_namesrvs[:1])
+    assert client.register(registration("b1", 8081, ("orders", 4))) == 1
+    channel = grpc.insecure_channel(two_namesrvs[0])
+    stub = namesrv_server.pb_grpc.NameServerStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UnregisterBroker(pb.UnregisterBrokerRequest(cluster="c1", broker_name="b1"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "endpoint" in (e.value.details() or "")
+    route = client.route("orders")
+    assert route is not None and [b.endpoint.port for b in route.brokers] == [8081]
+    channel.close()
+    client.close()
 
 
 def test_health_says_serving(two_namesrvs) -> None:
