@@ -78,6 +78,21 @@ def wanted(expected: list[dict[str, Any]]) -> list[tuple[int, int, bytes]]:
     return sorted((r["queue_id"], r["queue_offset"], r["body"]) for r in expected)
 
 
+def first_archive(
+    tmp_path: Path, tier_url: str, options: dict[str, Any]
+) -> list[tuple[int, int, bytes]]:
+    """The topic's first archive: 200 messages of one queue in segments of 50, offloaded; the
+    rows an export of it must give."""
+    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
+                         segment_messages=50)  # fmt: skip
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+        return wanted(expected_rows(first.messages(TOPIC)))
+    finally:
+        first.close()
+
+
 def archived_again(
     s3: S3Endpoint, bucket: str, tmp_path: Path, tier_url: str, options: dict[str, Any]
 ) -> Archive:
@@ -355,14 +370,7 @@ def test_a_topic_archived_again_from_offset_zero_is_refused_not_dropped_or_mixed
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
     lake = tmp_path / "lake"
     config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
-    try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
-        old = wanted(expected_rows(first.messages(TOPIC)))
-    finally:
-        first.close()
+    old = first_archive(tmp_path, tier_url, options)
     assert Export(spark, config).run(once=True, timeout=300).rows == 200
     assert table_rows(lake) == old
 
@@ -404,14 +412,7 @@ def test_an_archive_re_created_at_the_same_manifest_version_under_a_batch_is_nam
     config = ExportConfig(
         tier_url, str(lake), [TOPIC], tier_options=options, max_segments_per_trigger=1
     )
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
-    try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
-        old = wanted(expected_rows(first.messages(TOPIC)))
-    finally:
-        first.close()
+    old = first_archive(tmp_path, tier_url, options)
     store = open_store(tier_url, options)
     old_version = max(ManifestLog(store, A.prefix).versions())
     job = Export(spark, config)
@@ -454,14 +455,7 @@ def test_a_re_created_archive_whose_retention_passed_the_exported_offset_is_not_
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
     lake = tmp_path / "lake"
     config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
-    try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
-        old = wanted(expected_rows(first.messages(TOPIC)))
-    finally:
-        first.close()
+    old = first_archive(tmp_path, tier_url, options)
     assert Export(spark, config).run(once=True, timeout=300).rows == 200
 
     second = archived_again(s3, bucket, tmp_path, tier_url, options)
@@ -498,14 +492,7 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
         tier_url, str(lake), [TOPIC], tier_options=options, trigger_seconds=0.5,
         checkpoint_dir=str(tmp_path / "ckpt"), compact_every_seconds=None,
     )  # fmt: skip
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
-    try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
-        old = wanted(expected_rows(first.messages(TOPIC)))
-    finally:
-        first.close()
+    old = first_archive(tmp_path, tier_url, options)
     store = open_store(tier_url, options)
     old_version = max(ManifestLog(store, A.prefix).versions())
     job = Export(spark, config)
