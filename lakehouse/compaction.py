@@ -25,6 +25,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lakehouse.durable import settle
 from lakehouse.schema import PARTITION_COLUMN
 from lakehouse.tables import LakeTable
 
@@ -54,9 +55,11 @@ def compact_small_files(table: LakeTable, target_file_bytes: int) -> int:
     for day, count in sorted(counts.items()):
         if count < MIN_SMALL_FILES:
             continue
+        before = delta.version()
         metrics = delta.optimize.compact(
             partition_filters=[(PARTITION_COLUMN, "=", day)], target_size=target_file_bytes
         )
+        settle(table.location, before)
         replaced += int(metrics["numFilesRemoved"])
     return replaced
 
@@ -67,7 +70,9 @@ def compact_partition(table: LakeTable, day: str, target_file_bytes: int) -> int
     delta = table.open()
     if delta is None:
         return 0
+    before = delta.version()
     metrics = delta.optimize.compact(
         partition_filters=[(PARTITION_COLUMN, "=", day)], target_size=target_file_bytes
     )
+    settle(table.location, before)
     return int(metrics["numFilesRemoved"])

@@ -187,7 +187,7 @@ class Export:
         once per run, then only the log's new commits are read."""
         table = self._tables.get(topic)
         if table is None:
-            table = self._tables[topic] = LakeTable(self.lake, topic).open()
+            table = self._tables[topic] = LakeTable(self.lake, topic).open_for_export()
         else:
             table.update_incremental()
         return table
@@ -314,7 +314,7 @@ class Export:
         """Stop the queues of a table this export cannot append to (an older row format)."""
         for topic in sorted({q.topic for q in queues}):
             table = LakeTable(self.lake, topic)
-            delta = self._tables[topic] = table.open()
+            delta = self._tables[topic] = table.open_for_export()
             if delta is None:
                 continue
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lakehouse.durable import settle
 from lakehouse.locations import Location
 from lakehouse.status import lake_topics
 from lakehouse.tables import LakeTable
@@ -43,10 +44,12 @@ def maintain(
 ) -> list[MaintainResult]:
     out = []
     for topic in topics or lake_topics(lake):
-        delta = LakeTable(lake, topic).open()
+        table = LakeTable(lake, topic)
+        delta = table.open()
         if delta is None:
             raise FileNotFoundError(f"{lake.url}/{topic}: no Delta table")
         added = removed = 0
+        before = delta.version()
         if not dry_run:
             metrics = delta.optimize.compact(target_size=target_size)
             added, removed = int(metrics["numFilesAdded"]), int(metrics["numFilesRemoved"])
@@ -58,5 +61,8 @@ def maintain(
         )
         if not dry_run:
             delta.create_checkpoint()
+            # The checkpoint is of the newest version, which is ``before`` itself when nothing
+            # was compacted: settle from the one before it.
+            settle(table.location, before - 1)
         out.append(MaintainResult(topic, removed, added, len(vacuumed), delta.version()))
     return out

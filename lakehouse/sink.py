@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,12 +41,14 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 from fsspec.implementations.local import LocalFileSystem
 
+from lakehouse.durable import ACTIONS_KEY, settle, sync_file
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.source import SegmentSlice, SlicePack, read_slices
 from lakehouse.tables import LakeTable, app_id
 from lakehouse.tier import QueueRef
 from tiered.cold.storage import StorageError
+from tiered.durable import make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,7 @@ class _OpenFile:
     relative: str
     stream: Any
     writer: pq.ParquetWriter
+    local: str | None  # the file's path on a local lake, fsynced at close
     rows: int = 0
     arrow_bytes: int = 0
     queues: dict[str, _QueueRange] = field(default_factory=dict)
@@ -187,6 +191,11 @@ class _OpenFile:
         self.writer.close()
         size = self.stream.tell()
         self.stream.close()
+        if self.local is not None:
+            # Durable before the driver's commit names it (decision 1270): delta-rs fsyncs
+            # nothing of a local table, and a commit naming a file a power loss took back
+            # makes every read of the table fail.
+            sync_file(self.local)
         stats = {
             "numRecords": self.rows,
             "minValues": {k: _stat_value(v, False) for k, v in self.mins.items()},
@@ -320,12 +329,16 @@ class ParquetWriterTask:
     def open(self, fs: Any, root: str, topic: str, day: str) -> _OpenFile:
         relative = f"{PARTITION_COLUMN}={day}/part-{self.batch_id:06d}-{uuid.uuid4().hex}.parquet"
         directory = f"{root}/{topic}/{PARTITION_COLUMN}={day}"
-        fs.makedirs(directory, exist_ok=True)
         path = f"{root}/{topic}/{relative}"
+        local = isinstance(fs, LocalFileSystem)
+        if local:
+            make_dirs(Path(directory))  # the partition's name durable before a commit names it
+        else:
+            fs.makedirs(directory, exist_ok=True)
         # A local lake is written through Arrow's own file (C++, no GIL per write); fsspec's
         # Python file cost a Python call per column chunk, which the task's fetch threads
         # waited on.
-        stream = pa.OSFile(path, "wb") if isinstance(fs, LocalFileSystem) else fs.open(path, "wb")
+        stream = pa.OSFile(path, "wb") if local else fs.open(path, "wb")
         writer = pq.ParquetWriter(
             stream,
             FILE_SCHEMA,
@@ -333,7 +346,7 @@ class ParquetWriterTask:
             use_dictionary=_DICTIONARY_COLUMNS,
             write_statistics=_PARQUET_STATS_COLUMNS,
         )
-        return _OpenFile(topic, day, relative, stream, writer)
+        return _OpenFile(topic, day, relative, stream, writer, path if local else None)
 
 
 class _FileSet:
@@ -471,6 +484,7 @@ def commit_files(
         )
         for f in keep
     ]
+    before = delta.version()
     try:
         delta.create_write_transaction(
             actions,
@@ -479,6 +493,9 @@ def commit_files(
             partition_by=[PARTITION_COLUMN],
             commit_properties=CommitProperties(
                 custom_metadata={
+                    # How many add and txn lines follow: what tells a commit a power loss cut
+                    # at a line's end from a whole one (lakehouse/durable.py).
+                    ACTIONS_KEY: str(len(actions) + len(offsets)),
                     "tmq.exportBatchId": str(batch_id),
                     "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
                 },
@@ -502,6 +519,7 @@ def commit_files(
             "export` with another --checkpoint): stop all but one, then run it again (it "
             "resumes where the table says)"
         ) from None
+    settle(table.location, before)
     delta.update_incremental()
     for key, version in offsets.items():
         landed = delta.transaction_version(app_id(QueueRef.parse(key)))

@@ -19,6 +19,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import TableNotFoundError
 
+from lakehouse.durable import make_table_dir, set_aside_torn_head, settle
 from lakehouse.locations import Location
 from lakehouse.schema import DELIVER_COLUMN, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.tier import QueueRef
@@ -59,14 +60,22 @@ class LakeTable:
         except TableNotFoundError:
             return None
 
+    def open_for_export(self) -> DeltaTable | None:
+        """``open`` for the exporter, the table's writer: a newest commit a power loss tore is
+        moved aside first (lakehouse/durable.py), so the table opens as of the commit before
+        it and the export writes the torn commit's rows again."""
+        set_aside_torn_head(self.location)
+        return self.open()
+
     def open_or_create(self) -> DeltaTable:
-        table = self.open()
+        table = self.open_for_export()
         if table is not None:
             self.check_row_version(table)
             self.add_deliver_column(table)
             return table
+        make_table_dir(self.location)
         # mode="ignore": if a concurrent exporter created it first, this is a no-op.
-        return DeltaTable.create(
+        created = DeltaTable.create(
             self.uri,
             TABLE_SCHEMA,
             mode="ignore",
@@ -76,6 +85,8 @@ class LakeTable:
             configuration=TABLE_PROPERTIES,
             storage_options=self.location.delta_options() or None,
         )
+        settle(self.location, -1)
+        return created
 
     def check_row_version(self, table: DeltaTable) -> None:
         """Refuse to append to a table of row version 1 (``keys`` one string, ``born_ts`` never
@@ -91,8 +102,7 @@ class LakeTable:
                 "tier, from the oldest message the tier still retains"
             )
 
-    @staticmethod
-    def add_deliver_column(table: DeltaTable) -> None:
+    def add_deliver_column(self, table: DeltaTable) -> None:
         """A table created before ``deliver_ts`` existed gains it (nullable, so its older rows
         read null): appending the same column twice is refused by Delta, so a concurrent
         exporter that added it first is no error."""
@@ -100,10 +110,12 @@ class LakeTable:
             return
         from deltalake.schema import Field, PrimitiveType
 
+        before = table.version()
         try:
             table.alter.add_columns(
                 Field(DELIVER_COLUMN, PrimitiveType("timestamp"), nullable=True)
             )
+            settle(self.location, before)
         except Exception:
             table.update_incremental()
             if DELIVER_COLUMN not in table.schema().to_arrow().names:
