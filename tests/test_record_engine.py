@@ -1129,3 +1129,63 @@ def test_a_str_subclass_property_name_that_changes_the_dict_in_a_lookup_is_safe(
         got[engine] = run.stdout
     assert got["native"] == got["python"]
     assert "['tag-value']" in got["native"]
+
+
+@SETTINGS
+@given(
+    st.lists(MESSAGES, max_size=30),
+    st.integers(0, 7),
+    st.integers(0, 3000),
+    st.integers(8, 60_000),
+    st.sampled_from([("10.0.0.9", 10911), ("2001:db8::7", 8081)]),
+)
+def test_encode_batch_checks_stop_where_first_unchecked_stops(
+    messages: list[Message], max_queue_id: int, max_body: int, space: int, store: Any
+) -> None:
+    """With ``checks`` (decision 1230), each engine's encode stops at the message its own
+    ``first_unchecked`` stops at (or earlier, where the space ends), and the two engines encode
+    the same bytes and dispatch fields; without them, what it encodes is unchanged."""
+    topics = {m.topic for m in messages[1::2]}
+    checks = (topics, max_queue_id, max_body)
+    results = []
+    for engine in (NATIVE, PY):
+        out = EncodedBatch(store_timestamp=1_700_000_000_123)
+        nxt: dict[tuple[str, int], int] = {}
+        i, used = engine.encode_batch(
+            RecordEncoder(store), messages, 0, 4096, space, nxt, {}, out, None, checks
+        )
+        stop = engine.first_unchecked(messages, 0, topics, max_queue_id, max_body)
+        plain = EncodedBatch(store_timestamp=1_700_000_000_123)
+        j, _ = engine.encode_batch(
+            RecordEncoder(store), messages[:stop], 0, 4096, space, {}, {}, plain
+        )
+        assert i == j <= stop
+        assert b"".join(out.parts) == b"".join(plain.parts)
+        results.append((i, used, b"".join(out.parts), nxt, columns(engine, out, i > 0)))
+    assert results[0] == results[1]
+
+
+def test_encode_batch_checks_stop_at_each_kind_of_unchecked_message() -> None:
+    good = Message(topic="known", body=b"b" * 10, queue_id=3)
+    odd = {
+        "unknown topic": Message(topic="other", body=b"b", queue_id=3),
+        "queue id over": Message(topic="known", body=b"b", queue_id=9),
+        "queue id negative": Message(topic="known", body=b"b", queue_id=-1),
+        "body over": Message(topic="known", body=b"b" * 11, queue_id=3),
+    }
+    for name, m in odd.items():
+        for engine in (NATIVE, PY):
+            out = EncodedBatch()
+            i, _ = engine.encode_batch(
+                RecordEncoder(),
+                [good, good, m, good],
+                0,
+                0,
+                1 << 20,
+                {},
+                {},
+                out,
+                None,
+                ({"known"}, 8, 10),
+            )
+            assert (i, len(out.offsets)) == (2, 2), (name, engine)

@@ -641,3 +641,136 @@ cdef int64_t _append_one(NativeBatchGate gate, commitlog, list one, batch, clock
         commitlog._track(last)
     commitlog.last_store_timestamp = store_ts
     return end
+
+
+# ``put_batch``'s Python pieces, given once by ``tiered.hot.commitlog`` (``bind_put``): the
+# batch and result classes, and the store's clock.
+cdef object _EncodedBatch = None
+cdef object _AppendBatch = None
+cdef object _clock = None
+
+
+def bind_put(encoded_batch, append_batch, clock):
+    global _EncodedBatch, _AppendBatch, _clock
+    _EncodedBatch = encoded_batch
+    _AppendBatch = append_batch
+    _clock = clock
+
+
+def put_batch(store, messages, tuple checks):
+    """``MessageStore.put_messages`` of a ``Message`` list under ASYNC flush, in one native call
+    (decision 1230): the store's state checks, the put lock, the store timestamp, the room
+    check inline (decision 735), the encode with ``first_unchecked``'s checks made in its walk
+    (``checks``: its topics, max queue id and max body) and the write of the batch by the
+    encoder without the GIL (decisions 452, 1040), then the publication ``CommitLog.append``
+    makes (``wrote``, the queue offsets, ``on_append``, the tracked file, the last store
+    timestamp), the dispatcher's wake-up and the append listeners. Returns the
+    ``AppendBatch``, or None when it declined before anything was published: not a list of
+    two or more, the store not running or a replica, failed, dispatch stuck or lagging, no open
+    file, a roll needed, a stale room measurement, a message the checks stop at or the encoder
+    refuses. ``put_messages`` then does the whole send, and raises what it raises. Raises only
+    what ``CommitLog.append`` raises for the same state once it has written (a failed write)."""
+    cdef Py_ssize_t n
+    cdef NativeFlushLock put_lock
+    cdef pthread_mutex_t* pm
+    if type(messages) is not list:
+        return None
+    n = len(<list>messages)
+    if n < 2 or not store._running or store._replica:
+        return None
+    commitlog = store.commitlog
+    if commitlog.failed is not None:
+        return None
+    dispatcher = store.dispatcher
+    if dispatcher is None or dispatcher.stuck is not None:
+        return None
+    files = commitlog.files.files
+    if not files:
+        return None
+    if files[len(files) - 1].end_offset - dispatcher.reput_offset > store.config.max_dispatch_lag_bytes:
+        return None  # the back-pressure wait: in Python
+    put_lock = commitlog._put_lock
+    pm = &put_lock._mutex
+    if pthread_mutex_trylock(pm) != 0:
+        with nogil:
+            pthread_mutex_lock(pm)
+    try:
+        batch = _put_locked(commitlog, <list>messages, n, checks)
+    finally:
+        pthread_mutex_unlock(pm)
+    if batch is None:
+        return None
+    dispatcher._wakeup.set()
+    listeners = store._append_listeners
+    if listeners:
+        end = batch.end_offset
+        for listener in listeners:
+            listener(end)
+    return _AppendBatch([batch])
+
+
+cdef object _put_locked(commitlog, list messages, Py_ssize_t n, tuple checks):
+    """``put_batch``'s part under the put lock: ``CommitLog.append``'s common case, a batch that
+    fits the open file, with the encoder offered the file. The batch, or None (declined)."""
+    cdef int64_t store_ts, file_from, wrote, size, charge, appended, end
+    cdef Py_ssize_t i, used
+    if commitlog.failed is not None:
+        return None
+    store_ts = _clock()
+    files = commitlog.files.files
+    if not files:
+        return None
+    last = files[len(files) - 1]
+    file_from = last.from_offset
+    wrote = last.wrote
+    size = commitlog.files.file_size
+    room = commitlog.room
+    # ``CommitLog.append``'s bound for offering the file to the encoder: a batch written before
+    # its own charge is known must be covered by a fresh measurement (decision 680).
+    if not (
+        store_ts < room.fresh_until
+        and room.appended + n * room.cq_file_cost + (size - wrote) // 2 * room.entry_cost
+        <= room.limit
+    ):
+        return None
+    sink = last.append_sink()
+    if sink is None:
+        return None
+    batch = _EncodedBatch([], [], [], [], [], [], [], [], store_ts)
+    next_offsets = {}
+    try:
+        # The record engine's own function (decision 1020), as the CommitLog holds it.
+        i, used = commitlog.engine_encode(
+            commitlog._encoder, messages, 0, file_from + wrote, size - wrote, next_offsets,
+            commitlog.queue_offsets, batch, sink, checks
+        )
+    except OSError as e:
+        raise commitlog._write_failed(last, e) from e
+    except Exception:
+        return None  # nothing written: the Python path raises it, wrapped as it wraps it
+    if i != n:
+        return None  # a roll, or a message to check one by one
+    end = file_from + wrote + used
+    charge = batch.cq_starts * room.cq_file_cost + batch.index_entries * room.entry_cost
+    if batch.written:
+        room.add(charge, end)
+        last.wrote = wrote + used
+    else:  # under 16 KiB: written through the mapping, as ``CommitLog._write`` writes
+        if charge:
+            appended = room.appended + charge
+            if store_ts < room.fresh_until and appended <= room.limit:
+                room.appended = appended
+                room.open_end = end
+                if appended >= room.next_mark:
+                    room.close_mark()
+            else:
+                room.take(charge, end, store_ts)
+        commitlog._write(last, batch)  # moves ``wrote``
+    commitlog.queue_offsets.update(next_offsets)
+    on_append = commitlog.on_append
+    if on_append is not None:
+        on_append(batch)
+    if last is not commitlog._tracked:
+        commitlog._track(last)
+    commitlog.last_store_timestamp = store_ts
+    return batch
