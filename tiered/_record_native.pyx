@@ -455,12 +455,8 @@ cdef inline int64_t _first_offset(dict next_offsets, dict base_offsets, key) exc
 
 
 def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, int64_t space,
-                 dict next_offsets, dict base_offsets, out, sink=None, tuple checks=None):
+                 dict next_offsets, dict base_offsets, out, sink=None):
     """``RecordEncoder.encode_batch``: the records go to ``out.parts`` as one bytes object.
-
-    With ``checks`` (``first_unchecked``'s topics, max queue id and max body), the first message
-    ``first_unchecked`` would stop at ends the call as one that does not fit would (decision
-    1230): the native ``put_batch`` makes the store's checks in this walk, not in one of its own.
 
     With ``sink`` (``MappedFile.append_sink``: descriptor, mapping, position, failpoint or
     None), a batch that fits whole and is large enough to be written without the GIL is written
@@ -509,17 +505,9 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
     cdef bint same_host
     cdef PyObject* named[4]
     cdef object tag_v, keys_v, uniq_v
-    # ``first_unchecked``'s checks (see above), its last topic found valid held as it holds it.
-    cdef set check_topics = None
-    cdef Py_ssize_t max_qid = 0, max_body = 0
-    cdef object checked = None
     if type(messages) is RecordSpans:
-        if checks is not None:
-            raise TypeError("checks are made of a Message list only")
         return _encode_spans(encoder, messages, start, physical_offset, space, next_offsets,
                              base_offsets, out, sink)
-    if checks is not None:
-        check_topics, max_qid, max_body = checks
     if count <= start:
         return start, 0
     recs = <Rec*>malloc(sizeof(Rec) * (count - start))
@@ -534,18 +522,6 @@ def encode_batch(encoder, messages, Py_ssize_t start, int64_t physical_offset, i
             fast = _slots_ok and type(m) is Message
             r = &recs[n]
             topic = _field(m, fast, 0)
-            if check_topics is not None:
-                if topic is not checked:
-                    if not PyUnicode_Check(topic) or topic not in check_topics:
-                        break
-                    if PyUnicode_CheckExact(topic):  # a subclass may hash or compare its own way
-                        checked = topic
-                queue_id = _field(m, fast, 2)
-                if type(queue_id) is not int or not 0 <= queue_id <= max_qid:
-                    break
-                body = _field(m, fast, 1)
-                if not PyBytes_CheckExact(body) or PyBytes_GET_SIZE(body) > max_body:
-                    break
             if <PyObject*>topic == last_topic:
                 tpart = last_tpart
             else:

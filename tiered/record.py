@@ -487,21 +487,11 @@ class RecordEncoder:
         next_offsets: dict[tuple[str, int], int],
         base_offsets: dict[tuple[str, int], int],
         out: EncodedBatch,
-        sink: None = None,
-        checks: tuple[set[str], int, int] | None = None,
     ) -> tuple[int, int]:
         """The reference implementation of ``encode_batch``: one ``struct.pack`` and one CRC
         call per record, everything else cached. ``RecordSpans`` are encoded as the ``Message``
-        objects they stand for (the native engine reads them in place). It never writes a
-        ``sink``. ``checks`` (``first_unchecked``'s topics, max queue id and max body): the
-        first message ``first_unchecked`` stops at ends the call as one that does not fit
-        would (the native engine makes the checks in its walk, decision 1230)."""
-        count = len(messages)
-        if checks is not None:
-            if isinstance(messages, RecordSpans):
-                raise TypeError("checks are made of a Message list only")
-            count = first_unchecked_py(messages, start, *checks)
-        elif isinstance(messages, RecordSpans):
+        objects they stand for (the native engine reads them in place)."""
+        if isinstance(messages, RecordSpans):
             messages = messages.messages()
         pack = _V4_RECORD_HEAD.pack
         store_ts = out.store_timestamp
@@ -514,6 +504,7 @@ class RecordEncoder:
         entries = starts = 0
         used = 0
         i = start
+        count = len(messages)
         while i < count:
             m = messages[i]
             topic = m.topic

@@ -59,7 +59,6 @@ from tiered.hot.consume_queue import UnreadableEntryError as UnreadableEntryErro
 from tiered.hot.data_dir import DataDir
 from tiered.hot.data_dir import DataDirLockedError as DataDirLockedError
 from tiered.hot.dispatcher import Dispatcher
-from tiered.hot.group_commit import native_put_batch
 from tiered.hot.index_file import IndexFile, IndexService
 
 # What start() raises, for callers above tiered (they never import tiered.hot).
@@ -393,10 +392,6 @@ class MessageStore:
         self._replica = False
         # The native single send (decision 820) is there: the native group commit gate.
         self._sync_native = self.commitlog.has_native_send
-        # The native ``put_messages`` of an ASYNC ``Message`` batch (decision 1230), given the
-        # checks ``first_unchecked`` makes; None under SYNC and with the reference gate.
-        self._put_batch = native_put_batch() if config.flush != "sync" else None
-        self._put_checks = (_TOPIC_CHECK_CACHE, MAX_QUEUE_ID, config.max_message_size)
         self._dispatch_coalesce_s = 0.001
         # Where queues continue above their local end (``start_queue_at``, decision 720).
         self.queue_floors: dict[tuple[str, int], int] = {}
@@ -1066,13 +1061,6 @@ class MessageStore:
         they are as durable as the flush mode promises: fsynced under SYNC, in the page cache
         under ASYNC. ``messages`` may be a ``RecordSpans`` batch (decision 700), checked as its
         ``messages()`` would be."""
-        put = self._put_batch
-        if put is not None:
-            # The common ASYNC batch in one native call (decision 1230); None when it declined
-            # with nothing stored, and the send below does it all, its errors included.
-            done: AppendBatch | None = put(self, messages, self._put_checks)
-            if done is not None:
-                return done
         if not self._running:
             raise StoreNotRunningError("the store is not running")
         if self.commitlog.failed is not None:

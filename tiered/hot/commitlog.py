@@ -29,7 +29,7 @@ from tiered import failpoints
 from tiered.config import StoreConfig
 from tiered.durable import fsync_dir, make_dirs, write_file
 from tiered.formats import CQ_ENTRY_SIZE
-from tiered.hot.group_commit import GroupCommitService, bind_native_put, new_put_lock
+from tiered.hot.group_commit import GroupCommitService, new_put_lock
 from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
 from tiered.hot.index_file import HEADER_SIZE as INDEX_HEADER_SIZE
 from tiered.hot.mapped_file import (
@@ -173,9 +173,6 @@ def free_bytes(directory: Path) -> int:
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
-
-# The native ``put_messages`` of an ASYNC batch (decision 1230) makes these.
-bind_native_put(EncodedBatch, AppendBatch, now_ms)
 
 _PAGE = 4096
 # The free-space figure is measured again at least this often, so that space another writer

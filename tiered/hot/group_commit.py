@@ -214,20 +214,6 @@ def new_put_lock() -> AbstractContextManager[Any]:
     return _NATIVE.NativeFlushLock() if _NATIVE is not None else threading.Lock()
 
 
-def native_put_batch() -> Callable[..., Any] | None:
-    """The native ``put_messages`` of an ASYNC ``Message`` batch (decision 1230): it takes the
-    CommitLog's put lock, a ``NativeFlushLock``. None with the reference gate (and its
-    ``threading.Lock``): the store's Python path is then the whole send."""
-    return _NATIVE.put_batch if _NATIVE is not None else None
-
-
-def bind_native_put(encoded_batch: type, append_batch: type, clock: Callable[[], int]) -> None:
-    """Give ``native_put_batch`` the classes it makes and the store's clock (the CommitLog's
-    module defines them, and imports this one)."""
-    if _NATIVE is not None:
-        _NATIVE.bind_put(encoded_batch, append_batch, clock)
-
-
 def new_wakeup() -> Wakeup:
     """An event a native flusher sets without the GIL (a ``CountedEvent`` without it)."""
     return _NATIVE.NativeWakeup() if _NATIVE is not None else CountedEvent()
