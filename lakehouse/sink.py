@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -43,7 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.source import SegmentSlice, SlicePack, read_slices
-from lakehouse.tables import LakeTable, app_id
+from lakehouse.tables import LakeTable, app_id, archive_app_id, archive_version
 from lakehouse.tier import QueueRef
 from tiered.cold.storage import StorageError
 
@@ -414,6 +414,18 @@ class CommitResult:
     partitions: dict[str, int] = field(default_factory=dict)  # store_date -> files committed
 
 
+def _transactions(offsets: dict[str, int], archives: Mapping[str, str]) -> list[Transaction]:
+    """Each queue's exported offset, and the archive its rows came from where it is known."""
+    now = int(time.time() * 1000)
+    out = []
+    for key, offset in sorted(offsets.items()):
+        queue = QueueRef.parse(key)
+        out.append(Transaction(app_id(queue), offset, now))
+        if key in archives:
+            out.append(Transaction(archive_app_id(queue), archive_version(archives[key]), now))
+    return out
+
+
 def commit_files(
     lake: Location,
     topic: str,
@@ -421,11 +433,14 @@ def commit_files(
     batch_id: int,
     export_ts_us: int,
     delta: DeltaTable | None = None,
+    archives: Mapping[str, str] | None = None,
 ) -> CommitResult:
     """Commit one topic's files of a batch in one Delta transaction with the queues' new
     exported offsets. ``files`` are metadata rows, one per file and queue. Idempotent: files
     whose rows the table already has are left out (a file is committed whole or not at all).
-    ``delta``: the table as the caller last read it (brought up to date here), not reopened."""
+    ``delta``: the table as the caller last read it (brought up to date here), not reopened.
+    ``archives``: queue key -> the archive id ("" none) of the manifest the queue's slices were
+    planned from, recorded beside its offset in the same commit (decision 1240)."""
     table = LakeTable(lake, topic)
     if delta is None:
         delta = table.open_or_create()
@@ -482,10 +497,7 @@ def commit_files(
                     "tmq.exportBatchId": str(batch_id),
                     "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
                 },
-                app_transactions=[
-                    Transaction(app_id(QueueRef.parse(k)), v, int(time.time() * 1000))
-                    for k, v in sorted(offsets.items())
-                ],
+                app_transactions=_transactions(offsets, archives or {}),
             ),
         )
     except CommitFailedError as e:
