@@ -20,7 +20,7 @@ Table features: only what delta-rs, polars, DuckDB and Spark all read. Protocol 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
@@ -128,29 +128,30 @@ class LakeTable:
                 raise
 
 
-def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:
-    """The next offset to export of each queue that the table has app transactions for."""
+def _versions(
+    table: DeltaTable | None, queues: Iterable[QueueRef], name: Callable[[QueueRef], str]
+) -> dict[str, int]:
+    """The version of each queue's app transaction ``name(queue)``, where the table has one."""
     if table is None:
         return {}
     out = {}
     for queue in queues:
-        version = table.transaction_version(app_id(queue))
+        version = table.transaction_version(name(queue))
         if version is not None:
             out[queue.key] = version
     return out
 
 
+def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:
+    """The next offset to export of each queue that the table has app transactions for."""
+    return _versions(table, queues, app_id)
+
+
 def exported_archives(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, str]:
     """The archive id each queue's exported rows came from ("" for an archive without one), for
     the queues whose table recorded one: a table exported before decision 1240 has none."""
-    if table is None:
-        return {}
-    out = {}
-    for queue in queues:
-        version = table.transaction_version(archive_app_id(queue))
-        if version is not None:
-            out[queue.key] = f"{version:016x}" if version else ""
-    return out
+    recorded = _versions(table, queues, archive_app_id)
+    return {key: f"{version:016x}" if version else "" for key, version in recorded.items()}
 
 
 def exported_segment(table: DeltaTable, queue: QueueRef, offset: int) -> str | None:

@@ -30,9 +30,9 @@ from lakehouse.source import Planner, SegmentSlice, SourceOptions, balanced_pack
 from lakehouse.tables import LakeTable, app_id, archive_app_id
 from lakehouse.tier import ManifestCache, QueueRef
 from offload.verify import FAILURE, OK, verify_queue
-from tiered.cold.manifest import ManifestLog
+from tiered.cold.manifest import ManifestLog, QueueManifest
 from tiered.cold.segment import SegmentError
-from tiered.cold.storage import open_store
+from tiered.cold.storage import ObjectStore, open_store
 from tiered.record import Message
 
 TOPIC = "orders"
@@ -85,14 +85,23 @@ def first_archive(
 ) -> list[tuple[int, int, bytes]]:
     """The topic's first archive: 200 messages of one queue in segments of 50, offloaded; the
     rows an export of it must give."""
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
+    first = growing_first_archive(tmp_path, open_store(tier_url, options))
     try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
         return wanted(expected_rows(first.messages(TOPIC)))
     finally:
         first.close()
+
+
+def growing_first_archive(tmp_path: Path, store: ObjectStore) -> Archive:
+    """``first_archive`` left open, to produce and offload more (the caller closes it)."""
+    first = Archive.open(tmp_path / "hot1", store, queues=1, segment_messages=50)
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+    except BaseException:
+        first.close()
+        raise
+    return first
 
 
 def archived_again(
@@ -490,10 +499,8 @@ def test_an_archive_without_an_id_exports_on_and_its_re_creation_is_refused(
     store = open_store(tier_url, options)
     lake = tmp_path / "lake"
     config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
-    first = Archive.open(tmp_path / "hot1", store, queues=1, segment_messages=50)
+    first = growing_first_archive(tmp_path, store)
     try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
         # Its manifests as a broker from before archive ids writes them: no id.
         manifests = ManifestLog(store, A.prefix)
         newest = manifests.load()
@@ -539,10 +546,8 @@ def test_a_table_exported_before_archive_ids_records_the_id_at_its_next_commit(
     store = open_store(tier_url, options)
     lake = tmp_path / "lake"
     config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
-    archive = Archive.open(tmp_path / "hot1", store, queues=1, segment_messages=50)
+    archive = growing_first_archive(tmp_path, store)
     try:
-        archive.produce(TOPIC, 200, body_size=100)
-        archive.offload(TOPIC)
         with monkeypatch.context() as older:  # the commits of an export from before the ids
             recorded = sink._transactions
             older.setattr(sink, "_transactions", lambda offsets, _archives: recorded(offsets, {}))
@@ -565,24 +570,18 @@ def test_a_table_exported_before_archive_ids_records_the_id_at_its_next_commit(
         archive.close()
 
 
-def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
-    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
-) -> None:
-    """Decision 1051's refusal, while a continuous export runs: the topic is deleted and
-    re-created under it, its archive wiped and archived again from offset 0, past the offset
-    the table holds. The export used to notice only at its next restart, dropping the new
-    archive's messages below the exported offset as a replay and appending the rest after the
-    old archive's rows. It must stop the queue with the same line, and commit nothing of the
-    new archive, while it keeps running."""
-    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+def stopped_while_running(
+    spark: Any, tmp_path: Path, tier_url: str, options: dict[str, Any], re_create: Any
+) -> str:
+    """A continuous export (trigger 0.5 s) of the topic's first archive (``first_archive``)
+    until it holds its 200 rows; then ``re_create()`` under it. The export must stop the queue,
+    commit nothing of the new archive and keep running; the line it stopped the queue with."""
     lake = tmp_path / "lake"
     config = ExportConfig(
         tier_url, str(lake), [TOPIC], tier_options=options, trigger_seconds=0.5,
         checkpoint_dir=str(tmp_path / "ckpt"), compact_every_seconds=None,
     )  # fmt: skip
     old = first_archive(tmp_path, tier_url, options)
-    store = open_store(tier_url, options)
-    old_version = max(ManifestLog(store, A.prefix).versions())
     job = Export(spark, config)
     runner, errors = run_in_thread(job)
     try:
@@ -591,17 +590,7 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
             assert not errors and time.monotonic() < deadline, errors or "not exported"
             time.sleep(0.2)
         assert table_rows(lake) == old
-
-        # Deleted and re-created under the running export: archived again from 0, to 300.
-        second = archived_again(s3, bucket, tmp_path, tier_url, options)
-        try:
-            for count in (120, 180):  # below the exported offset (200), then past it (300)
-                second.produce(TOPIC, count, body_size=100)
-                second.offload(TOPIC)
-        finally:
-            second.close()
-        # (a manifest version the export has not held: the cache re-reads it)
-        assert max(ManifestLog(store, A.prefix).versions()) > old_version
+        re_create()
         deadline = time.monotonic() + 60
         while A.key not in job.stopped and len(table_rows(lake)) == 200:
             assert not errors and time.monotonic() < deadline, errors or "never noticed"
@@ -615,8 +604,37 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
         runner.join(60)
     assert not runner.is_alive() and not errors, errors
     line = job.stopped[A.key]
-    assert "\n" not in line and "exported up to offset 200 from another archive" in line
-    assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
+    assert "\n" not in line and "exported up to offset 200 from another archive" in line, line
+    assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line, line
+    return line
+
+
+def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1051's refusal, while a continuous export runs: the topic is deleted and
+    re-created under it, its archive wiped and archived again from offset 0, past the offset
+    the table holds. The export used to notice only at its next restart, dropping the new
+    archive's messages below the exported offset as a replay and appending the rest after the
+    old archive's rows. It must stop the queue with the same line, and commit nothing of the
+    new archive, while it keeps running."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    store = open_store(tier_url, options)
+
+    def re_create() -> None:
+        old_version = max(ManifestLog(store, A.prefix).versions())
+        # Deleted and re-created under the running export: archived again from 0, to 300.
+        second = archived_again(s3, bucket, tmp_path, tier_url, options)
+        try:
+            for count in (120, 180):  # below the exported offset (200), then past it (300)
+                second.produce(TOPIC, count, body_size=100)
+                second.offload(TOPIC)
+        finally:
+            second.close()
+        # (a manifest version the export has not held: the cache re-reads it)
+        assert max(ManifestLog(store, A.prefix).versions()) > old_version
+
+    stopped_while_running(spark, tmp_path, tier_url, options, re_create)
 
 
 def test_a_continuous_export_stops_a_queue_whose_archive_id_changed_while_it_runs(
@@ -628,27 +646,15 @@ def test_a_continuous_export_stops_a_queue_whose_archive_id_changed_while_it_run
     manifest cache sees the id change and the queue stops with decision 1051's line; nothing
     of the new archive is appended, and the export keeps running."""
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
-    lake = tmp_path / "lake"
-    config = ExportConfig(
-        tier_url, str(lake), [TOPIC], tier_options=options, trigger_seconds=0.5,
-        checkpoint_dir=str(tmp_path / "ckpt"), compact_every_seconds=None,
-    )  # fmt: skip
-    old = first_archive(tmp_path, tier_url, options)
-    store = open_store(tier_url, options)
-    manifests = ManifestLog(store, A.prefix)
-    before = manifests.load()
-    job = Export(spark, config)
-    runner, errors = run_in_thread(job)
-    try:
-        deadline = time.monotonic() + 120
-        while len(table_rows(lake)) < 200:
-            assert not errors and time.monotonic() < deadline, errors or "not exported"
-            time.sleep(0.2)
+    manifests = ManifestLog(open_store(tier_url, options), A.prefix)
+    seen: list[QueueManifest] = []
 
-        # Re-created under the running export: archived again to 400 and retention keeping
-        # 200..399, in a scratch prefix whose segments and newest manifest alone are then
-        # copied in, so that the export reads no manifest of the new archive from before its
-        # retention (it would show the new keys below 200, decision 1080's sign).
+    def re_create() -> None:
+        seen.append(manifests.load())
+        # Archived again to 400 and retention keeping 200..399, in a scratch prefix whose
+        # segments and newest manifest alone are then copied in, so that the export reads no
+        # manifest of the new archive from before its retention (it would show the new keys
+        # below 200, decision 1080's sign).
         second = Archive.open(tmp_path / "hot2", open_store(f"s3://{bucket}/scratch", options),
                               queues=1, segment_messages=50)  # fmt: skip
         try:
@@ -665,25 +671,12 @@ def test_a_continuous_export_stops_a_queue_whose_archive_id_changed_while_it_run
         for key in [s.key for s in newest.segments] + [manifest_key]:
             client.copy_object(Bucket=bucket, Key=f"tier/{key}",
                                CopySource={"Bucket": bucket, "Key": f"scratch/{key}"})  # fmt: skip
-        after = manifests.load()
-        assert after.version > before.version and after.start_offset == 200
-        assert after.archive != before.archive
+        seen.append(manifests.load())
+        assert seen[1].version > seen[0].version and seen[1].start_offset == 200
+        assert seen[1].archive != seen[0].archive
 
-        deadline = time.monotonic() + 60
-        while A.key not in job.stopped and len(table_rows(lake)) == 200:
-            assert not errors and time.monotonic() < deadline, errors or "never noticed"
-            time.sleep(0.2)
-        time.sleep(2)  # four more triggers: nothing of the new archive may follow the stop
-        assert table_rows(lake) == old, "nothing of the new archive appended"
-        assert DeltaTable(str(lake / TOPIC)).transaction_version(app_id(A)) == 200
-        assert runner.is_alive() and not errors, errors
-    finally:
-        job.stop()
-        runner.join(60)
-    assert not runner.is_alive() and not errors, errors
-    line = job.stopped[A.key]
-    assert "exported up to offset 200 from another archive" in line, line
-    assert f"has the id {after.archive}, the one exported had {before.archive}" in line, line
+    line = stopped_while_running(spark, tmp_path, tier_url, options, re_create)
+    assert f"has the id {seen[1].archive}, the one exported had {seen[0].archive}" in line, line
 
 
 def test_a_second_export_committing_to_the_table_mid_batch_is_named_not_bare_delta_rs(
