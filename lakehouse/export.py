@@ -50,6 +50,7 @@ from lakehouse.sink import (
     CommitResult,
     ParquetWriterTask,
     commit_files,
+    record_archives,
 )
 from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs, tier_store
 from lakehouse.tables import (
@@ -388,37 +389,52 @@ class Export:
         for topic in sorted({q.topic for q in queues}):
             mine = [q for q in queues if q.topic == topic]
             recorded.update(exported_archives(self._tables.get(topic), mine))
+        unrecorded: dict[str, dict[str, tuple[int, str]]] = {}  # topic -> queue -> record
         for queue, manifest in zip(queues, manifests, strict=True):
             exported = starting.get(queue.key)
             if not exported or queue.key in self.stopped:
                 continue
-            why = self._lineage_break(queue, manifest, exported, recorded.get(queue.key))
+            why, same = self._lineage_break(queue, manifest, exported, recorded.get(queue.key))
             if why is not None:
                 self._refuse_lineage(queue, exported, why)
+            elif same and queue.key not in recorded:
+                unrecorded.setdefault(queue.topic, {})[queue.key] = (exported, manifest.archive)
+        for topic, archives in sorted(unrecorded.items()):
+            # A table exported before archive ids: record them now, where the table's last
+            # row proves the archive, rather than only at the queue's next commit of rows (a
+            # caught-up queue would stay without one until then).
+            table = self._tables.get(topic)
+            try:
+                if table is not None:
+                    record_archives(table, archives)
+            except Exception as e:  # the next commit of each queue records it all the same
+                log.warning("%s: the archive ids were not recorded: %s", topic, _one_line(e))
 
     def _lineage_break(
         self, queue: QueueRef, manifest: QueueManifest, exported: int, recorded: str | None
-    ) -> str | None:
+    ) -> tuple[str | None, bool]:
         """How the tier's archive of ``queue`` is not the one its table was exported from up
         to ``exported`` (``recorded``: the archive id the table holds for it, None if none),
-        or None."""
+        or None; and whether the ids or the table's last row showed it is the same one."""
         if exported > manifest.end_offset:
-            return f"the tier's archive of the queue ends at {manifest.end_offset}"
+            return f"the tier's archive of the queue ends at {manifest.end_offset}", False
         changed = None if recorded is None else archive_changed(recorded, manifest.archive)
         if changed is not None:
-            return changed
+            return changed, False
+        if recorded and recorded == manifest.archive:
+            return None, True  # no row to read
         last = exported - 1
-        if last < manifest.start_offset or (recorded and recorded == manifest.archive):
-            return None  # nothing left to compare, or the same id: no row to read
+        if last < manifest.start_offset:
+            return None, False  # expired: nothing left to compare
         segment = manifest.find(last)
         table = self._tables.get(queue.topic)
         source = None if table is None else exported_segment(table, queue, last)
-        if segment is not None and source is not None and source != segment.key:
-            return (
-                f"its row at offset {last} came from {source}, where the tier now holds "
-                f"{segment.key}"
-            )
-        return None
+        if segment is None or source is None:
+            return None, False
+        if source != segment.key:
+            why = f"its row at offset {last} came from {source}, where the tier now holds"
+            return f"{why} {segment.key}", False
+        return None, True
 
     def _check_replaced(self) -> None:
         """The same refusal while the export runs: a queue whose archive a newer manifest

@@ -426,6 +426,38 @@ def _transactions(offsets: dict[str, int], archives: Mapping[str, str]) -> list[
     return out
 
 
+def record_archives(delta: DeltaTable, archives: Mapping[str, tuple[int, str]]) -> int | None:
+    """Record, in one commit of no files, the archive each queue's rows came from, for queues
+    exported before archive ids (decision 1240) whose last row the caller found in the tier's
+    current archive: queue key -> (its exported offset, that archive's id). The offsets are set
+    again to the same values, so that an export committing to the same queues meanwhile makes
+    delta-rs refuse this commit rather than record an id beside another offset. Queues whose
+    offset moved since the caller read it are left out. The new table version, or None."""
+    delta.update_incremental()
+    live = {
+        key: (offset, archive)
+        for key, (offset, archive) in archives.items()
+        if delta.transaction_version(app_id(QueueRef.parse(key))) == offset
+    }
+    if not live:
+        return None
+    delta.create_write_transaction(
+        [],
+        mode="append",
+        schema=delta.schema(),  # the table's own: this commit changes nothing but transactions
+        partition_by=[PARTITION_COLUMN],
+        commit_properties=CommitProperties(
+            custom_metadata={"tmq.recordArchives": str(len(live))},
+            app_transactions=_transactions(
+                {key: offset for key, (offset, _) in live.items()},
+                {key: archive for key, (_, archive) in live.items()},
+            ),
+        ),
+    )
+    delta.update_incremental()
+    return delta.version()
+
+
 def commit_files(
     lake: Location,
     topic: str,

@@ -536,12 +536,13 @@ def test_an_archive_without_an_id_exports_on_and_its_re_creation_is_refused(
     assert table_rows(lake) == old
 
 
-def test_a_table_exported_before_archive_ids_records_the_id_at_its_next_commit(
+def test_a_table_exported_before_archive_ids_records_the_id_without_rewriting_anything(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decision 1240 with a table written before archive ids (its commits hold only the queues'
-    exported offsets): the export compares nothing, goes on, and records the archive's id
-    beside the offset in its next commit of the queue, rewriting nothing."""
+    exported offsets): the next export, caught up, finds the table's last row in the tier's
+    archive and records that archive's id beside the offset in a commit of no files; then it
+    goes on exporting as before. Nothing is rewritten."""
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
     store = open_store(tier_url, options)
     lake = tmp_path / "lake"
@@ -555,7 +556,15 @@ def test_a_table_exported_before_archive_ids_records_the_id_at_its_next_commit(
         table = DeltaTable(str(lake / TOPIC))
         assert table.transaction_version(app_id(A)) == 200
         assert table.transaction_version(archive_app_id(A)) is None
-        files = set(table.file_uris())
+        files, version = set(table.file_uris()), table.version()
+
+        report = Export(spark, config).run(once=True, timeout=300)
+        assert report.rows == 0 and report.stopped == {}, report.stopped
+        table.update_incremental()
+        made = ManifestLog(store, A.prefix).load().archive
+        assert table.transaction_version(archive_app_id(A)) == int(made, 16) > 0
+        assert table.version() == version + 1 and set(table.file_uris()) == files
+        assert table.transaction_version(app_id(A)) == 200
 
         archive.produce(TOPIC, 100, body_size=100)
         archive.offload(TOPIC)
@@ -563,8 +572,7 @@ def test_a_table_exported_before_archive_ids_records_the_id_at_its_next_commit(
         assert report.rows == 100 and report.stopped == {}, report.stopped
         table.update_incremental()
         assert files < set(table.file_uris()), "the older files kept, none rewritten"
-        made = ManifestLog(store, A.prefix).load().archive
-        assert table.transaction_version(archive_app_id(A)) == int(made, 16) > 0
+        assert table.transaction_version(archive_app_id(A)) == int(made, 16)
         assert table_rows(lake) == wanted(expected_rows(archive.messages(TOPIC)))
     finally:
         archive.close()
