@@ -50,10 +50,18 @@ from lakehouse.sink import (
     CommitResult,
     ParquetWriterTask,
     commit_files,
+    record_archives,
 )
 from lakehouse.source import Planner, SlicePack, SourceOptions, balanced_packs, tier_store
-from lakehouse.tables import LakeTable, TableVersionError, exported_offsets, exported_segment
-from lakehouse.tier import ManifestCache, QueueRef, discover
+from lakehouse.tables import (
+    LakeTable,
+    TableVersionError,
+    exported_archives,
+    exported_offsets,
+    exported_segment,
+)
+from lakehouse.tier import ManifestCache, QueueRef, archive_changed, discover
+from tiered.cold.manifest import QueueManifest
 from tiered.cold.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -205,18 +213,28 @@ class Export:
             .load()
         )
 
-    def _write_batch(self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()) -> None:
+    def _write_batch(
+        self,
+        df: DataFrame,
+        batch_id: int,
+        packs: tuple[SlicePack, ...] = (),
+        archives: dict[str, str] | None = None,
+    ) -> None:
         try:
             if self.config.engine == "delta-spark":
                 self._write_batch_delta_spark(df, batch_id)
             else:
-                self._write_batch_delta_rs(df, batch_id, packs)
+                self._write_batch_delta_rs(df, batch_id, packs, archives)
         except BaseException as e:
             self._error = e
             raise
 
     def _write_batch_delta_rs(
-        self, df: DataFrame, batch_id: int, packs: tuple[SlicePack, ...] = ()
+        self,
+        df: DataFrame,
+        batch_id: int,
+        packs: tuple[SlicePack, ...] = (),
+        archives: dict[str, str] | None = None,
     ) -> None:
         started = time.monotonic()
         export_ts_us = int(time.time() * 1_000_000)
@@ -255,7 +273,9 @@ class Export:
             delta = self._tables.get(topic)
             if delta is None:
                 delta = self._tables[topic] = LakeTable(self.lake, topic).open_or_create()
-            commits.append(commit_files(self.lake, topic, mine, batch_id, export_ts_us, delta))
+            commits.append(
+                commit_files(self.lake, topic, mine, batch_id, export_ts_us, delta, archives)
+            )
         done = time.monotonic()
         report = BatchReport(
             batch_id,
@@ -362,26 +382,59 @@ class Export:
         archive's rows). A queue's tier watermark never goes back, and a segment keeps its
         object key (a fresh suffix per upload) until it expires, so either shows it: the
         archive ends below the exported offset, or the table's last row of the queue came
-        from another object than the one the manifest names for that offset."""
+        from another object than the one the manifest names for that offset. Or the archive id
+        the table recorded beside the offset is not the manifest's (decision 1240): the one
+        sign left when the new archive's retention already passed the exported offset."""
+        recorded: dict[str, str] = {}  # queue key -> the archive its rows came from
+        for topic in sorted({q.topic for q in queues}):
+            mine = [q for q in queues if q.topic == topic]
+            recorded.update(exported_archives(self._tables.get(topic), mine))
+        unrecorded: dict[str, dict[str, tuple[int, str]]] = {}  # topic -> queue -> record
         for queue, manifest in zip(queues, manifests, strict=True):
             exported = starting.get(queue.key)
             if not exported or queue.key in self.stopped:
                 continue
-            last = exported - 1
-            why = None
-            if exported > manifest.end_offset:
-                why = f"the tier's archive of the queue ends at {manifest.end_offset}"
-            elif last >= manifest.start_offset:
-                segment = manifest.find(last)
-                table = self._tables.get(queue.topic)
-                source = None if table is None else exported_segment(table, queue, last)
-                if segment is not None and source is not None and source != segment.key:
-                    why = (
-                        f"its row at offset {last} came from {source}, where the tier now "
-                        f"holds {segment.key}"
-                    )
+            why, same = self._lineage_break(queue, manifest, exported, recorded.get(queue.key))
             if why is not None:
                 self._refuse_lineage(queue, exported, why)
+            elif same and queue.key not in recorded:
+                unrecorded.setdefault(queue.topic, {})[queue.key] = (exported, manifest.archive)
+        for topic, archives in sorted(unrecorded.items()):
+            # A table exported before archive ids: record them now, where the table's last
+            # row proves the archive, rather than only at the queue's next commit of rows (a
+            # caught-up queue would stay without one until then).
+            table = self._tables.get(topic)
+            try:
+                if table is not None:
+                    record_archives(table, archives)
+            except Exception as e:  # the next commit of each queue records it all the same
+                log.warning("%s: the archive ids were not recorded: %s", topic, _one_line(e))
+
+    def _lineage_break(
+        self, queue: QueueRef, manifest: QueueManifest, exported: int, recorded: str | None
+    ) -> tuple[str | None, bool]:
+        """How the tier's archive of ``queue`` is not the one its table was exported from up
+        to ``exported`` (``recorded``: the archive id the table holds for it, None if none),
+        or None; and whether the ids or the table's last row showed it is the same one."""
+        if exported > manifest.end_offset:
+            return f"the tier's archive of the queue ends at {manifest.end_offset}", False
+        changed = None if recorded is None else archive_changed(recorded, manifest.archive)
+        if changed is not None:
+            return changed, False
+        if recorded and recorded == manifest.archive:
+            return None, True  # no row to read
+        last = exported - 1
+        if last < manifest.start_offset:
+            return None, False  # expired: nothing left to compare
+        segment = manifest.find(last)
+        table = self._tables.get(queue.topic)
+        source = None if table is None else exported_segment(table, queue, last)
+        if segment is None or source is None:
+            return None, False
+        if source != segment.key:
+            why = f"its row at offset {last} came from {source}, where the tier now holds"
+            return f"{why} {segment.key}", False
+        return None, True
 
     def _check_replaced(self) -> None:
         """The same refusal while the export runs: a queue whose archive a newer manifest
@@ -651,6 +704,12 @@ class Export:
         committed."""
         start, end = self._live_range(position, end)
         slices = planner.slices(start, end)
+        # The archive each queue's slices were planned from (the manifests ``slices`` just
+        # used): recorded beside its exported offset (decision 1240).
+        archives = {
+            key: self._manifests.get(QueueRef.parse(key), refresh=False).archive
+            for key in {s.queue_key for s in slices}
+        }
         cores = self.spark.sparkContext.defaultParallelism
         packs = tuple(balanced_packs(slices, cores))
         batch_id = self._next_batch_id
@@ -661,7 +720,7 @@ class Export:
             # One Spark task per pack.
             frame = self.spark.range(0, len(packs), 1, max(1, len(packs)))
         try:
-            self._write_batch(frame, batch_id, packs)
+            self._write_batch(frame, batch_id, packs, archives)
         except (ExportError, StorageError):
             raise  # already one line, or the tier's outage (``run`` says so)
         except Exception as e:  # a failed Spark job or commit: one line, no traceback

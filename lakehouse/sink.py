@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -45,7 +45,7 @@ from lakehouse.durable import ACTIONS_KEY, settle, sync_file
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.source import SegmentSlice, SlicePack, read_slices
-from lakehouse.tables import LakeTable, app_id
+from lakehouse.tables import LakeTable, app_id, archive_app_id, archive_version
 from lakehouse.tier import QueueRef
 from tiered.cold.storage import StorageError
 from tiered.durable import make_dirs
@@ -427,6 +427,50 @@ class CommitResult:
     partitions: dict[str, int] = field(default_factory=dict)  # store_date -> files committed
 
 
+def _transactions(offsets: dict[str, int], archives: Mapping[str, str]) -> list[Transaction]:
+    """Each queue's exported offset, and the archive its rows came from where it is known."""
+    now = int(time.time() * 1000)
+    out = []
+    for key, offset in sorted(offsets.items()):
+        queue = QueueRef.parse(key)
+        out.append(Transaction(app_id(queue), offset, now))
+        if key in archives:
+            out.append(Transaction(archive_app_id(queue), archive_version(archives[key]), now))
+    return out
+
+
+def record_archives(delta: DeltaTable, archives: Mapping[str, tuple[int, str]]) -> int | None:
+    """Record, in one commit of no files, the archive each queue's rows came from, for queues
+    exported before archive ids (decision 1240) whose last row the caller found in the tier's
+    current archive: queue key -> (its exported offset, that archive's id). The offsets are set
+    again to the same values, so that an export committing to the same queues meanwhile makes
+    delta-rs refuse this commit rather than record an id beside another offset. Queues whose
+    offset moved since the caller read it are left out. The new table version, or None."""
+    delta.update_incremental()
+    live = {
+        key: (offset, archive)
+        for key, (offset, archive) in archives.items()
+        if delta.transaction_version(app_id(QueueRef.parse(key))) == offset
+    }
+    if not live:
+        return None
+    delta.create_write_transaction(
+        [],
+        mode="append",
+        schema=delta.schema(),  # the table's own: this commit changes nothing but transactions
+        partition_by=[PARTITION_COLUMN],
+        commit_properties=CommitProperties(
+            custom_metadata={"tmq.recordArchives": str(len(live))},
+            app_transactions=_transactions(
+                {key: offset for key, (offset, _) in live.items()},
+                {key: archive for key, (_, archive) in live.items()},
+            ),
+        ),
+    )
+    delta.update_incremental()
+    return delta.version()
+
+
 def commit_files(
     lake: Location,
     topic: str,
@@ -434,11 +478,14 @@ def commit_files(
     batch_id: int,
     export_ts_us: int,
     delta: DeltaTable | None = None,
+    archives: Mapping[str, str] | None = None,
 ) -> CommitResult:
     """Commit one topic's files of a batch in one Delta transaction with the queues' new
     exported offsets. ``files`` are metadata rows, one per file and queue. Idempotent: files
     whose rows the table already has are left out (a file is committed whole or not at all).
-    ``delta``: the table as the caller last read it (brought up to date here), not reopened."""
+    ``delta``: the table as the caller last read it (brought up to date here), not reopened.
+    ``archives``: queue key -> the archive id ("" none) of the manifest the queue's slices were
+    planned from, recorded beside its offset in the same commit (decision 1240)."""
     table = LakeTable(lake, topic)
     if delta is None:
         delta = table.open_or_create()
@@ -499,10 +546,7 @@ def commit_files(
                     "tmq.exportBatchId": str(batch_id),
                     "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
                 },
-                app_transactions=[
-                    Transaction(app_id(QueueRef.parse(k)), v, int(time.time() * 1000))
-                    for k, v in sorted(offsets.items())
-                ],
+                app_transactions=_transactions(offsets, archives or {}),
             ),
         )
     except CommitFailedError as e:

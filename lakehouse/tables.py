@@ -6,6 +6,13 @@ archived queue: ``app_id = "tmq-export:{cluster}/{broker}/{topic}/{queue}"`` and
 once). They are committed in the same transaction as the data files (kafka-delta-ingest's
 pattern), so the table alone says how far the export got: a lost Spark checkpoint costs nothing.
 
+Beside each, the archive those rows came from (decision 1240): ``app_id =
+"tmq-export-archive:{cluster}/{broker}/{topic}/{queue}"`` and ``version`` = the manifest's
+archive id as a number (``tiered.cold.manifest.ARCHIVE_ID``), 0 for an archive without one; set
+in the same commit as the offset, so the two always describe the same rows. Tables exported
+before it have none until their next commit of the queue. (Delta leaves a version's meaning to
+the writer; only this exporter reads these.)
+
 Table features: only what delta-rs, polars, DuckDB and Spark all read. Protocol (1, 2) with
 ``delta.appendOnly``; no deletion vectors, column mapping, timestamp_ntz or liquid clustering.
 """
@@ -13,7 +20,7 @@ Table features: only what delta-rs, polars, DuckDB and Spark all read. Protocol 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
@@ -25,6 +32,7 @@ from lakehouse.schema import DELIVER_COLUMN, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.tier import QueueRef
 
 APP_ID_PREFIX = "tmq-export:"
+ARCHIVE_APP_ID_PREFIX = "tmq-export-archive:"
 TABLE_PROPERTIES = {
     # The export only appends; compaction (maintain) rewrites with data_change=false.
     "delta.appendOnly": "true",
@@ -40,6 +48,16 @@ class TableVersionError(RuntimeError):
 
 def app_id(queue: QueueRef) -> str:
     return APP_ID_PREFIX + queue.key
+
+
+def archive_app_id(queue: QueueRef) -> str:
+    return ARCHIVE_APP_ID_PREFIX + queue.key
+
+
+def archive_version(archive: str) -> int:
+    """An archive id (16 hex digits, below 2**63) as the version of its app transaction; 0 for
+    an archive without one."""
+    return int(archive, 16) if archive else 0
 
 
 class LakeTable:
@@ -122,16 +140,30 @@ class LakeTable:
                 raise
 
 
-def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:
-    """The next offset to export of each queue that the table has app transactions for."""
+def _versions(
+    table: DeltaTable | None, queues: Iterable[QueueRef], name: Callable[[QueueRef], str]
+) -> dict[str, int]:
+    """The version of each queue's app transaction ``name(queue)``, where the table has one."""
     if table is None:
         return {}
     out = {}
     for queue in queues:
-        version = table.transaction_version(app_id(queue))
+        version = table.transaction_version(name(queue))
         if version is not None:
             out[queue.key] = version
     return out
+
+
+def exported_offsets(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, int]:
+    """The next offset to export of each queue that the table has app transactions for."""
+    return _versions(table, queues, app_id)
+
+
+def exported_archives(table: DeltaTable | None, queues: Iterable[QueueRef]) -> dict[str, str]:
+    """The archive id each queue's exported rows came from ("" for an archive without one), for
+    the queues whose table recorded one: a table exported before decision 1240 has none."""
+    recorded = _versions(table, queues, archive_app_id)
+    return {key: f"{version:016x}" if version else "" for key, version in recorded.items()}
 
 
 def exported_segment(table: DeltaTable, queue: QueueRef, offset: int) -> str | None:

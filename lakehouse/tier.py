@@ -121,9 +121,10 @@ def replaced_by(old: QueueManifest, new: QueueManifest) -> str | None:
     (``with_segments``) and by dropping whole segments from its start (retention), each in a
     higher version; a segment keeps its object key, with its random suffix, from upload until
     it expires. So a newer manifest in which the version or the watermark went back, or in
-    which an offset ``old`` held (or had expired) is held by another object, is another archive:
-    the topic deleted and re-created, or its prefix wiped and archived again. Costs nothing but
-    memory: it compares two manifests already read, and only when the manifest changed."""
+    which an offset ``old`` held (or had expired) is held by another object, or whose archive id
+    differs (``archive_changed``), is another archive: the topic deleted and re-created, or its
+    prefix wiped and archived again. Costs nothing but memory: it compares two manifests
+    already read, and only when the manifest changed."""
     if new.version < old.version:
         return f"its manifest went back from version {old.version} to {new.version}"
     if new.end_offset < old.end_offset:
@@ -141,4 +142,21 @@ def replaced_by(old: QueueManifest, new: QueueManifest) -> str | None:
                 f"the tier holds {segment.key} for offset {segment.base_offset}, "
                 f"where it held {held}"
             )
-    return None
+    # The only sign left when the new archive's retention already passed the old end (decision
+    # 1240). ``old`` of version 0 is a prefix without a manifest yet: its first commit makes
+    # the id.
+    return archive_changed(old.archive, new.archive) if old.version else None
+
+
+def archive_changed(was: str, now: str) -> str | None:
+    """How the tier's archive id ``now`` shows another archive than the one of id ``was`` (""
+    for an archive without an id), or None. Every version of an archive carries the id its
+    first commit made; versions written before ids existed have none, and an archive without
+    one never gains one (``tiered.cold.manifest``). So two ids that differ, or an id where
+    there was none, are two archives. A tier without an id tells nothing: its versions are
+    older than ids, or were rewritten by a broker that predates them."""
+    if not now or now == was:
+        return None
+    if not was:
+        return f"the tier's archive has the id {now}, the one exported had none"
+    return f"the tier's archive has the id {now}, the one exported had {was}"

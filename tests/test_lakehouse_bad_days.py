@@ -5,6 +5,7 @@ table itself (delta-rs reading it, no export code) that no row is lost or writte
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 import threading
@@ -21,16 +22,17 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from lakehouse_harness import Archive, expected_rows, run_in_thread
 
+from lakehouse import sink
 from lakehouse.export import Export, ExportConfig, ExportError
 from lakehouse.locations import Location
 from lakehouse.query import run_query
 from lakehouse.source import Planner, SegmentSlice, SourceOptions, balanced_packs, read_slice
-from lakehouse.tables import LakeTable, app_id
+from lakehouse.tables import LakeTable, app_id, archive_app_id
 from lakehouse.tier import ManifestCache, QueueRef
 from offload.verify import FAILURE, OK, verify_queue
-from tiered.cold.manifest import ManifestLog
+from tiered.cold.manifest import ManifestLog, QueueManifest
 from tiered.cold.segment import SegmentError
-from tiered.cold.storage import open_store
+from tiered.cold.storage import ObjectStore, open_store
 from tiered.record import Message
 
 TOPIC = "orders"
@@ -83,14 +85,23 @@ def first_archive(
 ) -> list[tuple[int, int, bytes]]:
     """The topic's first archive: 200 messages of one queue in segments of 50, offloaded; the
     rows an export of it must give."""
-    first = Archive.open(tmp_path / "hot1", open_store(tier_url, options), queues=1,
-                         segment_messages=50)  # fmt: skip
+    first = growing_first_archive(tmp_path, open_store(tier_url, options))
     try:
-        first.produce(TOPIC, 200, body_size=100)
-        first.offload(TOPIC)
         return wanted(expected_rows(first.messages(TOPIC)))
     finally:
         first.close()
+
+
+def growing_first_archive(tmp_path: Path, store: ObjectStore) -> Archive:
+    """``first_archive`` left open, to produce and offload more (the caller closes it)."""
+    first = Archive.open(tmp_path / "hot1", store, queues=1, segment_messages=50)
+    try:
+        first.produce(TOPIC, 200, body_size=100)
+        first.offload(TOPIC)
+    except BaseException:
+        first.close()
+        raise
+    return first
 
 
 def archived_again(
@@ -437,12 +448,6 @@ def test_an_archive_re_created_at_the_same_manifest_version_under_a_batch_is_nam
     assert table_rows(lake) == old[:50]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decision 1186: a re-created archive whose retention expired everything below the "
-    "exported offset is indistinguishable from a continuation in the manifests and the table "
-    "as they are (no archive identity): its rows are appended after the old archive's",
-)
 def test_a_re_created_archive_whose_retention_passed_the_exported_offset_is_not_appended(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
 ) -> None:
@@ -451,7 +456,8 @@ def test_a_re_created_archive_whose_retention_passed_the_exported_offset_is_not_
     the table holds. Nothing of the new archive at or below the old end is left to compare
     (neither the watermark nor a segment key), so the export takes it as the old archive
     continued and appends offsets 200..399 of the new archive after the old 0..199: one table,
-    two lineages, no line said. It should refuse the queue as for decision 1051."""
+    two lineages, no line said. It must refuse the queue as for decision 1051: the archive id
+    the table recorded beside its exported offset is not the new archive's (decision 1240)."""
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
     lake = tmp_path / "lake"
     config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
@@ -475,26 +481,115 @@ def test_a_re_created_archive_whose_retention_passed_the_exported_offset_is_not_
         f"{report.rows} rows of the new archive appended after the old archive's 200"
     )
     assert rows == old
+    line = report.stopped[A.key]
+    assert "\n" not in line and "exported up to offset 200 from another archive" in line, line
+    assert f"the tier's archive has the id {manifest.archive}" in line, line
+    assert f"rename it to {TOPIC}_old" in line, line
 
 
-def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
+def test_an_archive_without_an_id_exports_on_and_its_re_creation_is_refused(
     s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
 ) -> None:
-    """Decision 1051's refusal, while a continuous export runs: the topic is deleted and
-    re-created under it, its archive wiped and archived again from offset 0, past the offset
-    the table holds. The export used to notice only at its next restart, dropping the new
-    archive's messages below the exported offset as a replay and appending the rest after the
-    old archive's rows. It must stop the queue with the same line, and commit nothing of the
-    new archive, while it keeps running."""
+    """Decision 1240 with manifests written before archive ids: an archive whose versions have
+    none exports and continues as before, the table recording that its rows came from an
+    archive without one. Such an archive never gains an id (only a first commit makes one),
+    so the topic re-created later, its new archive's retention past the exported offset, is
+    refused by the id the new archive has."""
     tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    store = open_store(tier_url, options)
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    first = growing_first_archive(tmp_path, store)
+    try:
+        # Its manifests as a broker from before archive ids writes them: no id.
+        manifests = ManifestLog(store, A.prefix)
+        newest = manifests.load()
+        manifests.commit(dataclasses.replace(newest, version=newest.version + 1, archive=""))
+        assert Export(spark, config).run(once=True, timeout=300).rows == 200
+        table = DeltaTable(str(lake / TOPIC))
+        assert table.transaction_version(archive_app_id(A)) == 0  # rows of an archive without
+
+        first.produce(TOPIC, 100, body_size=100)
+        first.offload(TOPIC)
+        assert manifests.load().archive == "" and manifests.load().end_offset == 300
+        report = Export(spark, config).run(once=True, timeout=300)
+        assert report.rows == 100 and report.stopped == {}, report.stopped
+        old = wanted(expected_rows(first.messages(TOPIC)))
+        assert table_rows(lake) == old
+    finally:
+        first.close()
+
+    second = archived_again(s3, bucket, tmp_path, tier_url, options)
+    try:
+        second.produce(TOPIC, 400, body_size=100)
+        second.offload(TOPIC)
+        manifest = manifests.load()
+        kept = sum(s.size for s in manifest.segments if s.base_offset >= 300)
+        assert second.offloader.expire(TOPIC, A.queue_id, 0, max_bytes=kept).new_start_offset == 300
+    finally:
+        second.close()
+    report = Export(spark, config).run(once=True, timeout=300)
+    assert report.rows == 0 and set(report.stopped) == {A.key}, report.stopped
+    line = report.stopped[A.key]
+    assert "exported up to offset 300 from another archive" in line, line
+    assert f"has the id {manifest.archive}, the one exported had none" in line, line
+    assert table_rows(lake) == old
+
+
+def test_a_table_exported_before_archive_ids_records_the_id_without_rewriting_anything(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decision 1240 with a table written before archive ids (its commits hold only the queues'
+    exported offsets): the next export, caught up, finds the table's last row in the tier's
+    archive and records that archive's id beside the offset in a commit of no files; then it
+    goes on exporting as before. Nothing is rewritten."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    store = open_store(tier_url, options)
+    lake = tmp_path / "lake"
+    config = ExportConfig(tier_url, str(lake), [TOPIC], tier_options=options)
+    archive = growing_first_archive(tmp_path, store)
+    try:
+        with monkeypatch.context() as older:  # the commits of an export from before the ids
+            recorded = sink._transactions
+            older.setattr(sink, "_transactions", lambda offsets, _archives: recorded(offsets, {}))
+            assert Export(spark, config).run(once=True, timeout=300).rows == 200
+        table = DeltaTable(str(lake / TOPIC))
+        assert table.transaction_version(app_id(A)) == 200
+        assert table.transaction_version(archive_app_id(A)) is None
+        files, version = set(table.file_uris()), table.version()
+
+        report = Export(spark, config).run(once=True, timeout=300)
+        assert report.rows == 0 and report.stopped == {}, report.stopped
+        table.update_incremental()
+        made = ManifestLog(store, A.prefix).load().archive
+        assert table.transaction_version(archive_app_id(A)) == int(made, 16) > 0
+        assert table.version() == version + 1 and set(table.file_uris()) == files
+        assert table.transaction_version(app_id(A)) == 200
+
+        archive.produce(TOPIC, 100, body_size=100)
+        archive.offload(TOPIC)
+        report = Export(spark, config).run(once=True, timeout=300)
+        assert report.rows == 100 and report.stopped == {}, report.stopped
+        table.update_incremental()
+        assert files < set(table.file_uris()), "the older files kept, none rewritten"
+        assert table.transaction_version(archive_app_id(A)) == int(made, 16)
+        assert table_rows(lake) == wanted(expected_rows(archive.messages(TOPIC)))
+    finally:
+        archive.close()
+
+
+def stopped_while_running(
+    spark: Any, tmp_path: Path, tier_url: str, options: dict[str, Any], re_create: Any
+) -> str:
+    """A continuous export (trigger 0.5 s) of the topic's first archive (``first_archive``)
+    until it holds its 200 rows; then ``re_create()`` under it. The export must stop the queue,
+    commit nothing of the new archive and keep running; the line it stopped the queue with."""
     lake = tmp_path / "lake"
     config = ExportConfig(
         tier_url, str(lake), [TOPIC], tier_options=options, trigger_seconds=0.5,
         checkpoint_dir=str(tmp_path / "ckpt"), compact_every_seconds=None,
     )  # fmt: skip
     old = first_archive(tmp_path, tier_url, options)
-    store = open_store(tier_url, options)
-    old_version = max(ManifestLog(store, A.prefix).versions())
     job = Export(spark, config)
     runner, errors = run_in_thread(job)
     try:
@@ -503,17 +598,7 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
             assert not errors and time.monotonic() < deadline, errors or "not exported"
             time.sleep(0.2)
         assert table_rows(lake) == old
-
-        # Deleted and re-created under the running export: archived again from 0, to 300.
-        second = archived_again(s3, bucket, tmp_path, tier_url, options)
-        try:
-            for count in (120, 180):  # below the exported offset (200), then past it (300)
-                second.produce(TOPIC, count, body_size=100)
-                second.offload(TOPIC)
-        finally:
-            second.close()
-        # (a manifest version the export has not held: the cache re-reads it)
-        assert max(ManifestLog(store, A.prefix).versions()) > old_version
+        re_create()
         deadline = time.monotonic() + 60
         while A.key not in job.stopped and len(table_rows(lake)) == 200:
             assert not errors and time.monotonic() < deadline, errors or "never noticed"
@@ -527,8 +612,79 @@ def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_
         runner.join(60)
     assert not runner.is_alive() and not errors, errors
     line = job.stopped[A.key]
-    assert "\n" not in line and "exported up to offset 200 from another archive" in line
-    assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line
+    assert "\n" not in line and "exported up to offset 200 from another archive" in line, line
+    assert "deleted and re-created" in line and f"rename it to {TOPIC}_old" in line, line
+    return line
+
+
+def test_a_continuous_export_stops_a_queue_whose_archive_is_re_created_while_it_runs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1051's refusal, while a continuous export runs: the topic is deleted and
+    re-created under it, its archive wiped and archived again from offset 0, past the offset
+    the table holds. The export used to notice only at its next restart, dropping the new
+    archive's messages below the exported offset as a replay and appending the rest after the
+    old archive's rows. It must stop the queue with the same line, and commit nothing of the
+    new archive, while it keeps running."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    store = open_store(tier_url, options)
+
+    def re_create() -> None:
+        old_version = max(ManifestLog(store, A.prefix).versions())
+        # Deleted and re-created under the running export: archived again from 0, to 300.
+        second = archived_again(s3, bucket, tmp_path, tier_url, options)
+        try:
+            for count in (120, 180):  # below the exported offset (200), then past it (300)
+                second.produce(TOPIC, count, body_size=100)
+                second.offload(TOPIC)
+        finally:
+            second.close()
+        # (a manifest version the export has not held: the cache re-reads it)
+        assert max(ManifestLog(store, A.prefix).versions()) > old_version
+
+    stopped_while_running(spark, tmp_path, tier_url, options, re_create)
+
+
+def test_a_continuous_export_stops_a_queue_whose_archive_id_changed_while_it_runs(
+    s3: S3Endpoint, bucket: str, spark: Any, tmp_path: Path
+) -> None:
+    """Decision 1240 while a continuous export runs: the topic re-created under it and the new
+    archive's retention already past the exported offset before the export reads it, so no
+    offset or key below the old end is left to compare (decision 1080's blind spot). The
+    manifest cache sees the id change and the queue stops with decision 1051's line; nothing
+    of the new archive is appended, and the export keeps running."""
+    tier_url, options = f"s3://{bucket}/tier", s3.storage_options()
+    manifests = ManifestLog(open_store(tier_url, options), A.prefix)
+    seen: list[QueueManifest] = []
+
+    def re_create() -> None:
+        seen.append(manifests.load())
+        # Archived again to 400 and retention keeping 200..399, in a scratch prefix whose
+        # segments and newest manifest alone are then copied in, so that the export reads no
+        # manifest of the new archive from before its retention (it would show the new keys
+        # below 200, decision 1080's sign).
+        second = Archive.open(tmp_path / "hot2", open_store(f"s3://{bucket}/scratch", options),
+                              queues=1, segment_messages=50)  # fmt: skip
+        try:
+            second.produce(TOPIC, 400, body_size=100)
+            second.offload(TOPIC)
+            scratch = ManifestLog(second.tier, A.prefix).load()
+            kept = sum(s.size for s in scratch.segments if s.base_offset >= 200)
+            assert second.offloader.expire(TOPIC, 0, 0, max_bytes=kept).new_start_offset == 200
+            newest = ManifestLog(second.tier, A.prefix).load()
+        finally:
+            second.close()
+        client = s3.client()
+        manifest_key = f"{A.prefix}manifests/{newest.version:020d}.json"
+        for key in [s.key for s in newest.segments] + [manifest_key]:
+            client.copy_object(Bucket=bucket, Key=f"tier/{key}",
+                               CopySource={"Bucket": bucket, "Key": f"scratch/{key}"})  # fmt: skip
+        seen.append(manifests.load())
+        assert seen[1].version > seen[0].version and seen[1].start_offset == 200
+        assert seen[1].archive != seen[0].archive
+
+    line = stopped_while_running(spark, tmp_path, tier_url, options, re_create)
+    assert f"has the id {seen[1].archive}, the one exported had {seen[0].archive}" in line, line
 
 
 def test_a_second_export_committing_to_the_table_mid_batch_is_named_not_bare_delta_rs(

@@ -131,3 +131,29 @@ def test_appends_and_retention_continue_an_archive_a_re_created_one_does_not() -
     assert old.segments[0].key in why
     # Re-created and retained past the old start: an offset that had expired is held again.
     assert replaced_by(retained, longer) is not None
+
+
+def test_an_archive_id_tells_a_re_created_archive_whose_retention_passed_the_old_end() -> None:
+    """Decision 1240: a new archive whose retention expired everything below the old end has
+    no offset or key left to compare (decision 1186); its id differs, or it has one where the
+    old archive had none (ids are made only at a first commit). An archive whose id was
+    dropped by a broker that predates ids tells nothing, and continues."""
+    import dataclasses
+
+    from lakehouse.tier import replaced_by
+
+    prefix = "c1/broker-a/t/0/"
+    old = archive_of(prefix, [50] * 4)  # 0..200, version 4
+    assert old.archive and old.with_segments([]).archive == old.archive
+    new = archive_of(prefix, [50] * 8).without_segments_before(200)  # 200..400, version 9
+    assert (new.start_offset, new.end_offset) == (200, 400)
+    unnamed = dataclasses.replace(new, archive="")
+    assert replaced_by(dataclasses.replace(old, archive=""), unnamed) is None  # as before ids
+    assert replaced_by(old, unnamed) is None  # its id dropped by an older broker
+    assert replaced_by(old, new) == (
+        f"the tier's archive has the id {new.archive}, the one exported had {old.archive}"
+    )
+    assert "the one exported had none" in str(
+        replaced_by(dataclasses.replace(old, archive=""), new)
+    )
+    assert replaced_by(archive_of(prefix, []), archive_of(prefix, [50])) is None  # first commit

@@ -5,7 +5,9 @@ in-sync replica holds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from google_crc32c import value as crc32c
 
 from offload.leadership import Term
 from offload.offloader import FencedError, NotLeaderError, Offloader, OffloadPolicy
+from offload.verify import verify_queue
 from tests.test_offload import fill, read_tier, snapshot
 from tiered.cold.manifest import (
     KEEP_VERSIONS,
@@ -139,3 +142,54 @@ def test_manifests_written_before_epochs_read_as_epoch_zero(tmp_path: Path) -> N
     )
     loaded = ManifestLog(tier, PREFIX).load()
     assert (loaded.epoch, loaded.writer, loaded.log_start_offset) == (0, "", 7)
+
+
+def test_an_archive_keeps_its_id_through_retention_repair_and_a_new_masters_claim(
+    hot, tier
+) -> None:
+    """Decision 1240: the archive id made at a queue's first commit is carried by every later
+    version, whoever writes it: uploads, retention (``tmq retain``), ``tmq verify --repair``
+    and a new master's claim after a failover. A version rewritten by a broker that predates
+    ids keeps none from then on (an archive never gains one back), and the prefix wiped and
+    archived again is a new archive with a new id."""
+    fill(hot, "orders", 1000, queues=1, seed=5)
+    log = ManifestLog(tier, PREFIX)
+    old = offloader(hot, tier, Term(1, "a"))
+    assert old.offload_queue("orders", 0, up_to=600).watermark == 600
+    first = log.load()
+    assert re.fullmatch(r"[0-7][0-9a-f]{15}", first.archive), first.archive
+    seen = {log.load().version: log.load().archive}
+
+    retained = old.expire("orders", 0, cutoff_ms=0, max_bytes=sum(
+        s.size for s in first.segments[1:]))  # fmt: skip
+    assert retained.segments == 1 and log.load().start_offset == 200
+    seen[log.load().version] = log.load().archive
+    tier.put(segment_key(PREFIX, 600), b"an orphan: an upload whose commit never landed")
+    repaired = verify_queue(tier, "c1", "broker-a", "orders", 0, lock=old.queue_lock(
+        "orders", 0), repair=True)  # fmt: skip
+    assert len(repaired.repaired) == 1, repaired
+    seen[log.load().version] = log.load().archive
+
+    new = offloader(hot, tier, Term(2, "b"))  # the failover: a new master claims the prefix
+    new.claim("orders", 0)
+    claimed = log.load()
+    assert (claimed.epoch, claimed.version) == (2, max(seen) + 1)
+    seen[claimed.version] = claimed.archive
+    assert new.offload_queue("orders", 0, up_to=800).watermark == 800
+    seen[log.load().version] = log.load().archive
+    assert set(seen.values()) == {first.archive}, seen
+
+    # A broker from before ids commits the next version: it writes none, and none comes back.
+    stripped = dataclasses.replace(log.load(), version=log.load().version + 1, archive="")
+    log.commit(stripped)
+    later = offloader(hot, tier, Term(3, "c"))
+    assert later.offload_queue("orders", 0).watermark == 1000
+    assert log.load().version > stripped.version and log.load().archive == ""
+
+    # The prefix wiped and archived again from 0: another archive, another id.
+    for item in tier.list(PREFIX):
+        tier.delete(item.key)
+    again = offloader(hot, tier, Term(3, "c"))
+    assert again.offload_queue("orders", 0, up_to=200).watermark == 200
+    assert log.load().archive not in ("", first.archive)
+    assert re.fullmatch(r"[0-7][0-9a-f]{15}", log.load().archive)

@@ -18,6 +18,14 @@ epoch, or whose version is no longer the newest once written (it landed in a slo
 freed), is refused with ``ManifestFencedError`` when the current manifest's epoch is higher: the
 writer was deposed and must stop writing this prefix.
 
+Identity (decision 1240): every version carries the ``archive`` id, a random number made at the
+queue's first commit (the version after an empty prefix) and copied into every later version,
+whoever commits it (uploads, retention, a new master's claim). A topic deleted and re-created,
+or a prefix wiped and archived again, starts a new archive with a new id, which the lakehouse
+export compares with the one its table was exported from. Versions written before the id have
+none (``""``), and an archive without one never gains one: only a first commit makes an id, so
+an id appearing where there was none is another archive too.
+
 Anyone holding the bucket can rebuild the state: manifests name their segments, and every
 segment's footer describes it (``segment.read_footer``).
 """
@@ -25,6 +33,8 @@ segment's footer describes it (``segment.read_footer``).
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +47,9 @@ from tiered.names import is_valid_name
 
 FORMAT = "tmq-queue-manifest/1"
 KEEP_VERSIONS = 10
+# An archive id: 16 lowercase hex digits of a number in [1, 2**63), so that it fits the signed
+# 64-bit version of a Delta app transaction, where the lakehouse records it (0 there: no id).
+ARCHIVE_ID = re.compile(r"[0-7][0-9a-f]{15}")
 
 
 class ManifestConflictError(Exception):
@@ -65,6 +78,11 @@ def queue_prefix(cluster: str, broker: str, topic: str, queue_id: int) -> str:
     return f"{cluster}/{broker}/{topic}/{queue_id}/"
 
 
+def new_archive_id() -> str:
+    """A fresh archive id (``ARCHIVE_ID``): 63 random bits, never 0."""
+    return f"{secrets.randbelow(2**63 - 1) + 1:016x}"
+
+
 def segment_key(prefix: str, base_offset: int) -> str:
     """A fresh key: named by base offset, with a unique suffix so that a retried upload never
     replaces a different object."""
@@ -86,6 +104,9 @@ class QueueManifest:
     # (``MessageStore.store_id``; "" before decision 690): a broker of the same epoch on another
     # directory (a wiped disk, a second broker of the same name) does not own this prefix.
     store: str = ""
+    # Which archive of the queue this is (module docstring, decision 1240): made at its first
+    # commit, carried by every later version; "" in versions written before it existed.
+    archive: str = ""
 
     @property
     def end_offset(self) -> int:
@@ -131,14 +152,29 @@ class QueueManifest:
             self.epoch,
             self.writer,
             self.store,
+            self._next_archive(),
         )
+
+    def _next_archive(self) -> str:
+        """The next version's archive id: this one's, or a new one for the first commit of an
+        empty prefix (version 0: no manifest in the tier). Never made for an archive that has
+        versions without one (written before ids existed): the export takes an id appearing
+        in an archive that had none as another archive."""
+        return self.archive if self.version else new_archive_id()
 
     def without_segments_before(self, queue_offset: int) -> QueueManifest:
         """The next version without the segments wholly below ``queue_offset`` (retention)."""
         kept = [s for s in self.segments if s.end_offset > queue_offset]
         start = kept[0].base_offset if kept else max(self.end_offset, self.log_start_offset)
         return QueueManifest(
-            self.prefix, self.version + 1, kept, start, self.epoch, self.writer, self.store
+            self.prefix,
+            self.version + 1,
+            kept,
+            start,
+            self.epoch,
+            self.writer,
+            self.store,
+            self._next_archive(),
         )
 
     def next_version(self) -> QueueManifest:
@@ -156,6 +192,7 @@ class QueueManifest:
                 "epoch": self.epoch,
                 "writer": self.writer,
                 **({"store": self.store} if self.store else {}),
+                **({"archive": self.archive} if self.archive else {}),
                 "segments": [s.to_dict() for s in self.segments],
             },
             sort_keys=True,
@@ -173,6 +210,9 @@ class QueueManifest:
             body = json.dumps(inner, sort_keys=True, separators=(",", ":"))
             if int(crc32c(body.encode())) != outer["crc32c"] or inner["format"] != FORMAT:
                 raise ManifestError("checksum or format mismatch")
+            archive = inner.get("archive", "")  # versions written before decision 1240: ""
+            if archive and not ARCHIVE_ID.fullmatch(archive):
+                raise ManifestError(f"archive id {archive!r} is not 16 hex digits below 2**63")
             return cls(
                 inner["prefix"],
                 inner["version"],
@@ -181,6 +221,7 @@ class QueueManifest:
                 inner.get("epoch", 0),  # versions written before replica groups: epoch 0
                 inner.get("writer", ""),
                 inner.get("store", ""),
+                archive,
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"unreadable manifest: {e}") from e
