@@ -1134,17 +1134,12 @@ class MessageStore:
         return self.commitlog.flushed_offset
 
     def _route_flush_wakeups(self) -> None:
-        """Under SYNC the group commit's fsyncs wake the dispatcher (what they covered may be
-        dispatched now), set by the native flusher without the GIL: before the next
-        fdatasync, or the dispatch coalescing time after the last when no writer comes
-        (decision 1210). A replica's dispatcher keeps its own cadence (decision 304)."""
+        """Under SYNC each group commit fsync wakes the dispatcher (what it covered may be
+        dispatched now), set by the native flusher without the GIL. A replica's dispatcher
+        keeps its own cadence (decision 304)."""
         d = self.dispatcher
         wake = d.wakeup_event if d is not None and self.config.flush == "sync" else None
-        if self._replica:
-            wake = None
-        if d is not None:
-            d.flusher_paced = wake is not None
-        self.commitlog.group_commit.wake_after_flush(wake, self._dispatch_coalesce_s)
+        self.commitlog.group_commit.wake_after_flush(None if self._replica else wake)
 
     @property
     def replica(self) -> bool:
@@ -1164,7 +1159,6 @@ class MessageStore:
         self._dispatch_coalesce_s = seconds
         if self.dispatcher is not None:
             self.dispatcher.coalesce_s = seconds
-            self._route_flush_wakeups()  # under SYNC the flusher holds the wake-up that long
 
     def add_append_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(end_offset)`` after every append (outside the put lock): what

@@ -93,15 +93,6 @@ cdef extern from *:
 name = "native"
 
 
-cdef inline void _deadline(timespec* at, double seconds) noexcept nogil:
-    """``at`` = now + ``seconds`` on the monotonic clock (the gate's conditions use it)."""
-    cdef long ns
-    clock_gettime(CLOCK_MONOTONIC, at)
-    ns = at.tv_nsec + <long>(seconds * 1e9)
-    at.tv_sec += ns // 1000000000
-    at.tv_nsec = ns % 1000000000
-
-
 cdef class NativeWakeup:
     """``threading.Event``'s ``set``/``wait``/``clear``/``is_set`` on a pthread condition: a
     wait sleeps with the GIL released, and a group commit flusher sets it without the GIL.
@@ -146,13 +137,17 @@ cdef class NativeWakeup:
     def wait(self, timeout=None):
         """Sleep until set (or ``timeout`` seconds); returns whether it is set."""
         cdef timespec deadline
+        cdef long ns
         cdef bint forever = timeout is None
         cdef double seconds = 0 if forever else timeout
         cdef bint flag
         with nogil:
             pthread_mutex_lock(&self._mutex)
             if not forever:
-                _deadline(&deadline, seconds)
+                clock_gettime(CLOCK_MONOTONIC, &deadline)
+                ns = deadline.tv_nsec + <long>(seconds * 1e9)
+                deadline.tv_sec += ns // 1000000000
+                deadline.tv_nsec = ns % 1000000000
             while not self._flag:
                 if forever:
                     pthread_cond_wait(&self._cond, &self._mutex)
@@ -238,10 +233,7 @@ cdef class NativeBatchGate:
     cdef bint _failed  # the store has failed: only Python may answer writers now
     cdef double _fsync_s  # how long the last fsync took
     cdef NativeFlushLock _flush_lock
-    cdef NativeWakeup _wake  # the dispatcher's wake-up, or None (decision 1210)
-    cdef int64_t _woken_to  # the flushed offset ``_wake`` was last set for
-    cdef double _wake_hold_s  # how long a confirmed offset may wait for the next fsync's wake
-    cdef double _woke_at  # when ``_wake`` was last set (monotonic seconds)
+    cdef NativeWakeup _wake  # set after every fsync (the dispatcher's), or None
     # The native send's last store (decision 940), under the put lock: the address of the last
     # page it stored to (>> 12) and the flush lock's ``_takes`` read before that store.
     cdef Py_ssize_t _last_page
@@ -294,8 +286,6 @@ cdef class NativeBatchGate:
         with nogil:
             pthread_mutex_lock(&self._mutex)
             self._flushed = offset
-            if self._woken_to > offset:
-                self._woken_to = offset
             if self._appended > offset:
                 self._appended = offset
             pthread_mutex_unlock(&self._mutex)
@@ -307,39 +297,14 @@ cdef class NativeBatchGate:
             self._failed = 1
             pthread_mutex_unlock(&self._mutex)
 
-    def wake_after_flush(self, NativeWakeup wake, double hold_s=0.001):
-        """Set ``wake`` for what ``serve``'s fsyncs confirm (None: nothing): just *before* the
-        next fdatasync, while every writer of its batch sleeps, or ``hold_s`` seconds after the
-        fsync when no writer has come for a next one by then (decision 1210). ``serve`` sets
-        it holding ``_mutex``, so the one replaced here is never in use when it goes."""
+    def wake_after_flush(self, NativeWakeup wake):
+        """Set ``wake`` after every fsync ``serve`` runs (None: nothing). ``serve`` sets it
+        holding ``_mutex``, so the one replaced here is never in use when it goes."""
         with nogil:
             pthread_mutex_lock(&self._mutex)
         old, self._wake = self._wake, wake  # no holder of ``_mutex`` ever waits for the GIL
-        self._wake_hold_s = hold_s
-        self._woken_to = self._flushed  # a new wake-up owes nothing confirmed before it
         pthread_mutex_unlock(&self._mutex)
         del old
-
-    cdef inline bint _owes_wake(self) noexcept nogil:
-        """Whether an fsync confirmed bytes ``_wake`` has not been set for (``_mutex`` held)."""
-        return self._wake is not None and self._flushed > self._woken_to
-
-    cdef void _fire_owed(self, bint spaced) noexcept nogil:
-        """Set ``_wake`` if it is owed (``_mutex`` held; the published ``_flushed`` is what the
-        dispatcher will read as the confirmed offset); ``spaced``: only if it was last set
-        ``_wake_hold_s`` ago or more, so that a dispatch pass (a fixed cost of about 100-200
-        us) serves a round of writers or more, as the dispatcher's own 1 ms wait did."""
-        cdef timespec now
-        cdef double at
-        if not self._owes_wake():
-            return
-        clock_gettime(CLOCK_MONOTONIC, &now)
-        at = now.tv_sec + now.tv_nsec * 1e-9
-        if spaced and at - self._woke_at < self._wake_hold_s:
-            return
-        self._woke_at = at
-        self._woken_to = self._flushed
-        self._wake.fire()
 
     def track_file(self, int fd, int64_t from_offset, int64_t size):
         """Appends go to the file ``fd`` (a dup is kept) from ``from_offset``; -1: none."""
@@ -462,28 +427,19 @@ cdef class NativeBatchGate:
         (its size left in ``_pending``'s old value, see ``take``), or -1 when stopping with
         nothing queued (no request can join after that)."""
         cdef timespec deadline
-        if self._pending == 0 and not self._stopping and self._owes_wake():
-            # The last fsync confirmed records the dispatcher has not been woken for: a next
-            # batch would wake it before its fdatasync, but if no writer comes within the
-            # hold, wake it now (a lone sender, a burst's last round), not at its 50 ms poll.
-            _deadline(&deadline, self._wake_hold_s)
-            self._idle = 1
-            while self._pending == 0 and not self._stopping:
-                if pthread_cond_timedwait(&self._work, &self._mutex, &deadline) == ETIMEDOUT:
-                    break
-            self._idle = 0
-            if self._pending == 0:
-                self._fire_owed(0)
+        cdef long ns
         while self._pending == 0 and not self._stopping:
             self._idle = 1
             pthread_cond_wait(&self._work, &self._mutex)
             self._idle = 0
         if self._pending == 0:
-            self._fire_owed(0)  # stopping: what is confirmed is not left to the poll
             self._closed = 1
             return -1
         if self._pending < self._population and not self._stopping and max_wait > 0:
-            _deadline(&deadline, max_wait)
+            clock_gettime(CLOCK_MONOTONIC, &deadline)
+            ns = deadline.tv_nsec + <long>(max_wait * 1e9)
+            deadline.tv_sec += ns // 1000000000
+            deadline.tv_nsec = ns % 1000000000
             self._want = self._population
             while self._pending < self._want and not self._stopping:
                 if pthread_cond_timedwait(&self._work, &self._mutex, &deadline) == ETIMEDOUT:
@@ -503,34 +459,20 @@ cdef class NativeBatchGate:
     cdef void _wake_batch(self, int64_t batch) noexcept nogil:
         tmq_futex_wake_all(&self._done[batch & 1])
 
-    def take(self, double max_wait, idle_s=None):
-        """The flusher closes the open batch: waits for a first request (at most ``idle_s``
-        seconds, when given: then 0), then up to ``max_wait`` seconds for as many as the last
-        round served. Returns ``(number, served)``, or -1 when stopping with nothing queued
-        (no request can join after that)."""
+    def take(self, double max_wait):
+        """The flusher closes the open batch: waits for a first request, then up to
+        ``max_wait`` seconds for as many as the last round served. Returns ``(number, served)``,
+        or -1 when stopping with nothing queued (no request can join after that)."""
         cdef int64_t batch, served = 0
-        cdef timespec deadline
-        cdef bint timed = idle_s is not None
-        cdef double idle = idle_s if timed else 0
         with nogil:
             pthread_mutex_lock(&self._mutex)
-            if timed and self._pending == 0 and not self._stopping:
-                _deadline(&deadline, idle)
-                self._idle = 1
-                while self._pending == 0 and not self._stopping:
-                    if pthread_cond_timedwait(&self._work, &self._mutex, &deadline) == ETIMEDOUT:
-                        break
-                self._idle = 0
-            if timed and self._pending == 0 and not self._stopping:
-                batch = 0
-            else:
-                batch = self._take(max_wait)
-            if batch > 0:
+            batch = self._take(max_wait)
+            if batch >= 0:
                 served = self._pending
                 self._pending = 0
             pthread_mutex_unlock(&self._mutex)
-        if batch <= 0:
-            return batch
+        if batch < 0:
+            return -1
         return batch, served
 
     def finish(self, int64_t batch, int64_t served):
@@ -542,10 +484,9 @@ cdef class NativeBatchGate:
             self._wake_batch(batch)
 
     def serve(self):
-        """The flusher's loop, without the GIL: close a batch, set ``wake_after_flush``'s event
-        if the last fsync confirmed bytes, ``fdatasync`` the file the batch's bytes are in,
-        publish the flushed offset, wake the batch; again (``_take`` sets the event when no
-        next batch comes in time). Returns ``(SERVE_STOPPED, 0, 0, 0)``, or ``(code, batch, served, errno)`` for a
+        """The flusher's loop, without the GIL: close a batch, ``fdatasync`` the file its bytes
+        are in, publish the flushed offset, wake the batch and ``wake_after_flush``'s event;
+        again. Returns ``(SERVE_STOPPED, 0, 0, 0)``, or ``(code, batch, served, errno)`` for a
         closed batch it leaves to Python (see the SERVE_ constants)."""
         cdef int64_t batch = 0, served = 0, target, flushed
         cdef int code = _STOPPED, fd, rc, err = 0
@@ -568,10 +509,6 @@ cdef class NativeBatchGate:
                     pthread_mutex_unlock(&self._mutex)
                     code = _IN_PYTHON
                     break
-                # The dispatcher's pass over what the last fsync confirmed (about 100 us of
-                # GIL at 8 senders) runs now, while this batch's writers sleep, not in their
-                # serial way back after it (decision 1210).
-                self._fire_owed(1)
                 self._syncing = 1
                 pthread_mutex_unlock(&self._mutex)
                 # Requests keep queueing into the next batch meanwhile.
@@ -607,6 +544,8 @@ cdef class NativeBatchGate:
                 self.native_flushes += 1
                 self.native_requests += served
                 self._finish(batch, served)
+                if self._wake is not None:
+                    self._wake.fire()
                 pthread_mutex_unlock(&self._mutex)
                 self._wake_batch(batch)
         return code, batch, served, err

@@ -110,10 +110,6 @@ class Dispatcher:
         self.coalesce_s = 0.001
         # Set by producers (ASYNC) and by the group commit's flusher (SYNC, without the GIL).
         self._wakeup = new_wakeup()
-        # The flusher sets the wake-up once per fsync round, timed (just before its next
-        # fdatasync, or ``coalesce_s`` after the last): a woken pass then starts at once, as a
-        # wait of its own would move it into the writers' way back (decision 1210).
-        self.flusher_paced = False
         self._progress = threading.Condition()
         self._stop = threading.Event()
         # When the last "out of file descriptors" line was logged (monotonic), or _NEVER.
@@ -558,11 +554,7 @@ class Dispatcher:
                         )
                     self._stop.wait(1.0)
                     continue
-            if (
-                self._wakeup.wait(0.05)
-                and not self.flusher_paced
-                and self._pending_bytes < _COALESCE_BYTES
-            ):
+            if self._wakeup.wait(0.05) and self._pending_bytes < _COALESCE_BYTES:
                 # Like RocketMQ's 1 ms reput cadence: let small appends gather into one pass.
                 self._stop.wait(self.coalesce_s)
             self._wakeup.clear()

@@ -33,17 +33,9 @@ picks the reference, as it does for the record engine.
 The native gate also runs the flusher's loop itself (``serve``, decision 580): writers join with
 the offset their bytes end at, the CommitLog tells it the file appends go to (``track_file``),
 and for a batch whose unflushed bytes all lie in that file it runs ``fdatasync``, publishes the
-flushed offset and wakes the batch's writers, with no Python and no GIL per fsync. Anything else
-(a roll left bytes in the previous file, the store failed, an fsync failed, the stop) comes back
-here, to ``flush`` and ``fail``.
-
-The dispatcher (under SYNC it may dispatch only fsynced bytes) is woken by the flusher
-(``wake_after_flush``, decision 1210) once for what an fsync confirmed: just before the next
-``fdatasync``, while that batch's writers sleep, so that its pass (about 100 us holding the GIL)
-does not land in their serial way back after the fsync; at most once per coalescing time
-(1 ms) that way, so a pass still serves a round of writers or more; and, when no writer comes
-for a next batch within the coalescing time (a lone sender, a burst's last round), at the end
-of that wait, so that nothing confirmed waits for the dispatcher's 50 ms poll.
+flushed offset, wakes the batch's writers and the dispatcher (``wake_after_flush``), with no
+Python and no GIL per fsync. Anything else (a roll left bytes in the previous file, the store
+failed, an fsync failed, the stop) comes back here, to ``flush`` and ``fail``.
 
 Invariant: a request joins a batch only after its bytes are appended (its append published
 ``wrote``), and the batch's fsync starts after the batch is closed, so that fsync covers every
@@ -79,8 +71,7 @@ class BatchGate(Protocol):
 
     Writers ``join_and_wait``; the flusher loops ``take`` (close the open batch), fsync,
     ``finish`` (wake its writers). ``stop`` makes ``take`` return -1 once nothing is queued;
-    from then on ``join_and_wait`` returns -1 at once, until ``open``. ``take`` with
-    ``idle_s`` returns 0 when no first request came within that many seconds."""
+    from then on ``join_and_wait`` returns -1 at once, until ``open``."""
 
     @property
     def flushed(self) -> int: ...
@@ -92,7 +83,7 @@ class BatchGate(Protocol):
     def open(self) -> None: ...
     def stop(self) -> None: ...
     def join_and_wait(self, end: int = 0) -> int: ...
-    def take(self, max_wait: float, idle_s: float | None = None) -> tuple[int, int] | int: ...
+    def take(self, max_wait: float) -> tuple[int, int] | int: ...
     def finish(self, batch: int, served: int) -> None: ...
 
 
@@ -155,19 +146,8 @@ class PythonBatchGate:
                 done.wait()
             return batch
 
-    def take(self, max_wait: float, idle_s: float | None = None) -> tuple[int, int] | int:
+    def take(self, max_wait: float) -> tuple[int, int] | int:
         with self._lock:
-            if idle_s is not None and not self._pending and not self._stopping:
-                deadline = time.monotonic() + idle_s
-                self._idle = True
-                while not self._pending and not self._stopping:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._work.wait(left)
-                self._idle = False
-                if not self._pending and not self._stopping:
-                    return 0
             while not self._pending and not self._stopping:
                 self._idle = True
                 self._work.wait()
@@ -264,11 +244,9 @@ class GroupCommitService:
         self._errors: dict[int, BaseException] = {}
         self._unread: dict[int, int] = {}
         self._thread: threading.Thread | None = None
-        # The store's dispatcher under SYNC, set once per fsync, not once per send: before
-        # the next fsync for what the last one confirmed, or ``_wake_hold_s`` after it when no
-        # writer comes for a next one (decision 1210).
+        # Set once per fsync that moved the flushed offset, after its writers are woken: the
+        # store's dispatcher under SYNC, once per batch instead of once per send.
         self._wake: Wakeup | None = None
-        self._wake_hold_s = 0.001
         # Fsyncs run and requests served in Python (the native loop counts its own).
         self._flushes = 0
         self._requests = 0
@@ -319,20 +297,13 @@ class GroupCommitService:
         if track is not None:
             track(fd, from_offset, size)
 
-    def wake_after_flush(self, wake: Wakeup | None, hold_s: float = 0.001) -> None:
-        """Set ``wake`` for what the fsyncs confirm (None: nothing): just before the next
-        fsync, while that batch's writers sleep, or ``hold_s`` seconds after the last one when
-        no writer comes for a next (decision 1210). A native wake-up is set by the native
-        flusher without the GIL; a flush made in Python (a roll, a failure, the reference
-        gate's) sets it at once after."""
+    def wake_after_flush(self, wake: Wakeup | None) -> None:
+        """Set ``wake`` after every fsync that served writers (None: nothing); a native
+        wake-up is set by the native flusher without the GIL."""
         self._wake = wake
-        self._wake_hold_s = hold_s
         native = getattr(self._gate, "wake_after_flush", None)
         if native is not None:
-            native(
-                wake if _NATIVE is not None and isinstance(wake, _NATIVE.NativeWakeup) else None,
-                hold_s,
-            )
+            native(wake if _NATIVE is not None and isinstance(wake, _NATIVE.NativeWakeup) else None)
 
     def start(self) -> None:
         with self._lock:
@@ -407,33 +378,19 @@ class GroupCommitService:
         raise self._fail(error) if self._fail is not None else error
 
     def _run_python(self) -> None:
-        """The reference flusher: the native ``serve``'s loop, wake-up included."""
         fsync_s = 0.0
         gate = self._gate
-        owed = False  # the last fsync confirmed bytes the wake-up has not been set for
-        woke_at = -1e18
         while True:
-            taken = gate.take(fsync_s, self._wake_hold_s if owed and self._wake else None)
-            # Before the next fsync (spaced by the hold), after the hold with none to come,
-            # or at the stop.
-            now = time.monotonic()
-            if owed and (not isinstance(taken, tuple) or now - woke_at >= self._wake_hold_s):
-                self._woken()
-                woke_at, owed = now, False
-            if taken == 0:
-                continue
+            taken = gate.take(fsync_s)
             if isinstance(taken, int):
                 return  # stopping, nothing queued
             # Writers keep queueing into the next batch during the fsync.
             started = time.monotonic()
-            self._serve_in_python(*taken, self._flush, wake=False)
-            owed = True
+            self._serve_in_python(*taken, self._flush)
             fsync_s = time.monotonic() - started
 
-    def _serve_in_python(
-        self, batch: int, served: int, flush: Callable[[], int], *, wake: bool = True
-    ) -> None:
-        """Flush for a closed batch and wake its writers (and, with ``wake``, the wake-up)."""
+    def _serve_in_python(self, batch: int, served: int, flush: Callable[[], int]) -> None:
+        """Flush for a closed batch and wake its writers."""
         self._requests += served
         try:
             self._gate.publish_flushed(flush())
@@ -443,5 +400,4 @@ class GroupCommitService:
                 self._unread[batch] = served
         self._flushes += 1
         self._gate.finish(batch, served)
-        if wake:
-            self._woken()
+        self._woken()
