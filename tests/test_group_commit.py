@@ -360,6 +360,75 @@ def test_sync_sends_wake_the_dispatcher_once_per_fsync_and_are_readable_at_once(
     assert sorted(late)[len(late) // 2] < 0.025, f"readable after {sorted(late)}"
 
 
+def _readable_after(store: MessageStore, end: int) -> float:
+    """Seconds until dispatch reaches CommitLog offset ``end`` (its queues hold every record
+    before it), polled from now."""
+    assert store.dispatcher is not None
+    started = time.monotonic()
+    while store.dispatcher.reput_offset < end:
+        assert time.monotonic() - started < 5, "SYNC sends never became readable"
+        time.sleep(0.0002)
+    return time.monotonic() - started
+
+
+# The dispatcher's poll when nothing wakes it is 50 ms: a SYNC send whose fsync owed it a
+# wake-up that never came is readable about 49 ms after it is acknowledged (measured with the
+# hold set to 10 s: 49-53 ms, median 49); a woken one 1-1.5 ms (load 1.1). The bounds sit
+# between, with room for a loaded machine.
+_READABLE_MEDIAN_S = 0.015
+_READABLE_P90_S = 0.035
+
+
+def test_a_lone_sync_senders_message_is_readable_within_the_coalescing_time(
+    tmp_path: Path,
+    start_store: Callable[[StoreConfig], MessageStore],
+) -> None:
+    """The flusher wakes the dispatcher before its next fdatasync for what the last fsync
+    confirmed (decision 1210); a lone sender has no next fsync until its message is acked and
+    it sends again, so the flusher wakes the dispatcher itself when no writer has come within
+    the coalescing time (1 ms) after its fsync, not leaving the message to the 50 ms poll."""
+    store = start_store(StoreConfig(data_dir=tmp_path / "store", flush="sync"))
+    for _ in range(10):
+        store.put_message(Message(topic="lone", queue_id=0, body=b"warm"))
+    late = []
+    for _ in range(30):
+        r = store.put_message(Message(topic="lone", queue_id=0, body=os.urandom(100)))
+        assert r.queue_offset >= 10
+        late.append(_readable_after(store, store.commitlog.flushed_offset))
+        assert store.max_offset("lone", 0) > r.queue_offset
+    late.sort()
+    assert late[len(late) // 2] < _READABLE_MEDIAN_S, f"readable after {late}"
+    assert late[len(late) * 9 // 10] < _READABLE_P90_S, f"readable after {late}"
+
+
+def test_a_sync_bursts_last_messages_are_readable_within_the_coalescing_time(
+    tmp_path: Path,
+    start_store: Callable[[StoreConfig], MessageStore],
+) -> None:
+    """8 senders send 30 messages each at once; the burst's last round is confirmed by an
+    fsync no later batch follows, so the wake-up it owes comes from the flusher's timed wait
+    for a next writer (decision 1210): every message of the burst is readable within about
+    the coalescing time of the last acknowledgement."""
+    store = start_store(StoreConfig(data_dir=tmp_path / "store", flush="sync"))
+    threads, per_thread = 8, 30
+    barrier = threading.Barrier(threads)  # cyclic: it opens again for every burst
+
+    def producer(i: int) -> None:
+        barrier.wait()
+        for _ in range(per_thread):
+            store.put_message(Message(topic="burst", queue_id=i, body=os.urandom(256)))
+
+    late = []
+    for burst in range(8):
+        _run_threads(producer, threads)
+        late.append(_readable_after(store, store.commitlog.max_offset))
+        for i in range(threads):
+            assert store.max_offset("burst", i) == (burst + 1) * per_thread
+    late.sort()
+    assert late[len(late) // 2] < _READABLE_MEDIAN_S, f"readable after {late}"
+    assert late[len(late) * 9 // 10] < _READABLE_P90_S, f"readable after {late}"
+
+
 def test_native_batch_gate_is_built_and_used() -> None:
     """``pip install -e .`` compiles the native batch gate, and group commit uses it by default
     (``TMQ_PURE_PYTHON`` picks the reference)."""
