@@ -406,7 +406,7 @@ class Export:
             table = self._tables.get(topic)
             try:
                 if table is not None:
-                    record_archives(table, archives)
+                    record_archives(LakeTable(self.lake, topic).location, table, archives)
             except Exception as e:  # the next commit of each queue records it all the same
                 log.warning("%s: the archive ids were not recorded: %s", topic, _one_line(e))
 

@@ -439,7 +439,9 @@ def _transactions(offsets: dict[str, int], archives: Mapping[str, str]) -> list[
     return out
 
 
-def record_archives(delta: DeltaTable, archives: Mapping[str, tuple[int, str]]) -> int | None:
+def record_archives(
+    location: Location, delta: DeltaTable, archives: Mapping[str, tuple[int, str]]
+) -> int | None:
     """Record, in one commit of no files, the archive each queue's rows came from, for queues
     exported before archive ids (decision 1240) whose last row the caller found in the tier's
     current archive: queue key -> (its exported offset, that archive's id). The offsets are set
@@ -454,19 +456,25 @@ def record_archives(delta: DeltaTable, archives: Mapping[str, tuple[int, str]]) 
     }
     if not live:
         return None
+    transactions = _transactions(
+        {key: offset for key, (offset, _) in live.items()},
+        {key: archive for key, (_, archive) in live.items()},
+    )
+    before = delta.version()
     delta.create_write_transaction(
         [],
         mode="append",
         schema=delta.schema(),  # the table's own: this commit changes nothing but transactions
         partition_by=[PARTITION_COLUMN],
         commit_properties=CommitProperties(
-            custom_metadata={"tmq.recordArchives": str(len(live))},
-            app_transactions=_transactions(
-                {key: offset for key, (offset, _) in live.items()},
-                {key: archive for key, (_, archive) in live.items()},
-            ),
+            custom_metadata={
+                ACTIONS_KEY: str(len(transactions)),
+                "tmq.recordArchives": str(len(live)),
+            },
+            app_transactions=transactions,
         ),
     )
+    settle(location, before)
     delta.update_incremental()
     return delta.version()
 
@@ -531,6 +539,7 @@ def commit_files(
         )
         for f in keep
     ]
+    transactions = _transactions(offsets, archives or {})
     before = delta.version()
     try:
         delta.create_write_transaction(
@@ -542,11 +551,11 @@ def commit_files(
                 custom_metadata={
                     # How many add and txn lines follow: what tells a commit a power loss cut
                     # at a line's end from a whole one (lakehouse/durable.py).
-                    ACTIONS_KEY: str(len(actions) + len(offsets)),
+                    ACTIONS_KEY: str(len(actions) + len(transactions)),
                     "tmq.exportBatchId": str(batch_id),
                     "tmq.exportTs": datetime.fromtimestamp(export_ts_us / 1e6, UTC).isoformat(),
                 },
-                app_transactions=_transactions(offsets, archives or {}),
+                app_transactions=transactions,
             ),
         )
     except CommitFailedError as e:
