@@ -41,6 +41,7 @@ from remoting.security import ChannelSecurity
 from tests.broker_harness import free_port, pull_all, terminate
 from tests.etcd_harness import EtcdCluster
 from tests.ha_failover import Group, is_master, start_namesrv, wait_for
+from tests.node_harness import ensure_node_client, node
 from tests.test_ha import GroupMember, caught_up
 from tests.test_transactions import Checker  # answers from a table a test may change
 from tiered.record import LOCALHOST, StoredMessage
@@ -329,6 +330,36 @@ def test_check_backs_reach_a_producer_on_a_slave_after_a_failover(tmp_path: Path
         assert metric(b, "tmq_transaction_rollbacks_total") == 0
         assert metric(b, "tmq_transaction_checks_relayed_total") >= 2
         assert keys_in(b) == Counter({"k-before": 1, "k-after": 1})
+
+
+def test_check_backs_reach_the_node_client_routed_at_a_slave(tmp_path: Path) -> None:
+    """Apache's Node.js client, given the slave as its access point, is routed at it
+    (decision 1171): two transactions it leaves to the check-back are decided by its checker
+    through the slave, one committed and stored once, the other rolled back. On main it was
+    never asked."""
+    ensure_node_client()
+    with relay_group(tmp_path, 2, checks_every_second(10), producer_on=1) as group:
+        a, b = group.members[:2]
+        result = node(
+            {
+                "cmd": "transact",
+                "endpoint": b.endpoint,
+                "topic": TXN,
+                "seconds": 8,
+                "answers": {"k-commit": "COMMIT", "k-rollback": "ROLLBACK"},
+                "messages": [
+                    {"body": "body of k-commit", "keys": ["k-commit"]},
+                    {"body": "body of k-rollback", "keys": ["k-rollback"]},
+                ],
+            },
+            timeout=120,
+        )
+        assert {"k-commit", "k-rollback"} <= set(result["asked"]), result
+        wait_for("the master decided both", lambda: metric(a, "tmq_transaction_half_pending") == 0)
+        assert metric(a, "tmq_transaction_commits_total") == 1
+        assert metric(a, "tmq_transaction_rollbacks_total") == 1
+        assert metric(a, "tmq_transaction_checks_relayed_total") >= 2
+        assert keys_in(a) == Counter({"k-commit": 1})
 
 
 # -- the relay client against real gRPC servers --------------------------------------------------
