@@ -311,6 +311,8 @@ def test_check_backs_reach_a_producer_on_a_slave_after_a_failover(tmp_path: Path
             a.kill9()
             wait_for("a new master", lambda: is_master(b) or is_master(c), timeout=60)
             assert is_master(b), "member 2 (lowest id at an equal end) is elected"
+            # SYNC, min_in_sync_replicas 2: sends wait for c to follow b.
+            wait_for("c follows b", lambda: group.in_sync(2), timeout=60)
             send_undecided(p, "k-after")
             mark = len(checker.asked)
             wait_for(
