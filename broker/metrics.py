@@ -122,6 +122,11 @@ class BrokerCollector(Collector):
                 ("tmq_transaction_commits", "Transactions committed.", transactions.commits),
                 ("tmq_transaction_rollbacks", "Transactions rolled back.", transactions.rollbacks),
                 ("tmq_transaction_checks", "Check-backs sent to producers.", transactions.checks),
+                (
+                    "tmq_transaction_checks_relayed",
+                    "Check-backs another member of the replica group handed to its producer.",
+                    transactions.relayed,
+                ),
             ):
                 yield _counter(name, doc, value)
         timers = self.sources.timers()

@@ -4,13 +4,17 @@ A RocketMQ 5 producer opens one Telemetry stream per broker and names the topics
 its Settings; a producer that sends a transactional message is also recorded for that topic (by
 its ``x-mq-client-id``), since the client may have started without naming any. A check-back goes
 to one live stream of the topic, chosen in turn.
+
+In a controller-run replica group a producer's stream may sit on any member, while only the
+master checks back: the master hands a check it has no stream for to the other members
+(broker/ha/check_relay.py, decision 1250), each of which offers it to its own registry.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from rocketmq.grpc_protocol import definition_pb2 as d
 from rocketmq.grpc_protocol import service_pb2 as s
@@ -43,22 +47,35 @@ class ProducerRegistry:
             if self._streams.get(client_id) is outbox:
                 del self._streams[client_id]
 
-    def send(self, topic: str, command: s.TelemetryCommand) -> bool:
-        """Hand ``command`` to one connected producer of ``topic``; False when there is none."""
+    def send(self, topic: str, command: s.TelemetryCommand, client_ids: Iterable[str] = ()) -> bool:
+        """Hand ``command`` to one connected producer of ``topic`` (or, among ``client_ids``,
+        one that publishes it without having said so here); False when there is none."""
         with self._lock:
-            live = sorted(c for c in self._topics.get(topic, ()) if c in self._streams)
+            known = self._topics.get(topic, set()).union(client_ids)
+            live = sorted(c for c in known if c in self._streams)
             if not live:
                 return False
             outbox = self._streams[live[next(self._turn) % len(live)]]
         outbox(command)
         return True
 
-    def check_back(self, topic: str, half: StoredMessage, transaction_id: str) -> bool:
-        """Ask a producer of ``topic`` to decide a half message
-        (``RecoverOrphanedTransactionCommand``); False when none is connected."""
+    def elsewhere(self, topic: str) -> list[str]:
+        """Client ids seen publishing ``topic`` whose Telemetry stream is not held here (a
+        replica group's member forwarded their sends)."""
+        with self._lock:
+            return sorted(c for c in self._topics.get(topic, ()) if c not in self._streams)
+
+    @staticmethod
+    def check_command(half: StoredMessage, topic: str, transaction_id: str) -> s.TelemetryCommand:
+        """The ``RecoverOrphanedTransactionCommand`` that asks a producer to decide ``half``."""
         message = to_proto_message(half, topic, None, None, None)
         message.system_properties.message_type = d.TRANSACTION
         command = s.TelemetryCommand()
         command.recover_orphaned_transaction_command.message.CopyFrom(message)
         command.recover_orphaned_transaction_command.transaction_id = transaction_id
-        return self.send(topic, command)
+        return command
+
+    def check_back(self, topic: str, half: StoredMessage, transaction_id: str) -> bool:
+        """Ask a producer of ``topic`` connected here to decide a half message; False when none
+        is connected."""
+        return self.send(topic, self.check_command(half, topic, transaction_id))

@@ -26,6 +26,8 @@ from broker import acl_pb2, acl_pb2_grpc, admin_pb2, admin_pb2_grpc
 from broker.admin import AdminServicer
 from broker.authorization import AclServicer, BrokerPolicy
 from broker.config import BrokerConfig
+from broker.ha import relay_pb2, relay_pb2_grpc
+from broker.ha.check_relay import CheckRelay, CheckRelayServicer
 from broker.ha.controller import HaController
 from broker.ha.forward import ForwardingHandler
 from broker.ha.gate import FencedGate, ReplicationStatus, SendGate
@@ -206,6 +208,7 @@ class Broker:
         self.controller: HaController | None = None
         self._registered_id: int | None = None
         self._forwarder: ForwardingHandler | None = None
+        self.check_relay: CheckRelay | None = None
         # The replication link: TLS with [tls], both ends authenticated with [auth] (decision 220).
         link = (
             LinkSecurity(
@@ -236,6 +239,9 @@ class Broker:
                 on_change=self._replication_changed,
                 find_master=self._registered_master,
             )
+            # Check-backs reach producers connected to any member (decision 1250).
+            self.check_relay = CheckRelay(self.controller.peers, self.security, self.producers)
+            self.transactions.relay = self.check_relay.relay
         elif config.ha.enabled:
             epochs = EpochFile(config.store.data_dir / "ha")
             if config.ha.role == "master":
@@ -635,6 +641,11 @@ class Broker:
                     controller.forward_target,
                 )
                 server.add_generic_rpc_handlers((self._forwarder,))
+                add_safely(
+                    relay_pb2_grpc.add_ReplicaGroupServicer_to_server,
+                    CheckRelayServicer(self.producers),
+                    server,
+                )
             else:
                 add_safely(
                     service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, server
@@ -758,7 +769,12 @@ class Broker:
             AuthInterceptor(
                 Authenticator(acl, auth.max_clock_skew_s),
                 BrokerPolicy(acl),
-                [service_pb2.DESCRIPTOR, admin_pb2.DESCRIPTOR, acl_pb2.DESCRIPTOR],
+                [
+                    service_pb2.DESCRIPTOR,
+                    admin_pb2.DESCRIPTOR,
+                    acl_pb2.DESCRIPTOR,
+                    relay_pb2.DESCRIPTOR,
+                ],
                 on_denied=self.metrics.denied,
             )
         ]
@@ -1129,6 +1145,8 @@ class Broker:
             self._export.stop()
         self.metrics.close()
         self.transactions.stop()
+        if self.check_relay is not None:
+            self.check_relay.close()
         self.timers.stop()
         self.metadata.flush_offsets(force=True)
         if self.controller is not None:

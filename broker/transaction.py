@@ -25,7 +25,9 @@ their CommitLog files (``pinned_offset``): retention never releases them while u
 Threads: request threads call ``prepare`` and ``end``; ``tmq-transaction-check`` sends
 check-backs (``RecoverOrphanedTransactionCommand``) to a producer of the topic through its
 Telemetry stream every ``check_interval_ms``, and after ``check_max`` unanswered checks rolls the
-half message back or keeps it, as configured.
+half message back or keeps it, as configured. In a controller-run replica group the checks that
+no producer connected to the master took are relayed to the producers connected to the other
+members (``relay``, broker/ha/check_relay.py), and that thread waits for the members' answers.
 
 A pass of the check loop costs the same whatever the backlog of undecided halves (decision 531):
 the halves wait in a heap by their next check time, a pass takes the due ones oldest first, at
@@ -153,6 +155,9 @@ class Prepared:
 
 # A producer's Telemetry stream: send it a check-back for (stored half message, transaction id).
 CheckSender = Callable[[str, StoredMessage, str], bool]
+# The checks no producer connected here took, as (topic, half message, transaction id), handed
+# to the replica group's other members (broker/ha/check_relay.py): which of them one took.
+CheckRelayer = Callable[[list[tuple[str, StoredMessage, str]]], list[bool]]
 
 
 def copy_to(
@@ -196,11 +201,15 @@ class TransactionService:
         send_check: CheckSender,
         clock: Callable[[], int] = now_ms,
         leading: Callable[[], bool] = lambda: True,
+        relay: CheckRelayer | None = None,
     ) -> None:
         self.store = store
         self.metadata = metadata
         self.config = config
         self.send_check = send_check
+        # A controller-run group's master: where the checks go that no producer here took
+        # (decision 1250); None on a single broker.
+        self.relay = relay
         self._clock = clock
         # Only a writable master checks back; a slave's state is what it recovered at start,
         # and it recovers again from the replicated store when it is elected (_take_over).
@@ -218,6 +227,7 @@ class TransactionService:
         self.commits = 0
         self.rollbacks = 0
         self.checks = 0
+        self.relayed = 0  # check-backs another member of the group handed to its producer
         self.rolled = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -513,19 +523,32 @@ class TransactionService:
                 half.checks += 1
         self.checks += len(checks)
         sent = 0
+        unsent: list[tuple[Half, StoredMessage]] = []
         for half, stored in checks:
             if self._stop.is_set():
-                break
+                return sent
             if self.send_check(half.topic, stored, transaction_id(half.offset, half.txn_phys)):
                 sent += 1
             else:
-                log.info(
-                    "transaction %s of %s: no producer of the topic is connected (check %d/%d)",
-                    half.message_id,
-                    half.topic,
-                    half.checks,
-                    self.config.check_max,
-                )
+                unsent.append((half, stored))
+        if unsent and self.relay is not None:
+            # A producer whose stream another member holds (decision 1250).
+            reached = self.relay(
+                [(h.topic, st, transaction_id(h.offset, h.txn_phys)) for h, st in unsent]
+            )
+            relayed = sum(reached)
+            self.relayed += relayed
+            sent += relayed
+            unsent = [c for c, ok in zip(unsent, reached, strict=True) if not ok]
+        for half, _ in unsent:
+            log.info(
+                "transaction %s of %s: no producer of the topic is connected%s (check %d/%d)",
+                half.message_id,
+                half.topic,
+                "" if self.relay is None else " to any member of the group",
+                half.checks,
+                self.config.check_max,
+            )
         return sent
 
     def _give_up(self, half: Half, txn: str) -> None:

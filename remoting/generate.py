@@ -12,6 +12,7 @@ PROTOS = [
     ROOT / "remoting" / "namesrv.proto",
     ROOT / "broker" / "admin.proto",
     ROOT / "broker" / "acl.proto",
+    ROOT / "broker" / "ha" / "relay.proto",
 ]
 
 if __name__ == "__main__":

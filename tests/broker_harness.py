@@ -505,14 +505,19 @@ def metric_sample(node: Standalone, sample: str) -> float | None:
     return None
 
 
-def pull_all(node: Standalone, topic: str, queues: int) -> list[Any]:
+def pull_all(
+    node: Standalone, topic: str, queues: int, channel: grpc.Channel | None = None
+) -> list[Any]:
     """Every message of ``topic`` by PullMessage from offset 0 (the tier below the hot tier),
-    as ``apache.rocketmq.v2.Message``."""
+    as ``apache.rocketmq.v2.Message``; over ``channel`` when given (a signed one, under
+    ``[auth]``)."""
     from rocketmq.grpc_protocol import definition_pb2 as d
     from rocketmq.grpc_protocol import service_pb2 as s
     from rocketmq.grpc_protocol import service_pb2_grpc
 
-    stub = service_pb2_grpc.MessagingServiceStub(grpc.insecure_channel(node.endpoint))
+    stub = service_pb2_grpc.MessagingServiceStub(
+        channel if channel is not None else grpc.insecure_channel(node.endpoint)
+    )
     out: list[Any] = []
     for queue in range(queues):
         offset = 0

@@ -248,8 +248,11 @@ class Group:
         mode: str,
         max_lag_ms: int = 3000,
         lease_ttl_ms: int = 2000,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.max_lag_ms = max_lag_ms
+        # Every member's extra environment (a test's transaction check timing, an admin).
+        self.env = env
         # The tests keep a short lease (their waits are sized for it); the bench passes its own.
         self.lease_ttl_ms = lease_ttl_ms
         self.members = [GroupMember(root, f"node{i}", free_port()) for i in (1, 2, 3)]
@@ -269,6 +272,7 @@ class Group:
             lease_ttl_ms=self.lease_ttl_ms,
             max_lag_ms=self.max_lag_ms,
             file_size=4 << 20,
+            env=self.env,
         )
 
     @property

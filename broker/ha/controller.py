@@ -154,6 +154,10 @@ class HaController:
         self.following: str | None = None
         # The current master's gRPC endpoint as etcd names it (None: none, or this node).
         self.master_endpoint: str | None = None
+        # The other live members' gRPC endpoints at the last tick that read etcd (a member's key
+        # lives on its lease: a member that died drops out within its TTL, at once when its
+        # keeper revokes the lease).
+        self._peers: list[str] = []
         self.metrics = ControllerMetrics()
         self.last_error: str | None = None
         self._lease = 0
@@ -490,6 +494,9 @@ class HaController:
         phases.append(("put", time.monotonic()))
         view = self._read()
         phases.append(("read", time.monotonic()))
+        self._peers = sorted(
+            m.endpoint for i, m in view.members.items() if i != self.node_id and m.endpoint
+        )
         master = view.master
         self.master_endpoint = (
             str(master["endpoint"])
@@ -679,6 +686,12 @@ class HaController:
                 raise
             self.role.set("master", epoch)
             self._switch(master)
+
+    def peers(self) -> list[str]:
+        """The gRPC endpoints of the group's other live members, as etcd last listed them:
+        where the master relays the transaction check-backs it has no producer for (decision
+        1250)."""
+        return list(self._peers)
 
     def forward_target(self) -> str | None:
         """Where client requests that need the master go: None to answer them here (this node

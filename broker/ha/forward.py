@@ -56,6 +56,13 @@ READS = frozenset(
 _HOP = "x-tmq-forwarded"
 
 
+def _encoded(request: Any) -> bytes:
+    """The request's bytes. Under ``[auth]`` the interceptor (remoting/auth.py) decodes a request
+    to authorize it and passes the decoded message on; it is encoded again to be forwarded
+    (decision 1251: passed as it was, every forwarded call failed with a TypeError)."""
+    return request if isinstance(request, bytes) else bytes(request.SerializeToString())
+
+
 class _Capture:
     def __init__(self) -> None:
         self.handlers: list[grpc.GenericRpcHandler] = []
@@ -161,7 +168,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
                 call = self._channel(target).unary_unary(method)
                 try:
                     answer: bytes = call(
-                        raw, metadata=self._metadata(context), timeout=self._timeout(context)
+                        _encoded(raw),
+                        metadata=self._metadata(context),
+                        timeout=self._timeout(context),
                     )
                     return answer
                 except grpc.RpcError as e:
@@ -187,7 +196,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
                 answered = False
                 try:
                     for answer in call(
-                        raw, metadata=self._metadata(context), timeout=self._timeout(context)
+                        _encoded(raw),
+                        metadata=self._metadata(context),
+                        timeout=self._timeout(context),
                     ):
                         answered = True
                         yield answer
