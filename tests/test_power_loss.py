@@ -1071,3 +1071,85 @@ def test_a_torn_tail_recovery_cut_is_still_in_quarantine_after_a_power_loss(
     assert saved.exists() and saved.read_bytes() == torn, (
         f"the torn tail's only copy is lost (the cut {'landed' if cut_landed else 'did not'})"
     )
+
+
+def test_a_damaged_entry_a_read_noted_is_still_noted_after_a_power_loss(tmp_path: Path) -> None:
+    """A read that meets a ConsumeQueue entry naming another queue's record fails, telling the
+    operator to restart, and notes the entry in ``damaged_entries`` for the start to rebuild
+    (no start check sees an entry that names a record in order, decision 686). The note must
+    survive a power loss: the restart the error asks for must rebuild the entry, not meet the
+    same error again."""
+    from test_consume_queue_repair import (
+        entries_of,
+        read_stops_at_40,
+        restart_repairs,
+        write_entry,
+        write_two_queues,
+    )
+
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    on_disk = StoreConfig(data_dir=durable / "store", **SMALL)
+    write_two_queues(on_disk)
+    write_entry(on_disk, 0, 40, entries_of(on_disk, 1)[40])  # damaged before the mount: durable
+    config = StoreConfig(data_dir=mountpoint / "store", **SMALL)
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        store = MessageStore(config)
+        store.start()
+        try:
+            read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
+            assert (config.data_dir / "damaged_entries").exists()
+            fs.crash()
+        finally:
+            with contextlib.suppress(Exception):
+                store.shutdown()
+    finally:
+        fs.close()
+    restart_repairs(on_disk, 1, 0)
+
+
+def test_damage_notes_are_kept_until_the_entries_they_name_are_rebuilt_durably(
+    tmp_path: Path,
+) -> None:
+    """The start rebuilds the entries ``damaged_entries`` names, then removes the file. An
+    ASYNC start's checkpoint fsyncs the data dir at once, which makes the removal durable,
+    while the rebuilt entries reach the disk with the flusher, later: a power loss between the
+    two must not keep the wrong entry and lose the note that names it."""
+    from test_consume_queue_repair import (
+        entries_of,
+        read_queue,
+        read_stops_at_40,
+        restart_repairs,
+        whole,
+        write_entry,
+        write_two_queues,
+    )
+
+    _need_fuse()
+    durable, mountpoint = tmp_path / "durable", tmp_path / "mnt"
+    on_disk = StoreConfig(data_dir=durable / "store", **SMALL)
+    assert on_disk.flush == "async"
+    write_two_queues(on_disk)
+    write_entry(on_disk, 0, 40, entries_of(on_disk, 1)[40])
+    store = MessageStore(on_disk)
+    store.start()
+    try:
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
+    finally:
+        store.shutdown()
+    assert (on_disk.data_dir / "damaged_entries").exists()
+    fs = PowerLossMount(mountpoint, durable)
+    try:
+        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", **SMALL))
+        try:
+            assert store.start().cq_entries_repaired == 1
+            assert read_queue(store, 0) == whole(0)
+            fs.crash()
+        finally:
+            with contextlib.suppress(Exception):
+                store.shutdown()
+    finally:
+        fs.close()
+    # The rebuilt entry is durable (a note that survived finds nothing left to rebuild).
+    restart_repairs(on_disk, 0, 0)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tiered.durable import fsync_dir
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
 from tiered.names import is_valid_name
@@ -62,6 +63,7 @@ class DamageNotes:
         self.path = path
         self._lock = threading.Lock()
         self._noted: set[tuple[str, int, int]] = set()
+        self._name_durable = False  # the file's name is durable (its directory was fsynced)
 
     def note(self, topic: str, queue_id: int, offset: int) -> None:
         with self._lock:
@@ -73,27 +75,59 @@ class DamageNotes:
                     fh.write(json.dumps([topic, queue_id, offset]) + "\n")
                     fh.flush()
                     os.fsync(fh.fileno())
+                if not self._name_durable:
+                    # The first note creates the file, and an fsync of a file does not make
+                    # its name durable: a power loss lost the notes, and the restart the read's
+                    # error asks for rebuilt nothing (decision 1261).
+                    fsync_dir(self.path.parent)
+                    self._name_durable = True
             except OSError as e:  # the read still fails, naming the entry
                 log.error("cannot note the damaged ConsumeQueue entry in %s: %s", self.path, e)
 
     def load(self) -> dict[tuple[str, int], list[int]]:
+        """The noted entries by queue. A line that is not a note (torn by a power loss, zeros
+        past the last write, a flipped byte) is skipped with a warning and the others are
+        kept: the notes only point the start at entries to check, and a read that meets a
+        damaged entry notes it again. They never refuse a start (decision 1262)."""
         out: dict[tuple[str, int], list[int]] = {}
         try:
-            lines = self.path.read_text().splitlines()
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return out
-        for line in lines:
+        except OSError as e:
+            log.error(
+                "cannot read the damaged ConsumeQueue entries noted in %s (%s): the start "
+                "rebuilds only the damage it finds itself; a read that meets another notes it "
+                "again",
+                self.path,
+                e,
+            )
+            return out
+        skipped: list[int] = []
+        for number, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip(b"\0 \t\r"):
+                continue  # an empty line, or zeros a power loss left past the last write
             try:
-                topic, queue_id, offset = json.loads(line)
+                topic, queue_id, offset = json.loads(line)  # a byte not UTF-8: ValueError
                 out.setdefault((str(topic), int(queue_id)), []).append(int(offset))
             except (ValueError, TypeError):
-                continue  # a line a crash tore: the read that found it will find it again
+                skipped.append(number)
+        if skipped:
+            log.warning(
+                "%s: line(s) %s are not notes of damaged ConsumeQueue entries (torn by a crash "
+                "or damaged) and were skipped; the %d other queue(s) noted are checked, and a "
+                "read that meets a damaged entry notes it again",
+                self.path,
+                ", ".join(map(str, skipped[:10])),
+                len(out),
+            )
         return out
 
     def clear(self) -> None:
         with self._lock:
             self.path.unlink(missing_ok=True)
             self._noted.clear()
+            self._name_durable = False
 
 
 class ConsumeQueue:
