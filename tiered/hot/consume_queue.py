@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered.durable import fsync_dir
+from tiered.durable import append_whole, fsync_dir
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
 from tiered.names import is_valid_name
@@ -69,20 +69,30 @@ class DamageNotes:
         with self._lock:
             if (topic, queue_id, offset) in self._noted:
                 return
-            self._noted.add((topic, queue_id, offset))
+            line = (json.dumps([topic, queue_id, offset]) + "\n").encode()
             try:
-                with self.path.open("a") as fh:
-                    fh.write(json.dumps([topic, queue_id, offset]) + "\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    # Whole or not at all: a full disk takes the part of a line that fits in
+                    # the file's last page, and the next note appended to it would make one
+                    # line of the two, both lost (decision 1263).
+                    append_whole(fd, line)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 if not self._name_durable:
                     # The first note creates the file, and an fsync of a file does not make
                     # its name durable: a power loss lost the notes, and the restart the read's
                     # error asks for rebuilt nothing (decision 1261).
                     fsync_dir(self.path.parent)
                     self._name_durable = True
-            except OSError as e:  # the read still fails, naming the entry
+            except OSError as e:
+                # The read still fails, naming the entry, and the next read that meets it
+                # tries again: counted as noted, it never was, and the restart the read's
+                # error asks for rebuilt nothing (decision 1263).
                 log.error("cannot note the damaged ConsumeQueue entry in %s: %s", self.path, e)
+                return
+            self._noted.add((topic, queue_id, offset))
 
     def load(self) -> dict[tuple[str, int], list[int]]:
         """The noted entries by queue. A line that is not a note (torn by a power loss, zeros
@@ -104,14 +114,19 @@ class DamageNotes:
             )
             return out
         skipped: list[int] = []
+        seen: set[tuple[str, int, int]] = set()  # a note appended twice (a failed fsync) once
         for number, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip(b"\0 \t\r"):
                 continue  # an empty line, or zeros a power loss left past the last write
             try:
                 topic, queue_id, offset = json.loads(line)  # a byte not UTF-8: ValueError
-                out.setdefault((str(topic), int(queue_id)), []).append(int(offset))
+                note = (str(topic), int(queue_id), int(offset))
             except (ValueError, TypeError):
                 skipped.append(number)
+                continue
+            if note not in seen:
+                seen.add(note)
+                out.setdefault(note[:2], []).append(note[2])
         if skipped:
             log.warning(
                 "%s: line(s) %s are not notes of damaged ConsumeQueue entries (torn by a crash "
