@@ -14,15 +14,14 @@ import json
 import logging
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from tiered.durable import append_whole, fsync_dir
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
+from tiered.hot.notes_file import NotesFile
 from tiered.names import is_valid_name
 from tiered.record import CorruptRecordError
 
@@ -57,92 +56,32 @@ class DamagedEntryError(CorruptRecordError):
 class DamageNotes:
     """ConsumeQueue entries a read found naming the wrong record, kept in a file for the next
     start, which checks them and rebuilds the bad ones (decision 686): the start's own check
-    looks only where entries are out of order, and an entry may name a record in order."""
+    looks only where entries are out of order, and an entry may name a record in order. The
+    file's rules (durable, whole lines, never refusing a start) are ``NotesFile``'s."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = threading.Lock()
-        self._noted: set[tuple[str, int, int]] = set()
-        self._name_durable = False  # the file's name is durable (its directory was fsynced)
+        self._file = NotesFile(path, "damaged ConsumeQueue entry")
 
     def note(self, topic: str, queue_id: int, offset: int) -> None:
-        with self._lock:
-            if (topic, queue_id, offset) in self._noted:
-                return
-            line = (json.dumps([topic, queue_id, offset]) + "\n").encode()
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    # Whole or not at all: a full disk takes the part of a line that fits in
-                    # the file's last page, and the next note appended to it would make one
-                    # line of the two, both lost (decision 1263).
-                    append_whole(fd, line)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if not self._name_durable:
-                    # The first note creates the file, and an fsync of a file does not make
-                    # its name durable: a power loss lost the notes, and the restart the read's
-                    # error asks for rebuilt nothing (decision 1261).
-                    fsync_dir(self.path.parent)
-                    self._name_durable = True
-            except OSError as e:
-                # The read still fails, naming the entry, and the next read that meets it
-                # tries again: counted as noted, it never was, and the restart the read's
-                # error asks for rebuilt nothing (decision 1263).
-                log.error("cannot note the damaged ConsumeQueue entry in %s: %s", self.path, e)
-                return
-            self._noted.add((topic, queue_id, offset))
+        # The read still fails, naming the entry; a note not written is tried by the next.
+        self._file.add(json.dumps([topic, queue_id, offset]))
 
     def load(self) -> dict[tuple[str, int], list[int]]:
-        """The noted entries by queue. A line that is not a note (torn by a power loss, zeros
-        past the last write, a flipped byte) is skipped with a warning and the others are
-        kept: the notes only point the start at entries to check, and a read that meets a
-        damaged entry notes it again. They never refuse a start (decision 1262)."""
+        """The noted entries by queue (lines that are not notes skipped, decision 1262)."""
         out: dict[tuple[str, int], list[int]] = {}
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return out
-        except OSError as e:
-            log.error(
-                "cannot read the damaged ConsumeQueue entries noted in %s (%s): the start "
-                "rebuilds only the damage it finds itself; a read that meets another notes it "
-                "again",
-                self.path,
-                e,
-            )
-            return out
-        skipped: list[int] = []
-        seen: set[tuple[str, int, int]] = set()  # a note appended twice (a failed fsync) once
-        for number, line in enumerate(raw.split(b"\n"), 1):
-            if not line.strip(b"\0 \t\r"):
-                continue  # an empty line, or zeros a power loss left past the last write
-            try:
-                topic, queue_id, offset = json.loads(line)  # a byte not UTF-8: ValueError
-                note = (str(topic), int(queue_id), int(offset))
-            except (ValueError, TypeError):
-                skipped.append(number)
-                continue
-            if note not in seen:
-                seen.add(note)
-                out.setdefault(note[:2], []).append(note[2])
-        if skipped:
-            log.warning(
-                "%s: line(s) %s are not notes of damaged ConsumeQueue entries (torn by a crash "
-                "or damaged) and were skipped; the %d other queue(s) noted are checked, and a "
-                "read that meets a damaged entry notes it again",
-                self.path,
-                ", ".join(map(str, skipped[:10])),
-                len(out),
-            )
+        for note in self._file.read(_parse_entry_note):
+            topic, queue_id, offset = note
+            out.setdefault((topic, queue_id), []).append(offset)
         return out
 
     def clear(self) -> None:
-        with self._lock:
-            self.path.unlink(missing_ok=True)
-            self._noted.clear()
-            self._name_durable = False
+        self._file.clear()
+
+
+def _parse_entry_note(line: str) -> tuple[str, int, int]:
+    topic, queue_id, offset = json.loads(line)
+    return str(topic), int(queue_id), int(offset)
 
 
 class ConsumeQueue:
