@@ -170,6 +170,10 @@ class Broker:
             self._resumer = Resumer(self.store, self.offloader, self.divergence)
         self._stop = threading.Event()
         self._register_now = threading.Event()
+        # Held by a registration from its check of ``_stop`` to its last NameServer's answer,
+        # and by stop()'s unregister: a heartbeat under way when stop() begins finishes before
+        # the unregister, and none starts after it (decision 1260).
+        self._registering = threading.Lock()
         self.pop = PopService(self.store, self.metadata, on_topic_created=self._register_now.set)
         self.namesrv = NameServerClient(config.namesrv, self.security) if config.namesrv else None
         self.producers = ProducerRegistry()
@@ -832,6 +836,7 @@ class Broker:
     def register(self) -> None:
         if self.namesrv is not None:
             registration = self.registration()
+            failpoints.hit("register.before_send")
             previous, self._registered_id = self._registered_id, registration.broker_id
             if previous is not None and previous != registration.broker_id:
                 # A promoted slave or a deposed master: its old entry must not route anyone.
@@ -885,10 +890,13 @@ class Broker:
             if self._stop.is_set():
                 return
             self._register_now.clear()
-            try:
-                self.register()
-            except Exception:
-                log.exception("registration with the NameServers failed")
+            with self._registering:
+                if self._stop.is_set():
+                    return  # stop() has unregistered, or is about to: no heartbeat after it
+                try:
+                    self.register()
+                except Exception:
+                    log.exception("registration with the NameServers failed")
 
     def _check_tier(self) -> None:
         """Refuse to start on a tier that cannot work (no such bucket, no permission to write,
@@ -1131,12 +1139,16 @@ class Broker:
         self._stop.set()
         self._register_now.set()
         if self.namesrv is not None:
-            self.namesrv.unregister(
-                self.config.cluster,
-                self.config.name,
-                self.broker_id,
-                nspb.Endpoint(host=self.config.advertise_host, port=self.port),
-            )
+            # After any heartbeat under way (a slow NameServer holds one up to 3 s each): one
+            # that reached a NameServer after this unregister would list a stopped broker
+            # there until its expiry, 120 s of clients routed to a closed port (decision 1260).
+            with self._registering:
+                self.namesrv.unregister(
+                    self.config.cluster,
+                    self.config.name,
+                    self.broker_id,
+                    nspb.Endpoint(host=self.config.advertise_host, port=self.port),
+                )
         if self._server is not None:
             self._server.stop(grace).wait()
         for thread in self._threads:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from broker_harness import REPO, drain, free_port, send_batches, tmq, wait_healthy
+from broker_harness import (
+    REPO,
+    drain,
+    free_port,
+    send_batches,
+    tmq,
+    wait_healthy,
+    wait_until,
+)
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -24,8 +33,11 @@ from rocketmq import (
 from remoting.namesrv_client import NameServerClient
 
 
-def _spawn(tmp_path: Path, name: str, args: list[str]) -> tuple[subprocess.Popen[str], Path]:
-    """``tmq ARGS`` as its own process, its stderr in ``NAME.log``: the process and the log."""
+def _spawn(
+    tmp_path: Path, name: str, args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """``tmq ARGS`` as its own process (``env`` added to its environment), its stderr in
+    ``NAME.log``: the process and the log."""
     # A log file, not a pipe: nobody drains a pipe, and a full one blocks the server
     # (and its shutdown: a NameServer that filled its stderr pipe never exited).
     log = tmp_path / f"{name}.log"
@@ -34,6 +46,7 @@ def _spawn(tmp_path: Path, name: str, args: list[str]) -> tuple[subprocess.Popen
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=log.open("ab"),
+        env={**os.environ, **(env or {})},
     )
     return p, log
 
@@ -159,6 +172,55 @@ def test_a_dead_broker_leaves_the_routes_after_expiry(cluster) -> None:
     for address in cluster["namesrvs"]:
         route = NameServerClient([address]).route("failover")
         assert route is not None and [b.broker_name for b in route.brokers] == ["broker-a"]
+
+
+def test_a_heartbeat_under_way_at_shutdown_does_not_list_the_stopped_broker_again(
+    tmp_path: Path,
+) -> None:
+    """A broker stopped while its registration loop is sending a heartbeat: stop() unregisters,
+    and the heartbeat must not reach the NameServer after that. It did (decision 1260): the
+    NameServer listed the stopped broker again and routed clients to its closed port until
+    the expiry, 120 s. The failpoint holds a heartbeat between its build and its send, the
+    window a slow NameServer (3 s a call) or a broker of many topics opens on its own."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    namesrv, namesrv_log = _spawn(
+        tmp_path, "namesrv", ["namesrv", "start", "--host", "127.0.0.1", "--port", str(port)]
+    )
+    procs = [namesrv]
+    client = NameServerClient([address])
+    try:
+        wait_healthy(namesrv, address, namesrv_log, "NameServer")
+        cfg, broker_port = _broker_config(tmp_path, "broker-a", address)
+        pausing = "failpoint register.before_send: pausing"
+        broker, log = _spawn(
+            tmp_path,
+            "broker-a",
+            ["broker", "start", "--config", str(cfg)],
+            env={"TMQ_FAILPOINTS": "register.before_send=sleep:1.5"},
+        )
+        procs.append(broker)
+        wait_healthy(broker, f"127.0.0.1:{broker_port}", log, "broker-a")
+
+        def listed() -> list[str]:
+            return [b.broker.broker_name for b in client.cluster_info().brokers]
+
+        wait_until("the broker is registered", lambda: listed() == ["broker-a"], seconds=10)
+        heard = log.read_text().count(pausing)
+        wait_until(
+            "a heartbeat is under way",
+            lambda: log.read_text().count(pausing) > heard,
+            seconds=10,
+            every=0.02,
+        )
+        broker.terminate()
+        broker.wait(30)
+        assert listed() == []
+        time.sleep(0.5)  # nothing left to send: the NameServer stays without it
+        assert listed() == []
+    finally:
+        client.close()
+        _stop(procs, strict=False)
 
 
 def _tiered_broker(

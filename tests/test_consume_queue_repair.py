@@ -339,3 +339,36 @@ def test_a_tag_filtered_read_checks_the_entries_its_filter_skips(
         assert read_filtered(store, "A") == [body(0, n) for n in range(PER_QUEUE)]
     finally:
         store.shutdown()
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b'["t", 1, 12', b'["t", 1, 1\xff2]\n', bytes(4000)],
+    ids=["torn", "flipped byte", "zeros"],
+)
+def test_a_damaged_line_of_the_damage_notes_is_skipped_and_the_other_notes_are_kept(
+    tmp_path: Path, tail: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``damaged_entries`` after a power loss or bit rot: its last line torn, a byte of it
+    flipped (not UTF-8), or zeros past the last write. The start still rebuilds the entries
+    the whole lines name, and says which lines it skipped; it does not refuse to start over a
+    file that only points it at entries to check (a flipped byte did, decision 1262)."""
+    config = StoreConfig(data_dir=tmp_path / "store", **SMALL)
+    write_two_queues(config)
+    theirs = entries_of(config, 1)[40]
+    store = MessageStore(config)
+    store.start()
+    try:
+        write_entry(config, 0, 40, theirs)
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
+    finally:
+        store.shutdown()
+    notes = config.data_dir / "damaged_entries"
+    with notes.open("ab") as fh:
+        fh.write(tail)
+    restart_repairs(config, 1, 0, 1)
+    skipped = [r.getMessage() for r in caplog.records if "were skipped" in r.getMessage()]
+    if any(tail.strip(b"\0")):
+        assert len(skipped) == 1 and f"{notes}: line(s) 2 " in skipped[0], skipped
+    else:
+        assert skipped == []

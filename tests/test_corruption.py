@@ -378,6 +378,42 @@ def test_a_query_that_meets_a_damaged_index_file_finds_every_key_and_a_start_reb
         store.shutdown()
 
 
+@pytest.mark.parametrize(
+    "tail", [b"0000000000000", b"\xff\xfe", bytes(512)], ids=["torn", "flipped byte", "zeros"]
+)
+def test_a_damaged_line_of_the_index_notes_is_skipped_and_the_noted_file_still_rebuilt(
+    small_config, tail: bytes
+) -> None:
+    """``index/.damaged`` names the IndexFiles queries found damaged, for the next start to
+    rebuild. A power loss or bit rot leaves a torn last line, a byte that is not text, or
+    zeros: the start still rebuilds the file the whole line names, and starts. A byte that was
+    not UTF-8 refused the start over a file that only points it at what to check (decision
+    1262)."""
+    crash_after_writing(small_config.data_dir, 2500)
+    msgs = brute_force_scan(small_config.commitlog_dir)
+    first = index_files_by_offset(small_config)[0]
+    store = MessageStore(small_config)
+    store.start()
+    try:
+        patch(first, index_entry_at(small_config, 700) + 4, (64).to_bytes(8, "big"))
+        assert_every_key_found(store, msgs)  # the query notes the file
+    finally:
+        store.shutdown()
+    notes = small_config.index_dir / ".damaged"
+    assert notes.read_text() == first.name + "\n"
+    with notes.open("ab") as fh:
+        fh.write(tail)
+    store = MessageStore(small_config)
+    report = store.start()
+    try:
+        assert not first.exists()
+        assert report.index_gaps_rebuilt and report.index_gaps_rebuilt[0][0] == 0
+        assert not notes.exists()
+        assert_every_key_found(store, msgs)
+    finally:
+        store.shutdown()
+
+
 def test_index_entries_past_a_commitlog_cut_are_dropped_not_taken_for_damage(
     crashed, start_store
 ) -> None:

@@ -7,6 +7,7 @@ says the disk is full, and a broker whose disk cannot hold one CommitLog file do
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -644,3 +645,56 @@ def test_every_message_acknowledged_on_a_filling_disk_is_readable_without_freein
     finally:
         if node.proc is not None and node.proc.poll() is None:
             node.kill9()
+
+
+def test_damage_notes_a_full_disk_refused_are_written_by_the_next_read_and_never_torn(
+    small_disk: Path,
+) -> None:
+    """A read that meets a ConsumeQueue entry naming another record fails, asks for a restart,
+    and notes the entry in ``damaged_entries`` for that start to rebuild. On a full disk the
+    note cannot be written: a later read must write it once there is room (the note was
+    counted as made, and the restart rebuilt nothing), and a note the disk cut short must
+    not stay in the file, where the next note would join it and both be lost (decision 1263)."""
+    from test_consume_queue_repair import (
+        entries_of,
+        read_stops_at_40,
+        restart_repairs,
+        write_entry,
+        write_two_queues,
+    )
+
+    config = StoreConfig(data_dir=small_disk / "store", **SMALL)
+    write_two_queues(config)
+    write_entry(config, 0, 40, entries_of(config, 1)[40])
+    notes = config.data_dir / "damaged_entries"
+    store = MessageStore(config)
+    store.start()
+    try:
+        filler = _fill_between_checkpoints(store, small_disk)
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")  # not noted: no room
+        assert not notes.exists() or notes.read_bytes() == b""
+        filler.unlink()
+        # Notes of entries that are whole (they name their own records), a page's worth and
+        # more, the disk filled again while they are written: one of them crosses into a page
+        # the disk has no room for, and the disk takes only its part in the page it has.
+        filler = None
+        for n in range(600):
+            size = notes.stat().st_size if notes.exists() else 0
+            if filler is None and size > 4096 - 64:
+                filler = _fill_between_checkpoints(store, small_disk)
+            store.note_damaged_entry("t", 1, n)
+            if notes.stat().st_size < size + len(json.dumps(["t", 1, n])) + 1:
+                break  # refused: the disk took none of it, or (the old code) a part
+        else:
+            raise AssertionError("the full disk never refused a note")
+        assert filler is not None
+        filler.unlink()
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")  # room again: noted
+        store.note_damaged_entry("t", 1, 599)
+    finally:
+        store.shutdown()
+    lines = notes.read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    noted = [json.loads(line) for line in lines[:-1]]  # every line whole
+    assert ["t", 0, 40] in noted and ["t", 1, 599] in noted
+    restart_repairs(config, 1, 0, 1)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -1050,24 +1051,89 @@ def test_a_torn_tail_recovery_cut_is_still_in_quarantine_after_a_power_loss(
         f.write(torn)
     (durable / "store" / "abort").write_bytes(b"")  # the store was running at the crash
 
-    fs = PowerLossMount(mountpoint, durable)
-    try:
-        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush="sync", **SMALL))
+    with _power_lost_after(tmp_path, flush="sync") as store:
         report = store.start()
-        try:
-            assert store.max_physical_offset == end
-            assert len(report.commitlog.quarantined) == 1
-            copy = report.commitlog.quarantined[0].relative_to(mountpoint)
-            assert (mountpoint / copy).read_bytes() == torn
-            fs.crash()
-        finally:
-            with contextlib.suppress(Exception):
-                store.shutdown()
-    finally:
-        fs.close()
+        assert store.max_physical_offset == end
+        assert len(report.commitlog.quarantined) == 1
+        copy = report.commitlog.quarantined[0].relative_to(mountpoint)
+        assert (mountpoint / copy).read_bytes() == torn
     after = (durable / last.relative_to(durable)).read_bytes()
     cut_landed = after[end - int(last.name) :][: len(torn)] != torn
     saved = durable / copy
     assert saved.exists() and saved.read_bytes() == torn, (
         f"the torn tail's only copy is lost (the cut {'landed' if cut_landed else 'did not'})"
     )
+
+
+def _queue_0_damaged_at_40(durable: Path) -> StoreConfig:
+    """Queues 0 and 1 of topic t in ``durable/store`` (durable: the mount is not up yet),
+    queue 0's entry 40 naming queue 1's record 40, which lies in CommitLog order: only a read
+    finds it (decision 686). The store's config."""
+    from test_consume_queue_repair import entries_of, write_entry, write_two_queues
+
+    on_disk = StoreConfig(data_dir=durable / "store", **SMALL)
+    write_two_queues(on_disk)
+    write_entry(on_disk, 0, 40, entries_of(on_disk, 1)[40])
+    return on_disk
+
+
+@contextlib.contextmanager
+def _power_lost_after(tmp_path: Path, flush: str = "async") -> Iterator[MessageStore]:
+    """A store (not started) on the power-loss mount of ``tmp_path/durable``; the power goes
+    out when the block ends."""
+    _need_fuse()
+    mountpoint = tmp_path / "mnt"
+    fs = PowerLossMount(mountpoint, tmp_path / "durable")
+    try:
+        store = MessageStore(StoreConfig(data_dir=mountpoint / "store", flush=flush, **SMALL))
+        try:
+            yield store
+            fs.crash()
+        finally:
+            with contextlib.suppress(Exception):
+                store.shutdown()
+    finally:
+        fs.close()
+
+
+def test_a_damaged_entry_a_read_noted_is_still_noted_after_a_power_loss(tmp_path: Path) -> None:
+    """A read that meets a ConsumeQueue entry naming another queue's record fails, telling the
+    operator to restart, and notes the entry in ``damaged_entries`` for the start to rebuild
+    (no start check sees an entry that names a record in order, decision 686). The note must
+    survive a power loss: the restart the error asks for must rebuild the entry, not meet the
+    same error again."""
+    from test_consume_queue_repair import read_stops_at_40, restart_repairs
+
+    _need_fuse()
+    on_disk = _queue_0_damaged_at_40(tmp_path / "durable")
+    with _power_lost_after(tmp_path) as store:
+        store.start()
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
+        assert (store.config.data_dir / "damaged_entries").exists()
+    restart_repairs(on_disk, 1, 0)
+
+
+def test_damage_notes_are_kept_until_the_entries_they_name_are_rebuilt_durably(
+    tmp_path: Path,
+) -> None:
+    """The start rebuilds the entries ``damaged_entries`` names, then removes the file. An
+    ASYNC start's checkpoint fsyncs the data dir at once, which makes the removal durable,
+    while the rebuilt entries reach the disk with the flusher, later: a power loss between the
+    two must not keep the wrong entry and lose the note that names it."""
+    from test_consume_queue_repair import read_queue, read_stops_at_40, restart_repairs, whole
+
+    _need_fuse()
+    on_disk = _queue_0_damaged_at_40(tmp_path / "durable")
+    assert on_disk.flush == "async"
+    store = MessageStore(on_disk)
+    store.start()
+    try:
+        read_stops_at_40(store, r"t/0.*queue offset 40.*t/1.*restart")
+    finally:
+        store.shutdown()
+    assert (on_disk.data_dir / "damaged_entries").exists()
+    with _power_lost_after(tmp_path) as store:
+        assert store.start().cq_entries_repaired == 1
+        assert read_queue(store, 0) == whole(0)
+    # The rebuilt entry is durable (a note that survived finds nothing left to rebuild).
+    restart_repairs(on_disk, 0, 0)

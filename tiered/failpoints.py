@@ -36,6 +36,8 @@ Points:
 - ``resolve.before_floor``: a resolve's commit is written; the queue's floor is not raised.
 - ``resolve.after_floor``: the queue's floor is raised and saved (``queue-floors.json``); the
   record of the floor to raise is not dropped from ``tier-divergence.json``.
+- ``register.before_send``: a broker's registration is built; no NameServer has it yet
+  (``sleep:`` holds a heartbeat under way while the broker is stopped, decision 1260).
 - ``transaction.before_commit_op``: a COMMIT's real message is in the CommitLog; the commit op
   recording the decision is not (a torn commit batch).
 """

@@ -692,6 +692,7 @@ class MessageStore:
         self._repair_leading_slots(dispatcher, report)
         cl_end = self.commitlog.max_offset
         suspects = self._damage_notes.load()
+        rebuilt: list[ConsumeQueue] = []
         for (topic, queue_id), cq in list(self.queues.queues.items()):
 
             def verify(
@@ -709,6 +710,8 @@ class MessageStore:
                     if key == (topic, queue_id) and first <= qoff < end:
                         found += cq.fill(qoff, phys, size, tag_hash(tag), overwrite=True)
                 report.cq_entries_repaired += found
+                if found:
+                    rebuilt.append(cq)
                 if found == end - first:
                     log.warning(
                         "ConsumeQueue %s/%d: rebuilt the damaged entries [%d, %d) (zeroed, or "
@@ -732,6 +735,13 @@ class MessageStore:
                     hi,
                 )
 
+        if suspects:
+            # The notes go only once the entries they led to are durable: an ASYNC start's
+            # checkpoint fsyncs the data dir at once (making the notes' removal durable) while
+            # the flusher writes the rebuilt entries back later, and a power loss between the
+            # two kept the wrong entries with nothing left to say so (decision 1261).
+            for cq in rebuilt:
+                cq.flush()
         self._damage_notes.clear()
 
     def _entry_names_its_record(

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from tiered.formats import CQ_DTYPE, CQ_ENTRY, CQ_ENTRY_SIZE, Entry
 from tiered.hot.mapped_file import OFFSET_NAME_DIGITS, MappedFile, MappedFileQueue, all_zero
+from tiered.hot.notes_file import NotesFile
 from tiered.names import is_valid_name
 from tiered.record import CorruptRecordError
 
@@ -56,44 +56,32 @@ class DamagedEntryError(CorruptRecordError):
 class DamageNotes:
     """ConsumeQueue entries a read found naming the wrong record, kept in a file for the next
     start, which checks them and rebuilds the bad ones (decision 686): the start's own check
-    looks only where entries are out of order, and an entry may name a record in order."""
+    looks only where entries are out of order, and an entry may name a record in order. The
+    file's rules (durable, whole lines, never refusing a start) are ``NotesFile``'s."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = threading.Lock()
-        self._noted: set[tuple[str, int, int]] = set()
+        self._file = NotesFile(path, "damaged ConsumeQueue entry")
 
     def note(self, topic: str, queue_id: int, offset: int) -> None:
-        with self._lock:
-            if (topic, queue_id, offset) in self._noted:
-                return
-            self._noted.add((topic, queue_id, offset))
-            try:
-                with self.path.open("a") as fh:
-                    fh.write(json.dumps([topic, queue_id, offset]) + "\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError as e:  # the read still fails, naming the entry
-                log.error("cannot note the damaged ConsumeQueue entry in %s: %s", self.path, e)
+        # The read still fails, naming the entry; a note not written is tried by the next.
+        self._file.add(json.dumps([topic, queue_id, offset]))
 
     def load(self) -> dict[tuple[str, int], list[int]]:
+        """The noted entries by queue (lines that are not notes skipped, decision 1262)."""
         out: dict[tuple[str, int], list[int]] = {}
-        try:
-            lines = self.path.read_text().splitlines()
-        except FileNotFoundError:
-            return out
-        for line in lines:
-            try:
-                topic, queue_id, offset = json.loads(line)
-                out.setdefault((str(topic), int(queue_id)), []).append(int(offset))
-            except (ValueError, TypeError):
-                continue  # a line a crash tore: the read that found it will find it again
+        for note in self._file.read(_parse_entry_note):
+            topic, queue_id, offset = note
+            out.setdefault((topic, queue_id), []).append(offset)
         return out
 
     def clear(self) -> None:
-        with self._lock:
-            self.path.unlink(missing_ok=True)
-            self._noted.clear()
+        self._file.clear()
+
+
+def _parse_entry_note(line: str) -> tuple[str, int, int]:
+    topic, queue_id, offset = json.loads(line)
+    return str(topic), int(queue_id), int(offset)
 
 
 class ConsumeQueue:

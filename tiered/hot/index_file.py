@@ -38,6 +38,7 @@ import numpy as np
 from tiered.durable import fsync_dir, make_dirs
 from tiered.formats import key_hash
 from tiered.hot.mapped_file import close_all
+from tiered.hot.notes_file import NotesFile
 from tiered.record import INDEX_ENTRY_DTYPE, index_check, index_put
 
 log = logging.getLogger(__name__)
@@ -362,18 +363,15 @@ class IndexService:
         # under this lock, so neither loses the other's change.
         self._lock = threading.Lock()
         # Files a query found damaged (decision 687): the next start rebuilds them.
-        self._notes_path = directory / ".damaged"
-        self._noted: set[str] = set()
+        self._notes = NotesFile(directory / ".damaged", "damaged IndexFile")
+        self._reported: set[str] = set()  # files whose damage this run has logged
 
     def load(self) -> None:
         """Map the files; remove (for the start to rebuild) those of the wrong size or with a
         damaged header, slots or entries (decision 687), and those a query found damaged."""
         if not self.directory.exists():
             return
-        try:
-            noted = set(self._notes_path.read_text().split())
-        except FileNotFoundError:
-            noted = set()
+        noted = set(self._notes.read(_parse_file_note))
         files = []
         paths = [p for p in self.directory.iterdir() if not p.name.startswith(".")]
         newest = max(paths, key=lambda p: p.name.split("-")[1:], default=None)
@@ -419,22 +417,12 @@ class IndexService:
             files.append(f)
         files.sort(key=lambda f: (f.header.begin_offset, f.header.end_offset))
         self.files = files
-        self._notes_path.unlink(missing_ok=True)
-        self._noted.clear()
+        self._notes.clear()
 
     def _note(self, f: IndexFile) -> None:
-        """Keep the name of a file a query found damaged, for the next start to rebuild."""
-        with self._lock:
-            if f.path.name in self._noted:
-                return
-            self._noted.add(f.path.name)
-            try:
-                with self._notes_path.open("a") as fh:
-                    fh.write(f.path.name + "\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError as e:
-                log.error("cannot note the damaged IndexFile in %s: %s", self._notes_path, e)
+        """Keep the name of a file a query found damaged, for the next start to rebuild
+        (``NotesFile``: one the disk refused is tried again by the next query)."""
+        self._notes.add(f.path.name)
 
     def check_all(self) -> list[str]:
         """Check every file's slots and entries in full (``IndexFile.check``), not only the
@@ -538,7 +526,8 @@ class IndexService:
         khash: int,
         scan: Callable[[int, int, int], list[int]] | None,
     ) -> list[int]:
-        if f.path.name not in self._noted:
+        if f.path.name not in self._reported:
+            self._reported.add(f.path.name)
             log.error(
                 "IndexFile %s is damaged (%s); queries read its CommitLog range until a "
                 "restart rebuilds it",
@@ -553,7 +542,8 @@ class IndexService:
 
     def damaged(self, f: IndexFile, why: str) -> None:
         """A caller found an entry of ``f`` naming a record without its key (decision 687)."""
-        if f.path.name not in self._noted:
+        if f.path.name not in self._reported:
+            self._reported.add(f.path.name)
             log.error("IndexFile %s is damaged (%s); a restart rebuilds it", f.path, why)
         self._note(f)
 
@@ -581,3 +571,11 @@ class IndexService:
         for f in self.files:
             f.destroy()
         self.files = []
+
+
+def _parse_file_note(line: str) -> str:
+    """A noted IndexFile's name: one word (the file names have no spaces)."""
+    name = line.strip()
+    if not name or " " in name or "/" in name:
+        raise ValueError(f"not an IndexFile name: {line!r}")
+    return name
