@@ -14,7 +14,8 @@
 - Segment reads run as jobs of the cold worker (``tiered/cold/worker.py``): in the broker, a
   child process with its own interpreter lock, which does the ranged GETs and checks every
   record (structure, body CRC, queue offset), so none of that per-record work stalls an append.
-  A batch is one ranged GET: each segment's offset table is fetched once and cached.
+  A batch is one ranged GET: each segment's offset table is fetched once and cached. A
+  sequential reader gets a whole segment with one GET instead (decision 1220, ``_whole_starts``).
 - A byte-bounded read-ahead cache holds batches as raw, checked spans of records
   (``RecordSpan``); a read decodes only the messages it returns. A sequential reader's next
   batches are fetched in the background, in parallel, while it consumes the current one.
@@ -46,7 +47,9 @@ from tiered.cold.segment import (
     SegmentError,
     SegmentInfo,
     SegmentReader,
+    check_offset_table,
     read_offset_table,
+    read_segment,
     read_span,
     read_spans,
 )
@@ -77,22 +80,6 @@ READ_AHEAD = 16
 # How many consecutive batches a read-ahead fetches with one GET: LocalStack (like any object
 # store) spends a fixed cost per request, so four 1 MiB ranges cost it more than one of 4 MiB.
 GET_BATCHES = 4
-
-
-def _check_table(info: SegmentInfo, table: np.ndarray) -> None:
-    """Raise ``SegmentError`` unless ``table`` lays the segment's records out as a build does:
-    one after the other from byte 0 up to the tables. A ranged GET carries no checksum, so an
-    answer with wrong bytes is caught here, before the table is cached, rather than fail every
-    later read of the segment (or point one at other bytes)."""
-    starts = table["offset"].astype(np.int64)
-    ends = starts + table["size"]
-    if (
-        len(table) != info.count
-        or (len(table) and (starts[0] != 0 or ends[-1] != info.offsets_at))
-        or not np.array_equal(starts[1:], ends[:-1])
-        or bool((table["size"] <= 0).any())
-    ):
-        raise SegmentError(f"{info.key}: its offset table does not describe its records")
 
 
 class ColdTierUnavailableError(StorageError):
@@ -619,7 +606,10 @@ class ColdFetcher:
         if batch is None:
             if future is None:
                 self.misses += 1
-                future = self._submit(info, [start], replies)
+                # From a segment's first message: a sequential reader (a replay, a consumer
+                # that starts there), given the whole segment with one GET; from anywhere
+                # else, a random read, given its batch alone (decision 1220).
+                future = self._submit(info, [start], replies, whole=offset == info.base_offset)
                 if future is None:
                     self.unavailable += 1
                     raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
@@ -638,8 +628,7 @@ class ColdFetcher:
         # A batch holds its records or their replies, never both (decision 705); a reply is its
         # record re-encoded plus ids, digest, times and hosts, a little longer: half the cache in
         # batches ahead counts that, or the read-ahead evicts its own prefetch.
-        per_batch = BATCH_BYTES * 5 // 4 if replies else BATCH_BYTES
-        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
+        limit = self._ahead_limit(replies)
         window = min(GET_BATCHES, limit)
         ahead: list[tuple[SegmentInfo, int]] = []
         segment, nxt, n = info, start, self._batch_len(info)
@@ -666,22 +655,57 @@ class ColdFetcher:
                 j += 1
             last = ahead[j - 1][1]
             ends_segment = last + self._batch_len(segment) >= segment.end_offset
-            if j - i == window or i == 0 or ends_segment:
-                self._submit(segment, [x for _, x in ahead[i:j]], replies)  # skipped when full
+            # The reader goes on into the next segment: all of it with one GET (decision 1220).
+            enters = segment is not info and ahead[i][1] == segment.base_offset
+            if j - i == window or i == 0 or ends_segment or enters:
+                run = [x for _, x in ahead[i:j]]
+                self._submit(segment, run, replies, whole=enters)  # skipped when full
             i = j
 
+    def _ahead_limit(self, replies: bool) -> int:
+        """How many batches the read-ahead keeps ahead of a reader: ``READ_AHEAD``, fewer when
+        they would take more than half the cache."""
+        # A batch holds its records or their replies, never both (decision 705); a reply is its
+        # record re-encoded plus ids, digest, times and hosts, a little longer: half the cache in
+        # batches ahead counts that, or the read-ahead evicts its own prefetch.
+        per_batch = BATCH_BYTES * 5 // 4 if replies else BATCH_BYTES
+        return max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
+
+    def _whole_starts(self, info: SegmentInfo, replies: bool) -> list[int] | None:
+        """The starts of every batch of ``info``, when one GET of the whole object should fetch
+        them (decision 1220): the segment has no more batches than the read-ahead keeps ahead
+        (so the whole segment, which the cache holds in full, stays within the read-ahead's
+        half of the cache), and none of them is cached or under way (a reader that met the
+        segment before, or another one in it, fetches the rest by ranges). Else None. Under
+        ``_lock``."""
+        n = self._batch_len(info)
+        starts = list(range(info.base_offset, info.end_offset, n))
+        if len(starts) > self._ahead_limit(replies):
+            return None
+        if any(
+            (info.key, x, replies) in self._cache or (info.key, x, replies) in self._inflight
+            for x in starts
+        ):
+            return None
+        return starts
+
     def _submit(
-        self, info: SegmentInfo, starts: list[int], replies: bool
+        self, info: SegmentInfo, starts: list[int], replies: bool, *, whole: bool = False
     ) -> Future[RecordSpan] | None:
         """One fetch of the consecutive batches at ``starts`` (one GET), each joined if already
         in flight; the future of the first. None when ``max_inflight`` fetches are already
-        queued (the pool's queue is bounded by this, not by the executor)."""
+        queued (the pool's queue is bounded by this, not by the executor). ``whole``: ``starts``
+        begins at the segment's first batch, and the fetch is of every batch of the segment,
+        with one GET of the whole object, where ``_whole_starts`` allows it."""
         with self._lock:
             existing = self._inflight.get((info.key, starts[0], replies))
             if existing is not None:
                 return existing
             if len(self._inflight) >= self.max_inflight:
                 return None
+            every = self._whole_starts(info, replies) if whole else None
+            if every is not None:
+                starts = every
             futures: list[Future[RecordSpan]] = []
             for start in starts:
                 if (info.key, start, replies) in self._inflight:
@@ -689,7 +713,8 @@ class ColdFetcher:
                 future: Future[RecordSpan] = Future()
                 self._inflight[(info.key, start, replies)] = future
                 futures.append(future)
-            self._pool.submit(self._fetch, info, starts[: len(futures)], futures, replies)
+            taken = starts[: len(futures)]
+            self._pool.submit(self._fetch, info, taken, futures, replies, every is not None)
         return futures[0]
 
     def _fetch(
@@ -698,20 +723,30 @@ class ColdFetcher:
         starts: list[int],
         futures: list[Future[RecordSpan]],
         replies: bool,
+        whole: bool = False,
     ) -> None:
         try:
             started = time.perf_counter()
             first = starts[0] - info.base_offset
             n = self._batch_len(info)
-            entries = self._table(info)[first : first + n * len(starts)]
+            encoder = self.reply_encoder if replies else None
             try:
-                if len(starts) == 1 and not replies:
+                if whole:
+                    # The table comes with the records, checked in the worker: kept for a
+                    # later read of the segment whose batches were evicted meanwhile.
+                    table, spans = run_job(
+                        self.runner, read_segment, info, n, encoder, not replies, read=True
+                    )
+                    self._keep_table(info.key, np.frombuffer(table, dtype=CQ_DTYPE))
+                elif len(starts) == 1 and not replies:
+                    entries = self._table(info)[first : first + n]
                     spans = [
                         run_job(self.runner, read_span, info, first, entries.tobytes(), read=True)
                     ]
                 else:
                     # A replies-only span for a reader that sends replies: its records stay in
                     # the worker (decision 705); a reader that decodes gets records alone.
+                    entries = self._table(info)[first : first + n * len(starts)]
                     counts = [n] * len(starts)
                     spans = run_job(
                         self.runner,
@@ -720,7 +755,7 @@ class ColdFetcher:
                         first,
                         entries.tobytes(),
                         counts,
-                        self.reply_encoder if replies else None,
+                        encoder,
                         not replies,
                         read=True,
                     )
@@ -770,16 +805,24 @@ class ColdFetcher:
                 table = np.frombuffer(
                     run_job(self.runner, read_offset_table, info, read=True), dtype=CQ_DTYPE
                 )
-                _check_table(info, table)  # never cache wrong bytes: every read would use them
-                with self._lock:
-                    self._tables[info.key] = table
-                    self._table_bytes += table.nbytes
-                    while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
-                        _, evicted = self._tables.popitem(last=False)
-                        self._table_bytes -= evicted.nbytes
+                # Never cache wrong bytes: every read would use them.
+                check_offset_table(info, table)
+                self._keep_table(info.key, table)
         with self._lock:
             self._table_loads.pop(info.key, None)
         return table
+
+    def _keep_table(self, key: str, table: np.ndarray) -> None:
+        """Cache a checked offset table (within a quarter of ``cache_bytes``)."""
+        with self._lock:
+            old = self._tables.pop(key, None)
+            if old is not None:
+                self._table_bytes -= old.nbytes
+            self._tables[key] = table
+            self._table_bytes += table.nbytes
+            while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
+                _, evicted = self._tables.popitem(last=False)
+                self._table_bytes -= evicted.nbytes
 
     def _forget_table(self, key: str) -> None:
         with self._lock:
