@@ -195,6 +195,8 @@ class ColdFetcher:
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self._table_loads: dict[str, threading.Lock] = {}
+        # The segments last read whole (by key and kind of batch): their readers are sequential.
+        self._read_whole: OrderedDict[tuple[str, bool], None] = OrderedDict()
         self._inflight: dict[tuple[str, int, bool], Future[RecordSpan]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -532,7 +534,9 @@ class ColdFetcher:
         ``have_some`` messages already, the archive's new start if retention removed the
         segment meanwhile, else the ``SegmentError``."""
         try:
-            return self._batch(info, offset, what, manifest.find(info.end_offset), replies)
+            following = manifest.find(info.end_offset)
+            after = manifest.find(following.end_offset) if following is not None else None
+            return self._batch(info, offset, what, following, replies, after)
         except SegmentError:
             if have_some:
                 return None
@@ -587,11 +591,13 @@ class ColdFetcher:
         what: str,
         following: SegmentInfo | None = None,
         replies: bool = False,
+        after: SegmentInfo | None = None,
     ) -> RecordSpan:
         """The cached batch holding ``offset``, fetched within the read deadline. The read-ahead
         runs on into ``following`` (the next segment), so a replay does not stall at each
-        segment's end for its successor's offset table and first batch. ``replies``: the batch
-        as a replies-only span, else as records (two entries of the cache, decision 705)."""
+        segment's end for its successor's offset table and first batch, and for a reader of
+        whole segments into ``after`` (the one after it). ``replies``: the batch as a
+        replies-only span, else as records (two entries of the cache, decision 705)."""
         if replies and self.reply_encoder is None:
             raise ValueError("this cold fetcher has no reply encoder")
         n = self._batch_len(info)
@@ -611,11 +617,42 @@ class ColdFetcher:
                 # else, a random read, given its batch alone (decision 1220).
                 future = self._submit(info, [start], replies, whole=offset == info.base_offset)
                 if future is None:
-                    self.unavailable += 1
-                    raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
-            batch = self._wait(what, future)
+                    with self._lock:
+                        batch = self._cache.get(key)  # read ahead meanwhile
+                    if batch is None:
+                        self.unavailable += 1
+                        raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
+            if future is not None:
+                batch = self._wait(what, future)
+        assert batch is not None
         self._read_ahead(info, start, following, replies)
+        if following is not None and after is not None:
+            self._read_ahead_whole(info, following, after, replies)
         return batch
+
+    def _read_ahead_whole(
+        self, info: SegmentInfo, following: SegmentInfo, after: SegmentInfo, replies: bool
+    ) -> None:
+        """For a reader in a segment read whole (it came to it sequentially), fetch ``after``
+        whole too once ``following`` is fetched or under way, when the cache holds both beside
+        the segment being read (decision 1220): one segment ahead makes the replay wait for
+        each segment's whole job in turn, since taking a cached segment's replies is quick."""
+        with self._lock:
+            if (info.key, replies) not in self._read_whole:
+                return
+            n = self._batch_len(following)
+            if not all(
+                (following.key, x, replies) in self._cache
+                or (following.key, x, replies) in self._inflight
+                for x in range(following.base_offset, following.end_offset, n)
+            ):
+                return
+        if self._whole_bytes(info, replies) * 3 <= self.cache_bytes:
+            self._submit(after, [after.base_offset], replies, whole=True)
+
+    def _whole_bytes(self, info: SegmentInfo, replies: bool) -> int:
+        """What the cache holds of ``info`` read whole (its replies a little longer)."""
+        return info.offsets_at * 5 // 4 if replies else info.offsets_at
 
     def _read_ahead(
         self, info: SegmentInfo, start: int, following: SegmentInfo | None, replies: bool
@@ -682,6 +719,8 @@ class ColdFetcher:
         starts = list(range(info.base_offset, info.end_offset, n))
         if len(starts) > self._ahead_limit(replies):
             return None
+        if self._whole_bytes(info, replies) * 2 > self.cache_bytes:
+            return None
         if any(
             (info.key, x, replies) in self._cache or (info.key, x, replies) in self._inflight
             for x in starts
@@ -706,6 +745,8 @@ class ColdFetcher:
             every = self._whole_starts(info, replies) if whole else None
             if every is not None:
                 starts = every
+            elif whole and (info.key, starts[0], replies) in self._cache:
+                return None  # read ahead already, meanwhile
             futures: list[Future[RecordSpan]] = []
             for start in starts:
                 if (info.key, start, replies) in self._inflight:
@@ -738,6 +779,10 @@ class ColdFetcher:
                         self.runner, read_segment, info, n, encoder, not replies, read=True
                     )
                     self._keep_table(info.key, np.frombuffer(table, dtype=CQ_DTYPE))
+                    with self._lock:
+                        self._read_whole[(info.key, replies)] = None
+                        while len(self._read_whole) > 64:
+                            self._read_whole.popitem(last=False)
                 elif len(starts) == 1 and not replies:
                     entries = self._table(info)[first : first + n]
                     spans = [
