@@ -67,6 +67,34 @@ def test_a_replay_reads_ahead_into_the_next_segment_each_with_one_get(tmp_path: 
     assert tier.ranges == Counter({(s.key, 0): 1 for s in segments}), tier.ranges
 
 
+def test_a_segment_the_cache_cannot_hold_twice_is_read_by_ranges(tmp_path: Path) -> None:
+    """Decision 1220's bound: a segment is read whole only when the cache, which holds it in
+    full, holds it twice (the one being read and the next); else a replay reads its offset
+    table and its batches with ranged GETs, as before, and still reads every message."""
+    store = MessageStore(StoreConfig(data_dir=tmp_path / "hot"))
+    store.start()
+    try:
+        bodies = [os.urandom(1000) for _ in range(1500)]
+        store.put_messages([Message(topic="t", queue_id=0, body=b) for b in bodies])
+        assert store.wait_dispatched()
+        tier = RangeLog(open_store(f"file://{tmp_path}/tier"))
+        policy = OffloadPolicy(segment_max_messages=300)
+        Offloader(store, tier, "c", "b", policy).offload_queue("t", 0)
+    finally:
+        store.shutdown()
+    segments = ColdFetcher(tier, "c", "b").manifest("t", 0).segments
+    fetcher = ColdFetcher(tier, "c", "b", cache_bytes=segments[0].offsets_at * 3 // 2)
+    tier.ranges.clear()
+    read: list[bytes] = []
+    offset = 0
+    while offset < 1500:
+        messages, offset = fetcher.get("t", 0, offset, 100)
+        read += [m.body for m in messages]
+    fetcher.close()
+    assert read == bodies
+    assert all(tier.ranges[(s.key, s.offsets_at)] == 1 for s in segments), tier.ranges
+
+
 def test_a_replay_fetches_its_batches_a_few_large_gets_at_a_time(tmp_path: Path) -> None:
     """Decision 333: read-ahead asks for ``GET_BATCHES`` consecutive batches with one ranged GET
     (a store's cost is per request as much as per byte). Reads bounded by count and by bytes

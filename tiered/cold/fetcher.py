@@ -650,6 +650,15 @@ class ColdFetcher:
         if self._whole_bytes(info, replies) * 3 <= self.cache_bytes:
             self._submit(after, [after.base_offset], replies, whole=True)
 
+    def _whole_fits(self, info: SegmentInfo, replies: bool) -> bool:
+        """Whether ``info`` may be read whole: it has no more batches than the read-ahead keeps
+        ahead, and the cache holds it twice (the segment being read and the next)."""
+        batches = -(-info.count // self._batch_len(info))
+        return (
+            batches <= self._ahead_limit(replies)
+            and self._whole_bytes(info, replies) * 2 <= self.cache_bytes
+        )
+
     def _whole_bytes(self, info: SegmentInfo, replies: bool) -> int:
         """What the cache holds of ``info`` read whole (its replies a little longer)."""
         return info.offsets_at * 5 // 4 if replies else info.offsets_at
@@ -694,6 +703,7 @@ class ColdFetcher:
             ends_segment = last + self._batch_len(segment) >= segment.end_offset
             # The reader goes on into the next segment: all of it with one GET (decision 1220).
             enters = segment is not info and ahead[i][1] == segment.base_offset
+            enters = enters and self._whole_fits(segment, replies)
             if j - i == window or i == 0 or ends_segment or enters:
                 run = [x for _, x in ahead[i:j]]
                 self._submit(segment, run, replies, whole=enters)  # skipped when full
@@ -715,12 +725,9 @@ class ColdFetcher:
         half of the cache), and none of them is cached or under way (a reader that met the
         segment before, or another one in it, fetches the rest by ranges). Else None. Under
         ``_lock``."""
-        n = self._batch_len(info)
-        starts = list(range(info.base_offset, info.end_offset, n))
-        if len(starts) > self._ahead_limit(replies):
+        if not self._whole_fits(info, replies):
             return None
-        if self._whole_bytes(info, replies) * 2 > self.cache_bytes:
-            return None
+        starts = list(range(info.base_offset, info.end_offset, self._batch_len(info)))
         if any(
             (info.key, x, replies) in self._cache or (info.key, x, replies) in self._inflight
             for x in starts
