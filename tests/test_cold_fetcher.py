@@ -37,7 +37,9 @@ class RangeLog(CountingObjectStore):
         return super().get_range(key, start, length)
 
 
-def test_a_replay_reads_ahead_into_the_next_segment_each_with_one_get(tmp_path: Path) -> None:
+def _five_segments(tmp_path: Path) -> tuple[RangeLog, list[bytes]]:
+    """1,500 messages of 1,000 bytes in queue t/0, offloaded to a file tier in five segments
+    of 300 (one batch each); the tier, counting ranged GETs, and the bodies."""
     store = MessageStore(StoreConfig(data_dir=tmp_path / "hot"))
     store.start()
     try:
@@ -49,17 +51,27 @@ def test_a_replay_reads_ahead_into_the_next_segment_each_with_one_get(tmp_path: 
         Offloader(store, tier, "c", "b", policy).offload_queue("t", 0)
     finally:
         store.shutdown()
+    return tier, bodies
+
+
+def replay(fetcher: ColdFetcher, end: int) -> list[bytes]:
+    """Every body from offset 0 to ``end``, 100 messages a read; the fetcher closed after."""
+    read: list[bytes] = []
+    offset = 0
+    while offset < end:
+        messages, offset = fetcher.get("t", 0, offset, 100)
+        read += [m.body for m in messages]
+    fetcher.close()
+    return read
+
+
+def test_a_replay_reads_ahead_into_the_next_segment_each_with_one_get(tmp_path: Path) -> None:
+    tier, bodies = _five_segments(tmp_path)
     fetcher = ColdFetcher(tier, "c", "b", cache_bytes=64 << 20)
     segments = fetcher.manifest("t", 0).segments
     assert len(segments) == 5
     tier.ranges.clear()
-    read: list[bytes] = []
-    offset = 0
-    while offset < 1500:
-        messages, offset = fetcher.get("t", 0, offset, 100)
-        read += [m.body for m in messages]
-    fetcher.close()
-    assert read == bodies
+    assert replay(fetcher, 1500) == bodies
     # Only the very first batch was waited for: every later one was read ahead, the first of
     # each segment while the previous segment was being read. Each segment is one GET of the
     # whole object, its offset table taken from those bytes (decision 1220).
@@ -71,27 +83,11 @@ def test_a_segment_the_cache_cannot_hold_twice_is_read_by_ranges(tmp_path: Path)
     """Decision 1220's bound: a segment is read whole only when the cache, which holds it in
     full, holds it twice (the one being read and the next); else a replay reads its offset
     table and its batches with ranged GETs, as before, and still reads every message."""
-    store = MessageStore(StoreConfig(data_dir=tmp_path / "hot"))
-    store.start()
-    try:
-        bodies = [os.urandom(1000) for _ in range(1500)]
-        store.put_messages([Message(topic="t", queue_id=0, body=b) for b in bodies])
-        assert store.wait_dispatched()
-        tier = RangeLog(open_store(f"file://{tmp_path}/tier"))
-        policy = OffloadPolicy(segment_max_messages=300)
-        Offloader(store, tier, "c", "b", policy).offload_queue("t", 0)
-    finally:
-        store.shutdown()
+    tier, bodies = _five_segments(tmp_path)
     segments = ColdFetcher(tier, "c", "b").manifest("t", 0).segments
     fetcher = ColdFetcher(tier, "c", "b", cache_bytes=segments[0].offsets_at * 3 // 2)
     tier.ranges.clear()
-    read: list[bytes] = []
-    offset = 0
-    while offset < 1500:
-        messages, offset = fetcher.get("t", 0, offset, 100)
-        read += [m.body for m in messages]
-    fetcher.close()
-    assert read == bodies
+    assert replay(fetcher, 1500) == bodies
     assert all(tier.ranges[(s.key, s.offsets_at)] == 1 for s in segments), tier.ranges
 
 
