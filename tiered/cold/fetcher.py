@@ -720,11 +720,10 @@ class ColdFetcher:
 
     def _whole_starts(self, info: SegmentInfo, replies: bool) -> list[int] | None:
         """The starts of every batch of ``info``, when one GET of the whole object should fetch
-        them (decision 1220): the segment has no more batches than the read-ahead keeps ahead
-        (so the whole segment, which the cache holds in full, stays within the read-ahead's
-        half of the cache), and none of them is cached or under way (a reader that met the
-        segment before, or another one in it, fetches the rest by ranges). Else None. Under
-        ``_lock``."""
+        them (decision 1220): the segment may be read whole (``_whole_fits``: the cache holds
+        it in full, so it must hold it twice), and none of its batches is cached or under way
+        (a reader that met the segment before, or another one in it, fetches the rest by
+        ranges). Else None. Under ``_lock``."""
         if not self._whole_fits(info, replies):
             return None
         starts = list(range(info.base_offset, info.end_offset, self._batch_len(info)))
