@@ -53,40 +53,49 @@ def timed_read_spans(store: Any, info: Any, first: int, entries: bytes, *rest: A
     ``TMQ_COLD_BUDGET_LOG`` names: a cold job, as the fetcher submits ``read_spans``."""
     import tiered.cold.segment as segment
 
+    args = list(rest)
+    if len(args) > 1 and args[1] is not None:
+        args[1] = _timed_global("write_replies", args[1])
+    return _timed_job(
+        store, info, first, lambda s: segment.read_spans(s, info, first, entries, *args), "spans"
+    )
+
+
+def timed_read_segment(store: Any, info: Any, batch: int, *rest: Any) -> Any:
+    """``read_segment`` (a whole segment with one GET, decision 1220), timed as
+    ``timed_read_spans``: a cold job, as the fetcher submits ``read_segment``."""
+    import tiered.cold.segment as segment
+
+    args = list(rest)
+    if args and args[0] is not None:
+        args[0] = _timed_global("write_replies", args[0])
+    read = lambda s: segment.read_segment(s, info, batch, *args)  # noqa: E731
+    return _timed_job(store, info, 0, read, "segment")
+
+
+def _timed_job(store: Any, info: Any, first: int, read: Any, kind: str) -> Any:
+    """``read(store)`` in the cold worker, its GET, record check and reply writer timed (wall
+    and thread CPU), the job logged into ``TMQ_COLD_BUDGET_LOG`` as ``[key, first]``."""
+    import tiered.cold.segment as segment
+
     marks: dict[str, list[float]] = {}
     _TLS.marks = marks
     if not getattr(segment, "_budget_timed", False):  # once per worker: per thread below
         segment.check_span = _timed_global("check", segment.check_span)
         segment._budget_timed = True
-
-    def timed(name: str, fn: Any) -> Any:
-        def inner(*a: Any, **k: Any) -> Any:
-            w, c = time.monotonic(), time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                m = marks.setdefault(name, [0.0, 0.0])
-                m[0] += time.monotonic() - w
-                m[1] += time.thread_time() - c
-
-        return inner
-
     start_w, start_c = time.monotonic(), time.thread_time()
-    timed_store = _TimedStore(store, timed)
-    args = list(rest)
-    if len(args) > 1 and args[1] is not None:
-        args[1] = timed("write_replies", args[1])
-    spans = segment.read_spans(timed_store, info, first, entries, *args)
+    result = read(_TimedStore(store, _timed_global("get", lambda *a: store.get_range(*a))))
     total_w, total_c = time.monotonic() - start_w, time.thread_time() - start_c
-    size = sum(s.size for s in spans)
+    spans = result[1] if isinstance(result, tuple) else result
     with open(_LOG, "a") as f:
         f.write(
             json.dumps(
                 {
                     "job": [info.key, first],
+                    "kind": kind,
                     "start": start_w,
                     "end": start_w + total_w,
-                    "bytes": size,
+                    "bytes": sum(s.size for s in spans),
                     "wall": total_w,
                     "cpu": total_c,
                     "phases": marks,
@@ -94,7 +103,7 @@ def timed_read_spans(store: Any, info: Any, first: int, entries: bytes, *rest: A
             )
             + "\n"
         )
-    return spans
+    return result
 
 
 _TLS = threading.local()
@@ -150,9 +159,9 @@ def _localstack_pid() -> int | None:
 
 
 class _TimedStore:
-    def __init__(self, store: Any, timed: Any) -> None:
+    def __init__(self, store: Any, get_range: Any) -> None:
         self._store = store
-        self.get_range = timed("get", store.get_range)
+        self.get_range = get_range
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -174,14 +183,19 @@ def main() -> None:
             jobs_lock = threading.Lock()
             real_run_job = fetcher_module.run_job
 
+            timed_jobs = {
+                fetcher_module.read_spans: timed_read_spans,
+                getattr(fetcher_module, "read_segment", None): timed_read_segment,
+            }
+
             def timed_run_job(runner: Any, fn: Any, *a: Any, **k: Any) -> Any:
-                if fn is fetcher_module.read_spans:
-                    fn = timed_read_spans
+                timed = timed_jobs.get(fn)
                 t = time.monotonic()
-                result = real_run_job(runner, fn, *a, **k)
-                if fn is timed_read_spans:
+                result = real_run_job(runner, timed or fn, *a, **k)
+                if timed is not None:
+                    first = a[1] if timed is timed_read_spans else 0
                     with jobs_lock:
-                        jobs.append(((a[0].key, a[1]), t, time.monotonic()))
+                        jobs.append(((a[0].key, first), t, time.monotonic()))
                 return result
 
             fetcher_module.run_job = timed_run_job  # type: ignore[assignment]
@@ -252,6 +266,8 @@ def main() -> None:
                             (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]), 2
                         ),
                         "fetch_jobs": len(child),
+                        # Decision 1220: jobs that read a whole segment with one GET.
+                        "whole_segment_jobs": sum(1 for c in child if c["kind"] == "segment"),
                         "jobs_in_parallel": round(job_wall / wall, 2),
                         # Summed over the jobs (they overlap): each phase's wall and thread CPU.
                         "worker_job_ms_per_mb": {"wall": r(job_wall), "cpu": r(job_cpu)},

@@ -124,6 +124,9 @@ class FaultProxy:
         self.upstream_port = parsed.port or 80
         self.settings = FaultSettings()
         self.counters: Counter[str] = Counter()
+        # Requests by method, path and Range header (absent: ""), as the client sent them: what a
+        # test counts the GETs of one object by. In this process only, not in ``snapshot``.
+        self.requests: Counter[tuple[str, str, str]] = Counter()
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         self._healed = threading.Event()  # set on every change: held black-hole requests drop
@@ -220,6 +223,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self._read_body()
         proxy._count("requests")
+        with proxy._lock:
+            proxy.requests[(self.command, path, self.headers.get("Range", ""))] += 1
         settings, released, fail = proxy._decide(self.command, self.path)
         try:
             if settings.applies_to(self.command, self.path):

@@ -170,9 +170,10 @@ def test_a_failing_store_is_a_retryable_error_never_a_short_read_and_reads_recov
         assert [m.body for m in first] == bodies[:10] and nxt == 10
         fetcher.read_timeout_s = 2.0  # what a broker's cold read waits (its default is 2.5)
         fault_proxy.set(**fault, methods=["GET"])
-        # Offsets past what was read ahead, in three other segments: every one is the tier's
-        # retryable "unavailable", never a shorter answer or another segment's messages.
-        for offset in (450, 250, 599):
+        # Offsets past what was read ahead (segments 1 and 2, read whole: decision 1220), in
+        # three other segments: every one is the tier's retryable "unavailable", never a
+        # shorter answer or another segment's messages.
+        for offset in (450, 350, 599):
             with pytest.raises(ColdTierUnavailableError):
                 messages, nxt = fetcher.get("t", 0, offset, 50)
                 pytest.fail(f"read {len(messages)} messages at {offset} (next {nxt})")
@@ -217,8 +218,10 @@ def test_retention_under_a_read_ahead_answers_expired_never_wrong_messages(
         first = hot.get_messages("t", 0, 0, 50)
         assert first.status is GetStatus.FOUND
         assert [m.body for m in first.messages] == bodies[:50]
-        # Segments 0 and 1 are in the fetcher's cache now (the read and its read-ahead).
+        # Segments 0, 1 and 2 are in the fetcher's cache now or on their way (the read and its
+        # read-ahead, two segments ahead of a reader of whole segments: decision 1220).
         segments = offloader.manifest("t", 0).segments
+        cached = {segment for segment, _, _ in [*fetcher._cache, *fetcher._inflight]}
         expirer = (
             offloader
             if who == "this broker"
@@ -232,11 +235,14 @@ def test_retention_under_a_read_ahead_answers_expired_never_wrong_messages(
             got = hot.get_messages("t", 0, offset, 20)
             if got.status is GetStatus.FOUND:
                 # Only a stale cache may still serve them, and only the very messages asked.
-                assert who == "another process" and offset < 200, (offset, got.status)
+                held = next(s.key for s in segments if s.base_offset <= offset < s.end_offset)
+                assert who == "another process" and held in cached, (offset, got.status)
                 assert [m.queue_offset for m in got.messages] == list(
                     range(offset, offset + len(got.messages))
                 )
-                assert [m.body for m in got.messages] == bodies[offset : offset + 20]
+                # (A read stops at its segment's end: at 299, one message.)
+                assert got.messages, offset
+                assert [m.body for m in got.messages] == bodies[offset : offset + len(got.messages)]
             else:
                 assert got.status is GetStatus.OFFSET_TOO_SMALL, (offset, got.status)
                 assert not got.messages and got.min_offset == 300, (offset, got)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tiered.cold.segment import (
     SegmentReader,
     build,
     read_footer,
+    read_segment,
     read_span,
     read_spans,
     verify,
@@ -319,3 +321,74 @@ def test_a_replies_only_run_keeps_positions_and_sizes_but_not_the_records(
                 got.messages(0, 1)
     with pytest.raises(ValueError, match="reply encoder"):
         read_spans(tier, info, 0, table, counts, None, records=False)
+
+
+def test_a_whole_segment_read_is_what_its_ranged_reads_are(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> None:
+    """``read_segment`` (decision 1220): one GET of the whole object gives the offset table the
+    ranged read gives and the same batches, records and replies, as ``read_spans`` cuts them;
+    it asks the tier once."""
+    tier, info, table = one_segment(tmp_path, hot)
+    counting = CountingObjectStore(tier)
+    for records in (True, False):
+        got_table, spans = read_segment(counting, info, 120, encode_pull_replies, records)
+        assert got_table == table
+        ranged = read_spans(tier, info, 0, table, [120, 120, 120], encode_pull_replies, records)
+        assert [len(s) for s in spans] == [120, 120, 60]
+        for span, alone in zip(spans, ranged, strict=True):
+            for got in (pickle.loads(pickle.dumps(span, protocol=5)), span.owned()):
+                assert (got.base_offset, bytes(got.data), got.positions, got.dropped) == (
+                    alone.base_offset,
+                    bytes(alone.data),
+                    alone.positions,
+                    alone.dropped,
+                )
+                assert got.replies is not None and alone.replies is not None
+                assert got.replies[0] == bytes(alone.replies[0])
+                assert got.replies[1:] == alone.replies[1:]
+    _, [*decoded] = read_segment(tier, info, 1000)
+    assert decoded[0].messages(0, 300) == hot[1][:300]
+    assert sum(counting.calls.values()) == 2 and counting.calls["get_range"] == 2
+    with pytest.raises(ValueError, match="reply encoder"):
+        read_segment(tier, info, 100, None, records=False)
+
+
+def test_a_whole_segment_read_refuses_a_damaged_object_as_a_ranged_read_does(
+    tmp_path: Path, hot: tuple[MessageStore, list[StoredMessage]]
+) -> None:
+    """Each damage gives the error the ranged reads give (a record's own, a short read, a
+    missing object), and damage only the whole object shows (the time table or key index, the
+    footer) its own: never a segment served from wrong bytes."""
+    tier, info, _ = one_segment(tmp_path, hot)
+    good = tier.get(info.key)
+    entry = SegmentReader(tier, info).entries(info.base_offset + 7, 1)
+    at, size = int(entry["offset"][0]), int(entry["size"][0])
+
+    def stored(data: bytes) -> None:
+        tier.delete(info.key)
+        tier.put(info.key, data)
+
+    def flipped(i: int) -> bytes:
+        data = bytearray(good)
+        data[i] ^= 0x01
+        return bytes(data)
+
+    damages = [
+        (flipped(at + size - 25), f"record at {at}: record CRC"),  # a property byte of record 7
+        (flipped(info.offsets_at + 3), "offset table does not describe"),
+        (flipped(info.times_at + 5), "content does not match its CRC"),  # the time table
+        (flipped(len(good) - 30), "footer is damaged"),
+        (good[: len(good) // 2], "short read"),
+    ]
+    for data, error in damages:
+        stored(data)
+        with pytest.raises(SegmentError, match=error):
+            read_segment(tier, info, 100, encode_pull_replies, False)
+    stored(good)
+    other = replace(info, max_store_timestamp=info.max_store_timestamp + 1)
+    with pytest.raises(SegmentError, match="footer is not the manifest's entry"):
+        read_segment(tier, other, 100)
+    tier.delete(info.key)
+    with pytest.raises(SegmentError, match="missing"):
+        read_segment(tier, info, 100)

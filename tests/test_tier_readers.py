@@ -258,14 +258,15 @@ def test_an_object_store_outage_stops_no_hot_read(
 def test_tmq_replay_rides_out_a_slow_cold_tier(
     tmp_path: Path, fault_proxy: Any, bucket: str
 ) -> None:
-    """Every S3 read takes 1.5 s, so a cold batch (two ranged GETs) misses the broker's 2.5 s
-    read deadline: the pull is answered PROXY_TIMEOUT, the fetch completes in the background,
-    and `tmq replay` asks again and gets every message, in order."""
+    """Every S3 read takes 3 s, so a cold batch misses the broker's 2.5 s read deadline: the
+    pull is answered PROXY_TIMEOUT, the fetch completes in the background, and `tmq replay`
+    asks again and gets every message, in order. (1.5 s made a batch's two ranged GETs miss
+    it; a replay from a segment's start is one GET since decision 1220.)"""
     from broker_harness import tmq
 
     node = _archived_behind_proxy(tmp_path, fault_proxy, bucket, "slow", 600)
     try:
-        fault_proxy.set(delay_ms=1500, methods=["GET"])
+        fault_proxy.set(delay_ms=3000, methods=["GET"])
         done = tmq(
             "replay",
             "slow",

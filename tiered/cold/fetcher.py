@@ -14,7 +14,8 @@
 - Segment reads run as jobs of the cold worker (``tiered/cold/worker.py``): in the broker, a
   child process with its own interpreter lock, which does the ranged GETs and checks every
   record (structure, body CRC, queue offset), so none of that per-record work stalls an append.
-  A batch is one ranged GET: each segment's offset table is fetched once and cached.
+  A batch is one ranged GET: each segment's offset table is fetched once and cached. A
+  sequential reader gets a whole segment with one GET instead (decision 1220, ``_whole_starts``).
 - A byte-bounded read-ahead cache holds batches as raw, checked spans of records
   (``RecordSpan``); a read decodes only the messages it returns. A sequential reader's next
   batches are fetched in the background, in parallel, while it consumes the current one.
@@ -46,7 +47,9 @@ from tiered.cold.segment import (
     SegmentError,
     SegmentInfo,
     SegmentReader,
+    check_offset_table,
     read_offset_table,
+    read_segment,
     read_span,
     read_spans,
 )
@@ -77,22 +80,6 @@ READ_AHEAD = 16
 # How many consecutive batches a read-ahead fetches with one GET: LocalStack (like any object
 # store) spends a fixed cost per request, so four 1 MiB ranges cost it more than one of 4 MiB.
 GET_BATCHES = 4
-
-
-def _check_table(info: SegmentInfo, table: np.ndarray) -> None:
-    """Raise ``SegmentError`` unless ``table`` lays the segment's records out as a build does:
-    one after the other from byte 0 up to the tables. A ranged GET carries no checksum, so an
-    answer with wrong bytes is caught here, before the table is cached, rather than fail every
-    later read of the segment (or point one at other bytes)."""
-    starts = table["offset"].astype(np.int64)
-    ends = starts + table["size"]
-    if (
-        len(table) != info.count
-        or (len(table) and (starts[0] != 0 or ends[-1] != info.offsets_at))
-        or not np.array_equal(starts[1:], ends[:-1])
-        or bool((table["size"] <= 0).any())
-    ):
-        raise SegmentError(f"{info.key}: its offset table does not describe its records")
 
 
 class ColdTierUnavailableError(StorageError):
@@ -208,6 +195,8 @@ class ColdFetcher:
         self._tables: OrderedDict[str, np.ndarray] = OrderedDict()
         self._table_bytes = 0
         self._table_loads: dict[str, threading.Lock] = {}
+        # The segments last read whole (by key and kind of batch): their readers are sequential.
+        self._read_whole: OrderedDict[tuple[str, bool], None] = OrderedDict()
         self._inflight: dict[tuple[str, int, bool], Future[RecordSpan]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -545,7 +534,9 @@ class ColdFetcher:
         ``have_some`` messages already, the archive's new start if retention removed the
         segment meanwhile, else the ``SegmentError``."""
         try:
-            return self._batch(info, offset, what, manifest.find(info.end_offset), replies)
+            following = manifest.find(info.end_offset)
+            after = manifest.find(following.end_offset) if following is not None else None
+            return self._batch(info, offset, what, following, replies, after)
         except SegmentError:
             if have_some:
                 return None
@@ -600,11 +591,13 @@ class ColdFetcher:
         what: str,
         following: SegmentInfo | None = None,
         replies: bool = False,
+        after: SegmentInfo | None = None,
     ) -> RecordSpan:
         """The cached batch holding ``offset``, fetched within the read deadline. The read-ahead
         runs on into ``following`` (the next segment), so a replay does not stall at each
-        segment's end for its successor's offset table and first batch. ``replies``: the batch
-        as a replies-only span, else as records (two entries of the cache, decision 705)."""
+        segment's end for its successor's offset table and first batch, and for a reader of
+        whole segments into ``after`` (the one after it). ``replies``: the batch as a
+        replies-only span, else as records (two entries of the cache, decision 705)."""
         if replies and self.reply_encoder is None:
             raise ValueError("this cold fetcher has no reply encoder")
         n = self._batch_len(info)
@@ -619,13 +612,56 @@ class ColdFetcher:
         if batch is None:
             if future is None:
                 self.misses += 1
-                future = self._submit(info, [start], replies)
+                # From a segment's first message: a sequential reader (a replay, a consumer
+                # that starts there), given the whole segment with one GET; from anywhere
+                # else, a random read, given its batch alone (decision 1220).
+                future = self._submit(info, [start], replies, whole=offset == info.base_offset)
                 if future is None:
-                    self.unavailable += 1
-                    raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
-            batch = self._wait(what, future)
+                    with self._lock:
+                        batch = self._cache.get(key)  # read ahead meanwhile
+                    if batch is None:
+                        self.unavailable += 1
+                        raise ColdTierUnavailableError(f"{what}: the cold-read queue is full")
+            if future is not None:
+                batch = self._wait(what, future)
+        assert batch is not None
         self._read_ahead(info, start, following, replies)
+        if following is not None and after is not None:
+            self._read_ahead_whole(info, following, after, replies)
         return batch
+
+    def _read_ahead_whole(
+        self, info: SegmentInfo, following: SegmentInfo, after: SegmentInfo, replies: bool
+    ) -> None:
+        """For a reader in a segment read whole (it came to it sequentially), fetch ``after``
+        whole too once ``following`` is fetched or under way, when the cache holds both beside
+        the segment being read (decision 1220): one segment ahead makes the replay wait for
+        each segment's whole job in turn, since taking a cached segment's replies is quick."""
+        with self._lock:
+            if (info.key, replies) not in self._read_whole:
+                return
+            n = self._batch_len(following)
+            if not all(
+                (following.key, x, replies) in self._cache
+                or (following.key, x, replies) in self._inflight
+                for x in range(following.base_offset, following.end_offset, n)
+            ):
+                return
+        if self._whole_bytes(info, replies) * 3 <= self.cache_bytes:
+            self._submit(after, [after.base_offset], replies, whole=True)
+
+    def _whole_fits(self, info: SegmentInfo, replies: bool) -> bool:
+        """Whether ``info`` may be read whole: it has no more batches than the read-ahead keeps
+        ahead, and the cache holds it twice (the segment being read and the next)."""
+        batches = -(-info.count // self._batch_len(info))
+        return (
+            batches <= self._ahead_limit(replies)
+            and self._whole_bytes(info, replies) * 2 <= self.cache_bytes
+        )
+
+    def _whole_bytes(self, info: SegmentInfo, replies: bool) -> int:
+        """What the cache holds of ``info`` read whole (its replies a little longer)."""
+        return info.offsets_at * 5 // 4 if replies else info.offsets_at
 
     def _read_ahead(
         self, info: SegmentInfo, start: int, following: SegmentInfo | None, replies: bool
@@ -638,8 +674,7 @@ class ColdFetcher:
         # A batch holds its records or their replies, never both (decision 705); a reply is its
         # record re-encoded plus ids, digest, times and hosts, a little longer: half the cache in
         # batches ahead counts that, or the read-ahead evicts its own prefetch.
-        per_batch = BATCH_BYTES * 5 // 4 if replies else BATCH_BYTES
-        limit = max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
+        limit = self._ahead_limit(replies)
         window = min(GET_BATCHES, limit)
         ahead: list[tuple[SegmentInfo, int]] = []
         segment, nxt, n = info, start, self._batch_len(info)
@@ -666,22 +701,58 @@ class ColdFetcher:
                 j += 1
             last = ahead[j - 1][1]
             ends_segment = last + self._batch_len(segment) >= segment.end_offset
-            if j - i == window or i == 0 or ends_segment:
-                self._submit(segment, [x for _, x in ahead[i:j]], replies)  # skipped when full
+            # The reader goes on into the next segment: all of it with one GET (decision 1220).
+            enters = segment is not info and ahead[i][1] == segment.base_offset
+            enters = enters and self._whole_fits(segment, replies)
+            if j - i == window or i == 0 or ends_segment or enters:
+                run = [x for _, x in ahead[i:j]]
+                self._submit(segment, run, replies, whole=enters)  # skipped when full
             i = j
 
+    def _ahead_limit(self, replies: bool) -> int:
+        """How many batches the read-ahead keeps ahead of a reader: ``READ_AHEAD``, fewer when
+        they would take more than half the cache."""
+        # A batch holds its records or their replies, never both (decision 705); a reply is its
+        # record re-encoded plus ids, digest, times and hosts, a little longer: half the cache in
+        # batches ahead counts that, or the read-ahead evicts its own prefetch.
+        per_batch = BATCH_BYTES * 5 // 4 if replies else BATCH_BYTES
+        return max(1, min(READ_AHEAD, self.cache_bytes // (2 * per_batch)))
+
+    def _whole_starts(self, info: SegmentInfo, replies: bool) -> list[int] | None:
+        """The starts of every batch of ``info``, when one GET of the whole object should fetch
+        them (decision 1220): the segment may be read whole (``_whole_fits``: the cache holds
+        it in full, so it must hold it twice), and none of its batches is cached or under way
+        (a reader that met the segment before, or another one in it, fetches the rest by
+        ranges). Else None. Under ``_lock``."""
+        if not self._whole_fits(info, replies):
+            return None
+        starts = list(range(info.base_offset, info.end_offset, self._batch_len(info)))
+        if any(
+            (info.key, x, replies) in self._cache or (info.key, x, replies) in self._inflight
+            for x in starts
+        ):
+            return None
+        return starts
+
     def _submit(
-        self, info: SegmentInfo, starts: list[int], replies: bool
+        self, info: SegmentInfo, starts: list[int], replies: bool, *, whole: bool = False
     ) -> Future[RecordSpan] | None:
         """One fetch of the consecutive batches at ``starts`` (one GET), each joined if already
         in flight; the future of the first. None when ``max_inflight`` fetches are already
-        queued (the pool's queue is bounded by this, not by the executor)."""
+        queued (the pool's queue is bounded by this, not by the executor). ``whole``: ``starts``
+        begins at the segment's first batch, and the fetch is of every batch of the segment,
+        with one GET of the whole object, where ``_whole_starts`` allows it."""
         with self._lock:
             existing = self._inflight.get((info.key, starts[0], replies))
             if existing is not None:
                 return existing
             if len(self._inflight) >= self.max_inflight:
                 return None
+            every = self._whole_starts(info, replies) if whole else None
+            if every is not None:
+                starts = every
+            elif whole and (info.key, starts[0], replies) in self._cache:
+                return None  # read ahead already, meanwhile
             futures: list[Future[RecordSpan]] = []
             for start in starts:
                 if (info.key, start, replies) in self._inflight:
@@ -689,7 +760,8 @@ class ColdFetcher:
                 future: Future[RecordSpan] = Future()
                 self._inflight[(info.key, start, replies)] = future
                 futures.append(future)
-            self._pool.submit(self._fetch, info, starts[: len(futures)], futures, replies)
+            taken = starts[: len(futures)]
+            self._pool.submit(self._fetch, info, taken, futures, replies, every is not None)
         return futures[0]
 
     def _fetch(
@@ -698,20 +770,34 @@ class ColdFetcher:
         starts: list[int],
         futures: list[Future[RecordSpan]],
         replies: bool,
+        whole: bool = False,
     ) -> None:
         try:
             started = time.perf_counter()
             first = starts[0] - info.base_offset
             n = self._batch_len(info)
-            entries = self._table(info)[first : first + n * len(starts)]
+            encoder = self.reply_encoder if replies else None
             try:
-                if len(starts) == 1 and not replies:
+                if whole:
+                    # The table comes with the records, checked in the worker: kept for a
+                    # later read of the segment whose batches were evicted meanwhile.
+                    table, spans = run_job(
+                        self.runner, read_segment, info, n, encoder, not replies, read=True
+                    )
+                    self._keep_table(info.key, np.frombuffer(table, dtype=CQ_DTYPE))
+                    with self._lock:
+                        self._read_whole[(info.key, replies)] = None
+                        while len(self._read_whole) > 64:
+                            self._read_whole.popitem(last=False)
+                elif len(starts) == 1 and not replies:
+                    entries = self._table(info)[first : first + n]
                     spans = [
                         run_job(self.runner, read_span, info, first, entries.tobytes(), read=True)
                     ]
                 else:
                     # A replies-only span for a reader that sends replies: its records stay in
                     # the worker (decision 705); a reader that decodes gets records alone.
+                    entries = self._table(info)[first : first + n * len(starts)]
                     counts = [n] * len(starts)
                     spans = run_job(
                         self.runner,
@@ -720,7 +806,7 @@ class ColdFetcher:
                         first,
                         entries.tobytes(),
                         counts,
-                        self.reply_encoder if replies else None,
+                        encoder,
                         not replies,
                         read=True,
                     )
@@ -770,16 +856,24 @@ class ColdFetcher:
                 table = np.frombuffer(
                     run_job(self.runner, read_offset_table, info, read=True), dtype=CQ_DTYPE
                 )
-                _check_table(info, table)  # never cache wrong bytes: every read would use them
-                with self._lock:
-                    self._tables[info.key] = table
-                    self._table_bytes += table.nbytes
-                    while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
-                        _, evicted = self._tables.popitem(last=False)
-                        self._table_bytes -= evicted.nbytes
+                # Never cache wrong bytes: every read would use them.
+                check_offset_table(info, table)
+                self._keep_table(info.key, table)
         with self._lock:
             self._table_loads.pop(info.key, None)
         return table
+
+    def _keep_table(self, key: str, table: np.ndarray) -> None:
+        """Cache a checked offset table (within a quarter of ``cache_bytes``)."""
+        with self._lock:
+            old = self._tables.pop(key, None)
+            if old is not None:
+                self._table_bytes -= old.nbytes
+            self._tables[key] = table
+            self._table_bytes += table.nbytes
+            while self._table_bytes > self.cache_bytes // 4 and len(self._tables) > 1:
+                _, evicted = self._tables.popitem(last=False)
+                self._table_bytes -= evicted.nbytes
 
     def _forget_table(self, key: str) -> None:
         with self._lock:

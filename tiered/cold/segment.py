@@ -31,7 +31,7 @@ from tiered.formats import (
     build,
     key_hash,
 )
-from tiered.record import Buffer, StoredMessage, check_span, decode, decode_many
+from tiered.record import Buffer, StoredMessage, check_span, crc32c_of, decode, decode_many
 
 __all__ = ["FOOTER_SIZE", "SegmentError", "SegmentInfo", "SegmentReader", "build"]
 
@@ -199,15 +199,38 @@ def read_offset_table(store: ObjectStore, info: SegmentInfo) -> bytes:
     return SegmentReader(store, info)._range(info.offsets_at, info.count * CQ_ENTRY_SIZE)
 
 
+def check_offset_table(info: SegmentInfo, table: np.ndarray) -> None:
+    """Raise ``SegmentError`` unless ``table`` lays the segment's records out as a build does:
+    one after the other from byte 0 up to the tables. A ranged GET carries no checksum, so an
+    answer with wrong bytes is caught here, before the table is cached, rather than fail every
+    later read of the segment (or point one at other bytes)."""
+    starts = table["offset"].astype(np.int64)
+    ends = starts + table["size"]
+    if (
+        len(table) != info.count
+        or (len(table) and (starts[0] != 0 or ends[-1] != info.offsets_at))
+        or not np.array_equal(starts[1:], ends[:-1])
+        or bool((table["size"] <= 0).any())
+    ):
+        raise SegmentError(f"{info.key}: its offset table does not describe its records")
+
+
 def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes) -> RecordSpan:
     """The records ``first, first + 1, ...`` of the segment whose offset-table entries are
     ``entries``, with one ranged GET, each checked (structure, body CRC, queue offset): a cold
     job. Raises ``SegmentError`` for a record that is not what its entry says."""
     table = np.frombuffer(entries, dtype=CQ_DTYPE)
+    begin = int(table["offset"][0])
+    end = int(table["offset"][-1]) + int(table["size"][-1])
+    return _checked_span(info, first, SegmentReader(store, info)._range(begin, end - begin), table)
+
+
+def _checked_span(info: SegmentInfo, first: int, data: Buffer, table: np.ndarray) -> RecordSpan:
+    """The records ``data`` holds, those ``table``'s entries (record ``first`` on) name, each
+    checked where its entry says; ``data`` starts at the first entry's record."""
     starts = table["offset"].astype(np.int64)
     sizes = table["size"].astype(np.int64)
     begin = int(starts[0])
-    data = SegmentReader(store, info)._range(begin, int(starts[-1] + sizes[-1]) - begin)
     relative = starts - begin
     bad, why = check_span(data, relative, sizes, info.base_offset + first)
     if bad >= 0:
@@ -216,8 +239,38 @@ def read_span(store: ObjectStore, info: SegmentInfo, first: int, entries: bytes)
             why, "not the record its entry names"
         )
         raise SegmentError(f"{info.key}: record at {at}: {problem}")
-    positions = relative.tolist()
-    return RecordSpan(info.base_offset + first, data, positions)
+    return RecordSpan(info.base_offset + first, data, relative.tolist())  # type: ignore[arg-type]
+
+
+def read_segment(
+    store: ObjectStore,
+    info: SegmentInfo,
+    batch: int,
+    encoder: ReplyEncoder | None = None,
+    records: bool = True,
+) -> tuple[bytes, list[RecordSpan]]:
+    """The whole segment with one GET (a sequential replay's read, decision 1220): its offset
+    table, and all its records cut into spans of ``batch`` records as ``read_spans`` cuts them
+    (``encoder`` and ``records`` as there): a cold job. Everything a ranged read checks is
+    checked (the table describes the records, each record's structure, CRCs and queue offset),
+    and what only the whole object allows: its footer is the manifest's entry, and the CRC of
+    everything before the footer is the entry's. Raises ``SegmentError`` as the ranged reads
+    do (missing, short, a damaged table or record), the record's own error first."""
+    if not records and encoder is None:
+        raise ValueError("a span without its records needs a reply encoder")
+    data = SegmentReader(store, info)._range(0, info.size)
+    if info.size < FOOTER_SIZE + info.offsets_at + info.count * CQ_ENTRY_SIZE:
+        raise SegmentError(f"{info.key}: its manifest entry does not describe a segment")
+    table_bytes = data[info.offsets_at : info.offsets_at + info.count * CQ_ENTRY_SIZE]
+    table = np.frombuffer(table_bytes, dtype=CQ_DTYPE)
+    check_offset_table(info, table)
+    whole = _checked_span(info, 0, memoryview(data)[: info.offsets_at], table)
+    if SegmentInfo.from_footer(info.key, info.size, data[-FOOTER_SIZE:]) != info:
+        raise SegmentError(f"{info.key}: its footer is not the manifest's entry for it")
+    if crc32c_of(memoryview(data)[: info.size - FOOTER_SIZE]) != info.crc:
+        raise SegmentError(f"{info.key}: content does not match its CRC")
+    counts = [batch] * -(-info.count // batch)
+    return table_bytes, _cut(whole, counts, encoder, records)
 
 
 def read_spans(
@@ -237,7 +290,13 @@ def read_spans(
     (decision 705); the records are checked here all the same."""
     if not records and encoder is None:
         raise ValueError("a span without its records needs a reply encoder")
-    whole = read_span(store, info, first, entries)
+    return _cut(read_span(store, info, first, entries), counts, encoder, records)
+
+
+def _cut(
+    whole: RecordSpan, counts: list[int], encoder: ReplyEncoder | None, records: bool
+) -> list[RecordSpan]:
+    """``whole``, checked, cut into spans of ``counts`` records each (``read_spans``)."""
     replies = encoder(whole.data, whole.positions) if encoder is not None else None
     if replies is not None:
         # The spans below are views of these two buffers: cut without a copy (decision 550).
