@@ -643,6 +643,7 @@ class Broker:
                         service_pb2_grpc.add_MessagingServiceServicer_to_server, messaging, target
                     ),
                     controller.forward_target,
+                    self.security,
                 )
                 server.add_generic_rpc_handlers((self._forwarder,))
                 add_safely(

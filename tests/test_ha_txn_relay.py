@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,9 @@ from tests.broker_harness import free_port, pull_all, terminate
 from tests.etcd_harness import EtcdCluster
 from tests.ha_failover import Group, is_master, start_namesrv, wait_for
 from tests.node_harness import ensure_node_client, node
-from tests.test_ha import GroupMember, caught_up
+from tests.test_ha import GroupMember, caught_up, send
 from tests.test_transactions import Checker  # answers from a table a test may change
+from tests.tls_harness import make_ca
 from tiered.record import LOCALHOST, StoredMessage
 
 TXN = "txn-relay"
@@ -110,7 +112,12 @@ def has_txn_topic(member: GroupMember) -> bool:
 
 @contextlib.contextmanager
 def relay_group(
-    root: Path, size: int, env: dict[str, str], producer_on: int, auth: bool = False
+    root: Path,
+    size: int,
+    env: dict[str, str],
+    producer_on: int,
+    auth: bool = False,
+    tls: bool = False,
 ) -> Iterator[Group]:
     """Members 1..``size`` of a controller-run SYNC group, member 1 elected master, the
     transactional topic on every member; member ``producer_on`` (0-based) has the gRPC address
@@ -122,10 +129,16 @@ def relay_group(
     chosen = members[producer_on]
     first = min(members, key=lambda m: m.endpoint)
     chosen.grpc_port, first.grpc_port = first.grpc_port, chosen.grpc_port
+    ca = make_ca(root) if tls else None
     for m in members:
         if auth:
             m.extra_toml = "\n[auth]\nenabled = true\n"
             m.security = ChannelSecurity(ADMIN_KEY, ADMIN_SECRET)
+        if ca is not None:
+            m.extra_toml += (
+                f'\n[tls]\ncert_file = "{ca[1]}"\nkey_file = "{ca[2]}"\nca_file = "{ca[0]}"\n'
+            )
+            m.security = replace(m.security, ca_file=str(ca[0]))
     try:
         group.start(members[0])
         wait_for("member 1 is elected", lambda: is_master(members[0]))
@@ -194,6 +207,28 @@ def test_a_check_back_reaches_a_producer_on_a_slave_and_commits_or_rolls_back(
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e
         else:
             raise AssertionError("an unsigned relay call was accepted")
+
+
+def test_a_slave_of_a_tls_group_forwards_sends_to_the_master_over_tls(tmp_path: Path) -> None:
+    """[tls] and [auth] on every member: a slave forwards what needs the master (sends, acks,
+    EndTransaction) to the master's gRPC port, which speaks TLS only. The forwarder opened
+    plaintext channels, so every send a client made through a slave of a TLS group failed
+    (decision 1271)."""
+    with relay_group(tmp_path, 2, {}, producer_on=1, auth=True, tls=True) as group:
+        a, b = group.members[:2]
+        apb_grpc.AdminStub(a.channel()).PutTopic(
+            apb.PutTopicRequest(topic=apb.Topic(name="tls-forward", queues=QUEUES, perm=6)),
+            timeout=10,
+        )
+        wait_for("b has the topic", lambda: "tls-forward" in topics_of(b))
+        statuses = send(b.endpoint, 0, 40, topic="tls-forward", channel=b.channel())
+        assert {st.code for st in statuses} == {d.OK}, statuses
+        assert sum(keys_in(a, "tls-forward").values()) == 40
+
+
+def topics_of(member: GroupMember) -> list[str]:
+    listed = apb_grpc.AdminStub(member.channel()).ListTopics(apb.ListTopicsRequest(), timeout=10)
+    return [t.topic.name for t in listed.topics]
 
 
 def check_for(key: str, receipt: Any) -> rpb.TransactionCheck:

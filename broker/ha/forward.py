@@ -17,9 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
+
+from remoting.security import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +85,16 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         self,
         register: Callable[[Any], None],
         master_endpoint: Callable[[], str | None],
+        security: ChannelSecurity | None = None,
     ) -> None:
         capture = _Capture()
         register(capture)  # e.g. add_safely(add_MessagingServiceServicer_to_server, servicer, _)
         self._inner = capture.handlers
         self._master_endpoint = master_endpoint
+        # TLS to the master as to any member under [tls]; never this broker's signature: a
+        # forwarded call carries its client's own (``_metadata``), and signing it as the admin
+        # would run every client's request with the admin's rights (decision 1271).
+        self._security = replace(security or ChannelSecurity(), access_key="", secret_key="")
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._wrapped: dict[str, Any] = {}
@@ -113,9 +121,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = grpc.insecure_channel(
+                channel = self._security.channel(
                     endpoint,
-                    options=[
+                    [
                         ("grpc.max_receive_message_length", 64 << 20),
                         ("grpc.max_send_message_length", 64 << 20),
                     ],
