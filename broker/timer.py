@@ -54,7 +54,7 @@ import numpy as np
 from broker.stored_properties import INT32_MAX, TIMESTAMP_MAX_MS, int_property
 from broker.transaction import PROPERTY_REAL_QUEUE_ID, PROPERTY_REAL_TOPIC, copy_to
 from tiered import fd_limit
-from tiered.durable import append_whole, fsync_dir, make_dirs, settle_dir, write_file
+from tiered.durable import append_whole, fsync_dir, fsync_file, make_dirs, settle_dir, write_file
 from tiered.record import Message, StoredMessage
 from tiered.store import GetStatus, MessageStore, StoreUnwritableError
 
@@ -164,11 +164,7 @@ class TimerLog:
         it again (a re-read entry of the current bucket is a duplicate, skipped), so its own
         ``sync`` would never reach it before a checkpoint claims it."""
         for path in sorted(self.dir.glob("*.bucket")) + sorted(self.dir.glob("*.done")):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(path)
         fsync_dir(self.dir)
 
     def delete(self, bucket: int) -> None:

@@ -36,21 +36,12 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from lakehouse.locations import Location, is_local, local_path
-from tiered.durable import fsync_dir, make_dirs
+from tiered.durable import fsync_dir, fsync_file, make_dirs, write_file
 
 log = logging.getLogger(__name__)
 
 LOG_DIR = "_delta_log"
 QUARANTINE_DIR = "_tmq_quarantine"  # beside _delta_log; delta-rs and vacuum ignore "_" names
-
-
-def sync_file(path: str | Path) -> None:
-    """fsync the file at ``path`` (its bytes, not its name)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _version_of(name: str) -> int | None:
@@ -106,14 +97,14 @@ def settle(location: Location, since_version: int) -> None:
             for relative in _added_paths(entry):
                 data = root / relative
                 try:
-                    sync_file(data)
+                    fsync_file(data)
                 except FileNotFoundError:
                     continue  # removed by a later version and vacuumed (maintain): not needed
                 parent = data.parent
                 while parent != root and root in parent.parents:
                     dirs.add(parent)
                     parent = parent.parent
-        sync_file(entry)
+        fsync_file(entry)
     # Deepest first: a partition directory's own name is in its parent, fsynced after it.
     for directory in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
         fsync_dir(directory)
@@ -172,9 +163,7 @@ def set_aside_torn_head(location: Location) -> Path | None:
     quarantine = root / QUARANTINE_DIR
     make_dirs(quarantine)
     target = quarantine / f"{head.name}.{time.time_ns()}"
-    target.write_bytes(head.read_bytes())
-    sync_file(target)
-    fsync_dir(quarantine)
+    write_file(target, head.read_bytes())  # durable, name and all, before the head goes
     head.unlink()
     fsync_dir(log_dir)
     log.warning(

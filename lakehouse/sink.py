@@ -41,14 +41,14 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 from fsspec.implementations.local import LocalFileSystem
 
-from lakehouse.durable import ACTIONS_KEY, settle, sync_file
+from lakehouse.durable import ACTIONS_KEY, settle
 from lakehouse.locations import Location
 from lakehouse.schema import FILE_SCHEMA, PARTITION_COLUMN, TABLE_SCHEMA
 from lakehouse.source import SegmentSlice, SlicePack, read_slices
 from lakehouse.tables import LakeTable, app_id, archive_app_id, archive_version
 from lakehouse.tier import QueueRef
 from tiered.cold.storage import StorageError
-from tiered.durable import make_dirs
+from tiered.durable import fsync_file, make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class _OpenFile:
             # Durable before the driver's commit names it (decision 1270): delta-rs fsyncs
             # nothing of a local table, and a commit naming a file a power loss took back
             # makes every read of the table fail.
-            sync_file(self.local)
+            fsync_file(self.local)
         stats = {
             "numRecords": self.rows,
             "minValues": {k: _stat_value(v, False) for k, v in self.mins.items()},

@@ -34,7 +34,16 @@ def _path_lock(path: Path) -> threading.Lock:
 
 def fsync_dir(path: Path) -> None:
     """fsync the directory ``path``: the names in it (creates, renames, unlinks) are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(path: str | Path) -> None:
+    """fsync the file at ``path``, written by whoever wrote it: its bytes, not its name."""
+    _fsync_path(path, os.O_RDONLY)
+
+
+def _fsync_path(path: str | Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

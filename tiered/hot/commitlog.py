@@ -27,7 +27,7 @@ import numpy as np
 
 from tiered import failpoints
 from tiered.config import StoreConfig
-from tiered.durable import fsync_dir, make_dirs, write_file
+from tiered.durable import fsync_dir, fsync_file, make_dirs, write_file
 from tiered.formats import CQ_ENTRY_SIZE
 from tiered.hot.group_commit import GroupCommitService, new_put_lock
 from tiered.hot.index_file import ENTRY_SIZE as INDEX_ENTRY_SIZE
@@ -1059,11 +1059,7 @@ class CommitLog:
             shutil.move(str(dropped.path), target)
             # A rename within the data directory; a copy (the CommitLog directory on another
             # filesystem) is fsynced too. Either way the new name is made durable.
-            fd = os.open(target, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(target)
             fsync_dir(quarantine)
             report.quarantined.append(target)
             log.warning(
